@@ -1,0 +1,410 @@
+"""The op catalogue: one literal table from op name to its shape inference, rule and localisation.
+
+`infer` checks operands and parameters and returns the output shape, dtype and the canonical
+parameters (negative axes resolved, -1 in reshape filled), so that structurally equal graphs get
+equal plan keys. `rule` returns the valid signatures for the current input states. `localize`
+turns global parameters into the ones device d's kernel needs on its local shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+from split_state.dtypes import DTYPES, FLOAT_NAMES, INDEX_NAMES
+from split_state.errors import ShapeError, SplitError
+from split_state.layout import local_shape, pieces
+from split_state.rules import Labels, Signature, label_signatures
+from split_state.states import MIRRORED, PARTIAL, Split, State
+
+Shape = tuple[int, ...]
+Params = dict[str, Any]
+P, M = True, False
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    arity: int | None  # None: any number >= 1
+    infer: Callable[[Sequence[Shape], Sequence[str], Params], tuple[Shape, str, Params]]
+    rule: Callable[[Sequence[State], Sequence[Shape], Params, Shape], list[Signature]]
+    localize: Callable[..., Params] | None = None
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _axis(axis: Any, ndim: int, op: str) -> int:
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -ndim <= axis < max(ndim, 1):
+        raise ShapeError(f"{op}: axis {axis!r} out of range for a {ndim}-d operand")
+    return axis % ndim
+
+
+def _same_dtype(dtypes: Sequence[str], op: str) -> str:
+    if len(set(dtypes)) != 1:
+        raise ShapeError(f"{op}: operands have different dtypes {list(dtypes)}; cast one first")
+    return dtypes[0]
+
+
+def _float(dtype: str, op: str) -> str:
+    if dtype not in FLOAT_NAMES:
+        raise ShapeError(f"{op}: needs a floating dtype, got {dtype}; cast first")
+    return dtype
+
+
+def _broadcast(shapes: Sequence[Shape], op: str) -> Shape:
+    ndim = max(len(s) for s in shapes)
+    out = []
+    for i in range(ndim):
+        sizes = {s[len(s) - ndim + i] for s in shapes if len(s) - ndim + i >= 0} - {1}
+        if len(sizes) > 1:
+            raise ShapeError(f"{op}: shapes {[tuple(s) for s in shapes]} do not broadcast")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def _aligned_labels(
+    shapes: Sequence[Shape], out_shape: Shape, prefix: str = "x"
+) -> tuple[list[tuple[str, ...]], set[str]]:
+    """Right-aligned labels: an axis that broadcasts (size 1 against a larger output) gets a
+    label of its own that may not be split."""
+    labels, fixed = [], set()
+    for i, shape in enumerate(shapes):
+        offset = len(out_shape) - len(shape)
+        row = []
+        for j, size in enumerate(shape):
+            if size == out_shape[offset + j]:
+                row.append(f"{prefix}{offset + j}")
+            else:
+                row.append(f"bcast{i}_{j}")
+                fixed.add(row[-1])
+        labels.append(tuple(row))
+    return labels, fixed
+
+
+def _labels_rule(make: Callable[[Sequence[Shape], Params, Shape], Labels]):
+    def rule(states, shapes, params, out_shape):
+        return label_signatures(make(shapes, params, out_shape), states)
+
+    return rule
+
+
+def _out_labels(n: int) -> tuple[str, ...]:
+    return tuple(f"x{i}" for i in range(n))
+
+
+# -- elementwise --------------------------------------------------------------------------------
+
+
+def _infer_unary(shapes, dtypes, params):
+    return tuple(shapes[0]), dtypes[0], {}
+
+
+def _infer_unary_float(name):
+    def infer(shapes, dtypes, params):
+        return tuple(shapes[0]), _float(dtypes[0], name), {}
+
+    return infer
+
+
+def _infer_scale(shapes, dtypes, params):
+    factor = params.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        raise ShapeError(f"scale: factor must be a number, got {factor!r}")
+    return tuple(shapes[0]), _float(dtypes[0], "scale"), {"factor": float(factor)}
+
+
+def _infer_cast(shapes, dtypes, params):
+    dtype = params.get("dtype")
+    if dtype not in DTYPES:
+        raise ShapeError(f"cast: unknown dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    return tuple(shapes[0]), dtype, {"dtype": dtype}
+
+
+def _unary_rule(linear: bool):
+    def make(shapes, params, out_shape):
+        return Labels((_out_labels(len(out_shape)),), _out_labels(len(out_shape)), partial=((P,),) if linear else ())
+
+    return _labels_rule(make)
+
+
+def _infer_binary(name):
+    def infer(shapes, dtypes, params):
+        return _broadcast(shapes, name), _same_dtype(dtypes, name), {}
+
+    return infer
+
+
+def _binary_rule(partial: tuple[tuple[bool, ...], ...]):
+    def make(shapes, params, out_shape):
+        labels, fixed = _aligned_labels(shapes, out_shape)
+        return Labels(tuple(labels), _out_labels(len(out_shape)), frozenset(fixed), partial)
+
+    return _labels_rule(make)
+
+
+# -- per-axis and reductions --------------------------------------------------------------------
+
+
+def _infer_along_axis(name, with_eps: bool):
+    def infer(shapes, dtypes, params):
+        shape = tuple(shapes[0])
+        canon = {"axis": _axis(params.get("axis", -1), len(shape), name)}
+        if with_eps:
+            eps = params.get("eps", 1e-5)
+            if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+                raise ShapeError(f"{name}: eps must be a non-negative number, got {eps!r}")
+            canon["eps"] = float(eps)
+        return shape, _float(dtypes[0], name), canon
+
+    return infer
+
+
+def _along_axis_rule(shapes, params, out_shape):
+    labels = _out_labels(len(out_shape))
+    return Labels((labels,), labels, frozenset({labels[params["axis"]]}))
+
+
+def _infer_reduce(name):
+    def infer(shapes, dtypes, params):
+        shape = tuple(shapes[0])
+        axis = _axis(params.get("axis"), len(shape), name)
+        keepdims = bool(params.get("keepdims", False))
+        out = shape[:axis] + ((1,) if keepdims else ()) + shape[axis + 1 :]
+        canon = {"axis": axis, "keepdims": keepdims}
+        if name == "mean":
+            _float(dtypes[0], name)
+            canon["count"] = shape[axis]  # the global count: a local sum / count sums to the mean
+        return out, dtypes[0], canon
+
+    return infer
+
+
+def _reduce_rule(shapes, params, out_shape):
+    axis, keep = params["axis"], params["keepdims"]
+    src = _out_labels(len(shapes[0]))
+    src = src[:axis] + ("reduced",) + src[axis + 1 :]
+    out = src[:axis] + (("kept",) if keep else ()) + src[axis + 1 :]
+    return Labels((src,), out, frozenset({"kept"}), ((P,),))
+
+
+# -- matmul -------------------------------------------------------------------------------------
+
+
+def _infer_matmul(shapes, dtypes, params):
+    a, b = (tuple(s) for s in shapes)
+    if len(a) < 2 or len(b) < 2:
+        raise ShapeError(f"matmul: operands need >= 2 axes, got {a} and {b}; reshape vectors to (1, n) or (n, 1)")
+    if a[-1] != b[-2]:
+        raise ShapeError(f"matmul: contracting sizes differ: {a} @ {b} ({a[-1]} != {b[-2]})")
+    batch = _broadcast([a[:-2], b[:-2]], "matmul") if (a[:-2] or b[:-2]) else ()
+    dtype = _same_dtype(dtypes, "matmul")
+    if dtype == "bool":
+        raise ShapeError("matmul: bool operands are not supported; cast first")
+    return batch + (a[-2], b[-1]), dtype, {}
+
+
+def _matmul_labels(shapes, params, out_shape):
+    # einsum "...mk,...kn->...mn": the batch labels broadcast like an elementwise op.
+    a, b = shapes
+    batch = out_shape[:-2]
+    (la, lb), fixed = _aligned_labels([a[:-2], b[:-2]], batch, prefix="batch")
+    out = tuple(f"batch{i}" for i in range(len(batch)))
+    return Labels((la + ("m", "k"), lb + ("k", "n")), out + ("m", "n"), frozenset(fixed), ((P, M), (M, P)))
+
+
+# -- shape ops ----------------------------------------------------------------------------------
+
+
+def _infer_reshape(shapes, dtypes, params):
+    src = tuple(shapes[0])
+    target = params.get("shape")
+    if not isinstance(target, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in target):
+        raise ShapeError(f"reshape: shape must be a sequence of ints, got {target!r}")
+    target = list(target)
+    if target.count(-1) > 1 or any(s < -1 for s in target):
+        raise ShapeError(f"reshape: bad target shape {tuple(target)}")
+    if -1 in target:
+        known = prod(s for s in target if s != -1)
+        if known == 0 or prod(src) % known:
+            raise ShapeError(f"reshape: cannot infer -1 in {tuple(target)} from {src}")
+        target[target.index(-1)] = prod(src) // known
+    if prod(target) != prod(src):
+        raise ShapeError(f"reshape: {src} ({prod(src)} elements) cannot become {tuple(target)}")
+    return tuple(target), dtypes[0], {"shape": tuple(target)}
+
+
+def reshape_split(state: Split, src: Shape, dst: Shape) -> Split | None:
+    """The split of the reshaped tensor when every device's local data stays a contiguous
+    row-major block of the same form, or None when it cannot be expressed."""
+    a = state.axis
+    outer = prod(src[:a])
+    for b in range(len(dst) + 1):
+        if prod(dst[:b]) != outer or b == len(dst):
+            continue
+        # the split axis becomes several output axes b..c (split goes to the outermost)
+        for c in range(b, len(dst)):
+            if prod(dst[b : c + 1]) == src[a]:
+                try:
+                    return Split(b, state.scaled(1, prod(dst[b + 1 : c + 1])).segments)
+                except SplitError:
+                    break
+        # several input axes a..e merge into output axis b
+        for e in range(a + 1, len(src)):
+            if prod(src[a : e + 1]) == dst[b]:
+                return Split(b, state.scaled(prod(src[a + 1 : e + 1])).segments)
+    return None
+
+
+def _reshape_rule(states, shapes, params, out_shape):
+    (st,), (src,) = states, shapes
+    sigs = []
+    if isinstance(st, Split):
+        mapped = reshape_split(st, tuple(src), tuple(params["shape"]))
+        if mapped is not None:
+            sigs.append(Signature((st,), mapped))
+    return sigs + [Signature((PARTIAL,), PARTIAL), Signature((MIRRORED,), MIRRORED)]
+
+
+def _localize_reshape(params, in_states, in_shapes, out_state, out_shape, n, d):
+    return {"shape": local_shape(out_state, out_shape, n, d)}
+
+
+def _infer_transpose(shapes, dtypes, params):
+    shape = tuple(shapes[0])
+    axes = params.get("axes")
+    axes = tuple(reversed(range(len(shape)))) if axes is None else tuple(axes)
+    if sorted(a % max(len(shape), 1) if isinstance(a, int) else -1 for a in axes) != list(range(len(shape))):
+        raise ShapeError(f"transpose: axes {axes} are not a permutation of {len(shape)} axes")
+    axes = tuple(a % len(shape) for a in axes)
+    return tuple(shape[a] for a in axes), dtypes[0], {"axes": axes}
+
+
+def _transpose_labels(shapes, params, out_shape):
+    src = _out_labels(len(shapes[0]))
+    return Labels((src,), tuple(src[a] for a in params["axes"]), partial=((P,),))
+
+
+def _infer_concat(shapes, dtypes, params):
+    first = tuple(shapes[0])
+    axis = _axis(params.get("axis", 0), len(first), "concat")
+    for s in shapes:
+        if len(s) != len(first) or any(x != y for i, (x, y) in enumerate(zip(s, first)) if i != axis):
+            raise ShapeError(f"concat: shapes {[tuple(x) for x in shapes]} differ off axis {axis}")
+    out = first[:axis] + (sum(s[axis] for s in shapes),) + first[axis + 1 :]
+    return out, _same_dtype(dtypes, "concat"), {"axis": axis}
+
+
+def _concat_labels(shapes, params, out_shape):
+    axis = params["axis"]
+    rows = []
+    for i in range(len(shapes)):
+        row = list(_out_labels(len(out_shape)))
+        row[axis] = f"cat{i}"
+        rows.append(tuple(row))
+    out = list(_out_labels(len(out_shape)))
+    out[axis] = "cat"
+    fixed = frozenset(f"cat{i}" for i in range(len(shapes))) | {"cat"}
+    return Labels(tuple(rows), tuple(out), fixed, ((P,) * len(shapes),))
+
+
+def _infer_slice(shapes, dtypes, params):
+    shape = tuple(shapes[0])
+    axis = _axis(params.get("axis", 0), len(shape), "slice")
+    start, stop = params.get("start", 0), params.get("stop", shape[axis])
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop)):
+        raise ShapeError(f"slice: start and stop must be ints, got {start!r}, {stop!r}")
+    start, stop, _ = slice(start, stop).indices(shape[axis])
+    stop = max(stop, start)
+    return shape[:axis] + (stop - start,) + shape[axis + 1 :], dtypes[0], {"axis": axis, "start": start, "stop": stop}
+
+
+def _slice_labels(shapes, params, out_shape):
+    src = list(_out_labels(len(out_shape)))
+    out = list(src)
+    src[params["axis"]], out[params["axis"]] = "sliced_in", "sliced_out"
+    return Labels((tuple(src),), tuple(out), frozenset({"sliced_in", "sliced_out"}), ((P,),))
+
+
+def _infer_get_rows(shapes, dtypes, params):
+    table, ids = (tuple(s) for s in shapes)
+    if len(table) != 2:
+        raise ShapeError(f"get_rows: the table must be 2-d (rows, width), got {table}")
+    if dtypes[1] not in INDEX_NAMES:
+        raise ShapeError(f"get_rows: ids must be integers, got {dtypes[1]}")
+    return ids + (table[1],), dtypes[0], {"rows": table[0]}
+
+
+def _get_rows_labels(shapes, params, out_shape):
+    # a table split on rows gives Partial: each row comes from one device, zeros elsewhere
+    ids = tuple(f"i{k}" for k in range(len(shapes[1])))
+    return Labels((("rows", "width"), ids), ids + ("width",), partial=((P, M),))
+
+
+def _localize_get_rows(params, in_states, in_shapes, out_state, out_shape, n, d):
+    table = in_states[0]
+    if isinstance(table, Split) and table.axis == 0:
+        spans = [(p.global_start, p.global_stop, p.local_start) for p in pieces(table, in_shapes[0], n, d)]
+    else:
+        spans = [(0, in_shapes[0][0], 0)]
+    return {"rows": params["rows"], "spans": spans}
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+_LINEAR_UNARY = _unary_rule(linear=True)
+_NONLINEAR_UNARY = _unary_rule(linear=False)
+
+OPS: dict[str, OpSpec] = {
+    "matmul": OpSpec("matmul", 2, _infer_matmul, _labels_rule(_matmul_labels)),
+    "add": OpSpec("add", 2, _infer_binary("add"), _binary_rule(((P, P),))),
+    "sub": OpSpec("sub", 2, _infer_binary("sub"), _binary_rule(((P, P),))),
+    "mul": OpSpec("mul", 2, _infer_binary("mul"), _binary_rule(((P, M), (M, P)))),
+    "div": OpSpec("div", 2, _infer_binary("div"), _binary_rule(((P, M),))),
+    "scale": OpSpec("scale", 1, _infer_scale, _LINEAR_UNARY),
+    "neg": OpSpec("neg", 1, _infer_unary, _LINEAR_UNARY),
+    "gelu": OpSpec("gelu", 1, _infer_unary_float("gelu"), _NONLINEAR_UNARY),
+    "gelu_erf": OpSpec("gelu_erf", 1, _infer_unary_float("gelu_erf"), _NONLINEAR_UNARY),
+    "silu": OpSpec("silu", 1, _infer_unary_float("silu"), _NONLINEAR_UNARY),
+    "relu": OpSpec("relu", 1, _infer_unary, _NONLINEAR_UNARY),
+    "exp": OpSpec("exp", 1, _infer_unary_float("exp"), _NONLINEAR_UNARY),
+    "tanh": OpSpec("tanh", 1, _infer_unary_float("tanh"), _NONLINEAR_UNARY),
+    "cast": OpSpec("cast", 1, _infer_cast, _NONLINEAR_UNARY),
+    "softmax": OpSpec("softmax", 1, _infer_along_axis("softmax", False), _labels_rule(_along_axis_rule)),
+    "rms_norm": OpSpec("rms_norm", 1, _infer_along_axis("rms_norm", True), _labels_rule(_along_axis_rule)),
+    "layer_norm": OpSpec("layer_norm", 1, _infer_along_axis("layer_norm", True), _labels_rule(_along_axis_rule)),
+    "sum": OpSpec("sum", 1, _infer_reduce("sum"), _labels_rule(_reduce_rule)),
+    "mean": OpSpec("mean", 1, _infer_reduce("mean"), _labels_rule(_reduce_rule)),
+    "reshape": OpSpec("reshape", 1, _infer_reshape, _reshape_rule, _localize_reshape),
+    "transpose": OpSpec("transpose", 1, _infer_transpose, _labels_rule(_transpose_labels)),
+    "concat": OpSpec("concat", None, _infer_concat, _labels_rule(_concat_labels)),
+    "slice": OpSpec("slice", 1, _infer_slice, _labels_rule(_slice_labels)),
+    "get_rows": OpSpec("get_rows", 2, _infer_get_rows, _labels_rule(_get_rows_labels), _localize_get_rows),
+}
+
+
+def spec(name: str) -> OpSpec:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise ShapeError(f"unknown op {name!r}; known ops: {', '.join(OPS)}") from None
+
+
+def infer(name: str, shapes: Sequence[Shape], dtypes: Sequence[str], params: Params) -> tuple[Shape, str, Params]:
+    op = spec(name)
+    if (op.arity is not None and len(shapes) != op.arity) or not shapes:
+        raise ShapeError(f"{name}: takes {op.arity or 'one or more'} operands, got {len(shapes)}")
+    return op.infer([tuple(s) for s in shapes], list(dtypes), dict(params))
+
+
+def signatures(
+    name: str, states: Sequence[State], shapes: Sequence[Shape], params: Params, out_shape: Shape
+) -> list[Signature]:
+    return spec(name).rule(list(states), [tuple(s) for s in shapes], params, tuple(out_shape))
+
+
+def localize(name: str, params: Params, in_states, in_shapes, out_state, out_shape, n: int, device: int) -> Params:
+    fn = spec(name).localize
+    return params if fn is None else fn(params, in_states, in_shapes, out_state, out_shape, n, device)

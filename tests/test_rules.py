@@ -1,0 +1,99 @@
+"""Every signature every rule offers is checked against the single-device NumPy result."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from split_state import OPS, PARTIAL, Split, dtype_from_name, gather, local_shape, scatter
+from split_state.kernels import KERNELS
+from split_state.ops import infer, localize, signatures
+from split_state.rules import choose
+from split_state.states import MIRRORED
+from tests.op_cases import op_case, operand
+from tests.strategies import state_for
+
+
+def test_every_op_has_a_rule_and_a_kernel():
+    assert set(OPS) == set(KERNELS)
+    for name, op in OPS.items():
+        assert op.rule is not None and op.infer is not None, name
+
+
+def partial_parts(rng, x: np.ndarray, n: int) -> list[np.ndarray]:
+    """A random decomposition into n addends, so Partial inputs are not just 'all on device 0'."""
+    if n == 1 or not np.issubdtype(x.dtype, np.floating):
+        return scatter(x, PARTIAL, n)
+    parts = [rng.standard_normal(x.shape).astype(x.dtype) for _ in range(n - 1)]
+    last = x.astype(np.float64) - sum(p.astype(np.float64) for p in parts)
+    return parts + [last.astype(x.dtype)]
+
+
+def run_signature(name, arrays, params, out_shape, sig, n, rng):
+    shapes = [a.shape for a in arrays]
+    per_input = [
+        partial_parts(rng, a, n) if state == PARTIAL else scatter(a, state, n) for a, state in zip(arrays, sig.inputs)
+    ]
+    outs = []
+    for d in range(n):
+        local_params = localize(name, params, sig.inputs, shapes, sig.output, out_shape, n, d)
+        out = KERNELS[name](np, [locals_[d] for locals_ in per_input], local_params)
+        assert out.shape == local_shape(sig.output, out_shape, n, d), (name, str(sig), d)
+        outs.append(out)
+    return gather(outs, sig.output, check_mirrored=True)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), n=st.integers(1, 5))
+def test_rule_signatures_agree_with_numpy(name, data, n):
+    shapes, dtypes, params = data.draw(op_case(name))
+    out_shape, out_dtype, params = infer(name, shapes, dtypes, params)
+    rng = np.random.default_rng(0)
+    hint = dict(params, rows_hint=shapes[0][0] if name == "get_rows" else 0)
+    arrays = [operand(rng, name, i, s, dtype_from_name(t), hint) for i, (s, t) in enumerate(zip(shapes, dtypes))]
+    expected = KERNELS[name](np, arrays, params)
+    assert expected.shape == out_shape and expected.dtype == dtype_from_name(out_dtype)
+    states = [data.draw(state_for(s, n)) for s in shapes]
+    sigs = signatures(name, states, shapes, params, out_shape)
+    assert sigs and sigs[-1].inputs == (MIRRORED,) * len(shapes), "the all-Mirrored fallback is always offered"
+    for sig in sigs:
+        got = run_signature(name, arrays, params, out_shape, sig, n, rng)
+        assert got.dtype == expected.dtype
+        if np.issubdtype(expected.dtype, np.floating):
+            tol = 1e-2 if expected.dtype == np.float16 else 1e-4
+            np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, err_msg=f"{name} {sig}")
+        else:
+            np.testing.assert_array_equal(got, expected, err_msg=f"{name} {sig}")
+    chosen, cost = choose(sigs, states, shapes, [4] * len(shapes), n)
+    assert chosen in sigs and cost >= 0
+
+
+def test_matmul_contracting_split_gives_partial_and_free_split_is_kept():
+    a, b = (6, 4), (4, 8)
+    k = Split.even(1, 4, 2)
+    sigs = signatures("matmul", [k, MIRRORED], [a, b], {}, (6, 8))
+    assert sigs[0].inputs == (k, k.with_axis(0)) and sigs[0].output == PARTIAL
+    col = Split.even(1, 8, 2)
+    sigs = signatures("matmul", [MIRRORED, col], [a, b], {}, (6, 8))
+    assert sigs[0].output == col
+
+
+def test_partial_plus_mirrored_is_never_partial_directly():
+    sigs = signatures("add", [PARTIAL, MIRRORED], [(3,), (3,)], {}, (3,))
+    assert all(not (s.inputs == (PARTIAL, MIRRORED) and s.output == PARTIAL) for s in sigs)
+    # the planner turns the Mirrored operand into Partial for free instead of reducing
+    chosen, cost = choose(sigs, [PARTIAL, MIRRORED], [(3,), (3,)], [4, 4], 2)
+    assert chosen.inputs == (PARTIAL, PARTIAL) and cost == 0
+
+
+def test_nonlinear_op_forces_the_reduction():
+    sigs = signatures("gelu", [PARTIAL], [(4,)], {}, (4,))
+    assert all(s.inputs != (PARTIAL,) for s in sigs)
+
+
+def test_reshape_carries_a_head_split():
+    # (tokens, heads*dim) split by whole heads -> (tokens, heads, dim) split on heads
+    st_in = Split.even(1, 12 * 4, 5, granularity=4)
+    sigs = signatures("reshape", [st_in], [(3, 48)], {"shape": (3, 12, 4)}, (3, 12, 4))
+    assert sigs[0].output == Split(1, ((3, 3, 2, 2, 2),))
