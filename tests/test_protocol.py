@@ -1,0 +1,111 @@
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from split_state import DTYPES, MIRRORED, PARTIAL, ProtocolError, Split
+from transport import protocol as p
+
+
+def round_trip(message, limits=p.DEFAULT_LIMITS):
+    frames = p.encode(message, request_id=41, limits=limits)
+    frames = [bytes(f) for f in frames]  # as if received
+    decoded, rid = p.decode(frames, limits)
+    assert rid == 41
+    return decoded
+
+
+EXAMPLES = [
+    p.Hello(rank=1, pid=123, backend="cpu", device="cpu:1", memory_total=10, memory_free=5, data_endpoint="ipc://x"),
+    p.Configure(world_size=3, peers=["ipc://a", "ipc://b", "ipc://c"], collective="zmq", nccl_id=b"\x00\x01"),
+    p.Get(tensor=7),
+    p.Free(tensors=[1, 2, 3]),
+    p.LoadProgram(
+        program=5,
+        steps=[
+            p.OpStep("matmul", (0, 1), 2, {"spans": ((0, 3, 0),), "eps": 1e-5, "name": "x"}, (4, 2), "float32"),
+            p.MoveStep(2, 3, PARTIAL, Split(0, ((2, 2),)), (4, 2), "float32"),
+            p.MoveStep(3, 4, Split(0, ((2, 2),)), MIRRORED, (4, 2), "bfloat16"),
+            p.FreeStep((2, 3)),
+        ],
+    ),
+    p.RunProgram(program=5, inputs=[[0, 10], [1, 11]], outputs=[[4, 12]]),
+    p.Ok(info={"a": 1, "b": (1.5, "x"), "c": None}),
+    p.Error(kind="OutOfMemory", message="too big", traceback="Traceback..."),
+    p.Heartbeat(rank=2),
+    p.Shutdown(),
+    p.Stats(),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message):
+    assert round_trip(message) == message
+
+
+def test_every_message_type_has_an_example():
+    assert {type(m) for m in EXAMPLES} | {p.Put, p.Tensor} == set(p._REGISTRY.values())
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (2, 3, 4)])
+def test_arrays_of_every_dtype_and_shape_round_trip(dtype, shape):
+    x = (np.arange(int(np.prod(shape))) % 7).astype(DTYPES[dtype]).reshape(shape)
+    got = round_trip(p.Put(1, MIRRORED, shape, x))
+    assert got.array.dtype == x.dtype and got.array.shape == x.shape
+    assert np.array_equal(got.array.view(np.uint8), x.view(np.uint8)) if shape else got.array == x
+
+
+def test_non_contiguous_arrays_are_made_contiguous():
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2].T
+    got = round_trip(p.Tensor(3, x))
+    assert np.array_equal(got.array, x)
+
+
+def test_arrays_above_the_chunk_size_are_split_and_reassembled():
+    limits = p.Limits(chunk_bytes=1000)
+    x = np.random.default_rng(0).standard_normal(2600).astype(np.float32)  # 10400 bytes -> 11 chunks
+    frames = p.encode(p.Tensor(1, x), limits=limits)
+    assert len(frames) == 12 and all(memoryview(f).nbytes <= 1000 for f in frames[1:])
+    got, _ = p.decode([bytes(f) for f in frames], limits)
+    assert np.array_equal(got.array, x)
+
+
+def test_single_frame_arrays_are_received_without_a_copy():
+    x = np.arange(1000, dtype=np.float64)
+    frames = p.encode(p.Tensor(1, x))
+    payload = bytearray(frames[1])
+    got, _ = p.decode([frames[0], payload])
+    payload[0:8] = np.float64(99).tobytes()
+    assert got.array[0] == 99  # the array views the frame
+
+
+@settings(max_examples=500, deadline=None)
+@given(frames=st.lists(st.binary(max_size=200), min_size=0, max_size=4))
+def test_random_bytes_only_ever_raise_protocol_error(frames):
+    try:
+        p.decode(frames)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    header=st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats()
+        | st.text(max_size=5)
+        | st.binary(max_size=5),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=4),
+        max_leaves=20,
+    )
+)
+def test_random_msgpack_headers_only_ever_raise_protocol_error(header):
+    for frames in ([msgpack.packb(header)], [msgpack.packb({"v": 1, "t": 3, "id": 0, "f": header, "a": []})]):
+        try:
+            p.decode(frames)
+        except ProtocolError:
+            pass

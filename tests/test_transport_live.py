@@ -1,0 +1,147 @@
+"""Malformed and hostile messages against a live receiver; CURVE authentication."""
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from split_state import MIRRORED, DeadlineExceeded, TransportError
+from tests.transport_helpers import live_receiver
+from transport import protocol as p
+from transport.deadline import Deadline
+from transport.sockets import CurveKeys, Security, curve_client, dealer, recv_frames, send
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def header(t=p.MsgType.GET, fields=None, arrays=None, **over):
+    h = {
+        "v": 1,
+        "t": t if isinstance(t, str) else int(t),
+        "id": 9,
+        "f": {"tensor": 1} if fields is None else fields,
+        "a": arrays or [],
+    }
+    h.update(over)
+    return msgpack.packb(h)
+
+
+PUT_FIELDS = {"tensor": 1, "state": ["M"], "shape": [2]}
+F32x2 = np.zeros(2, np.float32).tobytes()
+
+MALFORMED = {
+    "empty header": [b""],
+    "not msgpack": [b"\xc1\xc1"],
+    "header is a list": [msgpack.packb([1, 2, 3])],
+    "wrong version": [header(v=99)],
+    "missing version": [msgpack.packb({"t": 4, "id": 0, "f": {}, "a": []})],
+    "unknown type": [header(t=99)],
+    "type is a string": [header(t="GET")],
+    "id is a string": [header(id="x")],
+    "missing field": [header(fields={})],
+    "extra field": [header(fields={"tensor": 1, "evil": 2})],
+    "field of wrong type": [header(fields={"tensor": "one"})],
+    "bool where int expected": [header(fields={"tensor": True})],
+    "bogus dtype": [header(p.MsgType.PUT, PUT_FIELDS, [["complex64", [2], 1]]), F32x2],
+    "dtype not a string": [header(p.MsgType.PUT, PUT_FIELDS, [[7, [2], 1]]), F32x2],
+    "lying shape": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [10], 1]]), F32x2],
+    "negative dimension": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [-2], 1]]), F32x2],
+    "giant declared size": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2**40, 2**40], 1]]), F32x2],
+    "too many dimensions": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [1] * 40, 1]]), F32x2],
+    "truncated frames": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2], 2]]), F32x2[:4]],
+    "extra frames": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2], 1]]), F32x2, b"junk"],
+    "zero frame count": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2], 0]])],
+    "huge frame count": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2], 10**6]]), F32x2],
+    "descriptor not a list": [header(p.MsgType.PUT, PUT_FIELDS, ["float32"]), F32x2],
+    "missing array": [header(p.MsgType.PUT, PUT_FIELDS, [])],
+    "msgpack bomb (declared 4G-entry array)": [b"\xdd\xff\xff\xff\xff\x00"],
+    "msgpack bomb (declared 4 GiB string)": [b"\xdb\xff\xff\xff\xff"],
+    "oversized header": [msgpack.packb({"v": 1, "pad": "x" * (2 << 20)})],
+    "integer map keys": [msgpack.packb({1: 2})],
+    "bad split state": [header(p.MsgType.PUT, dict(PUT_FIELDS, state=["S", 0, [[1.5]]]), [["float32", [2], 1]]), F32x2],
+    "malformed program step": [header(p.MsgType.LOAD_PROGRAM, {"program": 1, "steps": [["op", "add"]]})],
+    "deeply nested params": [
+        header(
+            p.MsgType.LOAD_PROGRAM,
+            {"program": 1, "steps": [["op", "add", [0], 1, {"x": [[[[[[[[[[[1]]]]]]]]]]]}, [1], "float32"]]},
+        )
+    ],
+    "no frames at all": [],
+}
+
+
+def ask(sock, frames, seconds=5.0):
+    sock.send_multipart(frames)
+    return p.decode(recv_frames(sock, Deadline(seconds)))[0]
+
+
+def test_table_has_at_least_25_cases():
+    assert len(MALFORMED) >= 25
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_message_gets_protocol_error_and_receiver_keeps_serving(name):
+    with live_receiver() as (ctx, endpoint):
+        sock = dealer(ctx, endpoint, b"client", Security(ctx, None))
+        try:
+            frames = MALFORMED[name]
+            if frames:
+                reply = ask(sock, frames)
+                assert isinstance(reply, p.Error) and reply.kind == "ProtocolError", reply
+                assert reply.message
+            # the receiver is still up and serves a valid request right after
+            send(sock, p.Get(tensor=3), request_id=1)
+            reply, rid = p.decode(recv_frames(sock, Deadline(5)))
+            assert isinstance(reply, p.Tensor) and reply.tensor == 3 and rid == 1
+        finally:
+            sock.close(0)
+
+
+def test_valid_put_is_served():
+    with live_receiver() as (ctx, endpoint):
+        sock = dealer(ctx, endpoint, b"client", Security(ctx, None))
+        try:
+            send(sock, p.Put(1, MIRRORED, (3,), np.ones(3, np.float64)))
+            reply, _ = p.decode(recv_frames(sock, Deadline(5)))
+            assert reply == p.Ok({"bytes": 24})
+        finally:
+            sock.close(0)
+
+
+def plain_dealer(ctx, endpoint, keys=None):
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.sndtimeo = 1000
+    if keys is not None:
+        curve_client(sock, keys)
+    sock.connect(endpoint)
+    return sock
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_curve_admits_only_holders_of_the_key(transport):
+    keys = CurveKeys.generate()
+    endpoint = "tcp://127.0.0.1:0" if transport == "tcp" else None
+    with live_receiver(keys, endpoint) as (ctx, bound):
+        with_key = plain_dealer(ctx, bound, keys)
+        no_key = plain_dealer(ctx, bound)
+        wrong_key = plain_dealer(ctx, bound, CurveKeys(keys.public, CurveKeys.generate().secret))
+        try:
+            send(with_key, p.Get(tensor=5))
+            reply, _ = p.decode(recv_frames(with_key, Deadline(5)))
+            assert isinstance(reply, p.Tensor)
+            for sock in (no_key, wrong_key):
+                # the handshake fails: the send times out (no peer) or the reply never comes
+                with pytest.raises((DeadlineExceeded, TransportError)):
+                    send(sock, p.Get(tensor=5))
+                    recv_frames(sock, Deadline(1.0))
+        finally:
+            for s in (with_key, no_key, wrong_key):
+                s.close(0)
+
+
+def test_key_files_round_trip(tmp_path):
+    keys = CurveKeys.generate()
+    keys.save(tmp_path / "cluster.key")
+    assert CurveKeys.load(tmp_path / "cluster.key") == keys
+    assert (tmp_path / "cluster.key").stat().st_mode & 0o777 == 0o600

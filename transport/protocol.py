@@ -1,0 +1,544 @@
+"""The wire protocol: the only place message shapes exist.
+
+A message is a msgpack header frame followed by raw buffer frames. The header is a map:
+    {"v": version, "t": type, "id": request id, "f": {field: value}, "a": [[dtype, shape, n_frames], ...]}
+Arrays travel as raw frames (split into chunks of at most `Limits.chunk_bytes`), in the order the
+message's array fields are declared. Nothing is pickled. `decode` checks everything and raises
+ProtocolError; it never returns a half-valid message.
+"""
+
+from __future__ import annotations
+
+import enum
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from math import prod
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from split_state.dtypes import dtype_from_name, dtype_name
+from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
+from split_state.states import State, decode_state, encode_state
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps applied when decoding; a peer cannot make us allocate past them."""
+
+    header_bytes: int = 1 << 20
+    array_bytes: int = 1 << 34
+    chunk_bytes: int = 16 << 20
+    copy_threshold: int = 64 << 10  # frames smaller than this are copied (cheaper than tracking)
+    max_arrays: int = 4096
+    max_ndim: int = 32
+    max_items: int = 1 << 16  # entries of any msgpack array or map in a header
+    max_depth: int = 8
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    CONFIGURE = 2
+    PUT = 3
+    GET = 4
+    FREE = 5
+    LOAD_PROGRAM = 6
+    RUN_PROGRAM = 7
+    TENSOR = 8
+    OK = 9
+    ERROR = 10
+    HEARTBEAT = 11
+    SHUTDOWN = 12
+    STATS = 13
+
+
+# -- program steps ------------------------------------------------------------------------------
+
+Shape = tuple[int, ...]
+Params = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class OpStep:
+    """Run a local kernel: slots `inputs` -> slot `output` of local shape `shape`."""
+
+    op: str
+    inputs: tuple[int, ...]
+    output: int
+    params: Params
+    shape: Shape
+    dtype: str
+
+
+@dataclass(frozen=True)
+class MoveStep:
+    """Redistribute slot `input` (global `shape`) from state `src` to `dst` into slot `output`."""
+
+    input: int
+    output: int
+    src: State
+    dst: State
+    shape: Shape
+    dtype: str
+
+
+@dataclass(frozen=True)
+class FreeStep:
+    slots: tuple[int, ...]
+
+
+Step = OpStep | MoveStep | FreeStep
+
+
+# -- messages -----------------------------------------------------------------------------------
+
+_REGISTRY: dict[MsgType, type] = {}
+
+
+def _message(kind: MsgType) -> Callable[[type], type]:
+    def register(cls: type) -> type:
+        cls.KIND = kind
+        _REGISTRY[kind] = cls
+        return cls
+
+    return register
+
+
+@_message(MsgType.HELLO)
+@dataclass(frozen=True)
+class Hello:
+    rank: int
+    pid: int
+    backend: str
+    device: str
+    memory_total: int
+    memory_free: int
+    data_endpoint: str
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.CONFIGURE)
+@dataclass(frozen=True)
+class Configure:
+    world_size: int
+    peers: list[str]  # data endpoints by rank
+    collective: str  # "zmq", "shm" or "nccl"
+    nccl_id: bytes = b""
+    memory_budget: int = 0  # bytes; 0 keeps the worker's default
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.PUT)
+@dataclass(frozen=True)
+class Put:
+    tensor: int
+    state: State
+    shape: Shape  # global shape
+    array: np.ndarray  # this worker's local slice
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.GET)
+@dataclass(frozen=True)
+class Get:
+    tensor: int
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.FREE)
+@dataclass(frozen=True)
+class Free:
+    tensors: list[int]
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.LOAD_PROGRAM)
+@dataclass(frozen=True)
+class LoadProgram:
+    program: int
+    steps: list[Step]
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.RUN_PROGRAM)
+@dataclass(frozen=True)
+class RunProgram:
+    program: int
+    inputs: list[list[int]]  # [slot, tensor id] pairs read from the store
+    outputs: list[list[int]]  # [slot, tensor id] pairs written to the store
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.TENSOR)
+@dataclass(frozen=True)
+class Tensor:
+    tensor: int
+    array: np.ndarray
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.OK)
+@dataclass(frozen=True)
+class Ok:
+    info: Params = field(default_factory=dict)
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.ERROR)
+@dataclass(frozen=True)
+class Error:
+    kind: str  # the exception class name, e.g. "ProtocolError", "OutOfMemory"
+    message: str
+    traceback: str = ""
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.HEARTBEAT)
+@dataclass(frozen=True)
+class Heartbeat:
+    rank: int
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.SHUTDOWN)
+@dataclass(frozen=True)
+class Shutdown:
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.STATS)
+@dataclass(frozen=True)
+class Stats:
+    KIND: ClassVar[MsgType]
+
+
+Message = (
+    Hello | Configure | Put | Get | Free | LoadProgram | RunProgram | Tensor | Ok | Error | Heartbeat | Shutdown | Stats
+)
+
+
+# -- field codecs -------------------------------------------------------------------------------
+
+
+def _fail(what: str) -> typing.NoReturn:
+    raise ProtocolError(what)
+
+
+def _int(v: Any, name: str) -> int:
+    if type(v) is not int:
+        _fail(f"field {name!r} must be an int, got {type(v).__name__}")
+    return v
+
+
+def _str(v: Any, name: str) -> str:
+    if not isinstance(v, str):
+        _fail(f"field {name!r} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _bytes(v: Any, name: str) -> bytes:
+    if not isinstance(v, bytes):
+        _fail(f"field {name!r} must be bytes, got {type(v).__name__}")
+    return v
+
+
+def _list(item: Callable[[Any, str], Any]) -> Callable[[Any, str], list]:
+    def check(v: Any, name: str) -> list:
+        if not isinstance(v, list):
+            _fail(f"field {name!r} must be a list, got {type(v).__name__}")
+        return [item(x, name) for x in v]
+
+    return check
+
+
+def _shape(v: Any, name: str) -> Shape:
+    dims = _list(_int)(v, name)
+    if any(d < 0 for d in dims):
+        _fail(f"field {name!r} has a negative dimension: {dims}")
+    return tuple(dims)
+
+
+def _state(v: Any, name: str) -> State:
+    try:
+        return decode_state(v)
+    except SplitError as exc:
+        _fail(f"field {name!r}: {exc}")
+
+
+def _params(v: Any, name: str) -> Params:
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        _fail(f"field {name!r} must be a map with string keys")
+    _check_plain(v, name, 0)
+    return {k: _freeze(x) for k, x in v.items()}
+
+
+def _check_plain(v: Any, name: str, depth: int) -> None:
+    if depth > DEFAULT_LIMITS.max_depth:
+        _fail(f"field {name!r} nests deeper than {DEFAULT_LIMITS.max_depth}")
+    if isinstance(v, (list, tuple)):
+        for x in v:
+            _check_plain(x, name, depth + 1)
+    elif isinstance(v, dict):
+        for x in v.values():
+            _check_plain(x, name, depth + 1)
+    elif not (v is None or isinstance(v, (bool, int, float, str))):
+        _fail(f"field {name!r} holds a {type(v).__name__}, not a plain value")
+
+
+def _freeze(v: Any) -> Any:
+    """Lists in parameters become tuples so parameters compare and hash like the sender's."""
+    return tuple(_freeze(x) for x in v) if isinstance(v, list) else v
+
+
+def _thaw(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return [_thaw(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _thaw(x) for k, x in v.items()}
+    if isinstance(v, (np.integer, np.floating)):
+        return v.item()
+    return v
+
+
+_STEP_TAGS = {OpStep: "op", MoveStep: "move", FreeStep: "free"}
+
+
+def _encode_step(step: Step) -> list:
+    if isinstance(step, OpStep):
+        return ["op", step.op, list(step.inputs), step.output, _thaw(step.params), list(step.shape), step.dtype]
+    if isinstance(step, MoveStep):
+        s, d = encode_state(step.src), encode_state(step.dst)
+        return ["move", step.input, step.output, s, d, list(step.shape), step.dtype]
+    return ["free", list(step.slots)]
+
+
+def _dtype_field(v: Any, name: str) -> str:
+    try:
+        dtype_from_name(v)
+    except UnsupportedDtype as exc:
+        _fail(f"field {name!r}: {exc}")
+    return v
+
+
+def _step(v: Any, name: str) -> Step:
+    if not isinstance(v, list) or not v:
+        _fail(f"{name}: a step must be a non-empty list")
+    tag, rest = v[0], v[1:]
+    if tag == "op" and len(rest) == 6:
+        return OpStep(
+            _str(rest[0], "op"),
+            tuple(_list(_int)(rest[1], "inputs")),
+            _int(rest[2], "output"),
+            _params(rest[3], "params"),
+            _shape(rest[4], "shape"),
+            _dtype_field(rest[5], "dtype"),
+        )
+    if tag == "move" and len(rest) == 6:
+        return MoveStep(
+            _int(rest[0], "input"),
+            _int(rest[1], "output"),
+            _state(rest[2], "src"),
+            _state(rest[3], "dst"),
+            _shape(rest[4], "shape"),
+            _dtype_field(rest[5], "dtype"),
+        )
+    if tag == "free" and len(rest) == 1:
+        return FreeStep(tuple(_list(_int)(rest[0], "slots")))
+    _fail(f"{name}: malformed step {str(v)[:80]}")
+
+
+# annotation -> (encode, decode); arrays are handled apart from the header fields
+_CODECS: dict[Any, tuple[Callable[[Any], Any], Callable[[Any, str], Any]]] = {
+    int: (lambda v: int(v), _int),
+    str: (lambda v: v, _str),
+    bytes: (lambda v: bytes(v), _bytes),
+    State: (encode_state, _state),
+    Shape: (lambda v: [int(d) for d in v], _shape),
+    Params: (_thaw, _params),
+    list[int]: (lambda v: [int(x) for x in v], _list(_int)),
+    list[str]: (list, _list(_str)),
+    list[list[int]]: (lambda v: [[int(x) for x in p] for p in v], _list(_list(_int))),
+    list[Step]: (lambda v: [_encode_step(s) for s in v], _list(_step)),
+}
+_ARRAY = np.ndarray
+
+
+def _field_types(cls: type) -> list[tuple[str, Any]]:
+    hints = typing.get_type_hints(cls, globalns=globals())
+    return [(f.name, hints[f.name]) for f in fields(cls)]
+
+
+_SCHEMAS = {kind: _field_types(cls) for kind, cls in _REGISTRY.items()}
+
+
+# -- encode -------------------------------------------------------------------------------------
+
+
+def encode(message: Message, request_id: int = 0, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    """Frames for `message`: [header, *array chunks]. Arrays are made contiguous, not copied."""
+    header_fields: dict[str, Any] = {}
+    descriptors: list[list[Any]] = []
+    frames: list[Any] = []
+    for name, kind in _SCHEMAS[message.KIND]:
+        value = getattr(message, name)
+        if kind is _ARRAY:
+            array = np.asarray(value)
+            if not array.flags.c_contiguous:
+                array = np.ascontiguousarray(array).reshape(array.shape)  # keeps 0-d arrays 0-d
+            chunks = _chunks(array, limits.chunk_bytes)
+            descriptors.append([dtype_name(array.dtype), list(array.shape), len(chunks)])
+            frames.extend(chunks)
+        else:
+            header_fields[name] = _CODECS[kind][0](value)
+    header = {
+        "v": PROTOCOL_VERSION,
+        "t": int(message.KIND),
+        "id": int(request_id),
+        "f": header_fields,
+        "a": descriptors,
+    }
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def _chunks(array: np.ndarray, chunk_bytes: int) -> list[memoryview]:
+    flat = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+    if flat.nbytes <= chunk_bytes:
+        return [flat]
+    return [flat[i : i + chunk_bytes] for i in range(0, flat.nbytes, chunk_bytes)]
+
+
+# -- decode -------------------------------------------------------------------------------------
+
+
+def _buffer(frame: Any) -> memoryview:
+    """A frame's bytes without a copy: zmq.Frame (copy=False), bytes or memoryview."""
+    buf = getattr(frame, "buffer", frame)
+    try:
+        return memoryview(buf).cast("B")
+    except TypeError as exc:
+        raise ProtocolError(f"frame of type {type(frame).__name__} is not a buffer") from exc
+
+
+def decode_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    raw = _buffer(frame)
+    if raw.nbytes > limits.header_bytes:
+        _fail(f"header of {raw.nbytes} bytes exceeds the {limits.header_bytes}-byte limit")
+    try:
+        header = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limits.header_bytes,
+            max_bin_len=limits.header_bytes,
+            max_array_len=limits.max_items,
+            max_map_len=limits.max_items,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict):
+        _fail(f"header must be a map, got {type(header).__name__}")
+    if header.get("v") != PROTOCOL_VERSION:
+        _fail(f"unknown protocol version {header.get('v')!r}; this side speaks {PROTOCOL_VERSION}")
+    if set(header) != {"v", "t", "id", "f", "a"}:
+        _fail(f"header keys {sorted(map(str, header))} != ['a', 'f', 'id', 't', 'v']")
+    return header
+
+
+def request_id(frames: Sequence[Any]) -> int:
+    """The request id of a message, best effort, for error replies to undecodable messages."""
+    try:
+        value = decode_header(frames[0]).get("id")
+        return value if type(value) is int else 0
+    except (ProtocolError, IndexError):
+        return 0
+
+
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> tuple[Message, int]:
+    """(message, request id) from frames, or ProtocolError saying exactly what is wrong."""
+    if not frames:
+        _fail("empty message")
+    header = decode_header(frames[0], limits)
+    kind = header["t"]
+    if type(kind) is not int or kind not in _REGISTRY:
+        _fail(f"unknown message type {kind!r}")
+    rid = header["id"]
+    if type(rid) is not int:
+        _fail("request id must be an int")
+    cls = _REGISTRY[MsgType(kind)]
+    schema = _SCHEMAS[MsgType(kind)]
+    values = header["f"]
+    descriptors = header["a"]
+    if not isinstance(values, dict) or not isinstance(descriptors, list):
+        _fail("header fields must be a map and arrays a list")
+    expected = {n for n, k in schema if k is not _ARRAY}
+    if set(values) != expected:
+        missing, extra = sorted(expected - set(values)), sorted(set(values) - expected)
+        _fail(f"{cls.__name__}: missing fields {missing}, unexpected fields {extra}")
+    array_fields = [n for n, k in schema if k is _ARRAY]
+    if len(descriptors) != len(array_fields):
+        _fail(f"{cls.__name__}: carries {len(array_fields)} arrays, header lists {len(descriptors)}")
+    arrays = _decode_arrays(descriptors, frames[1:], limits)
+    kwargs = {}
+    for name, k in schema:
+        kwargs[name] = arrays.pop(0) if k is _ARRAY else _CODECS[k][1](values[name], name)
+    try:
+        return cls(**kwargs), rid
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{cls.__name__}: {exc}") from None
+
+
+def _decode_arrays(descriptors: list[Any], frames: Sequence[Any], limits: Limits) -> list[np.ndarray]:
+    if len(descriptors) > limits.max_arrays:
+        _fail(f"{len(descriptors)} arrays exceed the limit of {limits.max_arrays}")
+    arrays, at = [], 0
+    for i, desc in enumerate(descriptors):
+        if not isinstance(desc, list) or len(desc) != 3:
+            _fail(f"array {i}: descriptor must be [dtype, shape, n_frames]")
+        name, shape, n_frames = desc
+        try:
+            dtype = dtype_from_name(name)
+        except UnsupportedDtype as exc:
+            raise ProtocolError(f"array {i}: {exc}") from None
+        shape = _shape(shape, f"array {i} shape")
+        if len(shape) > limits.max_ndim:
+            _fail(f"array {i}: {len(shape)} dimensions exceed the limit of {limits.max_ndim}")
+        nbytes = prod(shape) * dtype.itemsize
+        if nbytes > limits.array_bytes:
+            _fail(f"array {i}: declared {nbytes} bytes exceed the {limits.array_bytes}-byte cap")
+        if type(n_frames) is not int or n_frames < 1 or n_frames > max(1, -(-nbytes // limits.chunk_bytes)) + 1:
+            _fail(f"array {i}: bad frame count {n_frames!r} for {nbytes} bytes")
+        if at + n_frames > len(frames):
+            _fail(f"array {i}: needs {n_frames} frames, only {len(frames) - at} left")
+        bufs = [_buffer(f) for f in frames[at : at + n_frames]]
+        at += n_frames
+        got = sum(b.nbytes for b in bufs)
+        if got != nbytes:
+            _fail(f"array {i}: shape {shape} of {dtype_name(dtype)} needs {nbytes} bytes, frames hold {got}")
+        arrays.append(_assemble(bufs, dtype, shape, nbytes))
+    if at != len(frames):
+        _fail(f"{len(frames) - at} extra frames after the declared arrays")
+    return arrays
+
+
+def _assemble(bufs: list[memoryview], dtype: np.dtype, shape: Shape, nbytes: int) -> np.ndarray:
+    if len(bufs) == 1:
+        # zero copy: the array views the received frame (read-only); callers copy before writing
+        return np.frombuffer(bufs[0], dtype=dtype, count=prod(shape)).reshape(shape)
+    out = np.empty(nbytes, dtype=np.uint8)
+    at = 0
+    for b in bufs:
+        out[at : at + b.nbytes] = np.frombuffer(b, dtype=np.uint8)
+        at += b.nbytes
+    return out.view(dtype).reshape(shape)
+
+
+def error_from(exc: BaseException, traceback_text: str = "") -> Error:
+    return Error(type(exc).__name__, str(exc), traceback_text)

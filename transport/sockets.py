@@ -1,0 +1,194 @@
+"""Sockets: endpoints, the control plane (ROUTER/DEALER), CURVE security, bounded receives."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from split_state.errors import DeadlineExceeded, TransportError
+from transport.deadline import Deadline
+from transport.protocol import DEFAULT_LIMITS, Limits, Message, encode
+
+HIGH_WATER_MARK = 1000
+SEND_TIMEOUT_MS = 10_000  # a send with no live peer (e.g. a refused CURVE handshake) blocks otherwise
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The cluster's key pair (Z85 text). Every party holds it; servers admit only this public key,
+    so a client without the secret cannot complete the handshake."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.write_bytes(b"public " + self.public + b"\nsecret " + self.secret + b"\n")
+        path.chmod(0o600)
+
+    @classmethod
+    def load(cls, path: str | Path) -> CurveKeys:
+        values = {}
+        for line in Path(path).read_bytes().splitlines():
+            key, _, value = line.partition(b" ")
+            values[key] = value.strip()
+        if set(values) != {b"public", b"secret"} or len(values[b"public"]) != 40 or len(values[b"secret"]) != 40:
+            raise TransportError(f"{path} is not a key file made by 'launch.py keys'")
+        return cls(values[b"public"], values[b"secret"])
+
+
+def curve_server(sock: zmq.Socket, keys: CurveKeys) -> None:
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_server = True
+
+
+def curve_client(sock: zmq.Socket, keys: CurveKeys) -> None:
+    sock.curve_serverkey = keys.public
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret
+
+
+class _AllowKey:
+    """ZAP credentials provider: pyzmq hands it the client's public key in Z85."""
+
+    def __init__(self, public: bytes):
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.public
+
+
+class Security:
+    """Owns the ZAP authenticator of a context when CURVE is on; a no-op otherwise."""
+
+    def __init__(self, context: zmq.Context, keys: CurveKeys | None):
+        self.keys = keys
+        self._auth: ThreadAuthenticator | None = None
+        if keys is not None:
+            self._auth = ThreadAuthenticator(context)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", credentials_provider=_AllowKey(keys.public))
+
+    def server(self, sock: zmq.Socket) -> None:
+        if self.keys is not None:
+            curve_server(sock, self.keys)
+
+    def client(self, sock: zmq.Socket) -> None:
+        if self.keys is not None:
+            curve_client(sock, self.keys)
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+class IpcDir:
+    """A private (0700) directory for ipc:// endpoints, removed on close."""
+
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="meta-tp-")
+        os.chmod(self.path, 0o700)
+
+    def endpoint(self, name: str) -> str:
+        return f"ipc://{self.path}/{name}"
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _common(sock: zmq.Socket) -> None:
+    sock.linger = 0
+    sock.sndtimeo = SEND_TIMEOUT_MS
+    sock.sndhwm = HIGH_WATER_MARK
+    sock.rcvhwm = HIGH_WATER_MARK
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind and return the concrete endpoint (tcp port 0 or '*' picks a free port)."""
+    if endpoint.startswith("tcp://") and endpoint.endswith((":0", ":*")):
+        endpoint = endpoint.rsplit(":", 1)[0] + ":*"
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise TransportError(f"cannot bind {endpoint}: {exc}") from exc
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def router(context: zmq.Context, endpoint: str, security: Security) -> tuple[zmq.Socket, str]:
+    """The coordinator's control socket; ROUTER_MANDATORY makes sends to unknown peers fail loudly."""
+    sock = context.socket(zmq.ROUTER)
+    _common(sock)
+    sock.router_mandatory = True
+    security.server(sock)
+    return sock, bind(sock, endpoint)
+
+
+def dealer(context: zmq.Context, endpoint: str, identity: bytes, security: Security) -> zmq.Socket:
+    sock = context.socket(zmq.DEALER)
+    _common(sock)
+    sock.identity = identity
+    security.client(sock)
+    sock.connect(endpoint)
+    return sock
+
+
+def pull(context: zmq.Context, endpoint: str, security: Security) -> tuple[zmq.Socket, str]:
+    """A worker's data-plane inbox: peers PUSH collective payloads to it."""
+    sock = context.socket(zmq.PULL)
+    _common(sock)
+    sock.rcvhwm = 0  # collective payloads must never be dropped or block the sender on our account
+    security.server(sock)
+    return sock, bind(sock, endpoint)
+
+
+def push(context: zmq.Context, endpoint: str, security: Security) -> zmq.Socket:
+    sock = context.socket(zmq.PUSH)
+    _common(sock)
+    sock.sndhwm = 0
+    security.client(sock)
+    sock.connect(endpoint)
+    return sock
+
+
+def send(
+    sock: zmq.Socket, message: Message, request_id: int = 0, route: bytes | None = None, limits: Limits = DEFAULT_LIMITS
+) -> None:
+    frames = encode(message, request_id, limits)
+    send_frames(sock, frames, route)
+
+
+def send_frames(sock: zmq.Socket, frames: list[Any], route: bytes | None = None) -> None:
+    if route is not None:
+        frames = [route, *frames]
+    try:
+        sock.send_multipart(frames, copy=False)
+    except zmq.Again as exc:
+        raise TransportError(f"send timed out{_to(route)}: no peer took the message") from exc
+    except zmq.ZMQError as exc:
+        raise TransportError(f"send failed{_to(route)}: {exc}") from exc
+
+
+def _to(route: bytes | None) -> str:
+    return f" to {route.decode(errors='replace')}" if route else ""
+
+
+def recv_frames(sock: zmq.Socket, deadline: Deadline) -> list[zmq.Frame]:
+    """Frames of the next message, or DeadlineExceeded: nothing waits forever."""
+    if not sock.poll(deadline.remaining_ms()):
+        raise DeadlineExceeded(f"no message within {deadline.seconds:.1f} s")
+    return sock.recv_multipart(copy=False)
