@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -49,3 +50,18 @@ def human_bytes(n: int) -> str:
             return f"{n:g} {unit}" if unit == "B" else f"{n:g} {unit}"
         n /= 1024
     return str(n)
+
+
+def cli(doc: str, name: str, run, show, argv: list[str] | None = None, extra=None) -> int:
+    """The common benchmark command line: --quick, --json PATH, plus `extra(parser)` options;
+    `run(args)` measures, `show(results)` prints the table."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args(argv)
+    results = run(args)
+    show(results)
+    write_json(args.json, name, results)
+    return 0

@@ -10,7 +10,6 @@ pyzmq frame behind a one-byte frame and the server takes the frames as they come
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import sys
 import time
@@ -21,7 +20,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import human_bytes, table, write_json  # noqa: E402
+from bench.report import cli, human_bytes, table  # noqa: E402
 from transport import protocol as p  # noqa: E402
 from transport.sockets import IpcDir  # noqa: E402
 
@@ -151,14 +150,7 @@ def show(results: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
-    parser.add_argument("--json", metavar="PATH", help="write results as JSON")
-    args = parser.parse_args(argv)
-    results = run(args.quick)
-    show(results)
-    write_json(args.json, "transport", results)
-    return 0
+    return cli(__doc__, "transport", lambda args: run(args.quick), show, argv, None)
 
 
 if __name__ == "__main__":

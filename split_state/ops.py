@@ -328,6 +328,37 @@ def _slice_labels(shapes, params, out_shape):
     return Labels((tuple(src),), tuple(out), frozenset({"sliced_in", "sliced_out"}), ((P,),))
 
 
+def _segment_at(state: Split, start: int, stop: int) -> int | None:
+    """The segment whose global range is exactly [start, stop), if any."""
+    at = 0
+    for s, seg in enumerate(state.segments):
+        if at == start and at + sum(seg) == stop:
+            return s
+        at += sum(seg)
+    return None
+
+
+def _slice_rule(states, shapes, params, out_shape):
+    """A slice that is exactly one segment of a split on the same axis stays split: every device
+    cuts its own chunk of that segment (the Q, K or V of a fused QKV weight), no communication."""
+    sigs = label_signatures(_slice_labels(shapes, params, out_shape), states)
+    st = states[0]
+    if isinstance(st, Split) and st.axis == params["axis"]:
+        seg = _segment_at(st, params["start"], params["stop"])
+        if seg is not None:
+            sigs.insert(0, Signature((st,), Split(st.axis, (st.segments[seg],))))
+    return sigs
+
+
+def _localize_slice(params, in_states, in_shapes, out_state, out_shape, n, d):
+    st = in_states[0]
+    if not (isinstance(st, Split) and isinstance(out_state, Split) and st.axis == params["axis"]):
+        return params
+    seg = _segment_at(st, params["start"], params["stop"])
+    start = sum(st.segments[s][d] for s in range(seg))
+    return {"axis": params["axis"], "start": start, "stop": start + st.segments[seg][d]}
+
+
 def _infer_get_rows(shapes, dtypes, params):
     table, ids = (tuple(s) for s in shapes)
     if len(table) != 2:
@@ -380,7 +411,7 @@ OPS: dict[str, OpSpec] = {
     "reshape": OpSpec("reshape", 1, _infer_reshape, _reshape_rule, _localize_reshape),
     "transpose": OpSpec("transpose", 1, _infer_transpose, _labels_rule(_transpose_labels)),
     "concat": OpSpec("concat", None, _infer_concat, _labels_rule(_concat_labels)),
-    "slice": OpSpec("slice", 1, _infer_slice, _labels_rule(_slice_labels)),
+    "slice": OpSpec("slice", 1, _infer_slice, _slice_rule, _localize_slice),
     "get_rows": OpSpec("get_rows", 2, _infer_get_rows, _labels_rule(_get_rows_labels), _localize_get_rows),
 }
 

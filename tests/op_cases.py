@@ -77,3 +77,28 @@ def operand(rng: np.random.Generator, name: str, index: int, shape, dtype, param
     if name == "div" and index == 1:
         x = np.where(np.abs(x) < 0.5, 1.0, x).astype(dtype)  # keep divisors away from zero
     return x
+
+
+def draw_case(data, name: str):
+    """(arrays, params, canonical params, expected output) for op `name`, drawn by hypothesis."""
+    from split_state import dtype_from_name
+    from split_state.kernels import KERNELS
+    from split_state.ops import infer
+
+    shapes, dtypes, params = data.draw(op_case(name))
+    out_shape, out_dtype, canon = infer(name, shapes, dtypes, params)
+    rng = np.random.default_rng(0)
+    hint = dict(canon, rows_hint=shapes[0][0] if name == "get_rows" else 0)
+    arrays = [operand(rng, name, i, s, dtype_from_name(t), hint) for i, (s, t) in enumerate(zip(shapes, dtypes))]
+    expected = KERNELS[name](np, arrays, canon)
+    assert expected.shape == out_shape and expected.dtype == dtype_from_name(out_dtype)
+    return arrays, params, canon, expected
+
+
+def assert_matches(got: np.ndarray, expected: np.ndarray, what: str = "") -> None:
+    assert got.shape == expected.shape and got.dtype == expected.dtype, what
+    if np.issubdtype(expected.dtype, np.floating):
+        tol = 1e-2 if expected.dtype == np.float16 else 1e-4
+        np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, err_msg=what)
+    else:
+        np.testing.assert_array_equal(got, expected, err_msg=what)

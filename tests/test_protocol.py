@@ -30,12 +30,13 @@ EXAMPLES = [
             p.FreeStep((2, 3)),
         ],
     ),
-    p.RunProgram(program=5, inputs=[[0, 10], [1, 11]], outputs=[[4, 12]]),
+    p.RunProgram(program=5, run=3, inputs=[[0, 10], [1, 11]], outputs=[[4, 12]]),
     p.Ok(info={"a": 1, "b": (1.5, "x"), "c": None}),
     p.Error(kind="OutOfMemory", message="too big", traceback="Traceback..."),
     p.Heartbeat(rank=2),
     p.Shutdown(),
     p.Stats(),
+    p.Abort(rank=1, run=-1, kind="WorkerLost", message="worker 1 lost"),
 ]
 
 
@@ -45,7 +46,7 @@ def test_every_message_round_trips(message):
 
 
 def test_every_message_type_has_an_example():
-    assert {type(m) for m in EXAMPLES} | {p.Put, p.Tensor} == set(p._REGISTRY.values())
+    assert {type(m) for m in EXAMPLES} | {p.Put, p.Tensor, p.Chunk} == set(p._REGISTRY.values())
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

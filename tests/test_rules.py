@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from split_state import OPS, PARTIAL, Split, dtype_from_name, gather, local_shape, scatter
+from split_state import OPS, PARTIAL, Split, gather, local_shape, scatter
 from split_state.kernels import KERNELS
-from split_state.ops import infer, localize, signatures
+from split_state.ops import localize, signatures
 from split_state.rules import choose
 from split_state.states import MIRRORED
-from tests.op_cases import op_case, operand
+from tests.op_cases import assert_matches, draw_case
 from tests.strategies import state_for
 
 
@@ -47,24 +47,15 @@ def run_signature(name, arrays, params, out_shape, sig, n, rng):
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), n=st.integers(1, 5))
 def test_rule_signatures_agree_with_numpy(name, data, n):
-    shapes, dtypes, params = data.draw(op_case(name))
-    out_shape, out_dtype, params = infer(name, shapes, dtypes, params)
-    rng = np.random.default_rng(0)
-    hint = dict(params, rows_hint=shapes[0][0] if name == "get_rows" else 0)
-    arrays = [operand(rng, name, i, s, dtype_from_name(t), hint) for i, (s, t) in enumerate(zip(shapes, dtypes))]
-    expected = KERNELS[name](np, arrays, params)
-    assert expected.shape == out_shape and expected.dtype == dtype_from_name(out_dtype)
+    arrays, _, params, expected = draw_case(data, name)
+    shapes = [a.shape for a in arrays]
     states = [data.draw(state_for(s, n)) for s in shapes]
-    sigs = signatures(name, states, shapes, params, out_shape)
+    sigs = signatures(name, states, shapes, params, expected.shape)
     assert sigs and sigs[-1].inputs == (MIRRORED,) * len(shapes), "the all-Mirrored fallback is always offered"
+    rng = np.random.default_rng(0)
     for sig in sigs:
-        got = run_signature(name, arrays, params, out_shape, sig, n, rng)
-        assert got.dtype == expected.dtype
-        if np.issubdtype(expected.dtype, np.floating):
-            tol = 1e-2 if expected.dtype == np.float16 else 1e-4
-            np.testing.assert_allclose(got, expected, rtol=tol, atol=tol, err_msg=f"{name} {sig}")
-        else:
-            np.testing.assert_array_equal(got, expected, err_msg=f"{name} {sig}")
+        got = run_signature(name, arrays, params, expected.shape, sig, n, rng)
+        assert_matches(got, expected, f"{name} {sig}")
     chosen, cost = choose(sigs, states, shapes, [4] * len(shapes), n)
     assert chosen in sigs and cost >= 0
 
@@ -97,3 +88,14 @@ def test_reshape_carries_a_head_split():
     st_in = Split.even(1, 12 * 4, 5, granularity=4)
     sigs = signatures("reshape", [st_in], [(3, 48)], {"shape": (3, 12, 4)}, (3, 12, 4))
     assert sigs[0].output == Split(1, ((3, 3, 2, 2, 2),))
+
+
+def test_slicing_one_segment_of_a_fused_weight_is_local():
+    qkv = Split.even(1, (8, 8, 8), 3, granularity=2)  # (tokens, 3*hidden) split by heads of 2
+    x = np.arange(4 * 24, dtype=np.float32).reshape(4, 24)
+    for seg, (start, stop) in enumerate([(0, 8), (8, 16), (16, 24)]):
+        params = {"axis": 1, "start": start, "stop": stop}
+        sigs = signatures("slice", [qkv], [x.shape], params, (4, 8))
+        assert sigs[0].inputs == (qkv,) and sigs[0].output == Split(1, (qkv.segments[seg],))
+        got = run_signature("slice", [x], params, (4, 8), sigs[0], 3, np.random.default_rng(0))
+        assert np.array_equal(got, x[:, start:stop])

@@ -57,6 +57,8 @@ class MsgType(enum.IntEnum):
     HEARTBEAT = 11
     SHUTDOWN = 12
     STATS = 13
+    CHUNK = 14
+    ABORT = 15
 
 
 # -- program steps ------------------------------------------------------------------------------
@@ -171,6 +173,7 @@ class LoadProgram:
 @dataclass(frozen=True)
 class RunProgram:
     program: int
+    run: int  # a fresh id per run: tags its collective traffic so stale data is never mixed in
     inputs: list[list[int]]  # [slot, tensor id] pairs read from the store
     outputs: list[list[int]]  # [slot, tensor id] pairs written to the store
     KIND: ClassVar[MsgType]
@@ -219,8 +222,46 @@ class Stats:
     KIND: ClassVar[MsgType]
 
 
+@_message(MsgType.CHUNK)
+@dataclass(frozen=True)
+class Chunk:
+    """Data plane: one box of a collective, from worker `src`, for run `run`, step `step`."""
+
+    src: int
+    run: int
+    step: int
+    array: np.ndarray
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.ABORT)
+@dataclass(frozen=True)
+class Abort:
+    """Data plane: run `run` cannot finish (-1: every run) because of worker `rank`."""
+
+    rank: int
+    run: int
+    kind: str
+    message: str
+    KIND: ClassVar[MsgType]
+
+
 Message = (
-    Hello | Configure | Put | Get | Free | LoadProgram | RunProgram | Tensor | Ok | Error | Heartbeat | Shutdown | Stats
+    Hello
+    | Configure
+    | Put
+    | Get
+    | Free
+    | LoadProgram
+    | RunProgram
+    | Tensor
+    | Ok
+    | Error
+    | Heartbeat
+    | Shutdown
+    | Stats
+    | Chunk
+    | Abort
 )
 
 

@@ -1,0 +1,172 @@
+"""Collective latency and bandwidth on CPU workers, side by side with a raw pyzmq exchange.
+
+    python bench/collectives.py [--quick] [--json results/collectives.json] [--workers 2 4]
+
+Ours: a program of K all-reduces (Partial -> Mirrored) or all-gathers (even Split -> Mirrored) runs
+on real worker processes; the time is the collective steps as the workers time them (the
+slowest worker), divided by K, so the coordinator's control round trip is not counted. Raw: the
+same number of processes, each PUSHing the same bytes to every peer over ipc and summing what
+arrives (a direct all-reduce), K times. Bandwidth is algorithm bandwidth: tensor bytes / time.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import cli, human_bytes, table  # noqa: E402
+from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
+from split_state import MIRRORED, PARTIAL, Split  # noqa: E402
+from transport import protocol as p  # noqa: E402
+from transport.sockets import IpcDir  # noqa: E402
+
+
+def raw_rank(rank: int, endpoints: list[str], nbytes: int, reps: int, results: mp.Queue) -> None:
+    """One raw process: every round, PUSH the buffer to each peer and sum one buffer from each."""
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(endpoints[rank])
+    peers = {d: ctx.socket(zmq.PUSH) for d in range(len(endpoints)) if d != rank}
+    for d, s in peers.items():
+        s.connect(endpoints[d])
+    data = np.random.default_rng(rank).standard_normal(nbytes // 4).astype(np.float32)
+    pending: dict[int, list] = {d: [] for d in peers}  # per peer, in arrival order
+
+    def exchange() -> None:
+        for s in peers.values():
+            s.send_multipart([bytes([rank]), data], copy=False)
+        acc = data.copy()
+        for d in sorted(peers):
+            while not pending[d]:
+                src, payload = inbox.recv_multipart(copy=False)
+                pending[src.bytes[0]].append(payload)
+            acc += np.frombuffer(pending[d].pop(0).buffer, dtype=np.float32)
+
+    try:
+        for _ in range(2):
+            exchange()  # connect and warm up
+        start = time.perf_counter()
+        for _ in range(reps):
+            exchange()
+        results.put((rank, (time.perf_counter() - start) / reps))
+    finally:
+        inbox.close(0)
+        for s in peers.values():
+            s.close(0)
+        ctx.term()
+
+
+def raw_all_reduce(n: int, nbytes: int, reps: int) -> float:
+    ipc = IpcDir()
+    endpoints = [ipc.endpoint(f"raw{d}") for d in range(n)]
+    results: mp.Queue = mp.get_context("spawn").Queue()
+    procs = [
+        mp.get_context("spawn").Process(target=raw_rank, args=(d, endpoints, nbytes, reps, results)) for d in range(n)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        return max(results.get(timeout=300)[1] for _ in range(n))
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        ipc.close()
+
+
+def ours(dev: MetaDevice, kind: str, nbytes: int, reps: int, trials: int) -> float:
+    n, elems = dev.n, max(1, nbytes // 4)
+    shape = (elems,)
+    src = PARTIAL if kind == "all_reduce" else Split.even(0, elems, n)
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    handle = dev.tensor(x, src)
+    steps: list = []
+    for k in range(reps):
+        steps += [p.MoveStep(0, k + 1, src, MIRRORED, shape, "float32"), p.FreeStep((k + 1,))]
+    program = 10_000 + hash((kind, nbytes)) % 10_000
+    dev.cluster.call_all({d: p.LoadProgram(program, steps) for d in range(n)})
+    best = []
+    for trial in range(trials + 1):
+        replies = dev.cluster.call_all(
+            {
+                d: p.RunProgram(program, 1_000_000 + trial * 1000 + program, [[0, handle.node.tensor]], [])
+                for d in range(n)
+            }
+        )
+        if trial:
+            best.append(max(r.info["comm_s"] for r in replies.values()) / reps)
+    handle.free()
+    return float(np.median(best))
+
+
+def run(quick: bool, worker_counts: list[int]) -> list[dict]:
+    sizes = (
+        [4 << 10, 1 << 20, 16 << 20] if quick else [1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    )
+    rows = []
+    for n in worker_counts:
+        with MetaDevice(ProcessCluster(ClusterConfig(workers=n))) as dev:
+            for nbytes in sizes:
+                reps = 20 if nbytes <= 64 << 10 else 3 if nbytes <= (4 << 20) else 2
+                trials = 3 if quick else 5
+                row = {"workers": n, "bytes": nbytes}
+                print(f"  {n} workers, {human_bytes(nbytes)} ...", file=sys.stderr, flush=True)
+                for kind in ("all_reduce", "all_gather"):
+                    seconds = ours(dev, kind, nbytes, reps, trials)
+                    row[f"{kind}_us"] = seconds * 1e6
+                    row[f"{kind}_GBps"] = nbytes / seconds / 1e9
+                rows.append(row)
+        for row in rows:
+            if row["workers"] == n:
+                reps = 200 if row["bytes"] <= 64 << 10 else 10
+                seconds = raw_all_reduce(n, row["bytes"], reps)
+                row["raw_us"], row["raw_GBps"] = seconds * 1e6, row["bytes"] / seconds / 1e9
+                row["ratio"] = row["all_reduce_GBps"] / row["raw_GBps"]
+    return rows
+
+
+def show(rows: list[dict]) -> None:
+    cols = ["workers", "size", "all-reduce us", "GB/s", "all-gather us", "GB/s", "raw exchange us", "GB/s", "AR/raw"]
+    print(
+        table(
+            "collectives on CPU workers (time inside the workers; raw = direct pyzmq exchange + sum)",
+            cols,
+            [
+                [
+                    r["workers"],
+                    human_bytes(r["bytes"]),
+                    r["all_reduce_us"],
+                    r["all_reduce_GBps"],
+                    r["all_gather_us"],
+                    r["all_gather_GBps"],
+                    r["raw_us"],
+                    r["raw_GBps"],
+                    r["ratio"],
+                ]
+                for r in rows
+            ],
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(
+        __doc__,
+        "collectives",
+        lambda args: run(args.quick, args.workers),
+        show,
+        argv,
+        lambda ap: ap.add_argument("--workers", type=int, nargs="+", default=[2, 4]),
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

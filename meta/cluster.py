@@ -1,0 +1,333 @@
+"""Worker processes as seen from the coordinator: start, connect, call, watch, stop.
+
+`ProcessCluster` starts `python -m workers` processes (or accepts workers started elsewhere
+with `launch.py worker --connect`), collects their Hello, tells each its peers, and serves
+`call_all`: send one message per worker, wait for every reply within a deadline. A heartbeat
+thread publishes the coordinator's heartbeat and records the workers'; a worker that dies or
+falls silent fails every pending call with WorkerLost naming it, and the others are told to
+abort at once. Only transport is used to talk to workers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from split_state.errors import DeadlineExceeded, MetaError, ProtocolError, TransportError, WorkerLost
+from transport import protocol as p
+from transport.deadline import Deadline, Liveness
+from transport.sockets import CurveKeys, IpcDir, Security, bind, push, recv_frames, router, send
+
+POLL_MS = 100
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    workers: int = 2
+    backend: str = "cpu"
+    devices: tuple[int, ...] = ()  # GPU index per worker (cuda)
+    host: str = ""  # "" : ipc on this host; otherwise tcp on this address, e.g. "127.0.0.1" or "0.0.0.0"
+    port: int = 0
+    keys: str = ""  # CURVE key file
+    spawn: bool = True  # False: wait for workers started with 'launch.py worker --connect'
+    heartbeat: float = 0.5
+    liveness: float = 5.0
+    start_timeout: float = 60.0
+    call_timeout: float = 300.0
+    collective_timeout: float = 30.0
+    blas_threads: int = 1
+    memory_budget: int = 0
+    log_dir: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class ProcessCluster:
+    kind = "processes"
+
+    def __init__(self, config: ClusterConfig):
+        if config.workers < 1:
+            raise MetaError(f"a cluster needs at least one worker, got {config.workers}")
+        self.config = config
+        self.world_size = config.workers
+        self.context = zmq.Context()
+        self.keys = CurveKeys.load(config.keys) if config.keys else None
+        self.security = Security(self.context, self.keys)
+        self.ipc = IpcDir() if not config.host else None
+        self.processes: list[subprocess.Popen] = []
+        self.pids: dict[int, int] = {}
+        self.liveness = Liveness(config.liveness)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._request = 0
+        self._data: dict[int, zmq.Socket] = {}
+        self.closed = False
+        self.lost: WorkerLost | None = None
+        try:
+            self.control, self.endpoint = router(self.context, self._endpoint("control"), self.security)
+            self._beat_out = self.context.socket(zmq.PUB)
+            self._beat_out.linger = 0
+            self.security.server(self._beat_out)
+            self.beat_endpoint = bind(self._beat_out, self._endpoint("beat"))
+            self._beat_in, self.beat_in_endpoint = _pull(self.context, self._endpoint("beat-in"), self.security)
+            self._beats = threading.Thread(target=self._heartbeat_loop, daemon=True)
+            self._beats.start()
+            if config.spawn:
+                self._spawn()
+            self.devices = self._handshake()
+            self.call_all(
+                {
+                    r: p.Configure(
+                        self.world_size,
+                        [h.data_endpoint for h in self.devices],
+                        "zmq",
+                        memory_budget=config.memory_budget,
+                    )
+                    for r in range(self.world_size)
+                },
+                config.start_timeout,
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def _endpoint(self, name: str) -> str:
+        if self.ipc is not None:
+            return self.ipc.endpoint(name)
+        return f"tcp://{self.config.host}:{self.config.port if name == 'control' and self.config.port else '*'}"
+
+    def worker_command(self, rank: int) -> list[str]:
+        """The command line that starts worker `rank` (also what remote hosts run, via launch.py)."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "workers",
+            "--connect",
+            self.endpoint,
+            "--beat",
+            self.beat_endpoint,
+            "--beat-in",
+            self.beat_in_endpoint,
+            "--rank",
+            str(rank),
+            "--backend",
+            self.config.backend,
+            "--heartbeat",
+            str(self.config.heartbeat),
+            "--liveness",
+            str(self.config.liveness),
+            "--collective-timeout",
+            str(self.config.collective_timeout),
+        ]
+        if self.config.backend == "cuda":
+            devices = self.config.devices or tuple(range(self.world_size))
+            cmd += ["--device", str(devices[rank])]
+        if self.config.keys:
+            cmd += ["--keys", self.config.keys]
+        return cmd
+
+    def _spawn(self) -> None:
+        root = str(Path(__file__).resolve().parent.parent)
+        for rank in range(self.world_size):
+            env = dict(os.environ, **self.config.env)
+            env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+            threads = str(self.config.blas_threads)
+            for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+                env[var] = threads  # one worker per core: BLAS must not oversubscribe
+            log = None
+            if self.config.log_dir:
+                Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
+                log = open(Path(self.config.log_dir) / f"worker-{rank}.log", "ab")  # noqa: SIM115
+            cmd = self.worker_command(rank) + ["--parent-pid", str(os.getpid())]
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            if log is not None:
+                log.close()
+            self.processes.append(proc)
+            self.pids[rank] = proc.pid
+
+    def _handshake(self) -> list[p.Hello]:
+        hellos: dict[int, p.Hello] = {}
+        deadline = Deadline(self.config.start_timeout)
+        while len(hellos) < self.world_size:
+            self._check_processes()
+            try:
+                route, *frames = recv_frames(self.control, Deadline(min(0.2, deadline.remaining())))
+            except DeadlineExceeded:
+                if deadline.expired():
+                    missing = sorted(set(range(self.world_size)) - set(hellos))
+                    raise DeadlineExceeded(
+                        f"workers {missing} did not connect to {self.endpoint} within {self.config.start_timeout} s"
+                    ) from None
+                continue
+            message, _ = p.decode(frames)
+            if not isinstance(message, p.Hello) or not 0 <= message.rank < self.world_size:
+                raise ProtocolError(f"expected a Hello from a worker of rank < {self.world_size}, got {message}")
+            if route.bytes != f"w{message.rank}".encode() or message.rank in hellos:
+                raise ProtocolError(f"worker rank {message.rank} connected twice or under a wrong identity")
+            hellos[message.rank] = message
+            self.pids.setdefault(message.rank, message.pid)
+            self.liveness.heard(message.rank)
+        for rank, hello in hellos.items():
+            self._data[rank] = push(self.context, hello.data_endpoint, self.security)
+            self._data[rank].sndtimeo = 100
+        return [hellos[r] for r in range(self.world_size)]
+
+    # -- liveness -------------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._beat_out.send(b"beat")
+            except zmq.ZMQError:
+                return
+            deadline = time.monotonic() + self.config.heartbeat
+            while (left := deadline - time.monotonic()) > 0 and self._beat_in.poll(int(left * 1000)):
+                try:
+                    message, _ = p.decode(self._beat_in.recv_multipart(copy=False))
+                except (ProtocolError, zmq.ZMQError):
+                    continue
+                if isinstance(message, p.Heartbeat):
+                    with self._lock:
+                        self.liveness.heard(message.rank)
+
+    def _check_processes(self) -> None:
+        for rank, proc in enumerate(self.processes):
+            code = proc.poll()
+            if code is not None:
+                self._lose(rank, f"worker {rank} (pid {proc.pid}) exited with code {code}")
+        with self._lock:
+            silent = [(r, self.liveness.silent_for(r)) for r in self.liveness.lost()]
+        for rank, seconds in silent:
+            self._lose(
+                rank,
+                f"worker {rank} (pid {self.pids.get(rank)}) silent for {seconds:.1f} s "
+                f"(liveness window {self.config.liveness} s)",
+            )
+
+    def _lose(self, rank: int, text: str) -> None:
+        self.lost = WorkerLost(text, rank=rank)
+        self.abort_peers(rank, text)
+        raise self.lost
+
+    def abort_peers(self, lost: int, text: str) -> None:
+        """Wake every other worker that may be waiting on `lost` inside a collective."""
+        for rank, sock in self._data.items():
+            if rank != lost:
+                try:
+                    send(sock, p.Abort(lost, -1, "WorkerLost", text))
+                except MetaError:
+                    pass
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def call_all(self, messages: dict[int, p.Message], timeout: float | None = None) -> dict[int, p.Message]:
+        """Send each worker its message; return every reply, or raise WorkerLost/DeadlineExceeded."""
+        if self.lost is not None:
+            raise WorkerLost(f"cluster unusable: {self.lost}", rank=self.lost.rank)
+        if self.closed:
+            raise TransportError("cluster is closed")
+        self._request += 1
+        rid = self._request
+        for rank, message in messages.items():
+            send(self.control, message, rid, route=f"w{rank}".encode())
+        deadline = Deadline(self.config.call_timeout if timeout is None else timeout)
+        replies: dict[int, p.Message] = {}
+        while len(replies) < len(messages):
+            self._check_processes()
+            if deadline.expired():
+                missing = sorted(set(messages) - set(replies))
+                raise DeadlineExceeded(f"workers {missing} did not answer within {deadline.seconds:.1f} s")
+            if not self.control.poll(min(POLL_MS, deadline.remaining_ms())):
+                continue
+            route, *frames = self.control.recv_multipart(copy=False)
+            try:
+                message, got = p.decode(frames)
+            except ProtocolError:
+                continue
+            rank = _rank_of(route.bytes)
+            if got == rid and rank in messages:
+                replies[rank] = message
+        return replies
+
+    # -- stop -----------------------------------------------------------------------------------
+
+    def close(self, grace: float = 3.0) -> None:
+        """Ask workers to stop, then terminate and kill what is left; reap all; close sockets."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.lost is None and getattr(self, "devices", None):
+            try:
+                for rank in range(self.world_size):
+                    send(self.control, p.Shutdown(), 0, route=f"w{rank}".encode())
+            except MetaError:
+                pass
+        end = time.monotonic() + grace
+        for proc in self.processes:
+            try:
+                proc.wait(max(0.05, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+        for proc in self.processes:
+            try:
+                proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._stop.set()
+        if getattr(self, "_beats", None) is not None:
+            self._beats.join(2)
+        for sock in [
+            *self._data.values(),
+            getattr(self, "control", None),
+            getattr(self, "_beat_out", None),
+            getattr(self, "_beat_in", None),
+        ]:
+            if sock is not None:
+                sock.close(0)
+        self.security.close()
+        self.context.term()
+        if self.ipc is not None:
+            self.ipc.close()
+
+    def __enter__(self) -> ProcessCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pull(context: zmq.Context, endpoint: str, security: Security) -> tuple[zmq.Socket, str]:
+    sock = context.socket(zmq.PULL)
+    sock.linger = 0
+    security.server(sock)
+    return sock, bind(sock, endpoint)
+
+
+def _rank_of(identity: bytes) -> int:
+    try:
+        return int(identity[1:]) if identity[:1] == b"w" else -1
+    except ValueError:
+        return -1
+
+
+def alive(pids: Sequence[int]) -> list[int]:
+    """The pids that still exist (zombies excluded): used by tests and the orphan check."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] != "Z":
+                    out.append(pid)
+        except OSError:
+            pass
+    return out

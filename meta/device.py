@@ -1,0 +1,232 @@
+"""The MetaDevice: N workers presented as one device.
+
+dev = MetaDevice(cluster)                      # a ProcessCluster or a SimulatedCluster
+w = dev.tensor(weights, Split.even(1, 4096, dev.n))
+y = (dev.tensor(x) @ w).gelu()                  # lazy
+y.numpy()                                       # plans, compiles (cached), runs, gathers
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import numpy as np
+
+from meta.compiler import compile_plan, structural_key
+from meta.graph import Node, topo_order
+from meta.planner import Plan, plan
+from meta.tensor import Tensor
+from split_state import errors
+from split_state.dtypes import dtype_from_name, dtype_name
+from split_state.errors import MetaError, RemoteError
+from split_state.layout import Piece, local_shape, pieces
+from split_state.scatter import extract, gather
+from split_state.states import MIRRORED, Partial, State, validate
+from transport import protocol as p
+
+Policy = Callable[[str, tuple[int, ...]], State | None]
+
+# error kinds a worker reports that map back onto our own exception types
+_TYPED = {
+    name: getattr(errors, name)
+    for name in (
+        "SplitError",
+        "ShapeError",
+        "UnsupportedDtype",
+        "ProtocolError",
+        "OutOfMemory",
+        "WorkerLost",
+        "DeadlineExceeded",
+        "ConsistencyError",
+        "TransportError",
+    )
+}
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    program: int
+    plan: Plan
+
+
+class MetaDevice:
+    def __init__(
+        self,
+        cluster: Any,
+        policy: Policy | None = None,
+        debug: bool = False,
+        trace_to: TextIO | None = None,
+        check_mirrored: bool = False,
+    ):
+        self.cluster = cluster
+        self.n = cluster.world_size
+        self.policy = policy
+        self.debug = debug
+        self.trace_to = trace_to or sys.stderr
+        self.check_mirrored = check_mirrored
+        self._tensor_ids = itertools.count(1)
+        self._program_ids = itertools.count(1)
+        self._run_ids = itertools.count(1)
+        self.plans: dict[tuple, CompiledPlan] = {}
+        self.last_plan: Plan | None = None
+        self.last_timings: dict[int, dict] = {}
+
+    # -- placement ------------------------------------------------------------------------------
+
+    def tensor(self, array: Any, state: State | None = None, name: str = "") -> Tensor:
+        """A resident tensor from a host array: each worker receives only its slice."""
+        array = np.asarray(array)
+        dtype = dtype_name(array.dtype)
+        state = self._placement(name, array.shape, state)
+        return self._place(
+            name,
+            array.shape,
+            dtype,
+            state,
+            lambda d: (
+                extract(array, state, self.n, d) if not isinstance(state, Partial) or d == 0 else np.zeros_like(array)
+            ),
+        )
+
+    def from_generator(
+        self,
+        shape: Sequence[int],
+        dtype: Any,
+        state: State | None,
+        make: Callable[[int, tuple[Piece, ...]], np.ndarray],
+        name: str = "",
+    ) -> Tensor:
+        """A resident tensor built per device: `make(device, pieces)` returns that device's local
+        array, so a large weight never exists whole on the host."""
+        shape = tuple(int(s) for s in shape)
+        state = self._placement(name, shape, state)
+        return self._place(
+            name, shape, dtype_name(dtype), state, lambda d: np.asarray(make(d, pieces(state, shape, self.n, d)))
+        )
+
+    def _placement(self, name: str, shape: tuple[int, ...], state: State | None) -> State:
+        if state is None and self.policy is not None:
+            state = self.policy(name, tuple(shape))
+        state = MIRRORED if state is None else state
+        validate(state, shape, self.n, name=name or "tensor")
+        return state
+
+    def _place(self, name, shape, dtype, state, local) -> Tensor:
+        tensor = next(self._tensor_ids)
+        messages = {}
+        for d in range(self.n):
+            array = local(d)
+            expected = local_shape(state, shape, self.n, d)
+            if tuple(array.shape) != expected or dtype_name(array.dtype) != dtype:
+                raise errors.SplitError(
+                    f"{name or 'tensor'}: device {d} local array is {array.shape} {array.dtype}, "
+                    f"{state} of {shape} needs {expected} {dtype}"
+                )
+            messages[d] = p.Put(tensor, state, tuple(shape), array)
+        try:
+            self._call(messages)
+        except MetaError:
+            self._free_ids([tensor])  # nothing half-placed stays behind
+            raise
+        return Tensor(self, Node("", (), {}, tuple(shape), dtype, name, tensor=tensor, state=state))
+
+    # -- reading and freeing --------------------------------------------------------------------
+
+    def get(self, t: Tensor) -> np.ndarray:
+        """The global value as a host array, whatever the state (Partial is summed)."""
+        self.run(t)
+        node = t.node
+        replies = self._call({d: p.Get(node.tensor) for d in range(self.n)})
+        locals_ = [np.asarray(replies[d].array) for d in range(self.n)]
+        return gather(locals_, node.state, check_mirrored=self.check_mirrored)
+
+    def free(self, *tensors: Tensor) -> None:
+        ids = [t.node.tensor for t in tensors if t.node.resident]
+        for t in tensors:
+            t.node.tensor, t.node.state = None, None
+        self._free_ids(ids)
+
+    def _free_ids(self, ids: list[int]) -> None:
+        if ids:
+            self._call({d: p.Free(ids) for d in range(self.n)})
+
+    # -- running --------------------------------------------------------------------------------
+
+    def run(self, *tensors: Tensor) -> None:
+        """Make `tensors` resident: plan (cached by structure), load once, run on every worker."""
+        outputs = [t.node for t in tensors if not t.node.resident]
+        outputs = list({id(n): n for n in outputs}.values())
+        if not outputs:
+            return
+        leaves, order = topo_order(outputs)
+        key = structural_key(leaves, order, outputs)
+        compiled = self.plans.get(key)
+        if compiled is None:
+            compiled = self._compile(leaves, order, outputs)
+            self.plans[key] = compiled
+        self.last_plan = compiled.plan
+        if self.debug:
+            print("\n".join(compiled.plan.trace), file=self.trace_to)
+        out_ids = [next(self._tensor_ids) for _ in outputs]
+        run = next(self._run_ids)
+        message = p.RunProgram(
+            compiled.program,
+            run,
+            [[i, leaf.tensor] for i, leaf in enumerate(leaves)],
+            [[v, t] for v, t in zip(compiled.plan.outputs, out_ids)],
+        )
+        replies = self._call({d: message for d in range(self.n)})
+        self.last_timings = {d: dict(r.info) for d, r in replies.items()}
+        for node, tensor, state in zip(outputs, out_ids, compiled.plan.out_states):
+            node.tensor, node.state = tensor, state
+            node.op, node.inputs = "", ()  # resident now: the recipe (and its inputs) can go
+
+    def _compile(self, leaves: list[Node], order: list[Node], outputs: list[Node]) -> CompiledPlan:
+        planned = plan(leaves, order, outputs, self.n)
+        programs = compile_plan(planned, self.n)
+        program = next(self._program_ids)
+        self._call({d: p.LoadProgram(program, programs[d]) for d in range(self.n)})
+        return CompiledPlan(program, planned)
+
+    def _call(self, messages: dict[int, p.Message]) -> dict[int, p.Message]:
+        replies = self.cluster.call_all(messages)
+        failures = {d: r for d, r in replies.items() if isinstance(r, p.Error)}
+        if failures:
+            raise _exception(failures)
+        return replies
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[int, dict]:
+        return {d: dict(r.info) for d, r in self._call({d: p.Stats() for d in range(self.n)}).items()}
+
+    def close(self) -> None:
+        self.cluster.close()
+
+    def __enter__(self) -> MetaDevice:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _exception(failures: dict[int, p.Error]) -> MetaError:
+    """The root cause among the workers' errors (peers that merely aborted come last)."""
+    ranked = sorted(failures.items(), key=lambda kv: (" aborted: worker " in kv[1].message, kv[0]))
+    rank, err = ranked[0]
+    text = f"worker {rank}: {err.message}"
+    if len(failures) > 1:
+        text += f" (workers {sorted(failures)} failed)"
+    cls = _TYPED.get(err.kind)
+    if cls is None:
+        return RemoteError(text, rank=rank, kind=err.kind, remote_traceback=err.traceback)
+    exc = cls(text) if cls is not errors.WorkerLost else cls(text, rank=rank)
+    exc.remote_traceback = err.traceback
+    return exc
+
+
+__all__ = ["MetaDevice", "Tensor", "dtype_from_name"]

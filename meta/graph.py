@@ -1,0 +1,56 @@
+"""The lazy graph: nodes record ops; a node becomes resident once a run has produced it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from split_state.states import State
+
+MOVE = "redistribute"  # pseudo-op: the user asked for a state; the planner inserts the move
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Node:
+    op: str  # an op of split_state.ops.OPS, MOVE, or "" for a resident tensor
+    inputs: tuple[Node, ...]
+    params: dict[str, Any]
+    shape: tuple[int, ...]
+    dtype: str
+    name: str = ""
+    id: int = field(default_factory=lambda: next(_ids))
+    # set once resident on the workers
+    tensor: int | None = None
+    state: State | None = None
+
+    @property
+    def resident(self) -> bool:
+        return self.tensor is not None
+
+
+def topo_order(outputs: list[Node]) -> tuple[list[Node], list[Node]]:
+    """(resident leaves, nodes to compute) reachable from `outputs`, each in a deterministic order."""
+    leaves: list[Node] = []
+    order: list[Node] = []
+    seen: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(n, False) for n in reversed(outputs)]
+    while stack:
+        node, expanded = stack.pop()
+        if node.id in seen and not expanded:
+            continue
+        if node.resident:
+            seen.add(node.id)
+            leaves.append(node)
+            continue
+        if expanded:
+            order.append(node)
+            continue
+        seen.add(node.id)
+        stack.append((node, True))
+        for child in reversed(node.inputs):
+            if child.id not in seen:
+                stack.append((child, False))
+    return leaves, order

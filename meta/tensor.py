@@ -1,0 +1,194 @@
+"""Tensor handles: lazy ops with the NumPy spelling; reading a result runs what it needs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from meta.graph import MOVE, Node
+from split_state.dtypes import dtype_name
+from split_state.errors import ShapeError
+from split_state.ops import infer
+from split_state.states import State
+
+if TYPE_CHECKING:
+    from meta.device import MetaDevice
+
+
+class Tensor:
+    def __init__(self, device: MetaDevice, node: Node):
+        self.device = device
+        self.node = node
+
+    # -- facts ----------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.node.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        from split_state.dtypes import dtype_from_name
+
+        return dtype_from_name(self.node.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.node.shape)
+
+    @property
+    def state(self) -> State | None:
+        """The split state once resident (None while only a recipe)."""
+        return self.node.state
+
+    def __repr__(self) -> str:
+        where = f"{self.node.state}" if self.node.resident else "lazy"
+        return f"Tensor({self.node.name or self.node.op or 'input'}, shape={self.shape}, {self.node.dtype}, {where})"
+
+    # -- running --------------------------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        return self.device.get(self)
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.numpy()
+        return out if dtype is None else out.astype(dtype)
+
+    def realize(self) -> Tensor:
+        self.device.run(self)
+        return self
+
+    def free(self) -> None:
+        self.device.free(self)
+
+    def redistribute(self, state: State) -> Tensor:
+        return _make(MOVE, [self], {"state": state}, self.shape, self.node.dtype)
+
+    # -- ops ------------------------------------------------------------------------------------
+    def __matmul__(self, other: Tensor) -> Tensor:
+        return apply("matmul", self, other)
+
+    def __add__(self, other: Any) -> Tensor:
+        return apply("add", self, _operand(self, other))
+
+    def __radd__(self, other: Any) -> Tensor:
+        return apply("add", _operand(self, other), self)
+
+    def __sub__(self, other: Any) -> Tensor:
+        return apply("sub", self, _operand(self, other))
+
+    def __rsub__(self, other: Any) -> Tensor:
+        return apply("sub", _operand(self, other), self)
+
+    def __mul__(self, other: Any) -> Tensor:
+        if isinstance(other, (int, float)):
+            return apply("scale", self, factor=float(other))
+        return apply("mul", self, other)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: Any) -> Tensor:
+        if isinstance(other, (int, float)):
+            return apply("scale", self, factor=1.0 / float(other))
+        return apply("div", self, other)
+
+    def __neg__(self) -> Tensor:
+        return apply("neg", self)
+
+    @property
+    def T(self) -> Tensor:  # noqa: N802 - NumPy's spelling
+        return self.transpose()
+
+    def transpose(self, *axes: int) -> Tensor:
+        axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (list, tuple)) else axes
+        return apply("transpose", self, axes=tuple(axes) if axes else None)
+
+    def reshape(self, *shape: int) -> Tensor:
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (list, tuple)) else shape
+        return apply("reshape", self, shape=tuple(shape))
+
+    def sum(self, axis: int, keepdims: bool = False) -> Tensor:
+        return apply("sum", self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis: int, keepdims: bool = False) -> Tensor:
+        return apply("mean", self, axis=axis, keepdims=keepdims)
+
+    def softmax(self, axis: int = -1) -> Tensor:
+        return apply("softmax", self, axis=axis)
+
+    def rms_norm(self, axis: int = -1, eps: float = 1e-6) -> Tensor:
+        return apply("rms_norm", self, axis=axis, eps=eps)
+
+    def layer_norm(self, axis: int = -1, eps: float = 1e-5) -> Tensor:
+        return apply("layer_norm", self, axis=axis, eps=eps)
+
+    def gelu(self) -> Tensor:
+        return apply("gelu", self)
+
+    def gelu_erf(self) -> Tensor:
+        return apply("gelu_erf", self)
+
+    def silu(self) -> Tensor:
+        return apply("silu", self)
+
+    def relu(self) -> Tensor:
+        return apply("relu", self)
+
+    def exp(self) -> Tensor:
+        return apply("exp", self)
+
+    def tanh(self) -> Tensor:
+        return apply("tanh", self)
+
+    def astype(self, dtype: Any) -> Tensor:
+        return apply("cast", self, dtype=dtype_name(dtype))
+
+    def __getitem__(self, index: Any) -> Tensor:
+        """Basic slicing with step 1 (`x[:, 2:5]`): one slice op per sliced axis."""
+        index = index if isinstance(index, tuple) else (index,)
+        out = self
+        for axis, item in enumerate(index):
+            if not isinstance(item, slice) or item.step not in (None, 1):
+                raise ShapeError(f"only basic slices with step 1 are supported, got {item!r} on axis {axis}")
+            if item != slice(None):
+                start, stop, _ = item.indices(self.shape[axis])
+                out = apply("slice", out, axis=axis, start=start, stop=stop)
+        return out
+
+
+def _operand(like: Tensor, value: Any) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    return like.device.tensor(np.asarray(value, dtype=like.dtype))
+
+
+def _make(op: str, inputs: Sequence[Tensor], params: dict, shape, dtype: str, name: str = "") -> Tensor:
+    device = inputs[0].device
+    if any(t.device is not device for t in inputs):
+        raise ShapeError(f"{op}: operands live on different MetaDevices")
+    return Tensor(device, Node(op, tuple(t.node for t in inputs), params, tuple(shape), dtype, name))
+
+
+def apply(op: str, *inputs: Tensor, name: str = "", **params: Any) -> Tensor:
+    """Record op `op` on `inputs`; shapes and parameters are checked now, nothing runs yet."""
+    shape, dtype, canon = infer(op, [t.shape for t in inputs], [t.node.dtype for t in inputs], params)
+    return _make(op, inputs, canon, shape, dtype, name)
+
+
+# -- the functional spelling --------------------------------------------------------------------
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    return apply("matmul", a, b)
+
+
+def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
+    return apply("concat", *tensors, axis=axis)
+
+
+def get_rows(table: Tensor, ids: Tensor) -> Tensor:
+    return apply("get_rows", table, ids)
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    return x.softmax(axis)

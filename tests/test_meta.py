@@ -1,0 +1,218 @@
+"""End to end through the MetaDevice: every op and input state against NumPy, collective counts,
+every state writable and readable, redistribution between any two states, plan caching."""
+
+import io
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meta import MetaDevice, apply, get_rows
+from split_state import MIRRORED, OPS, PARTIAL, Collective, Split
+from split_state.kernels import KERNELS
+from tests.op_cases import assert_matches, draw_case
+from tests.strategies import state_for
+from workers.simulator import SimulatedCluster
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def check_op(dev, name, data):
+    arrays, params, _, expected = draw_case(data, name)
+    states = [data.draw(state_for(a.shape, dev.n)) for a in arrays]
+    handles = [dev.tensor(a, s) for a, s in zip(arrays, states)]
+    assert_matches(apply(name, *handles, **params).numpy(), expected, f"{name} {states}")
+    dev.free(*handles)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), n=st.integers(1, 8))
+def test_every_op_and_state_on_the_simulator(name, data, n):
+    dev = MetaDevice(SimulatedCluster(n), check_mirrored=True)
+    try:
+        check_op(dev, name, data)
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("devname", ["procs2", "procs3"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_op_on_worker_processes(name, devname, data, request):
+    check_op(request.getfixturevalue(devname), name, data)
+
+
+# -- worked examples: tensor-parallel MLP and attention -----------------------------------------
+
+
+def mlp(dev, x, w_up, w_down):
+    """Column-parallel up-projection, row-parallel down-projection: one all-reduce."""
+    n = dev.n
+    up = dev.tensor(w_up, Split.even(1, w_up.shape[1], n), name="w_up")
+    down = dev.tensor(w_down, Split.even(0, w_down.shape[0], n), name="w_down")
+    return ((dev.tensor(x, name="x") @ up).gelu() @ down).redistribute(MIRRORED)
+
+
+def attention(dev, x, w_qkv, w_o, mask, heads):
+    """Fused QKV weight as 3 segments split by whole heads; heads local; output row-parallel."""
+    tokens, hidden = x.shape
+    hd = hidden // heads
+    qkv_w = dev.tensor(w_qkv, Split.even(1, (hidden, hidden, hidden), dev.n, granularity=hd), name="w_qkv")
+    o_w = dev.tensor(w_o, Split.even(0, hidden, dev.n, granularity=hd), name="w_o")
+    qkv = dev.tensor(x, name="x") @ qkv_w  # (tokens, 3*hidden) segmented by heads
+
+    def heads_first(t):  # (tokens, hidden) -> (heads, tokens, hd)
+        return t.reshape(tokens, heads, hd).transpose(1, 0, 2)
+
+    q, k, v = (heads_first(qkv[:, i * hidden : (i + 1) * hidden]) for i in range(3))
+    scores = (q @ k.transpose(0, 2, 1)) * (1.0 / np.sqrt(hd)) + dev.tensor(mask, name="mask")
+    ctx = scores.softmax(-1) @ v  # (heads, tokens, hd), heads split
+    merged = ctx.transpose(1, 0, 2).reshape(tokens, hidden)
+    return (merged @ o_w).redistribute(MIRRORED)
+
+
+def attention_reference(x, w_qkv, w_o, mask, heads):
+    tokens, hidden = x.shape
+    hd = hidden // heads
+    qkv = x @ w_qkv
+    q, k, v = (qkv[:, i * hidden : (i + 1) * hidden].reshape(tokens, heads, hd).transpose(1, 0, 2) for i in range(3))
+    s = q @ k.transpose(0, 2, 1) / np.sqrt(hd) + mask
+    s = np.exp(s - s.max(-1, keepdims=True))
+    s /= s.sum(-1, keepdims=True)
+    return (s @ v).transpose(1, 0, 2).reshape(tokens, hidden) @ w_o
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_mlp_emits_exactly_one_all_reduce(sim, n):
+    rng = np.random.default_rng(0)
+    x, w1, w2 = (rng.standard_normal(s).astype(np.float32) for s in [(5, 8), (8, 12), (12, 8)])
+    dev = sim(n)
+    got = mlp(dev, x, w1, w2).numpy()
+    np.testing.assert_allclose(got, KERNELS["gelu"](np, [x @ w1], {}) @ w2, rtol=1e-4, atol=1e-4)
+    assert dev.last_plan.collectives() == ([Collective.ALL_REDUCE] if n > 1 else [])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_attention_with_heads_split_emits_exactly_one_all_reduce(sim, n):
+    rng = np.random.default_rng(1)
+    tokens, hidden, heads = 6, 12, 6
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    w_qkv = rng.standard_normal((hidden, 3 * hidden)).astype(np.float32)
+    w_o = rng.standard_normal((hidden, hidden)).astype(np.float32)
+    mask = np.triu(np.full((tokens, tokens), -1e9, np.float32), 1)
+    dev = sim(n)
+    got = attention(dev, x, w_qkv, w_o, mask, heads).numpy()
+    np.testing.assert_allclose(got, attention_reference(x, w_qkv, w_o, mask, heads), rtol=1e-4, atol=1e-4)
+    assert dev.last_plan.collectives() == ([Collective.ALL_REDUCE] if n > 1 else [])
+
+
+def test_attention_on_three_processes(procs3):
+    rng = np.random.default_rng(2)
+    tokens, hidden, heads = 5, 8, 4
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    w_qkv = rng.standard_normal((hidden, 3 * hidden)).astype(np.float32)
+    w_o = rng.standard_normal((hidden, hidden)).astype(np.float32)
+    mask = np.zeros((tokens, tokens), np.float32)
+    got = attention(procs3, x, w_qkv, w_o, mask, heads).numpy()
+    np.testing.assert_allclose(got, attention_reference(x, w_qkv, w_o, mask, heads), rtol=1e-4, atol=1e-4)
+    assert procs3.last_plan.count(Collective.ALL_REDUCE) == 1
+
+
+def test_chain_of_linear_ops_on_partial_reduces_once_at_the_end(sim):
+    dev = sim(3)
+    rng = np.random.default_rng(3)
+    a, b, c = (rng.standard_normal((4, 4)).astype(np.float32) for _ in range(3))
+    pa = dev.tensor(a, PARTIAL)
+    out = ((pa * 2.0 + dev.tensor(b)) - dev.tensor(c, PARTIAL)).T.reshape(16) * -1.0
+    lazy = out.redistribute(MIRRORED)
+    np.testing.assert_allclose(lazy.numpy(), -((a * 2 + b) - c).T.reshape(16), rtol=1e-5, atol=1e-5)
+    assert dev.last_plan.collectives() == [Collective.ALL_REDUCE]
+
+
+def test_nonlinear_consumer_forces_the_reduction(sim):
+    dev = sim(2)
+    x = np.linspace(-2, 2, 8, dtype=np.float32)
+    y = dev.tensor(x, PARTIAL).gelu()
+    np.testing.assert_allclose(y.numpy(), KERNELS["gelu"](np, [x], {}), rtol=1e-6)
+    assert len(dev.last_plan.collectives()) == 1
+
+
+# -- states ---------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), n=st.integers(1, 6), shape=st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple))
+def test_every_state_writes_reads_and_redistributes_to_every_other(data, n, shape):
+    src = data.draw(state_for(shape, n))
+    dst = data.draw(state_for(shape, n))
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    dev = MetaDevice(SimulatedCluster(n), check_mirrored=True)
+    try:
+        t = dev.tensor(x, src)
+        assert t.state == src and np.array_equal(t.numpy(), x)
+        moved = t.redistribute(dst)
+        assert np.array_equal(moved.numpy(), x) and moved.state == dst
+    finally:
+        dev.close()
+
+
+def test_generator_placement_never_builds_the_whole_weight(sim):
+    dev = sim(3)
+    state = Split.even(0, 10, 3)
+    seen = []
+
+    def make(device, pieces):
+        seen.append((device, [(p.global_start, p.global_stop) for p in pieces]))
+        rows = [np.arange(p.global_start, p.global_stop, dtype=np.float32) for p in pieces]
+        return np.concatenate(rows)[:, None] * np.ones((1, 4), np.float32)
+
+    t = dev.from_generator((10, 4), np.float32, state, make)
+    assert seen == [(0, [(0, 4)]), (1, [(4, 7)]), (2, [(7, 10)])]
+    assert np.array_equal(t.numpy(), np.arange(10, dtype=np.float32)[:, None] * np.ones((1, 4)))
+
+
+def test_placement_policy_chooses_weight_states(sim):
+    def policy(name, shape):
+        return Split.even(1, shape[1], 2) if name.startswith("w") else None
+
+    dev = sim(2, policy=policy)
+    w = dev.tensor(np.ones((3, 4), np.float32), name="w_up")
+    b = dev.tensor(np.ones((4,), np.float32), name="bias")
+    assert w.state == Split.even(1, 4, 2) and b.state == MIRRORED
+
+
+def test_repeated_step_reuses_the_cached_plan(sim):
+    dev = sim(2)
+    w = dev.tensor(np.eye(4, dtype=np.float32), Split.even(1, 4, 2))
+    for i in range(3):
+        y = (dev.tensor(np.full((2, 4), i, np.float32)) @ w).relu()
+        assert np.array_equal(y.numpy(), np.full((2, 4), i, np.float32))
+    assert len(dev.plans) == 1
+
+
+def test_debug_trace_prints_states_and_collectives():
+    out = io.StringIO()
+    dev = MetaDevice(SimulatedCluster(2), debug=True, trace_to=out)
+    try:
+        x = dev.tensor(np.ones((2, 4), np.float32), name="x")
+        w = dev.tensor(np.ones((4, 2), np.float32), Split.even(0, 4, 2), name="w")
+        (x @ w).gelu().numpy()
+    finally:
+        dev.close()
+    text = out.getvalue()
+    assert "(x:M, w:S0[2|2])" not in text  # x is sliced locally first
+    assert "-> matmul -> P" in text and "all_reduce" in text and "-> gelu -> M" in text
+
+
+def test_get_rows_with_split_table_is_partial(sim):
+    dev = sim(3)
+    table = np.arange(20, dtype=np.float32).reshape(10, 2)
+    t = dev.tensor(table, Split.even(0, 10, 3))
+    ids = dev.tensor(np.array([[9, 0], [4, 4]], np.int32))
+    rows = get_rows(t, ids)
+    rows.realize()
+    assert rows.state == PARTIAL
+    assert np.array_equal(rows.numpy(), table[[[9, 0], [4, 4]]])

@@ -1,0 +1,139 @@
+"""Worker behaviour: error replies, memory budget, liveness, orphans, the CuPy backend."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from meta import MetaDevice
+from meta.cluster import alive
+from split_state import MIRRORED, PARTIAL, OutOfMemory, ShapeError, Split, WorkerLost
+from transport import protocol as p
+from workers.backend import cuda_device_count
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_failing_op_returns_error_with_traceback_and_worker_stays_usable(procs2):
+    dev = procs2
+    table = dev.tensor(np.arange(12, dtype=np.float32).reshape(4, 3), Split.even(0, 4, 2))
+    ids = dev.tensor(np.array([0, 9], dtype=np.int32))  # 9 is out of range
+    with pytest.raises(ShapeError, match=r"ids must lie in \[0, 4\)") as info:
+        from meta import get_rows
+
+        get_rows(table, ids).numpy()
+    assert "Traceback" in info.value.remote_traceback
+    # the same workers still serve, and the stored table is intact
+    assert np.array_equal(table.numpy(), np.arange(12, dtype=np.float32).reshape(4, 3))
+    good = dev.tensor(np.array([3, 0], dtype=np.int32))
+    assert np.array_equal(get_rows(table, good).numpy(), np.array([[9, 10, 11], [0, 1, 2]], np.float32))
+
+
+def test_memory_budget_refuses_and_leaves_stored_tensors_intact(fresh_cluster):
+    dev = MetaDevice(fresh_cluster(2, memory_budget=4096))
+    small = dev.tensor(np.arange(256, dtype=np.float32), Split.even(0, 256, 2))  # 512 B per worker
+    with pytest.raises(OutOfMemory, match="budget"):
+        dev.tensor(np.ones(4096, np.float32), MIRRORED)  # 16 KiB per worker
+    # an intermediate past the budget fails the run, not the store
+    with pytest.raises(OutOfMemory):
+        (small.redistribute(MIRRORED).reshape(1, 256).T @ small.redistribute(MIRRORED).reshape(1, 256)).numpy()
+    assert np.array_equal(small.numpy(), np.arange(256, dtype=np.float32))
+    stats = dev.stats()
+    assert all(s["used"] == 512 for s in stats.values()), stats
+
+
+def test_worker_killed_during_a_collective_raises_worker_lost_naming_it(fresh_cluster):
+    cluster = fresh_cluster(2, liveness=3.0)
+    dev = MetaDevice(cluster)
+    x = dev.tensor(np.ones((4, 4), np.float32), PARTIAL)
+    victim = cluster.processes[1]
+    # worker 1 stops before the collective; worker 0 waits for its data
+    os.kill(victim.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        os.kill(victim.pid, signal.SIGKILL)
+        with pytest.raises(WorkerLost, match="worker 1") as info:
+            x.redistribute(MIRRORED).numpy()
+    finally:
+        victim.wait(5)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 5.0
+
+
+def test_stopped_worker_is_reported_within_the_liveness_window(fresh_cluster):
+    cluster = fresh_cluster(2, liveness=2.0)
+    dev = MetaDevice(cluster)
+    x = dev.tensor(np.ones(4, np.float32), PARTIAL)
+    os.kill(cluster.processes[0].pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerLost, match="silent"):
+            x.redistribute(MIRRORED).numpy()
+        assert time.monotonic() - start < 2.0 + 2.5
+    finally:
+        os.kill(cluster.processes[0].pid, signal.SIGCONT)
+
+
+COORDINATOR = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    from meta import ClusterConfig, ProcessCluster
+    cluster = ProcessCluster(ClusterConfig(workers=2, liveness=2.0))
+    print(" ".join(str(pid) for pid in cluster.pids.values()), flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_workers_exit_when_their_coordinator_dies(how):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    coordinator = subprocess.Popen(
+        [sys.executable, "-c", COORDINATOR.format(root=root)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pids = [int(x) for x in coordinator.stdout.readline().split()]
+        assert len(pids) == 2 and alive(pids) == pids
+        if how == "sigkill":
+            coordinator.kill()
+        else:
+            coordinator.terminate()
+        coordinator.wait(5)
+        deadline = time.monotonic() + 8.0
+        while alive(pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert alive(pids) == [], "workers outlived their coordinator"
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+
+
+def test_put_with_wrong_local_shape_is_refused(procs2):
+    reply = procs2.cluster.call_all({0: p.Put(999, Split(0, ((2, 2),)), (4,), np.zeros(3, np.float32))})
+    assert isinstance(reply[0], p.Error) and reply[0].kind == "SplitError" and "needs (2,)" in reply[0].message
+
+
+@pytest.mark.skipif(cuda_device_count() == 0, reason="needs CuPy and a CUDA device")
+def test_cupy_backend_runs_kernels_and_transfers():
+    from split_state.kernels import KERNELS
+    from workers.backend import CupyBackend
+
+    backend = CupyBackend(0)
+    a = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    b = np.random.default_rng(1).standard_normal((32, 16)).astype(np.float32)
+    got = backend.to_host(KERNELS["matmul"](backend.xp, [backend.to_device(a), backend.to_device(b)], {}))
+    np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4)
+    assert backend.info().memory_total > 0
+
+
+@pytest.mark.skipif(cuda_device_count() == 0, reason="needs CuPy and a CUDA device")
+def test_two_cuda_workers_sharing_one_gpu(fresh_cluster):
+    dev = MetaDevice(fresh_cluster(2, backend="cuda", devices=(0, 0)))
+    x = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32)
+    y = (dev.tensor(x, Split.even(1, 64, 2)) @ dev.tensor(w, Split.even(0, 64, 2))).redistribute(MIRRORED)
+    np.testing.assert_allclose(y.numpy(), x @ w, rtol=1e-4, atol=1e-4)

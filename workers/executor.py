@@ -1,0 +1,93 @@
+"""Program execution on one worker: local kernels, collective steps, frees of dead slots."""
+
+from __future__ import annotations
+
+import time
+from math import prod
+from typing import Any
+
+from split_state.dtypes import dtype_from_name
+from split_state.errors import MetaError, ProtocolError, ShapeError
+from split_state.kernels import KERNELS
+from split_state.layout import local_shape
+from transport import protocol as p
+from transport.deadline import Deadline
+from workers.collectives import Collectives
+from workers.store import TensorStore
+
+
+class Executor:
+    def __init__(self, backend, store: TensorStore, collective_timeout: float):
+        self.backend = backend
+        self.store = store
+        self.collective_timeout = collective_timeout
+        self.programs: dict[int, list[p.Step]] = {}
+        self.collectives: Collectives | None = None
+
+    def attach(self, comm) -> None:
+        self.comm = comm
+        self.collectives = Collectives(comm, self.backend)
+
+    def load(self, program: int, steps: list[p.Step]) -> None:
+        for i, step in enumerate(steps):
+            if isinstance(step, p.OpStep) and step.op not in KERNELS:
+                raise ProtocolError(f"program {program} step {i}: unknown op {step.op!r}")
+        self.programs[program] = steps
+
+    def run(self, program: int, run: int, inputs: list[list[int]], outputs: list[list[int]]) -> dict[str, Any]:
+        if program not in self.programs:
+            raise ProtocolError(f"program {program} is not loaded on this worker")
+        if self.collectives is None:
+            raise ProtocolError("worker is not configured: no peers yet")
+        slots = {slot: self.store.get(tensor) for slot, tensor in inputs}
+        owned: dict[int, int] = {}  # slots this run allocated -> bytes
+        timings = {"compute_s": 0.0, "comm_s": 0.0}
+        try:
+            for index, step in enumerate(self.programs[program]):
+                self._step(index, step, slots, owned, run, timings)
+            results = {tensor: slots[slot] for slot, tensor in outputs}
+        except BaseException as exc:
+            self._release(owned)
+            if isinstance(exc, Exception):
+                self.comm.abort(run, type(exc).__name__, str(exc))
+            raise
+        self._release(owned)
+        for tensor, array in results.items():
+            self.store.put(tensor, array)
+        return timings
+
+    def _release(self, owned: dict[int, int]) -> None:
+        self.store.release(sum(owned.values()))
+        owned.clear()
+
+    def _step(self, index: int, step: p.Step, slots: dict, owned: dict, run: int, timings: dict) -> None:
+        if isinstance(step, p.FreeStep):
+            for slot in step.slots:
+                slots.pop(slot, None)
+                self.store.release(owned.pop(slot, 0))
+            return
+        itemsize = dtype_from_name(step.dtype).itemsize
+        start = time.perf_counter()
+        if isinstance(step, p.OpStep):
+            nbytes = prod(step.shape) * itemsize
+            self.store.reserve(nbytes, f"step {index} ({step.op})")
+            owned[step.output] = nbytes
+            out = KERNELS[step.op](self.backend.xp, [slots[s] for s in step.inputs], step.params)
+            if tuple(out.shape) != tuple(step.shape) or out.dtype != dtype_from_name(step.dtype):
+                raise ShapeError(
+                    f"step {index} ({step.op}) produced {tuple(out.shape)} {out.dtype}, "
+                    f"the plan expects {tuple(step.shape)} {step.dtype}"
+                )
+            timings["compute_s"] += time.perf_counter() - start
+        else:
+            n, r = self.comm.size, self.comm.rank
+            nbytes = prod(local_shape(step.dst, step.shape, n, r)) * itemsize
+            self.store.reserve(nbytes, f"step {index} (redistribute {step.src} -> {step.dst})")
+            owned[step.output] = nbytes
+            deadline = Deadline(self.collective_timeout)
+            out = self.collectives.redistribute(slots[step.input], step.src, step.dst, step.shape, run, index, deadline)
+            timings["comm_s"] += time.perf_counter() - start
+        slots[step.output] = out
+
+
+__all__ = ["Executor", "MetaError"]

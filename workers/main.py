@@ -1,0 +1,132 @@
+"""The worker process: connect, say hello, serve until shutdown or until the coordinator is lost.
+
+A watchdog thread owns the heartbeat sockets: it sends this worker's heartbeat and exits the
+process when the coordinator has been silent past the liveness window (or the parent process
+that started us is gone), even if the main thread is stuck in a kernel. No orphans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from split_state.errors import MetaError
+from transport import protocol as p
+from transport.deadline import Deadline
+from transport.reply import respond
+from transport.sockets import CurveKeys, Security, dealer, pull, push, recv_frames, send, send_frames
+from workers.backend import make_backend
+from workers.comm import ZmqComm
+from workers.server import WorkerServer
+
+EXIT_COORDINATOR_LOST = 17
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
+    ap.add_argument("--connect", required=True, help="coordinator control endpoint")
+    ap.add_argument("--beat", required=True, help="coordinator heartbeat endpoint (PUB)")
+    ap.add_argument("--beat-in", required=True, help="coordinator heartbeat inbox (PULL)")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--device", type=int, default=0, help="GPU index for the cuda backend")
+    ap.add_argument("--data", default="", help="endpoint to bind the data inbox (default: beside --connect)")
+    ap.add_argument("--keys", default="", help="CURVE key file made by 'launch.py keys'")
+    ap.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
+    ap.add_argument("--liveness", type=float, default=5.0, help="seconds of coordinator silence before exiting")
+    ap.add_argument("--collective-timeout", type=float, default=30.0)
+    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    return ap.parse_args(argv)
+
+
+def data_endpoint(args: argparse.Namespace) -> str:
+    if args.data:
+        return args.data
+    if args.connect.startswith("ipc://"):
+        return args.connect.rsplit("/", 1)[0] + f"/data-{args.rank}-{os.getpid()}"
+    return "tcp://" + args.connect[len("tcp://") :].rsplit(":", 1)[0] + ":*"
+
+
+def watchdog(args: argparse.Namespace, context: zmq.Context, security: Security, stop: threading.Event) -> None:
+    beat_in = context.socket(zmq.SUB)
+    beat_in.linger = 0
+    security.client(beat_in)
+    beat_in.subscribe(b"")
+    beat_in.connect(args.beat)
+    beat_out = push(context, args.beat_in, security)
+    beat_out.sndtimeo = 0  # a heartbeat that cannot leave now is simply skipped
+    last = time.monotonic()
+    try:
+        while not stop.is_set():
+            try:
+                send(beat_out, p.Heartbeat(args.rank))
+            except MetaError:
+                pass
+            if beat_in.poll(int(args.heartbeat * 1000)):
+                while beat_in.poll(0):  # drain: only the latest beat matters
+                    beat_in.recv_multipart()
+                last = time.monotonic()
+            orphaned = args.parent_pid and os.getppid() != args.parent_pid
+            if time.monotonic() - last > args.liveness or orphaned:
+                why = "its parent exited" if orphaned else f"no coordinator heartbeat for {args.liveness:.1f} s"
+                print(f"worker {args.rank}: exiting, {why}", file=sys.stderr, flush=True)
+                os._exit(EXIT_COORDINATOR_LOST)
+    finally:
+        beat_in.close(0)
+        beat_out.close(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    backend = make_backend(args.backend, args.device)
+    context = zmq.Context()
+    security = Security(context, CurveKeys.load(args.keys) if args.keys else None)
+    inbox, data_ep = pull(context, data_endpoint(args), security)
+    control = dealer(context, args.connect, f"w{args.rank}".encode(), security)
+    stop = threading.Event()
+    dog = threading.Thread(target=watchdog, args=(args, context, security, stop), daemon=True)
+    dog.start()
+    comms: list[ZmqComm] = []
+
+    def connect(configure: p.Configure) -> ZmqComm:
+        for old in comms:
+            old.close()
+        comms[:] = [ZmqComm(args.rank, inbox, configure.peers, context, security)]
+        return comms[0]
+
+    server = WorkerServer(args.rank, backend, connect, args.collective_timeout)
+    info = backend.info()
+    try:
+        send(
+            control,
+            p.Hello(
+                args.rank, os.getpid(), info.backend, info.description, info.memory_total, info.memory_free, data_ep
+            ),
+        )
+        while not server.stopping:
+            try:
+                frames = recv_frames(control, Deadline(0.5))
+            except MetaError:
+                continue  # nothing yet; the watchdog decides when waiting is over
+            send_frames(control, respond(frames, server.handle))
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        stop.set()
+        dog.join(2)
+        for comm in comms:
+            comm.close()
+        inbox.close(0)
+        control.close(0)
+        security.close()
+        context.term()
+    return 0

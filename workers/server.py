@@ -1,0 +1,98 @@
+"""A worker's request handler: state (backend, store, programs) and one reply per message.
+
+The same handler serves a real worker process and a simulated device, so both behave alike.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Callable
+
+import numpy as np
+
+from split_state.errors import ProtocolError, SplitError
+from split_state.layout import local_shape
+from transport import protocol as p
+from workers.executor import Executor
+from workers.store import TensorStore
+
+DEFAULT_BUDGET = 1 << 40
+
+
+class WorkerServer:
+    def __init__(self, rank: int, backend, connect: Callable[[p.Configure], object], collective_timeout: float = 30.0):
+        self.rank = rank
+        self.backend = backend
+        self.connect = connect  # builds the comm to the peers named in Configure
+        self.store = TensorStore(DEFAULT_BUDGET)
+        self.executor = Executor(backend, self.store, collective_timeout)
+        self.world_size = 0
+        self.stopping = False
+        self.runs = 0
+
+    def handle(self, message: p.Message) -> p.Message:
+        handler = getattr(self, "_on_" + type(message).__name__.lower(), None)
+        if handler is None:
+            raise ProtocolError(f"a worker does not accept {type(message).__name__} messages")
+        return handler(message)
+
+    def _on_configure(self, m: p.Configure) -> p.Message:
+        if m.world_size != len(m.peers) or not 0 <= self.rank < m.world_size:
+            raise ProtocolError(f"configure: world size {m.world_size} with {len(m.peers)} peers, rank {self.rank}")
+        self.world_size = m.world_size
+        if m.memory_budget:
+            self.store.budget = m.memory_budget
+        self.executor.attach(self.connect(m))
+        return p.Ok({"collective": m.collective})
+
+    def _on_put(self, m: p.Put) -> p.Message:
+        self._require_configured()
+        expected = local_shape(m.state, m.shape, self.world_size, self.rank)
+        if tuple(m.array.shape) != expected:
+            raise SplitError(
+                f"tensor {m.tensor}: worker {self.rank} got a slice of shape {tuple(m.array.shape)}, "
+                f"{m.state} of {tuple(m.shape)} on {self.world_size} devices needs {expected}"
+            )
+        self.store.put(m.tensor, self.backend.to_device(np.array(m.array, copy=True)))
+        return p.Ok()
+
+    def _on_get(self, m: p.Get) -> p.Message:
+        return p.Tensor(m.tensor, self.backend.to_host(self.store.get(m.tensor)))
+
+    def _on_free(self, m: p.Free) -> p.Message:
+        for tensor in m.tensors:
+            self.store.free(tensor)
+        return p.Ok()
+
+    def _on_loadprogram(self, m: p.LoadProgram) -> p.Message:
+        self.executor.load(m.program, m.steps)
+        return p.Ok()
+
+    def _on_runprogram(self, m: p.RunProgram) -> p.Message:
+        self._require_configured()
+        self.executor.comm.forget_aborts()
+        self.runs += 1
+        return p.Ok(self.executor.run(m.program, m.run, m.inputs, m.outputs))
+
+    def _on_stats(self, m: p.Stats) -> p.Message:
+        info = {
+            "rank": self.rank,
+            "tensors": len(self.store.tensors),
+            "used": self.store.used,
+            "budget": self.store.budget,
+            "programs": len(self.executor.programs),
+            "runs": self.runs,
+            "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        }
+        return p.Ok(info)
+
+    def _on_heartbeat(self, m: p.Heartbeat) -> p.Message:
+        return p.Ok()
+
+    def _on_shutdown(self, m: p.Shutdown) -> p.Message:
+        self.stopping = True
+        return p.Ok()
+
+    def _require_configured(self) -> None:
+        if not self.world_size:
+            raise ProtocolError(f"worker {self.rank} is not configured yet (no Configure message)")
