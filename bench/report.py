@@ -24,8 +24,14 @@ def machine() -> dict[str, Any]:
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(str(h)), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(columns)]
-    lines = [title, "  ".join(h.rjust(w) for h, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    # numbers right-aligned, text left-aligned; a column is numeric when its first row is
+    numeric = [bool(rows) and isinstance(rows[0][i], (int, float)) for i in range(len(columns))]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    lines = [title, line(columns), "  ".join("-" * w for w in widths)]
+    lines += [line(r) for r in cells]
     return "\n".join(lines)
 
 

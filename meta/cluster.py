@@ -101,9 +101,12 @@ class ProcessCluster:
     # -- start ----------------------------------------------------------------------------------
 
     def _endpoint(self, name: str) -> str:
+        """ipc in a private directory on one host; over tcp the heartbeat sockets sit on the two
+        ports after the control port, so a remote worker needs only the control address."""
         if self.ipc is not None:
             return self.ipc.endpoint(name)
-        return f"tcp://{self.config.host}:{self.config.port if name == 'control' and self.config.port else '*'}"
+        offset = {"control": 0, "beat": 1, "beat-in": 2}[name]
+        return f"tcp://{self.config.host}:{self.config.port + offset if self.config.port else '*'}"
 
     def worker_command(self, rank: int) -> list[str]:
         """The command line that starts worker `rank` (also what remote hosts run, via launch.py)."""
@@ -143,14 +146,16 @@ class ProcessCluster:
             threads = str(self.config.blas_threads)
             for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
                 env[var] = threads  # one worker per core: BLAS must not oversubscribe
-            log = None
+            cmd = self.worker_command(rank) + ["--parent-pid", str(os.getpid())]
             if self.config.log_dir:
                 Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-                log = open(Path(self.config.log_dir) / f"worker-{rank}.log", "ab")  # noqa: SIM115
-            cmd = self.worker_command(rank) + ["--parent-pid", str(os.getpid())]
-            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-            if log is not None:
-                log.close()
+                with open(Path(self.config.log_dir) / f"worker-{rank}.log", "ab") as log:
+                    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            else:
+                proc = subprocess.Popen(
+                    cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                )
+                threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[worker {rank}] "), daemon=True).start()
             self.processes.append(proc)
             self.pids[rank] = proc.pid
 
@@ -304,6 +309,14 @@ class ProcessCluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _prefix_lines(stream, prefix: str) -> None:
+    """Copy a worker's output to our stderr, each line tagged with the worker's rank."""
+    with stream:
+        for line in iter(stream.readline, b""):
+            sys.stderr.write(prefix + line.decode(errors="replace"))
+            sys.stderr.flush()
 
 
 def _pull(context: zmq.Context, endpoint: str, security: Security) -> tuple[zmq.Socket, str]:

@@ -1,0 +1,200 @@
+"""launch.py end to end: demo, Ctrl-C, orphans, two hosts on loopback with CURVE, launchers."""
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import launch
+from meta.cluster import alive
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def launch_cmd(*args):
+    return [sys.executable, str(ROOT / "launch.py"), *args]
+
+
+def test_demo_runs_and_checks_against_numpy():
+    out = subprocess.run(
+        launch_cmd("demo", "--workers", "2", "--backend", "cpu", "--hidden", "64"),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "2 workers started" in out.stdout
+    assert "all_reduce" in out.stdout and "S1[32|32]" in out.stdout
+    assert "OK: max error" in out.stdout
+
+
+def test_devices_lists_the_cpu_backend():
+    out = subprocess.run(launch_cmd("devices"), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "cpu:0" in out.stdout
+
+
+SLEEPER = textwrap.dedent("""
+    import sys, time
+    print(" ".join(str(p) for p in dev.cluster.pids.values()), dev.cluster.ipc.path, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_ctrl_c_stops_every_worker_and_removes_ipc_files(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen(
+        launch_cmd("run", "--workers", "2", "--backend", "cpu", str(script)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        *pids, ipc_dir = proc.stdout.readline().split()
+        pids = [int(p) for p in pids]
+        assert len(pids) == 2 and alive(pids) == pids and os.path.isdir(ipc_dir)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(10)
+        assert time.monotonic() - start < 6
+        assert code == 130
+        assert alive(pids) == [], "orphaned workers"
+        assert not os.path.exists(ipc_dir), "ipc files left behind"
+        assert "interrupted" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def free_port_triple() -> int:
+    for _ in range(100):
+        port = random.randint(20000, 60000)
+        try:
+            for offset in range(3):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + offset))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+REMOTE_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    from split_state import Split, MIRRORED
+    x = dev.tensor(np.arange(12, dtype=np.float32).reshape(3, 4), Split.even(1, 4, dev.n))
+    print("remote sum", float(x.redistribute(MIRRORED).numpy().sum()), flush=True)
+""")
+
+
+@pytest.mark.parametrize("right_key", [True, False])
+def test_two_hosts_on_loopback_with_curve(tmp_path, right_key):
+    key, other = tmp_path / "cluster.key", tmp_path / "other.key"
+    assert launch.main(["keys", str(key)]) == 0 and launch.main(["keys", str(other)]) == 0
+    script = tmp_path / "remote.py"
+    script.write_text(REMOTE_SCRIPT)
+    port = free_port_triple()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    coordinator = subprocess.Popen(
+        launch_cmd(
+            "run",
+            "--listen",
+            endpoint,
+            "--spawn",
+            "0",
+            "--workers",
+            "1",
+            "--backend",
+            "cpu",
+            "--keys",
+            str(key),
+            "--start-timeout",
+            "6",
+            str(script),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.5)
+    worker = subprocess.Popen(
+        launch_cmd(
+            "worker",
+            "--connect",
+            endpoint,
+            "--rank",
+            "0",
+            "--backend",
+            "cpu",
+            "--keys",
+            str(key if right_key else other),
+            "--liveness",
+            "3",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = coordinator.communicate(timeout=40)
+        if right_key:
+            assert coordinator.returncode == 0, err
+            assert "remote sum 66.0" in out
+            assert worker.wait(10) == 0  # told to shut down
+        else:
+            assert coordinator.returncode == 2
+            assert "did not connect" in err
+            assert worker.wait(15) != 0  # never heard the coordinator: exits on its own
+    finally:
+        for proc in (coordinator, worker):
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        (
+            {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[07-09,12]"},
+            launch.LaunchEnv("slurm", 3, 8, "gpu07", 0),
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "1",
+                "OMPI_COMM_WORLD_SIZE": "4",
+                "MASTER_ADDR": "10.0.0.5",
+                "MASTER_PORT": "6000",
+            },
+            launch.LaunchEnv("openmpi", 1, 4, "10.0.0.5", 6000),
+        ),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, launch.LaunchEnv("pmi", 0, 2, "", 0)),
+        (
+            {
+                "RANK": "2",
+                "WORLD_SIZE": "3",
+                "MASTER_ADDR": "node1",
+                "MASTER_PORT": "29500",
+                "SLURM_PROCID": "9",
+                "SLURM_NTASKS": "16",
+            },
+            launch.LaunchEnv("torchrun", 2, 3, "node1", 29500),
+        ),
+        ({"HOME": "/root"}, None),
+    ],
+)
+def test_launcher_detection(env, expected):
+    assert launch.detect_launcher(env) == expected
+
+
+def test_blas_threads_do_not_oversubscribe():
+    cores = os.cpu_count()
+    assert launch.blas_threads(1) == cores
+    assert launch.blas_threads(cores) == 1 and launch.blas_threads(4 * cores) == 1
