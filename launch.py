@@ -350,7 +350,10 @@ def bench(args: argparse.Namespace) -> int:
 def stress(args: argparse.Namespace) -> int:
     from meta import stress as stress_run
 
-    return stress_run.main(args)
+    if args.workers is None:
+        args.workers = 2
+    with open_cluster(args) as dev:
+        return stress_run.run(dev, args.seconds, args.seed)
 
 
 # -- parser -------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import zmq
 
-from split_state.errors import DeadlineExceeded, MetaError, ProtocolError, TransportError, WorkerLost
+from split_state.errors import DeadlineExceeded, MetaError, ProtocolError, TransportError, WorkerLost, WorkerTimeout
 from transport import protocol as p
 from transport.deadline import Deadline, Liveness
 from transport.sockets import CurveKeys, IpcDir, Security, bind, push, recv_frames, router, send
@@ -212,14 +212,14 @@ class ProcessCluster:
         with self._lock:
             silent = [(r, self.liveness.silent_for(r)) for r in self.liveness.lost()]
         for rank, seconds in silent:
-            self._lose(
-                rank,
+            text = (
                 f"worker {rank} (pid {self.pids.get(rank)}) silent for {seconds:.1f} s "
-                f"(liveness window {self.config.liveness} s)",
+                f"(liveness window {self.config.liveness} s)"
             )
+            self._lose(rank, text, WorkerTimeout)
 
-    def _lose(self, rank: int, text: str) -> None:
-        self.lost = WorkerLost(text, rank=rank)
+    def _lose(self, rank: int, text: str, kind: type[WorkerLost] = WorkerLost) -> None:
+        self.lost = kind(text, rank=rank)
         self.abort_peers(rank, text)
         raise self.lost
 

@@ -13,6 +13,7 @@ from split_state.errors import (
     TransportError,
     UnsupportedDtype,
     WorkerLost,
+    WorkerTimeout,
 )
 from split_state.layout import Piece, local_shape, pieces
 from split_state.ops import OPS
@@ -45,6 +46,7 @@ __all__ = [
     "TransportError",
     "UnsupportedDtype",
     "WorkerLost",
+    "WorkerTimeout",
     "apply_reference",
     "choose",
     "dtype_from_name",

@@ -66,3 +66,7 @@ class RemoteError(MetaError, RuntimeError):
         if self.remote_traceback:
             text += "\n--- worker traceback ---\n" + self.remote_traceback.rstrip()
         return text
+
+
+class WorkerTimeout(WorkerLost, DeadlineExceeded):
+    """A worker stopped answering (alive but silent past its liveness window): both lost and a timeout."""

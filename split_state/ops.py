@@ -130,9 +130,11 @@ def _unary_rule(linear: bool):
     return _labels_rule(make)
 
 
-def _infer_binary(name):
+def _infer_binary(name, floats_only: bool = False):
+    # integer division truncates, which does not distribute over a Partial sum: floats only
     def infer(shapes, dtypes, params):
-        return _broadcast(shapes, name), _same_dtype(dtypes, name), {}
+        dtype = _same_dtype(dtypes, name)
+        return _broadcast(shapes, name), _float(dtype, name) if floats_only else dtype, {}
 
     return infer
 
@@ -239,6 +241,8 @@ def _infer_reshape(shapes, dtypes, params):
 def reshape_split(state: Split, src: Shape, dst: Shape) -> Split | None:
     """The split of the reshaped tensor when every device's local data stays a contiguous
     row-major block of the same form, or None when it cannot be expressed."""
+    if 0 in src or 0 in dst:
+        return None  # an empty tensor: nothing to keep split, Mirrored costs nothing
     a = state.axis
     outer = prod(src[:a])
     for b in range(len(dst) + 1):
@@ -393,7 +397,7 @@ OPS: dict[str, OpSpec] = {
     "add": OpSpec("add", 2, _infer_binary("add"), _binary_rule(((P, P),))),
     "sub": OpSpec("sub", 2, _infer_binary("sub"), _binary_rule(((P, P),))),
     "mul": OpSpec("mul", 2, _infer_binary("mul"), _binary_rule(((P, M), (M, P)))),
-    "div": OpSpec("div", 2, _infer_binary("div"), _binary_rule(((P, M),))),
+    "div": OpSpec("div", 2, _infer_binary("div", floats_only=True), _binary_rule(((P, M),))),
     "scale": OpSpec("scale", 1, _infer_scale, _LINEAR_UNARY),
     "neg": OpSpec("neg", 1, _infer_unary, _LINEAR_UNARY),
     "gelu": OpSpec("gelu", 1, _infer_unary_float("gelu"), _NONLINEAR_UNARY),

@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 
+import numpy as np
 import zmq
 
 from split_state.errors import MetaError
@@ -75,8 +76,10 @@ def watchdog(args: argparse.Namespace, context: zmq.Context, security: Security,
             orphaned = args.parent_pid and os.getppid() != args.parent_pid
             if time.monotonic() - last > args.liveness or orphaned:
                 why = "its parent exited" if orphaned else f"no coordinator heartbeat for {args.liveness:.1f} s"
-                print(f"worker {args.rank}: exiting, {why}", file=sys.stderr, flush=True)
-                os._exit(EXIT_COORDINATOR_LOST)
+                try:
+                    print(f"worker {args.rank}: exiting, {why}", file=sys.stderr, flush=True)
+                finally:  # stderr may be a pipe to the dead coordinator: exit regardless
+                    os._exit(EXIT_COORDINATOR_LOST)
     finally:
         beat_in.close(0)
         beat_out.close(0)
@@ -84,6 +87,7 @@ def watchdog(args: argparse.Namespace, context: zmq.Context, security: Security,
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    np.seterr(all="ignore")  # as on GPUs: overflow gives inf/nan, never a warning per op
     backend = make_backend(args.backend, args.device)
     context = zmq.Context()
     security = Security(context, CurveKeys.load(args.keys) if args.keys else None)

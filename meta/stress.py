@@ -1,0 +1,218 @@
+"""Random graphs on a MetaDevice, each result compared with NumPy; reproducible by seed.
+
+Graph `i` of a run with seed `K` draws everything from `numpy.random.default_rng([K, i])`: input
+shapes of rank 1-4 with size-0 and size-1 axes, split states with uneven and zero extents and
+1-4 segments, dtypes, and a chain of 1-5 ops from the rule table. The reference applies the same
+kernels to the global arrays on one device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meta.device import MetaDevice
+from meta.tensor import Tensor, apply
+from split_state.dtypes import dtype_from_name
+from split_state.errors import MetaError, ShapeError
+from split_state.kernels import KERNELS
+from split_state.ops import OPS, infer
+from split_state.states import MIRRORED, PARTIAL, Split, State
+
+AXIS_OPS = {"concat", "softmax", "rms_norm", "layer_norm", "sum", "mean", "slice", "reshape", "transpose"}
+DTYPES = ("float32", "float32", "float16", "bfloat16", "int32")
+FLOAT_ONLY = {"scale", "gelu", "gelu_erf", "silu", "exp", "tanh", "softmax", "rms_norm", "layer_norm", "mean", "div"}
+
+
+@dataclass
+class Graph:
+    seed: tuple[int, int]
+    lines: list[str] = field(default_factory=list)
+
+    def note(self, text: str) -> None:
+        self.lines.append(text)
+
+    def reproduction(self) -> str:
+        return "\n".join([f"# graph seed {list(self.seed)}", *self.lines])
+
+
+def random_state(rng: np.random.Generator, shape: tuple[int, ...], n: int, partial: bool = True) -> State:
+    kinds = ["M", "S", "S"] + (["P"] if partial else [])
+    kind = kinds[rng.integers(len(kinds))] if shape else "M"
+    if kind == "M":
+        return MIRRORED
+    if kind == "P":
+        return PARTIAL
+    axis = int(rng.integers(len(shape)))
+    n_segments = int(rng.integers(1, 5))
+    sizes = _composition(rng, shape[axis], n_segments)
+    return Split(axis, tuple(_composition(rng, size, n) for size in sizes))
+
+
+def _composition(rng: np.random.Generator, total: int, parts: int) -> tuple[int, ...]:
+    cuts = np.sort(rng.integers(0, total + 1, parts - 1)) if parts > 1 else np.array([], int)
+    bounds = [0, *cuts.tolist(), total]
+    return tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def random_shape(rng: np.random.Generator) -> tuple[int, ...]:
+    return tuple(int(rng.choice([0, 1, 2, 3, 4, 5])) for _ in range(int(rng.integers(1, 5))))
+
+
+def random_array(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
+    if dtype == "int32":
+        return rng.integers(-4, 5, size=shape).astype(np.int32)
+    return (rng.standard_normal(shape) * 0.5).astype(dtype_from_name(dtype))
+
+
+class Builder:
+    """Draws operands compatible with an op, as fresh resident inputs or from the chain so far."""
+
+    def __init__(self, dev: MetaDevice, rng: np.random.Generator, graph: Graph):
+        self.dev, self.rng, self.graph = dev, rng, graph
+        self.handles: list[Tensor] = []
+
+    def new(self, shape, dtype: str, partial: bool = True, values: np.ndarray | None = None):
+        """A fresh resident input in a random state: (handle, its value)."""
+        x = random_array(self.rng, shape, dtype) if values is None else values
+        state = random_state(self.rng, tuple(shape), self.dev.n, partial)
+        t = self.dev.tensor(x, state)
+        self.handles.append(t)
+        self.graph.note(f"t{len(self.handles)} = input {tuple(shape)} {dtype} {state}")
+        return t, x
+
+    def operands(self, name: str, cur: Tensor, ref: np.ndarray, dtype: str):
+        """(inputs, reference inputs, params) for op `name` applied to the current value."""
+        rng, shape = self.rng, ref.shape
+        if name == "matmul":
+            if ref.ndim < 2:
+                raise ShapeError("needs 2 axes")
+            other, x = self.new(shape[:-2] + (shape[-1], int(rng.integers(0, 5))), dtype)
+            return [cur, other], [ref, x], {}
+        if name in ("add", "sub", "mul", "div"):
+            oshape = tuple(1 if rng.random() < 0.3 else s for s in shape)[int(rng.integers(0, len(shape) + 1)) :]
+            values = random_array(rng, oshape, dtype)
+            if name == "div":
+                values = np.where(np.abs(values.astype(np.float32)) < 0.25, 1, values).astype(values.dtype)
+            other, x = self.new(oshape, dtype, values=values)
+            return ([cur, other], [ref, x], {}) if rng.random() < 0.5 else ([other, cur], [x, ref], {})
+        if ref.ndim == 0 and name in AXIS_OPS:
+            raise ShapeError(f"{name} needs an axis")
+        if name == "concat":
+            axis = int(rng.integers(ref.ndim))
+            other, x = self.new(shape[:axis] + (int(rng.integers(0, 4)),) + shape[axis + 1 :], dtype)
+            return [cur, other], [ref, x], {"axis": axis}
+        if name == "get_rows":
+            rows = max(1, ref.shape[0]) if ref.ndim == 2 else 3
+            table, t = (cur, ref) if ref.ndim == 2 and ref.shape[0] > 0 else self.new((rows, 3), dtype)
+            ids_shape = random_shape(rng)[:2]
+            ids, i = self.new(
+                ids_shape, "int32", partial=False, values=rng.integers(0, t.shape[0], size=ids_shape).astype(np.int32)
+            )
+            return [table, ids], [t, i], {}
+        params = self._unary_params(name, ref)
+        return [cur], [ref], params
+
+    def _unary_params(self, name: str, ref: np.ndarray) -> dict:
+        rng = self.rng
+        axis = int(rng.integers(-ref.ndim, ref.ndim)) if ref.ndim else 0
+        if name == "scale":
+            return {"factor": float(rng.uniform(-2, 2))}
+        if name == "cast":
+            return {"dtype": str(rng.choice(["float32", "float16", "int32"]))}
+        if name in ("softmax",):
+            return {"axis": axis}
+        if name in ("rms_norm", "layer_norm"):
+            return {"axis": axis, "eps": 1e-3}
+        if name in ("sum", "mean"):
+            return {"axis": axis, "keepdims": bool(rng.integers(2))}
+        if name == "transpose":
+            return {"axes": tuple(int(a) for a in rng.permutation(ref.ndim))}
+        if name == "slice":
+            start = int(rng.integers(0, ref.shape[axis] + 1))
+            return {"axis": axis, "start": start, "stop": int(rng.integers(start, ref.shape[axis] + 1))}
+        if name == "reshape":
+            flat = int(np.prod(ref.shape))
+            return {"shape": (flat,) if ref.ndim > 1 else (1, flat)}
+        return {}
+
+
+def tolerance(dtype: np.dtype, scale: float) -> float:
+    base = {"float16": 3e-2, "bfloat16": 1e-1}.get(np.dtype(dtype).name, 1e-3)
+    return base * max(1.0, scale)
+
+
+def matches(got: np.ndarray, ref: np.ndarray) -> bool:
+    """Equal within a dtype tolerance. Where the reference overflowed, ours must be non-finite too,
+    but which non-finite value may differ: a Partial operand holds zeros on some devices, and
+    0/0 or 0*inf there gives NaN where one device computes +-inf (IEEE, not a planning error)."""
+    if got.shape != ref.shape or got.dtype != ref.dtype:
+        return False
+    g, r = got.astype(np.float64), ref.astype(np.float64)
+    finite = np.isfinite(r)
+    if not np.array_equal(finite, np.isfinite(g)):
+        return False
+    scale = float(np.max(np.abs(r[finite]), initial=0.0))
+    return bool(np.allclose(g[finite], r[finite], rtol=tolerance(ref.dtype, 0), atol=tolerance(ref.dtype, scale)))
+
+
+def check_graph(dev: MetaDevice, seed: int, index: int) -> tuple[bool, Graph]:
+    """Build and run one random graph; (matches NumPy, description)."""
+    rng = np.random.default_rng([seed, index])
+    graph = Graph((seed, index))
+    build = Builder(dev, rng, graph)
+    dtype = str(rng.choice(DTYPES))
+    try:
+        cur, ref = build.new(random_shape(rng), dtype)
+        names = sorted(OPS)
+        for _ in range(int(rng.integers(1, 6))):
+            name = str(rng.choice(names))
+            if name in FLOAT_ONLY and dtype == "int32":
+                continue
+            try:
+                inputs, refs, params = build.operands(name, cur, ref, dtype)
+                _, out_dtype, canon = infer(name, [r.shape for r in refs], [str(r.dtype) for r in refs], params)
+            except ShapeError:
+                continue
+            ref = KERNELS[name](np, refs, canon)
+            cur = apply(name, *inputs, **params)
+            dtype = out_dtype
+            graph.note(f"y = {name}({', '.join('y' if t is cur else 't' for t in inputs)}, {params})")
+        got = cur.numpy()
+        ok = matches(got, ref)
+        if not ok:
+            graph.note(f"# expected {ref!r}\n# got      {got!r}")
+        return ok, graph
+    finally:
+        dev.free(*build.handles)
+
+
+def run(
+    dev: MetaDevice,
+    seconds: float,
+    seed: int,
+    out: Callable[[str], None] = lambda s: print(s, flush=True),
+    limit: int | None = None,
+) -> int:
+    """Random graphs until `seconds` pass (or `limit` graphs); 0 if all matched, 1 otherwise."""
+    start = time.monotonic()
+    checked = 0
+    np.seterr(all="ignore")  # overflow in float16 is part of the test, not news
+    while time.monotonic() - start < seconds and (limit is None or checked < limit):
+        try:
+            ok, graph = check_graph(dev, seed, checked)
+        except MetaError as exc:
+            out(f"graph {checked} (seed {seed}) raised {type(exc).__name__}: {exc}")
+            return 1
+        checked += 1
+        if not ok:
+            out(f"MISMATCH in graph {checked - 1}; reproduce with --seed {seed} (graph index {checked - 1}):")
+            out(graph.reproduction())
+            return 1
+        if checked % 50 == 0:
+            out(f"{checked} graphs checked ({time.monotonic() - start:.0f} s)")
+    out(f"{checked} random graphs matched NumPy on {dev.n} workers in {time.monotonic() - start:.1f} s (seed {seed})")
+    return 0

@@ -1,0 +1,162 @@
+"""Fault injection: killed, stopped and flooded workers; nothing is lost and nothing hangs."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from meta import MetaDevice
+from meta.cluster import alive
+from split_state import MIRRORED, PARTIAL, DeadlineExceeded, Split, WorkerLost, WorkerTimeout
+from tests.test_transport_live import MALFORMED
+from transport import protocol as p
+from transport.deadline import Deadline
+from transport.sockets import push, recv_frames, send_frames
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_worker_killed_during_a_collective_raises_worker_lost_naming_it(fresh_cluster):
+    cluster = fresh_cluster(2, liveness=3.0)
+    dev = MetaDevice(cluster)
+    x = dev.tensor(np.ones((4, 4), np.float32), PARTIAL)
+    victim = cluster.processes[1]
+    os.kill(victim.pid, signal.SIGSTOP)  # worker 1 never reaches the collective; worker 0 waits in it
+    start = time.monotonic()
+    os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(WorkerLost, match="worker 1") as info:
+        x.redistribute(MIRRORED).numpy()
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 5.0
+
+
+def test_worker_killed_mid_run_then_a_new_cluster_works(fresh_cluster):
+    cluster = fresh_cluster(3, liveness=3.0)
+    dev = MetaDevice(cluster)
+    pids = list(cluster.pids.values())
+    a = dev.tensor(np.random.default_rng(0).standard_normal((800, 800)).astype(np.float32), Split.even(1, 800, 3))
+    y = a.redistribute(MIRRORED)
+    for _ in range(40):  # a long run (seconds): many matmuls, then collectives
+        y = (y @ a.redistribute(MIRRORED)) * 0.01
+    out = y.redistribute(Split.even(0, 800, 3))
+    killer = threading.Timer(0.3, lambda: os.kill(cluster.processes[2].pid, signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match="worker 2") as info:
+        out.numpy()
+    elapsed = time.monotonic() - start
+    killer.join()
+    assert info.value.rank == 2 and elapsed < 5.0, elapsed
+    with pytest.raises(WorkerLost):  # the broken cluster says so on every later call
+        dev.tensor(np.ones(3, np.float32))
+    cluster.close()
+    assert alive(pids) == [], "surviving workers were not stopped"
+    fresh = MetaDevice(fresh_cluster(2))
+    assert np.array_equal((fresh.tensor(np.eye(2, dtype=np.float32)) * 2.0).numpy(), 2 * np.eye(2))
+
+
+def test_stopped_worker_times_out_within_the_liveness_window(fresh_cluster):
+    cluster = fresh_cluster(2, liveness=2.0)
+    dev = MetaDevice(cluster)
+    x = dev.tensor(np.ones(4, np.float32), PARTIAL)
+    os.kill(cluster.processes[0].pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerTimeout, match="silent") as info:
+            x.redistribute(MIRRORED).numpy()
+        assert isinstance(info.value, TimeoutError) and isinstance(info.value, DeadlineExceeded)
+        assert time.monotonic() - start < 2.0 + 2.5
+    finally:
+        os.kill(cluster.processes[0].pid, signal.SIGCONT)
+
+
+def stored_bytes(dev, tensors):
+    return [dev.get(t).tobytes() for t in tensors]
+
+
+def test_hostile_messages_to_a_worker_holding_tensors_change_nothing(fresh_cluster):
+    cluster = fresh_cluster(2)
+    dev = MetaDevice(cluster)
+    rng = np.random.default_rng(5)
+    kept = [
+        dev.tensor(rng.standard_normal((6, 4)).astype(np.float32), Split(0, ((5, 1),))),
+        dev.tensor(rng.standard_normal(7).astype(np.float16), PARTIAL),
+        dev.tensor(rng.integers(0, 9, (3, 3)).astype(np.int32), MIRRORED),
+    ]
+    before = stored_bytes(dev, kept)
+    # control plane: every malformed message of the transport table, to worker 0
+    for name, frames in MALFORMED.items():
+        if not frames:
+            continue
+        send_frames(cluster.control, list(frames), route=b"w0")
+        route, *reply = recv_frames(cluster.control, Deadline(5))
+        message, _ = p.decode(reply)
+        assert isinstance(message, p.Error) and message.kind == "ProtocolError", name
+    # requests that are well-formed but hostile
+    assert isinstance(cluster.call_all({0: p.Free(tensors=[10**9])})[0], p.Ok)  # freeing is idempotent
+    hostile = [
+        p.Get(tensor=10**9),
+        p.RunProgram(program=777, run=1, inputs=[], outputs=[]),
+        p.LoadProgram(program=5, steps=[p.OpStep("no_such_op", (0,), 1, {}, (1,), "float32")]),
+        p.Put(kept[0].node.tensor, MIRRORED, (2,), np.zeros(3, np.float32)),
+        p.Hello(0, 0, "", "", 0, 0, ""),
+    ]
+    for message in hostile:
+        reply = cluster.call_all({0: message})[0]
+        assert isinstance(reply, p.Error), message
+    # data plane: garbage and forged chunks into worker 1's inbox
+    inbox = push(cluster.context, cluster.devices[1].data_endpoint, cluster.security)
+    try:
+        for frames in [
+            [b"junk"],
+            [b"\x00" * 100, b"x"],
+            p.encode(p.Chunk(0, 10**6, 0, np.ones(3))),
+            p.encode(p.Hello(0, 0, "", "", 0, 0, "")),
+        ]:
+            inbox.send_multipart(frames)
+    finally:
+        inbox.close(0)
+    assert stored_bytes(dev, kept) == before
+    # and the workers still compute, collectives included
+    moved = kept[0].redistribute(MIRRORED) + 1.0
+    np.testing.assert_array_equal(moved.numpy(), np.frombuffer(before[0], np.float32).reshape(6, 4) + 1)
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.timeout(300)
+def test_ten_thousand_runs_of_a_cached_plan_do_not_leak(fresh_cluster):
+    cluster = fresh_cluster(2)
+    dev = MetaDevice(cluster)
+    pids = list(cluster.pids.values())
+    x = dev.tensor(np.ones((8, 8), np.float32), Split.even(1, 8, 2))
+    w = dev.tensor(np.eye(8, dtype=np.float32), Split.even(0, 8, 2))
+
+    def step():
+        y = (x @ w).redistribute(MIRRORED)
+        dev.run(y)
+        dev.free(y)
+
+    for _ in range(500):  # warm-up
+        step()
+    rss0 = [rss_kib(pid) for pid in pids]
+    fds0 = [fd_count(pid) for pid in pids] + [fd_count(os.getpid())]
+    for _ in range(10_000):
+        step()
+    rss1 = [rss_kib(pid) for pid in pids]
+    fds1 = [fd_count(pid) for pid in pids] + [fd_count(os.getpid())]
+    assert len(dev.plans) == 1
+    for before, after in zip(rss0, rss1):
+        assert after <= before * 1.10, (rss0, rss1)
+    assert fds1 == fds0, (fds0, fds1)
+    assert all(s["tensors"] == 2 for s in dev.stats().values())

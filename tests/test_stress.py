@@ -1,0 +1,61 @@
+"""The bounded stress run CI does on every change, plus the stress command's own contract."""
+
+import numpy as np
+import pytest
+
+from meta import stress
+from meta.device import MetaDevice
+from workers.simulator import SimulatedCluster
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_stress_on_worker_processes(procs2):
+    lines = []
+    assert stress.run(procs2, 35.0, seed=11, out=lines.append) == 0, "\n".join(lines)
+    assert "random graphs matched NumPy on 2 workers" in lines[-1]
+
+
+def test_stress_on_five_simulated_devices():
+    dev = MetaDevice(SimulatedCluster(5), check_mirrored=True)
+    try:
+        lines = []
+        assert stress.run(dev, 20.0, seed=12, out=lines.append) == 0, "\n".join(lines)
+    finally:
+        dev.close()
+
+
+def test_graphs_are_reproducible_by_seed():
+    dev = MetaDevice(SimulatedCluster(3))
+    try:
+        first = [stress.check_graph(dev, 5, i)[1].lines for i in range(20)]
+        again = [stress.check_graph(dev, 5, i)[1].lines for i in range(20)]
+    finally:
+        dev.close()
+    assert first == again and len({tuple(g) for g in first}) > 10
+
+
+def test_a_mismatch_prints_the_seed_and_a_reproduction_and_fails(monkeypatch):
+    monkeypatch.setattr(stress, "matches", lambda got, ref: False)
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        lines = []
+        assert stress.run(dev, 10.0, seed=3, out=lines.append) == 1
+    finally:
+        dev.close()
+    assert "reproduce with --seed 3 (graph index 0)" in lines[0]
+    assert lines[1].startswith("# graph seed [3, 0]") and "input" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "got, ref, ok",
+    [
+        (np.array([1.0, 2.0], np.float32), np.array([1.0, 2.0005], np.float32), True),
+        (np.array([1.0, 2.0], np.float32), np.array([1.0, 2.1], np.float32), False),
+        (np.array([np.nan], np.float16), np.array([np.inf], np.float16), True),  # both overflowed
+        (np.array([1.0], np.float16), np.array([np.inf], np.float16), False),
+        (np.array([1], np.int32), np.array([1.0], np.float32), False),
+    ],
+)
+def test_comparison_rules(got, ref, ok):
+    assert stress.matches(got, ref) is ok
