@@ -344,7 +344,7 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
 def bench(args: argparse.Namespace) -> int:
     from bench import suite
 
-    return suite.main((["--quick"] if args.quick else []) + (["--out", args.out] if args.out else []))
+    return suite.main((["--quick"] if args.quick else []) + ["--out", args.out or "results", "--backend", args.backend])
 
 
 def stress(args: argparse.Namespace) -> int:
@@ -389,7 +389,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=run_script)
     p = sub.add_parser("bench", help="the benchmark suite")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default="", help="folder for JSON and plots (default results/)")
+    p.add_argument("--out", default="results", help="folder for JSON and plots")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
     p.set_defaults(fn=bench)
     p = sub.add_parser("stress", help="random graphs on real workers against NumPy")
     _cluster_options(p)

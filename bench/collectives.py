@@ -12,6 +12,7 @@ arrives (a direct all-reduce), K times. Bandwidth is algorithm bandwidth: tensor
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def raw_rank(rank: int, endpoints: list[str], nbytes: int, reps: int, results: m
     finally:
         inbox.close(0)
         for s in peers.values():
-            s.close(0)
+            s.close(linger=5000)  # the last round may still be queued for a slower peer
         ctx.term()
 
 
@@ -73,7 +74,10 @@ def raw_all_reduce(n: int, nbytes: int, reps: int) -> float:
     for proc in procs:
         proc.start()
     try:
-        return max(results.get(timeout=300)[1] for _ in range(n))
+        try:
+            return max(results.get(timeout=120)[1] for _ in range(n))
+        except queue.Empty:
+            raise TimeoutError(f"raw exchange of {nbytes} bytes on {n} processes did not finish") from None
     finally:
         for proc in procs:
             proc.join(10)
@@ -107,13 +111,13 @@ def ours(dev: MetaDevice, kind: str, nbytes: int, reps: int, trials: int) -> flo
     return float(np.median(best))
 
 
-def run(quick: bool, worker_counts: list[int]) -> list[dict]:
+def run(quick: bool, worker_counts: list[int], backend: str = "cpu") -> list[dict]:
     sizes = (
         [4 << 10, 1 << 20, 16 << 20] if quick else [1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     )
     rows = []
     for n in worker_counts:
-        with MetaDevice(ProcessCluster(ClusterConfig(workers=n))) as dev:
+        with MetaDevice(ProcessCluster(ClusterConfig(workers=n, backend=backend, devices=(0,) * n))) as dev:
             for nbytes in sizes:
                 reps = 20 if nbytes <= 64 << 10 else 3 if nbytes <= (4 << 20) else 2
                 trials = 3 if quick else 5

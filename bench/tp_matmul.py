@@ -28,10 +28,6 @@ from split_state import MIRRORED, Split  # noqa: E402
 from split_state.kernels import KERNELS  # noqa: E402
 
 
-def gelu(x):
-    return KERNELS["gelu"](np, [x], {})
-
-
 def timed(fn, steps: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
@@ -47,26 +43,36 @@ def weights(shape, seed):
     return (np.random.default_rng(seed).standard_normal(shape) * 0.02).astype(np.float32)
 
 
-def numpy_case(m: int, k: int, n: int, kind: str, steps: int) -> float:
-    x, w1 = weights((m, k), 1), weights((k, n), 2)
-    if kind == "matmul":
-        return timed(lambda: x @ w1, steps)
-    w2 = weights((n, k), 3)
-    return timed(lambda: gelu(x @ w1) @ w2, steps)
+def single_case(m: int, k: int, n: int, kind: str, steps: int, backend: str = "cpu") -> float:
+    """One process, one device: NumPy (BLAS threads fixed at spawn) or plain CuPy."""
+    if backend == "cuda":
+        import cupy as xp
+
+        sync = xp.cuda.Device().synchronize
+    else:
+        xp, sync = np, (lambda: None)
+    x, w1, w2 = (xp.asarray(weights(shape, seed)) for shape, seed in (((m, k), 1), ((k, n), 2), ((n, k), 3)))
+
+    def step():
+        y = x @ w1 if kind == "matmul" else KERNELS["gelu"](xp, [x @ w1], {}) @ w2
+        sync()
+        return y
+
+    return timed(step, steps)
 
 
-def numpy_child(cases: dict, steps: int, out: mp.Queue) -> None:
+def numpy_child(cases: dict, steps: int, backend: str, out: mp.Queue) -> None:
     """Runs in a process whose BLAS thread count was fixed by the environment at spawn."""
-    out.put({name: numpy_case(*case, steps) for name, case in cases.items()})
+    out.put({name: single_case(*case, steps, backend) for name, case in cases.items()})
 
 
-def numpy_baseline(cases: dict, steps: int, threads: int) -> dict:
+def numpy_baseline(cases: dict, steps: int, threads: int, backend: str = "cpu") -> dict:
     saved = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update({v: str(threads) for v in saved})
     try:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        proc = ctx.Process(target=numpy_child, args=(cases, steps, out))
+        proc = ctx.Process(target=numpy_child, args=(cases, steps, backend, out))
         proc.start()
         result = out.get(timeout=1800)
         proc.join(30)
@@ -103,7 +109,22 @@ def ours_case(dev: MetaDevice, m: int, k: int, nn: int, kind: str, steps: int) -
 
     seconds = timed(step, steps)
     dev.free(*kept, x, up, *([down] if down is not None else []))
-    return seconds
+    return seconds, breakdown(seconds, dev.last_timings)
+
+
+def breakdown(wall: float, timings: dict[int, dict]) -> dict:
+    """Where one step's time goes, from the slowest worker's own timings: compute, moving data,
+    waiting for peers, and the rest (coordinator dispatch, control messages)."""
+    slowest = max(timings.values(), key=lambda t: t["compute_s"] + t["comm_s"])
+    wait = slowest.get("wait_s", 0.0)
+    busy = slowest["compute_s"] + slowest["comm_s"]
+    return {
+        "wall_ms": wall * 1e3,
+        "compute_ms": slowest["compute_s"] * 1e3,
+        "transfer_ms": (slowest["comm_s"] - wait) * 1e3,
+        "wait_ms": wait * 1e3,
+        "dispatch_ms": max(0.0, wall - busy) * 1e3,
+    }
 
 
 def ours(dev: MetaDevice, cases: dict, steps: int) -> dict:
@@ -142,7 +163,7 @@ def local_share_s(m: int, k: int, n: int, workers: int, steps: int) -> float:
     return numpy_baseline(cases, steps, 1)["share"]
 
 
-def run(quick: bool, workers: int) -> dict:
+def run(quick: bool, workers: int, backend: str = "cpu") -> dict:
     k, n = (1024, 2752) if quick else (4096, 11008)
     cases = {
         "a_matmul_col_split": (k, k, k, "matmul"),
@@ -150,11 +171,13 @@ def run(quick: bool, workers: int) -> dict:
         "c_mlp_M1_decode": (1, k, n, "mlp"),
     }
     steps = 3 if quick else 5
-    base = numpy_baseline(cases, steps, workers)
-    with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
-        mine = ours(dev, cases, steps)
+    base = numpy_baseline(cases, steps, workers, backend)
+    config = ClusterConfig(workers=workers, blas_threads=1, backend=backend, devices=(0,) * workers)
+    with MetaDevice(ProcessCluster(config)) as dev:
+        measured = ours(dev, cases, steps)
         rt = round_trip_us()
         share = local_share_s(1, k, n, workers, steps * 4)
+    mine = {name: seconds for name, (seconds, _) in measured.items()}
     rows = []
     for name, (m, kk, nn, kind) in cases.items():
         flops = 2 * m * kk * nn * (1 if kind == "matmul" else 2)
@@ -169,11 +192,13 @@ def run(quick: bool, workers: int) -> dict:
                 "numpy_GFLOPs": flops / base[name] / 1e9,
                 "ours_GFLOPs": flops / mine[name] / 1e9,
                 "throughput_ratio": base[name] / mine[name],
+                "breakdown": measured[name][1],
             }
         )
     decode_bound_ms = (rt * 1e-6 + share) * 1e3
     return {
         "workers": workers,
+        "backend": backend,
         "rows": rows,
         "raw_round_trip_us": rt,
         "decode_local_compute_ms": share * 1e3,
@@ -199,8 +224,8 @@ def show(results: dict) -> None:
     ]
     print(
         table(
-            f"tensor-parallel on {results['workers']} CPU workers (1 BLAS thread each) vs NumPy with "
-            f"{results['workers']} threads",
+            f"tensor-parallel on {results['workers']} {results['backend']} workers (1 BLAS thread each) vs one "
+            f"process with {results['workers']} threads",
             cols,
             rows,
         )
@@ -215,11 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     return cli(
         __doc__,
         "tp_matmul",
-        lambda args: run(args.quick, args.workers),
+        lambda args: run(args.quick, args.workers, args.backend),
         show,
         argv,
-        lambda ap: ap.add_argument("--workers", type=int, default=2),
+        options,
     )
+
+
+def options(ap) -> None:
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"], help="cuda: the workers share GPU 0")
 
 
 if __name__ == "__main__":

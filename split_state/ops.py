@@ -397,7 +397,8 @@ OPS: dict[str, OpSpec] = {
     "add": OpSpec("add", 2, _infer_binary("add"), _binary_rule(((P, P),))),
     "sub": OpSpec("sub", 2, _infer_binary("sub"), _binary_rule(((P, P),))),
     "mul": OpSpec("mul", 2, _infer_binary("mul"), _binary_rule(((P, M), (M, P)))),
-    "div": OpSpec("div", 2, _infer_binary("div", floats_only=True), _binary_rule(((P, M),))),
+    # no Partial pattern: 0/0 on the devices holding zeros would turn a true +-inf into NaN
+    "div": OpSpec("div", 2, _infer_binary("div", floats_only=True), _binary_rule(())),
     "scale": OpSpec("scale", 1, _infer_scale, _LINEAR_UNARY),
     "neg": OpSpec("neg", 1, _infer_unary, _LINEAR_UNARY),
     "gelu": OpSpec("gelu", 1, _infer_unary_float("gelu"), _NONLINEAR_UNARY),

@@ -107,7 +107,8 @@ def transition(src: State, dst: State, shape: Sequence[int], n: int, itemsize: i
     """The collective taking `src` to `dst` and the most bytes one device sends for it.
 
     Turning a non-Partial tensor into Partial moves nothing now but leaves a reduction for later;
-    it is charged one reduce-scatter so the planner does not hoard Partial tensors for free.
+    it is charged one reduce-scatter so the planner does not make Partial tensors for free (a
+    linear op on Mirrored inputs stays Mirrored instead of forcing a reduction downstream).
     """
     shape = tuple(shape)
     validate(src, shape, n)
@@ -117,7 +118,7 @@ def transition(src: State, dst: State, shape: Sequence[int], n: int, itemsize: i
     if kind in (Collective.NONE, Collective.LOCAL_SLICE) or n == 1:
         cost = 0
     elif kind is Collective.LOCAL_EMBED:
-        cost = 0 if isinstance(src, Mirrored) else _reduce_scatter_bytes(size, n, itemsize)
+        cost = _reduce_scatter_bytes(size, n, itemsize)
     elif kind is Collective.ALL_REDUCE:
         chunks = flat_split(size, n).segments[0]
         cost = max((size - c) * itemsize + c * (n - 1) * itemsize for c in chunks)

@@ -73,9 +73,16 @@ def test_matmul_contracting_split_gives_partial_and_free_split_is_kept():
 def test_partial_plus_mirrored_is_never_partial_directly():
     sigs = signatures("add", [PARTIAL, MIRRORED], [(3,), (3,)], {}, (3,))
     assert all(not (s.inputs == (PARTIAL, MIRRORED) and s.output == PARTIAL) for s in sigs)
-    # the planner turns the Mirrored operand into Partial for free instead of reducing
-    chosen, cost = choose(sigs, [PARTIAL, MIRRORED], [(3,), (3,)], [4, 4], 2)
-    assert chosen.inputs == (PARTIAL, PARTIAL) and cost == 0
+    # the planner turns the Mirrored operand into Partial (a deferred reduce-scatter) rather than
+    # all-reducing the Partial one now
+    chosen, cost = choose(sigs, [PARTIAL, MIRRORED], [(4,), (4,)], [4, 4], 2)
+    assert chosen.inputs == (PARTIAL, PARTIAL) and cost == 2 * 4
+
+
+def test_linear_op_on_mirrored_inputs_stays_mirrored():
+    sigs = signatures("sum", [MIRRORED], [(4, 4)], {"axis": 0, "keepdims": False}, (4,))
+    chosen, cost = choose(sigs, [MIRRORED], [(4, 4)], [4], 3)
+    assert chosen.output == MIRRORED and cost == 0
 
 
 def test_nonlinear_op_forces_the_reduction():

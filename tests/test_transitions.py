@@ -39,7 +39,7 @@ def test_costs_are_zero_for_local_transitions_and_never_negative(data, shape, n)
         (PARTIAL, Split(0, ((4, 4),)), Collective.REDUCE_SCATTER, 16 * 4),
         (Split(0, ((4, 4),)), Split(1, ((2, 2),)), Collective.ALL_TO_ALL, 8 * 4),  # a quarter of T leaves each device
         (MIRRORED, Split(1, ((3, 1),)), Collective.LOCAL_SLICE, 0),
-        (MIRRORED, PARTIAL, Collective.LOCAL_EMBED, 0),
+        (MIRRORED, PARTIAL, Collective.LOCAL_EMBED, 16 * 4),  # charged the reduction it defers
     ],
 )
 def test_transition_kinds_and_exact_costs_on_two_devices(src, dst, kind, cost):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import queue
+import time
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ class Inbox:
     def __init__(self) -> None:
         self._stash: dict[int, collections.deque[p.Chunk]] = collections.defaultdict(collections.deque)
         self._aborts: dict[int, p.Abort] = {}
+        self.waited = 0.0  # seconds spent blocked on peers: the 'waiting' share of a step
 
     # implemented by subclasses
     def _next(self, timeout: float) -> p.Chunk | p.Abort | None: ...
@@ -56,7 +58,9 @@ class Inbox:
                 if chunk.run == run and chunk.step == step:
                     del stash[i]
                     return chunk.array
+            start = time.perf_counter()
             message = self._next(deadline.remaining())
+            self.waited += time.perf_counter() - start
             if message is None:
                 raise WorkerLost(
                     f"worker {self.rank}: no data from worker {src} within {deadline.seconds:.1f} s "

@@ -42,10 +42,13 @@ class Executor:
         slots = {slot: self.store.get(tensor) for slot, tensor in inputs}
         owned: dict[int, int] = {}  # slots this run allocated -> bytes
         timings = {"compute_s": 0.0, "comm_s": 0.0}
+        waited = self.comm.waited
         try:
             for index, step in enumerate(self.programs[program]):
                 self._step(index, step, slots, owned, run, timings)
+            self.backend.synchronize()
             results = {tensor: slots[slot] for slot, tensor in outputs}
+            timings["wait_s"] = self.comm.waited - waited  # part of comm_s spent blocked on peers
         except BaseException as exc:
             self._release(owned)
             if isinstance(exc, Exception):
