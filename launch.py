@@ -3,6 +3,7 @@
     python launch.py demo [--workers N] [--backend cpu|cuda|auto] [--devices 0,2,3]
     python launch.py devices
     python launch.py run SCRIPT.py [args ...]       # `dev` (a MetaDevice) is ready in the script
+    python launch.py embed "a sentence" "another" [--workers N] [--out emb.npy] [--file F]
     python launch.py bench [--quick]
     python launch.py stress --seconds S --workers N --seed K
     python launch.py keys PATH                      # CURVE key pair for multi-host clusters
@@ -341,6 +342,46 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
         raise SystemExit(130) from None
 
 
+def embed(args: argparse.Namespace) -> int:
+    """Sentence embeddings with all-MiniLM-L6-v2, tensor-parallel over the workers."""
+    from meta.minilm import Model, TensorParallelEncoder
+
+    sentences = list(args.sentences)
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            sentences += [line.rstrip("\n") for line in f if line.strip()]
+    if not sentences:
+        raise MetaError("embed: give sentences as arguments or --file PATH (one sentence per line)")
+    model = Model.load()
+    with open_cluster(args) as dev:
+        start = time.perf_counter()
+        encoder = TensorParallelEncoder(
+            dev, model.weights, model.cfg, progress=lambda i, n: progress(i, n, "placing weights", start)
+        )
+        batches = range(0, len(sentences), args.batch)
+        out, start = [], time.perf_counter()
+        for i, at in enumerate(batches):
+            out.append(encoder.embed(model.tokenizer(sentences[at : at + args.batch])))
+            progress(i + 1, len(batches), "embedding", start)
+        emb = np.concatenate(out)
+    print_table(
+        f"{len(sentences)} sentences on {dev.n} workers: embedding norms",
+        ["#", "sentence", "norm"],
+        [[i, s[:60], f"{np.linalg.norm(e):.4f}"] for i, (s, e) in enumerate(zip(sentences, emb))],
+    )
+    if len(sentences) <= 12:
+        sims = emb @ emb.T
+        print_table(
+            "cosine similarity",
+            ["#", *map(str, range(len(sentences)))],
+            [[i, *(f"{v:.3f}" for v in row)] for i, row in enumerate(sims)],
+        )
+    if args.out:
+        np.save(args.out, emb.astype(np.float32))
+        print(f"wrote {args.out}: {emb.shape[0]} x {emb.shape[1]} float32, one row per sentence in input order")
+    return 0
+
+
 def bench(args: argparse.Namespace) -> int:
     from bench import suite
 
@@ -387,6 +428,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     p.set_defaults(fn=run_script)
+    p = sub.add_parser("embed", help="sentence embeddings with all-MiniLM-L6-v2, tensor-parallel")
+    _cluster_options(p)
+    p.add_argument("sentences", nargs="*")
+    p.add_argument("--file", default="", help="one sentence per line")
+    p.add_argument("--out", default="", help="write the embeddings here (.npy, float32)")
+    p.add_argument("--batch", type=int, default=32)
+    p.set_defaults(fn=embed)
     p = sub.add_parser("bench", help="the benchmark suite")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="results", help="folder for JSON and plots")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -74,6 +75,7 @@ class MetaDevice:
         self.plans: dict[tuple, CompiledPlan] = {}
         self.last_plan: Plan | None = None
         self.last_timings: dict[int, dict] = {}
+        self._released: list[int] = []  # resident tensors whose handles were collected
 
     # -- placement ------------------------------------------------------------------------------
 
@@ -132,7 +134,14 @@ class MetaDevice:
         except MetaError:
             self._free_ids([tensor])  # nothing half-placed stays behind
             raise
-        return Tensor(self, Node("", (), {}, tuple(shape), dtype, name, tensor=tensor, state=state))
+        return Tensor(self, self._resident(Node("", (), {}, tuple(shape), dtype, name), tensor, state))
+
+    def _resident(self, node: Node, tensor: int, state: State) -> Node:
+        """Mark `node` resident; when nothing references it any more its storage is released on
+        the workers with the next run (no message of its own)."""
+        node.tensor, node.state = tensor, state
+        node.finalizer = weakref.finalize(node, self._released.append, tensor)
+        return node
 
     # -- reading and freeing --------------------------------------------------------------------
 
@@ -147,8 +156,15 @@ class MetaDevice:
     def free(self, *tensors: Tensor) -> None:
         ids = [t.node.tensor for t in tensors if t.node.resident]
         for t in tensors:
-            t.node.tensor, t.node.state = None, None
+            if t.node.finalizer is not None:
+                t.node.finalizer.detach()
+            t.node.tensor, t.node.state, t.node.finalizer = None, None, None
         self._free_ids(ids)
+
+    def collect(self) -> None:
+        """Release now the storage of tensors whose handles are gone (runs do it anyway)."""
+        released, self._released[:] = list(self._released), []
+        self._free_ids(released)
 
     def _free_ids(self, ids: list[int]) -> None:
         if ids:
@@ -173,16 +189,18 @@ class MetaDevice:
             print("\n".join(compiled.plan.trace), file=self.trace_to)
         out_ids = [next(self._tensor_ids) for _ in outputs]
         run = next(self._run_ids)
+        released, self._released[:] = list(self._released), []
         message = p.RunProgram(
             compiled.program,
             run,
             [[i, leaf.tensor] for i, leaf in enumerate(leaves)],
             [[v, t] for v, t in zip(compiled.plan.outputs, out_ids)],
+            released,
         )
         replies = self._call({d: message for d in range(self.n)})
         self.last_timings = {d: dict(r.info) for d, r in replies.items()}
         for node, tensor, state in zip(outputs, out_ids, compiled.plan.out_states):
-            node.tensor, node.state = tensor, state
+            self._resident(node, tensor, state)
             node.op, node.inputs = "", ()  # resident now: the recipe (and its inputs) can go
 
     def _compile(self, leaves: list[Node], order: list[Node], outputs: list[Node]) -> CompiledPlan:
@@ -202,6 +220,7 @@ class MetaDevice:
     # -- lifetime -------------------------------------------------------------------------------
 
     def stats(self) -> dict[int, dict]:
+        self.collect()
         return {d: dict(r.info) for d, r in self._call({d: p.Stats() for d in range(self.n)}).items()}
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ class Node:
     # set once resident on the workers
     tensor: int | None = None
     state: State | None = None
+    finalizer: Any = None  # releases the storage when the node is garbage collected
 
     @property
     def resident(self) -> bool:

@@ -61,3 +61,36 @@ def fresh_cluster():
     for cluster, pids in made:
         cluster.close()
         assert alive(pids) == [], "worker processes left behind"
+
+
+def _orphaned_workers() -> list[int]:
+    """`python -m workers` processes that lost their parent (re-parented to init)."""
+    import os
+    from pathlib import Path
+
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == 1 and cmd[1:3] == [b"-m", b"workers"]:
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_orphaned_workers():
+    """After the whole session: no worker process may have outlived its coordinator."""
+    import os
+    import signal
+    import time
+
+    yield
+    deadline = time.monotonic() + 8.0  # the liveness window of the slowest test cluster, and some
+    while (orphans := _orphaned_workers()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in orphans:
+        os.kill(pid, signal.SIGKILL)
+    assert not orphans, f"worker processes outlived their coordinator: {orphans}"

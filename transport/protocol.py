@@ -176,6 +176,7 @@ class RunProgram:
     run: int  # a fresh id per run: tags its collective traffic so stale data is never mixed in
     inputs: list[list[int]]  # [slot, tensor id] pairs read from the store
     outputs: list[list[int]]  # [slot, tensor id] pairs written to the store
+    release: list[int] = field(default_factory=list)  # tensors whose handles are gone: free first
     KIND: ClassVar[MsgType]
 
 

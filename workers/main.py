@@ -55,6 +55,16 @@ def data_endpoint(args: argparse.Namespace) -> str:
 
 
 def watchdog(args: argparse.Namespace, context: zmq.Context, security: Security, stop: threading.Event) -> None:
+    """Heartbeats out, coordinator heartbeats in; exits the process when the coordinator is gone.
+    Any failure of the watchdog itself also exits: a worker must never outlive its watch."""
+    try:
+        _watch(args, context, security, stop)
+    except BaseException as exc:  # noqa: BLE001 - fail safe, whatever went wrong
+        if not stop.is_set():
+            _exit(args.rank, f"its watchdog failed: {type(exc).__name__}: {exc}")
+
+
+def _watch(args: argparse.Namespace, context: zmq.Context, security: Security, stop: threading.Event) -> None:
     beat_in = context.socket(zmq.SUB)
     beat_in.linger = 0
     security.client(beat_in)
@@ -73,16 +83,24 @@ def watchdog(args: argparse.Namespace, context: zmq.Context, security: Security,
                 while beat_in.poll(0):  # drain: only the latest beat matters
                     beat_in.recv_multipart()
                 last = time.monotonic()
-            orphaned = args.parent_pid and os.getppid() != args.parent_pid
-            if time.monotonic() - last > args.liveness or orphaned:
-                why = "its parent exited" if orphaned else f"no coordinator heartbeat for {args.liveness:.1f} s"
-                try:
-                    print(f"worker {args.rank}: exiting, {why}", file=sys.stderr, flush=True)
-                finally:  # stderr may be a pipe to the dead coordinator: exit regardless
-                    os._exit(EXIT_COORDINATOR_LOST)
+            if orphaned(args):
+                _exit(args.rank, "its parent exited")
+            if time.monotonic() - last > args.liveness:
+                _exit(args.rank, f"no coordinator heartbeat for {args.liveness:.1f} s")
     finally:
         beat_in.close(0)
         beat_out.close(0)
+
+
+def orphaned(args: argparse.Namespace) -> bool:
+    return bool(args.parent_pid) and os.getppid() != args.parent_pid
+
+
+def _exit(rank: int, why: str) -> None:
+    try:
+        print(f"worker {rank}: exiting, {why}", file=sys.stderr, flush=True)
+    finally:  # stderr may be a pipe to the dead coordinator: exit regardless
+        os._exit(EXIT_COORDINATOR_LOST)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 frames = recv_frames(control, Deadline(0.5))
             except MetaError:
+                if orphaned(args) or not dog.is_alive():  # belt and braces: never outlive the watch
+                    _exit(args.rank, "its parent exited" if orphaned(args) else "its watchdog stopped")
                 continue  # nothing yet; the watchdog decides when waiting is over
             send_frames(control, respond(frames, server.handle))
     except KeyboardInterrupt:

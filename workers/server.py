@@ -71,6 +71,8 @@ class WorkerServer:
     def _on_runprogram(self, m: p.RunProgram) -> p.Message:
         self._require_configured()
         self.executor.comm.forget_aborts()
+        for tensor in m.release:
+            self.store.free(tensor)
         self.runs += 1
         return p.Ok(self.executor.run(m.program, m.run, m.inputs, m.outputs))
 
