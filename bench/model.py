@@ -9,7 +9,6 @@ CPU workers (1 BLAS thread each) against the NumPy reference in one process with
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cli, table  # noqa: E402
+from bench.report import cli, in_process_with_threads, table  # noqa: E402
 
 
 def synthetic_batch(batch: int, tokens: int):
@@ -42,19 +41,7 @@ def reference_child(batch: int, tokens: int, steps: int, out: mp.Queue) -> None:
 
 
 def reference_seconds(batch: int, tokens: int, steps: int, threads: int) -> float:
-    saved = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-    os.environ.update({v: str(threads) for v in saved})
-    try:
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        proc = ctx.Process(target=reference_child, args=(batch, tokens, steps, out))
-        proc.start()
-        seconds = out.get(timeout=1800)
-        proc.join(30)
-        return seconds
-    finally:
-        for v, value in saved.items():
-            os.environ.pop(v, None) if value is None else os.environ.__setitem__(v, value)
+    return in_process_with_threads(reference_child, (batch, tokens, steps), threads)
 
 
 def run(quick: bool, workers: int = 2) -> dict:

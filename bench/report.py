@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import platform
 import time
@@ -71,3 +72,27 @@ def cli(doc: str, name: str, run, show, argv: list[str] | None = None, extra=Non
     show(results)
     write_json(args.json, name, results)
     return 0
+
+
+BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def in_process_with_threads(target, args: tuple, threads: int, timeout: float = 1800):
+    """Run `target(*args, queue)` in a spawned process whose BLAS uses `threads` threads (fixed
+    by the environment at start, the only reliable way); return what it put on the queue."""
+    saved = {v: os.environ.get(v) for v in BLAS_THREAD_VARS}
+    os.environ.update({v: str(threads) for v in BLAS_THREAD_VARS})
+    try:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        proc = ctx.Process(target=target, args=(*args, out))
+        proc.start()
+        result = out.get(timeout=timeout)
+        proc.join(30)
+        return result
+    finally:
+        for v, value in saved.items():
+            if value is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = value

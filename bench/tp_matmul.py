@@ -13,7 +13,6 @@ pyzmq round trip plus one worker's share of the compute.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cli, table  # noqa: E402
+from bench.report import cli, in_process_with_threads, table  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 from split_state import MIRRORED, Split  # noqa: E402
 from split_state.kernels import KERNELS  # noqa: E402
@@ -67,22 +66,7 @@ def numpy_child(cases: dict, steps: int, backend: str, out: mp.Queue) -> None:
 
 
 def numpy_baseline(cases: dict, steps: int, threads: int, backend: str = "cpu") -> dict:
-    saved = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
-    os.environ.update({v: str(threads) for v in saved})
-    try:
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        proc = ctx.Process(target=numpy_child, args=(cases, steps, backend, out))
-        proc.start()
-        result = out.get(timeout=1800)
-        proc.join(30)
-        return result
-    finally:
-        for v, value in saved.items():
-            if value is None:
-                os.environ.pop(v, None)
-            else:
-                os.environ[v] = value
+    return in_process_with_threads(numpy_child, (cases, steps, backend), threads)
 
 
 def column_slice(k: int, n: int):
