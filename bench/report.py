@@ -52,11 +52,11 @@ def write_json(path: str | Path | None, name: str, results: Any) -> None:
 
 
 def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:g} {unit}" if unit == "B" else f"{n:g} {unit}"
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:g} {unit}"
         n /= 1024
-    return str(n)
+    return f"{n:g} GiB"
 
 
 def cli(doc: str, name: str, run, show, argv: list[str] | None = None, extra=None) -> int:

@@ -240,6 +240,7 @@ class ProcessCluster:
             raise WorkerLost(f"cluster unusable: {self.lost}", rank=self.lost.rank)
         if self.closed:
             raise TransportError("cluster is closed")
+        self._check_processes()  # a dead worker is WorkerLost, not an unroutable send
         self._request += 1
         rid = self._request
         for rank, message in messages.items():

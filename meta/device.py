@@ -22,7 +22,7 @@ from meta.graph import Node, topo_order
 from meta.planner import Plan, plan
 from meta.tensor import Tensor
 from split_state import errors
-from split_state.dtypes import dtype_from_name, dtype_name
+from split_state.dtypes import dtype_name
 from split_state.errors import MetaError, RemoteError
 from split_state.layout import Piece, local_shape, pieces
 from split_state.scatter import extract, gather
@@ -246,6 +246,3 @@ def _exception(failures: dict[int, p.Error]) -> MetaError:
     exc = cls(text) if cls is not errors.WorkerLost else cls(text, rank=rank)
     exc.remote_traceback = err.traceback
     return exc
-
-
-__all__ = ["MetaDevice", "Tensor", "dtype_from_name"]

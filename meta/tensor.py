@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from meta.graph import MOVE, Node
-from split_state.dtypes import dtype_name
+from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import ShapeError
 from split_state.ops import infer
 from split_state.states import State
@@ -29,8 +29,6 @@ class Tensor:
 
     @property
     def dtype(self) -> np.dtype:
-        from split_state.dtypes import dtype_from_name
-
         return dtype_from_name(self.node.dtype)
 
     @property

@@ -25,6 +25,17 @@ def test_stress_on_five_simulated_devices():
         dev.close()
 
 
+def test_tolerance_follows_the_least_precise_dtype_of_the_chain():
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        ok, graph = stress.check_graph(dev, 2026, 33190)  # bfloat16 sum, ..., cast to float32
+    finally:
+        dev.close()
+    assert graph.coarsest == "bfloat16" and ok
+    got, ref = np.array([1.4765625], np.float32), np.array([1.484375], np.float32)
+    assert not stress.matches(got, ref) and stress.matches(got, ref, "bfloat16")
+
+
 def test_graphs_are_reproducible_by_seed():
     dev = MetaDevice(SimulatedCluster(3))
     try:
@@ -36,7 +47,7 @@ def test_graphs_are_reproducible_by_seed():
 
 
 def test_a_mismatch_prints_the_seed_and_a_reproduction_and_fails(monkeypatch):
-    monkeypatch.setattr(stress, "matches", lambda got, ref: False)
+    monkeypatch.setattr(stress, "matches", lambda got, ref, precision=None: False)
     dev = MetaDevice(SimulatedCluster(2))
     try:
         lines = []

@@ -349,9 +349,6 @@ def _thaw(v: Any) -> Any:
     return v
 
 
-_STEP_TAGS = {OpStep: "op", MoveStep: "move", FreeStep: "free"}
-
-
 def _encode_step(step: Step) -> list:
     if isinstance(step, OpStep):
         return ["op", step.op, list(step.inputs), step.output, _thaw(step.params), list(step.shape), step.dtype]

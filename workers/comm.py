@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from split_state.errors import DeadlineExceeded, RemoteError, WorkerLost
+from split_state.errors import RemoteError, WorkerLost
 from transport import protocol as p
 from transport.deadline import Deadline
 from transport.sockets import Security, push, send
@@ -128,6 +128,3 @@ class ZmqComm(Inbox):
         for sock in self.outboxes.values():
             sock.close(0)
         self.outboxes = {}
-
-
-__all__ = ["DeadlineExceeded", "Inbox", "QueueComm", "ZmqComm"]

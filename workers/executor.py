@@ -7,7 +7,7 @@ from math import prod
 from typing import Any
 
 from split_state.dtypes import dtype_from_name
-from split_state.errors import MetaError, ProtocolError, ShapeError
+from split_state.errors import ProtocolError, ShapeError
 from split_state.kernels import KERNELS
 from split_state.layout import local_shape
 from transport import protocol as p
@@ -91,6 +91,3 @@ class Executor:
             out = self.collectives.redistribute(slots[step.input], step.src, step.dst, step.shape, run, index, deadline)
             timings["comm_s"] += time.perf_counter() - start
         slots[step.output] = out
-
-
-__all__ = ["Executor", "MetaError"]
