@@ -104,3 +104,35 @@ def test_two_cuda_workers_sharing_one_gpu(fresh_cluster):
     w = np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32)
     y = (dev.tensor(x, Split.even(1, 64, 2)) @ dev.tensor(w, Split.even(0, 64, 2))).redistribute(MIRRORED)
     np.testing.assert_allclose(y.numpy(), x @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_data_plane_drops_foreign_messages_and_keeps_waiting():
+    import zmq
+
+    from transport.deadline import Deadline
+    from transport.sockets import IpcDir, Security, pull, push
+    from workers.comm import ZmqComm
+
+    ctx, ipc = zmq.Context(), IpcDir()
+    security = Security(ctx, None)
+    inbox0, ep0 = pull(ctx, ipc.endpoint("d0"), security)
+    inbox1, ep1 = pull(ctx, ipc.endpoint("d1"), security)
+    comm = ZmqComm(1, inbox1, [ep0, ep1], ctx, security)
+    sender = push(ctx, ep1, security)
+    try:
+        queued = [
+            [b"junk"],
+            p.encode(p.Hello(0, 0, "", "", 0, 0, "")),
+            p.encode(p.Get(1)),
+            p.encode(p.Chunk(0, 1, 0, np.arange(3.0))),
+        ]
+        for frames in queued:  # foreign and malformed messages ahead of the real data
+            sender.send_multipart(frames)
+        time.sleep(0.2)
+        assert np.array_equal(comm.recv(0, 1, 0, Deadline(5)), np.arange(3.0))
+    finally:
+        comm.close()
+        for sock in (sender, inbox0, inbox1):
+            sock.close(0)
+        ctx.term()
+        ipc.close()

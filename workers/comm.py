@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from split_state.errors import RemoteError, WorkerLost
+from split_state.errors import ProtocolError, RemoteError, WorkerLost
 from transport import protocol as p
 from transport.deadline import Deadline
 from transport.sockets import Security, push, send
@@ -116,13 +116,17 @@ class ZmqComm(Inbox):
         send(self.outboxes[dst], message)
 
     def _next(self, timeout: float):
-        if not self.inbox.poll(int(timeout * 1000)):
-            return None
-        try:
-            message, _ = p.decode(self.inbox.recv_multipart(copy=False))
-        except Exception:  # a malformed data-plane message is dropped, never fatal
-            return self._next(0)
-        return message if isinstance(message, (p.Chunk, p.Abort)) else None
+        """The next Chunk or Abort within `timeout` seconds, else None. Anything else that reaches
+        the data plane (malformed bytes, other message types) is dropped, and the wait goes on."""
+        end = time.monotonic() + timeout
+        while self.inbox.poll(max(0, int((end - time.monotonic()) * 1000))):
+            try:
+                message, _ = p.decode(self.inbox.recv_multipart(copy=False))
+            except ProtocolError:
+                continue
+            if isinstance(message, (p.Chunk, p.Abort)):
+                return message
+        return None
 
     def close(self) -> None:
         for sock in self.outboxes.values():
