@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
 
 from meta import ClusterConfig, MetaDevice, ProcessCluster
 from meta.cluster import alive
 from workers.simulator import SimulatedCluster
+
+# CI runs the same examples every time (a failure there is reproducible, not luck); developers
+# can explore new ones with HYPOTHESIS_PROFILE=explore.
+settings.register_profile("deterministic", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
 @pytest.fixture
@@ -65,7 +74,6 @@ def fresh_cluster():
 
 def _orphaned_workers() -> list[int]:
     """`python -m workers` processes that lost their parent (re-parented to init)."""
-    import os
     from pathlib import Path
 
     found = []
@@ -83,7 +91,6 @@ def _orphaned_workers() -> list[int]:
 @pytest.fixture(scope="session", autouse=True)
 def no_orphaned_workers():
     """After the whole session: no worker process may have outlived its coordinator."""
-    import os
     import signal
     import time
 
