@@ -24,7 +24,7 @@ import zmq
 from split_state.errors import DeadlineExceeded, MetaError, ProtocolError, TransportError, WorkerLost, WorkerTimeout
 from transport import protocol as p
 from transport.deadline import Deadline, Liveness
-from transport.sockets import CurveKeys, IpcDir, Security, bind, push, recv_frames, router, send
+from transport.sockets import CurveKeys, IpcDir, Security, bind, pull, push, recv_frames, router, send
 
 POLL_MS = 100
 
@@ -76,7 +76,7 @@ class ProcessCluster:
             self._beat_out.linger = 0
             self.security.server(self._beat_out)
             self.beat_endpoint = bind(self._beat_out, self._endpoint("beat"))
-            self._beat_in, self.beat_in_endpoint = _pull(self.context, self._endpoint("beat-in"), self.security)
+            self._beat_in, self.beat_in_endpoint = pull(self.context, self._endpoint("beat-in"), self.security)
             self._beats = threading.Thread(target=self._heartbeat_loop, daemon=True)
             self._beats.start()
             if config.spawn:
@@ -318,13 +318,6 @@ def _prefix_lines(stream, prefix: str) -> None:
         for line in iter(stream.readline, b""):
             sys.stderr.write(prefix + line.decode(errors="replace"))
             sys.stderr.flush()
-
-
-def _pull(context: zmq.Context, endpoint: str, security: Security) -> tuple[zmq.Socket, str]:
-    sock = context.socket(zmq.PULL)
-    sock.linger = 0
-    security.server(sock)
-    return sock, bind(sock, endpoint)
 
 
 def _rank_of(identity: bytes) -> int:

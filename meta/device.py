@@ -26,7 +26,7 @@ from split_state.dtypes import dtype_name
 from split_state.errors import MetaError, RemoteError
 from split_state.layout import Piece, local_shape, pieces
 from split_state.scatter import extract, gather
-from split_state.states import MIRRORED, Partial, State, validate
+from split_state.states import MIRRORED, State, validate
 from transport import protocol as p
 
 Policy = Callable[[str, tuple[int, ...]], State | None]
@@ -89,9 +89,7 @@ class MetaDevice:
             array.shape,
             dtype,
             state,
-            lambda d: (
-                extract(array, state, self.n, d) if not isinstance(state, Partial) or d == 0 else np.zeros_like(array)
-            ),
+            lambda d: extract(array, state, self.n, d),
         )
 
     def from_generator(

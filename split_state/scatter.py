@@ -20,7 +20,10 @@ def reduce_sum(arrays: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def extract(array: np.ndarray, state: State, n_devices: int, device: int) -> np.ndarray:
-    """Device `device`'s local tensor of `state`, cut from the global `array` (a fresh array)."""
+    """Device `device`'s local tensor of `state`, cut from the global `array` (a fresh array).
+    Partial puts the value on device 0 and zeros elsewhere: exact, unlike dividing by N."""
+    if isinstance(state, Partial):
+        return array.copy() if device == 0 else np.zeros_like(array)
     out = np.empty(local_shape(state, array.shape, n_devices, device), dtype=array.dtype)
     for p in pieces(state, array.shape, n_devices, device):
         out[p.local_index(array.ndim)] = array[p.global_index(array.ndim)]
@@ -31,8 +34,6 @@ def scatter(array: np.ndarray, state: State, n_devices: int) -> list[np.ndarray]
     """Local arrays for every device. Partial puts the value on device 0 and zeros elsewhere."""
     array = np.asarray(array)
     validate(state, array.shape, n_devices)
-    if isinstance(state, Partial):
-        return [array.copy()] + [np.zeros_like(array) for _ in range(n_devices - 1)]
     return [extract(array, state, n_devices, d) for d in range(n_devices)]
 
 

@@ -16,9 +16,8 @@ class Deadline:
     def remaining(self) -> float:
         return max(0.0, self.at - time.monotonic())
 
-    def remaining_ms(self, cap_ms: int | None = None) -> int:
-        ms = int(self.remaining() * 1000)
-        return ms if cap_ms is None else min(ms, cap_ms)
+    def remaining_ms(self) -> int:
+        return int(self.remaining() * 1000)
 
     def expired(self) -> bool:
         return time.monotonic() >= self.at
