@@ -11,6 +11,7 @@ abort at once. Only transport is used to talk to workers.
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -24,9 +25,11 @@ import zmq
 from split_state.errors import DeadlineExceeded, MetaError, ProtocolError, TransportError, WorkerLost, WorkerTimeout
 from transport import protocol as p
 from transport.deadline import Deadline, Liveness
+from transport.shm import remove_session
 from transport.sockets import CurveKeys, IpcDir, Security, bind, pull, push, recv_frames, router, send
 
 POLL_MS = 100
+DATA_PLANES = ("shm", "zmq")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class ClusterConfig:
     collective_timeout: float = 30.0
     blas_threads: int = 1
     memory_budget: int = 0
+    data_plane: str = "shm"  # "shm": shared memory between workers on one host, ZeroMQ otherwise; "zmq"
     log_dir: str = ""
     env: dict[str, str] = field(default_factory=dict)
 
@@ -55,6 +59,9 @@ class ProcessCluster:
     def __init__(self, config: ClusterConfig):
         if config.workers < 1:
             raise MetaError(f"a cluster needs at least one worker, got {config.workers}")
+        if config.data_plane not in DATA_PLANES:
+            raise MetaError(f"data_plane must be one of {DATA_PLANES}, got {config.data_plane!r}")
+        self.session = secrets.token_hex(8)
         self.config = config
         self.world_size = config.workers
         self.context = zmq.Context()
@@ -82,18 +89,20 @@ class ProcessCluster:
             if config.spawn:
                 self._spawn()
             self.devices = self._handshake()
-            self.call_all(
+            replies = self.call_all(
                 {
                     r: p.Configure(
                         self.world_size,
                         [h.data_endpoint for h in self.devices],
-                        "zmq",
+                        config.data_plane,
                         memory_budget=config.memory_budget,
+                        session=self.session,
                     )
                     for r in range(self.world_size)
                 },
                 config.start_timeout,
             )
+            self.data_planes = [replies[r].info for r in range(self.world_size)]
         except BaseException:
             self.close()
             raise
@@ -304,6 +313,7 @@ class ProcessCluster:
         self.context.term()
         if self.ipc is not None:
             self.ipc.close()
+        remove_session(self.session)  # inbox files of workers that could not remove their own
 
     def __enter__(self) -> ProcessCluster:
         return self

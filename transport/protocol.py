@@ -23,7 +23,7 @@ from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
 from split_state.states import State, decode_state, encode_state
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,10 @@ class Hello:
 class Configure:
     world_size: int
     peers: list[str]  # data endpoints by rank
-    collective: str  # "zmq", "shm" or "nccl"
+    collective: str  # data plane: "shm" (shared memory with peers on this host), "zmq" or "nccl"
     nccl_id: bytes = b""
     memory_budget: int = 0  # bytes; 0 keeps the worker's default
+    session: str = ""  # names this cluster's shared-memory files
     KIND: ClassVar[MsgType]
 
 

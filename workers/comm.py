@@ -1,15 +1,20 @@
 """Point-to-point transport between workers for collectives.
 
-Two implementations share the matching logic in `Inbox`: `ZmqComm` (PUSH to each peer, one PULL
-inbox; peers on one host or across hosts) and `QueueComm` (in-process queues, for the simulator).
-Messages between a pair arrive in order; they are matched by (source, run, step) and anything
-from an older run is stale and dropped. An Abort for the current run (or for every run) ends the
-wait at once with a typed error, so a failed or lost peer never leaves the others hanging.
+Three implementations share the matching logic in `Inbox`: `ZmqComm` (PUSH to each peer, one PULL
+inbox; peers on one host or across hosts), `HostComm` (ZmqComm plus shared-memory rings for the
+peers on this host) and `QueueComm` (in-process queues, for the simulator). Messages between a
+pair arrive in order; they are matched by (source, run, step) and anything from an older run is
+stale and dropped. An Abort for the current run (or for every run) ends the wait at once with a
+typed error, so a failed or lost peer never leaves the others hanging.
+
+A receiver takes a message as flat fragments handed to a sink (`receive`), so a reduction can add
+straight from where the bytes arrived; `recv` returns a whole array.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import time
 from typing import Any
@@ -17,15 +22,29 @@ from typing import Any
 import numpy as np
 import zmq
 
-from split_state.errors import ProtocolError, RemoteError, WorkerLost
+from split_state.errors import ProtocolError, RemoteError, TransportError, WorkerLost
 from transport import protocol as p
 from transport.deadline import Deadline
+from transport.shm import InboxFile, RecordHeader, RingReader, RingWriter, Sink, inbox_path, ring_capacity
 from transport.sockets import Security, push, send
+
+SPIN_SECONDS = 200e-6  # poll this long for a peer's bytes: a process wake-up costs more than that
+NAP_SECONDS = 50e-6  # then sleep in naps this short, checking for aborts between them
+
+
+def check_arrival(shape, dtype, want_shape, want_dtype, src: int, step: int) -> None:
+    if shape != want_shape or dtype != want_dtype:
+        raise ProtocolError(
+            f"step {step}: worker {src} sent {tuple(shape)} {np.dtype(dtype)}, the plan expects "
+            f"{tuple(want_shape)} {np.dtype(want_dtype)}"
+        )
 
 
 class Inbox:
     rank: int
     size: int
+    plane = ""  # the data plane's name, as reported to the coordinator
+    note = ""  # why a faster data plane was not used, if it was asked for
 
     def __init__(self) -> None:
         self._stash: dict[int, collections.deque[p.Chunk]] = collections.defaultdict(collections.deque)
@@ -48,16 +67,24 @@ class Inbox:
                 except Exception:  # a peer that is gone cannot be told; it is failing anyway
                     pass
 
+    def receive(
+        self, src: int, run: int, step: int, deadline: Deadline, shape: tuple[int, ...], dtype: np.dtype, sink: Sink
+    ) -> None:
+        """Hand the message (src, run, step), which must be a `shape` array of `dtype`, to `sink`
+        as flat fragments in order: sink(element offset, fragment). Fragments are valid only
+        during the call."""
+        array = self.recv(src, run, step, deadline)
+        check_arrival(array.shape, array.dtype, shape, dtype, src, step)
+        sink(0, array.reshape(-1))
+
+    def flush(self, run: int, deadline: Deadline) -> None:
+        """Wait until everything sent has left this worker (a no-op where sends never queue)."""
+
     def recv(self, src: int, run: int, step: int, deadline: Deadline) -> np.ndarray:
         while True:
-            self._raise_if_aborted(run)
-            stash = self._stash[src]
-            while stash and stash[0].run < run:
-                stash.popleft()  # stale data of an earlier, failed run
-            for i, chunk in enumerate(stash):
-                if chunk.run == run and chunk.step == step:
-                    del stash[i]
-                    return chunk.array
+            chunk = self._stashed(src, run, step)
+            if chunk is not None:
+                return chunk.array
             start = time.perf_counter()
             message = self._next(deadline.remaining())
             self.waited += time.perf_counter() - start
@@ -72,6 +99,18 @@ class Inbox:
             elif message.run >= run:
                 self._stash[message.src].append(message)
 
+    def _stashed(self, src: int, run: int, step: int) -> p.Chunk | None:
+        """The message (src, run, step) if it has arrived; raises if the run was aborted."""
+        self._raise_if_aborted(run)
+        stash = self._stash[src]
+        while stash and stash[0].run < run:
+            stash.popleft()  # stale data of an earlier, failed run
+        for i, chunk in enumerate(stash):
+            if chunk.run == run and chunk.step == step:
+                del stash[i]
+                return chunk
+        return None
+
     def _raise_if_aborted(self, run: int) -> None:
         abort = self._aborts.get(run) or self._aborts.get(-1)
         if abort is None:
@@ -81,12 +120,18 @@ class Inbox:
             raise WorkerLost(text, rank=abort.rank)
         raise RemoteError(text, rank=abort.rank, kind=abort.kind)
 
+    def routes(self) -> dict[int, str]:
+        """How this worker has reached each peer so far."""
+        return {str(dst): self.plane for dst in range(self.size) if dst != self.rank}
+
     def forget_aborts(self) -> None:
         self._aborts = {r: a for r, a in self._aborts.items() if r == -1}
 
 
 class QueueComm(Inbox):
     """In-process comm: one queue per destination, shared by all simulated devices."""
+
+    plane = "queue"
 
     def __init__(self, rank: int, queues: list[queue.Queue]):
         super().__init__()
@@ -106,6 +151,8 @@ class QueueComm(Inbox):
 
 class ZmqComm(Inbox):
     """Host-staged collectives over ZeroMQ: PUSH to each peer's PULL inbox."""
+
+    plane = "zmq"
 
     def __init__(self, rank: int, inbox: zmq.Socket, peers: list[str], context: zmq.Context, security: Security):
         super().__init__()
@@ -132,3 +179,158 @@ class ZmqComm(Inbox):
         for sock in self.outboxes.values():
             sock.close(0)
         self.outboxes = {}
+
+
+class Waiter:
+    """How a worker waits for a peer: spin briefly, then nap; `pause` is False past the deadline."""
+
+    def __init__(self, deadline: Deadline):
+        self.deadline = deadline
+        self.since = time.perf_counter()
+
+    def progressed(self) -> None:
+        self.since = time.perf_counter()
+
+    def pause(self) -> bool:
+        if time.perf_counter() - self.since > SPIN_SECONDS:
+            time.sleep(NAP_SECONDS)
+        else:
+            os.sched_yield()  # free when a core is idle; hands it to a peer when there are more workers than cores
+        return not self.deadline.expired()
+
+
+class HostComm(ZmqComm):
+    """ZeroMQ for signalling and for peers on other hosts; shared-memory rings for peers that
+    share this host. This worker's rings live in its inbox file, made when it is configured; a
+    sender maps the receiver's file when it first sends to it and uses ZeroMQ if it cannot (another
+    host, no shared memory), so the receiver accepts a peer's data from either."""
+
+    def __init__(
+        self, rank: int, inbox: zmq.Socket, peers: list[str], context: zmq.Context, security: Security, session: str
+    ):
+        super().__init__(rank, inbox, peers, context, security)
+        self.session = session
+        self.own = InboxFile.create(inbox_path(session, rank), self.size, ring_capacity(self.size))
+        self.readers = {src: RingReader(self.own.rings[src]) for src in range(self.size) if src != rank}
+        self.writers: dict[int, RingWriter | None] = {}  # None: that peer is reached over ZeroMQ
+        self.peer_files: list[InboxFile] = []
+
+    plane = "shm"
+
+    def routes(self) -> dict[int, str]:
+        return {str(dst): "zmq" if w is None else "shm" for dst, w in sorted(self.writers.items())}
+
+    def _writer(self, dst: int) -> RingWriter | None:
+        if dst not in self.writers:
+            try:
+                peer = InboxFile.attach(inbox_path(self.session, dst), self.size)
+            except TransportError:
+                self.writers[dst] = None
+            else:
+                self.peer_files.append(peer)
+                self.writers[dst] = RingWriter(peer.rings[self.rank])
+        return self.writers[dst]
+
+    def send(self, dst: int, run: int, step: int, array: np.ndarray) -> None:
+        writer = self._writer(dst)
+        if writer is None:
+            super().send(dst, run, step, array)
+        else:
+            writer.post(run, step, array)
+
+    def _pump(self) -> bool:
+        """Move queued bytes into peers' rings; True when nothing is left queued."""
+        done = True
+        for writer in self.writers.values():
+            if writer is not None and writer.queue:
+                done = writer.pump() and done
+        return done
+
+    def _check_signals(self, run: int) -> None:
+        """Aborts and ZeroMQ data that arrived meanwhile, without waiting."""
+        while (message := self._next(0)) is not None:
+            if isinstance(message, p.Abort):
+                self._aborts[message.run] = message
+            elif message.run >= run:
+                self._stash[message.src].append(message)
+        self._raise_if_aborted(run)
+
+    def flush(self, run: int, deadline: Deadline) -> None:
+        waiter = Waiter(deadline)
+        while not self._pump():
+            self._check_signals(run)
+            if not waiter.pause():
+                stuck = [d for d, w in self.writers.items() if w is not None and w.queue]
+                raise WorkerLost(
+                    f"worker {self.rank}: workers {stuck} took no data for {deadline.seconds:.1f} s",
+                    rank=stuck[0],
+                )
+
+    def receive(
+        self, src: int, run: int, step: int, deadline: Deadline, shape: tuple[int, ...], dtype: np.dtype, sink: Sink
+    ) -> None:
+        reader = self.readers[src]
+        waiter = Waiter(deadline)
+        start = time.perf_counter()
+        try:
+            while True:
+                chunk = self._stashed(src, run, step)
+                if chunk is not None:  # it came over ZeroMQ, or was set aside earlier
+                    check_arrival(chunk.array.shape, chunk.array.dtype, shape, dtype, src, step)
+                    sink(0, chunk.array.reshape(-1))
+                    return
+                header = reader.peek()
+                if header is not None and (header.run, header.step) == (run, step):
+                    check_arrival(header.shape, header.dtype, shape, dtype, src, step)
+                    self._stream(reader, header, sink, waiter, run, src, step)
+                    return
+                if header is not None:  # stale (dropped) or not the one awaited (set aside)
+                    array = np.empty(header.shape, header.dtype)
+                    flat = array.reshape(-1)
+                    self._stream(reader, header, _copy_into(flat), waiter, run, src, step)
+                    if header.run >= run:
+                        self._stash[src].append(p.Chunk(src, header.run, header.step, array))
+                    continue
+                self._pump()
+                self._check_signals(run)
+                if not waiter.pause():
+                    self._lost(src, run, step, deadline)
+        finally:
+            self.waited += time.perf_counter() - start
+
+    def _stream(self, reader: RingReader, header: RecordHeader, sink: Sink, waiter: Waiter, run, src, step) -> None:
+        itemsize, at = header.dtype.itemsize, 0
+        while reader.current is header:
+            fragment = reader.fragment()
+            if fragment is None:
+                self._pump()
+                self._check_signals(run)
+                if not waiter.pause():
+                    self._lost(src, run, step, waiter.deadline)
+                continue
+            sink(at, fragment.view(header.dtype))
+            at += fragment.size // itemsize
+            reader.consume(fragment.size)
+            waiter.progressed()
+            self._pump()  # the peer may be waiting on our bytes while we read its
+
+    def _lost(self, src: int, run: int, step: int, deadline: Deadline):
+        raise WorkerLost(
+            f"worker {self.rank}: no data from worker {src} within {deadline.seconds:.1f} s (run {run}, step {step})",
+            rank=src,
+        )
+
+    def close(self) -> None:
+        super().close()
+        self.readers, self.writers = {}, {}
+        for peer in self.peer_files:
+            peer.close()
+        self.peer_files = []
+        self.own.close()
+
+
+def _copy_into(flat: np.ndarray) -> Sink:
+    def sink(at: int, fragment: np.ndarray) -> None:
+        flat[at : at + fragment.size] = fragment
+
+    return sink

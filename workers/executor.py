@@ -73,7 +73,7 @@ class Executor:
         start = time.perf_counter()
         if isinstance(step, p.OpStep):
             nbytes = prod(step.shape) * itemsize
-            self.store.reserve(nbytes, f"step {index} ({step.op})")
+            self.store.reserve(nbytes, lambda: f"step {index} ({step.op})")
             owned[step.output] = nbytes
             out = KERNELS[step.op](self.backend.xp, [slots[s] for s in step.inputs], step.params)
             if tuple(out.shape) != tuple(step.shape) or out.dtype != dtype_from_name(step.dtype):
@@ -85,7 +85,7 @@ class Executor:
         else:
             n, r = self.comm.size, self.comm.rank
             nbytes = prod(local_shape(step.dst, step.shape, n, r)) * itemsize
-            self.store.reserve(nbytes, f"step {index} (redistribute {step.src} -> {step.dst})")
+            self.store.reserve(nbytes, lambda: f"step {index} (redistribute {step.src} -> {step.dst})")
             owned[step.output] = nbytes
             deadline = Deadline(self.collective_timeout)
             out = self.collectives.redistribute(slots[step.input], step.src, step.dst, step.shape, run, index, deadline)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import sys
 import threading
 import time
@@ -17,13 +18,14 @@ import traceback
 import numpy as np
 import zmq
 
-from split_state.errors import MetaError
+from split_state.errors import MetaError, TransportError
 from transport import protocol as p
+from transport import shm
 from transport.deadline import Deadline
 from transport.reply import respond
 from transport.sockets import CurveKeys, Security, dealer, pull, push, recv_frames, send, send_frames
 from workers.backend import make_backend
-from workers.comm import ZmqComm
+from workers.comm import HostComm, ZmqComm
 from workers.server import WorkerServer
 
 EXIT_COORDINATOR_LOST = 17
@@ -92,12 +94,37 @@ def _watch(args: argparse.Namespace, context: zmq.Context, security: Security, s
         beat_out.close(0)
 
 
+def make_comm(rank: int, configure: p.Configure, inbox, context: zmq.Context, security: Security) -> ZmqComm:
+    """Shared memory with the peers on this host when asked for and possible, else ZeroMQ; the
+    reason for a fallback is kept in `note` and reported to the coordinator."""
+    note = ""
+    if configure.collective == "shm" and configure.world_size > 1:
+        if not shm.supported():
+            note = f"shared memory needs an x86-64 CPU (this is {platform.machine()})"
+        else:
+            try:
+                comm = HostComm(rank, inbox, configure.peers, context, security, configure.session)
+            except TransportError as exc:
+                note = str(exc)
+            else:
+                _SHARED_FILES.append(comm.own.path)
+                return comm
+    comm = ZmqComm(rank, inbox, configure.peers, context, security)
+    comm.note = note
+    return comm
+
+
+_SHARED_FILES: list = []  # removed even when the watchdog ends the process abruptly
+
+
 def orphaned(args: argparse.Namespace) -> bool:
     return bool(args.parent_pid) and os.getppid() != args.parent_pid
 
 
 def _exit(rank: int, why: str) -> None:
     try:
+        for path in _SHARED_FILES:
+            path.unlink(missing_ok=True)
         print(f"worker {rank}: exiting, {why}", file=sys.stderr, flush=True)
     finally:  # stderr may be a pipe to the dead coordinator: exit regardless
         os._exit(EXIT_COORDINATOR_LOST)
@@ -119,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     def connect(configure: p.Configure) -> ZmqComm:
         for old in comms:
             old.close()
-        comms[:] = [ZmqComm(args.rank, inbox, configure.peers, context, security)]
+        comms[:] = [make_comm(args.rank, configure, inbox, context, security)]
         return comms[0]
 
     server = WorkerServer(args.rank, backend, connect, args.collective_timeout)

@@ -42,8 +42,9 @@ class WorkerServer:
         self.world_size = m.world_size
         if m.memory_budget:
             self.store.budget = m.memory_budget
-        self.executor.attach(self.connect(m))
-        return p.Ok({"collective": m.collective})
+        comm = self.connect(m)
+        self.executor.attach(comm)
+        return p.Ok({"data_plane": comm.plane, "note": getattr(comm, "note", "")})
 
     def _on_put(self, m: p.Put) -> p.Message:
         self._require_configured()
@@ -84,6 +85,8 @@ class WorkerServer:
             "budget": self.store.budget,
             "programs": len(self.executor.programs),
             "runs": self.runs,
+            "data_plane": self.executor.comm.plane if self.world_size else "",
+            "routes": self.executor.comm.routes() if self.world_size else {},
             "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         }
         return p.Ok(info)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from split_state.errors import OutOfMemory
@@ -14,11 +15,12 @@ class TensorStore:
         self.used = 0
         self.transient = 0  # bytes held by the running program's intermediates
 
-    def reserve(self, nbytes: int, what: str) -> None:
-        """Account `nbytes` of intermediates, or OutOfMemory (nothing stored is touched)."""
+    def reserve(self, nbytes: int, what: Callable[[], str]) -> None:
+        """Account `nbytes` of intermediates, or OutOfMemory (nothing stored is touched). `what`
+        names the allocation; it is called only for the error, as it runs once per step."""
         if self.used + self.transient + nbytes > self.budget:
             raise OutOfMemory(
-                f"{what} needs {nbytes} bytes; {self.used} stored + {self.transient} in flight "
+                f"{what()} needs {nbytes} bytes; {self.used} stored + {self.transient} in flight "
                 f"of a {self.budget}-byte budget; free tensors or raise the budget"
             )
         self.transient += nbytes

@@ -1,0 +1,341 @@
+"""Shared-memory rings: the data plane between workers on one host.
+
+Each worker owns one inbox file in shared memory (/dev/shm where there is one) holding a
+single-producer single-consumer byte ring per peer. A sender copies a record (a header and the
+array's bytes) into the ring the receiver keeps for it; the receiver reads the bytes where they
+lie, so a reduction adds straight from shared memory. ZeroMQ stays for signalling (aborts) and
+for peers on other hosts.
+
+Ordering: the producer writes data and then publishes `head`; the consumer reads `head`, then
+the data, and publishes `tail` when done with it. Each index has one writer and is an aligned
+8-byte store, so this is correct on a total-store-order CPU (x86-64) without explicit fences;
+`supported()` refuses other machines, which then use ZeroMQ.
+
+Ring layout, all offsets multiples of 64 bytes (one cache line): records start on a line, a
+record header is whole lines, payload chunks are whole lines except a record's last, so every
+fragment a reader sees holds whole elements and is aligned for any dtype.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import struct
+import tempfile
+from collections.abc import Callable
+from math import prod
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from split_state.dtypes import DTYPES, dtype_name
+from split_state.errors import ProtocolError, TransportError
+
+LINE = 64
+FILE_MAGIC = b"METATPS1"
+RECORD_MAGIC = 0x4D54_5052  # "MTPR"
+FILE_HEADER = 4096  # magic, world size, capacity, owner pid; rings start on a page
+CONTROL = 2 * LINE  # per ring: head on one cache line, tail on the next (no false sharing)
+HEAD, TAIL = 0, LINE // 8  # indices into the ring's uint64 control words
+MAX_NDIM = 32
+WRITE_CHUNK = 256 << 10  # a sender publishes at least this often, so the reader can start early
+READ_CHUNK = 256 << 10  # a reader frees space at least this often, so the sender can refill
+
+_PREFIX = struct.Struct("<IIqqq24s")  # magic, ndim, run, step, nbytes, dtype name
+_FILE = struct.Struct("<8sIQQ64s")  # magic, world size, ring capacity, owner pid, host id
+_DTYPES = {name.encode().ljust(24, b"\0"): dtype for name, dtype in DTYPES.items()}  # as packed
+
+
+def supported() -> bool:
+    """Total store order is what makes the lock-free ring correct without fences."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def host_id() -> bytes:
+    """This machine (boot) as a short string: two workers may share memory only if it matches."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{platform.node()}/{boot}".encode()[:64]
+
+
+def shm_root() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+def inbox_path(session: str, rank: int) -> Path:
+    return shm_root() / f"meta-tp-{session}-{rank}"
+
+
+def ring_capacity(world_size: int) -> int:
+    """Bytes per ring: 4 MiB for small groups, less for large ones (n - 1 rings per worker)."""
+    per_ring = (16 << 20) // max(1, world_size - 1)
+    capacity = 1 << max(18, min(22, per_ring.bit_length() - 1))
+    return capacity
+
+
+def _round_up(n: int) -> int:
+    return -(-n // LINE) * LINE
+
+
+class RecordHeader(NamedTuple):
+    """What precedes an array in a ring (a tuple: this is made for every message)."""
+
+    run: int
+    step: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, run: int, step: int, array: np.ndarray) -> RecordHeader:
+        return cls(run, step, array.dtype, array.shape, array.nbytes)
+
+    def encode(self) -> bytes:
+        ndim = len(self.shape)
+        raw = _PREFIX.pack(RECORD_MAGIC, ndim, self.run, self.step, self.nbytes, dtype_name(self.dtype).encode())
+        return raw + struct.pack(f"<{ndim}q", *self.shape) + bytes(header_bytes(ndim) - _PREFIX.size - 8 * ndim)
+
+
+def header_bytes(ndim: int) -> int:
+    return _round_up(_PREFIX.size + 8 * ndim)
+
+
+class Ring:
+    """One byte ring in a mapped file: control words and `capacity` data bytes."""
+
+    def __init__(self, buffer: mmap.mmap, offset: int, capacity: int):
+        self.capacity = capacity
+        self.buffer = buffer
+        self.base = offset + CONTROL  # where the data bytes start in `buffer`
+        self.control = np.frombuffer(buffer, np.uint64, CONTROL // 8, offset)
+        self.data = np.frombuffer(buffer, np.uint8, capacity, self.base)
+
+    def head(self) -> int:
+        return int(self.control[HEAD])
+
+    def tail(self) -> int:
+        return int(self.control[TAIL])
+
+    def write(self, position: int, raw: bytes) -> None:
+        """Small bytes (a header) at a stream position, split where the ring wraps."""
+        at = position % self.capacity
+        first = min(len(raw), self.capacity - at)
+        self.buffer[self.base + at : self.base + at + first] = raw[:first]
+        if first < len(raw):
+            self.buffer[self.base : self.base + len(raw) - first] = raw[first:]
+
+    def read(self, position: int, n: int) -> bytes:
+        at = position % self.capacity
+        first = min(n, self.capacity - at)
+        raw = self.buffer[self.base + at : self.base + at + first]
+        return raw if first == n else raw + self.buffer[self.base : self.base + n - first]
+
+
+class _Outgoing:
+    """A record being written: header bytes, then the payload, then padding to a line."""
+
+    __slots__ = ("run", "header", "payload", "done")
+
+    def __init__(self, run: int, header: bytes, payload: np.ndarray):
+        self.run, self.header, self.payload = run, header, payload
+        self.done = -1  # payload bytes written; -1 until the header is in
+
+
+class RingWriter:
+    """The producer end of one ring: queues records and writes as much as fits, never blocking."""
+
+    def __init__(self, ring: Ring):
+        self.ring = ring
+        self.head = ring.head()
+        self.queue: list[_Outgoing] = []
+
+    def post(self, run: int, step: int, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array)
+        payload = array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
+        self.queue.append(_Outgoing(run, RecordHeader.of(run, step, array).encode(), payload))
+        self.pump()
+
+    def pump(self) -> bool:
+        """Write what fits; True when nothing is left queued."""
+        ring, cap = self.ring, self.ring.capacity
+        while self.queue:
+            m = self.queue[0]
+            free = cap - (self.head - ring.tail())
+            if m.done < 0:
+                if free < len(m.header):
+                    return False
+                ring.write(self.head, m.header)
+                self.head += len(m.header)
+                m.done, free = 0, free - len(m.header)
+            left = m.payload.size - m.done
+            if left:
+                at = self.head % cap
+                n = min(left, free, cap - at, WRITE_CHUNK)
+                if n < left:
+                    n -= n % LINE  # whole lines until the last piece keeps fragments aligned
+                if n <= 0:
+                    ring.control[HEAD] = self.head
+                    return False
+                ring.data[at : at + n] = m.payload[m.done : m.done + n]
+                m.done += n
+                self.head += n
+                if m.done < m.payload.size:
+                    ring.control[HEAD] = self.head  # publish progress: the reader may start
+                    continue
+            self.head = _round_up(self.head)
+            ring.control[HEAD] = self.head
+            self.queue.pop(0)
+        return True
+
+
+class RingReader:
+    """The consumer end of one ring: a record's header, then its payload as aligned fragments.
+
+    The reader keeps its place inside a record, so a wait abandoned half way (a deadline, an
+    abort) leaves the stream intact and the rest can be skipped later."""
+
+    def __init__(self, ring: Ring):
+        self.ring = ring
+        self.tail = ring.tail()
+        self.current: RecordHeader | None = None
+        self.offset = 0  # payload bytes of `current` already consumed
+
+    def available(self) -> int:
+        return self.ring.head() - self.tail
+
+    def peek(self) -> RecordHeader | None:
+        """The header of the record being read, taking in the next one if none is; None while
+        no whole header has arrived."""
+        if self.current is not None:
+            return self.current
+        avail = self.available()
+        if avail < LINE:
+            return None
+        magic, ndim, run, step, nbytes, name = _PREFIX.unpack(self.ring.read(self.tail, _PREFIX.size))
+        if magic != RECORD_MAGIC or ndim > MAX_NDIM:
+            raise ProtocolError(f"shared-memory ring corrupted: record magic {magic:#x}, {ndim} dimensions")
+        size = header_bytes(ndim)
+        if avail < size:
+            return None
+        shape = struct.unpack(f"<{ndim}q", self.ring.read(self.tail + _PREFIX.size, 8 * ndim))
+        dtype = _DTYPES.get(name)
+        if dtype is None:
+            name = name.rstrip(b"\0")
+            raise ProtocolError(f"shared-memory record of unsupported dtype {name!r}")
+        if min(shape, default=0) < 0 or prod(shape) * dtype.itemsize != nbytes:
+            raise ProtocolError(f"shared-memory record: shape {shape} of {dtype} does not hold {nbytes} bytes")
+        self._advance(size)
+        header = self.current = RecordHeader(run, step, dtype, shape, nbytes)
+        self.offset = 0
+        if not nbytes:
+            self._finish()
+        return header
+
+    def fragment(self) -> np.ndarray | None:
+        """The next arrived bytes of the current payload as a read-only view of the ring (valid
+        until `consume`), or None when none has arrived yet."""
+        avail = self.ring.head() - self.tail
+        if not avail:
+            return None
+        cap = self.ring.capacity
+        at = self.tail % cap
+        n = min(self.current.nbytes - self.offset, avail, cap - at, READ_CHUNK)
+        view = self.ring.data[at : at + n]
+        view.flags.writeable = False
+        return view
+
+    def consume(self, n: int) -> None:
+        """Free `n` payload bytes (those of the last fragment) for the writer."""
+        self.offset += n
+        self.tail += n
+        if self.offset == self.current.nbytes:
+            self._finish()
+        else:
+            self.ring.control[TAIL] = self.tail
+
+    def _finish(self) -> None:
+        self.current = None
+        self._advance(_round_up(self.tail) - self.tail)
+
+    def _advance(self, n: int) -> None:
+        self.tail += n
+        self.ring.control[TAIL] = self.tail
+
+
+class InboxFile:
+    """A worker's shared-memory inbox: one ring per source rank (its own stays unused)."""
+
+    def __init__(self, path: Path, buffer: mmap.mmap, world_size: int, capacity: int, owner: bool):
+        self.path, self.buffer, self.world_size, self.capacity, self.owner = path, buffer, world_size, capacity, owner
+        stride = CONTROL + capacity
+        self.rings = [Ring(buffer, FILE_HEADER + src * stride, capacity) for src in range(world_size)]
+
+    @classmethod
+    def create(cls, path: Path, world_size: int, capacity: int) -> InboxFile:
+        """Make and map the file with all its pages reserved now: a full /dev/shm fails here with
+        TransportError, not later with SIGBUS in the middle of a copy."""
+        size = FILE_HEADER + world_size * (CONTROL + capacity)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create shared-memory inbox {path}: {exc}") from None
+        try:
+            os.posix_fallocate(fd, 0, size)
+            buffer = mmap.mmap(fd, size)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise TransportError(f"cannot reserve {size} bytes of shared memory at {path}: {exc}") from None
+        os.close(fd)
+        header = _FILE.pack(FILE_MAGIC, world_size, capacity, os.getpid(), host_id())
+        buffer[: len(header)] = header
+        return cls(path, buffer, world_size, capacity, owner=True)
+
+    @classmethod
+    def attach(cls, path: Path, world_size: int) -> InboxFile:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TransportError(f"cannot open a peer's shared-memory inbox {path}: {exc}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < FILE_HEADER:
+                raise TransportError(f"{path} is not a shared-memory inbox ({size} bytes)")
+            buffer = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        magic, world, capacity, _, host = _FILE.unpack_from(buffer)
+        if magic != FILE_MAGIC or world != world_size or size != FILE_HEADER + world * (CONTROL + capacity):
+            buffer.close()
+            raise TransportError(f"{path}: not an inbox for {world_size} workers (magic {magic!r}, world {world})")
+        host = host.rstrip(b"\0")
+        if host != host_id():  # a /tmp shared between machines is not shared memory
+            buffer.close()
+            raise TransportError(f"{path} belongs to host {host!r}, not this one")
+        return cls(path, buffer, world_size, capacity, owner=False)
+
+    def close(self) -> None:
+        self.rings = []
+        try:
+            self.buffer.close()
+        except BufferError:  # a view still alive somewhere; the mapping goes with the process
+            pass
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+
+def remove_session(session: str) -> int:
+    """Remove inbox files a session's workers left behind (killed before they could); returns
+    how many. The coordinator calls it when it closes."""
+    removed = 0
+    for path in shm_root().glob(f"meta-tp-{session}-*"):
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+Sink = Callable[[int, np.ndarray], None]  # (element offset, fragment of elements)
