@@ -156,6 +156,11 @@ def timed_steps(fn, steps: int = 5) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def describe_plane(info: dict) -> str:
+    """'shm' or 'zmq', with the reason when shared memory was asked for and not used."""
+    return info["data_plane"] + (f" ({info['note']})" if info.get("note") else "")
+
+
 def demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with open_cluster(args) as dev:
@@ -163,10 +168,16 @@ def demo(args: argparse.Namespace) -> int:
         startup = time.perf_counter() - start
         print_table(
             f"{n} workers started in {startup:.2f} s",
-            ["rank", "backend", "device", "memory"],
+            ["rank", "backend", "device", "memory", "data plane"],
             [
-                [r, d.backend, d.device, f"{d.memory_free / 2**30:.1f}/{d.memory_total / 2**30:.1f} GiB free"]
-                for r, d in enumerate(dev.cluster.devices)
+                [
+                    r,
+                    d.backend,
+                    d.device,
+                    f"{d.memory_free / 2**30:.1f}/{d.memory_total / 2**30:.1f} GiB free",
+                    describe_plane(plane),
+                ]
+                for r, (d, plane) in enumerate(zip(dev.cluster.devices, dev.cluster.data_planes))
             ],
         )
         rng = np.random.default_rng(0)
@@ -311,7 +322,7 @@ def _root() -> str:
 def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
     """A cluster from the common options; under a batch launcher, rank 0 coordinates and the
     other ranks serve as workers (this process then never returns from here normally)."""
-    config = {"liveness": args.liveness, "log_dir": args.log_dir}
+    config = {"liveness": args.liveness, "log_dir": args.log_dir, "data_plane": args.data_plane}
     launcher = detect_launcher(os.environ) if not args.listen else None
     listen = args.listen
     if launcher is not None and launcher.world_size > 1:
@@ -410,6 +421,12 @@ def _cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--liveness", type=float, default=5.0, help="seconds before a silent worker is lost")
     p.add_argument("--start-timeout", type=float, default=60.0)
     p.add_argument("--log-dir", default="", help="write worker-R.log files here instead of prefixed stderr")
+    p.add_argument(
+        "--data-plane",
+        default="shm",
+        choices=["shm", "zmq"],
+        help="between workers: shared memory on one host (ZeroMQ across hosts), or ZeroMQ only",
+    )
 
 
 def parser() -> argparse.ArgumentParser:

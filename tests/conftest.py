@@ -38,8 +38,8 @@ def _processes(n: int, **config):
     return cluster, pids
 
 
-def _process_device(n: int):
-    cluster, pids = _processes(n)
+def _process_device(n: int, **config):
+    cluster, pids = _processes(n, **config)
     dev = MetaDevice(cluster, check_mirrored=True)
     yield dev
     dev.close()
@@ -54,6 +54,12 @@ def procs2():
 @pytest.fixture(scope="module")
 def procs3():
     yield from _process_device(3)
+
+
+@pytest.fixture(scope="module")
+def procs3_zmq():
+    """Three workers whose collectives go over ZeroMQ, as between hosts."""
+    yield from _process_device(3, data_plane="zmq")
 
 
 @pytest.fixture

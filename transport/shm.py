@@ -154,7 +154,7 @@ class RingWriter:
         self.queue: list[_Outgoing] = []
 
     def post(self, run: int, step: int, array: np.ndarray) -> None:
-        array = np.ascontiguousarray(array)
+        array = np.ascontiguousarray(array).reshape(array.shape)  # keeps 0-d arrays 0-d
         payload = array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
         self.queue.append(_Outgoing(run, RecordHeader.of(run, step, array).encode(), payload))
         self.pump()

@@ -56,7 +56,7 @@ class Inbox:
     def _send(self, dst: int, message: p.Chunk | p.Abort) -> None: ...
 
     def send(self, dst: int, run: int, step: int, array: np.ndarray) -> None:
-        self._send(dst, p.Chunk(self.rank, run, step, np.ascontiguousarray(array)))
+        self._send(dst, p.Chunk(self.rank, run, step, array))  # encode makes it contiguous
 
     def abort(self, run: int, kind: str, message: str) -> None:
         """Tell every peer that run `run` cannot finish because of this worker."""

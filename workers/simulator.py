@@ -34,7 +34,8 @@ class SimulatedCluster:
         self._threads = [threading.Thread(target=self._serve, args=(r,), daemon=True) for r in range(n)]
         for t in self._threads:
             t.start()
-        self.call_all({r: p.Configure(n, [f"sim:{i}" for i in range(n)], "queue") for r in range(n)}, 10.0)
+        replies = self.call_all({r: p.Configure(n, [f"sim:{i}" for i in range(n)], "queue") for r in range(n)}, 10.0)
+        self.data_planes = [replies[r].info for r in range(n)]
 
     def _connector(self, rank: int):
         return lambda configure: QueueComm(rank, self._data)

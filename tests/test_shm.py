@@ -1,0 +1,304 @@
+"""The shared-memory data plane: rings, the comm that uses them, and its fallbacks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import time
+
+import numpy as np
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meta import MetaDevice
+from split_state import MIRRORED, PARTIAL, Split
+from split_state.dtypes import DTYPES
+from split_state.errors import ProtocolError, RemoteError, TransportError, WorkerLost
+from transport import protocol as p
+from transport import shm
+from transport.deadline import Deadline
+from transport.shm import LINE, InboxFile, RingReader, RingWriter
+from transport.sockets import IpcDir, Security, pull
+from workers.comm import HostComm, ZmqComm
+from workers.main import make_comm
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not shm.supported(), reason="the shared-memory ring needs an x86-64 CPU"),
+]
+
+
+@pytest.fixture
+def ring_file(tmp_path):
+    files = []
+
+    def make(world: int = 2, capacity: int = 4096) -> InboxFile:
+        f = InboxFile.create(tmp_path / f"inbox-{len(files)}", world, capacity)
+        files.append(f)
+        return f
+
+    yield make
+    for f in files:
+        f.close()
+
+
+def read_record(reader: RingReader, writer: RingWriter) -> tuple[tuple, np.ndarray]:
+    """Read the next record whole, pumping the writer whenever the reader runs dry."""
+    while (header := reader.peek()) is None:
+        assert not writer.pump() or reader.available(), "nothing queued and nothing to read"
+    out = np.empty(header.shape, header.dtype)
+    flat, at = out.reshape(-1), 0
+    while reader.current is header:
+        fragment = reader.fragment()
+        if fragment is None:
+            writer.pump()
+            continue
+        assert fragment.ctypes.data % LINE == 0 and not fragment.flags.writeable
+        part = fragment.view(header.dtype)
+        flat[at : at + part.size] = part
+        at += part.size
+        reader.consume(fragment.size)
+    return (header.run, header.step), out
+
+
+ARRAYS = st.tuples(
+    st.sampled_from(["float32", "float16", "bfloat16", "int32", "int64", "float64"]),
+    st.lists(st.integers(0, 40), min_size=0, max_size=4).map(tuple),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs=st.lists(ARRAYS, min_size=1, max_size=12), capacity_lines=st.integers(4, 40))
+def test_ring_carries_any_sequence_of_records_bit_for_bit(tmp_path_factory, specs, capacity_lines):
+    """Records larger than the ring, empty ones, every dtype, wrap-around at any point."""
+    f = InboxFile.create(tmp_path_factory.mktemp("ring") / "inbox", 2, capacity_lines * LINE)
+    try:
+        writer, reader = RingWriter(f.rings[0]), RingReader(f.rings[0])
+        rng = np.random.default_rng(len(specs))
+        sent = []
+        for i, (dtype, shape) in enumerate(specs):
+            raw = rng.integers(0, 256, size=int(np.prod(shape)) * DTYPES[dtype].itemsize, dtype=np.uint8)
+            array = raw.view(DTYPES[dtype]).reshape(shape)
+            sent.append(((7, i), array))
+            writer.post(7, i, array)  # queued: most do not fit until the reader frees space
+        for key, array in sent:
+            got_key, got = read_record(reader, writer)
+            assert got_key == key and got.shape == array.shape and got.dtype == array.dtype
+            assert got.tobytes() == array.tobytes()
+        assert writer.pump() and reader.available() == 0
+    finally:
+        f.close()
+
+
+def test_reader_keeps_its_place_when_a_wait_is_abandoned(ring_file):
+    f = ring_file(capacity=1024)
+    writer, reader = RingWriter(f.rings[1]), RingReader(f.rings[1])
+    big = np.arange(1000, dtype=np.float32)  # 4000 bytes through a 1024-byte ring
+    writer.post(1, 0, big)
+    writer.post(1, 1, np.arange(5, dtype=np.int32))
+    header = reader.peek()
+    first = reader.fragment()
+    reader.consume(first.size)  # ... and the waiter gives up here (a deadline, an abort)
+    assert reader.peek() is header  # the same record, not a misread of its middle
+    rest = [first.view(np.float32).copy()]
+    while reader.current is header:
+        writer.pump()
+        if (fragment := reader.fragment()) is not None:
+            rest.append(fragment.view(np.float32).copy())
+            reader.consume(fragment.size)
+    assert np.array_equal(np.concatenate(rest), big)
+    assert read_record(reader, writer)[0] == (1, 1)
+
+
+def test_corrupted_ring_and_unknown_dtype_are_protocol_errors(ring_file):
+    f = ring_file()
+    writer, reader = RingWriter(f.rings[0]), RingReader(f.rings[0])
+    writer.post(1, 0, np.ones(4, np.float32))
+    f.rings[0].data[:4] = 0xFF  # the record's magic
+    with pytest.raises(ProtocolError, match="corrupted"):
+        reader.peek()
+    g = ring_file()
+    writer, reader = RingWriter(g.rings[0]), RingReader(g.rings[0])
+    writer.post(1, 0, np.ones(4, np.float32))
+    name_at = struct.calcsize("<IIqqq")
+    g.rings[0].data[name_at : name_at + 8] = np.frombuffer(b"complex8", np.uint8)
+    with pytest.raises(ProtocolError, match="unsupported dtype"):
+        reader.peek()
+
+
+def test_inbox_files_refuse_wrong_peers(ring_file, tmp_path):
+    f = ring_file(world=3)
+    with pytest.raises(TransportError, match="not an inbox for 2 workers"):
+        InboxFile.attach(f.path, 2)
+    with pytest.raises(TransportError, match="cannot open"):
+        InboxFile.attach(tmp_path / "missing", 3)
+    with pytest.raises(TransportError, match="cannot create"):
+        InboxFile.create(tmp_path / "no-such-dir" / "inbox", 2, 4096)
+    with pytest.raises(TransportError, match="cannot create"):
+        InboxFile.create(f.path, 3, 4096)  # exists: never reuse another cluster's file
+    f.buffer[struct.calcsize("<8sIQQ") : struct.calcsize("<8sIQQ") + 6] = b"elsewh"
+    with pytest.raises(TransportError, match="belongs to host"):
+        InboxFile.attach(f.path, 3)
+    peer = InboxFile.attach(ring_file(world=3).path, 3)
+    peer.close()
+
+
+def test_ring_capacity_bounds_memory_per_worker():
+    assert shm.ring_capacity(2) == 4 << 20
+    assert shm.ring_capacity(16) == 1 << 20
+    assert shm.ring_capacity(1000) == 256 << 10
+    for n in (2, 3, 5, 8, 16):
+        assert shm.ring_capacity(n) % LINE == 0 and (n - 1) * shm.ring_capacity(n) <= 16 << 20
+
+
+# -- HostComm in one process: two ranks, real sockets and files -----------------------------------
+
+
+@pytest.fixture
+def comm_pair():
+    ctx, ipc, session = zmq.Context(), IpcDir(), f"test{os.getpid()}{time.monotonic_ns()}"
+    security = Security(ctx, None)
+    inboxes, endpoints = zip(*(pull(ctx, ipc.endpoint(f"d{r}"), security) for r in range(2)))
+    comms = []
+
+    def make(rank: int, kind=HostComm):
+        args = (rank, inboxes[rank], list(endpoints), ctx, security)
+        comms.append(kind(*args, session) if kind is HostComm else kind(*args))
+        return comms[-1]
+
+    yield make, session
+    for c in comms:
+        c.close()
+    for sock in inboxes:
+        sock.close(0)
+    ctx.term()
+    ipc.close()
+    assert shm.remove_session(session) == 0, "inbox files left behind"
+
+
+def receive_array(comm, src, run, step, shape, dtype=np.float32, seconds=5.0):
+    out = np.empty(shape, dtype)
+    flat = out.reshape(-1)
+
+    def sink(at, fragment):
+        flat[at : at + fragment.size] = fragment
+
+    comm.receive(src, run, step, Deadline(seconds), tuple(shape), np.dtype(dtype), sink)
+    return out
+
+
+def test_host_comm_matches_steps_drops_stale_runs_and_sets_aside_later_ones(comm_pair):
+    make, _ = comm_pair
+    a, b = make(0), make(1)
+    stale, first, second = (np.full(3, v, np.float32) for v in (1, 2, 3))
+    a.send(1, run=4, step=0, array=stale)  # a failed run's leftover
+    a.send(1, run=5, step=1, array=second)
+    a.send(1, run=5, step=0, array=first)
+    assert a.routes() == {"1": "shm"}
+    assert np.array_equal(receive_array(b, 0, 5, 0, (3,)), first)  # past the stale one and step 1
+    assert np.array_equal(receive_array(b, 0, 5, 1, (3,)), second)  # set aside earlier
+    a.flush(5, Deadline(1))
+
+
+def test_host_comm_checks_what_arrives_against_the_plan(comm_pair):
+    make, _ = comm_pair
+    a, b = make(0), make(1)
+    a.send(1, 1, 0, np.ones((2, 3), np.float32))
+    with pytest.raises(ProtocolError, match=r"sent \(2, 3\) float32, the plan expects \(3, 2\) float32"):
+        receive_array(b, 0, 1, 0, (3, 2))
+
+
+def test_host_comm_waits_end_with_typed_errors(comm_pair):
+    make, _ = comm_pair
+    a, b = make(0), make(1)
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match="no data from worker 0") as lost:
+        receive_array(b, 0, 1, 0, (3,), seconds=0.3)
+    assert lost.value.rank == 0 and time.monotonic() - start < 2
+    a.abort(2, "ValueError", "bad input")
+    with pytest.raises(RemoteError, match="worker 0 reports ValueError: bad input"):
+        receive_array(b, 0, 2, 0, (3,))
+    # a sender whose receiver takes nothing: the flush gives up at its deadline
+    a.send(1, 3, 0, np.zeros(2 << 20, np.float32))  # 8 MiB through a 4 MiB ring
+    with pytest.raises(WorkerLost, match=r"workers \[1\] took no data"):
+        a.flush(3, Deadline(0.3))
+
+
+def test_sender_falls_back_to_zmq_for_a_peer_without_an_inbox_file(comm_pair):
+    make, _ = comm_pair
+    a = make(0)
+    b = make(1, kind=ZmqComm)  # e.g. another host: no file to map
+    data = np.arange(10, dtype=np.float32)
+    a.send(1, 1, 0, data)
+    assert a.routes() == {"1": "zmq"}
+    assert np.array_equal(receive_array(b, 0, 1, 0, (10,)), data)
+    b.send(0, 1, 1, data * 2)  # and the shm receiver accepts ZeroMQ data too
+    assert np.array_equal(receive_array(a, 1, 1, 1, (10,)), data * 2)
+
+
+def test_make_comm_reports_why_shared_memory_was_not_used(monkeypatch, tmp_path):
+    ctx, ipc = zmq.Context(), IpcDir()
+    security = Security(ctx, None)
+    inbox, ep = pull(ctx, ipc.endpoint("d0"), security)
+    try:
+        monkeypatch.setattr(shm, "shm_root", lambda: tmp_path / "absent")
+        configure = p.Configure(2, [ep, ep], "shm", session="x")
+        comm = make_comm(0, configure, inbox, ctx, security)
+        assert comm.plane == "zmq" and "cannot create shared-memory inbox" in comm.note
+        comm.close()
+        comm = make_comm(0, p.Configure(2, [ep, ep], "zmq", session="x"), inbox, ctx, security)
+        assert comm.plane == "zmq" and comm.note == ""
+        comm.close()
+    finally:
+        inbox.close(0)
+        ctx.term()
+        ipc.close()
+
+
+# -- worker processes ---------------------------------------------------------------------------
+
+
+def session_files(cluster) -> list:
+    return sorted(shm.shm_root().glob(f"meta-tp-{cluster.session}-*"))
+
+
+def test_large_collectives_stream_through_the_rings_bitwise(fresh_cluster):
+    """12 MiB: three times a ring, so every byte goes through wrap-around and back-pressure."""
+    cluster = fresh_cluster(2)
+    assert [d["data_plane"] for d in cluster.data_planes] == ["shm", "shm"]
+    dev = MetaDevice(cluster, check_mirrored=True)
+    n, size = 2, 3 << 20
+    rng = np.random.default_rng(5)
+    parts = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    summed = dev.from_generator((size,), np.float32, PARTIAL, lambda d, _: parts[d])
+    got = summed.redistribute(MIRRORED).numpy()
+    assert got.tobytes() == (parts[0] + parts[1]).tobytes()
+    x = rng.standard_normal((size // 64, 64)).astype(np.float32)
+    gathered = dev.tensor(x, Split.even(0, x.shape[0], n)).redistribute(MIRRORED).numpy()
+    assert gathered.tobytes() == x.tobytes()
+    assert all(s["routes"] == {str(1 - s["rank"]): "shm"} for s in dev.stats().values())
+
+
+def test_inbox_files_are_removed_on_close_and_after_a_killed_worker(fresh_cluster):
+    cluster = fresh_cluster(2)
+    files = session_files(cluster)
+    assert len(files) == 2
+    cluster.close()
+    assert session_files(cluster) == []
+    cluster = fresh_cluster(2)
+    assert len(session_files(cluster)) == 2
+    os.kill(cluster.pids[1], signal.SIGKILL)  # cannot remove its own file
+    cluster.close()
+    assert session_files(cluster) == []
+
+
+def test_zmq_data_plane_on_request(fresh_cluster):
+    cluster = fresh_cluster(2, data_plane="zmq")
+    assert [d["data_plane"] for d in cluster.data_planes] == ["zmq", "zmq"]
+    assert session_files(cluster) == []
+    dev = MetaDevice(cluster)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert np.array_equal(dev.tensor(x, Split.even(1, 4, 2)).redistribute(MIRRORED).numpy(), x)
