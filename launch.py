@@ -423,9 +423,10 @@ def _cluster_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default="", help="write worker-R.log files here instead of prefixed stderr")
     p.add_argument(
         "--data-plane",
-        default="shm",
-        choices=["shm", "zmq"],
-        help="between workers: shared memory on one host (ZeroMQ across hosts), or ZeroMQ only",
+        default="auto",
+        choices=["auto", "shm", "zmq", "nccl"],
+        help="between workers: shared memory on one host (ZeroMQ across hosts), ZeroMQ only, NCCL "
+        "(CuPy workers on distinct GPUs); auto: NCCL where it applies, else shared memory",
     )
 
 

@@ -29,7 +29,7 @@ from transport.shm import remove_session
 from transport.sockets import CurveKeys, IpcDir, Security, bind, pull, push, recv_frames, router, send
 
 POLL_MS = 100
-DATA_PLANES = ("shm", "zmq")
+DATA_PLANES = ("auto", "shm", "zmq", "nccl")
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class ClusterConfig:
     collective_timeout: float = 30.0
     blas_threads: int = 1
     memory_budget: int = 0
-    data_plane: str = "shm"  # "shm": shared memory between workers on one host, ZeroMQ otherwise; "zmq"
+    # between workers: "shm" shared memory on one host (ZeroMQ across hosts), "zmq", "nccl" (CuPy
+    # workers on distinct GPUs), or "auto": nccl where it applies, else shm
+    data_plane: str = "auto"
     log_dir: str = ""
     env: dict[str, str] = field(default_factory=dict)
 
@@ -89,12 +91,19 @@ class ProcessCluster:
             if config.spawn:
                 self._spawn()
             self.devices = self._handshake()
+            plane = self._data_plane()
+            nccl_id = b""
+            if plane == "nccl":
+                from workers.nccl import make_unique_id
+
+                nccl_id = make_unique_id()
             replies = self.call_all(
                 {
                     r: p.Configure(
                         self.world_size,
                         [h.data_endpoint for h in self.devices],
-                        config.data_plane,
+                        plane,
+                        nccl_id=nccl_id,
                         memory_budget=config.memory_budget,
                         session=self.session,
                     )
@@ -108,6 +117,25 @@ class ProcessCluster:
             raise
 
     # -- start ----------------------------------------------------------------------------------
+
+    def _data_plane(self) -> str:
+        """NCCL for CuPy workers each on its own GPU (one host, spawned here), when this process
+        has NCCL to make the unique id; else shared memory (ZeroMQ where it cannot be shared)."""
+        config = self.config
+        if config.data_plane != "auto":
+            if config.data_plane == "nccl":
+                from workers.nccl import nccl_available
+
+                if config.backend != "cuda" or not nccl_available():
+                    raise MetaError("data_plane 'nccl' needs the cuda backend and CuPy with NCCL >= 2.7")
+            return config.data_plane
+        devices = config.devices or tuple(range(self.world_size))
+        if config.backend == "cuda" and config.spawn and self.world_size > 1 and len(set(devices)) == self.world_size:
+            from workers.nccl import nccl_available
+
+            if nccl_available():
+                return "nccl"
+        return "shm"
 
     def _endpoint(self, name: str) -> str:
         """ipc in a private directory on one host; over tcp the heartbeat sockets sit on the two

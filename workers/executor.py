@@ -26,7 +26,12 @@ class Executor:
 
     def attach(self, comm) -> None:
         self.comm = comm
-        self.collectives = Collectives(comm, self.backend)
+        if comm.plane == "nccl":
+            from workers.nccl import NcclCollectives
+
+            self.collectives = NcclCollectives(comm, self.backend)
+        else:
+            self.collectives = Collectives(comm, self.backend)
 
     def load(self, program: int, steps: list[p.Step]) -> None:
         for i, step in enumerate(steps):

@@ -98,6 +98,11 @@ def make_comm(rank: int, configure: p.Configure, inbox, context: zmq.Context, se
     """Shared memory with the peers on this host when asked for and possible, else ZeroMQ; the
     reason for a fallback is kept in `note` and reported to the coordinator."""
     note = ""
+    if configure.collective == "nccl":
+        from workers.nccl import NcclComm, NcclDevice
+
+        device = NcclDevice(configure.world_size, configure.nccl_id, rank)  # blocks until all ranks join
+        return NcclComm(rank, inbox, configure.peers, context, security, device)
     if configure.collective == "shm" and configure.world_size > 1:
         if not shm.supported():
             note = f"shared memory needs an x86-64 CPU (this is {platform.machine()})"

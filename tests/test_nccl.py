@@ -1,0 +1,214 @@
+"""The NCCL data plane's logic, with a host stand-in for the library (no GPUs needed).
+
+`NcclCollectives` turns every transition into NCCL calls; here those calls run on NumPy arrays
+among threads, so the plans, buffer shapes, rank-order sums and abort handling are checked. The
+real library runs only where CuPy sees two GPUs (see the test at the end)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zmq
+
+from meta.cluster import ClusterConfig, ProcessCluster
+from split_state import MIRRORED, PARTIAL, Split, apply_reference, scatter
+from split_state.errors import MetaError, RemoteError, TransportError, UnsupportedDtype, WorkerLost
+from tests.test_collectives import CASES, assert_bitwise, resolve
+from transport.deadline import Deadline
+from transport.sockets import IpcDir, Security, pull
+from workers.backend import NumpyBackend, cuda_device_count
+from workers.nccl import NcclCollectives, NcclComm, nccl_available, nccl_type
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class HostNccl:
+    """What NCCL does, for n ranks in threads: point-to-point queues and a summing all-reduce."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.queues = {(s, d): queue.Queue() for s in range(n) for d in range(n)}
+        self.barrier = threading.Barrier(n, timeout=10)
+        self.contributions: list = [None] * n
+        self.calls: list[tuple[int, str]] = []
+
+    def device(self, rank: int) -> SimpleNamespace:
+        def all_reduce(array):
+            self.calls.append((rank, "all_reduce"))
+            self.contributions[rank] = array.copy()
+            self.barrier.wait()
+            total = self.contributions[0] + self.contributions[1] if self.n > 1 else self.contributions[0].copy()
+            for part in self.contributions[2:]:
+                total += part
+            self.barrier.wait()
+            array[...] = total
+
+        def exchange(sends, recvs):
+            self.calls.append((rank, "exchange"))
+            for array, peer in sends:
+                assert array.flags.c_contiguous and peer != rank
+                self.queues[(rank, peer)].put(array.copy())
+            for array, peer in recvs:
+                got = self.queues[(peer, rank)].get(timeout=10)
+                assert got.shape == array.shape and got.dtype == array.dtype, (got.shape, array.shape)
+                array[...] = got
+
+        return SimpleNamespace(all_reduce=all_reduce, exchange=exchange, done=lambda: True)
+
+
+class ThreadComm:
+    plane = "nccl"
+
+    def __init__(self, rank: int, n: int, device):
+        self.rank, self.size, self.device, self.waited = rank, n, device, 0.0
+
+    def wait(self, run, deadline) -> None:
+        pass
+
+    def check_usable(self) -> None:
+        pass
+
+
+def run_ranks(n: int, x: np.ndarray, src, dst) -> tuple[list, list, HostNccl]:
+    lib = HostNccl(n)
+    locals_ = scatter(x, src, n)
+    results: list = [None] * n
+    errors: list = []
+
+    def rank_main(r: int) -> None:
+        try:
+            coll = NcclCollectives(ThreadComm(r, n, lib.device(r)), NumpyBackend(0))
+            results[r] = coll.redistribute(locals_[r], src, dst, x.shape, 1, 0, Deadline(10))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
+    return locals_, results, lib
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}->{c[1]}")
+def test_nccl_collectives_give_the_reference_bits(case, n):
+    shape = (7, 5)
+    src, dst = (resolve(c, n, shape) for c in case)
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    locals_, got, lib = run_ranks(n, x, src, dst)
+    assert_bitwise(got, apply_reference(locals_, src, dst))
+    kinds = {kind for _, kind in lib.calls}
+    if n > 1 and src == PARTIAL and dst == MIRRORED:
+        assert kinds == {"all_reduce"}  # one library all-reduce, not point-to-point
+    elif n > 1 and src != dst and "exchange" not in kinds:
+        assert src == MIRRORED or dst == PARTIAL  # only local slicing or embedding moves nothing
+
+
+def test_nccl_reduce_scatter_of_large_uneven_boxes():
+    n, shape = 3, (64, 300)
+    dst = Split(0, ((40, 0, 24),))
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    locals_, got, _ = run_ranks(n, x, PARTIAL, dst)
+    assert_bitwise(got, apply_reference(locals_, PARTIAL, dst))
+
+
+def test_nccl_types_cover_the_supported_dtypes():
+    assert nccl_type(np.float32) == 7 and nccl_type(np.float16) == 6 and nccl_type(np.int64) == 4
+    with pytest.raises(UnsupportedDtype, match="no NCCL equivalent"):
+        nccl_type(np.int16)
+
+
+def test_all_reduce_of_a_type_nccl_cannot_sum_goes_point_to_point():
+    x = np.arange(35, dtype=np.int16).reshape(7, 5)
+    locals_, got, lib = run_ranks(3, x, PARTIAL, MIRRORED)
+    assert_bitwise(got, apply_reference(locals_, PARTIAL, MIRRORED))
+    assert {kind for _, kind in lib.calls} == {"exchange"}
+
+
+class StuckDevice:
+    """A GPU whose collective never completes (a peer died inside NCCL)."""
+
+    def __init__(self):
+        self.aborted = 0
+
+    def done(self) -> bool:
+        return False
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+    def close(self) -> None:
+        raise AssertionError("an aborted communicator must not be destroyed again")
+
+
+@pytest.fixture
+def nccl_comm():
+    ctx, ipc = zmq.Context(), IpcDir()
+    security = Security(ctx, None)
+    inbox, ep = pull(ctx, ipc.endpoint("d1"), security)
+    other, ep0 = pull(ctx, ipc.endpoint("d0"), security)
+    device = StuckDevice()
+    comm = NcclComm(1, inbox, [ep0, ep], ctx, security, device)
+    peer = NcclComm(0, other, [ep0, ep], ctx, security, SimpleNamespace(close=lambda: None))
+    yield comm, peer, device
+    comm.close()
+    peer.close()
+    inbox.close(0)
+    other.close(0)
+    ctx.term()
+    ipc.close()
+
+
+def test_a_stuck_nccl_collective_aborts_the_communicator_at_the_deadline(nccl_comm):
+    comm, _, device = nccl_comm
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match="did not finish within 0.3 s"):
+        comm.wait(1, Deadline(0.3))
+    assert time.monotonic() - start < 2 and device.aborted == 1
+    with pytest.raises(TransportError, match="NCCL communicator was aborted"):
+        comm.check_usable()
+
+
+def test_a_peer_abort_ends_an_nccl_wait_at_once(nccl_comm):
+    comm, peer, device = nccl_comm
+    peer.abort(4, "ValueError", "bad op")
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="worker 0 reports ValueError: bad op"):
+        comm.wait(4, Deadline(10))
+    assert time.monotonic() - start < 2 and device.aborted == 1
+
+
+def test_data_plane_choice():
+    def choose(**config):
+        cluster = SimpleNamespace(config=ClusterConfig(**config), world_size=config.get("workers", 2))
+        return ProcessCluster._data_plane(cluster)
+
+    assert choose() == "shm"
+    assert choose(data_plane="zmq") == "zmq"
+    assert choose(backend="cuda", devices=(0, 0)) == "shm"  # one GPU: NCCL refuses two ranks on it
+    with pytest.raises(MetaError, match="needs the cuda backend"):
+        choose(data_plane="nccl")
+    with pytest.raises(MetaError, match="data_plane must be one of"):
+        ProcessCluster(ClusterConfig(data_plane="carrier-pigeon"))
+
+
+@pytest.mark.skipif(cuda_device_count() < 2 or not nccl_available(), reason="needs two GPUs and NCCL")
+def test_nccl_on_two_gpus(fresh_cluster):
+    from meta import MetaDevice
+
+    cluster = fresh_cluster(2, backend="cuda", devices=(0, 1))
+    assert [d["data_plane"] for d in cluster.data_planes] == ["nccl", "nccl"]
+    dev = MetaDevice(cluster, check_mirrored=True)
+    x = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((96, 32)).astype(np.float32)
+    y = (dev.tensor(x, Split.even(1, 96, 2)) @ dev.tensor(w, Split.even(0, 96, 2))).redistribute(MIRRORED)
+    np.testing.assert_allclose(y.numpy(), x @ w, rtol=1e-4, atol=1e-4)
+    z = dev.tensor(x, Split(0, ((40, 24),))).redistribute(Split.even(1, 96, 2)).redistribute(MIRRORED)
+    assert z.numpy().tobytes() == x.tobytes()
