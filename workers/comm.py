@@ -30,6 +30,7 @@ from transport.sockets import Security, push, send
 
 SPIN_SECONDS = 200e-6  # poll this long for a peer's bytes: a process wake-up costs more than that
 NAP_SECONDS = 50e-6  # then sleep in naps this short, checking for aborts between them
+SIGNAL_SECONDS = 50e-6  # how often a waiting worker looks for aborts
 
 
 def check_arrival(shape, dtype, want_shape, want_dtype, src: int, step: int) -> None:
@@ -186,10 +187,19 @@ class Waiter:
 
     def __init__(self, deadline: Deadline):
         self.deadline = deadline
-        self.since = time.perf_counter()
+        self.since = self.checked = time.perf_counter()
 
     def progressed(self) -> None:
         self.since = time.perf_counter()
+
+    def signals_due(self) -> bool:
+        """Whether to look at the ZeroMQ inbox (aborts) now: a poll is a system call, so it is
+        done at most every SIGNAL_SECONDS while spinning."""
+        now = time.perf_counter()
+        if now - self.checked < SIGNAL_SECONDS:
+            return False
+        self.checked = now
+        return True
 
     def pause(self) -> bool:
         if time.perf_counter() - self.since > SPIN_SECONDS:
@@ -258,7 +268,8 @@ class HostComm(ZmqComm):
     def flush(self, run: int, deadline: Deadline) -> None:
         waiter = Waiter(deadline)
         while not self._pump():
-            self._check_signals(run)
+            if waiter.signals_due():
+                self._check_signals(run)
             if not waiter.pause():
                 stuck = [d for d, w in self.writers.items() if w is not None and w.queue]
                 raise WorkerLost(
@@ -292,7 +303,8 @@ class HostComm(ZmqComm):
                         self._stash[src].append(p.Chunk(src, header.run, header.step, array))
                     continue
                 self._pump()
-                self._check_signals(run)
+                if waiter.signals_due():
+                    self._check_signals(run)
                 if not waiter.pause():
                     self._lost(src, run, step, deadline)
         finally:
@@ -304,7 +316,8 @@ class HostComm(ZmqComm):
             fragment = reader.fragment()
             if fragment is None:
                 self._pump()
-                self._check_signals(run)
+                if waiter.signals_due():
+                    self._check_signals(run)
                 if not waiter.pause():
                     self._lost(src, run, step, waiter.deadline)
                 continue
