@@ -117,3 +117,19 @@ def test_process_collectives_match_reference_and_simulator(case, devname, reques
     finally:
         sim.close()
     assert_bitwise(got, sim_got)
+
+
+@pytest.mark.parametrize("n", [1, 4, 5])
+def test_every_case_on_one_four_and_five_processes(n, fresh_cluster):
+    """The cases above on the remaining world sizes, each on one cluster (shared memory)."""
+    cluster = fresh_cluster(n)
+    shape = (7, 5)
+    x = np.random.default_rng(n).standard_normal(shape).astype(np.float32)
+    for index, case in enumerate(CASES):
+        src, dst = (resolve(c, n, shape) for c in case)
+        locals_, got = run_transition(cluster.call_all, n, x, src, dst, program=index + 1, run=index + 1)
+        assert_bitwise(got, apply_reference(locals_, src, dst))
+    big = np.random.default_rng(0).standard_normal((64, 300)).astype(np.float32)  # two-phase all-reduce
+    locals_, got = run_transition(cluster.call_all, n, big, PARTIAL, MIRRORED, program=99, run=99)
+    assert_bitwise(got, apply_reference(locals_, PARTIAL, MIRRORED))
+    check_identical(got)

@@ -29,7 +29,8 @@ from transport.shm import InboxFile, RecordHeader, RingReader, RingWriter, Sink,
 from transport.sockets import Security, push, send
 
 SPIN_SECONDS = 200e-6  # poll this long for a peer's bytes: a process wake-up costs more than that
-NAP_SECONDS = 50e-6  # then sleep in naps this short, checking for aborts between them
+NAP_SECONDS = 50e-6  # then sleep in naps this short at first, checking for aborts between them
+MAX_NAP_SECONDS = 1e-3
 SIGNAL_SECONDS = 50e-6  # how often a waiting worker looks for aborts
 
 
@@ -202,8 +203,11 @@ class Waiter:
         return True
 
     def pause(self) -> bool:
-        if time.perf_counter() - self.since > SPIN_SECONDS:
-            time.sleep(NAP_SECONDS)
+        waited = time.perf_counter() - self.since
+        if waited > SPIN_SECONDS:
+            # a nap costs at most ~5 % of the wait so far: prompt after short waits, and a worker
+            # waiting long on a slow peer does not take CPU time from the workers still computing
+            time.sleep(min(MAX_NAP_SECONDS, max(NAP_SECONDS, waited / 20)))
         else:
             os.sched_yield()  # free when a core is idle; hands it to a peer when there are more workers than cores
         return not self.deadline.expired()
