@@ -1,6 +1,6 @@
 """Collective latency and bandwidth on CPU workers, side by side with a raw pyzmq exchange.
 
-    python bench/collectives.py [--quick] [--json results/collectives.json] [--workers 2 4]
+    python bench/collectives.py [--quick] [--json results/collectives.json] [--workers 2 4] [--data-plane zmq]
 
 Ours: a program of K all-reduces (Partial -> Mirrored) or all-gathers (even Split -> Mirrored) runs
 on real worker processes; the time is the collective steps as the workers time them, divided by
@@ -112,13 +112,14 @@ def ours(dev: MetaDevice, kind: str, nbytes: int, reps: int, trials: int) -> flo
     return float(np.median(best))
 
 
-def run(quick: bool, worker_counts: list[int], backend: str = "cpu") -> list[dict]:
+def run(quick: bool, worker_counts: list[int], backend: str = "cpu", data_plane: str = "auto") -> list[dict]:
     sizes = (
         [4 << 10, 1 << 20, 16 << 20] if quick else [1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     )
     rows = []
     for n in worker_counts:
-        with MetaDevice(ProcessCluster(ClusterConfig(workers=n, backend=backend, devices=(0,) * n))) as dev:
+        config = ClusterConfig(workers=n, backend=backend, devices=(0,) * n, data_plane=data_plane)
+        with MetaDevice(ProcessCluster(config)) as dev:
             for nbytes in sizes:
                 reps = 20 if nbytes <= 64 << 10 else 3 if nbytes <= (4 << 20) else 2
                 trials = 3 if quick else 5
@@ -166,11 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     return cli(
         __doc__,
         "collectives",
-        lambda args: run(args.quick, args.workers),
+        lambda args: run(args.quick, args.workers, data_plane=args.data_plane),
         show,
         argv,
-        lambda ap: ap.add_argument("--workers", type=int, nargs="+", default=[2, 4]),
+        _options,
     )
+
+
+def _options(ap) -> None:
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--data-plane", default="auto", choices=["auto", "shm", "zmq"], help="between the workers")
 
 
 if __name__ == "__main__":

@@ -73,8 +73,7 @@ def inbox_path(session: str, rank: int) -> Path:
 def ring_capacity(world_size: int) -> int:
     """Bytes per ring: 4 MiB for small groups, less for large ones (n - 1 rings per worker)."""
     per_ring = (16 << 20) // max(1, world_size - 1)
-    capacity = 1 << max(18, min(22, per_ring.bit_length() - 1))
-    return capacity
+    return 1 << max(18, min(22, per_ring.bit_length() - 1))
 
 
 def _round_up(n: int) -> int:
@@ -138,10 +137,10 @@ class Ring:
 class _Outgoing:
     """A record being written: header bytes, then the payload, then padding to a line."""
 
-    __slots__ = ("run", "header", "payload", "done")
+    __slots__ = ("header", "payload", "done")
 
-    def __init__(self, run: int, header: bytes, payload: np.ndarray):
-        self.run, self.header, self.payload = run, header, payload
+    def __init__(self, header: bytes, payload: np.ndarray):
+        self.header, self.payload = header, payload
         self.done = -1  # payload bytes written; -1 until the header is in
 
 
@@ -156,7 +155,7 @@ class RingWriter:
     def post(self, run: int, step: int, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array).reshape(array.shape)  # keeps 0-d arrays 0-d
         payload = array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
-        self.queue.append(_Outgoing(run, RecordHeader.of(run, step, array).encode(), payload))
+        self.queue.append(_Outgoing(RecordHeader.of(run, step, array).encode(), payload))
         self.pump()
 
     def pump(self) -> bool:

@@ -177,6 +177,16 @@ class ZmqComm(Inbox):
                 return message
         return None
 
+    def _check_signals(self, run: int) -> None:
+        """Take in aborts and data that arrived over ZeroMQ meanwhile, without waiting; raises if
+        run `run` was aborted. For waits that are not on the ZeroMQ inbox itself."""
+        while (message := self._next(0)) is not None:
+            if isinstance(message, p.Abort):
+                self._aborts[message.run] = message
+            elif message.run >= run:
+                self._stash[message.src].append(message)
+        self._raise_if_aborted(run)
+
     def close(self) -> None:
         for sock in self.outboxes.values():
             sock.close(0)
@@ -260,21 +270,18 @@ class HostComm(ZmqComm):
                 done = writer.pump() and done
         return done
 
-    def _check_signals(self, run: int) -> None:
-        """Aborts and ZeroMQ data that arrived meanwhile, without waiting."""
-        while (message := self._next(0)) is not None:
-            if isinstance(message, p.Abort):
-                self._aborts[message.run] = message
-            elif message.run >= run:
-                self._stash[message.src].append(message)
-        self._raise_if_aborted(run)
+    def _idle(self, waiter: Waiter, run: int) -> bool:
+        """One turn of waiting: move our queued bytes, look for aborts when due, pause. False once
+        the deadline has passed."""
+        self._pump()
+        if waiter.signals_due():
+            self._check_signals(run)
+        return waiter.pause()
 
     def flush(self, run: int, deadline: Deadline) -> None:
         waiter = Waiter(deadline)
         while not self._pump():
-            if waiter.signals_due():
-                self._check_signals(run)
-            if not waiter.pause():
+            if not self._idle(waiter, run):
                 stuck = [d for d, w in self.writers.items() if w is not None and w.queue]
                 raise WorkerLost(
                     f"worker {self.rank}: workers {stuck} took no data for {deadline.seconds:.1f} s",
@@ -299,17 +306,15 @@ class HostComm(ZmqComm):
                     check_arrival(header.shape, header.dtype, shape, dtype, src, step)
                     self._stream(reader, header, sink, waiter, run, src, step)
                     return
-                if header is not None:  # stale (dropped) or not the one awaited (set aside)
-                    array = np.empty(header.shape, header.dtype)
-                    flat = array.reshape(-1)
-                    self._stream(reader, header, _copy_into(flat), waiter, run, src, step)
-                    if header.run >= run:
-                        self._stash[src].append(p.Chunk(src, header.run, header.step, array))
+                if header is not None and header.run < run:  # a failed run's leftover
+                    self._stream(reader, header, _discard, waiter, run, src, step)
                     continue
-                self._pump()
-                if waiter.signals_due():
-                    self._check_signals(run)
-                if not waiter.pause():
+                if header is not None:  # a later message than the one awaited: set aside
+                    array = np.empty(header.shape, header.dtype)
+                    self._stream(reader, header, _copy_into(array.reshape(-1)), waiter, run, src, step)
+                    self._stash[src].append(p.Chunk(src, header.run, header.step, array))
+                    continue
+                if not self._idle(waiter, run):
                     self._lost(src, run, step, deadline)
         finally:
             self.waited += time.perf_counter() - start
@@ -319,10 +324,7 @@ class HostComm(ZmqComm):
         while reader.current is header:
             fragment = reader.fragment()
             if fragment is None:
-                self._pump()
-                if waiter.signals_due():
-                    self._check_signals(run)
-                if not waiter.pause():
+                if not self._idle(waiter, run):
                     self._lost(src, run, step, waiter.deadline)
                 continue
             sink(at, fragment.view(header.dtype))
@@ -344,6 +346,10 @@ class HostComm(ZmqComm):
             peer.close()
         self.peer_files = []
         self.own.close()
+
+
+def _discard(at: int, fragment: np.ndarray) -> None:
+    pass
 
 
 def _copy_into(flat: np.ndarray) -> Sink:

@@ -148,12 +148,6 @@ class NcclComm(ZmqComm):
         finally:
             self.waited += time.perf_counter() - start
 
-    def _check_signals(self, run: int) -> None:
-        while (message := self._next(0)) is not None:
-            if hasattr(message, "kind"):  # an Abort
-                self._aborts[message.run] = message
-        self._raise_if_aborted(run)
-
     def _abort_device(self, why: str) -> None:
         if not self.broken:
             self.broken = why
@@ -193,7 +187,7 @@ class NcclCollectives(Collectives):
         rank, xp = self.comm.rank, self.xp
         sends = [(xp.ascontiguousarray(local[t.src_box]), t.dst) for t in plan if t.src == rank and t.dst != rank]
         received = {
-            i: xp.empty(_box_shape(t.dst_box, out_shape), local.dtype)
+            i: xp.empty(box_shape(t.dst_box, out_shape), local.dtype)
             for i, t in enumerate(plan)
             if t.dst == rank and t.src != rank
         }
@@ -223,7 +217,3 @@ class NcclCollectives(Collectives):
                 total += part
             out[group[0].dst_box] = total
         return out
-
-
-def _box_shape(box: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
-    return box_shape(box, shape) + tuple(shape[len(box) :])
