@@ -21,7 +21,7 @@ from bench.report import cli, in_process_with_threads, table  # noqa: E402
 
 
 def synthetic_batch(batch: int, tokens: int):
-    from meta.minilm import Batch
+    from models.minilm import Batch
 
     ids = np.random.default_rng(0).integers(1000, 29000, (batch, tokens)).astype(np.int32)
     ids[:, 0], ids[:, -1] = 101, 102  # [CLS] ... [SEP]
@@ -29,7 +29,7 @@ def synthetic_batch(batch: int, tokens: int):
 
 
 def reference_child(batch: int, tokens: int, steps: int, out: mp.Queue) -> None:
-    from meta.minilm import Model, reference_embed
+    from models.minilm import Model, reference_embed
 
     model = Model.load()
     b = synthetic_batch(batch, tokens)
@@ -46,7 +46,7 @@ def reference_seconds(batch: int, tokens: int, steps: int, threads: int) -> floa
 
 def run(quick: bool, workers: int = 2) -> dict:
     from meta import ClusterConfig, MetaDevice, ProcessCluster
-    from meta.minilm import Model, TensorParallelEncoder
+    from models.minilm import Model, TensorParallelEncoder
 
     batch, tokens = (8, 64) if quick else (32, 128)
     steps = 2 if quick else 4

@@ -27,6 +27,7 @@ from transport import protocol as p
 from transport.deadline import Deadline, Liveness
 from transport.shm import remove_session
 from transport.sockets import CurveKeys, IpcDir, Security, bind, pull, push, recv_frames, router, send
+from workers.backends import backend_class
 
 POLL_MS = 100
 DATA_PLANES = ("auto", "shm", "zmq", "nccl")
@@ -56,13 +57,12 @@ class ClusterConfig:
 
 
 class ProcessCluster:
-    kind = "processes"
-
     def __init__(self, config: ClusterConfig):
         if config.workers < 1:
             raise MetaError(f"a cluster needs at least one worker, got {config.workers}")
         if config.data_plane not in DATA_PLANES:
             raise MetaError(f"data_plane must be one of {DATA_PLANES}, got {config.data_plane!r}")
+        backend_class(config.backend)  # an unknown backend fails here, naming the known ones
         self.session = secrets.token_hex(8)
         self.config = config
         self.world_size = config.workers
@@ -142,38 +142,25 @@ class ProcessCluster:
         ports after the control port, so a remote worker needs only the control address."""
         if self.ipc is not None:
             return self.ipc.endpoint(name)
-        offset = {"control": 0, "beat": 1, "beat-in": 2}[name]
-        return f"tcp://{self.config.host}:{self.config.port + offset if self.config.port else '*'}"
+        return p.tcp_endpoint(self.config.host, self.config.port, name)
 
     def worker_command(self, rank: int) -> list[str]:
-        """The command line that starts worker `rank` (also what remote hosts run, via launch.py)."""
-        cmd = [
-            sys.executable,
-            "-m",
-            "workers",
-            "--connect",
-            self.endpoint,
-            "--beat",
-            self.beat_endpoint,
-            "--beat-in",
-            self.beat_in_endpoint,
-            "--rank",
-            str(rank),
-            "--backend",
-            self.config.backend,
-            "--heartbeat",
-            str(self.config.heartbeat),
-            "--liveness",
-            str(self.config.liveness),
-            "--collective-timeout",
-            str(self.config.collective_timeout),
-        ]
-        if self.config.backend == "cuda":
-            devices = self.config.devices or tuple(range(self.world_size))
-            cmd += ["--device", str(devices[rank])]
-        if self.config.keys:
-            cmd += ["--keys", self.config.keys]
-        return cmd
+        """The command line that starts worker `rank` on this host."""
+        c = self.config
+        launch = p.WorkerLaunch(
+            connect=self.endpoint,
+            beat=self.beat_endpoint,
+            beat_in=self.beat_in_endpoint,
+            rank=rank,
+            backend=c.backend,
+            device=c.devices[rank] if c.devices else rank % max(1, backend_class(c.backend).device_count()),
+            keys=c.keys,
+            heartbeat=c.heartbeat,
+            liveness=c.liveness,
+            collective_timeout=c.collective_timeout,
+            parent_pid=os.getpid(),
+        )
+        return [sys.executable, "-m", "workers", *launch.argv()]
 
     def _spawn(self) -> None:
         root = str(Path(__file__).resolve().parent.parent)
@@ -183,7 +170,7 @@ class ProcessCluster:
             threads = str(self.config.blas_threads)
             for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
                 env[var] = threads  # one worker per core: BLAS must not oversubscribe
-            cmd = self.worker_command(rank) + ["--parent-pid", str(os.getpid())]
+            cmd = self.worker_command(rank)
             if self.config.log_dir:
                 Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
                 with open(Path(self.config.log_dir) / f"worker-{rank}.log", "ab") as log:
@@ -213,7 +200,7 @@ class ProcessCluster:
             message, _ = p.decode(frames)
             if not isinstance(message, p.Hello) or not 0 <= message.rank < self.world_size:
                 raise ProtocolError(f"expected a Hello from a worker of rank < {self.world_size}, got {message}")
-            if route.bytes != f"w{message.rank}".encode() or message.rank in hellos:
+            if route.bytes != p.worker_identity(message.rank) or message.rank in hellos:
                 raise ProtocolError(f"worker rank {message.rank} connected twice or under a wrong identity")
             hellos[message.rank] = message
             self.pids.setdefault(message.rank, message.pid)
@@ -228,7 +215,7 @@ class ProcessCluster:
     def _heartbeat_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._beat_out.send(b"beat")
+                self._beat_out.send(p.HEARTBEAT_FRAME)
             except zmq.ZMQError:
                 return
             deadline = time.monotonic() + self.config.heartbeat
@@ -281,7 +268,7 @@ class ProcessCluster:
         self._request += 1
         rid = self._request
         for rank, message in messages.items():
-            send(self.control, message, rid, route=f"w{rank}".encode())
+            send(self.control, message, rid, route=p.worker_identity(rank))
         deadline = Deadline(self.config.call_timeout if timeout is None else timeout)
         replies: dict[int, p.Message] = {}
         while len(replies) < len(messages):
@@ -296,7 +283,7 @@ class ProcessCluster:
                 message, got = p.decode(frames)
             except ProtocolError:
                 continue
-            rank = _rank_of(route.bytes)
+            rank = p.rank_of(route.bytes)
             if got == rid and rank in messages:
                 replies[rank] = message
         return replies
@@ -311,7 +298,7 @@ class ProcessCluster:
         if self.lost is None and getattr(self, "devices", None):
             try:
                 for rank in range(self.world_size):
-                    send(self.control, p.Shutdown(), 0, route=f"w{rank}".encode())
+                    send(self.control, p.Shutdown(), 0, route=p.worker_identity(rank))
             except MetaError:
                 pass
         end = time.monotonic() + grace
@@ -356,13 +343,6 @@ def _prefix_lines(stream, prefix: str) -> None:
         for line in iter(stream.readline, b""):
             sys.stderr.write(prefix + line.decode(errors="replace"))
             sys.stderr.flush()
-
-
-def _rank_of(identity: bytes) -> int:
-    try:
-        return int(identity[1:]) if identity[:1] == b"w" else -1
-    except ValueError:
-        return -1
 
 
 def alive(pids: Sequence[int]) -> list[int]:

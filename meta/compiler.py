@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from meta.planner import Plan, PlanOp
+from dataclasses import replace
+
+from meta.planner import Plan
 from split_state.layout import local_shape
 from split_state.ops import localize
 from transport import protocol as p
@@ -11,27 +13,28 @@ from transport import protocol as p
 def compile_plan(plan: Plan, n: int) -> list[list[p.Step]]:
     last_use: dict[int, int] = {}
     for i, step in enumerate(plan.steps):
-        for v in step.inputs if isinstance(step, PlanOp) else (step.input,):
+        for v in step.inputs if isinstance(step, p.OpStep) else (step.input,):
             last_use[v] = i
     keep = set(plan.outputs) | set(range(plan.n_inputs))  # outputs stay; inputs belong to the store
     programs: list[list[p.Step]] = []
     for d in range(n):
         steps: list[p.Step] = []
         for i, step in enumerate(plan.steps):
-            if isinstance(step, PlanOp):
-                params = localize(step.op, step.params, step.in_states, step.in_shapes, step.state, step.shape, n, d)
-                steps.append(
-                    p.OpStep(
-                        step.op, step.inputs, step.output, params, local_shape(step.state, step.shape, n, d), step.dtype
-                    )
-                )
-            else:
-                steps.append(p.MoveStep(step.input, step.output, step.src, step.dst, step.shape, step.dtype))
+            steps.append(_localize(plan, step, n, d) if isinstance(step, p.OpStep) else step)
             dead = tuple(sorted(v for v, at in last_use.items() if at == i and v not in keep))
             if dead:
                 steps.append(p.FreeStep(dead))
         programs.append(steps)
     return programs
+
+
+def _localize(plan: Plan, step: p.OpStep, n: int, d: int) -> p.OpStep:
+    """Device d's version of an op step: its local output shape and localised parameters."""
+    in_states = tuple(plan.states[v] for v in step.inputs)
+    in_shapes = tuple(plan.shapes[v] for v in step.inputs)
+    out_state = plan.states[step.output]
+    params = localize(step.op, step.params, in_states, in_shapes, out_state, step.shape, n, d)
+    return replace(step, params=params, shape=local_shape(out_state, step.shape, n, d))
 
 
 def structural_key(leaves, order, outputs) -> tuple:

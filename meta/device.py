@@ -76,6 +76,9 @@ class MetaDevice:
         self.last_plan: Plan | None = None
         self.last_timings: dict[int, dict] = {}
         self._released: list[int] = []  # resident tensors whose handles were collected
+        # the workers' data plane: the planner charges the collective algorithms that run there
+        planes = {info.get("data_plane", "") for info in getattr(cluster, "data_planes", ())}
+        self.plane = planes.pop() if len(planes) == 1 else ""
 
     # -- placement ------------------------------------------------------------------------------
 
@@ -202,7 +205,7 @@ class MetaDevice:
             node.op, node.inputs = "", ()  # resident now: the recipe (and its inputs) can go
 
     def _compile(self, leaves: list[Node], order: list[Node], outputs: list[Node]) -> CompiledPlan:
-        planned = plan(leaves, order, outputs, self.n)
+        planned = plan(leaves, order, outputs, self.n, self.plane)
         programs = compile_plan(planned, self.n)
         program = next(self._program_ids)
         self._call({d: p.LoadProgram(program, programs[d]) for d in range(self.n)})
@@ -233,7 +236,7 @@ class MetaDevice:
 
 def _exception(failures: dict[int, p.Error]) -> MetaError:
     """The root cause among the workers' errors (peers that merely aborted come last)."""
-    ranked = sorted(failures.items(), key=lambda kv: (" aborted: worker " in kv[1].message, kv[0]))
+    ranked = sorted(failures.items(), key=lambda kv: (kv[1].origin >= 0, kv[0]))
     rank, err = ranked[0]
     text = f"worker {rank}: {err.message}"
     if len(failures) > 1:

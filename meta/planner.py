@@ -1,14 +1,17 @@
 """Split-state inference and communication insertion.
 
 For each node the rule table offers signatures; `choose` takes one needing no communication, else
-the cheapest by transition cost, and a move is inserted for every input not already in the state
-the signature needs. Linear ops keep Partial lazy; non-linear ones force the reduction.
+the cheapest as charged by the collective algorithms that will run on the workers' data plane,
+and a move is inserted for every input not already in the state the signature needs. Linear ops
+keep Partial lazy; non-linear ones force the reduction.
+
+A plan is written in the program IR of the wire (transport.protocol's OpStep / MoveStep), with
+global shapes and parameters; the compiler localises it per device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from meta.graph import MOVE, Node
 from split_state.dtypes import dtype_from_name
@@ -16,66 +19,47 @@ from split_state.ops import signatures
 from split_state.rules import Signature, choose
 from split_state.states import State, validate
 from split_state.transitions import Collective, classify
+from transport import protocol as p
 
 COMMUNICATING = frozenset(
     {Collective.ALL_GATHER, Collective.ALL_TO_ALL, Collective.ALL_REDUCE, Collective.REDUCE_SCATTER}
 )
 
 
-@dataclass(frozen=True)
-class PlanOp:
-    op: str
-    inputs: tuple[int, ...]  # values
-    output: int
-    params: dict[str, Any]
-    in_states: tuple[State, ...]
-    in_shapes: tuple[tuple[int, ...], ...]
-    state: State
-    shape: tuple[int, ...]
-    dtype: str
-    label: str
-
-
-@dataclass(frozen=True)
-class PlanMove:
-    input: int
-    output: int
-    src: State
-    dst: State
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def collective(self) -> Collective:
-        return classify(self.src, self.dst)
-
-
 @dataclass
 class Plan:
     n_inputs: int  # values 0..n_inputs-1 are the resident leaves
-    steps: list[PlanOp | PlanMove]
+    steps: list[p.OpStep | p.MoveStep]  # global shapes and parameters
     outputs: list[int]  # value of each requested node
-    out_states: list[State]
+    states: dict[int, State]  # the state of every value
+    shapes: dict[int, tuple[int, ...]]  # the global shape of every value
     trace: list[str]
     n: int
+    labels: dict[int, str] = field(default_factory=dict)  # op values, for traces and errors
+
+    @property
+    def out_states(self) -> list[State]:
+        return [self.states[v] for v in self.outputs]
 
     def collectives(self) -> list[Collective]:
         """Moves that communicate (on one device every move is a local copy)."""
         if self.n == 1:
             return []
-        return [s.collective for s in self.steps if isinstance(s, PlanMove) and s.collective in COMMUNICATING]
+        kinds = (classify(s.src, s.dst) for s in self.steps if isinstance(s, p.MoveStep))
+        return [k for k in kinds if k in COMMUNICATING]
 
     def count(self, kind: Collective) -> int:
         return sum(1 for c in self.collectives() if c is kind)
 
 
-def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int) -> Plan:
+def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, plane: str = "") -> Plan:
     value: dict[int, int] = {leaf.id: i for i, leaf in enumerate(leaves)}
     state: dict[int, State] = {i: leaf.state for i, leaf in enumerate(leaves)}
     meta: dict[int, tuple[tuple[int, ...], str]] = {i: (leaf.shape, leaf.dtype) for i, leaf in enumerate(leaves)}
     names = {i: leaf.name or f"t{leaf.tensor}" for i, leaf in enumerate(leaves)}
-    steps: list[PlanOp | PlanMove] = []
+    steps: list[p.OpStep | p.MoveStep] = []
     trace: list[str] = []
+    labels: dict[int, str] = {}
     moved: dict[tuple[int, State], int] = {}
     counter = len(leaves)
 
@@ -85,7 +69,7 @@ def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int) -> 
             return v
         if (v, dst) not in moved:
             shape, dtype = meta[v]
-            steps.append(PlanMove(v, counter, state[v], dst, shape, dtype))
+            steps.append(p.MoveStep(v, counter, state[v], dst, shape, dtype))
             trace.append(f"    {classify(state[v], dst).value}: {names[v]} {state[v]} -> {dst}")
             state[counter], meta[counter], names[counter] = dst, (shape, dtype), f"{names[v]}'"
             moved[(v, dst)] = counter
@@ -100,29 +84,18 @@ def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int) -> 
             continue
         shapes = [meta[v][0] for v in ins]
         current = [state[v] for v in ins]
+        dtypes = [meta[v][1] for v in ins]
         sigs = signatures(node.op, current, shapes, node.params, node.shape)
         sig: Signature
-        sig, _ = choose(sigs, current, shapes, [dtype_from_name(meta[v][1]).itemsize for v in ins], n)
+        sig, _ = choose(sigs, current, shapes, [dtype_from_name(d).itemsize for d in dtypes], n, dtypes, plane)
         ins = [move(v, s) for v, s in zip(ins, sig.inputs)]
         out = counter
         counter += 1
         label = node.name or f"{node.op}#{out}"
-        steps.append(
-            PlanOp(
-                node.op,
-                tuple(ins),
-                out,
-                node.params,
-                sig.inputs,
-                tuple(shapes),
-                sig.output,
-                node.shape,
-                node.dtype,
-                label,
-            )
-        )
-        state[out], meta[out], names[out] = sig.output, (node.shape, node.dtype), label
+        steps.append(p.OpStep(node.op, tuple(ins), out, node.params, node.shape, node.dtype))
+        state[out], meta[out], names[out], labels[out] = sig.output, (node.shape, node.dtype), label, label
         value[node.id] = out
         trace.append(f"{label}: ({', '.join(f'{names[v]}:{state[v]}' for v in ins)}) -> {node.op} -> {sig.output}")
     outs = [value[o.id] for o in outputs]
-    return Plan(len(leaves), steps, outs, [state[v] for v in outs], trace, n)
+    shapes_of = {v: shape for v, (shape, _) in meta.items()}
+    return Plan(len(leaves), steps, outs, state, shapes_of, trace, n, labels)

@@ -1,4 +1,11 @@
-"""Split states and their math: pure values, no I/O, NumPy only."""
+"""Split states and their math: pure values, no I/O, NumPy only.
+
+States (`Split`, `Mirrored`, `Partial`) and `validate`; `pieces`, the one answer to "which slice
+does device d hold"; host scatter/gather; the op table (`ops`: shape inference, propagation
+rules, localisation) and its kernels written once against an array module; transitions and
+their transfer plans; the collective algorithms (`algorithms`) that both the planner and the
+workers consult; the dtype set and the exception hierarchy every other package uses.
+"""
 
 from split_state.dtypes import DTYPES, dtype_from_name, dtype_name
 from split_state.errors import (
@@ -20,9 +27,12 @@ from split_state.ops import OPS
 from split_state.rules import Signature, choose
 from split_state.scatter import gather, reduce_sum, scatter
 from split_state.states import MIRRORED, PARTIAL, Mirrored, Partial, Split, State, validate
-from split_state.transitions import Collective, Transition, apply_reference, transition
+from split_state.algorithms import ALGORITHMS, Algorithm, Transition, select, transition
+from split_state.transitions import Collective, apply_reference
 
 __all__ = [
+    "ALGORITHMS",
+    "Algorithm",
     "DTYPES",
     "MIRRORED",
     "OPS",
@@ -56,6 +66,7 @@ __all__ = [
     "pieces",
     "reduce_sum",
     "scatter",
+    "select",
     "transition",
     "validate",
 ]

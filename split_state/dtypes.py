@@ -41,6 +41,3 @@ def dtype_from_name(name: object) -> np.dtype:
         raise UnsupportedDtype(f"dtype {name!r} is not supported; supported: {', '.join(DTYPES)}")
     return DTYPES[name]
 
-
-def is_float(dtype: object) -> bool:
-    return dtype_name(dtype) in FLOAT_NAMES

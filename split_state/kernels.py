@@ -92,34 +92,36 @@ def _binary(fn: Callable) -> Callable:
     return kernel
 
 
-def _softmax(xp, inputs, params):
-    (x,) = inputs
-    if x.size == 0:
-        return x.copy()
-    w = _wide(xp, x)
+def _along_axis(fn: Callable) -> Callable:
+    """A kernel normalising along params["axis"]: fn(xp, widened x, params); empty stays empty."""
+
+    def kernel(xp, inputs, params):
+        (x,) = inputs
+        if x.size == 0:
+            return x.copy()
+        return fn(xp, _wide(xp, x), params).astype(x.dtype, copy=False)
+
+    return kernel
+
+
+@_along_axis
+def _softmax(xp, w, params):
     w = w - w.max(axis=params["axis"], keepdims=True)
     e = xp.exp(w)
-    return (e / e.sum(axis=params["axis"], keepdims=True)).astype(x.dtype, copy=False)
+    return e / e.sum(axis=params["axis"], keepdims=True)
 
 
-def _rms_norm(xp, inputs, params):
-    (x,) = inputs
-    if x.size == 0:
-        return x.copy()
-    w = _wide(xp, x)
+@_along_axis
+def _rms_norm(xp, w, params):
     ms = (w * w).mean(axis=params["axis"], keepdims=True)
-    return (w / xp.sqrt(ms + params["eps"])).astype(x.dtype, copy=False)
+    return w / xp.sqrt(ms + params["eps"])
 
 
-def _layer_norm(xp, inputs, params):
-    (x,) = inputs
-    if x.size == 0:
-        return x.copy()
-    w = _wide(xp, x)
-    mu = w.mean(axis=params["axis"], keepdims=True)
-    c = w - mu
+@_along_axis
+def _layer_norm(xp, w, params):
+    c = w - w.mean(axis=params["axis"], keepdims=True)
     var = (c * c).mean(axis=params["axis"], keepdims=True)
-    return (c / xp.sqrt(var + params["eps"])).astype(x.dtype, copy=False)
+    return c / xp.sqrt(var + params["eps"])
 
 
 def _sum(xp, inputs, params):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from split_state.states import MIRRORED, PARTIAL, Split, State
-from split_state.transitions import transition
+from split_state.algorithms import transition
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,17 @@ def choose(
     shapes: Sequence[Sequence[int]],
     itemsizes: Sequence[int],
     n: int,
+    dtypes: Sequence[str] = (),
+    plane: str = "",
 ) -> tuple[Signature, int]:
-    """The cheapest signature by bytes moved per device; ties go to the earlier (split-keeping) one."""
+    """The cheapest signature by bytes moved per device, as charged by the algorithms that will
+    run on `plane`; ties go to the earlier (split-keeping) one."""
+    dtypes = dtypes or ("",) * len(states)
     best: tuple[Signature, int] | None = None
     for sig in signatures:
         cost = sum(
-            transition(cur, req, shape, n, size).bytes_per_device
-            for cur, req, shape, size in zip(states, sig.inputs, shapes, itemsizes)
+            transition(cur, req, shape, n, size, dtype, plane).bytes_per_device
+            for cur, req, shape, size, dtype in zip(states, sig.inputs, shapes, itemsizes, dtypes)
         )
         if best is None or cost < best[1]:
             best = (sig, cost)

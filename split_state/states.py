@@ -56,11 +56,6 @@ class Split:
 
     # -- constructors -------------------------------------------------------------------------
     @classmethod
-    def from_extents(cls, axis: int, extents: Sequence[int]) -> Split:
-        """One segment with the given per-device extents."""
-        return cls(axis, (tuple(extents),))
-
-    @classmethod
     def even(cls, axis: int, sizes: int | Sequence[int], n_devices: int, granularity: int = 1) -> Split:
         """An even split of one segment (`sizes` an int) or several (`sizes` a sequence).
 

@@ -1,13 +1,16 @@
-"""State-to-state transitions: which collective each takes, what it costs, and how data moves.
+"""State-to-state transitions: their kind, the transfer plans data moves by, and the host oracle.
 
-The transfer plans here are what workers execute, so the host reference (`apply_reference`) and
-the real collectives cannot disagree about who sends which box to whom.
+`exchange_plan` and `reduce_plan` say who sends which box to whom; the collective algorithms
+(split_state.algorithms) are built from them, and the workers run those. `apply_reference` is
+the oracle the collectives are tested against: it goes through the global array (gather, then
+scatter) and shares no plan with them.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
 
@@ -15,7 +18,7 @@ import numpy as np
 
 from split_state.layout import Box, box_shape, intersect, pieces, to_local
 from split_state.scatter import gather, scatter
-from split_state.states import Mirrored, Partial, Split, State, validate
+from split_state.states import Mirrored, Partial, Split, State
 
 
 class Collective(enum.Enum):
@@ -26,15 +29,6 @@ class Collective(enum.Enum):
     ALL_TO_ALL = "all_to_all"  # Split -> Split on another axis, or other extents/segments
     REDUCE_SCATTER = "reduce_scatter"  # Partial -> Split
     ALL_REDUCE = "all_reduce"  # Partial -> Mirrored (reduce-scatter then all-gather)
-
-
-@dataclass(frozen=True)
-class Transition:
-    kind: Collective
-    bytes_per_device: int  # the most bytes any one device sends
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}({self.bytes_per_device} B/dev)"
 
 
 @dataclass(frozen=True)
@@ -90,47 +84,28 @@ def reduce_plan(dst: Split, shape: Sequence[int], n: int) -> list[Transfer]:
     return plan
 
 
+def everyone_plan(n: int) -> tuple[Transfer, ...]:
+    """A reduce of a flat tensor in which every device receives all of it from every device."""
+    return _everyone_plan(n)
+
+
+@functools.lru_cache(maxsize=64)
+def _everyone_plan(n: int) -> tuple[Transfer, ...]:
+    whole = (slice(None),)
+    return tuple(Transfer(d, e, whole, whole) for e in range(n) for d in range(n))
+
+
+def owned_groups(plan: Sequence[Transfer], n: int, rank: int) -> Iterator[tuple[Box, Sequence[Transfer]]]:
+    """The boxes of a reduce plan that `rank` owns, each with its n contributions in rank order."""
+    for at in range(0, len(plan), n):
+        group = plan[at : at + n]
+        if group[0].dst == rank:
+            yield group[0].dst_box, group
+
+
 def flat_split(size: int, n: int) -> Split:
     """The element-granular split an all-reduce scatters over (on the raveled tensor)."""
     return Split.even(0, size, n)
-
-
-def _bytes_sent(plan: list[Transfer], shape: Sequence[int], n: int, itemsize: int) -> int:
-    sent = [0] * n
-    for t in plan:
-        if t.src != t.dst:
-            sent[t.src] += prod(box_shape(t.src_box, shape)) * itemsize
-    return max(sent)
-
-
-def transition(src: State, dst: State, shape: Sequence[int], n: int, itemsize: int) -> Transition:
-    """The collective taking `src` to `dst` and the most bytes one device sends for it.
-
-    Turning a non-Partial tensor into Partial moves nothing now but leaves a reduction for later;
-    it is charged one reduce-scatter so the planner does not make Partial tensors for free (a
-    linear op on Mirrored inputs stays Mirrored instead of forcing a reduction downstream).
-    """
-    shape = tuple(shape)
-    validate(src, shape, n)
-    validate(dst, shape, n)
-    kind = classify(src, dst)
-    size = prod(shape)
-    if kind in (Collective.NONE, Collective.LOCAL_SLICE) or n == 1:
-        cost = 0
-    elif kind is Collective.LOCAL_EMBED:
-        cost = _reduce_scatter_bytes(size, n, itemsize)
-    elif kind is Collective.ALL_REDUCE:
-        chunks = flat_split(size, n).segments[0]
-        cost = max((size - c) * itemsize + c * (n - 1) * itemsize for c in chunks)
-    elif kind is Collective.REDUCE_SCATTER:
-        cost = _bytes_sent(reduce_plan(dst, shape, n), shape, n, itemsize)
-    else:
-        cost = _bytes_sent(exchange_plan(src, dst, shape, n), shape, n, itemsize)
-    return Transition(kind, cost)
-
-
-def _reduce_scatter_bytes(size: int, n: int, itemsize: int) -> int:
-    return max(size - c for c in flat_split(size, n).segments[0]) * itemsize
 
 
 def embed_partial(local: np.ndarray, src: State, shape: Sequence[int], n: int, device: int, xp=np):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from meta import MetaDevice
-from meta.minilm import INSTALL_HINT, Model, ModelMissing, TensorParallelEncoder, model_dir, reference_embed
+from models.minilm import INSTALL_HINT, Model, ModelMissing, TensorParallelEncoder, model_dir, reference_embed
 from split_state import Collective
 from workers.simulator import SimulatedCluster
 
@@ -60,7 +60,7 @@ def test_tensor_parallel_equals_reference_on_the_simulator(model, batch, referen
 
 
 def test_twelve_heads_over_five_devices_are_uneven(model):
-    from meta.minilm import placement
+    from models.minilm import placement
 
     qkv = placement(model.cfg, 5)("encoder.layer.0.attention.qkv.weight", (384, 1152))
     assert qkv.segments == ((96, 96, 64, 64, 64),) * 3  # whole heads of 32: 3, 3, 2, 2, 2

@@ -1,6 +1,6 @@
 """The NCCL data plane's logic, with a host stand-in for the library (no GPUs needed).
 
-`NcclCollectives` turns every transition into NCCL calls; here those calls run on NumPy arrays
+`NcclEngine` runs every collective algorithm with NCCL calls; here those calls run on NumPy arrays
 among threads, so the plans, buffer shapes, rank-order sums and abort handling are checked. The
 real library runs only where CuPy sees two GPUs (see the test at the end)."""
 
@@ -19,10 +19,13 @@ from meta.cluster import ClusterConfig, ProcessCluster
 from split_state import MIRRORED, PARTIAL, Split, apply_reference, scatter
 from split_state.errors import MetaError, RemoteError, TransportError, UnsupportedDtype, WorkerLost
 from tests.test_collectives import CASES, assert_bitwise, resolve
+from tests.transport_helpers import on_ranks
 from transport.deadline import Deadline
 from transport.sockets import IpcDir, Security, pull
-from workers.backend import NumpyBackend, cuda_device_count
-from workers.nccl import NcclCollectives, NcclComm, nccl_available, nccl_type
+from workers.backends.cpu import Backend as NumpyBackend
+from workers.backends.cuda import Backend as CudaBackend
+from workers.collectives import Collectives
+from workers.nccl import NcclComm, NcclEngine, nccl_available, nccl_type
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,22 +80,12 @@ class ThreadComm:
 def run_ranks(n: int, x: np.ndarray, src, dst) -> tuple[list, list, HostNccl]:
     lib = HostNccl(n)
     locals_ = scatter(x, src, n)
-    results: list = [None] * n
-    errors: list = []
 
-    def rank_main(r: int) -> None:
-        try:
-            coll = NcclCollectives(ThreadComm(r, n, lib.device(r)), NumpyBackend(0))
-            results[r] = coll.redistribute(locals_[r], src, dst, x.shape, 1, 0, Deadline(10))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+    def rank_main(r: int):
+        coll = Collectives(NcclEngine(ThreadComm(r, n, lib.device(r)), NumpyBackend(0)))
+        return coll.redistribute(locals_[r], src, dst, x.shape, 1, 0, Deadline(10))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert not errors, errors
+    results = on_ranks(n, rank_main, timeout=20)
     return locals_, results, lib
 
 
@@ -199,7 +192,7 @@ def test_data_plane_choice():
         ProcessCluster(ClusterConfig(data_plane="carrier-pigeon"))
 
 
-@pytest.mark.skipif(cuda_device_count() < 2 or not nccl_available(), reason="needs two GPUs and NCCL")
+@pytest.mark.skipif(CudaBackend.device_count() < 2 or not nccl_available(), reason="needs two GPUs and NCCL")
 def test_nccl_on_two_gpus(fresh_cluster):
     from meta import MetaDevice
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from meta import stress
+from bench import stress
 from meta.device import MetaDevice
 from workers.simulator import SimulatedCluster
 

@@ -13,7 +13,7 @@ from meta import MetaDevice
 from meta.cluster import alive
 from split_state import MIRRORED, OutOfMemory, ShapeError, Split
 from transport import protocol as p
-from workers.backend import cuda_device_count
+from workers.backends.cuda import Backend as CudaBackend
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,12 +84,11 @@ def test_put_with_wrong_local_shape_is_refused(procs2):
     assert isinstance(reply[0], p.Error) and reply[0].kind == "SplitError" and "needs (2,)" in reply[0].message
 
 
-@pytest.mark.skipif(cuda_device_count() == 0, reason="needs CuPy and a CUDA device")
+@pytest.mark.skipif(CudaBackend.device_count() == 0, reason="needs CuPy and a CUDA device")
 def test_cupy_backend_runs_kernels_and_transfers():
     from split_state.kernels import KERNELS
-    from workers.backend import CupyBackend
 
-    backend = CupyBackend(0)
+    backend = CudaBackend(0)
     a = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
     b = np.random.default_rng(1).standard_normal((32, 16)).astype(np.float32)
     got = backend.to_host(KERNELS["matmul"](backend.xp, [backend.to_device(a), backend.to_device(b)], {}))
@@ -97,7 +96,7 @@ def test_cupy_backend_runs_kernels_and_transfers():
     assert backend.info().memory_total > 0
 
 
-@pytest.mark.skipif(cuda_device_count() == 0, reason="needs CuPy and a CUDA device")
+@pytest.mark.skipif(CudaBackend.device_count() == 0, reason="needs CuPy and a CUDA device")
 def test_two_cuda_workers_sharing_one_gpu(fresh_cluster):
     dev = MetaDevice(fresh_cluster(2, backend="cuda", devices=(0, 0)))
     x = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)

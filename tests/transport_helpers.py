@@ -53,3 +53,26 @@ def live_receiver(keys=None, endpoint=None):
         security.close()
         ctx.term()
         ipc.close()
+
+
+def on_ranks(n: int, rank_main, timeout: float = 30.0) -> list:
+    """rank_main(r) for r in 0..n-1, each on its own thread (ranks that talk to each other);
+    their results in rank order. The first exception of any rank is raised here."""
+    results: list = [None] * n
+    errors: list = []
+
+    def body(r: int) -> None:
+        try:
+            results[r] = rank_main(r)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), f"ranks still running after {timeout} s"
+    return results

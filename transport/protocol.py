@@ -1,4 +1,8 @@
-"""The wire protocol: the only place message shapes exist.
+"""The wire protocol: the only place message shapes and wire conventions exist.
+
+Here are the message types and their fields, the program steps they carry, worker identities on
+the control socket, the heartbeat frame, the tcp port rule (control on PORT, heartbeats on
+PORT+1 and PORT+2), the worker command line, and the byte layout of shared-memory records.
 
 A message is a msgpack header frame followed by raw buffer frames. The header is a map:
     {"v": version, "t": type, "id": request id, "f": {field: value}, "a": [[dtype, shape, n_frames], ...]}
@@ -9,9 +13,12 @@ ProtocolError; it never returns a half-valid message.
 
 from __future__ import annotations
 
+import argparse
 import enum
+import struct
 import typing
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field, fields
 from math import prod
 from typing import Any, ClassVar
@@ -23,7 +30,7 @@ from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
 from split_state.states import State, decode_state, encode_state
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -33,14 +40,93 @@ class Limits:
     header_bytes: int = 1 << 20
     array_bytes: int = 1 << 34
     chunk_bytes: int = 16 << 20
-    copy_threshold: int = 64 << 10  # frames smaller than this are copied (cheaper than tracking)
     max_arrays: int = 4096
     max_ndim: int = 32
     max_items: int = 1 << 16  # entries of any msgpack array or map in a header
-    max_depth: int = 8
+    max_depth: int = 8  # nesting of plain values inside op parameters
 
 
 DEFAULT_LIMITS = Limits()
+
+
+# -- identities, endpoints, heartbeats, the worker command line ----------------------------------
+
+HEARTBEAT_FRAME = b"beat"  # what the coordinator publishes; any message on that socket counts
+PORT_OFFSETS = {"control": 0, "beat": 1, "beat-in": 2}  # over tcp: one address, three ports
+
+
+def worker_identity(rank: int) -> bytes:
+    """A worker's identity on the coordinator's ROUTER socket."""
+    return f"w{rank}".encode()
+
+
+def rank_of(identity: bytes) -> int:
+    """The rank behind a worker identity, or -1 for anything else."""
+    try:
+        return int(identity[1:]) if identity[:1] == b"w" and identity[1:].isdigit() else -1
+    except ValueError:
+        return -1
+
+
+def tcp_endpoint(host: str, port: int, name: str) -> str:
+    """The coordinator's tcp endpoint for socket `name` (port 0: any free port)."""
+    return f"tcp://{host}:{port + PORT_OFFSETS[name] if port else '*'}"
+
+
+def endpoints_from_control(control: str) -> tuple[str, str]:
+    """(heartbeat out, heartbeat in) of a coordinator known by its tcp control endpoint."""
+    host, port = control[len("tcp://") :].rsplit(":", 1)
+    return tcp_endpoint(host, int(port), "beat"), tcp_endpoint(host, int(port), "beat-in")
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """The command line of `python -m workers`: what a coordinator spawns and a remote host runs."""
+
+    connect: str  # coordinator control endpoint
+    beat: str  # coordinator heartbeat endpoint (PUB)
+    beat_in: str  # coordinator heartbeat inbox (PULL)
+    rank: int
+    backend: str = "cpu"
+    device: int = 0  # device index for backends with several devices
+    data: str = ""  # endpoint to bind the data inbox (default: beside --connect)
+    keys: str = ""  # CURVE key file made by 'launch.py keys'
+    heartbeat: float = 0.5  # seconds between heartbeats
+    liveness: float = 5.0  # seconds of coordinator silence before exiting
+    collective_timeout: float = 30.0
+    parent_pid: int = 0  # exit when this process is gone
+
+    def argv(self) -> list[str]:
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != f.default or f.default is dataclasses.MISSING:
+                out += ["--" + f.name.replace("_", "-"), str(value)]
+        return out
+
+    @classmethod
+    def parse(cls, argv: Sequence[str] | None, backends: Sequence[str] = ()) -> WorkerLaunch:
+        ap = argparse.ArgumentParser(prog="python -m workers", description=cls.__doc__)
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            required = f.default is dataclasses.MISSING
+            choices = list(backends) if f.name == "backend" and backends else None
+            ap.add_argument(
+                "--" + f.name.replace("_", "-"),
+                type=hints[f.name],
+                required=required,
+                default=None if required else f.default,
+                choices=choices,
+            )
+        return cls(**vars(ap.parse_args(argv)))
+
+
+# -- shared-memory rings (transport/shm.py): file header and record layout ------------------------
+
+SHM_FILE_MAGIC = b"METATPS1"
+SHM_RECORD_MAGIC = 0x4D54_5052  # "MTPR"
+SHM_FILE_HEADER = struct.Struct("<8sIQQ64s")  # magic, world size, ring capacity, owner pid, host id
+SHM_RECORD_PREFIX = struct.Struct("<IIqqq24s")  # magic, ndim, run, step, nbytes, dtype name; shape follows
 
 
 class MsgType(enum.IntEnum):
@@ -202,6 +288,7 @@ class Error:
     kind: str  # the exception class name, e.g. "ProtocolError", "OutOfMemory"
     message: str
     traceback: str = ""
+    origin: int = -1  # the worker whose failure this follows from (an Abort it sent); -1: this one's own
     KIND: ClassVar[MsgType]
 
 
@@ -270,67 +357,70 @@ Message = (
 # -- field codecs -------------------------------------------------------------------------------
 
 
+Decoder = Callable[[Any, str, "Limits"], Any]  # (value, field name, limits) -> checked value
+
+
 def _fail(what: str) -> typing.NoReturn:
     raise ProtocolError(what)
 
 
-def _int(v: Any, name: str) -> int:
+def _int(v: Any, name: str, limits: Limits) -> int:
     if type(v) is not int:
         _fail(f"field {name!r} must be an int, got {type(v).__name__}")
     return v
 
 
-def _str(v: Any, name: str) -> str:
+def _str(v: Any, name: str, limits: Limits) -> str:
     if not isinstance(v, str):
         _fail(f"field {name!r} must be a string, got {type(v).__name__}")
     return v
 
 
-def _bytes(v: Any, name: str) -> bytes:
+def _bytes(v: Any, name: str, limits: Limits) -> bytes:
     if not isinstance(v, bytes):
         _fail(f"field {name!r} must be bytes, got {type(v).__name__}")
     return v
 
 
-def _list(item: Callable[[Any, str], Any]) -> Callable[[Any, str], list]:
-    def check(v: Any, name: str) -> list:
+def _list(item: Decoder) -> Decoder:
+    def check(v: Any, name: str, limits: Limits) -> list:
         if not isinstance(v, list):
             _fail(f"field {name!r} must be a list, got {type(v).__name__}")
-        return [item(x, name) for x in v]
+        return [item(x, name, limits) for x in v]
 
     return check
 
 
-def _shape(v: Any, name: str) -> Shape:
-    dims = _list(_int)(v, name)
+def _shape(v: Any, name: str, limits: Limits) -> Shape:
+    dims = _list(_int)(v, name, limits)
     if any(d < 0 for d in dims):
         _fail(f"field {name!r} has a negative dimension: {dims}")
     return tuple(dims)
 
 
-def _state(v: Any, name: str) -> State:
+def _state(v: Any, name: str, limits: Limits) -> State:
     try:
         return decode_state(v)
     except SplitError as exc:
         _fail(f"field {name!r}: {exc}")
 
 
-def _params(v: Any, name: str) -> Params:
+def _params(v: Any, name: str, limits: Limits) -> Params:
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         _fail(f"field {name!r} must be a map with string keys")
-    _check_plain(v, name, 0)
+    _check_plain(v, name, 0, limits.max_depth)
     return {k: _freeze(x) for k, x in v.items()}
 
 
-def _check_plain(v: Any, name: str, depth: int) -> None:
-    if depth > DEFAULT_LIMITS.max_depth:
-        _fail(f"field {name!r} nests deeper than {DEFAULT_LIMITS.max_depth}")
+def _check_plain(v: Any, name: str, depth: int, max_depth: int) -> None:
+    if depth > max_depth:
+        _fail(f"field {name!r} nests deeper than {max_depth}")
     if isinstance(v, (list, tuple)):
         for x in v:
-            _check_plain(x, name, depth + 1)
+            _check_plain(x, name, depth + 1, max_depth)
     elif isinstance(v, dict):
         for x in v.values():
-            _check_plain(x, name, depth + 1)
+            _check_plain(x, name, depth + 1, max_depth)
     elif not (v is None or isinstance(v, (bool, int, float, str))):
         _fail(f"field {name!r} holds a {type(v).__name__}, not a plain value")
 
@@ -359,7 +449,7 @@ def _encode_step(step: Step) -> list:
     return ["free", list(step.slots)]
 
 
-def _dtype_field(v: Any, name: str) -> str:
+def _dtype_field(v: Any, name: str, limits: Limits) -> str:
     try:
         dtype_from_name(v)
     except UnsupportedDtype as exc:
@@ -367,35 +457,35 @@ def _dtype_field(v: Any, name: str) -> str:
     return v
 
 
-def _step(v: Any, name: str) -> Step:
+def _step(v: Any, name: str, limits: Limits) -> Step:
     if not isinstance(v, list) or not v:
         _fail(f"{name}: a step must be a non-empty list")
     tag, rest = v[0], v[1:]
     if tag == "op" and len(rest) == 6:
         return OpStep(
-            _str(rest[0], "op"),
-            tuple(_list(_int)(rest[1], "inputs")),
-            _int(rest[2], "output"),
-            _params(rest[3], "params"),
-            _shape(rest[4], "shape"),
-            _dtype_field(rest[5], "dtype"),
+            _str(rest[0], "op", limits),
+            tuple(_list(_int)(rest[1], "inputs", limits)),
+            _int(rest[2], "output", limits),
+            _params(rest[3], "params", limits),
+            _shape(rest[4], "shape", limits),
+            _dtype_field(rest[5], "dtype", limits),
         )
     if tag == "move" and len(rest) == 6:
         return MoveStep(
-            _int(rest[0], "input"),
-            _int(rest[1], "output"),
-            _state(rest[2], "src"),
-            _state(rest[3], "dst"),
-            _shape(rest[4], "shape"),
-            _dtype_field(rest[5], "dtype"),
+            _int(rest[0], "input", limits),
+            _int(rest[1], "output", limits),
+            _state(rest[2], "src", limits),
+            _state(rest[3], "dst", limits),
+            _shape(rest[4], "shape", limits),
+            _dtype_field(rest[5], "dtype", limits),
         )
     if tag == "free" and len(rest) == 1:
-        return FreeStep(tuple(_list(_int)(rest[0], "slots")))
+        return FreeStep(tuple(_list(_int)(rest[0], "slots", limits)))
     _fail(f"{name}: malformed step {str(v)[:80]}")
 
 
 # annotation -> (encode, decode); arrays are handled apart from the header fields
-_CODECS: dict[Any, tuple[Callable[[Any], Any], Callable[[Any, str], Any]]] = {
+_CODECS: dict[Any, tuple[Callable[[Any], Any], Decoder]] = {
     int: (lambda v: int(v), _int),
     str: (lambda v: v, _str),
     bytes: (lambda v: bytes(v), _bytes),
@@ -528,7 +618,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> tuple[Mess
     arrays = _decode_arrays(descriptors, frames[1:], limits)
     kwargs = {}
     for name, k in schema:
-        kwargs[name] = arrays.pop(0) if k is _ARRAY else _CODECS[k][1](values[name], name)
+        kwargs[name] = arrays.pop(0) if k is _ARRAY else _CODECS[k][1](values[name], name, limits)
     try:
         return cls(**kwargs), rid
     except (TypeError, ValueError) as exc:
@@ -547,7 +637,7 @@ def _decode_arrays(descriptors: list[Any], frames: Sequence[Any], limits: Limits
             dtype = dtype_from_name(name)
         except UnsupportedDtype as exc:
             raise ProtocolError(f"array {i}: {exc}") from None
-        shape = _shape(shape, f"array {i} shape")
+        shape = _shape(shape, f"array {i} shape", limits)
         if len(shape) > limits.max_ndim:
             _fail(f"array {i}: {len(shape)} dimensions exceed the limit of {limits.max_ndim}")
         nbytes = prod(shape) * dtype.itemsize
@@ -581,4 +671,5 @@ def _assemble(bufs: list[memoryview], dtype: np.dtype, shape: Shape, nbytes: int
 
 
 def error_from(exc: BaseException, traceback_text: str = "") -> Error:
-    return Error(type(exc).__name__, str(exc), traceback_text)
+    origin = getattr(exc, "origin", -1)
+    return Error(type(exc).__name__, str(exc), traceback_text, origin if type(origin) is int else -1)

@@ -11,6 +11,7 @@ the data, and publishes `tail` when done with it. Each index has one writer and 
 8-byte store, so this is correct on a total-store-order CPU (x86-64) without explicit fences;
 `supported()` refuses other machines, which then use ZeroMQ.
 
+The file header and record layouts are wire conventions and live in transport.protocol.
 Ring layout, all offsets multiples of 64 bytes (one cache line): records start on a line, a
 record header is whole lines, payload chunks are whole lines except a record's last, so every
 fragment a reader sees holds whole elements and is aligned for any dtype.
@@ -32,10 +33,9 @@ import numpy as np
 
 from split_state.dtypes import DTYPES, dtype_name
 from split_state.errors import ProtocolError, TransportError
+from transport.protocol import SHM_FILE_HEADER, SHM_FILE_MAGIC, SHM_RECORD_MAGIC, SHM_RECORD_PREFIX
 
 LINE = 64
-FILE_MAGIC = b"METATPS1"
-RECORD_MAGIC = 0x4D54_5052  # "MTPR"
 FILE_HEADER = 4096  # magic, world size, capacity, owner pid; rings start on a page
 CONTROL = 2 * LINE  # per ring: head on one cache line, tail on the next (no false sharing)
 HEAD, TAIL = 0, LINE // 8  # indices into the ring's uint64 control words
@@ -43,8 +43,8 @@ MAX_NDIM = 32
 WRITE_CHUNK = 256 << 10  # a sender publishes at least this often, so the reader can start early
 READ_CHUNK = 256 << 10  # a reader frees space at least this often, so the sender can refill
 
-_PREFIX = struct.Struct("<IIqqq24s")  # magic, ndim, run, step, nbytes, dtype name
-_FILE = struct.Struct("<8sIQQ64s")  # magic, world size, ring capacity, owner pid, host id
+_PREFIX = SHM_RECORD_PREFIX
+_FILE = SHM_FILE_HEADER
 _DTYPES = {name.encode().ljust(24, b"\0"): dtype for name, dtype in DTYPES.items()}  # as packed
 
 
@@ -95,7 +95,7 @@ class RecordHeader(NamedTuple):
 
     def encode(self) -> bytes:
         ndim = len(self.shape)
-        raw = _PREFIX.pack(RECORD_MAGIC, ndim, self.run, self.step, self.nbytes, dtype_name(self.dtype).encode())
+        raw = _PREFIX.pack(SHM_RECORD_MAGIC, ndim, self.run, self.step, self.nbytes, dtype_name(self.dtype).encode())
         return raw + struct.pack(f"<{ndim}q", *self.shape) + bytes(header_bytes(ndim) - _PREFIX.size - 8 * ndim)
 
 
@@ -215,7 +215,7 @@ class RingReader:
         if avail < LINE:
             return None
         magic, ndim, run, step, nbytes, name = _PREFIX.unpack(self.ring.read(self.tail, _PREFIX.size))
-        if magic != RECORD_MAGIC or ndim > MAX_NDIM:
+        if magic != SHM_RECORD_MAGIC or ndim > MAX_NDIM:
             raise ProtocolError(f"shared-memory ring corrupted: record magic {magic:#x}, {ndim} dimensions")
         size = header_bytes(ndim)
         if avail < size:
@@ -290,7 +290,7 @@ class InboxFile:
             path.unlink(missing_ok=True)
             raise TransportError(f"cannot reserve {size} bytes of shared memory at {path}: {exc}") from None
         os.close(fd)
-        header = _FILE.pack(FILE_MAGIC, world_size, capacity, os.getpid(), host_id())
+        header = _FILE.pack(SHM_FILE_MAGIC, world_size, capacity, os.getpid(), host_id())
         buffer[: len(header)] = header
         return cls(path, buffer, world_size, capacity, owner=True)
 
@@ -308,7 +308,7 @@ class InboxFile:
         finally:
             os.close(fd)
         magic, world, capacity, _, host = _FILE.unpack_from(buffer)
-        if magic != FILE_MAGIC or world != world_size or size != FILE_HEADER + world * (CONTROL + capacity):
+        if magic != SHM_FILE_MAGIC or world != world_size or size != FILE_HEADER + world * (CONTROL + capacity):
             buffer.close()
             raise TransportError(f"{path}: not an inbox for {world_size} workers (magic {magic!r}, world {world})")
         host = host.rstrip(b"\0")

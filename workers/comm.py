@@ -1,8 +1,9 @@
 """Point-to-point transport between workers for collectives.
 
-Three implementations share the matching logic in `Inbox`: `ZmqComm` (PUSH to each peer, one PULL
+Four implementations share the matching logic in `Inbox`: `ZmqComm` (PUSH to each peer, one PULL
 inbox; peers on one host or across hosts), `HostComm` (ZmqComm plus shared-memory rings for the
-peers on this host) and `QueueComm` (in-process queues, for the simulator). Messages between a
+peers on this host), `QueueComm` (in-process queues, for the simulator) and, in workers/nccl.py,
+`NcclComm` (ZmqComm for signalling beside NCCL for the data). Messages between a
 pair arrive in order; they are matched by (source, run, step) and anything from an older run is
 stale and dropped. An Abort for the current run (or for every run) ends the wait at once with a
 typed error, so a failed or lost peer never leaves the others hanging.
@@ -52,12 +53,14 @@ class Inbox:
         self._stash: dict[int, collections.deque[p.Chunk]] = collections.defaultdict(collections.deque)
         self._aborts: dict[int, p.Abort] = {}
         self.waited = 0.0  # seconds spent blocked on peers: the 'waiting' share of a step
+        self.bytes_sent = 0  # payload bytes sent to peers, as the collective algorithms charge them
 
     # implemented by subclasses
     def _next(self, timeout: float) -> p.Chunk | p.Abort | None: ...
     def _send(self, dst: int, message: p.Chunk | p.Abort) -> None: ...
 
     def send(self, dst: int, run: int, step: int, array: np.ndarray) -> None:
+        self.bytes_sent += array.nbytes
         self._send(dst, p.Chunk(self.rank, run, step, array))  # encode makes it contiguous
 
     def abort(self, run: int, kind: str, message: str) -> None:
@@ -96,10 +99,14 @@ class Inbox:
                     f"(run {run}, step {step})",
                     rank=src,
                 )
-            if isinstance(message, p.Abort):
-                self._aborts[message.run] = message
-            elif message.run >= run:
-                self._stash[message.src].append(message)
+            self._take(message, run)
+
+    def _take(self, message: p.Chunk | p.Abort, run: int) -> None:
+        """File an arrival: aborts by run, data of this run or later by source (older is stale)."""
+        if isinstance(message, p.Abort):
+            self._aborts[message.run] = message
+        elif message.run >= run:
+            self._stash[message.src].append(message)
 
     def _stashed(self, src: int, run: int, step: int) -> p.Chunk | None:
         """The message (src, run, step) if it has arrived; raises if the run was aborted."""
@@ -119,8 +126,11 @@ class Inbox:
             return
         text = f"run {run} aborted: worker {abort.rank} reports {abort.kind}: {abort.message}"
         if abort.kind == "WorkerLost":
-            raise WorkerLost(text, rank=abort.rank)
-        raise RemoteError(text, rank=abort.rank, kind=abort.kind)
+            exc: Exception = WorkerLost(text, rank=abort.rank)
+        else:
+            exc = RemoteError(text, rank=abort.rank, kind=abort.kind)
+        exc.origin = abort.rank  # a consequence of that worker's failure, not a cause (see Error.origin)
+        raise exc
 
     def routes(self) -> dict[int, str]:
         """How this worker has reached each peer so far."""
@@ -181,10 +191,7 @@ class ZmqComm(Inbox):
         """Take in aborts and data that arrived over ZeroMQ meanwhile, without waiting; raises if
         run `run` was aborted. For waits that are not on the ZeroMQ inbox itself."""
         while (message := self._next(0)) is not None:
-            if isinstance(message, p.Abort):
-                self._aborts[message.run] = message
-            elif message.run >= run:
-                self._stash[message.src].append(message)
+            self._take(message, run)
         self._raise_if_aborted(run)
 
     def close(self) -> None:
@@ -260,6 +267,7 @@ class HostComm(ZmqComm):
         if writer is None:
             super().send(dst, run, step, array)
         else:
+            self.bytes_sent += array.nbytes
             writer.post(run, step, array)
 
     def _pump(self) -> bool:

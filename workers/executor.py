@@ -12,7 +12,7 @@ from split_state.kernels import KERNELS
 from split_state.layout import local_shape
 from transport import protocol as p
 from transport.deadline import Deadline
-from workers.collectives import Collectives
+from workers.collectives import Collectives, HostEngine
 from workers.store import TensorStore
 
 
@@ -27,11 +27,11 @@ class Executor:
     def attach(self, comm) -> None:
         self.comm = comm
         if comm.plane == "nccl":
-            from workers.nccl import NcclCollectives
+            from workers.nccl import NcclEngine
 
-            self.collectives = NcclCollectives(comm, self.backend)
+            self.collectives = Collectives(NcclEngine(comm, self.backend))
         else:
-            self.collectives = Collectives(comm, self.backend)
+            self.collectives = Collectives(HostEngine(comm, self.backend))
 
     def load(self, program: int, steps: list[p.Step]) -> None:
         for i, step in enumerate(steps):

@@ -7,7 +7,6 @@ that started us is gone), even if the main thread is stuck in a kernel. No orpha
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
@@ -24,31 +23,18 @@ from transport import shm
 from transport.deadline import Deadline
 from transport.reply import respond
 from transport.sockets import CurveKeys, Security, dealer, pull, push, recv_frames, send, send_frames
-from workers.backend import make_backend
+from workers.backends import make_backend, names
 from workers.comm import HostComm, ZmqComm
 from workers.server import WorkerServer
 
 EXIT_COORDINATOR_LOST = 17
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m workers", description=__doc__)
-    ap.add_argument("--connect", required=True, help="coordinator control endpoint")
-    ap.add_argument("--beat", required=True, help="coordinator heartbeat endpoint (PUB)")
-    ap.add_argument("--beat-in", required=True, help="coordinator heartbeat inbox (PULL)")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--device", type=int, default=0, help="GPU index for the cuda backend")
-    ap.add_argument("--data", default="", help="endpoint to bind the data inbox (default: beside --connect)")
-    ap.add_argument("--keys", default="", help="CURVE key file made by 'launch.py keys'")
-    ap.add_argument("--heartbeat", type=float, default=0.5, help="seconds between heartbeats")
-    ap.add_argument("--liveness", type=float, default=5.0, help="seconds of coordinator silence before exiting")
-    ap.add_argument("--collective-timeout", type=float, default=30.0)
-    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
-    return ap.parse_args(argv)
+def parse(argv: list[str] | None) -> p.WorkerLaunch:
+    return p.WorkerLaunch.parse(argv, backends=names())
 
 
-def data_endpoint(args: argparse.Namespace) -> str:
+def data_endpoint(args: p.WorkerLaunch) -> str:
     if args.data:
         return args.data
     if args.connect.startswith("ipc://"):
@@ -56,7 +42,7 @@ def data_endpoint(args: argparse.Namespace) -> str:
     return "tcp://" + args.connect[len("tcp://") :].rsplit(":", 1)[0] + ":*"
 
 
-def watchdog(args: argparse.Namespace, context: zmq.Context, security: Security, stop: threading.Event) -> None:
+def watchdog(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop: threading.Event) -> None:
     """Heartbeats out, coordinator heartbeats in; exits the process when the coordinator is gone.
     Any failure of the watchdog itself also exits: a worker must never outlive its watch."""
     try:
@@ -66,7 +52,7 @@ def watchdog(args: argparse.Namespace, context: zmq.Context, security: Security,
             _exit(args.rank, f"its watchdog failed: {type(exc).__name__}: {exc}")
 
 
-def _watch(args: argparse.Namespace, context: zmq.Context, security: Security, stop: threading.Event) -> None:
+def _watch(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop: threading.Event) -> None:
     beat_in = context.socket(zmq.SUB)
     beat_in.linger = 0
     security.client(beat_in)
@@ -122,7 +108,7 @@ def make_comm(rank: int, configure: p.Configure, inbox, context: zmq.Context, se
 _SHARED_FILES: list = []  # removed even when the watchdog ends the process abruptly
 
 
-def orphaned(args: argparse.Namespace) -> bool:
+def orphaned(args: p.WorkerLaunch) -> bool:
     return bool(args.parent_pid) and os.getppid() != args.parent_pid
 
 
@@ -142,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     context = zmq.Context()
     security = Security(context, CurveKeys.load(args.keys) if args.keys else None)
     inbox, data_ep = pull(context, data_endpoint(args), security)
-    control = dealer(context, args.connect, f"w{args.rank}".encode(), security)
+    control = dealer(context, args.connect, p.worker_identity(args.rank), security)
     stop = threading.Event()
     dog = threading.Thread(target=watchdog, args=(args, context, security, stop), daemon=True)
     dog.start()

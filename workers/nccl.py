@@ -4,9 +4,10 @@ The coordinator makes the NCCL unique id (it hosts NCCL's bootstrap root) and se
 Configure; every worker joins the communicator while it handles that message. Data moves GPU to
 GPU, never through host memory:
 
-- all-reduce is ncclAllReduce, in place: every rank gets the same bits (NCCL's reduction order
-  is fixed per communicator), though not necessarily the rank-order bits of the host reference;
-- every other transition runs split_state's transfer plans as grouped ncclSend/ncclRecv, and
+- all-reduce is ncclAllReduce (split_state.algorithms.NativeAllReduce), in place: every rank gets
+  the same bits (NCCL's reduction order is fixed per communicator), though not necessarily the
+  rank-order bits of the host reference;
+- every other algorithm runs its phases as grouped ncclSend/ncclRecv (`NcclEngine`), and
   reductions add the received contributions in rank order on the device, as the host path does.
 
 Waiting on the GPU polls the stream with the collective deadline and watches the ZeroMQ data
@@ -23,12 +24,14 @@ import struct
 import time
 from typing import Any
 
+from collections.abc import Sequence
+
+from split_state.algorithms import Phase, Tag
 from split_state.dtypes import dtype_name
 from split_state.errors import TransportError, UnsupportedDtype, WorkerLost
 from split_state.layout import box_shape
-from split_state.transitions import Transfer
+from split_state.transitions import Transfer, owned_groups
 from transport.deadline import Deadline
-from workers.collectives import Collectives
 from workers.comm import Waiter, ZmqComm
 
 UNIQUE_ID_BYTES = 128
@@ -48,7 +51,6 @@ _NCCL_TYPES = {
     "bfloat16": 9,
 }
 NCCL_SUM = 0
-REDUCIBLE = set(_NCCL_TYPES) - {"bool"}
 
 
 def make_unique_id() -> bytes:
@@ -165,55 +167,49 @@ class NcclComm(ZmqComm):
             self.device.close()
 
 
-class NcclCollectives(Collectives):
-    """The transitions of Collectives, with GPU-to-GPU transfers instead of host staging."""
+class NcclEngine:
+    """The primitives of split_state.algorithms on NCCL: grouped GPU-to-GPU sends and receives,
+    rank-order sums on the device, and ncclAllReduce as the native all-reduce."""
 
-    comm: NcclComm
+    def __init__(self, comm: NcclComm, backend):
+        self.comm, self.backend, self.xp = comm, backend, backend.xp
+        self.rank, self.size, self.plane = comm.rank, comm.size, comm.plane
 
-    def redistribute(self, local, src, dst, shape, run, step, deadline):
+    def check_usable(self) -> None:
         self.comm.check_usable()
-        return super().redistribute(local, src, dst, shape, run, step, deadline)
 
-    def _all_reduce(self, local, run, step, deadline):
-        if dtype_name(local.dtype) not in REDUCIBLE:  # e.g. int16: point to point, summed here
-            return super()._all_reduce(local, run, step, deadline)
-        out = self.xp.ascontiguousarray(local).copy()
-        self.comm.device.all_reduce(out.reshape(-1))
-        self.comm.wait(run, deadline)
-        return out
+    def all_reduce(self, flat: Any, tag: Tag) -> Any:
+        self.comm.device.all_reduce(flat)
+        self.comm.wait(tag.run, tag.deadline)
+        return flat
 
-    def _transfer(self, local, plan: list[Transfer], out_shape, run: int, deadline: Deadline) -> dict[int, Any]:
-        """Run the remote transfers of `plan` for this rank; received arrays by plan index."""
-        rank, xp = self.comm.rank, self.xp
+    def _transfer(self, local, plan: Sequence[Transfer], shape, tag: Tag) -> dict[int, Any]:
+        """Run the remote transfers of `plan` for this rank; received arrays by id(transfer)."""
+        rank, xp = self.rank, self.xp
         sends = [(xp.ascontiguousarray(local[t.src_box]), t.dst) for t in plan if t.src == rank and t.dst != rank]
-        received = {
-            i: xp.empty(box_shape(t.dst_box, out_shape), local.dtype)
-            for i, t in enumerate(plan)
-            if t.dst == rank and t.src != rank
-        }
-        self.comm.device.exchange(sends, [(array, plan[i].src) for i, array in received.items()])
-        self.comm.wait(run, deadline)
-        return received
+        recvs = [(t, xp.empty(box_shape(t.dst_box, shape), local.dtype)) for t in plan if t.dst == rank and t.src != rank]
+        self.comm.device.exchange(sends, [(array, t.src) for t, array in recvs])
+        self.comm.wait(tag.run, tag.deadline)
+        return {id(t): array for t, array in recvs}
 
-    def _exchange(self, local, plan, out_shape, run, step, deadline):
-        received = self._transfer(local, plan, out_shape, run, deadline)
+    def exchange(self, local, phase: Phase, tag: Tag):
+        out_shape = phase.out_shape(self.size, self.rank)
+        received = self._transfer(local, phase.transfers, out_shape, tag)
         out = self.xp.empty(out_shape, dtype=local.dtype)
-        for i, t in enumerate(plan):
-            if t.dst == self.comm.rank:
-                out[t.dst_box] = local[t.src_box] if t.src == self.comm.rank else received[i]
+        for t in phase.transfers:
+            if t.dst == self.rank:
+                out[t.dst_box] = local[t.src_box] if t.src == self.rank else received[id(t)]
         return out
 
-    def _reduce(self, local, plan, out_shape, run, step, deadline):
-        received = self._transfer(local, plan, out_shape, run, deadline)
-        rank, n, xp = self.comm.rank, self.comm.size, self.xp
-        out = xp.empty(out_shape, dtype=local.dtype)
-        for at in range(0, len(plan), n):
-            group = plan[at : at + n]  # one destination box, contributions from ranks 0 .. n-1
-            if group[0].dst != rank:
-                continue
-            parts = [local[t.src_box] if t.src == rank else received[at + t.src] for t in group]
+    def reduce(self, local, phase: Phase, tag: Tag):
+        out_shape = phase.out_shape(self.size, self.rank)
+        received = self._transfer(local, phase.transfers, out_shape, tag)
+        rank, n = self.rank, self.size
+        out = self.xp.empty(out_shape, dtype=local.dtype)
+        for box, group in owned_groups(phase.transfers, n, rank):
+            parts = [local[t.src_box] if t.src == rank else received[id(t)] for t in group]
             total = parts[0] + parts[1] if n > 1 else parts[0].copy()
             for part in parts[2:]:
                 total += part
-            out[group[0].dst_box] = total
+            out[box] = total
         return out

@@ -31,10 +31,10 @@ class WorkerServer:
         self.runs = 0
 
     def handle(self, message: p.Message) -> p.Message:
-        handler = getattr(self, "_on_" + type(message).__name__.lower(), None)
+        handler = HANDLERS.get(type(message))
         if handler is None:
             raise ProtocolError(f"a worker does not accept {type(message).__name__} messages")
-        return handler(message)
+        return handler(self, message)
 
     def _on_configure(self, m: p.Configure) -> p.Message:
         if m.world_size != len(m.peers) or not 0 <= self.rank < m.world_size:
@@ -65,11 +65,11 @@ class WorkerServer:
             self.store.free(tensor)
         return p.Ok()
 
-    def _on_loadprogram(self, m: p.LoadProgram) -> p.Message:
+    def _on_load_program(self, m: p.LoadProgram) -> p.Message:
         self.executor.load(m.program, m.steps)
         return p.Ok()
 
-    def _on_runprogram(self, m: p.RunProgram) -> p.Message:
+    def _on_run_program(self, m: p.RunProgram) -> p.Message:
         self._require_configured()
         self.executor.comm.forget_aborts()
         for tensor in m.release:
@@ -101,3 +101,17 @@ class WorkerServer:
     def _require_configured(self) -> None:
         if not self.world_size:
             raise ProtocolError(f"worker {self.rank} is not configured yet (no Configure message)")
+
+
+# The messages a worker serves on its control socket, and the handler of each.
+HANDLERS: dict[type, Callable[[WorkerServer, p.Message], p.Message]] = {
+    p.Configure: WorkerServer._on_configure,
+    p.Put: WorkerServer._on_put,
+    p.Get: WorkerServer._on_get,
+    p.Free: WorkerServer._on_free,
+    p.LoadProgram: WorkerServer._on_load_program,
+    p.RunProgram: WorkerServer._on_run_program,
+    p.Stats: WorkerServer._on_stats,
+    p.Heartbeat: WorkerServer._on_heartbeat,
+    p.Shutdown: WorkerServer._on_shutdown,
+}

@@ -12,7 +12,7 @@ import threading
 from split_state.errors import DeadlineExceeded
 from transport import protocol as p
 from transport.reply import respond
-from workers.backend import make_backend
+from workers.backends import make_backend
 from workers.comm import QueueComm
 from workers.server import WorkerServer
 
@@ -23,7 +23,6 @@ class SimulatedCluster:
             raise ValueError(f"a cluster needs at least one device, got {n}")
         self.world_size = n
         self.call_timeout = 300.0
-        self.kind = "simulator"
         self._data = [queue.Queue() for _ in range(n)]
         self._inboxes = [queue.Queue() for _ in range(n)]
         self._replies: queue.Queue = queue.Queue()

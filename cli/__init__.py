@@ -1,0 +1,38 @@
+"""The command line behind launch.py: one module per command (or family of small ones), each with
+an `add(subparsers)` that declares its options; `main` parses and dispatches.
+
+    demo     cli/demo.py     tensor-parallel matmul and MLP checked against NumPy
+    embed    cli/embed.py    MiniLM sentence embeddings
+    devices, run, bench, stress, keys, worker    cli/tools.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+
+from cli import demo, embed, tools
+from split_state.errors import MetaError
+
+COMMANDS = (demo, embed, tools)
+
+
+def parser(description: str = "") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="launch.py", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    for module in COMMANDS:
+        module.add(sub)
+    return ap
+
+
+def main(argv: list[str] | None, environ: Mapping[str, str], description: str = "") -> int:
+    args = parser(description).parse_args(argv)
+    args.environ = environ
+    try:
+        return args.fn(args)
+    except MetaError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2

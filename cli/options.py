@@ -1,0 +1,100 @@
+"""The options every cluster command shares, and the cluster they describe.
+
+Under a batch launcher (Slurm, Open MPI, PMI, torchrun) every rank runs the same command: rank 0
+becomes the coordinator (and runs worker 0), the other ranks become workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from meta.api import cluster
+from meta.cluster import DATA_PLANES
+from meta.device import MetaDevice
+from meta.launchers import detect_launcher
+from split_state.errors import WorkerLost
+from transport import protocol as p
+from workers import backends
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def add_cluster_options(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--workers", type=int, default=None, help="worker processes (default: one per GPU, else 2)")
+    ap.add_argument("--backend", default="auto", choices=["auto", *backends.names()])
+    ap.add_argument("--devices", default="", help="device indices, one worker each, e.g. 0,2,3")
+    ap.add_argument("--listen", default="", help="coordinator endpoint for remote workers, e.g. tcp://0.0.0.0:5555")
+    ap.add_argument("--spawn", type=int, default=None, help="with --listen: 0 waits for remote workers")
+    ap.add_argument("--keys", default="", help="CURVE key file (launch.py keys)")
+    ap.add_argument("--liveness", type=float, default=5.0, help="seconds before a silent worker is lost")
+    ap.add_argument("--start-timeout", type=float, default=60.0)
+    ap.add_argument("--log-dir", default="", help="write worker-R.log files here instead of prefixed stderr")
+    ap.add_argument(
+        "--data-plane",
+        default="auto",
+        choices=list(DATA_PLANES),
+        help="between workers: shared memory on one host (ZeroMQ across hosts), ZeroMQ only, NCCL "
+        "(CuPy workers on distinct GPUs); auto: NCCL where it applies, else shared memory",
+    )
+
+
+@contextlib.contextmanager
+def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
+    """A cluster from the common options; under a batch launcher, rank 0 coordinates and the
+    other ranks serve as workers (this process then never returns from here normally)."""
+    config = {"liveness": args.liveness, "log_dir": args.log_dir, "data_plane": args.data_plane}
+    launcher = detect_launcher(args.environ) if not args.listen else None
+    listen = args.listen
+    if launcher is not None and launcher.world_size > 1:
+        port = launcher.port or 29500
+        if launcher.rank != 0:
+            sys.exit(exec_worker(f"tcp://{launcher.coordinator or '127.0.0.1'}:{port}", launcher.rank, args))
+        listen, args.workers, args.spawn = f"tcp://0.0.0.0:{port}", launcher.world_size, 1
+    if listen:
+        host, port = listen[len("tcp://") :].rsplit(":", 1)
+        config.update(host=host, port=int(port), keys=args.keys, start_timeout=args.start_timeout)
+    spawn = args.spawn if args.spawn is not None else (args.workers or 0)
+    if listen and spawn == 0:
+        config["spawn"] = False
+        print(
+            f"waiting for {args.workers} workers: python launch.py worker --connect {listen} --rank R",
+            file=sys.stderr,
+            flush=True,
+        )
+    devices = tuple(int(d) for d in args.devices.split(",")) if args.devices else ()
+    debug = args.environ.get("META_TP_DEBUG", "") not in ("", "0")
+    try:
+        with cluster(workers=args.workers, backend=args.backend, devices=devices, debug=debug, **config) as dev:
+            yield dev
+    except WorkerLost as exc:
+        print(f"error: {exc}; every worker was stopped", file=sys.stderr)
+        raise SystemExit(3) from None
+    except KeyboardInterrupt:
+        print("interrupted: every worker was stopped", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def exec_worker(connect: str, rank: int, args: argparse.Namespace) -> int:
+    """Run a worker on this host for the coordinator at `connect` (tcp), until it exits."""
+    beat, beat_in = p.endpoints_from_control(connect)
+    launch = p.WorkerLaunch(
+        connect=connect,
+        beat=beat,
+        beat_in=beat_in,
+        rank=rank,
+        backend=backends.auto() if args.backend == "auto" else args.backend,
+        device=getattr(args, "device", 0),
+        keys=args.keys,
+        liveness=args.liveness,
+    )
+    env = dict(args.environ, PYTHONPATH=ROOT + os.pathsep + args.environ.get("PYTHONPATH", ""))
+    try:
+        return subprocess.call([sys.executable, "-m", "workers", *launch.argv()], env=env)
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,107 @@
+"""The smaller commands: devices, run, bench, stress, keys, worker."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+
+from cli.display import memory, print_table
+from cli.options import add_cluster_options, exec_worker, open_cluster
+from meta.device import MetaDevice
+from meta.launchers import detect_launcher
+from split_state.errors import MetaError
+from workers import backends
+
+_current: MetaDevice | None = None
+
+
+def current() -> MetaDevice:
+    """The MetaDevice of `launch.py run`, for scripts that import launch instead of using `dev`."""
+    if _current is None:
+        raise MetaError("no cluster is running: start the script with 'python launch.py run SCRIPT.py'")
+    return _current
+
+
+def devices(args: argparse.Namespace) -> int:
+    print_table(
+        "devices (pick GPUs with --devices)",
+        ["backend", "index", "name", "description", "type", "memory"],
+        [
+            [d.backend, d.index, d.name, d.description, d.kind, memory(d.memory_free, d.memory_total)]
+            for d in backends.registry()
+        ],
+    )
+    return 0
+
+
+def run_script(args: argparse.Namespace) -> int:
+    global _current
+    with open_cluster(args) as dev:
+        _current = dev
+        sys.argv = [args.script, *args.script_args]
+        try:
+            runpy.run_path(args.script, init_globals={"dev": dev}, run_name="__main__")
+        finally:
+            _current = None
+    return 0
+
+
+def keys(args: argparse.Namespace) -> int:
+    from transport.sockets import CurveKeys
+
+    CurveKeys.generate().save(args.path)
+    print(f"wrote {args.path} (mode 0600): give it to the coordinator and every worker (--keys {args.path})")
+    return 0
+
+
+def worker(args: argparse.Namespace) -> int:
+    """A worker on this host joining a coordinator elsewhere."""
+    launcher = detect_launcher(args.environ)
+    rank = args.rank if args.rank is not None else (launcher.rank if launcher else 0)
+    return exec_worker(args.connect, rank, args)
+
+
+def bench(args: argparse.Namespace) -> int:
+    from bench import suite
+
+    return suite.main((["--quick"] if args.quick else []) + ["--out", args.out or "results", "--backend", args.backend])
+
+
+def stress(args: argparse.Namespace) -> int:
+    from bench import stress as stress_run
+
+    if args.workers is None:
+        args.workers = 2
+    with open_cluster(args) as dev:
+        return stress_run.run(dev, args.seconds, args.seed)
+
+
+def add(sub) -> None:
+    sub.add_parser("devices", help="list backends and devices").set_defaults(fn=devices)
+    p = sub.add_parser("run", help="run a script with a connected MetaDevice `dev`")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    add_cluster_options(p)
+    p.set_defaults(fn=run_script)
+    p = sub.add_parser("bench", help="the benchmark suite")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default="results", help="folder for JSON and plots")
+    p.add_argument("--backend", default="cpu", choices=backends.names())
+    p.set_defaults(fn=bench)
+    p = sub.add_parser("stress", help="random graphs on real workers against NumPy")
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--seed", type=int, default=0)
+    add_cluster_options(p)
+    p.set_defaults(fn=stress)
+    p = sub.add_parser("keys", help="make a CURVE key file")
+    p.add_argument("path")
+    p.set_defaults(fn=keys)
+    p = sub.add_parser("worker", help="join a coordinator as a worker")
+    p.add_argument("--connect", required=True, help="coordinator endpoint tcp://HOST:PORT")
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--backend", default="auto", choices=["auto", *backends.names()])
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--keys", default="")
+    p.add_argument("--liveness", type=float, default=5.0)
+    p.set_defaults(fn=worker)

@@ -1,0 +1,55 @@
+"""Batch launchers (Slurm, Open MPI, PMI, torchrun): who am I, how many are we, where is rank 0.
+
+Pure functions of an environment mapping; launch.py passes os.environ (the environment is read
+there only).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What a batch launcher tells a process: its rank, the world size and where rank 0 is."""
+
+    source: str
+    rank: int
+    world_size: int
+    coordinator: str = ""  # host of rank 0, when the launcher says
+    port: int = 0
+
+
+PROBES = (
+    ("torchrun", "RANK", "WORLD_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("pmi", "PMI_RANK", "PMI_SIZE"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS"),
+)
+
+
+def detect_launcher(env: Mapping[str, str]) -> LaunchEnv | None:
+    """Slurm, Open MPI, PMI (MPICH, Intel MPI) or torchrun, from their environment variables."""
+    for source, rank_var, size_var in PROBES:
+        if rank_var in env and size_var in env:
+            host = env.get("MASTER_ADDR", "")
+            if not host and source == "slurm":
+                host = first_slurm_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+            return LaunchEnv(source, int(env[rank_var]), int(env[size_var]), host, int(env.get("MASTER_PORT", 0)))
+    return None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """'node[03-05,07],gpu1' -> 'node03' (the first host of a Slurm node list)."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        return prefix + rest.split(",")[0].split("-")[0].rstrip("]")
+    return head
+
+
+def blas_threads(workers: int) -> int:
+    """BLAS threads per CPU worker so that workers together use the cores once."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))

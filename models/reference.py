@@ -1,0 +1,154 @@
+"""Single-device NumPy references for every op of the table: the oracle.
+
+Written apart from split_state.kernels on purpose, so that a test comparing the two checks what
+the kernels compute and not only how ops are distributed: floats are computed in float64 and
+rounded once to the result's dtype, GELU's erf form uses `math.erf`, softmax and the norms are
+the textbook formulas. Tests, the demo and the stress run compare against these.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from split_state.dtypes import dtype_from_name
+
+Params = dict[str, Any]
+
+
+def _f64(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def _float_unary(fn: Callable[[np.ndarray], np.ndarray]) -> Callable:
+    def ref(inputs: Sequence[np.ndarray], params: Params) -> np.ndarray:
+        (x,) = inputs
+        with np.errstate(all="ignore"):
+            return fn(_f64(x)).astype(x.dtype)
+
+    return ref
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (Hendrycks & Gimpel): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    w = _f64(x)
+    return (0.5 * w * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (w + 0.044715 * w**3)))).astype(np.asarray(x).dtype)
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    """GELU, exact: x Phi(x) = 0.5 x (1 + erf(x / sqrt 2))."""
+    w = _f64(x)
+    return (0.5 * w * (1.0 + _erf(w / math.sqrt(2.0)))).astype(np.asarray(x).dtype) if w.size else np.asarray(x).copy()
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    w = _f64(x)
+    with np.errstate(over="ignore"):
+        return (w / (1.0 + np.exp(-w))).astype(np.asarray(x).dtype)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    w = _f64(x)
+    if w.size == 0:
+        return np.asarray(x).copy()
+    shifted = w - w.max(axis=axis, keepdims=True)
+    e = np.exp(shifted)
+    return (e / e.sum(axis=axis, keepdims=True)).astype(np.asarray(x).dtype)
+
+
+def rms_norm(x: np.ndarray, axis: int = -1, eps: float = 1e-6) -> np.ndarray:
+    w = _f64(x)
+    if w.size == 0:
+        return np.asarray(x).copy()
+    return (w / np.sqrt(np.mean(w**2, axis=axis, keepdims=True) + eps)).astype(np.asarray(x).dtype)
+
+
+def layer_norm(x: np.ndarray, axis: int = -1, eps: float = 1e-5) -> np.ndarray:
+    w = _f64(x)
+    if w.size == 0:
+        return np.asarray(x).copy()
+    centred = w - w.mean(axis=axis, keepdims=True)
+    return (centred / np.sqrt(np.var(w, axis=axis, keepdims=True) + eps)).astype(np.asarray(x).dtype)
+
+
+def _binary(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable:
+    def ref(inputs: Sequence[np.ndarray], params: Params) -> np.ndarray:
+        a, b = inputs
+        if np.issubdtype(a.dtype, np.integer):
+            return fn(a, b).astype(a.dtype)
+        with np.errstate(all="ignore"):
+            return fn(_f64(a), _f64(b)).astype(a.dtype)
+
+    return ref
+
+
+def _matmul(inputs, params):
+    a, b = inputs
+    if np.issubdtype(a.dtype, np.integer):
+        return np.matmul(a.astype(np.int64), b.astype(np.int64)).astype(a.dtype)
+    return np.matmul(_f64(a), _f64(b)).astype(a.dtype)
+
+
+def _sum(inputs, params):
+    (x,) = inputs
+    if np.issubdtype(x.dtype, np.integer):
+        return np.sum(x, axis=params["axis"], keepdims=params["keepdims"], dtype=x.dtype)
+    return np.sum(_f64(x), axis=params["axis"], keepdims=params["keepdims"]).astype(x.dtype)
+
+
+def _mean(inputs, params):
+    (x,) = inputs
+    with np.errstate(all="ignore"):
+        total = np.sum(_f64(x), axis=params["axis"], keepdims=params["keepdims"])
+        return (total / x.shape[params["axis"]] if x.shape[params["axis"]] else total * np.nan).astype(x.dtype)
+
+
+def _get_rows(inputs, params):
+    table, ids = inputs
+    return table[np.asarray(ids, dtype=np.int64)]
+
+
+def _slice(inputs, params):
+    (x,) = inputs
+    index = [slice(None)] * x.ndim
+    index[params["axis"]] = slice(params["start"], params["stop"])
+    return x[tuple(index)].copy()
+
+
+REFERENCES: dict[str, Callable[[Sequence[np.ndarray], Params], np.ndarray]] = {
+    "matmul": _matmul,
+    "add": _binary(np.add),
+    "sub": _binary(np.subtract),
+    "mul": _binary(np.multiply),
+    "div": _binary(np.divide),
+    "scale": lambda i, p: _float_unary(lambda w: w * p["factor"])(i, p),
+    "neg": lambda i, p: np.negative(i[0]),
+    "gelu": lambda i, p: gelu_tanh(i[0]),
+    "gelu_erf": lambda i, p: gelu_erf(i[0]),
+    "silu": lambda i, p: silu(i[0]),
+    "relu": lambda i, p: np.where(i[0] > 0, i[0], np.zeros((), i[0].dtype)).astype(i[0].dtype),
+    "exp": _float_unary(np.exp),
+    "tanh": _float_unary(np.tanh),
+    "cast": lambda i, p: i[0].astype(dtype_from_name(p["dtype"])),
+    "softmax": lambda i, p: softmax(i[0], p["axis"]),
+    "rms_norm": lambda i, p: rms_norm(i[0], p["axis"], p["eps"]),
+    "layer_norm": lambda i, p: layer_norm(i[0], p["axis"], p["eps"]),
+    "sum": _sum,
+    "mean": _mean,
+    "reshape": lambda i, p: np.reshape(i[0], p["shape"]).copy(),
+    "transpose": lambda i, p: np.transpose(i[0], p["axes"]).copy(),
+    "concat": lambda i, p: np.concatenate(list(i), axis=p["axis"]),
+    "slice": _slice,
+    "get_rows": _get_rows,
+}
+
+
+def reference(name: str, inputs: Sequence[np.ndarray], params: Params) -> np.ndarray:
+    """The single-device result of op `name` with canonical parameters (as `ops.infer` returns)."""
+    return REFERENCES[name]([np.asarray(x) for x in inputs], params)

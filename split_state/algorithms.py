@@ -1,0 +1,315 @@
+"""Collective algorithms: one object per algorithm.
+
+Each algorithm says when it applies (`applies`), how data moves (`phases`: transfer plans from
+split_state.transitions), what that costs (`sent`: the exact bytes each device sends, summed
+from its own phases) and how it runs (`run`, against an engine the workers supply). The planner
+charges what `select` picks; the workers run what `select` picks; both ask the same table, so
+the cost the planner charged and the bytes that move cannot drift apart.
+
+A worker's engine (workers/collectives.py for point-to-point planes, workers/nccl.py for NCCL)
+provides the primitives the phases need:
+
+    engine.rank, engine.size, engine.xp
+    engine.exchange(local, phase, tag) -> local result   # copy boxes between devices
+    engine.reduce(local, phase, tag)   -> local result   # sum each box's contributions in rank order
+    engine.all_reduce(flat, tag)       -> flat result    # only on planes with a native all-reduce
+
+Adding an algorithm is a class here (its rule, phases, and `run` if the generic one does not fit)
+and a row in `ALGORITHMS`, ahead of the ones it should win against.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any, ClassVar
+
+from split_state.layout import box_shape, local_shape, pieces
+from split_state.states import MIRRORED, Mirrored, Partial, Split, State, validate
+from split_state.transitions import (
+    Collective,
+    Transfer,
+    classify,
+    embed_partial,
+    everyone_plan,
+    exchange_plan,
+    flat_split,
+    reduce_plan,
+)
+
+DIRECT_ALL_REDUCE_BYTES = 64 << 10  # up to this size (or on 2 devices) one exchange beats two phases
+NCCL_REDUCIBLE = frozenset(
+    {"int8", "uint8", "int32", "int64", "float16", "float32", "float64", "bfloat16"}
+)  # dtypes ncclAllReduce sums (ncclDataType_t); others go point to point
+
+
+@dataclass(frozen=True)
+class Request:
+    """One redistribution: `src` -> `dst` of a tensor of global `shape` on `n` devices."""
+
+    src: State
+    dst: State
+    shape: tuple[int, ...]
+    n: int
+    itemsize: int
+    dtype: str = ""  # the dtype's wire name, where an algorithm depends on it
+    plane: str = ""  # the workers' data plane, where an algorithm depends on it
+
+    @property
+    def size(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+
+class PhaseKind(enum.Enum):
+    EXCHANGE = "exchange"  # each transfer copies a box into its destination
+    REDUCE = "reduce"  # transfers come in groups of n, one per source rank, summed in rank order
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One round of transfers over a tensor of global `shape`, leaving it in state `out`."""
+
+    kind: PhaseKind
+    shape: tuple[int, ...]
+    out: State
+    transfers: tuple[Transfer, ...]
+
+    def out_shape(self, n: int, rank: int) -> tuple[int, ...]:
+        return local_shape(self.out, self.shape, n, rank)
+
+
+@dataclass(frozen=True)
+class Tag:
+    """What identifies a collective's traffic and bounds its waits."""
+
+    run: int
+    step: int
+    deadline: Any  # transport.deadline.Deadline (split_state does no I/O)
+
+
+class Algorithm:
+    name: ClassVar[str]
+    flat: ClassVar[bool] = False  # phases work on the raveled tensor
+
+    def applies(self, r: Request) -> bool:
+        raise NotImplementedError
+
+    def phases(self, r: Request) -> tuple[Phase, ...]:
+        return ()
+
+    def deferred(self, r: Request) -> int:
+        """Bytes per device a later step will have to move because of this one."""
+        return 0
+
+    def sent(self, r: Request) -> tuple[int, ...]:
+        """Exactly the bytes each device sends to other devices."""
+        return _sent(self.phases(r), r.n, r.itemsize)
+
+    def charge(self, r: Request) -> int:
+        """What the planner charges: the busiest device's bytes, plus what this defers."""
+        return max(self.sent(r)) + self.deferred(r)
+
+    def run(self, engine: Any, local: Any, r: Request, tag: Tag) -> Any:
+        """Run the phases in order; the default for every plan-driven algorithm."""
+        x = engine.xp.ascontiguousarray(local).reshape(-1) if self.flat else local
+        for phase in self.phases(r):
+            run_phase = engine.exchange if phase.kind is PhaseKind.EXCHANGE else engine.reduce
+            x = run_phase(x, phase, tag)
+        return x.reshape(local_shape(r.dst, r.shape, r.n, engine.rank)) if self.flat else x
+
+
+def _sent(phases: Sequence[Phase], n: int, itemsize: int) -> tuple[int, ...]:
+    sent = [0] * n
+    for phase in phases:
+        for t in phase.transfers:
+            if t.src != t.dst:
+                sent[t.src] += prod(box_shape(t.src_box, phase.shape)) * itemsize
+    return tuple(sent)
+
+
+# -- local transitions ----------------------------------------------------------------------------
+
+
+class Keep(Algorithm):
+    name = "keep"
+
+    def applies(self, r: Request) -> bool:
+        return classify(r.src, r.dst) is Collective.NONE
+
+    def run(self, engine, local, r, tag):
+        return local
+
+
+class LocalSlice(Algorithm):
+    """Mirrored -> Split: every device cuts its own pieces."""
+
+    name = "local_slice"
+
+    def applies(self, r: Request) -> bool:
+        return isinstance(r.src, Mirrored) and isinstance(r.dst, Split)
+
+    def run(self, engine, local, r, tag):
+        ndim = len(r.shape)
+        out = engine.xp.empty(local_shape(r.dst, r.shape, r.n, engine.rank), dtype=local.dtype)
+        for p in pieces(r.dst, r.shape, r.n, engine.rank):
+            out[p.local_index(ndim)] = local[p.global_index(ndim)]
+        return out
+
+
+class LocalEmbed(Algorithm):
+    """-> Partial: each device keeps what it holds, zeros elsewhere. Nothing moves now, but a
+    reduction is left for later: it is charged one reduce-scatter, so the planner does not make
+    Partial tensors for free (a linear op on Mirrored inputs stays Mirrored)."""
+
+    name = "local_embed"
+
+    def applies(self, r: Request) -> bool:
+        return isinstance(r.dst, Partial) and not isinstance(r.src, Partial)
+
+    def deferred(self, r: Request) -> int:
+        return max(ReduceScatter().sent(_flat_request(r, flat_split(r.size, r.n))))
+
+    def run(self, engine, local, r, tag):
+        return embed_partial(local, r.src, r.shape, r.n, engine.rank, engine.xp)
+
+
+# -- reductions -----------------------------------------------------------------------------------
+
+
+def _is_all_reduce(r: Request) -> bool:
+    return isinstance(r.src, Partial) and isinstance(r.dst, Mirrored)
+
+
+def _flat_request(r: Request, dst: State) -> Request:
+    return Request(r.src, dst, (r.size,), r.n, r.itemsize, r.dtype, r.plane)
+
+
+class NativeAllReduce(Algorithm):
+    """The data plane's own all-reduce (NCCL's ring): same bits on every rank, on the device."""
+
+    name = "native_all_reduce"
+
+    def applies(self, r: Request) -> bool:
+        return _is_all_reduce(r) and r.plane == "nccl" and r.dtype in NCCL_REDUCIBLE and r.n > 1
+
+    def sent(self, r: Request) -> tuple[int, ...]:
+        # a ring: n-1 reduce-scatter steps and n-1 all-gather steps of one chunk each
+        chunks = flat_split(r.size, r.n).segments[0]
+        return tuple(2 * (r.size - c) * r.itemsize for c in chunks)
+
+    def run(self, engine, local, r, tag):
+        flat = engine.xp.ascontiguousarray(local).reshape(-1).copy()
+        return engine.all_reduce(flat, tag).reshape(r.shape)
+
+
+class DirectAllReduce(Algorithm):
+    """Every device sends the whole tensor to every other and each sums all of it in rank
+    order: one round, the same bits everywhere. Best on 2 devices and for small tensors."""
+
+    name = "direct_all_reduce"
+    flat = True
+
+    def applies(self, r: Request) -> bool:
+        return _is_all_reduce(r) and (r.n <= 2 or r.nbytes <= DIRECT_ALL_REDUCE_BYTES)
+
+    def phases(self, r: Request) -> tuple[Phase, ...]:
+        return (Phase(PhaseKind.REDUCE, (r.size,), MIRRORED, everyone_plan(r.n)),)
+
+
+class TwoPhaseAllReduce(Algorithm):
+    """Reduce-scatter of the raveled tensor (each device owns a chunk and sums it in rank order),
+    then an all-gather of the chunks: the owner's bits reach everyone."""
+
+    name = "reduce_scatter_all_gather"
+    flat = True
+
+    def applies(self, r: Request) -> bool:
+        return _is_all_reduce(r)
+
+    def phases(self, r: Request) -> tuple[Phase, ...]:
+        shape, chunks = (r.size,), flat_split(r.size, r.n)
+        return (
+            Phase(PhaseKind.REDUCE, shape, chunks, cached_reduce_plan(chunks, shape, r.n)),
+            Phase(PhaseKind.EXCHANGE, shape, MIRRORED, cached_exchange_plan(chunks, MIRRORED, shape, r.n)),
+        )
+
+
+class ReduceScatter(Algorithm):
+    """Partial -> Split: every device sends each box to its owner, which sums in rank order."""
+
+    name = "reduce_scatter"
+
+    def applies(self, r: Request) -> bool:
+        return isinstance(r.src, Partial) and isinstance(r.dst, Split)
+
+    def phases(self, r: Request) -> tuple[Phase, ...]:
+        return (Phase(PhaseKind.REDUCE, r.shape, r.dst, cached_reduce_plan(r.dst, r.shape, r.n)),)
+
+
+# -- exchanges ------------------------------------------------------------------------------------
+
+
+class Exchange(Algorithm):
+    """Split -> Mirrored (all-gather) or Split -> another split (all-to-all): each box goes
+    straight from a device that holds it to every device that needs it."""
+
+    name = "exchange"
+
+    def applies(self, r: Request) -> bool:
+        return isinstance(r.src, Split) and not isinstance(r.dst, Partial)
+
+    def phases(self, r: Request) -> tuple[Phase, ...]:
+        return (Phase(PhaseKind.EXCHANGE, r.shape, r.dst, cached_exchange_plan(r.src, r.dst, r.shape, r.n)),)
+
+
+# Plans depend only on states, shape and device count: a program repeats them every run.
+cached_exchange_plan = functools.lru_cache(maxsize=4096)(lambda s, d, shape, n: tuple(exchange_plan(s, d, shape, n)))
+cached_reduce_plan = functools.lru_cache(maxsize=4096)(lambda d, shape, n: tuple(reduce_plan(d, shape, n)))
+
+# Tried in order; the first that applies is the one that runs (and the one the planner charges).
+ALGORITHMS: tuple[Algorithm, ...] = (
+    Keep(),
+    LocalSlice(),
+    LocalEmbed(),
+    NativeAllReduce(),
+    DirectAllReduce(),
+    TwoPhaseAllReduce(),
+    ReduceScatter(),
+    Exchange(),
+)
+
+
+def select(r: Request) -> Algorithm:
+    for algorithm in ALGORITHMS:
+        if algorithm.applies(r):
+            return algorithm
+    raise AssertionError(f"no algorithm for {r.src} -> {r.dst}")  # the table covers every pair
+
+
+@dataclass(frozen=True)
+class Transition:
+    kind: Collective
+    bytes_per_device: int  # what the planner charges: the most bytes any one device sends
+    algorithm: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}({self.bytes_per_device} B/dev)"
+
+
+def transition(
+    src: State, dst: State, shape: Sequence[int], n: int, itemsize: int, dtype: str = "", plane: str = ""
+) -> Transition:
+    """The collective taking `src` to `dst`, the algorithm that will run it, and its charge."""
+    shape = tuple(shape)
+    validate(src, shape, n)
+    validate(dst, shape, n)
+    r = Request(src, dst, shape, n, itemsize, dtype, plane)
+    algorithm = select(r)
+    return Transition(classify(src, dst), algorithm.charge(r), algorithm.name)

@@ -1,0 +1,76 @@
+"""Backends: what a worker computes with. One module per backend in this folder, found by name.
+
+A backend module `workers/backends/NAME.py` defines a class `Backend` that provides:
+
+    name: str                       # NAME, as the command line spells it
+    kind: str                       # "cpu" or "gpu"
+    priority: int                   # `auto` picks the highest-priority backend that has devices
+    host_threads: bool              # computes on host cores: CPU workers split the cores (BLAS threads)
+    device_count() -> int           # classmethod: devices this machine has (0: unusable here)
+    default_workers() -> int        # classmethod: workers to start when the user names none
+    Backend(index)                  # drive device `index`
+    xp                              # the array module kernels are written against (NumPy's API)
+    info() -> DeviceInfo            # name, description and memory figures of the device
+    to_device(host array) -> array  # a device array holding a copy of a host array
+    to_host(array) -> host array    # a host copy, ordered after every kernel already issued
+    synchronize()                   # wait for every kernel issued on this worker's device
+
+Kernels (split_state.kernels) use only NumPy-API calls on `xp`: elementwise ufuncs, matmul,
+reductions with `axis`/`keepdims`, `astype`, `reshape`/`transpose`/`concatenate`, basic and
+boolean indexing, `zeros`/`empty`. Adding a backend is one file here plus tests; every command's
+choices come from `names()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from dataclasses import dataclass
+
+from split_state.errors import TransportError
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    backend: str
+    index: int
+    name: str
+    description: str
+    kind: str  # "cpu" or "gpu"
+    memory_total: int
+    memory_free: int
+
+
+@functools.cache
+def names() -> tuple[str, ...]:
+    """Every backend module in this package, by name."""
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
+
+
+def backend_class(name: str) -> type:
+    if name not in names():
+        raise TransportError(f"unknown backend {name!r}; choose one of {', '.join(names())}")
+    return importlib.import_module(f"{__name__}.{name}").Backend
+
+
+def make_backend(name: str, index: int = 0):
+    cls = backend_class(name)
+    if cls.device_count() <= index:
+        raise TransportError(f"backend {name!r} device {index} is not available on this machine")
+    return cls(index)
+
+
+def auto() -> str:
+    """The highest-priority backend that has a device here."""
+    usable = [backend_class(n) for n in names() if backend_class(n).device_count() > 0]
+    return max(usable, key=lambda cls: cls.priority).name
+
+
+def registry() -> list[DeviceInfo]:
+    """Every backend's devices, as ggml's backend registry lists them."""
+    out = []
+    for name in names():
+        cls = backend_class(name)
+        out += [cls(i).info() for i in range(cls.device_count())]
+    return out

@@ -1,0 +1,75 @@
+"""The CUDA backend: one GPU through CuPy.
+
+Stream discipline (every place device data crosses to the host or a peer follows it):
+- every kernel of a worker runs on its compute stream, made current when the backend starts, so
+  kernels, NCCL calls (which take the current stream) and device-to-device copies are ordered;
+- `to_host` records an event on the compute stream and makes the copy stream wait on it before
+  copying, so a host copy (a collective's send, a Get) never reads data not yet computed; it
+  then waits for the copy, so the host array is complete when returned;
+- host staging buffers are pinned and come from CuPy's pinned-memory pool, so a transfer does not
+  pin fresh memory each time; a buffer returns to the pool when its last reference goes (a
+  ZeroMQ send that still holds it keeps it alive).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from workers.backends import DeviceInfo
+
+
+class Backend:
+    name = "cuda"
+    kind = "gpu"
+    priority = 10
+    host_threads = False
+
+    @classmethod
+    def device_count(cls) -> int:
+        try:
+            import cupy
+
+            return int(cupy.cuda.runtime.getDeviceCount())
+        except Exception:  # no CuPy, no driver, no device: all mean "no GPUs here"
+            return 0
+
+    @classmethod
+    def default_workers(cls) -> int:
+        return cls.device_count()
+
+    def __init__(self, index: int = 0):
+        import cupy
+        import cupyx
+
+        self.index = index
+        self.xp = cupy
+        self._empty_pinned = cupyx.empty_pinned
+        self.device = cupy.cuda.Device(index)
+        self.device.use()
+        cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
+        self.compute = cupy.cuda.Stream(non_blocking=True)
+        self.compute.use()  # the current stream of this thread: every kernel runs on it
+        self.copy = cupy.cuda.Stream(non_blocking=True)
+
+    def info(self) -> DeviceInfo:
+        free, total = self.xp.cuda.runtime.memGetInfo()
+        props = self.xp.cuda.runtime.getDeviceProperties(self.index)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        return DeviceInfo(self.name, self.index, f"cuda:{self.index}", name, self.kind, int(total), int(free))
+
+    def to_device(self, array: np.ndarray) -> Any:
+        return self.xp.asarray(array)  # on the compute stream, after the kernels before it
+
+    def to_host(self, array: Any) -> np.ndarray:
+        array = self.xp.ascontiguousarray(array)  # a box of a larger tensor: packed on the compute stream
+        ready = self.compute.record()  # everything issued so far, the producer of `array` included
+        self.copy.wait_event(ready)
+        out = self._empty_pinned(array.shape, dtype=array.dtype)
+        array.get(out=out, stream=self.copy)
+        self.copy.synchronize()
+        return out
+
+    def synchronize(self) -> None:
+        self.compute.synchronize()
