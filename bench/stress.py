@@ -3,7 +3,7 @@
 Graph `i` of a run with seed `K` draws everything from `numpy.random.default_rng([K, i])`: input
 shapes of rank 1-4 with size-0 and size-1 axes, split states with uneven and zero extents and
 1-4 segments, dtypes, and a chain of 1-5 ops from the rule table. The reference applies the same
-kernels to the global arrays on one device.
+independent NumPy reference (models/reference.py) to the global arrays on one device.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bench import operands as draw
 from meta.device import MetaDevice
 from meta.tensor import Tensor, apply
+from models.reference import reference
 from split_state.dtypes import dtype_from_name
 from split_state.errors import MetaError, ShapeError
-from split_state.kernels import KERNELS
 from split_state.ops import OPS, infer
 from split_state.states import MIRRORED, PARTIAL, Split, State
 
@@ -66,16 +67,6 @@ def _composition(rng: np.random.Generator, total: int, parts: int) -> tuple[int,
     return tuple(bounds[i + 1] - bounds[i] for i in range(parts))
 
 
-def random_shape(rng: np.random.Generator) -> tuple[int, ...]:
-    return tuple(int(rng.choice([0, 1, 2, 3, 4, 5])) for _ in range(int(rng.integers(1, 5))))
-
-
-def random_array(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
-    if dtype == "int32":
-        return rng.integers(-4, 5, size=shape).astype(np.int32)
-    return (rng.standard_normal(shape) * 0.5).astype(dtype_from_name(dtype))
-
-
 class Builder:
     """Draws operands compatible with an op, as fresh resident inputs or from the chain so far."""
 
@@ -91,7 +82,7 @@ class Builder:
 
     def new(self, shape, dtype: str, partial: bool = True, values: np.ndarray | None = None):
         """A fresh resident input in a random state: (handle, its value)."""
-        x = random_array(self.rng, shape, dtype) if values is None else values
+        x = draw.values(self.rng, tuple(shape), dtype) if values is None else values
         state = random_state(self.rng, tuple(shape), self.dev.n, partial)
         t = self.dev.tensor(x, state)
         self.handles.append(t)
@@ -106,12 +97,9 @@ class Builder:
                 raise ShapeError("needs 2 axes")
             other, x = self.new(shape[:-2] + (shape[-1], int(rng.integers(0, 5))), dtype)
             return [cur, other], [ref, x], {}
-        if name in ("add", "sub", "mul", "div"):
-            oshape = tuple(1 if rng.random() < 0.3 else s for s in shape)[int(rng.integers(0, len(shape) + 1)) :]
-            values = random_array(rng, oshape, dtype)
-            if name == "div":
-                values = np.where(np.abs(values.astype(np.float32)) < 0.25, 1, values).astype(values.dtype)
-            other, x = self.new(oshape, dtype, values=values)
+        if name in draw.BINARY:
+            oshape = draw.partner_shape(rng, shape)
+            other, x = self.new(oshape, dtype, values=draw.values(rng, oshape, dtype, divisor=name == "div"))
             # the chain value is never a divisor: dividing by a computed value near zero amplifies
             # any rounding difference without bound (ill-conditioned, not a runtime error)
             swap = name != "div" and rng.random() < 0.5
@@ -125,36 +113,13 @@ class Builder:
         if name == "get_rows":
             rows = max(1, ref.shape[0]) if ref.ndim == 2 else 3
             table, t = (cur, ref) if ref.ndim == 2 and ref.shape[0] > 0 else self.new((rows, 3), dtype)
-            ids_shape = random_shape(rng)[:2]
+            ids_shape = draw.shape(rng, max_rank=2)
             ids, i = self.new(
                 ids_shape, "int32", partial=False, values=rng.integers(0, t.shape[0], size=ids_shape).astype(np.int32)
             )
             return [table, ids], [t, i], {}
-        params = self._unary_params(name, ref)
-        return [cur], [ref], params
-
-    def _unary_params(self, name: str, ref: np.ndarray) -> dict:
-        rng = self.rng
-        axis = int(rng.integers(-ref.ndim, ref.ndim)) if ref.ndim else 0
-        if name == "scale":
-            return {"factor": float(rng.uniform(-2, 2))}
-        if name == "cast":
-            return {"dtype": str(rng.choice(["float32", "float16", "int32"]))}
-        if name in ("softmax",):
-            return {"axis": axis}
-        if name in ("rms_norm", "layer_norm"):
-            return {"axis": axis, "eps": 1e-3}
-        if name in ("sum", "mean"):
-            return {"axis": axis, "keepdims": bool(rng.integers(2))}
-        if name == "transpose":
-            return {"axes": tuple(int(a) for a in rng.permutation(ref.ndim))}
-        if name == "slice":
-            start = int(rng.integers(0, ref.shape[axis] + 1))
-            return {"axis": axis, "start": start, "stop": int(rng.integers(start, ref.shape[axis] + 1))}
-        if name == "reshape":
-            flat = int(np.prod(ref.shape))
-            return {"shape": (flat,) if ref.ndim > 1 else (1, flat)}
-        return {}
+        # a larger eps than a model's: norms of tiny rows are ill-conditioned in float16
+        return [cur], [ref], draw.params_for(rng, name, shape, eps=1e-3, casts=("float32", "float16", "int32"))
 
 
 def tolerance(dtype: np.dtype, scale: float) -> float:
@@ -186,7 +151,7 @@ def check_graph(dev: MetaDevice, seed: int, index: int) -> tuple[bool, Graph]:
     build = Builder(dev, rng, graph)
     dtype = str(rng.choice(DTYPES))
     try:
-        cur, ref = build.new(random_shape(rng), dtype)
+        cur, ref = build.new(draw.shape(rng, max_rank=4), dtype)
         names = sorted(OPS)
         for _ in range(int(rng.integers(1, 6))):
             name = str(rng.choice(names))
@@ -197,7 +162,7 @@ def check_graph(dev: MetaDevice, seed: int, index: int) -> tuple[bool, Graph]:
                 _, out_dtype, canon = infer(name, [r.shape for r in refs], [str(r.dtype) for r in refs], params)
             except ShapeError:
                 continue
-            ref = KERNELS[name](np, refs, canon)
+            ref = reference(name, refs, canon)
             graph.overflowed |= ref.dtype.name in PRECISION and not bool(np.all(np.isfinite(ref.astype(np.float64))))
             for r in (*refs, ref):
                 graph.saw(r.dtype)

@@ -23,6 +23,7 @@ def sim():
     made: list[MetaDevice] = []
 
     def make(n: int, **kwargs) -> MetaDevice:
+        kwargs.setdefault("check_mirrored", True)  # every Mirrored read: bitwise identical copies
         dev = MetaDevice(SimulatedCluster(n), **kwargs)
         made.append(dev)
         return dev

@@ -11,7 +11,7 @@ import pytest
 from meta import MetaDevice
 from meta.cluster import alive
 from split_state import MIRRORED, PARTIAL, DeadlineExceeded, Split, WorkerLost, WorkerTimeout
-from tests.test_transport_live import MALFORMED
+from tests.test_transport_live import MALFORMED, REASONS
 from transport import protocol as p
 from transport.deadline import Deadline
 from transport.sockets import push, recv_frames, send_frames
@@ -59,7 +59,9 @@ def test_worker_killed_mid_run_then_a_new_cluster_works(fresh_cluster):
 
 
 def test_stopped_worker_times_out_within_the_liveness_window(fresh_cluster):
-    cluster = fresh_cluster(2, liveness=2.0)
+    # the call's own deadline (10 s) ends the wait if heartbeats fail to notice the silence: the
+    # test then fails on its assertion (DeadlineExceeded is not WorkerTimeout), not on pytest's timeout
+    cluster = fresh_cluster(2, liveness=2.0, call_timeout=10.0)
     dev = MetaDevice(cluster)
     x = dev.tensor(np.ones(4, np.float32), PARTIAL)
     os.kill(cluster.processes[0].pid, signal.SIGSTOP)
@@ -95,6 +97,7 @@ def test_hostile_messages_to_a_worker_holding_tensors_change_nothing(fresh_clust
         route, *reply = recv_frames(cluster.control, Deadline(5))
         message, _ = p.decode(reply)
         assert isinstance(message, p.Error) and message.kind == "ProtocolError", name
+        assert REASONS[name] in message.message, (name, message.message)
     # requests that are well-formed but hostile
     assert isinstance(cluster.call_all({0: p.Free(tensors=[10**9])})[0], p.Ok)  # freeing is idempotent
     hostile = [

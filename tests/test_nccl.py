@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 from meta.cluster import ClusterConfig, ProcessCluster
-from split_state import MIRRORED, PARTIAL, Split, apply_reference, scatter
+from split_state import MIRRORED, PARTIAL, Split
 from split_state.errors import MetaError, RemoteError, TransportError, UnsupportedDtype, WorkerLost
-from tests.test_collectives import CASES, assert_bitwise, resolve
+from tests.test_collectives import CASES, assert_bitwise, expected_locals, inputs_for, resolve
 from tests.transport_helpers import on_ranks
 from transport.deadline import Deadline
 from transport.sockets import IpcDir, Security, pull
@@ -79,7 +79,7 @@ class ThreadComm:
 
 def run_ranks(n: int, x: np.ndarray, src, dst) -> tuple[list, list, HostNccl]:
     lib = HostNccl(n)
-    locals_ = scatter(x, src, n)
+    locals_ = inputs_for(x, src, n)
 
     def rank_main(r: int):
         coll = Collectives(NcclEngine(ThreadComm(r, n, lib.device(r)), NumpyBackend(0)))
@@ -96,7 +96,7 @@ def test_nccl_collectives_give_the_reference_bits(case, n):
     src, dst = (resolve(c, n, shape) for c in case)
     x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
     locals_, got, lib = run_ranks(n, x, src, dst)
-    assert_bitwise(got, apply_reference(locals_, src, dst))
+    assert_bitwise(got, expected_locals(locals_, src, dst))
     kinds = {kind for _, kind in lib.calls}
     if n > 1 and src == PARTIAL and dst == MIRRORED:
         assert kinds == {"all_reduce"}  # one library all-reduce, not point-to-point
@@ -109,7 +109,7 @@ def test_nccl_reduce_scatter_of_large_uneven_boxes():
     dst = Split(0, ((40, 0, 24),))
     x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
     locals_, got, _ = run_ranks(n, x, PARTIAL, dst)
-    assert_bitwise(got, apply_reference(locals_, PARTIAL, dst))
+    assert_bitwise(got, expected_locals(locals_, PARTIAL, dst))
 
 
 def test_nccl_types_cover_the_supported_dtypes():
@@ -121,7 +121,7 @@ def test_nccl_types_cover_the_supported_dtypes():
 def test_all_reduce_of_a_type_nccl_cannot_sum_goes_point_to_point():
     x = np.arange(35, dtype=np.int16).reshape(7, 5)
     locals_, got, lib = run_ranks(3, x, PARTIAL, MIRRORED)
-    assert_bitwise(got, apply_reference(locals_, PARTIAL, MIRRORED))
+    assert_bitwise(got, expected_locals(locals_, PARTIAL, MIRRORED))
     assert {kind for _, kind in lib.calls} == {"exchange"}
 
 

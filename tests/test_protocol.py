@@ -105,8 +105,43 @@ def test_random_bytes_only_ever_raise_protocol_error(frames):
     )
 )
 def test_random_msgpack_headers_only_ever_raise_protocol_error(header):
-    for frames in ([msgpack.packb(header)], [msgpack.packb({"v": 1, "t": 3, "id": 0, "f": header, "a": []})]):
+    # fields of every message type, under the current version so they reach the field decoders
+    for kind in p.MsgType:
+        frames = [msgpack.packb({"v": p.PROTOCOL_VERSION, "t": int(kind), "id": 0, "f": header, "a": []})]
         try:
             p.decode(frames)
-        except ProtocolError:
-            pass
+        except ProtocolError as exc:
+            assert "protocol version" not in str(exc)
+    try:
+        p.decode([msgpack.packb(header)])
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_wrongly_typed_fields_of_every_message_are_protocol_errors(data):
+    """Take a valid header of each example message and replace one field by a random plain value:
+    decoding either succeeds with a valid message or raises ProtocolError, never anything else."""
+    message = data.draw(st.sampled_from(EXAMPLES))
+    frames = p.encode(message)
+    h = msgpack.unpackb(bytes(frames[0]))
+    if not h["f"]:
+        return
+    name = data.draw(st.sampled_from(sorted(h["f"])))
+    ints = st.integers(-(2**63), 2**64 - 1)
+    h["f"][name] = data.draw(st.none() | st.booleans() | ints | st.text(max_size=3) | st.lists(ints, max_size=3))
+    try:
+        p.decode([msgpack.packb(h), *frames[1:]])
+    except ProtocolError:
+        pass
+
+
+def test_every_dtype_outside_the_allowlist_is_refused():
+    x = np.zeros(2, np.complex64)
+    frames = p.encode(p.Put(1, MIRRORED, (2,), np.zeros(2, np.float32)))
+    h = msgpack.unpackb(bytes(frames[0]))
+    for bad in ("complex64", "O", "float128", "U3", "object"):
+        h["a"][0][0] = bad
+        with pytest.raises(ProtocolError, match=f"dtype {bad!r} is not supported"):
+            p.decode([msgpack.packb(h), x.tobytes()])

@@ -10,7 +10,8 @@ from split_state.kernels import KERNELS
 from split_state.ops import localize, signatures
 from split_state.rules import choose
 from split_state.states import MIRRORED
-from tests.op_cases import assert_matches, draw_case
+from meta import apply
+from tests.op_cases import assert_matches, case_from_seed, draw_case
 from tests.strategies import state_for
 
 
@@ -106,3 +107,57 @@ def test_slicing_one_segment_of_a_fused_weight_is_local():
         assert sigs[0].inputs == (qkv,) and sigs[0].output == Split(1, (qkv.segments[seg],))
         got = run_signature("slice", [x], params, (4, 8), sigs[0], 3, np.random.default_rng(0))
         assert np.array_equal(got, x[:, start:stop])
+
+
+# -- a fixed example set: every input state of every op, non-trivial extents --------------------
+
+
+def uneven_states(size: int, axis: int, n: int = 3) -> list[Split]:
+    """An uneven split with an empty middle device, and the same over two segments."""
+    first = -(-size // 2)
+    out = [Split(axis, ((first,) + (0,) * (n - 2) + (size - first,),))]
+    if size >= 4:
+        half = size // 2
+        out.append(Split(axis, tuple(Split.even(0, s, n).segments[0][::-1] for s in (half, size - half))))
+    return out
+
+
+def nonempty_case(name: str, first_seed: int):
+    """The first case from `first_seed` on whose operands all have at least 2 elements per axis."""
+    for seed in range(first_seed, first_seed + 1000):
+        arrays, params, canon, expected = case_from_seed(seed, name)
+        if all(a.ndim and min(a.shape) >= 2 for a in arrays) and expected.size:
+            return arrays, params, canon, expected
+    raise AssertionError(f"no non-empty case for {name}")
+
+
+def every_input_state(arrays) -> list[list]:
+    """For each input in turn: Mirrored, Partial, and uneven splits on each axis (others Mirrored)."""
+    combos = []
+    for i, a in enumerate(arrays):
+        for state in [PARTIAL] + [s for axis in range(a.ndim) for s in uneven_states(a.shape[axis], axis)]:
+            combos.append([state if j == i else MIRRORED for j in range(len(arrays))])
+    return combos or [[MIRRORED] * len(arrays)]
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("first_seed", [0, 500])
+def test_every_input_state_of_every_op_on_three_devices(name, first_seed, sim):
+    arrays, params, canon, expected = nonempty_case(name, first_seed)
+    shapes = [a.shape for a in arrays]
+    rng = np.random.default_rng(1)
+    dev = sim(3)
+    for states in every_input_state(arrays):
+        sigs = signatures(name, states, shapes, canon, expected.shape)
+        for sig in sigs:  # every signature the rule offers, evaluated per device on the host
+            assert_matches(run_signature(name, arrays, canon, expected.shape, sig, 3, rng), expected, f"{name} {sig}")
+        handles = []
+        for a, s in zip(arrays, states):
+            if s == PARTIAL:  # random addends on every device
+                parts = partial_parts(rng, a, 3)
+                handles.append(dev.from_generator(a.shape, a.dtype, s, lambda d, _, parts=parts: parts[d]))
+            else:
+                handles.append(dev.tensor(a, s))
+        got = apply(name, *handles, **params).numpy()  # what the planner picks, on simulated workers
+        assert_matches(got, expected, f"{name} {[str(s) for s in states]}")
+        dev.free(*handles)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def header(t=p.MsgType.GET, fields=None, arrays=None, **over):
     h = {
-        "v": 1,
+        "v": p.PROTOCOL_VERSION,
         "t": t if isinstance(t, str) else int(t),
         "id": 9,
         "f": {"tensor": 1} if fields is None else fields,
@@ -49,6 +49,7 @@ MALFORMED = {
     "giant declared size": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2**40, 2**40], 1]]), F32x2],
     "too many dimensions": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [1] * 40, 1]]), F32x2],
     "truncated frames": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2], 2]]), F32x2[:4]],
+    "short frame": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2], 1]]), F32x2[:4]],
     "extra frames": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2], 1]]), F32x2, b"junk"],
     "zero frame count": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2], 0]])],
     "huge frame count": [header(p.MsgType.PUT, PUT_FIELDS, [["float32", [2], 10**6]]), F32x2],
@@ -70,6 +71,48 @@ MALFORMED = {
 }
 
 
+# What each case must be rejected for: the table reaches the check it targets, not an earlier one.
+REASONS = {
+    "empty header": "not valid msgpack",
+    "not msgpack": "not valid msgpack",
+    "header is a list": "header must be a map",
+    "wrong version": "unknown protocol version 99",
+    "missing version": "unknown protocol version None",
+    "unknown type": "unknown message type 99",
+    "type is a string": "unknown message type 'GET'",
+    "id is a string": "request id must be an int",
+    "missing field": "missing fields ['tensor']",
+    "extra field": "unexpected fields ['evil']",
+    "field of wrong type": "field 'tensor' must be an int, got str",
+    "bool where int expected": "field 'tensor' must be an int, got bool",
+    "bogus dtype": "dtype 'complex64' is not supported",
+    "dtype not a string": "dtype 7 is not supported",
+    "lying shape": "needs 40 bytes, frames hold 8",
+    "negative dimension": "negative dimension",
+    "giant declared size": "exceed the 17179869184-byte cap",
+    "too many dimensions": "40 dimensions exceed the limit of 32",
+    "truncated frames": "needs 2 frames, only 1 left",
+    "short frame": "needs 8 bytes, frames hold 4",
+    "extra frames": "1 extra frames after the declared arrays",
+    "zero frame count": "bad frame count 0",
+    "huge frame count": "bad frame count 1000000",
+    "descriptor not a list": "descriptor must be [dtype, shape, n_frames]",
+    "missing array": "carries 1 arrays, header lists 0",
+    "msgpack bomb (declared 4G-entry array)": "exceeds max_array_len",
+    "msgpack bomb (declared 4 GiB string)": "not valid msgpack",
+    "oversized header": "exceeds the 1048576-byte limit",
+    "integer map keys": "not allowed for map key",
+    "bad split state": "malformed split segments",
+    "malformed program step": "malformed step",
+    "deeply nested params": "nests deeper than 8",
+    "no frames at all": "empty message",
+}
+
+
+def test_every_case_names_its_reason():
+    assert set(REASONS) == set(MALFORMED)
+
+
 def ask(sock, frames, seconds=5.0):
     sock.send_multipart(frames)
     return p.decode(recv_frames(sock, Deadline(seconds)))[0]
@@ -88,7 +131,7 @@ def test_malformed_message_gets_protocol_error_and_receiver_keeps_serving(name):
             if frames:
                 reply = ask(sock, frames)
                 assert isinstance(reply, p.Error) and reply.kind == "ProtocolError", reply
-                assert reply.message
+                assert REASONS[name] in reply.message, reply.message
             # the receiver is still up and serves a valid request right after
             send(sock, p.Get(tensor=3), request_id=1)
             reply, rid = p.decode(recv_frames(sock, Deadline(5)))

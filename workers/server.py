@@ -82,6 +82,7 @@ class WorkerServer:
             "rank": self.rank,
             "tensors": len(self.store.tensors),
             "used": self.store.used,
+            "in_flight": self.store.transient,
             "budget": self.store.budget,
             "programs": len(self.executor.programs),
             "runs": self.runs,

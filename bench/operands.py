@@ -1,0 +1,121 @@
+"""Random operands and parameters for every op of the table, from a NumPy generator.
+
+One source for the tests (tests/op_cases.py draws a seed and calls `random_case`) and for the
+stress run (bench/stress.py builds chains with `params_for`, `partner_shape` and `values`).
+Axes are mostly non-empty: a size-0 axis is drawn with probability ZERO_AXIS, so empty tensors
+stay a share of the cases, not the majority.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from split_state.dtypes import dtype_from_name
+
+ZERO_AXIS = 0.08
+BINARY = ("add", "sub", "mul", "div")
+
+
+def dim(rng: np.random.Generator, low: int = 1, high: int = 6) -> int:
+    return 0 if rng.random() < ZERO_AXIS else int(rng.integers(low, high + 1))
+
+
+def shape(rng: np.random.Generator, max_rank: int = 3) -> tuple[int, ...]:
+    return tuple(dim(rng) for _ in range(int(rng.integers(1, max_rank + 1))))
+
+
+def values(rng: np.random.Generator, shape_: tuple[int, ...], dtype: str, divisor: bool = False) -> np.ndarray:
+    """Random values of `dtype`; a divisor is kept at least 0.5 away from zero."""
+    if np.issubdtype(dtype_from_name(dtype), np.integer):
+        return rng.integers(-4, 5, size=shape_).astype(dtype_from_name(dtype))
+    x = rng.standard_normal(shape_)
+    if divisor:
+        x = np.where(np.abs(x) < 0.5, np.copysign(0.5, x) + x, x)
+    return x.astype(dtype_from_name(dtype))
+
+
+def partner_shape(rng: np.random.Generator, shape_: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape that broadcasts against `shape_`: some axes set to 1, some leading axes dropped."""
+    other = tuple(1 if rng.random() < 0.25 else s for s in shape_)
+    return other[int(rng.integers(0, len(other))) :] if other else other
+
+
+def params_for(
+    rng: np.random.Generator,
+    name: str,
+    shape_: tuple[int, ...],
+    eps: float = 1e-5,
+    casts: tuple[str, ...] = ("float16", "float64", "int32"),
+) -> dict:
+    """Parameters of a one-input op applied to a tensor of `shape_` (global values, may be negative
+    axes, as a user writes them)."""
+    ndim = len(shape_)
+    axis = int(rng.integers(-ndim, ndim)) if ndim else 0
+    if name == "scale":
+        return {"factor": float(rng.uniform(-2, 2))}
+    if name == "cast":
+        return {"dtype": str(rng.choice(list(casts)))}
+    if name == "softmax":
+        return {"axis": axis}
+    if name in ("rms_norm", "layer_norm"):
+        return {"axis": axis, "eps": eps}
+    if name in ("sum", "mean"):
+        return {"axis": axis, "keepdims": bool(rng.integers(2))}
+    if name == "transpose":
+        return {"axes": tuple(int(a) for a in rng.permutation(ndim))}
+    if name == "slice":
+        size = shape_[axis]
+        start = int(rng.integers(0, size + 1))
+        return {"axis": axis, "start": start, "stop": int(rng.integers(start, size + 1))}
+    if name == "reshape":
+        return {"shape": reshape_target(rng, shape_)}
+    return {}
+
+
+def reshape_target(rng: np.random.Generator, shape_: tuple[int, ...]) -> tuple[int, ...]:
+    """Merge two neighbouring axes, split one in two, or flatten."""
+    ndim = len(shape_)
+    choice = int(rng.integers(3))
+    if choice == 0 and ndim >= 2:
+        i = int(rng.integers(ndim - 1))
+        return shape_[:i] + (shape_[i] * shape_[i + 1],) + shape_[i + 2 :]
+    if choice == 1:
+        i = int(rng.integers(ndim))
+        for f in (2, 3):
+            if shape_[i] % f == 0 and shape_[i] > 0:
+                return shape_[:i] + (f, shape_[i] // f) + shape_[i + 1 :]
+    return (int(np.prod(shape_)),)
+
+
+def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ...]], list[str], dict]:
+    """(input shapes, dtypes, parameters) of one random application of op `name`."""
+    f32 = "float32"
+    x = shape(rng)
+    if name == "matmul":
+        batch = (int(rng.integers(1, 4)),) if rng.random() < 0.3 else ()
+        m, k, n = dim(rng), dim(rng), dim(rng)
+        b_batch = (batch, (), tuple(1 for _ in batch))[int(rng.integers(3))]
+        return [batch + (m, k), b_batch + (k, n)], [f32, f32], {}
+    if name in BINARY:
+        other = partner_shape(rng, x)
+        return ([x, other] if rng.random() < 0.5 else [other, x]), [f32, f32], {}
+    if name == "concat":
+        axis = int(rng.integers(len(x)))
+        count = int(rng.integers(1, 4))
+        return [x[:axis] + (dim(rng, 0),) + x[axis + 1 :] for _ in range(count)], [f32] * count, {"axis": axis}
+    if name == "get_rows":
+        rows = int(rng.integers(1, 7))
+        ids = tuple(dim(rng) for _ in range(int(rng.integers(1, 3))))
+        return [(rows, dim(rng)), ids], [f32, "int32"], {}
+    return [x], [f32], params_for(rng, name, x)
+
+
+def random_operands(rng: np.random.Generator, name: str, shapes, dtypes) -> list[np.ndarray]:
+    """Values for `random_case`'s shapes: divisors away from zero, row ids inside the table."""
+    out = []
+    for i, (s, t) in enumerate(zip(shapes, dtypes)):
+        if name == "get_rows" and i == 1:
+            out.append(rng.integers(0, shapes[0][0], size=s).astype(dtype_from_name(t)))
+        else:
+            out.append(values(rng, s, t, divisor=name == "div" and i == 1))
+    return out

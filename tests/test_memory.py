@@ -1,0 +1,76 @@
+"""Memory accounting on the workers: intermediates count against the budget, dead ones are freed
+as the program goes, and every byte reserved during a run is given back."""
+
+import numpy as np
+import pytest
+
+from meta import MetaDevice
+from split_state import MIRRORED, OutOfMemory, Split
+from workers.simulator import SimulatedCluster
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def budgeted():
+    made = []
+
+    def make(n: int, budget: int) -> MetaDevice:
+        cluster = SimulatedCluster(n)
+        for server in cluster.servers:
+            server.store.budget = budget
+        made.append(MetaDevice(cluster, check_mirrored=True))
+        return made[-1]
+
+    yield make
+    for dev in made:
+        dev.close()
+
+
+def in_flight(dev) -> list[int]:
+    return [s["in_flight"] for s in dev.stats().values()]
+
+
+def test_an_intermediate_past_the_budget_fails_even_with_a_small_output(budgeted):
+    dev = budgeted(2, budget=64 << 10)
+    x = dev.tensor(np.ones((256, 1), np.float32))  # 1 KiB
+    y = dev.tensor(np.ones((1, 256), np.float32))
+    outer = x @ y  # 256 KiB on every device: over the budget
+    with pytest.raises(OutOfMemory, match=r"step \d+ \(matmul\) needs 262144 bytes"):
+        outer.sum(axis=0).sum(axis=0).numpy()  # 4 bytes of output
+    assert in_flight(dev) == [0, 0]
+    assert np.array_equal(x.numpy(), np.ones((256, 1), np.float32))  # stored tensors unharmed
+
+
+def test_a_long_chain_fits_only_because_dead_intermediates_are_freed(budgeted):
+    size = 64 << 10  # bytes of x on every device
+    dev = budgeted(2, budget=int(3.5 * size))  # x + two live intermediates + the output's growth
+    x_host = np.linspace(-1, 1, size // 4, dtype=np.float32)
+    x = dev.tensor(x_host)
+    y = x
+    for _ in range(12):  # 12 intermediates: 12 x the size of x if none were freed
+        y = y * 0.5 + 0.25
+    got = y.numpy()
+    expected = x_host.astype(np.float64)
+    for _ in range(12):
+        expected = expected * 0.5 + 0.25
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert in_flight(dev) == [0, 0]
+
+
+def test_reserved_bytes_come_back_after_many_runs_and_failures(budgeted):
+    dev = budgeted(3, budget=1 << 20)
+    w = dev.tensor(np.ones((64, 64), np.float32), Split.even(1, 64, 3))
+    x = dev.tensor(np.ones((8, 64), np.float32))
+    for i in range(60):
+        out = (x @ w).redistribute(MIRRORED)
+        dev.run(out)
+        dev.free(out)
+        if i % 20 == 0:
+            with pytest.raises(OutOfMemory):
+                dev.run(dev.tensor(np.ones((600, 1), np.float32)) @ dev.tensor(np.ones((1, 600), np.float32)))
+    stats = dev.stats()
+    assert [s["in_flight"] for s in stats.values()] == [0, 0, 0]
+    for rank, s in stats.items():
+        expected = 8 * 64 * 4 + 64 * Split.even(1, 64, 3).extent(rank) * 4  # x (Mirrored) + w's slice
+        assert s["used"] == expected, (rank, s)
