@@ -14,6 +14,7 @@ from split_state.dtypes import dtype_from_name
 
 ZERO_AXIS = 0.08
 BINARY = ("add", "sub", "mul", "div")
+COMPARISONS = ("lt", "le", "eq")
 
 
 def dim(rng: np.random.Generator, low: int = 1, high: int = 6) -> int:
@@ -107,15 +108,63 @@ def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ..
         rows = int(rng.integers(1, 7))
         ids = tuple(dim(rng) for _ in range(int(rng.integers(1, 3))))
         return [(rows, dim(rng)), ids], [f32, "int32"], {}
+    if name in COMPARISONS:
+        other = partner_shape(rng, x)
+        return ([x, other] if rng.random() < 0.5 else [other, x]), [f32, f32], {}
+    if name == "where":
+        shapes = [x, partner_shape(rng, x), partner_shape(rng, x)]
+        order = rng.permutation(3)  # the full shape may come from any operand
+        return [shapes[i] for i in order], ["bool", f32, f32], {}
+    if name == "softmax_ext":
+        x = shape(rng) if len(x) > 1 else x + (dim(rng),)
+        return [x, partner_shape(rng, x)], [f32, f32], {"axis": int(rng.integers(-len(x), len(x))), "scale": 0.125}
+    if name == "rope":
+        tokens = tuple(dim(rng) for _ in range(int(rng.integers(1, 3))))
+        x = tokens + (dim(rng), 2 * int(rng.integers(1, 5)))
+        return [x, tokens], [f32, "int32"], {"base": 10000.0, "mode": str(rng.choice(["normal", "neox"]))}
+    if name == "set_rows":
+        dst = tuple(int(rng.integers(1, 6)) for _ in range(int(rng.integers(2, 4))))
+        axis = int(rng.integers(1 if rng.random() < 0.3 else 0, len(dst)))
+        tokens = int(rng.integers(0, dst[axis] + 1))
+        ids = (dst[0], tokens) if axis > 0 and rng.random() < 0.3 else (tokens,)
+        value = dst[:axis] + (tokens,) + dst[axis + 1 :]
+        return [dst, ids, value], [f32, "int32", f32], {"axis": axis}
+    if name == "top_k_combine":
+        m = int(rng.integers(1, 9))
+        return [x[:-1] + (m, 2)], ["float64"], {"k": int(rng.integers(1, m + 1))}
     return [x], [f32], params_for(rng, name, x)
 
 
-def random_operands(rng: np.random.Generator, name: str, shapes, dtypes) -> list[np.ndarray]:
+def random_operands(rng: np.random.Generator, name: str, shapes, dtypes, params: dict) -> list[np.ndarray]:
     """Values for `random_case`'s shapes: divisors away from zero, row ids inside the table."""
     out = []
     for i, (s, t) in enumerate(zip(shapes, dtypes)):
         if name == "get_rows" and i == 1:
             out.append(rng.integers(0, shapes[0][0], size=s).astype(dtype_from_name(t)))
+        elif name == "set_rows" and i == 1:  # distinct rows in each list
+            rows = shapes[0][params["axis"]]
+            lists = [rng.permutation(rows)[: s[-1]] for _ in range(s[0] if len(s) == 2 else 1)]
+            out.append(np.array(lists if len(s) == 2 else lists[0], dtype=dtype_from_name(t)).reshape(s))
+        elif name == "rope" and i == 1:
+            out.append(rng.integers(0, 4096, size=s).astype(dtype_from_name(t)))
+        elif name == "top_k_combine":
+            out.append(candidates(rng, s))
+        elif t == "bool":
+            out.append(rng.random(s) < 0.5)
+        elif name in ("sqrt", "rsqrt"):
+            out.append(np.abs(values(rng, s, t)) + np.float32(0.1))
+        elif name == "eq":  # a few distinct values, so that equal pairs occur
+            out.append(rng.integers(-2, 3, size=s).astype(dtype_from_name(t)))
         else:
             out.append(values(rng, s, t, divisor=name == "div" and i == 1))
+    return out
+
+
+def candidates(rng: np.random.Generator, shape_: tuple[int, ...]) -> np.ndarray:
+    """(value, index) pairs as top_k_candidates makes them: distinct indices, some padding, ties."""
+    out = np.empty(shape_)
+    out[..., 0] = rng.integers(-3, 4, size=shape_[:-1]).astype(np.float64)  # ties on purpose
+    out[..., 1] = np.argsort(rng.random(shape_[:-1]), axis=-1) * 3
+    pad = rng.random(shape_[:-1]) < 0.2
+    out[..., 0][pad], out[..., 1][pad] = -np.inf, -1
     return out

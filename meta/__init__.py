@@ -9,7 +9,7 @@ workers only through transport's messages.
 
 from meta.cluster import ClusterConfig, ProcessCluster
 from meta.device import MetaDevice
-from meta.tensor import Tensor, apply, concat, get_rows, matmul, softmax
+from meta.tensor import Tensor, apply, concat, get_rows, matmul, softmax, where
 
 __all__ = [
     "ClusterConfig",
@@ -21,4 +21,5 @@ __all__ = [
     "get_rows",
     "matmul",
     "softmax",
+    "where",
 ]

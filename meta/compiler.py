@@ -16,14 +16,17 @@ def compile_plan(plan: Plan, n: int) -> list[list[p.Step]]:
         for v in step.inputs if isinstance(step, p.OpStep) else (step.input,):
             last_use[v] = i
     keep = set(plan.outputs) | set(range(plan.n_inputs))  # outputs stay; inputs belong to the store
+    dies_at: dict[int, list[int]] = {}
+    for v, at in last_use.items():
+        if v not in keep:
+            dies_at.setdefault(at, []).append(v)
     programs: list[list[p.Step]] = []
     for d in range(n):
         steps: list[p.Step] = []
         for i, step in enumerate(plan.steps):
             steps.append(_localize(plan, step, n, d) if isinstance(step, p.OpStep) else step)
-            dead = tuple(sorted(v for v, at in last_use.items() if at == i and v not in keep))
-            if dead:
-                steps.append(p.FreeStep(dead))
+            if i in dies_at:
+                steps.append(p.FreeStep(tuple(sorted(dies_at[i]))))
         programs.append(steps)
     return programs
 

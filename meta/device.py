@@ -9,6 +9,7 @@ y.numpy()                                       # plans, compiles (cached), runs
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 import sys
 import weakref
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from split_state import errors
 from split_state.dtypes import dtype_name
 from split_state.errors import MetaError, RemoteError
 from split_state.layout import Piece, local_shape, pieces
+from split_state.ops import OPS
 from split_state.scatter import extract, gather
 from split_state.states import MIRRORED, State, validate
 from transport import protocol as p
@@ -62,6 +64,7 @@ class MetaDevice:
         debug: bool = False,
         trace_to: TextIO | None = None,
         check_mirrored: bool = False,
+        max_plans: int = 128,
     ):
         self.cluster = cluster
         self.n = cluster.world_size
@@ -72,10 +75,14 @@ class MetaDevice:
         self._tensor_ids = itertools.count(1)
         self._program_ids = itertools.count(1)
         self._run_ids = itertools.count(1)
-        self.plans: dict[tuple, CompiledPlan] = {}
+        # compiled plans by structure, least recently used first; past max_plans the oldest is
+        # evicted and unloaded from every worker, so shapes that change every step cannot leak
+        self.plans: OrderedDict[tuple, CompiledPlan] = OrderedDict()
+        self.max_plans = max_plans
         self.last_plan: Plan | None = None
         self.last_timings: dict[int, dict] = {}
         self._released: list[int] = []  # resident tensors whose handles were collected
+        self._feeds: dict[int, np.ndarray] = {}  # fed tensors not yet sent: they go with the next run
         # the workers' data plane: the planner charges the collective algorithms that run there
         planes = {info.get("data_plane", "") for info in getattr(cluster, "data_planes", ())}
         self.plane = planes.pop() if len(planes) == 1 else ""
@@ -110,6 +117,17 @@ class MetaDevice:
         return self._place(
             name, shape, dtype_name(dtype), state, lambda d: np.asarray(make(d, pieces(state, shape, self.n, d)))
         )
+
+    def feed(self, array: Any, name: str = "") -> Tensor:
+        """A small Mirrored input (token ids, positions) that travels inside the next run's message
+        instead of a placement round trip of its own; its value is known here, so reading it
+        costs nothing."""
+        array = np.array(array, copy=True)
+        dtype = dtype_name(array.dtype)
+        tensor = next(self._tensor_ids)
+        self._feeds[tensor] = array
+        node = self._resident(Node("", (), {}, tuple(array.shape), dtype, name), tensor, MIRRORED)
+        return Tensor(self, node)
 
     def _placement(self, name: str, shape: tuple[int, ...], state: State | None) -> State:
         if state is None and self.policy is not None:
@@ -150,6 +168,10 @@ class MetaDevice:
         """The global value as a host array, whatever the state (Partial is summed)."""
         self.run(t)
         node = t.node
+        if node.tensor in self._feeds:
+            return self._feeds[node.tensor].copy()
+        if node.state == MIRRORED and not self.check_mirrored:  # any one copy will do
+            return np.array(self._call({0: p.Get(node.tensor)})[0].array, copy=True)
         replies = self._call({d: p.Get(node.tensor) for d in range(self.n)})
         locals_ = [np.asarray(replies[d].array) for d in range(self.n)]
         return gather(locals_, node.state, check_mirrored=self.check_mirrored)
@@ -168,6 +190,8 @@ class MetaDevice:
         self._free_ids(released)
 
     def _free_ids(self, ids: list[int]) -> None:
+        for tensor in ids:
+            self._feeds.pop(tensor, None)
         if ids:
             self._call({d: p.Free(ids) for d in range(self.n)})
 
@@ -185,24 +209,44 @@ class MetaDevice:
         if compiled is None:
             compiled = self._compile(leaves, order, outputs)
             self.plans[key] = compiled
+            self._evict()
+        else:
+            self.plans.move_to_end(key)
         self.last_plan = compiled.plan
         if self.debug:
             print("\n".join(compiled.plan.trace), file=self.trace_to)
-        out_ids = [next(self._tensor_ids) for _ in outputs]
+        roots = [_written(node) for node in outputs]  # in-place writes keep their destination's id
+        out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in roots]
         run = next(self._run_ids)
         released, self._released[:] = list(self._released), []
+        fed = [leaf.tensor for leaf in leaves if leaf.tensor in self._feeds]
+        feeds, data = _pack_feeds({t: self._feeds[t] for t in fed})
         message = p.RunProgram(
             compiled.program,
             run,
             [[i, leaf.tensor] for i, leaf in enumerate(leaves)],
             [[v, t] for v, t in zip(compiled.plan.outputs, out_ids)],
             released,
+            feeds,
+            data,
         )
         replies = self._call({d: message for d in range(self.n)})
+        for tensor in fed:  # on the workers now
+            del self._feeds[tensor]
         self.last_timings = {d: dict(r.info) for d, r in replies.items()}
-        for node, tensor, state in zip(outputs, out_ids, compiled.plan.out_states):
-            self._resident(node, tensor, state)
+        for node, root, tensor, state in zip(outputs, roots, out_ids, compiled.plan.out_states):
+            if root is None:
+                self._resident(node, tensor, state)
+            else:  # the destination's storage, under its id: it lives as long as either handle
+                node.tensor, node.state, node.alias = tensor, state, root
             node.op, node.inputs = "", ()  # resident now: the recipe (and its inputs) can go
+
+    def _evict(self) -> None:
+        evicted = []
+        while len(self.plans) > self.max_plans:
+            evicted.append(self.plans.popitem(last=False)[1].program)
+        if evicted:
+            self._call({d: p.Unload(evicted) for d in range(self.n)})
 
     def _compile(self, leaves: list[Node], order: list[Node], outputs: list[Node]) -> CompiledPlan:
         planned = plan(leaves, order, outputs, self.n, self.plane)
@@ -232,6 +276,28 @@ class MetaDevice:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _pack_feeds(arrays: dict[int, np.ndarray]) -> tuple[list[p.Feed], np.ndarray]:
+    """Feeds and their bytes in one buffer, each at a 64-byte aligned offset."""
+    feeds, at = [], 0
+    for tensor, array in arrays.items():
+        feeds.append(p.Feed(tensor, dtype_name(array.dtype), tuple(array.shape), at))
+        at += -(-array.nbytes // 64) * 64
+    data = np.zeros(at, np.uint8)
+    for feed, array in zip(feeds, arrays.values()):
+        data[feed.offset : feed.offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return feeds, data
+
+
+def _written(node: Node) -> Node | None:
+    """The resident node an in-place op (a chain of them) writes into, if any."""
+    start = node
+    while node.op in OPS and OPS[node.op].inplace:
+        node = node.inputs[0]
+    if node is start or not node.resident:
+        return None
+    return node.alias or node
 
 
 def _exception(failures: dict[int, p.Error]) -> MetaError:

@@ -26,6 +26,7 @@ class Node:
     tensor: int | None = None
     state: State | None = None
     finalizer: Any = None  # releases the storage when the node is garbage collected
+    alias: Node | None = None  # an in-place write's result: the resident node whose storage it is
 
     @property
     def resident(self) -> bool:

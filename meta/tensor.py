@@ -138,6 +138,59 @@ class Tensor:
     def tanh(self) -> Tensor:
         return apply("tanh", self)
 
+    def sqrt(self) -> Tensor:
+        return apply("sqrt", self)
+
+    def rsqrt(self) -> Tensor:
+        return apply("rsqrt", self)
+
+    def __lt__(self, other: Any) -> Tensor:
+        return apply("lt", self, _operand(self, other))
+
+    def __le__(self, other: Any) -> Tensor:
+        return apply("le", self, _operand(self, other))
+
+    def __gt__(self, other: Any) -> Tensor:
+        return apply("lt", _operand(self, other), self)
+
+    def __ge__(self, other: Any) -> Tensor:
+        return apply("le", _operand(self, other), self)
+
+    def eq(self, other: Any) -> Tensor:
+        """Elementwise ==, as a bool tensor (`==` itself keeps Python's identity meaning)."""
+        return apply("eq", self, _operand(self, other))
+
+    def softmax_masked(self, mask: Tensor, scale: float = 1.0, axis: int = -1) -> Tensor:
+        """softmax(self * scale + mask) in one op (ggml's soft_max_ext); mask broadcasts."""
+        return apply("softmax_ext", self, mask, axis=axis, scale=scale)
+
+    def rope(self, positions: Tensor, base: float = 10000.0, mode: str = "normal") -> Tensor:
+        """Rotary position embedding of (..., tokens, heads, head_dim) at integer `positions`
+        (..., tokens): mode "normal" rotates adjacent pairs (ggml), "neox" the two halves."""
+        return apply("rope", self, positions, base=base, mode=mode)
+
+    def set_rows(self, ids: Tensor, value: Tensor, axis: int = 0) -> Tensor:
+        """Write `value` into rows `ids` along `axis`, in place (ggml's SET_ROWS): the result is
+        this tensor's own storage, under its own id, and reading either handle after the run sees
+        the write. ids: (tokens,), or (batch, tokens) with one row list per index of axis 0."""
+        return apply("set_rows", self, ids, value, axis=axis)
+
+    def top_k(self, k: int) -> tuple[Tensor, Tensor]:
+        """(values, int64 indices) of the k largest along the last axis, largest first, ties to the
+        lower index. Over a split axis every device picks its own k and only those candidates
+        travel: the whole axis is never gathered."""
+        candidates = apply("top_k_candidates", self, k=k, devices=self.device.n)
+        pairs = apply("top_k_combine", candidates, k=k)  # (..., k, 2): value, index
+        last = pairs.ndim - 1
+        values = apply("slice", pairs, axis=last, start=0, stop=1).reshape(*self.shape[:-1], k)
+        indices = apply("slice", pairs, axis=last, start=1, stop=2).reshape(*self.shape[:-1], k)
+        return values.astype(self.dtype), indices.astype(np.int64)
+
+    def argmax(self) -> Tensor:
+        """int64 index of the largest element along the last axis (lowest index on ties)."""
+        _, indices = self.top_k(1)
+        return indices.reshape(*self.shape[:-1])
+
     def astype(self, dtype: Any) -> Tensor:
         return apply("cast", self, dtype=dtype_name(dtype))
 
@@ -190,3 +243,7 @@ def get_rows(table: Tensor, ids: Tensor) -> Tensor:
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:
     return x.softmax(axis)
+
+
+def where(cond: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    return apply("where", cond, a, b)

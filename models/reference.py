@@ -98,7 +98,72 @@ def _matmul(inputs, params):
     a, b = inputs
     if np.issubdtype(a.dtype, np.integer):
         return np.matmul(a.astype(np.int64), b.astype(np.int64)).astype(a.dtype)
-    return np.matmul(_f64(a), _f64(b)).astype(a.dtype)
+    out = np.float32 if np.float32 in (a.dtype, b.dtype) else a.dtype  # mixed precision: float32
+    return np.matmul(_f64(a), _f64(b)).astype(out)
+
+
+def _softmax_ext(inputs, params):
+    x, mask = inputs
+    return softmax((_f64(x) * params["scale"] + _f64(mask)).astype(np.float64), params["axis"]).astype(x.dtype)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, base: float, mode: str) -> np.ndarray:
+    """Rotary embedding as complex multiplication: pairs (x[2i], x[2i+1]) (ggml's normal mode) or
+    (x[i], x[i + d/2]) (NeoX) are complex numbers turned by position * base^(-2i/d) radians."""
+    d = x.shape[-1]
+    w = _f64(x)
+    theta = np.asarray(positions, np.float64)[..., None, None] * base ** (-np.arange(0, d, 2) / d)
+    if mode == "neox":
+        z = (w[..., : d // 2] + 1j * w[..., d // 2 :]) * np.exp(1j * theta)
+        out = np.concatenate([z.real, z.imag], axis=-1)
+    else:
+        z = (w[..., 0::2] + 1j * w[..., 1::2]) * np.exp(1j * theta)
+        out = np.stack([z.real, z.imag], axis=-1).reshape(w.shape)
+    return out.astype(x.dtype)
+
+
+def _set_rows(inputs, params):
+    dst, ids, value = inputs
+    out = dst.copy()
+    axis = params["axis"]
+    if ids.ndim == 1:
+        for j, row in enumerate(ids.tolist()):
+            _put(out, axis, row, np.take(value, j, axis=axis))
+    else:
+        for b in range(ids.shape[0]):
+            for j, row in enumerate(ids[b].tolist()):
+                _put(out[b], axis - 1, row, np.take(value[b], j, axis=axis - 1))
+    return out
+
+
+def _put(out: np.ndarray, axis: int, row: int, values: np.ndarray) -> None:
+    index = [slice(None)] * out.ndim
+    index[axis] = row
+    out[tuple(index)] = values
+
+
+def top_k(values: np.ndarray, k: int) -> np.ndarray:
+    """(..., k, 2) float64 (value, index) pairs of the k largest along the last axis, largest first;
+    ties to the lower index (as numpy.argmax); NaN ranks as -inf."""
+    v = np.where(np.isnan(values), -np.inf, values.astype(np.float64))
+    flat = v.reshape(-1, v.shape[-1])
+    out = np.empty((flat.shape[0], k, 2))
+    for r, row in enumerate(flat):
+        ranked = sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]
+        out[r] = [[row[i], i] for i in ranked]
+    return out.reshape(v.shape[:-1] + (k, 2))
+
+
+def _top_k_combine(inputs, params):
+    (c,) = inputs
+    k = params["k"]
+    flat = c.reshape(-1, c.shape[-2], 2)
+    out = np.empty((flat.shape[0], k, 2))
+    for r, rows in enumerate(flat):
+        v = [(-np.inf if np.isnan(val) else val, idx) for val, idx in rows.tolist()]
+        ranked = sorted(v, key=lambda p: (-p[0], np.inf if p[1] < 0 else p[1]))[:k]
+        out[r] = ranked
+    return out.reshape(c.shape[:-2] + (k, 2))
 
 
 def _sum(inputs, params):
@@ -152,6 +217,16 @@ REFERENCES: dict[str, Callable[[Sequence[np.ndarray], Params], np.ndarray]] = {
     "concat": lambda i, p: np.concatenate(list(i), axis=p["axis"]),
     "slice": _slice,
     "get_rows": _get_rows,
+    "sqrt": _float_unary(np.sqrt),
+    "rsqrt": _float_unary(lambda w: 1.0 / np.sqrt(w)),
+    "lt": lambda i, p: np.less(_f64(i[0]), _f64(i[1])),
+    "le": lambda i, p: np.less_equal(_f64(i[0]), _f64(i[1])),
+    "eq": lambda i, p: np.equal(_f64(i[0]), _f64(i[1])),
+    "where": lambda i, p: np.where(i[0], i[1], i[2]).astype(i[1].dtype),
+    "softmax_ext": _softmax_ext,
+    "rope": lambda i, p: rope(i[0], i[1], p["base"], p["mode"]),
+    "set_rows": _set_rows,
+    "top_k_combine": _top_k_combine,
 }
 
 

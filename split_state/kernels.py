@@ -76,9 +76,10 @@ def _gelu_erf(xp, x):
 
 def _matmul(xp, inputs, params):
     a, b = inputs
-    if _name(a.dtype) in LOW_PRECISION:
+    if _name(a.dtype) in LOW_PRECISION and _name(b.dtype) in LOW_PRECISION:
         return xp.matmul(a.astype(xp.float32), b.astype(xp.float32)).astype(a.dtype)
-    return xp.matmul(a, b)
+    # a low-precision operand next to float32 is widened for this step only (a temporary)
+    return xp.matmul(_wide(xp, a), _wide(xp, b))
 
 
 def _binary(fn: Callable) -> Callable:
@@ -153,6 +154,115 @@ def _get_rows(xp, inputs, params):
     return out
 
 
+def _compare(fn: Callable) -> Callable:
+    def kernel(xp, inputs, params):
+        a, b = inputs
+        return fn(_wide(xp, a), _wide(xp, b))
+
+    return kernel
+
+
+def _where(xp, inputs, params):
+    cond, a, b = inputs
+    return xp.where(cond, a, b).astype(a.dtype, copy=False)
+
+
+def _softmax_masked(xp, inputs, params):
+    """softmax(x * scale + mask) along `axis`, in one pass over the scores (ggml's soft_max_ext)."""
+    x, mask = inputs
+    if x.size == 0:
+        return x.copy()
+    w = _wide(xp, x)
+    w = w * params["scale"] + _wide(xp, mask).astype(w.dtype, copy=False)
+    w = w - w.max(axis=params["axis"], keepdims=True)
+    e = xp.exp(w)
+    return (e / e.sum(axis=params["axis"], keepdims=True)).astype(x.dtype, copy=False)
+
+
+def rope_angles(xp, positions, head_dim: int, base: float):
+    """(..., tokens, head_dim / 2) rotation angles: position * base^(-2i / head_dim), in float64."""
+    inv = np.power(float(base), -np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    return positions.astype(xp.float64)[..., None] * xp.asarray(inv)
+
+
+def _rope(xp, inputs, params):
+    x, positions = inputs
+    if x.size == 0:
+        return x.copy()
+    w = _wide(xp, x)
+    angles = rope_angles(xp, positions, x.shape[-1], params["base"])[..., None, :]  # broadcast over heads
+    cos, sin = xp.cos(angles).astype(w.dtype), xp.sin(angles).astype(w.dtype)
+    out = xp.empty_like(w)
+    half = x.shape[-1] // 2
+    if params["mode"] == "neox":
+        a, b = w[..., :half], w[..., half:]
+        out[..., :half], out[..., half:] = a * cos - b * sin, a * sin + b * cos
+    else:
+        a, b = w[..., 0::2], w[..., 1::2]
+        out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+    return out.astype(x.dtype, copy=False)
+
+
+def _set_rows(xp, inputs, params):
+    """dst[..., ids, ...] = value along `axis`, in place; returns dst. `spans` are the global row
+    ranges this device holds (start, stop, local start); rows elsewhere are another device's."""
+    dst, ids, value = inputs
+    ids = ids.astype(xp.int64, copy=False)
+    rows = params["rows"]
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{int(ids.min())}, {int(ids.max())}]")
+    axis = params["axis"]
+    if ids.ndim == 2:  # one row list per batch element (axis 0)
+        for b in range(ids.shape[0]):
+            _write_rows(xp, dst[b], ids[b], value[b], axis - 1, params["spans"])
+    else:
+        _write_rows(xp, dst, ids, value, axis, params["spans"])
+    return dst
+
+
+def _write_rows(xp, dst, ids, value, axis: int, spans) -> None:
+    before = (slice(None),) * axis
+    for start, stop, local in spans:
+        mask = (ids >= start) & (ids < stop)
+        if bool(mask.any()):
+            dst[before + (ids[mask] - start + local,)] = value[before + (mask,)].astype(dst.dtype, copy=False)
+
+
+def _top_k_candidates(xp, inputs, params):
+    """This device's best k of the last axis as (value, global index) pairs, best first, padded
+    to `width` with (-inf, -1). Ties go to the lower index, as numpy.argmax does."""
+    (x,) = inputs
+    k, width = params["k"], params["width"]
+    values, index = [], []
+    for global_start, length, local_start in params["spans"]:
+        values.append(x[..., local_start : local_start + length].astype(xp.float64))
+        index.append(xp.arange(global_start, global_start + length, dtype=xp.float64))
+    out = xp.empty(x.shape[:-1] + (width, 2), dtype=xp.float64)
+    out[..., 0], out[..., 1] = -xp.inf, -1.0
+    if values and sum(v.shape[-1] for v in values):
+        v = xp.concatenate(values, axis=-1)
+        i = xp.broadcast_to(xp.concatenate(index), v.shape)
+        best = _best(xp, v, i, min(k, v.shape[-1]))
+        out[..., : best.shape[-2], :] = best
+    return out
+
+
+def _best(xp, values, index, k: int):
+    """(..., k, 2): the k largest values with their index, ordered by value desc, then index asc;
+    padding (index -1) after every real entry. NaN counts as -inf."""
+    v = xp.where(xp.isnan(values), -xp.inf, values)
+    tie = xp.where(index < 0, xp.inf, index)
+    order = xp.argsort(tie, axis=-1, kind="stable")  # index ascending, then a stable sort by -value
+    v, index = xp.take_along_axis(v, order, -1), xp.take_along_axis(index, order, -1)
+    order = xp.argsort(-v, axis=-1, kind="stable")[..., :k]
+    return xp.stack([xp.take_along_axis(v, order, -1), xp.take_along_axis(index, order, -1)], axis=-1)
+
+
+def _top_k_combine(xp, inputs, params):
+    (c,) = inputs
+    return _best(xp, c[..., 0], c[..., 1], params["k"])
+
+
 KERNELS: dict[str, Callable[[Any, Sequence[Any], dict], Any]] = {
     "matmul": _matmul,
     "add": _binary(lambda a, b: a + b),
@@ -178,4 +288,15 @@ KERNELS: dict[str, Callable[[Any, Sequence[Any], dict], Any]] = {
     "concat": lambda xp, i, p: xp.concatenate(list(i), axis=p["axis"]),
     "slice": lambda xp, i, p: xp.ascontiguousarray(i[0][(slice(None),) * p["axis"] + (slice(p["start"], p["stop"]),)]),
     "get_rows": _get_rows,
+    "sqrt": _unary_float(lambda xp, x: xp.sqrt(x)),
+    "rsqrt": _unary_float(lambda xp, x: 1.0 / xp.sqrt(x)),
+    "lt": _compare(lambda a, b: a < b),
+    "le": _compare(lambda a, b: a <= b),
+    "eq": _compare(lambda a, b: a == b),
+    "where": _where,
+    "softmax_ext": _softmax_masked,
+    "rope": _rope,
+    "set_rows": _set_rows,
+    "top_k_candidates": _top_k_candidates,
+    "top_k_combine": _top_k_combine,
 }

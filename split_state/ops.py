@@ -31,6 +31,10 @@ class OpSpec:
     infer: Callable[[Sequence[Shape], Sequence[str], Params], tuple[Shape, str, Params]]
     rule: Callable[[Sequence[State], Sequence[Shape], Params, Shape], list[Signature]]
     localize: Callable[..., Params] | None = None
+    # writes into its first input and returns it: no new memory, the destination keeps its storage
+    inplace: bool = False
+    # its result depends on how its input is split (a step of a composite): no standalone oracle
+    internal: bool = False
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -46,6 +50,12 @@ def _same_dtype(dtypes: Sequence[str], op: str) -> str:
     if len(set(dtypes)) != 1:
         raise ShapeError(f"{op}: operands have different dtypes {list(dtypes)}; cast one first")
     return dtypes[0]
+
+
+def _numeric(dtype: str, op: str) -> str:
+    if dtype == "bool":
+        raise ShapeError(f"{op}: no arithmetic on bool; cast to a number first (astype) or use where")
+    return dtype
 
 
 def _float(dtype: str, op: str) -> str:
@@ -98,8 +108,11 @@ def _out_labels(n: int) -> tuple[str, ...]:
 # -- elementwise --------------------------------------------------------------------------------
 
 
-def _infer_unary(shapes, dtypes, params):
-    return tuple(shapes[0]), dtypes[0], {}
+def _infer_unary(name):
+    def infer(shapes, dtypes, params):
+        return tuple(shapes[0]), _numeric(dtypes[0], name), {}
+
+    return infer
 
 
 def _infer_unary_float(name):
@@ -133,7 +146,7 @@ def _unary_rule(linear: bool):
 def _infer_binary(name, floats_only: bool = False):
     # integer division truncates, which does not distribute over a Partial sum: floats only
     def infer(shapes, dtypes, params):
-        dtype = _same_dtype(dtypes, name)
+        dtype = _numeric(_same_dtype(dtypes, name), name)
         return _broadcast(shapes, name), _float(dtype, name) if floats_only else dtype, {}
 
     return infer
@@ -173,6 +186,7 @@ def _infer_reduce(name):
     def infer(shapes, dtypes, params):
         shape = tuple(shapes[0])
         axis = _axis(params.get("axis"), len(shape), name)
+        _numeric(dtypes[0], name)
         keepdims = bool(params.get("keepdims", False))
         out = shape[:axis] + ((1,) if keepdims else ()) + shape[axis + 1 :]
         canon = {"axis": axis, "keepdims": keepdims}
@@ -195,6 +209,9 @@ def _reduce_rule(shapes, params, out_shape):
 # -- matmul -------------------------------------------------------------------------------------
 
 
+LOW_PRECISION = frozenset({"float16", "bfloat16"})
+
+
 def _infer_matmul(shapes, dtypes, params):
     a, b = (tuple(s) for s in shapes)
     if len(a) < 2 or len(b) < 2:
@@ -202,7 +219,10 @@ def _infer_matmul(shapes, dtypes, params):
     if a[-1] != b[-2]:
         raise ShapeError(f"matmul: contracting sizes differ: {a} @ {b} ({a[-1]} != {b[-2]})")
     batch = _broadcast([a[:-2], b[:-2]], "matmul") if (a[:-2] or b[:-2]) else ()
-    dtype = _same_dtype(dtypes, "matmul")
+    if set(dtypes) <= {"float32"} | LOW_PRECISION and "float32" in dtypes:
+        dtype = "float32"  # a low-precision weight with float32 activations computes in float32
+    else:
+        dtype = _same_dtype(dtypes, "matmul")
     if dtype == "bool":
         raise ShapeError("matmul: bool operands are not supported; cast first")
     return batch + (a[-2], b[-1]), dtype, {}
@@ -387,6 +407,153 @@ def _localize_get_rows(params, in_states, in_shapes, out_state, out_shape, n, d)
     return {"rows": params["rows"], "spans": spans}
 
 
+# -- decoder ops: comparisons, where, masked softmax, rope, in-place row writes, top-k --------------
+
+
+def _infer_compare(name):
+    def infer(shapes, dtypes, params):
+        _same_dtype(dtypes, name)
+        return _broadcast(shapes, name), "bool", {}
+
+    return infer
+
+
+def _infer_where(shapes, dtypes, params):
+    if dtypes[0] != "bool":
+        raise ShapeError(f"where: the condition must be bool, got {dtypes[0]}; compare first (lt, le, eq, ...)")
+    return _broadcast(shapes, "where"), _same_dtype(dtypes[1:], "where"), {}
+
+
+def _number(params: Params, key: str, default: float, op: str) -> float:
+    value = params.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ShapeError(f"{op}: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _infer_softmax_ext(shapes, dtypes, params):
+    x, mask = (tuple(s) for s in shapes)
+    if _broadcast([x, mask], "softmax_ext") != x:
+        raise ShapeError(f"softmax_ext: mask {mask} must broadcast to the scores {x}")
+    _float(dtypes[1], "softmax_ext")
+    canon = {"axis": _axis(params.get("axis", -1), len(x), "softmax_ext"), "scale": _number(params, "scale", 1.0, "softmax_ext")}
+    return x, _float(dtypes[0], "softmax_ext"), canon
+
+
+def _softmax_ext_labels(shapes, params, out_shape):
+    labels, fixed = _aligned_labels(shapes, out_shape)
+    return Labels(tuple(labels), _out_labels(len(out_shape)), frozenset(fixed | {f"x{params['axis']}"}))
+
+
+ROPE_MODES = ("normal", "neox")  # ggml's adjacent pairs (x[2i], x[2i+1]); NeoX's halves (x[i], x[i+d/2])
+
+
+def _infer_rope(shapes, dtypes, params):
+    x, pos = (tuple(s) for s in shapes)
+    if len(x) < 3 or pos != x[:-2]:
+        raise ShapeError(
+            f"rope: x must be (..., tokens, heads, head_dim) and positions (..., tokens); got {x} and {pos}"
+        )
+    if x[-1] % 2:
+        raise ShapeError(f"rope: head_dim {x[-1]} must be even")
+    if dtypes[1] not in INDEX_NAMES:
+        raise ShapeError(f"rope: positions must be integers, got {dtypes[1]}")
+    mode = params.get("mode", "normal")
+    if mode not in ROPE_MODES:
+        raise ShapeError(f"rope: mode must be one of {ROPE_MODES}, got {mode!r}")
+    base = _number(params, "base", 10000.0, "rope")
+    return x, _float(dtypes[0], "rope"), {"base": base, "mode": mode}
+
+
+def _rope_labels(shapes, params, out_shape):
+    tokens = _out_labels(len(out_shape) - 2)
+    x = tokens + ("heads", "dim")
+    return Labels((x, tokens), x, frozenset({"dim"}), ((P, M),))  # a rotation is linear in x
+
+
+def _infer_set_rows(shapes, dtypes, params):
+    dst, ids, value = (tuple(s) for s in shapes)
+    axis = _axis(params.get("axis", 0), len(dst), "set_rows")
+    if dtypes[1] not in INDEX_NAMES:
+        raise ShapeError(f"set_rows: row ids must be integers, got {dtypes[1]}")
+    if len(ids) == 2 and axis == 0:
+        raise ShapeError("set_rows: per-batch ids (batch, tokens) need the rows on an axis after the batch axis 0")
+    if len(ids) not in (1, 2) or (len(ids) == 2 and ids[0] != dst[0]):
+        raise ShapeError(f"set_rows: ids must be (tokens,) or (batch={dst[0]}, tokens), got {ids}")
+    want = dst[:axis] + (ids[-1],) + dst[axis + 1 :]
+    if value != want:
+        raise ShapeError(f"set_rows: writing rows {ids} along axis {axis} of {dst} needs a value of {want}, got {value}")
+    if (dtypes[0] in FLOAT_NAMES) != (dtypes[2] in FLOAT_NAMES):
+        raise ShapeError(f"set_rows: cannot write {dtypes[2]} into {dtypes[0]}")
+    return dst, dtypes[0], {"axis": axis, "rows": dst[axis]}
+
+
+def _set_rows_rule(states, shapes, params, out_shape):
+    """The destination is written where it lies: its state is never changed, the value (and ids)
+    are moved to match it. Split off the row axis: value split alike; split on the row axis: each
+    device writes the rows it holds; Partial: each device writes its addend of the value."""
+    dst, axis = states[0], params["axis"]
+    batched = len(shapes[1]) == 2
+    if isinstance(dst, Split) and dst.axis != axis:
+        ids = dst.with_axis(0) if batched and dst.axis == 0 else MIRRORED
+        return [Signature((dst, ids, dst), dst)]
+    if isinstance(dst, Split) or dst == MIRRORED:
+        return [Signature((dst, MIRRORED, MIRRORED), dst)]
+    return [Signature((PARTIAL, MIRRORED, PARTIAL), PARTIAL)]
+
+
+def _localize_set_rows(params, in_states, in_shapes, out_state, out_shape, n, d):
+    dst = in_states[0]
+    if isinstance(dst, Split) and dst.axis == params["axis"]:
+        spans = [(p.global_start, p.global_stop, p.local_start) for p in pieces(dst, in_shapes[0], n, d)]
+    else:
+        spans = [(0, params["rows"], 0)]
+    return dict(params, spans=spans)
+
+
+def _infer_top_k_candidates(shapes, dtypes, params):
+    (x,) = (tuple(s) for s in shapes)
+    k, n = params.get("k"), params.get("devices")
+    if not x or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (k, n)):
+        raise ShapeError(f"top_k: needs an axis, k >= 1 and a device count; got shape {x}, k={k!r}, devices={n!r}")
+    _float(dtypes[0], "top_k")
+    return x[:-1] + (k * n, 2), "float64", {"k": k, "devices": n}
+
+
+def _top_k_candidates_rule(states, shapes, params, out_shape):
+    """Each device picks its k best of the last axis (no communication); a device with fewer
+    elements pads with (-inf, -1). Split on another axis: whole rows, padded to devices * k."""
+    (st,), (x,) = states, shapes
+    n, k, last = params["devices"], params["k"], len(x) - 1
+    candidates = Split(last, ((k,) * n,))
+    sigs = [Signature((MIRRORED,), MIRRORED)] if st == MIRRORED else []  # every device ranks whole rows
+    if isinstance(st, Split) and st.axis != last:
+        sigs.append(Signature((st,), st))
+    sigs.append(Signature((st if isinstance(st, Split) and st.axis == last else Split.even(last, x[-1], n),), candidates))
+    return list(dict.fromkeys(sigs + [Signature((MIRRORED,), MIRRORED)]))
+
+
+def _localize_top_k_candidates(params, in_states, in_shapes, out_state, out_shape, n, d):
+    st, x = in_states[0], in_shapes[0]
+    if isinstance(st, Split) and st.axis == len(x) - 1:
+        spans = [(p.global_start, p.length, p.local_start) for p in pieces(st, x, n, d)]
+        return dict(params, spans=spans, width=params["k"])
+    return dict(params, spans=[(0, x[-1], 0)], width=params["k"] * n)
+
+
+def _infer_top_k_combine(shapes, dtypes, params):
+    (c,) = (tuple(s) for s in shapes)
+    k = params.get("k")
+    if len(c) < 2 or c[-1] != 2 or dtypes[0] != "float64" or not isinstance(k, int) or not 1 <= k <= c[-2]:
+        raise ShapeError(f"top_k: candidates must be (..., m >= k, 2) float64 pairs; got {c} {dtypes[0]}, k={k!r}")
+    return c[:-2] + (k, 2), "float64", {"k": k}
+
+
+def _top_k_combine_labels(shapes, params, out_shape):
+    rows = _out_labels(len(out_shape) - 2)
+    return Labels((rows + ("candidates", "pair"),), rows + ("best", "pair"), frozenset({"candidates", "best", "pair"}))
+
+
 # -- the table ----------------------------------------------------------------------------------
 
 _LINEAR_UNARY = _unary_rule(linear=True)
@@ -400,11 +567,11 @@ OPS: dict[str, OpSpec] = {
     # no Partial pattern: 0/0 on the devices holding zeros would turn a true +-inf into NaN
     "div": OpSpec("div", 2, _infer_binary("div", floats_only=True), _binary_rule(())),
     "scale": OpSpec("scale", 1, _infer_scale, _LINEAR_UNARY),
-    "neg": OpSpec("neg", 1, _infer_unary, _LINEAR_UNARY),
+    "neg": OpSpec("neg", 1, _infer_unary("neg"), _LINEAR_UNARY),
     "gelu": OpSpec("gelu", 1, _infer_unary_float("gelu"), _NONLINEAR_UNARY),
     "gelu_erf": OpSpec("gelu_erf", 1, _infer_unary_float("gelu_erf"), _NONLINEAR_UNARY),
     "silu": OpSpec("silu", 1, _infer_unary_float("silu"), _NONLINEAR_UNARY),
-    "relu": OpSpec("relu", 1, _infer_unary, _NONLINEAR_UNARY),
+    "relu": OpSpec("relu", 1, _infer_unary("relu"), _NONLINEAR_UNARY),
     "exp": OpSpec("exp", 1, _infer_unary_float("exp"), _NONLINEAR_UNARY),
     "tanh": OpSpec("tanh", 1, _infer_unary_float("tanh"), _NONLINEAR_UNARY),
     "cast": OpSpec("cast", 1, _infer_cast, _NONLINEAR_UNARY),
@@ -418,6 +585,19 @@ OPS: dict[str, OpSpec] = {
     "concat": OpSpec("concat", None, _infer_concat, _labels_rule(_concat_labels)),
     "slice": OpSpec("slice", 1, _infer_slice, _slice_rule, _localize_slice),
     "get_rows": OpSpec("get_rows", 2, _infer_get_rows, _labels_rule(_get_rows_labels), _localize_get_rows),
+    "sqrt": OpSpec("sqrt", 1, _infer_unary_float("sqrt"), _NONLINEAR_UNARY),
+    "rsqrt": OpSpec("rsqrt", 1, _infer_unary_float("rsqrt"), _NONLINEAR_UNARY),
+    "lt": OpSpec("lt", 2, _infer_compare("lt"), _binary_rule(())),
+    "le": OpSpec("le", 2, _infer_compare("le"), _binary_rule(())),
+    "eq": OpSpec("eq", 2, _infer_compare("eq"), _binary_rule(())),
+    "where": OpSpec("where", 3, _infer_where, _binary_rule(((M, P, P),))),
+    "softmax_ext": OpSpec("softmax_ext", 2, _infer_softmax_ext, _labels_rule(_softmax_ext_labels)),
+    "rope": OpSpec("rope", 2, _infer_rope, _labels_rule(_rope_labels)),
+    "set_rows": OpSpec("set_rows", 3, _infer_set_rows, _set_rows_rule, _localize_set_rows, inplace=True),
+    "top_k_candidates": OpSpec(
+        "top_k_candidates", 1, _infer_top_k_candidates, _top_k_candidates_rule, _localize_top_k_candidates, internal=True
+    ),
+    "top_k_combine": OpSpec("top_k_combine", 1, _infer_top_k_combine, _labels_rule(_top_k_combine_labels)),
 }
 
 

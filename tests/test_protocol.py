@@ -31,6 +31,7 @@ EXAMPLES = [
         ],
     ),
     p.RunProgram(program=5, run=3, inputs=[[0, 10], [1, 11]], outputs=[[4, 12]]),
+    p.Unload(programs=[5, 6]),
     p.Ok(info={"a": 1, "b": (1.5, "x"), "c": None}),
     p.Error(kind="OutOfMemory", message="too big", traceback="Traceback..."),
     p.Heartbeat(rank=2),
@@ -56,6 +57,18 @@ def test_arrays_of_every_dtype_and_shape_round_trip(dtype, shape):
     got = round_trip(p.Put(1, MIRRORED, shape, x))
     assert got.array.dtype == x.dtype and got.array.shape == x.shape
     assert np.array_equal(got.array.view(np.uint8), x.view(np.uint8)) if shape else got.array == x
+
+
+def test_feeds_travel_with_a_run():
+    data = np.arange(16, dtype=np.uint8)
+    message = p.RunProgram(1, 2, [[0, 3]], [[1, 4]], [9], [p.Feed(3, "int32", (1, 2), 8)], data)
+    got = round_trip(message)
+    assert got.feeds == [p.Feed(3, "int32", (1, 2), 8)] and np.array_equal(got.feed_data, data)
+    bad = p.encode(message)
+    h = msgpack.unpackb(bytes(bad[0]))
+    h["f"]["feeds"] = [[3, "int32", [1, 2], -1]]
+    with pytest.raises(ProtocolError, match="negative offset"):
+        p.decode([msgpack.packb(h), *bad[1:]])
 
 
 def test_non_contiguous_arrays_are_made_contiguous():

@@ -145,6 +145,7 @@ class MsgType(enum.IntEnum):
     STATS = 13
     CHUNK = 14
     ABORT = 15
+    UNLOAD = 16
 
 
 # -- program steps ------------------------------------------------------------------------------
@@ -180,6 +181,17 @@ class MoveStep:
 @dataclass(frozen=True)
 class FreeStep:
     slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Feed:
+    """A small Mirrored input carried by a RunProgram: bytes [offset, offset + size) of its
+    feed_data, stored as tensor `tensor` before the program runs (no round trip of its own)."""
+
+    tensor: int
+    dtype: str
+    shape: Shape
+    offset: int
 
 
 Step = OpStep | MoveStep | FreeStep
@@ -256,6 +268,15 @@ class LoadProgram:
     KIND: ClassVar[MsgType]
 
 
+@_message(MsgType.UNLOAD)
+@dataclass(frozen=True)
+class Unload:
+    """Forget these programs (the coordinator's plan cache evicted them)."""
+
+    programs: list[int]
+    KIND: ClassVar[MsgType]
+
+
 @_message(MsgType.RUN_PROGRAM)
 @dataclass(frozen=True)
 class RunProgram:
@@ -264,6 +285,8 @@ class RunProgram:
     inputs: list[list[int]]  # [slot, tensor id] pairs read from the store
     outputs: list[list[int]]  # [slot, tensor id] pairs written to the store
     release: list[int] = field(default_factory=list)  # tensors whose handles are gone: free first
+    feeds: list[Feed] = field(default_factory=list)
+    feed_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), compare=False)
     KIND: ClassVar[MsgType]
 
 
@@ -342,6 +365,7 @@ Message = (
     | Get
     | Free
     | LoadProgram
+    | Unload
     | RunProgram
     | Tensor
     | Ok
@@ -449,6 +473,20 @@ def _encode_step(step: Step) -> list:
     return ["free", list(step.slots)]
 
 
+def _feed(v: Any, name: str, limits: Limits) -> Feed:
+    if not isinstance(v, list) or len(v) != 4:
+        _fail(f"{name}: a feed must be [tensor, dtype, shape, offset]")
+    feed = Feed(
+        _int(v[0], "tensor", limits),
+        _dtype_field(v[1], "dtype", limits),
+        _shape(v[2], "shape", limits),
+        _int(v[3], "offset", limits),
+    )
+    if feed.offset < 0:
+        _fail(f"{name}: negative offset {feed.offset}")
+    return feed
+
+
 def _dtype_field(v: Any, name: str, limits: Limits) -> str:
     try:
         dtype_from_name(v)
@@ -496,6 +534,7 @@ _CODECS: dict[Any, tuple[Callable[[Any], Any], Decoder]] = {
     list[str]: (list, _list(_str)),
     list[list[int]]: (lambda v: [[int(x) for x in p] for p in v], _list(_list(_int))),
     list[Step]: (lambda v: [_encode_step(s) for s in v], _list(_step)),
+    list[Feed]: (lambda v: [[f.tensor, f.dtype, list(f.shape), f.offset] for f in v], _list(_feed)),
 }
 _ARRAY = np.ndarray
 

@@ -10,6 +10,7 @@ from split_state.dtypes import dtype_from_name
 from split_state.errors import ProtocolError, ShapeError
 from split_state.kernels import KERNELS
 from split_state.layout import local_shape
+from split_state.ops import OPS
 from transport import protocol as p
 from transport.deadline import Deadline
 from workers.collectives import Collectives, HostEngine
@@ -77,9 +78,12 @@ class Executor:
         itemsize = dtype_from_name(step.dtype).itemsize
         start = time.perf_counter()
         if isinstance(step, p.OpStep):
-            nbytes = prod(step.shape) * itemsize
-            self.store.reserve(nbytes, lambda: f"step {index} ({step.op})")
-            owned[step.output] = nbytes
+            if OPS[step.op].inplace:  # writes into its first input: that memory changes hands
+                owned[step.output] = owned.pop(step.inputs[0], 0)
+            else:
+                nbytes = prod(step.shape) * itemsize
+                self.store.reserve(nbytes, lambda: f"step {index} ({step.op})")
+                owned[step.output] = nbytes
             out = KERNELS[step.op](self.backend.xp, [slots[s] for s in step.inputs], step.params)
             if tuple(out.shape) != tuple(step.shape) or out.dtype != dtype_from_name(step.dtype):
                 raise ShapeError(

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import resource
 from collections.abc import Callable
+from math import prod
 
 import numpy as np
 
+from split_state.dtypes import dtype_from_name
 from split_state.errors import ProtocolError, SplitError
 from split_state.layout import local_shape
 from transport import protocol as p
@@ -69,11 +71,18 @@ class WorkerServer:
         self.executor.load(m.program, m.steps)
         return p.Ok()
 
+    def _on_unload(self, m: p.Unload) -> p.Message:
+        for program in m.programs:
+            self.executor.programs.pop(program, None)
+        return p.Ok()
+
     def _on_run_program(self, m: p.RunProgram) -> p.Message:
         self._require_configured()
         self.executor.comm.forget_aborts()
         for tensor in m.release:
             self.store.free(tensor)
+        for feed in m.feeds:
+            self.store.put(feed.tensor, self.backend.to_device(_feed_array(feed, m.feed_data)))
         self.runs += 1
         return p.Ok(self.executor.run(m.program, m.run, m.inputs, m.outputs))
 
@@ -104,6 +113,14 @@ class WorkerServer:
             raise ProtocolError(f"worker {self.rank} is not configured yet (no Configure message)")
 
 
+def _feed_array(feed: p.Feed, data: np.ndarray) -> np.ndarray:
+    dtype = dtype_from_name(feed.dtype)
+    count = prod(feed.shape)
+    if feed.offset + count * dtype.itemsize > data.nbytes:
+        raise ProtocolError(f"feed of tensor {feed.tensor} reaches past the {data.nbytes} bytes sent with it")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=feed.offset).reshape(feed.shape).copy()
+
+
 # The messages a worker serves on its control socket, and the handler of each.
 HANDLERS: dict[type, Callable[[WorkerServer, p.Message], p.Message]] = {
     p.Configure: WorkerServer._on_configure,
@@ -112,6 +129,7 @@ HANDLERS: dict[type, Callable[[WorkerServer, p.Message], p.Message]] = {
     p.Free: WorkerServer._on_free,
     p.LoadProgram: WorkerServer._on_load_program,
     p.RunProgram: WorkerServer._on_run_program,
+    p.Unload: WorkerServer._on_unload,
     p.Stats: WorkerServer._on_stats,
     p.Heartbeat: WorkerServer._on_heartbeat,
     p.Shutdown: WorkerServer._on_shutdown,

@@ -1,0 +1,236 @@
+"""A llama-family decoder: a single-process NumPy reference and the tensor-parallel model.
+
+Weights are NumPy-oriented (`x @ W`, W of shape (in, out)); names:
+
+    embed (vocab, hidden)          token embedding (also the output head when tied)
+    L.attn_norm, L.ffn_norm (hidden,)
+    L.wq (hidden, heads*hd), L.wk, L.wv (hidden, kv_heads*hd), L.wo (heads*hd, hidden)
+    L.w_gate, L.w_up (hidden, ffn), L.w_down (ffn, hidden)      for L = "l0", "l1", ...
+    norm (hidden,), output (hidden, vocab) when the head is not tied
+
+Tensor parallelism (DESIGN §8): attention split by KV-head groups (a device holds whole KV heads
+and the query heads sharing them; uneven groups and devices with no head work), so attention
+needs no communication; wo and w_down row-parallel, w_gate|w_up one column-parallel weight of two
+segments: two all-reduces per layer. The KV cache is resident, split like the heads, preallocated
+to the context and written in place. The embedding table is split by vocabulary rows (its lookup
+is Partial: one more all-reduce per step), and the head's logits come out split by vocabulary,
+so the next token is picked by a per-device top-k and a small combine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from meta.device import MetaDevice
+from meta.tensor import Tensor, get_rows, where
+from models import reference as ref
+from split_state.layout import local_shape
+from split_state.states import MIRRORED, Split
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_mode: str = "normal"  # "normal": adjacent pairs (ggml, llama.cpp's GGUF layout); "neox": halves
+    tied: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def random_weights(cfg: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Weights of the right shapes and scale, for stand-ins and tests."""
+    rng = np.random.default_rng(seed)
+    hd, h = cfg.head_dim, cfg.hidden
+
+    def w(shape, fan_in):
+        return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(dtype)
+
+    out = {"embed": w((cfg.vocab, h), 1.0 / 0.02**2), "norm": (1 + 0.1 * rng.standard_normal(h)).astype(dtype)}
+    for i in range(cfg.layers):
+        out |= {
+            f"l{i}.attn_norm": (1 + 0.1 * rng.standard_normal(h)).astype(dtype),
+            f"l{i}.ffn_norm": (1 + 0.1 * rng.standard_normal(h)).astype(dtype),
+            f"l{i}.wq": w((h, cfg.heads * hd), h),
+            f"l{i}.wk": w((h, cfg.kv_heads * hd), h),
+            f"l{i}.wv": w((h, cfg.kv_heads * hd), h),
+            f"l{i}.wo": w((cfg.heads * hd, h), cfg.heads * hd),
+            f"l{i}.w_gate": w((h, cfg.ffn), h),
+            f"l{i}.w_up": w((h, cfg.ffn), h),
+            f"l{i}.w_down": w((cfg.ffn, h), cfg.ffn),
+        }
+    if not cfg.tied:
+        out["output"] = w((h, cfg.vocab), h)
+    return out
+
+
+# -- the single-process NumPy reference ------------------------------------------------------------
+
+
+class ReferenceDecoder:
+    """One process, NumPy, float32 arithmetic: a preallocated KV cache per layer written in place,
+    positions per sequence. `forward(tokens, positions)` returns logits (batch, tokens, vocab)."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], ctx: int, batch: int = 1):
+        self.cfg, self.w, self.ctx = cfg, {k: np.asarray(v, np.float32) for k, v in weights.items()}, ctx
+        shape = (batch, cfg.kv_heads, ctx, cfg.head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(cfg.layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(cfg.layers)]
+
+    def _norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.cfg.eps) * weight
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        cfg, w, hd = self.cfg, self.w, self.cfg.head_dim
+        batch, t = tokens.shape
+        x = w["embed"][tokens]  # (batch, tokens, hidden)
+        keep = np.arange(self.ctx)[None, None, :] <= positions[:, :, None]  # (batch, tokens, ctx)
+        mask = np.where(keep, 0.0, -np.inf).astype(np.float32)
+        for i in range(cfg.layers):
+            p = f"l{i}."
+            h = self._norm(x, w[p + "attn_norm"])
+            q = ref.rope((h @ w[p + "wq"]).reshape(batch, t, cfg.heads, hd), positions, cfg.rope_base, cfg.rope_mode)
+            k = ref.rope((h @ w[p + "wk"]).reshape(batch, t, cfg.kv_heads, hd), positions, cfg.rope_base, cfg.rope_mode)
+            v = (h @ w[p + "wv"]).reshape(batch, t, cfg.kv_heads, hd)
+            for b in range(batch):
+                self.k[i][b][:, positions[b]] = k[b].transpose(1, 0, 2)
+                self.v[i][b][:, positions[b]] = v[b].transpose(1, 0, 2)
+            q = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
+            scores = q @ self.k[i][:, :, None].transpose(0, 1, 2, 4, 3) / np.sqrt(hd) + mask[:, None, None]
+            scores = np.exp(scores - scores.max(-1, keepdims=True))
+            attn = (scores / scores.sum(-1, keepdims=True)) @ self.v[i][:, :, None]  # (b, kv, g, t, hd)
+            x = x + attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd) @ w[p + "wo"]
+            h = self._norm(x, w[p + "ffn_norm"])
+            gate, up = h @ w[p + "w_gate"], h @ w[p + "w_up"]
+            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "w_down"]
+        x = self._norm(x, w["norm"])
+        return x @ (w["embed"].T if cfg.tied else w["output"])
+
+
+# -- tensor parallel -------------------------------------------------------------------------------
+
+
+Source = Callable[[str], np.ndarray]  # weight name -> the whole array (a GGUF reader, a dict)
+
+
+class TensorParallelLlama:
+    """The decoder on a MetaDevice. `step(tokens, positions)` builds one step's graph (lazy) and
+    returns the logits handle, split by vocabulary; `pick(logits, k)` the top-k over them."""
+
+    def __init__(self, dev: MetaDevice, cfg: LlamaConfig, source: Source, ctx: int, batch: int = 1, progress=None):
+        self.dev, self.cfg, self.ctx, self.batch = dev, cfg, ctx, batch
+        n, hd = dev.n, cfg.head_dim
+        self.kv = Split.even(0, cfg.kv_heads, n)  # whole KV heads per device; some may hold none
+        kv_cols = tuple(e * hd for e in self.kv.segments[0])
+        q_cols = tuple(e * cfg.group * hd for e in self.kv.segments[0])
+        vocab_rows = Split.even(0, cfg.vocab, n)
+        self.w: dict[str, Tensor] = {}
+        place = self._placer(source)
+        place("embed", vocab_rows)
+        place("norm", MIRRORED)
+        if not cfg.tied:
+            place("output", Split.even(1, cfg.vocab, n))
+        for i in range(cfg.layers):
+            p = f"l{i}."
+            place(p + "attn_norm", MIRRORED)
+            place(p + "ffn_norm", MIRRORED)
+            place(p + "wq", Split(1, (q_cols,)))
+            place(p + "wk", Split(1, (kv_cols,)))
+            place(p + "wv", Split(1, (kv_cols,)))
+            place(p + "wo", Split(0, (q_cols,)))
+            place(p + "w_down", Split.even(0, cfg.ffn, n))
+            self.w[p + "w_gate_up"] = self._fused_gate_up(source, p)
+            if progress is not None:
+                progress(i + 1, cfg.layers)
+        cache = Split(1, self.kv.segments)  # (batch, kv heads, ctx, hd), split by KV heads
+        shape = (batch, cfg.kv_heads, ctx, hd)
+        self.k = [self._zeros(shape, cache) for _ in range(cfg.layers)]
+        self.v = [self._zeros(shape, cache) for _ in range(cfg.layers)]
+        self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, 1, 1, 1, ctx))
+        self.zero = dev.tensor(np.float32(0))
+        self.minus_inf = dev.tensor(np.float32(-np.inf))
+
+    def _placer(self, source: Source):
+        def place(name: str, state) -> None:
+            self.w[name] = self.dev.tensor(source(name), state, name=name)  # each worker gets its slice
+
+        return place
+
+    def _fused_gate_up(self, source: Source, p: str) -> Tensor:
+        """w_gate | w_up as one (hidden, 2*ffn) weight of two segments: each device gets its
+        columns of both, built per device from the two halves (the whole never exists)."""
+        gate, up = source(p + "w_gate"), source(p + "w_up")
+        state = Split.even(1, (self.cfg.ffn, self.cfg.ffn), self.dev.n)
+
+        def make(device, pieces):
+            parts = [(gate if piece.global_start < self.cfg.ffn else up) for piece in pieces]
+            off = [0 if piece.global_start < self.cfg.ffn else self.cfg.ffn for piece in pieces]
+            cols = [src[:, pc.global_start - o : pc.global_stop - o] for src, pc, o in zip(parts, pieces, off)]
+            return np.concatenate(cols, axis=1) if cols else np.zeros((gate.shape[0], 0), gate.dtype)
+
+        return self.dev.from_generator((gate.shape[0], 2 * self.cfg.ffn), gate.dtype, state, make, name=p + "w_gate_up")
+
+    def _zeros(self, shape, state) -> Tensor:
+        n = self.dev.n
+        return self.dev.from_generator(
+            shape, np.float32, state, lambda d, pieces: np.zeros(local_shape(state, shape, n, d), np.float32)
+        )
+
+    def _norm(self, x: Tensor, name: str) -> Tensor:
+        return x.rms_norm(eps=self.cfg.eps) * self.w[name]
+
+    def step(self, tokens: np.ndarray, positions: np.ndarray) -> Tensor:
+        """Logits (batch, tokens, vocab), split by vocabulary; caches written at `positions`."""
+        cfg, dev, hd = self.cfg, self.dev, self.cfg.head_dim
+        batch, t = tokens.shape
+        ids = dev.feed(np.asarray(tokens, np.int32))  # travel with the run: no round trip of their own
+        pos = dev.feed(np.asarray(positions, np.int32))
+        x = get_rows(self.w["embed"], ids)  # (batch, tokens, hidden), Partial over the vocabulary split
+        keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)  # (batch, 1, 1, tokens, ctx)
+        mask = where(keep, self.zero, self.minus_inf)
+        new_k, new_v = [], []
+        for i in range(cfg.layers):
+            p = f"l{i}."
+            h = self._norm(x, p + "attn_norm")
+            q = (h @ self.w[p + "wq"]).reshape(batch, t, cfg.heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
+            k = (h @ self.w[p + "wk"]).reshape(batch, t, cfg.kv_heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
+            v = (h @ self.w[p + "wv"]).reshape(batch, t, cfg.kv_heads, hd)
+            cache_k = self.k[i].set_rows(pos, k.transpose(0, 2, 1, 3), axis=2)  # in place, (b, kv, ctx, hd)
+            cache_v = self.v[i].set_rows(pos, v.transpose(0, 2, 1, 3), axis=2)
+            new_k.append(cache_k)
+            new_v.append(cache_v)
+            qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
+            keys = cache_k.reshape(batch, cfg.kv_heads, 1, self.ctx, hd).transpose(0, 1, 2, 4, 3)
+            scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, ctx)
+            attn = scores @ cache_v.reshape(batch, cfg.kv_heads, 1, self.ctx, hd)  # (b, kv, g, t, hd)
+            merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)
+            x = x + merged @ self.w[p + "wo"]
+            h = self._norm(x, p + "ffn_norm")
+            gate_up = h @ self.w[p + "w_gate_up"]  # two segments: gate | up, both split alike
+            gate, up = gate_up[:, :, : cfg.ffn], gate_up[:, :, cfg.ffn :]
+            x = x + (gate.silu() * up) @ self.w[p + "w_down"]
+        self.k, self.v = new_k, new_v
+        x = self._norm(x, "norm")
+        if cfg.tied:  # (vocab, hidden) @ (hidden, b*t), then transposed: logits split by vocabulary
+            flat = x.reshape(batch * t, cfg.hidden)
+            return (self.w["embed"] @ flat.T).T.reshape(batch, t, cfg.vocab)
+        return x @ self.w["output"]
+
+    def caches(self) -> list[Tensor]:
+        """The written caches of the last step: run them with its outputs."""
+        return [*self.k, *self.v]

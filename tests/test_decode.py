@@ -1,0 +1,297 @@
+"""What a decoder needs: in-place cache writes, top-k over a split axis, rope, masked softmax,
+mixed dtypes, one plan for every decode step, and a bounded plan cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meta import MetaDevice, where
+from meta.planner import COMMUNICATING
+from models import reference as ref
+from split_state import MIRRORED, PARTIAL, Collective, ShapeError, Split
+from split_state.transitions import classify
+from transport import protocol as p
+from transport.protocol import MoveStep
+from workers.simulator import SimulatedCluster
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def vocab_states(n: int, vocab: int) -> list:
+    uneven = [0] * n
+    uneven[0], uneven[-1] = vocab - vocab // 4, vocab // 4
+    return [
+        MIRRORED,
+        PARTIAL,
+        Split.even(1, vocab, n),
+        Split(1, (tuple(uneven),)) if n > 1 else Split.even(1, vocab, 1),
+        Split.even(1, (vocab // 2, vocab - vocab // 2), n),  # two segments
+        Split.even(0, 3, n),  # rows split: every device ranks whole rows
+    ]
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_top_k_over_every_state_never_gathers_the_vocabulary(sim, n):
+    vocab, k = 50, 4
+    rng = np.random.default_rng(n)
+    logits = rng.integers(-20, 20, size=(3, vocab)).astype(np.float32)  # ties on purpose
+    dev = sim(n)
+    for state in vocab_states(n, vocab):
+        t = dev.tensor(logits, state)
+        values, indices = t.top_k(k)
+        got_i, got_v = indices.numpy(), values.numpy()
+        expected = ref.top_k(logits, k)
+        assert np.array_equal(got_i, expected[..., 1].astype(np.int64)), str(state)
+        assert np.array_equal(got_v, expected[..., 0].astype(np.float32)), str(state)
+        assert np.array_equal(t.argmax().numpy(), np.argmax(logits, axis=-1)), str(state)
+        for step in dev.last_plan.steps:  # what travels: candidates (n * k per row), never the logits
+            if isinstance(step, MoveStep) and classify(step.src, step.dst) in COMMUNICATING and state != PARTIAL:
+                assert vocab not in step.shape, (str(state), step)
+        dev.free(t)
+
+
+def test_top_k_on_worker_processes(procs3):
+    logits = np.random.default_rng(0).standard_normal((2, 101)).astype(np.float32)
+    t = procs3.tensor(logits, Split(1, ((60, 0, 41),)))
+    values, indices = t.top_k(5)
+    assert np.array_equal(indices.numpy(), np.argsort(-logits, axis=-1, kind="stable")[:, :5])
+    assert procs3.last_plan.collectives() == [Collective.ALL_GATHER]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_set_rows_writes_in_place_keeping_id_and_storage(sim, n):
+    rng = np.random.default_rng(n)
+    cache_host = rng.standard_normal((3, 10, 4)).astype(np.float32)
+    for state in [MIRRORED, PARTIAL, Split.even(0, 3, n), Split.even(1, 10, n), Split(2, ((4,) + (0,) * (n - 1),))]:
+        dev = sim(n)
+        cache = dev.tensor(cache_host, state)
+        tensor_id, used = cache.node.tensor, {r: s["used"] for r, s in dev.stats().items()}
+        value = rng.standard_normal((3, 2, 4)).astype(np.float32)
+        ids = np.array([7, 2], np.int32)
+        written = cache.set_rows(dev.tensor(ids), dev.tensor(value), axis=1)
+        dev.run(written)
+        expected = cache_host.copy()
+        expected[:, ids] = value
+        assert written.node.tensor == tensor_id and written.state == state, str(state)
+        np.testing.assert_array_equal(written.numpy(), expected)
+        np.testing.assert_array_equal(cache.numpy(), expected)  # the destination's handle sees the write
+        stats = dev.stats()
+        assert {r: s["used"] for r, s in stats.items()} == used, "no copy of the cache"
+        assert all(s["tensors"] == 1 for s in stats.values()), "only the cache is stored"
+
+
+def test_set_rows_with_bad_ids_fails_and_leaves_the_cache_intact(sim):
+    dev = sim(2)
+    cache_host = np.arange(24, dtype=np.float32).reshape(6, 4)
+    cache = dev.tensor(cache_host, Split.even(0, 6, 2))
+    with pytest.raises(ShapeError, match=r"ids must lie in \[0, 6\)"):
+        cache.set_rows(dev.tensor(np.array([9], np.int32)), dev.tensor(np.ones((1, 4), np.float32))).numpy()
+    np.testing.assert_array_equal(cache.numpy(), cache_host)
+    with pytest.raises(ShapeError, match="needs a value of"):
+        cache.set_rows(dev.tensor(np.array([1], np.int32)), dev.tensor(np.ones((2, 4), np.float32)))
+
+
+def test_batched_rows_each_prompt_at_its_own_position(sim):
+    dev = sim(3)
+    cache = dev.tensor(np.zeros((2, 3, 8, 4), np.float32), Split.even(1, 3, 3))  # (batch, heads, ctx, dim)
+    value = np.random.default_rng(0).standard_normal((2, 3, 1, 4)).astype(np.float32)
+    ids = np.array([[5], [2]], np.int32)
+    out = cache.set_rows(dev.tensor(ids), dev.tensor(value, Split.even(1, 3, 3)), axis=2).numpy()
+    assert np.array_equal(out[0, :, 5], value[0, :, 0]) and np.array_equal(out[1, :, 2], value[1, :, 0])
+    assert np.count_nonzero(out) == value.size
+
+
+def test_low_precision_weights_with_float32_activations(procs2):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 48)).astype(np.float16)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    wt = procs2.tensor(w, Split.even(1, 48, 2))
+    used = {r: s["used"] for r, s in procs2.stats().items()}
+    xt = procs2.tensor(x)
+    y = xt @ wt
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y.numpy(), x.astype(np.float64) @ w.astype(np.float64), rtol=1e-4, atol=1e-4)
+    # the float16 weight stays float16: only x and the result were added to the store
+    for r, s in procs2.stats().items():
+        assert s["used"] - used[r] == x.nbytes + 5 * 24 * 4, (r, s)
+
+
+# -- a GQA decode loop: cache written in place, one plan for every step -------------------------
+
+
+class GQA:
+    """4 query heads sharing 2 KV heads (head size 8, hidden 32), a 64-position cache."""
+
+    hidden, q_heads, kv_heads, hd, ctx = 32, 4, 2, 8, 64
+
+    def __init__(self, rng):
+        h, hd = self.hidden, self.hd
+        self.wq = (rng.standard_normal((h, self.q_heads * hd)) / np.sqrt(h)).astype(np.float32)
+        self.wk = (rng.standard_normal((h, self.kv_heads * hd)) / np.sqrt(h)).astype(np.float32)
+        self.wv = (rng.standard_normal((h, self.kv_heads * hd)) / np.sqrt(h)).astype(np.float32)
+        self.wo = (rng.standard_normal((self.q_heads * hd, h)) / np.sqrt(h)).astype(np.float32)
+
+    def reference_loop(self, xs: np.ndarray) -> np.ndarray:
+        """Single-device float64 decode: K and V appended one position at a time."""
+        group, hd = self.q_heads // self.kv_heads, self.hd
+        ks, vs, outs = [], [], []
+        for pos, x in enumerate(xs.astype(np.float64)):
+            q = ref.rope((x @ self.wq).reshape(1, self.q_heads, hd), np.array([pos]), 10000.0, "normal")[0]
+            k = ref.rope((x @ self.wk).reshape(1, self.kv_heads, hd), np.array([pos]), 10000.0, "normal")[0]
+            ks.append(k)
+            vs.append((x @ self.wv).reshape(self.kv_heads, hd))
+            keys, values = np.stack(ks, 1), np.stack(vs, 1)  # (kv heads, positions, hd)
+            attn = np.empty((self.q_heads, hd))
+            for head in range(self.q_heads):
+                g = head // group
+                scores = keys[g] @ q[head] / np.sqrt(hd)
+                w = np.exp(scores - scores.max())
+                attn[head] = (w / w.sum()) @ values[g]
+            outs.append(x + attn.reshape(-1) @ self.wo)
+        return np.stack(outs)
+
+
+def place_gqa(dev, m: GQA):
+    n, hd, group = dev.n, m.hd, m.q_heads // m.kv_heads
+    kv = Split.even(0, m.kv_heads, n)  # whole KV heads per device; a device may hold none
+    kv_cols = tuple(e * hd for e in kv.segments[0])
+    q_cols = tuple(e * group * hd for e in kv.segments[0])
+    weights = {
+        "wq": dev.tensor(m.wq, Split(1, (q_cols,))),
+        "wk": dev.tensor(m.wk, Split(1, (kv_cols,))),
+        "wv": dev.tensor(m.wv, Split(1, (kv_cols,))),
+        "wo": dev.tensor(m.wo, Split(0, (q_cols,))),
+        "positions": dev.tensor(np.arange(m.ctx, dtype=np.int32)),
+        "zero": dev.tensor(np.float32(0)),
+        "minus_inf": dev.tensor(np.float32(-np.inf)),
+    }
+    caches = [dev.tensor(np.zeros((m.kv_heads, m.ctx, hd), np.float32), kv) for _ in range(2)]
+    return weights, caches
+
+
+def gqa_step(dev, m: GQA, w, caches, x, pos):
+    """One decode step; returns (output, new K cache, new V cache), all lazy."""
+    group, hd = m.q_heads // m.kv_heads, m.hd
+    cache_k, cache_v = caches
+    xt = dev.tensor(x.reshape(1, -1))
+    p = dev.tensor(np.array([pos], np.int32))
+    q = (xt @ w["wq"]).reshape(1, m.q_heads, hd).rope(p)  # (1 token, q heads, hd)
+    k = (xt @ w["wk"]).reshape(1, m.kv_heads, hd).rope(p)
+    v = (xt @ w["wv"]).reshape(1, m.kv_heads, hd)
+    cache_k = cache_k.set_rows(p, k.transpose(1, 0, 2), axis=1)  # (kv heads, ctx, hd), in place
+    cache_v = cache_v.set_rows(p, v.transpose(1, 0, 2), axis=1)
+    mask = where(w["positions"] <= p, w["zero"], w["minus_inf"])  # (ctx,): causal, from the position
+    qg = q.reshape(m.kv_heads, group, hd)  # query heads grouped by the KV head they share
+    scores = qg @ cache_k.transpose(0, 2, 1)  # (kv heads, group, ctx)
+    attn = scores.softmax_masked(mask, scale=1.0 / np.sqrt(hd)) @ cache_v  # (kv heads, group, hd)
+    out = xt + (attn.reshape(1, m.q_heads * hd) @ w["wo"]).redistribute(MIRRORED)
+    return out, cache_k, cache_v
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gqa_decode_loop_equals_numpy_with_one_plan(sim, n):
+    rng = np.random.default_rng(7)
+    m = GQA(rng)
+    xs = rng.standard_normal((m.ctx, m.hidden)).astype(np.float32)
+    dev = sim(n)
+    w, caches = place_gqa(dev, m)
+    outs = []
+    for pos in range(m.ctx):
+        out, k, v = gqa_step(dev, m, w, caches, xs[pos], pos)
+        dev.run(out, k, v)
+        caches = [k, v]
+        outs.append(out.numpy()[0])
+    np.testing.assert_allclose(np.stack(outs), m.reference_loop(xs), rtol=1e-4, atol=1e-4)
+    assert len(dev.plans) <= 2  # one decode-step plan (plus the first reads' gather)
+    steps = [key for key in dev.plans]
+    assert sum(1 for key in steps if any(part[0] == "set_rows" for part in key)) == 1
+    decode = next(c for key, c in dev.plans.items() if any(part[0] == "set_rows" for part in key))
+    # attention is local: the only collective of a step is the output projection's all-reduce
+    assert decode.plan.collectives() == ([Collective.ALL_REDUCE] if n > 1 else [])
+
+
+def test_gqa_decode_on_two_processes(procs2):
+    rng = np.random.default_rng(8)
+    m = GQA(rng)
+    steps = 12
+    xs = rng.standard_normal((steps, m.hidden)).astype(np.float32)
+    w, caches = place_gqa(procs2, m)
+    outs = []
+    for pos in range(steps):
+        out, k, v = gqa_step(procs2, m, w, caches, xs[pos], pos)
+        procs2.run(out, k, v)
+        caches = [k, v]
+        outs.append(out.numpy()[0])
+    np.testing.assert_allclose(np.stack(outs), m.reference_loop(xs), rtol=1e-4, atol=1e-4)
+
+
+# -- a bounded plan cache ------------------------------------------------------------------------
+
+
+def programs(dev) -> list[int]:
+    return [s["programs"] for s in dev.stats().values()]
+
+
+def test_plans_are_evicted_least_recently_used_and_unloaded(sim):
+    dev = MetaDevice(SimulatedCluster(2), max_plans=3)
+    try:
+        x = {size: dev.tensor(np.ones(size, np.float32)) for size in range(1, 6)}
+        for size in (1, 2, 3, 1, 4):  # 1 is used again before 4 arrives: 2 is the oldest
+            (x[size] * 2.0).numpy()
+        assert [key[0][1] for key in dev.plans] == [(3,), (1,), (4,)]
+        assert programs(dev) == [3, 3]
+        np.testing.assert_array_equal((x[2] * 2.0).numpy(), [2.0, 2.0])  # recompiled on demand
+    finally:
+        dev.close()
+
+
+@pytest.mark.timeout(240)
+def test_two_thousand_steps_of_changing_shapes_stay_bounded(fresh_cluster):
+    cluster = fresh_cluster(2)
+    dev = MetaDevice(cluster, max_plans=32)
+    w = dev.tensor(np.ones((16, 16), np.float32), Split.even(1, 16, 2))
+    pids = list(cluster.pids.values())
+
+    def step(i: int) -> None:
+        rows = 1 + i % 500  # a new shape every step for 500 steps, then the cycle again
+        y = dev.tensor(np.ones((rows, 16), np.float32)) @ w
+        dev.run(y)
+        dev.free(y)
+
+    for i in range(500):
+        step(i)
+    rss0 = [_rss_kib(pid) for pid in pids]
+    for i in range(500, 2000):
+        step(i)
+    assert len(dev.plans) == 32 and programs(dev) == [32, 32]
+    for before, after in zip(rss0, [_rss_kib(pid) for pid in pids]):
+        assert after <= before * 1.10, (rss0, after)
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        fields = {k: v.split() for k, _, v in (line.partition(":") for line in f)}
+    return int(fields["VmRSS"][0]) - int(fields["RssShmem"][0])
+
+
+def test_fed_inputs_travel_with_the_next_run(sim):
+    dev = sim(2)
+    x = dev.tensor(np.arange(6, dtype=np.float32).reshape(2, 3), Split.even(1, 3, 2))
+    scale = dev.feed(np.array([[2.0], [3.0]], np.float32))
+    calls = dev.cluster.call_all
+    sent = []
+    dev.cluster.call_all = lambda messages, *a: sent.append(type(next(iter(messages.values())))) or calls(messages, *a)
+    assert np.array_equal(scale.numpy(), [[2.0], [3.0]]) and sent == []  # known here: no round trip
+    got = (x * scale).numpy()
+    assert p.Put not in sent and p.RunProgram in sent
+    np.testing.assert_array_equal(got, np.arange(6, dtype=np.float32).reshape(2, 3) * [[2.0], [3.0]])
+    assert np.array_equal(scale.numpy(), [[2.0], [3.0]])  # now read back from a worker
+
+
+def test_a_feed_reaching_past_its_bytes_is_refused(sim):
+    dev = sim(1)
+    reply = dev.cluster.call_all(
+        {0: p.RunProgram(1, 1, [], [], [], [p.Feed(5, "float32", (4,), 8)], np.zeros(16, np.uint8))}
+    )[0]
+    assert isinstance(reply, p.Error) and "reaches past the 16 bytes" in reply.message
