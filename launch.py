@@ -37,9 +37,9 @@ __all__ = ["LaunchEnv", "blas_threads", "cluster", "current", "detect_launcher",
 
 
 @contextlib.contextmanager
-def cluster(workers: int | None = None, backend: str = "auto", devices: tuple[int, ...] = (), **config) -> Iterator[
-    MetaDevice
-]:
+def cluster(
+    workers: int | None = None, backend: str = "auto", devices: tuple[int, ...] = (), **config
+) -> Iterator[MetaDevice]:
     """A connected MetaDevice for scripts and notebooks; every process is stopped on exit.
 
     with launch.cluster(workers=4, backend="cpu") as dev:

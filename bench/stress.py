@@ -26,7 +26,19 @@ from split_state.errors import MetaError, ShapeError
 from split_state.ops import OPS, infer
 from split_state.states import MIRRORED, PARTIAL, Split, State
 
-AXIS_OPS = {"concat", "softmax", "softmax_ext", "rms_norm", "layer_norm", "sum", "mean", "slice", "reshape", "transpose", "set_rows"}
+AXIS_OPS = {
+    "concat",
+    "softmax",
+    "softmax_ext",
+    "rms_norm",
+    "layer_norm",
+    "sum",
+    "mean",
+    "slice",
+    "reshape",
+    "transpose",
+    "set_rows",
+}
 PRECISION = ("bfloat16", "float16", "float32", "float64")
 DTYPES = ("float32", "float32", "float16", "bfloat16", "int32")
 FLOAT_ONLY = {
@@ -148,7 +160,9 @@ class Builder:
         if name == "rope":
             if ref.ndim < 3 or shape[-1] % 2:
                 raise ShapeError("rope needs (..., tokens, heads, even head_dim)")
-            pos, p = self.new(shape[:-2], "int32", partial=False, values=rng.integers(0, 512, shape[:-2]).astype(np.int32))
+            pos, p = self.new(
+                shape[:-2], "int32", partial=False, values=rng.integers(0, 512, shape[:-2]).astype(np.int32)
+            )
             return [cur, pos], [ref, p], {"base": 10000.0, "mode": str(rng.choice(["normal", "neox"]))}
         if name == "set_rows":  # the chain value written into rows of a fresh resident tensor
             axis = int(rng.integers(ref.ndim))

@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import collectives, report, tp_matmul, transport  # noqa: E402
+from bench import collectives, decode, report, tp_matmul, transport  # noqa: E402
 
 
 def memcpy_GBps(nbytes: int = 64 << 20, reps: int = 10) -> float:  # noqa: N802 - unit in the name
@@ -56,6 +56,8 @@ def run(quick: bool, backend: str) -> dict:
     for n in counts:
         print(f"{step} tensor-parallel matmul and MLP on {n} workers ...", file=sys.stderr, flush=True)
         results["tp_matmul"][n] = tp_matmul.run(quick, n, backend)
+    print(f"{step} decode step of a 30-layer llama stand-in on 2 workers ...", file=sys.stderr, flush=True)
+    results["decode"] = decode.run(quick, 2)
     print(f"{step} model ...", file=sys.stderr, flush=True)
     results["model"] = model_benchmark(quick)
     return results
@@ -93,6 +95,18 @@ def summary_rows(results: dict) -> list[list]:
             rows.append(
                 [f"{r['case']} {n}w", "ms", r["ours_ms"], f"1 proc, {n} thr", r["numpy_ms"], r["throughput_ratio"]]
             )
+    d = results.get("decode")
+    if d:
+        rows.append(
+            [
+                f"decode step {d['config']['layers']} layers 2w",
+                "ms",
+                d["ours_ms"],
+                "1 proc, 2 thr",
+                d["numpy_ms"],
+                d["ratio"],
+            ]
+        )
     model = results.get("model")
     if model:
         rows.append(
@@ -127,12 +141,33 @@ def show(results: dict) -> None:
         for r in tp["rows"]:
             b = r["breakdown"]
             rows.append(
-                [f"{r['case']} {n}w", b["wall_ms"], b["compute_ms"], b["transfer_ms"], b["wait_ms"], b["dispatch_ms"]]
+                [
+                    f"{r['case']} {n}w",
+                    b["wall_ms"],
+                    b["compute_ms"],
+                    b["transfer_ms"],
+                    b["wait_ms"],
+                    b["executor_ms"],
+                    b["dispatch_ms"],
+                ]
             )
+    d = results.get("decode")
+    if d:
+        rows.append(
+            [
+                "decode step 2w",
+                d["ours_ms"],
+                d["compute_ms"],
+                d["collectives_ms"] - d["waiting_ms"],
+                d["waiting_ms"],
+                d["executor_ms"],
+                d["dispatch_ms"],
+            ]
+        )
     print(
         report.table(
             "where a step's time goes (slowest worker's own timings, ms)",
-            ["step", "wall", "compute", "transfer", "waiting on peers", "dispatch/control"],
+            ["step", "wall", "compute", "transfer", "waiting on peers", "executor", "dispatch/control"],
             rows,
         )
     )

@@ -98,16 +98,19 @@ def ours_case(dev: MetaDevice, m: int, k: int, nn: int, kind: str, steps: int) -
 
 def breakdown(wall: float, timings: dict[int, dict]) -> dict:
     """Where one step's time goes, from the slowest worker's own timings: compute, moving data,
-    waiting for peers, and the rest (coordinator dispatch, control messages)."""
+    waiting for peers, the executor's own work between steps (program), and the rest
+    (dispatch: the coordinator's work, control messages and replies)."""
     slowest = max(timings.values(), key=lambda t: t["compute_s"] + t["comm_s"])
     wait = slowest.get("wait_s", 0.0)
     busy = slowest["compute_s"] + slowest["comm_s"]
+    program = slowest.get("program_s", busy)
     return {
         "wall_ms": wall * 1e3,
         "compute_ms": slowest["compute_s"] * 1e3,
         "transfer_ms": (slowest["comm_s"] - wait) * 1e3,
         "wait_ms": wait * 1e3,
-        "dispatch_ms": max(0.0, wall - busy) * 1e3,
+        "executor_ms": max(0.0, program - busy) * 1e3,
+        "dispatch_ms": max(0.0, wall - program) * 1e3,
     }
 
 

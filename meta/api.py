@@ -1,7 +1,7 @@
 """The Python API: a connected MetaDevice in a `with` block.
 
-    with launch.cluster(workers=4, backend="cpu") as dev:
-        ...
+with launch.cluster(workers=4, backend="cpu") as dev:
+    ...
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def cluster(
     backend = backends.auto() if backend == "auto" else backend
     cls = backends.backend_class(backend)
     if cls.device_count() == 0:
-        raise MetaError(f"--backend {backend}: no device is visible (is its package installed? pip install -e '.[{backend}]')")
+        raise MetaError(
+            f"--backend {backend}: no device is visible (is its package installed? pip install -e '.[{backend}]')"
+        )
     if workers is None:
         workers = len(devices) or cls.default_workers()
     if cls.host_threads:

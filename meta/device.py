@@ -9,9 +9,9 @@ y.numpy()                                       # plans, compiles (cached), runs
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 import sys
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -24,7 +24,7 @@ from meta.planner import Plan, plan
 from meta.tensor import Tensor
 from split_state import errors
 from split_state.dtypes import dtype_name
-from split_state.errors import MetaError, RemoteError
+from split_state.errors import MetaError, RemoteError, ShapeError
 from split_state.layout import Piece, local_shape, pieces
 from split_state.ops import OPS
 from split_state.scatter import extract, gather
@@ -83,6 +83,7 @@ class MetaDevice:
         self.last_timings: dict[int, dict] = {}
         self._released: list[int] = []  # resident tensors whose handles were collected
         self._feeds: dict[int, np.ndarray] = {}  # fed tensors not yet sent: they go with the next run
+        self._pinned: set[int] = set()  # programs of captured steps: never evicted while they live
         # the workers' data plane: the planner charges the collective algorithms that run there
         planes = {info.get("data_plane", "") for info in getattr(cluster, "data_planes", ())}
         self.plane = planes.pop() if len(planes) == 1 else ""
@@ -199,10 +200,12 @@ class MetaDevice:
 
     def run(self, *tensors: Tensor) -> None:
         """Make `tensors` resident: plan (cached by structure), load once, run on every worker."""
-        outputs = [t.node for t in tensors if not t.node.resident]
+        self._run_nodes([t.node for t in tensors if not t.node.resident])
+
+    def _run_nodes(self, outputs: list[Node]) -> tuple[CompiledPlan, list[Node], list[Node | None]] | None:
         outputs = list({id(n): n for n in outputs}.values())
         if not outputs:
-            return
+            return None
         leaves, order = topo_order(outputs)
         key = structural_key(leaves, order, outputs)
         compiled = self.plans.get(key)
@@ -217,34 +220,84 @@ class MetaDevice:
             print("\n".join(compiled.plan.trace), file=self.trace_to)
         roots = [_written(node) for node in outputs]  # in-place writes keep their destination's id
         out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in roots]
-        run = next(self._run_ids)
-        released, self._released[:] = list(self._released), []
-        fed = [leaf.tensor for leaf in leaves if leaf.tensor in self._feeds]
-        feeds, data = _pack_feeds({t: self._feeds[t] for t in fed})
-        message = p.RunProgram(
-            compiled.program,
-            run,
-            [[i, leaf.tensor] for i, leaf in enumerate(leaves)],
-            [[v, t] for v, t in zip(compiled.plan.outputs, out_ids)],
-            released,
-            feeds,
-            data,
-        )
-        replies = self._call({d: message for d in range(self.n)})
+        fed = {leaf.tensor: self._feeds[leaf.tensor] for leaf in leaves if leaf.tensor in self._feeds}
+        self._execute(compiled, [leaf.tensor for leaf in leaves], out_ids, fed)
         for tensor in fed:  # on the workers now
             del self._feeds[tensor]
-        self.last_timings = {d: dict(r.info) for d, r in replies.items()}
         for node, root, tensor, state in zip(outputs, roots, out_ids, compiled.plan.out_states):
             if root is None:
                 self._resident(node, tensor, state)
             else:  # the destination's storage, under its id: it lives as long as either handle
                 node.tensor, node.state, node.alias = tensor, state, root
             node.op, node.inputs = "", ()  # resident now: the recipe (and its inputs) can go
+        return compiled, leaves, roots
+
+    def _execute(self, compiled: CompiledPlan, inputs: list[int], out_ids: list[int], fed: dict) -> None:
+        """One RunProgram on every worker: `inputs` by slot, results stored as `out_ids`."""
+        released, self._released[:] = list(self._released), []
+        feeds, data = _pack_feeds(fed)
+        message = p.RunProgram(
+            compiled.program,
+            next(self._run_ids),
+            [[i, tensor] for i, tensor in enumerate(inputs)],
+            [[v, t] for v, t in zip(compiled.plan.outputs, out_ids)],
+            released,
+            feeds,
+            data,
+        )
+        replies = self._call({d: message for d in range(self.n)})
+        self.last_timings = {d: dict(r.info) for d, r in replies.items()}
+
+    def capture(self, build: Callable[..., Sequence[Tensor]], *values: np.ndarray) -> tuple[Step, list[Tensor]]:
+        """Run `build(*feeds)` with `values` fed (a real step), and return it as a Step that
+        replays the same compiled program with new values of the same shapes (no graph to build,
+        plan or key on the coordinator; one message per worker), with this run's outputs.
+        In-place writes (a KV cache) go on in place at every replay."""
+        feeds = [self.feed(v) for v in values]
+        outputs = list(build(*feeds))
+        ran = self._run_nodes([t.node for t in outputs])
+        if ran is None:
+            raise ShapeError("capture: the graph has nothing to compute")
+        compiled, leaves, roots = ran
+        slots = {leaf.tensor: i for i, leaf in enumerate(leaves)}
+        step = Step(self, compiled, leaves, [slots.get(f.node.tensor) for f in feeds], values, roots)
+        return step, outputs
+
+    def _replay(self, step: Step, arrays: Sequence[np.ndarray]) -> list[Tensor]:
+        inputs = [leaf.tensor for leaf in step.leaves]
+        fed = {}
+        for slot, example, array in zip(step.feed_slots, step.examples, arrays):
+            array = np.asarray(array)
+            if array.shape != example.shape or array.dtype != example.dtype:
+                raise ShapeError(
+                    f"captured step: a feed of {example.shape} {example.dtype} got {array.shape} {array.dtype}; "
+                    "capture another step for other shapes"
+                )
+            if slot is not None:
+                inputs[slot] = next(self._tensor_ids)
+                fed[inputs[slot]] = array
+        out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in step.roots]
+        try:
+            self._execute(step.compiled, inputs, out_ids, fed)
+        finally:
+            self._released.extend(fed)  # fed values are single-use
+        out = []
+        for root, tensor, state, (shape, dtype) in zip(step.roots, out_ids, step.compiled.plan.out_states, step.outs):
+            node = Node("", (), {}, shape, dtype)
+            if root is None:
+                self._resident(node, tensor, state)
+            else:
+                node.tensor, node.state, node.alias = tensor, state, root
+            out.append(Tensor(self, node))
+        return out
 
     def _evict(self) -> None:
         evicted = []
-        while len(self.plans) > self.max_plans:
-            evicted.append(self.plans.popitem(last=False)[1].program)
+        for key in list(self.plans):
+            if len(self.plans) <= self.max_plans:
+                break
+            if self.plans[key].program not in self._pinned:  # captured steps keep theirs
+                evicted.append(self.plans.pop(key).program)
         if evicted:
             self._call({d: p.Unload(evicted) for d in range(self.n)})
 
@@ -276,6 +329,23 @@ class MetaDevice:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Step:
+    """A captured step (MetaDevice.capture): call it with new feed values, get its outputs."""
+
+    def __init__(self, dev: MetaDevice, compiled, leaves, feed_slots, examples, roots):
+        self.dev, self.compiled, self.leaves = dev, compiled, list(leaves)  # leaves stay alive with it
+        self.feed_slots, self.examples, self.roots = feed_slots, [np.asarray(e) for e in examples], roots
+        plan = compiled.plan
+        self.outs = [(plan.shapes[v], plan.dtypes[v]) for v in plan.outputs]
+        dev._pinned.add(compiled.program)
+        weakref.finalize(self, dev._pinned.discard, compiled.program)
+
+    def __call__(self, *arrays: np.ndarray) -> list[Tensor]:
+        if len(arrays) != len(self.examples):
+            raise ShapeError(f"captured step takes {len(self.examples)} feeds, got {len(arrays)}")
+        return self.dev._replay(self, arrays)
 
 
 def _pack_feeds(arrays: dict[int, np.ndarray]) -> tuple[list[p.Feed], np.ndarray]:

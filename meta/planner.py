@@ -33,6 +33,7 @@ class Plan:
     outputs: list[int]  # value of each requested node
     states: dict[int, State]  # the state of every value
     shapes: dict[int, tuple[int, ...]]  # the global shape of every value
+    dtypes: dict[int, str]  # the dtype of every value
     trace: list[str]
     n: int
     labels: dict[int, str] = field(default_factory=dict)  # op values, for traces and errors
@@ -98,4 +99,5 @@ def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, pla
         trace.append(f"{label}: ({', '.join(f'{names[v]}:{state[v]}' for v in ins)}) -> {node.op} -> {sig.output}")
     outs = [value[o.id] for o in outputs]
     shapes_of = {v: shape for v, (shape, _) in meta.items()}
-    return Plan(len(leaves), steps, outs, state, shapes_of, trace, n, labels)
+    dtypes_of = {v: dtype for v, (_, dtype) in meta.items()}
+    return Plan(len(leaves), steps, outs, state, shapes_of, dtypes_of, trace, n, labels)

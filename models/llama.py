@@ -194,12 +194,14 @@ class TensorParallelLlama:
     def _norm(self, x: Tensor, name: str) -> Tensor:
         return x.rms_norm(eps=self.cfg.eps) * self.w[name]
 
-    def step(self, tokens: np.ndarray, positions: np.ndarray) -> Tensor:
-        """Logits (batch, tokens, vocab), split by vocabulary; caches written at `positions`."""
+    def step(self, tokens, positions) -> Tensor:
+        """Logits (batch, tokens, vocab), split by vocabulary; caches written at `positions`.
+        tokens, positions: (batch, tokens) host arrays, or fed tensors (see capture_decode)."""
         cfg, dev, hd = self.cfg, self.dev, self.cfg.head_dim
         batch, t = tokens.shape
-        ids = dev.feed(np.asarray(tokens, np.int32))  # travel with the run: no round trip of their own
-        pos = dev.feed(np.asarray(positions, np.int32))
+        # host values travel with the run: no round trip of their own
+        ids = tokens if isinstance(tokens, Tensor) else dev.feed(np.asarray(tokens, np.int32))
+        pos = positions if isinstance(positions, Tensor) else dev.feed(np.asarray(positions, np.int32))
         x = get_rows(self.w["embed"], ids)  # (batch, tokens, hidden), Partial over the vocabulary split
         keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)  # (batch, 1, 1, tokens, ctx)
         mask = where(keep, self.zero, self.minus_inf)
@@ -230,6 +232,17 @@ class TensorParallelLlama:
             flat = x.reshape(batch * t, cfg.hidden)
             return (self.w["embed"] @ flat.T).T.reshape(batch, t, cfg.vocab)
         return x @ self.w["output"]
+
+    def capture_decode(self, tokens: np.ndarray, positions: np.ndarray, build=None):
+        """Run one decode step (tokens, positions: (batch, 1)) and capture it: returns (step, its
+        outputs). `step(tokens, positions)` replays it; outputs are [build's results, *caches],
+        by default [next-token ids (batch, 1) int64, *caches]."""
+        build = build or (lambda logits: [logits.argmax()])
+
+        def graph(t: Tensor, p: Tensor) -> list[Tensor]:
+            return [*build(self.step(t, p)), *self.caches()]
+
+        return self.dev.capture(graph, np.asarray(tokens, np.int32), np.asarray(positions, np.int32))
 
     def caches(self) -> list[Tensor]:
         """The written caches of the last step: run them with its outputs."""

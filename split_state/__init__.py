@@ -7,6 +7,7 @@ their transfer plans; the collective algorithms (`algorithms`) that both the pla
 workers consult; the dtype set and the exception hierarchy every other package uses.
 """
 
+from split_state.algorithms import ALGORITHMS, Algorithm, Transition, select, transition
 from split_state.dtypes import DTYPES, dtype_from_name, dtype_name
 from split_state.errors import (
     ConsistencyError,
@@ -27,7 +28,6 @@ from split_state.ops import OPS
 from split_state.rules import Signature, choose
 from split_state.scatter import gather, reduce_sum, scatter
 from split_state.states import MIRRORED, PARTIAL, Mirrored, Partial, Split, State, validate
-from split_state.algorithms import ALGORITHMS, Algorithm, Transition, select, transition
 from split_state.transitions import Collective, apply_reference
 
 __all__ = [

@@ -40,4 +40,3 @@ def dtype_from_name(name: object) -> np.dtype:
     if not isinstance(name, str) or name not in DTYPES:
         raise UnsupportedDtype(f"dtype {name!r} is not supported; supported: {', '.join(DTYPES)}")
     return DTYPES[name]
-

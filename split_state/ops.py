@@ -436,7 +436,10 @@ def _infer_softmax_ext(shapes, dtypes, params):
     if _broadcast([x, mask], "softmax_ext") != x:
         raise ShapeError(f"softmax_ext: mask {mask} must broadcast to the scores {x}")
     _float(dtypes[1], "softmax_ext")
-    canon = {"axis": _axis(params.get("axis", -1), len(x), "softmax_ext"), "scale": _number(params, "scale", 1.0, "softmax_ext")}
+    canon = {
+        "axis": _axis(params.get("axis", -1), len(x), "softmax_ext"),
+        "scale": _number(params, "scale", 1.0, "softmax_ext"),
+    }
     return x, _float(dtypes[0], "softmax_ext"), canon
 
 
@@ -482,7 +485,9 @@ def _infer_set_rows(shapes, dtypes, params):
         raise ShapeError(f"set_rows: ids must be (tokens,) or (batch={dst[0]}, tokens), got {ids}")
     want = dst[:axis] + (ids[-1],) + dst[axis + 1 :]
     if value != want:
-        raise ShapeError(f"set_rows: writing rows {ids} along axis {axis} of {dst} needs a value of {want}, got {value}")
+        raise ShapeError(
+            f"set_rows: writing rows {ids} along axis {axis} of {dst} needs a value of {want}, got {value}"
+        )
     if (dtypes[0] in FLOAT_NAMES) != (dtypes[2] in FLOAT_NAMES):
         raise ShapeError(f"set_rows: cannot write {dtypes[2]} into {dtypes[0]}")
     return dst, dtypes[0], {"axis": axis, "rows": dst[axis]}
@@ -529,7 +534,9 @@ def _top_k_candidates_rule(states, shapes, params, out_shape):
     sigs = [Signature((MIRRORED,), MIRRORED)] if st == MIRRORED else []  # every device ranks whole rows
     if isinstance(st, Split) and st.axis != last:
         sigs.append(Signature((st,), st))
-    sigs.append(Signature((st if isinstance(st, Split) and st.axis == last else Split.even(last, x[-1], n),), candidates))
+    sigs.append(
+        Signature((st if isinstance(st, Split) and st.axis == last else Split.even(last, x[-1], n),), candidates)
+    )
     return list(dict.fromkeys(sigs + [Signature((MIRRORED,), MIRRORED)]))
 
 
@@ -595,7 +602,12 @@ OPS: dict[str, OpSpec] = {
     "rope": OpSpec("rope", 2, _infer_rope, _labels_rule(_rope_labels)),
     "set_rows": OpSpec("set_rows", 3, _infer_set_rows, _set_rows_rule, _localize_set_rows, inplace=True),
     "top_k_candidates": OpSpec(
-        "top_k_candidates", 1, _infer_top_k_candidates, _top_k_candidates_rule, _localize_top_k_candidates, internal=True
+        "top_k_candidates",
+        1,
+        _infer_top_k_candidates,
+        _top_k_candidates_rule,
+        _localize_top_k_candidates,
+        internal=True,
     ),
     "top_k_combine": OpSpec("top_k_combine", 1, _infer_top_k_combine, _labels_rule(_top_k_combine_labels)),
 }

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from split_state.states import MIRRORED, PARTIAL, Split, State
 from split_state.algorithms import transition
+from split_state.states import MIRRORED, PARTIAL, Split, State
 
 
 @dataclass(frozen=True)

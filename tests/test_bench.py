@@ -29,6 +29,8 @@ def test_quick_suite_writes_json_and_plots(tmp_path):
         for row in tp["rows"]:
             assert row["ours_ms"] > 0 and row["numpy_ms"] > 0
             assert row["breakdown"]["compute_ms"] > 0
+    decode = results["decode"]
+    assert decode["plans"] == 1 and decode["ours_ms"] > 0 and decode["numpy_ms"] > 0
     for name in ("bandwidth_vs_size.png", "step_time_vs_workers.png", "tp_vs_single.png"):
         png = tmp_path / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meta import MetaDevice, apply, get_rows
-from split_state import MIRRORED, OPS, PARTIAL, Collective, Split
 from models.reference import gelu_tanh
+from split_state import MIRRORED, PARTIAL, Collective, Split
 from tests.op_cases import CHECKED_OPS, assert_matches, draw_case
 from tests.strategies import state_for
 from workers.simulator import SimulatedCluster

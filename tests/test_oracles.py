@@ -33,7 +33,9 @@ def test_gelu_is_the_tanh_form(fn):
     assert abs(fn(np.array([1.0]))[0] - 0.8411919906082768) < 1e-12
 
 
-@pytest.mark.parametrize("fn", [lambda x: kernel("gelu_erf", x), lambda x: ref.gelu_erf(x)], ids=["kernel", "reference"])
+@pytest.mark.parametrize(
+    "fn", [lambda x: kernel("gelu_erf", x), lambda x: ref.gelu_erf(x)], ids=["kernel", "reference"]
+)
 def test_gelu_erf_is_x_times_the_normal_cdf(fn):
     exact = [0.5 * v * (1.0 + math.erf(v / math.sqrt(2.0))) for v in GRID]
     np.testing.assert_allclose(fn(GRID), exact, rtol=0, atol=1e-6)
@@ -46,7 +48,9 @@ def test_reference_erf_is_erf():
     np.testing.assert_allclose(ref.erf(GRID), [math.erf(v) for v in GRID], rtol=0, atol=1.5e-7)
 
 
-@pytest.mark.parametrize("name, fn", [("silu", lambda v: v / (1 + math.exp(-v))), ("exp", math.exp), ("tanh", math.tanh)])
+@pytest.mark.parametrize(
+    "name, fn", [("silu", lambda v: v / (1 + math.exp(-v))), ("exp", math.exp), ("tanh", math.tanh)]
+)
 def test_unary_ops_match_the_math_module(name, fn):
     x = np.linspace(-5, 5, 41)
     for got in both(name, x):

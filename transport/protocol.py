@@ -14,11 +14,11 @@ ProtocolError; it never returns a half-valid message.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import struct
 import typing
 from collections.abc import Callable, Sequence
-import dataclasses
 from dataclasses import dataclass, field, fields
 from math import prod
 from typing import Any, ClassVar

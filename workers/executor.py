@@ -48,6 +48,7 @@ class Executor:
         slots = {slot: self.store.get(tensor) for slot, tensor in inputs}
         owned: dict[int, int] = {}  # slots this run allocated -> bytes
         timings = {"compute_s": 0.0, "comm_s": 0.0}
+        started = time.perf_counter()
         waited = self.comm.waited
         try:
             for index, step in enumerate(self.programs[program]):
@@ -55,6 +56,7 @@ class Executor:
             self.backend.synchronize()
             results = {tensor: slots[slot] for slot, tensor in outputs}
             timings["wait_s"] = self.comm.waited - waited  # part of comm_s spent blocked on peers
+            timings["program_s"] = time.perf_counter() - started  # the rest is the executor's own
         except BaseException as exc:
             self._release(owned)
             if isinstance(exc, Exception):

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import struct
 import time
-from typing import Any
-
 from collections.abc import Sequence
+from typing import Any
 
 from split_state.algorithms import Phase, Tag
 from split_state.dtypes import dtype_name
@@ -187,7 +186,9 @@ class NcclEngine:
         """Run the remote transfers of `plan` for this rank; received arrays by id(transfer)."""
         rank, xp = self.rank, self.xp
         sends = [(xp.ascontiguousarray(local[t.src_box]), t.dst) for t in plan if t.src == rank and t.dst != rank]
-        recvs = [(t, xp.empty(box_shape(t.dst_box, shape), local.dtype)) for t in plan if t.dst == rank and t.src != rank]
+        recvs = [
+            (t, xp.empty(box_shape(t.dst_box, shape), local.dtype)) for t in plan if t.dst == rank and t.src != rank
+        ]
         self.comm.device.exchange(sends, [(array, t.src) for t, array in recvs])
         self.comm.wait(tag.run, tag.deadline)
         return {id(t): array for t, array in recvs}
