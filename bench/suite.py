@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import collectives, decode, report, tp_matmul, transport  # noqa: E402
+from bench import collectives, decode, llm, report, tp_matmul, transport  # noqa: E402
 
 
 def memcpy_GBps(nbytes: int = 64 << 20, reps: int = 10) -> float:  # noqa: N802 - unit in the name
@@ -58,6 +58,8 @@ def run(quick: bool, backend: str) -> dict:
         results["tp_matmul"][n] = tp_matmul.run(quick, n, backend)
     print(f"{step} decode step of a 30-layer llama stand-in on 2 workers ...", file=sys.stderr, flush=True)
     results["decode"] = decode.run(quick, 2)
+    print(f"{step} SmolLM2 generation on {'2' if quick else '1, 2 and 4'} workers ...", file=sys.stderr, flush=True)
+    results["llm"] = llm.run(quick, [2] if quick else counts)
     print(f"{step} model ...", file=sys.stderr, flush=True)
     results["model"] = model_benchmark(quick)
     return results
@@ -105,6 +107,17 @@ def summary_rows(results: dict) -> list[list]:
                 "1 proc, 2 thr",
                 d["numpy_ms"],
                 d["ratio"],
+            ]
+        )
+    for r in (results.get("llm") or {}).get("rows", []):
+        rows.append(
+            [
+                f"SmolLM2 decode {r['workers']}w",
+                "tok/s",
+                r["ours_decode_tok_s"],
+                "NumPy ref",
+                r["numpy_decode_tok_s"],
+                r["decode_ratio"],
             ]
         )
     model = results.get("model")

@@ -138,10 +138,13 @@ def _sent(phases: Sequence[Phase], n: int, itemsize: int) -> tuple[int, ...]:
 
 
 class Keep(Algorithm):
+    """Nothing to do: the same state, or one device (where every state's local tensor is the
+    whole tensor, in order)."""
+
     name = "keep"
 
     def applies(self, r: Request) -> bool:
-        return classify(r.src, r.dst) is Collective.NONE
+        return r.n == 1 or classify(r.src, r.dst) is Collective.NONE
 
     def run(self, engine, local, r, tag):
         return local

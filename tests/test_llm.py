@@ -1,0 +1,170 @@
+"""SmolLM2-135M from its GGUF file: tokenizer anchors, the NumPy reference decoder, tensor-parallel
+logits and greedy tokens equal to it, the generate command, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meta import MetaDevice
+from models.gguf_model import GGUFModel, ModelError, ModelMissing
+from models.llama import ReferenceDecoder, TensorParallelLlama
+from split_state import Collective
+from workers.simulator import SimulatedCluster
+
+pytestmark = pytest.mark.timeout(600)
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The capital of France is"
+PROMPT_IDS = [504, 3575, 282, 4649, 314]  # as the model's own tokenizer encodes it
+STEPS = 16
+CTX = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    try:
+        return GGUFModel()
+    except ModelMissing as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def weights(model):
+    names = ["embed", "norm"] + [
+        f"l{i}.{k}"
+        for i in range(model.config.layers)
+        for k in ("attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    ]
+    return {name: model.weight(name) for name in names}
+
+
+@pytest.fixture(scope="module")
+def reference_run(model, weights):
+    """Greedy decoding by the NumPy reference: logits of the prompt's last position, then of each
+    of STEPS decode steps, and the tokens chosen."""
+    ref = ReferenceDecoder(model.config, weights, CTX)
+    logits = [ref.forward(np.array([PROMPT_IDS]), np.arange(len(PROMPT_IDS))[None])[0, -1]]
+    tokens = [int(np.argmax(logits[-1]))]
+    for pos in range(len(PROMPT_IDS), len(PROMPT_IDS) + STEPS):
+        logits.append(ref.forward(np.array([[tokens[-1]]]), np.array([[pos]]))[0, -1])
+        tokens.append(int(np.argmax(logits[-1])))
+    return np.stack(logits), tokens
+
+
+def test_tokenizer_matches_the_anchors(model):
+    tok = model.tokenizer
+    assert tok.encode(PROMPT) == PROMPT_IDS
+    assert tok.decode(PROMPT_IDS) == PROMPT
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [1, 4093, 198, 6004, 2]  # control tokens are single
+    assert tok.encode("2024") == [34, 32, 34, 36]  # SmolLM splits digits one by one
+    assert model.chat_template.render([{"role": "user", "content": "hi"}]).endswith("<|im_start|>assistant\n")
+
+
+def test_reference_continues_with_paris(model, reference_run):
+    _, tokens = reference_run
+    assert model.tokenizer.decode(tokens[:2]) == " Paris."
+
+
+def check_tensor_parallel(dev: MetaDevice, model, weights, reference_run) -> None:
+    expected_logits, expected_tokens = reference_run
+    net = TensorParallelLlama(dev, model.config, weights.__getitem__, CTX)
+    logits = net.step(np.array([PROMPT_IDS]), np.arange(len(PROMPT_IDS))[None])
+    last = logits[:, len(PROMPT_IDS) - 1 :]
+    dev.run(last, *net.caches())
+    got_logits, got_tokens = [last.numpy()[0, 0]], []
+    for pos in range(len(PROMPT_IDS), len(PROMPT_IDS) + STEPS):
+        got_tokens.append(int(np.argmax(got_logits[-1])))
+        step = net.step(np.array([[got_tokens[-1]]]), np.array([[pos]]))
+        dev.run(step, *net.caches())
+        got_logits.append(step.numpy()[0, 0])
+        if dev.n > 1:  # two per layer, plus the lookup in the vocabulary-split embedding table
+            assert dev.last_plan.collectives() == [Collective.ALL_REDUCE] * (2 * model.config.layers + 1)
+    got_tokens.append(int(np.argmax(got_logits[-1])))
+    assert np.max(np.abs(np.stack(got_logits) - expected_logits)) < 1e-4
+    assert got_tokens == expected_tokens
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_tensor_parallel_equals_the_reference_on_simulated_devices(model, weights, reference_run, n):
+    dev = MetaDevice(SimulatedCluster(n), check_mirrored=True)
+    try:
+        check_tensor_parallel(dev, model, weights, reference_run)
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("devname", ["procs2", "procs3"])
+def test_tensor_parallel_equals_the_reference_on_worker_processes(model, weights, reference_run, devname, request):
+    check_tensor_parallel(request.getfixturevalue(devname), model, weights, reference_run)
+
+
+def run_generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_generate_command_streams_writes_json_and_logits(model, reference_run, tmp_path):
+    expected_logits, expected_tokens = reference_run
+    out = run_generate(
+        PROMPT,
+        "--max-new-tokens",
+        "4",
+        "--ctx",
+        "64",
+        "--json",
+        str(tmp_path / "g.json"),
+        "--logits-out",
+        str(tmp_path / "l.npy"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith(" Paris.") and "tokens/s" in out.stderr
+    result = json.loads((tmp_path / "g.json").read_text())
+    assert result[0]["prompt_tokens"] == PROMPT_IDS and result[0]["tokens"] == expected_tokens[:4]
+    logits = np.load(tmp_path / "l.npy")
+    assert logits.shape == (1, model.config.vocab) and logits.dtype == np.float32
+    assert np.max(np.abs(logits[0] - expected_logits[0])) < 1e-4
+
+
+def test_prompts_of_different_lengths_decode_together(model):
+    """Each prompt at its own position: the batch gives what each prompt gives alone."""
+    from models.generate import LLM
+
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        prompts = [PROMPT, "Water boils at a temperature of"]
+        together = LLM(dev, model, ctx=48, batch=2).generate(prompts, max_new_tokens=5)
+        alone = [LLM(dev, model, ctx=48).generate([p], max_new_tokens=5)[0] for p in prompts]
+    finally:
+        dev.close()
+    assert [g.tokens for g in together] == [g.tokens for g in alone]
+    assert together[0].text.startswith(" Paris.")
+
+
+def test_bad_input_says_what_and_how_to_fix(model, tmp_path):
+    import gguf
+
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match="architecture 'gpt2' is not supported"):
+        GGUFModel(path)
+    with pytest.raises(ModelError, match="no such model file"):
+        GGUFModel(tmp_path / "missing.gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelError, match="not a readable GGUF file"):
+        GGUFModel(tmp_path / "junk.gguf")
+    out = run_generate(PROMPT * 20, "--ctx", "32", "--max-new-tokens", "2")
+    assert out.returncode == 2 and "exceeds the context of 32 tokens; raise --ctx" in out.stderr
