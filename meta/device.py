@@ -8,8 +8,10 @@ y.numpy()                                       # plans, compiles (cached), runs
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -50,6 +52,18 @@ _TYPED = {
 }
 
 
+def serialized(method):
+    """One call at a time per MetaDevice: threads that share one take turns (the workers serve
+    one request at a time, and plans, ids and feeds are the device's own state)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 @dataclass(frozen=True)
 class CompiledPlan:
     program: int
@@ -84,12 +98,14 @@ class MetaDevice:
         self._released: list[int] = []  # resident tensors whose handles were collected
         self._feeds: dict[int, np.ndarray] = {}  # fed tensors not yet sent: they go with the next run
         self._pinned: set[int] = set()  # programs of captured steps: never evicted while they live
+        self._lock = threading.RLock()
         # the workers' data plane: the planner charges the collective algorithms that run there
         planes = {info.get("data_plane", "") for info in getattr(cluster, "data_planes", ())}
         self.plane = planes.pop() if len(planes) == 1 else ""
 
     # -- placement ------------------------------------------------------------------------------
 
+    @serialized
     def tensor(self, array: Any, state: State | None = None, name: str = "") -> Tensor:
         """A resident tensor from a host array: each worker receives only its slice."""
         array = np.asarray(array)
@@ -103,6 +119,7 @@ class MetaDevice:
             lambda d: extract(array, state, self.n, d),
         )
 
+    @serialized
     def from_generator(
         self,
         shape: Sequence[int],
@@ -119,6 +136,7 @@ class MetaDevice:
             name, shape, dtype_name(dtype), state, lambda d: np.asarray(make(d, pieces(state, shape, self.n, d)))
         )
 
+    @serialized
     def feed(self, array: Any, name: str = "") -> Tensor:
         """A small Mirrored input (token ids, positions) that travels inside the next run's message
         instead of a placement round trip of its own; its value is known here, so reading it
@@ -165,6 +183,7 @@ class MetaDevice:
 
     # -- reading and freeing --------------------------------------------------------------------
 
+    @serialized
     def get(self, t: Tensor) -> np.ndarray:
         """The global value as a host array, whatever the state (Partial is summed)."""
         self.run(t)
@@ -177,6 +196,7 @@ class MetaDevice:
         locals_ = [np.asarray(replies[d].array) for d in range(self.n)]
         return gather(locals_, node.state, check_mirrored=self.check_mirrored)
 
+    @serialized
     def free(self, *tensors: Tensor) -> None:
         ids = [t.node.tensor for t in tensors if t.node.resident]
         for t in tensors:
@@ -185,6 +205,7 @@ class MetaDevice:
             t.node.tensor, t.node.state, t.node.finalizer = None, None, None
         self._free_ids(ids)
 
+    @serialized
     def collect(self) -> None:
         """Release now the storage of tensors whose handles are gone (runs do it anyway)."""
         released, self._released[:] = list(self._released), []
@@ -198,6 +219,7 @@ class MetaDevice:
 
     # -- running --------------------------------------------------------------------------------
 
+    @serialized
     def run(self, *tensors: Tensor) -> None:
         """Make `tensors` resident: plan (cached by structure), load once, run on every worker."""
         self._run_nodes([t.node for t in tensors if not t.node.resident])
@@ -207,6 +229,12 @@ class MetaDevice:
         if not outputs:
             return None
         leaves, order = topo_order(outputs)
+        for node in order:
+            if node.freed:
+                raise errors.FreedTensor(
+                    f"tensor {node.name or ''} of shape {node.shape} was freed; keep the handle (or recompute it) "
+                    "before reading or using it"
+                )
         key = structural_key(leaves, order, outputs)
         compiled = self.plans.get(key)
         if compiled is None:
@@ -221,7 +249,8 @@ class MetaDevice:
         roots = [_written(node) for node in outputs]  # in-place writes keep their destination's id
         out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in roots]
         fed = {leaf.tensor: self._feeds[leaf.tensor] for leaf in leaves if leaf.tensor in self._feeds}
-        self._execute(compiled, [leaf.tensor for leaf in leaves], out_ids, fed)
+        fresh = [t for root, t in zip(roots, out_ids) if root is None]
+        self._execute(compiled, [leaf.tensor for leaf in leaves], out_ids, fed, fresh)
         for tensor in fed:  # on the workers now
             del self._feeds[tensor]
         for node, root, tensor, state in zip(outputs, roots, out_ids, compiled.plan.out_states):
@@ -232,8 +261,10 @@ class MetaDevice:
             node.op, node.inputs = "", ()  # resident now: the recipe (and its inputs) can go
         return compiled, leaves, roots
 
-    def _execute(self, compiled: CompiledPlan, inputs: list[int], out_ids: list[int], fed: dict) -> None:
-        """One RunProgram on every worker: `inputs` by slot, results stored as `out_ids`."""
+    def _execute(self, compiled: CompiledPlan, inputs: list[int], out_ids: list[int], fed: dict, fresh) -> None:
+        """One RunProgram on every worker: `inputs` by slot, results stored as `out_ids`. If the
+        run outlives its deadline, its `fresh` outputs are released with the next run (a worker
+        serves in order: by then it has stored them)."""
         released, self._released[:] = list(self._released), []
         feeds, data = _pack_feeds(fed)
         message = p.RunProgram(
@@ -245,9 +276,14 @@ class MetaDevice:
             feeds,
             data,
         )
-        replies = self._call({d: message for d in range(self.n)})
+        try:
+            replies = self._call({d: message for d in range(self.n)})
+        except errors.DeadlineExceeded:
+            self._released.extend(fresh)
+            raise
         self.last_timings = {d: dict(r.info) for d, r in replies.items()}
 
+    @serialized
     def capture(self, build: Callable[..., Sequence[Tensor]], *values: np.ndarray) -> tuple[Step, list[Tensor]]:
         """Run `build(*feeds)` with `values` fed (a real step), and return it as a Step that
         replays the same compiled program with new values of the same shapes (no graph to build,
@@ -263,6 +299,7 @@ class MetaDevice:
         step = Step(self, compiled, leaves, [slots.get(f.node.tensor) for f in feeds], values, roots)
         return step, outputs
 
+    @serialized
     def _replay(self, step: Step, arrays: Sequence[np.ndarray]) -> list[Tensor]:
         inputs = [leaf.tensor for leaf in step.leaves]
         fed = {}
@@ -277,8 +314,9 @@ class MetaDevice:
                 inputs[slot] = next(self._tensor_ids)
                 fed[inputs[slot]] = array
         out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in step.roots]
+        fresh = [t for root, t in zip(step.roots, out_ids) if root is None]
         try:
-            self._execute(step.compiled, inputs, out_ids, fed)
+            self._execute(step.compiled, inputs, out_ids, fed, fresh)
         finally:
             self._released.extend(fed)  # fed values are single-use
         out = []
@@ -317,6 +355,7 @@ class MetaDevice:
 
     # -- lifetime -------------------------------------------------------------------------------
 
+    @serialized
     def stats(self) -> dict[int, dict]:
         self.collect()
         return {d: dict(r.info) for d, r in self._call({d: p.Stats() for d in range(self.n)}).items()}

@@ -32,6 +32,11 @@ class Node:
     def resident(self) -> bool:
         return self.tensor is not None
 
+    @property
+    def freed(self) -> bool:
+        """A handle whose storage was freed: no value, no recipe to compute one again."""
+        return self.tensor is None and self.op == ""
+
 
 def topo_order(outputs: list[Node]) -> tuple[list[Node], list[Node]]:
     """(resident leaves, nodes to compute) reachable from `outputs`, each in a deterministic order."""

@@ -17,7 +17,13 @@ if TYPE_CHECKING:
     from meta.device import MetaDevice
 
 
+SCALARS = (int, float, np.integer, np.floating)
+
+
 class Tensor:
+    # NumPy defers to our operators (np.float32(2) * t calls t.__rmul__, not np.multiply)
+    __array_ufunc__ = None
+
     def __init__(self, device: MetaDevice, node: Node):
         self.device = device
         self.node = node
@@ -79,14 +85,14 @@ class Tensor:
         return apply("sub", _operand(self, other), self)
 
     def __mul__(self, other: Any) -> Tensor:
-        if isinstance(other, (int, float)):
+        if isinstance(other, SCALARS) and not isinstance(other, bool):
             return apply("scale", self, factor=float(other))
         return apply("mul", self, other)
 
     __rmul__ = __mul__
 
     def __truediv__(self, other: Any) -> Tensor:
-        if isinstance(other, (int, float)):
+        if isinstance(other, SCALARS) and not isinstance(other, bool):
             return apply("scale", self, factor=1.0 / float(other))
         return apply("div", self, other)
 

@@ -12,6 +12,7 @@ from split_state.dtypes import DTYPES, dtype_from_name, dtype_name
 from split_state.errors import (
     ConsistencyError,
     DeadlineExceeded,
+    FreedTensor,
     MetaError,
     OutOfMemory,
     ProtocolError,
@@ -40,6 +41,7 @@ __all__ = [
     "Collective",
     "ConsistencyError",
     "DeadlineExceeded",
+    "FreedTensor",
     "MetaError",
     "Mirrored",
     "OutOfMemory",

@@ -44,6 +44,10 @@ class WorkerLost(TransportError):
         self.rank = rank
 
 
+class FreedTensor(MetaError, ValueError):
+    """A tensor handle used after its storage was freed."""
+
+
 class DeadlineExceeded(MetaError, TimeoutError):
     """A wait ran past its deadline."""
 

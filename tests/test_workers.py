@@ -51,7 +51,7 @@ COORDINATOR = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from meta import ClusterConfig, ProcessCluster
     cluster = ProcessCluster(ClusterConfig(workers=2, liveness=2.0))
-    print(" ".join(str(pid) for pid in cluster.pids.values()), flush=True)
+    print(" ".join(str(pid) for pid in cluster.pids.values()), cluster.ipc.path, flush=True)
     time.sleep(60)
 """)
 
@@ -63,8 +63,9 @@ def test_workers_exit_when_their_coordinator_dies(how):
         [sys.executable, "-c", COORDINATOR.format(root=root)], stdout=subprocess.PIPE, text=True
     )
     try:
-        pids = [int(x) for x in coordinator.stdout.readline().split()]
-        assert len(pids) == 2 and alive(pids) == pids
+        *pids, ipc_dir = coordinator.stdout.readline().split()
+        pids = [int(x) for x in pids]
+        assert len(pids) == 2 and alive(pids) == pids and os.path.isdir(ipc_dir)
         if how == "sigkill":
             coordinator.kill()
         else:
@@ -74,6 +75,7 @@ def test_workers_exit_when_their_coordinator_dies(how):
         while alive(pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert alive(pids) == [], "workers outlived their coordinator"
+        assert not os.path.exists(ipc_dir), "the dead coordinator's socket directory was left behind"
     finally:
         coordinator.kill()
         coordinator.wait()

@@ -711,4 +711,6 @@ def _assemble(bufs: list[memoryview], dtype: np.dtype, shape: Shape, nbytes: int
 
 def error_from(exc: BaseException, traceback_text: str = "") -> Error:
     origin = getattr(exc, "origin", -1)
-    return Error(type(exc).__name__, str(exc), traceback_text, origin if type(origin) is int else -1)
+    # an allocation that failed on the device (NumPy's or CuPy's MemoryError) is an OutOfMemory
+    kind = "OutOfMemory" if isinstance(exc, MemoryError) else type(exc).__name__
+    return Error(kind, str(exc), traceback_text, origin if type(origin) is int else -1)

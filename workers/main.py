@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -112,10 +113,15 @@ def orphaned(args: p.WorkerLaunch) -> bool:
     return bool(args.parent_pid) and os.getppid() != args.parent_pid
 
 
+_IPC_DIRS: list[str] = []  # the coordinator's private socket directory: gone with it, removed here
+
+
 def _exit(rank: int, why: str) -> None:
     try:
         for path in _SHARED_FILES:
             path.unlink(missing_ok=True)
+        for directory in _IPC_DIRS:
+            shutil.rmtree(directory, ignore_errors=True)
         print(f"worker {rank}: exiting, {why}", file=sys.stderr, flush=True)
     finally:  # stderr may be a pipe to the dead coordinator: exit regardless
         os._exit(EXIT_COORDINATOR_LOST)
@@ -123,6 +129,8 @@ def _exit(rank: int, why: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.connect.startswith("ipc://") and os.path.basename(os.path.dirname(args.connect[6:])).startswith("meta-tp-"):
+        _IPC_DIRS.append(os.path.dirname(args.connect[6:]))
     np.seterr(all="ignore")  # as on GPUs: overflow gives inf/nan, never a warning per op
     backend = make_backend(args.backend, args.device)
     context = zmq.Context()

@@ -18,7 +18,7 @@ from transport import protocol as p
 from workers.executor import Executor
 from workers.store import TensorStore
 
-DEFAULT_BUDGET = 1 << 40
+BUDGET_SHARE = 0.9  # of the device's memory, when the coordinator sets no budget
 
 
 class WorkerServer:
@@ -26,7 +26,8 @@ class WorkerServer:
         self.rank = rank
         self.backend = backend
         self.connect = connect  # builds the comm to the peers named in Configure
-        self.store = TensorStore(DEFAULT_BUDGET)
+        total = backend.info().memory_total
+        self.store = TensorStore(int(total * BUDGET_SHARE) if total else 1 << 40)
         self.executor = Executor(backend, self.store, collective_timeout)
         self.world_size = 0
         self.stopping = False
