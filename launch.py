@@ -7,7 +7,7 @@
     python launch.py bench [--quick]
     python launch.py stress --seconds S --workers N --seed K
     python launch.py keys PATH                      # CURVE key pair for multi-host clusters
-    python launch.py worker --connect tcp://HOST:PORT [--rank R] [--keys PATH]
+    python launch.py worker --connect tcp://HOST:PORT [--rank R] (--keys PATH | --insecure)
 
 Multi-host: start the coordinator with `--listen tcp://0.0.0.0:PORT --spawn 0` (it listens on PORT,
 PORT+1 and PORT+2) and one `launch.py worker --connect tcp://COORDINATOR:PORT` per remote worker.

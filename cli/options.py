@@ -18,7 +18,7 @@ from meta.api import cluster
 from meta.cluster import DATA_PLANES
 from meta.device import MetaDevice
 from meta.launchers import detect_launcher
-from split_state.errors import WorkerLost
+from split_state.errors import MetaError, WorkerLost
 from transport import protocol as p
 from workers import backends
 
@@ -32,6 +32,10 @@ def add_cluster_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--listen", default="", help="coordinator endpoint for remote workers, e.g. tcp://0.0.0.0:5555")
     ap.add_argument("--spawn", type=int, default=None, help="with --listen: 0 waits for remote workers")
     ap.add_argument("--keys", default="", help="CURVE key file (launch.py keys)")
+    ap.add_argument("--insecure", action="store_true", help="tcp without keys: anyone who can reach the ports joins")
+    ap.add_argument(
+        "--advertise", default="", help="with --listen: this host's address as other hosts' workers reach it"
+    )
     ap.add_argument("--liveness", type=float, default=5.0, help="seconds before a silent worker is lost")
     ap.add_argument("--start-timeout", type=float, default=60.0)
     ap.add_argument("--log-dir", default="", help="write worker-R.log files here instead of prefixed stderr")
@@ -56,9 +60,18 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
         if launcher.rank != 0:
             sys.exit(exec_worker(f"tcp://{launcher.coordinator or '127.0.0.1'}:{port}", launcher.rank, args))
         listen, args.workers, args.spawn = f"tcp://0.0.0.0:{port}", launcher.world_size, 1
+        config["local_workers"] = 1  # rank 0's own worker; the other ranks start theirs
+        args.advertise = args.advertise or launcher.coordinator  # rank 0 runs on the coordinator's host
     if listen:
         host, port = listen[len("tcp://") :].rsplit(":", 1)
-        config.update(host=host, port=int(port), keys=args.keys, start_timeout=args.start_timeout)
+        config.update(
+            host=host,
+            port=int(port),
+            keys=args.keys,
+            insecure=args.insecure,
+            start_timeout=args.start_timeout,
+            advertise=args.advertise,
+        )
     spawn = args.spawn if args.spawn is not None else (args.workers or 0)
     if listen and spawn == 0:
         config["spawn"] = False
@@ -82,6 +95,11 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
 
 def exec_worker(connect: str, rank: int, args: argparse.Namespace) -> int:
     """Run a worker on this host for the coordinator at `connect` (tcp), until it exits."""
+    if not args.keys and not getattr(args, "insecure", False):
+        raise MetaError(
+            "a worker over tcp needs the cluster's key file (--keys PATH, made by 'launch.py keys PATH'), "
+            "or --insecure if the coordinator runs without keys"
+        )
     beat, beat_in = p.endpoints_from_control(connect)
     launch = p.WorkerLaunch(
         connect=connect,
@@ -91,6 +109,7 @@ def exec_worker(connect: str, rank: int, args: argparse.Namespace) -> int:
         backend=backends.auto() if args.backend == "auto" else args.backend,
         device=getattr(args, "device", 0),
         keys=args.keys,
+        advertise=getattr(args, "advertise", ""),
         liveness=args.liveness,
     )
     env = dict(args.environ, PYTHONPATH=ROOT + os.pathsep + args.environ.get("PYTHONPATH", ""))

@@ -103,5 +103,7 @@ def add(sub) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", *backends.names()])
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--keys", default="")
+    p.add_argument("--insecure", action="store_true", help="join a coordinator that runs without keys")
+    p.add_argument("--advertise", default="", help="this host's address as the other workers reach it")
     p.add_argument("--liveness", type=float, default=5.0)
     p.set_defaults(fn=worker)

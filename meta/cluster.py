@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import zmq
@@ -39,9 +39,12 @@ class ClusterConfig:
     backend: str = "cpu"
     devices: tuple[int, ...] = ()  # GPU index per worker (cuda)
     host: str = ""  # "" : ipc on this host; otherwise tcp on this address, e.g. "127.0.0.1" or "0.0.0.0"
+    advertise: str = ""  # over tcp: the address workers spawned here give peers on other hosts
     port: int = 0
     keys: str = ""  # CURVE key file
     spawn: bool = True  # False: wait for workers started with 'launch.py worker --connect'
+    local_workers: int = -1  # with spawn: start ranks 0 .. local_workers-1 here (-1: all), the rest join
+    insecure: bool = False  # tcp without keys: anyone who can reach the ports can join
     heartbeat: float = 0.5
     liveness: float = 5.0
     start_timeout: float = 60.0
@@ -67,7 +70,8 @@ class ProcessCluster:
         self.config = config
         self.world_size = config.workers
         self.context = zmq.Context()
-        self.keys = CurveKeys.load(config.keys) if config.keys else None
+        self._key_dir = None  # ephemeral keys for workers spawned here, over tcp
+        self.keys = self._cluster_keys()
         self.security = Security(self.context, self.keys)
         self.ipc = IpcDir() if not config.host else None
         self.processes: list[subprocess.Popen] = []
@@ -155,6 +159,7 @@ class ProcessCluster:
             backend=c.backend,
             device=c.devices[rank] if c.devices else rank % max(1, backend_class(c.backend).device_count()),
             keys=c.keys,
+            advertise=c.advertise,
             heartbeat=c.heartbeat,
             liveness=c.liveness,
             collective_timeout=c.collective_timeout,
@@ -162,9 +167,40 @@ class ProcessCluster:
         )
         return [sys.executable, "-m", "workers", *launch.argv()]
 
+    def _cluster_keys(self) -> CurveKeys | None:
+        """tcp is authenticated: the key file given, or a fresh key pair when every worker is
+        spawned here; remote workers without keys need an explicit `insecure`."""
+        c = self.config
+        if c.keys:
+            return CurveKeys.load(c.keys)
+        if not c.host:
+            return None  # ipc in a private (0700) directory
+        if c.insecure:
+            print(
+                f"warning: tcp without keys on {c.host}, ports {c.port or '(any)'}..: anyone who can reach them "
+                "can join as a worker, read tensors and inject results; use --keys (launch.py keys PATH) on "
+                "untrusted networks",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
+        if c.spawn and c.local_workers < 0:
+            self._key_dir = IpcDir()
+            keys = CurveKeys.generate()
+            path = os.path.join(self._key_dir.path, "cluster.key")
+            keys.save(path)
+            self.config = replace(c, keys=path)  # spawned workers read it from the private directory
+            return keys
+        raise MetaError(
+            f"tcp on {c.host} without keys: workers on other hosts would join unauthenticated. Make a key file "
+            "with 'launch.py keys PATH', give it to the coordinator and every worker (--keys PATH), or accept "
+            "anyone who can reach the ports with --insecure"
+        )
+
     def _spawn(self) -> None:
         root = str(Path(__file__).resolve().parent.parent)
-        for rank in range(self.world_size):
+        local = self.world_size if self.config.local_workers < 0 else self.config.local_workers
+        for rank in range(local):
             env = dict(os.environ, **self.config.env)
             env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
             threads = str(self.config.blas_threads)
@@ -328,6 +364,8 @@ class ProcessCluster:
         self.context.term()
         if self.ipc is not None:
             self.ipc.close()
+        if self._key_dir is not None:
+            self._key_dir.close()
         remove_session(self.session)  # inbox files of workers that could not remove their own
 
     def __enter__(self) -> ProcessCluster:

@@ -90,6 +90,7 @@ class WorkerLaunch:
     backend: str = "cpu"
     device: int = 0  # device index for backends with several devices
     data: str = ""  # endpoint to bind the data inbox (default: beside --connect)
+    advertise: str = ""  # the host other workers reach this one's data inbox at (default: derived)
     keys: str = ""  # CURVE key file made by 'launch.py keys'
     heartbeat: float = 0.5  # seconds between heartbeats
     liveness: float = 5.0  # seconds of coordinator silence before exiting

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,22 @@ class IpcDir:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+def is_local(host: str) -> bool:
+    """A wildcard or loopback address: the coordinator is on this host."""
+    return host in ("", "*", "0.0.0.0", "::", "localhost") or host.startswith("127.") or host == "::1"
+
+
+def local_address(toward: str) -> str:
+    """This host's address on the interface that routes to `toward` (no packet is sent: a UDP
+    socket is only connected, which asks the routing table); loopback if there is no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(toward), 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
 def _common(sock: zmq.Socket) -> None:
     sock.linger = 0
     sock.sndtimeo = SEND_TIMEOUT_MS
@@ -150,8 +167,7 @@ def dealer(context: zmq.Context, endpoint: str, identity: bytes, security: Secur
 def pull(context: zmq.Context, endpoint: str, security: Security) -> tuple[zmq.Socket, str]:
     """A worker's data-plane inbox: peers PUSH collective payloads to it."""
     sock = context.socket(zmq.PULL)
-    _common(sock)
-    sock.rcvhwm = 0  # collective payloads must never be dropped or block the sender on our account
+    _common(sock)  # a bounded queue: a peer that floods it blocks (and times out) on its own side
     security.server(sock)
     return sock, bind(sock, endpoint)
 
@@ -159,7 +175,6 @@ def pull(context: zmq.Context, endpoint: str, security: Security) -> tuple[zmq.S
 def push(context: zmq.Context, endpoint: str, security: Security) -> zmq.Socket:
     sock = context.socket(zmq.PUSH)
     _common(sock)
-    sock.sndhwm = 0
     security.client(sock)
     sock.connect(endpoint)
     return sock

@@ -33,6 +33,7 @@ SPIN_SECONDS = 200e-6  # poll this long for a peer's bytes: a process wake-up co
 NAP_SECONDS = 50e-6  # then sleep in naps this short at first, checking for aborts between them
 MAX_NAP_SECONDS = 1e-3
 SIGNAL_SECONDS = 50e-6  # how often a waiting worker looks for aborts
+MAX_EARLY_BYTES = 256 << 20  # data set aside for the next run, at most (more is dropped)
 
 
 def check_arrival(shape, dtype, want_shape, want_dtype, src: int, step: int) -> None:
@@ -102,11 +103,19 @@ class Inbox:
             self._take(message, run)
 
     def _take(self, message: p.Chunk | p.Abort, run: int) -> None:
-        """File an arrival: aborts by run, data of this run or later by source (older is stale)."""
+        """File an arrival: aborts by run, data by source. Only this run and the next can be in
+        flight (the coordinator starts a run when every worker has finished the one before), so
+        anything else is stale or forged and dropped; what waits for the next run is bounded."""
         if isinstance(message, p.Abort):
-            self._aborts[message.run] = message
-        elif message.run >= run:
+            if message.run in (run, run + 1, -1):
+                self._aborts[message.run] = message
+        elif message.run == run or (
+            message.run == run + 1 and self._early_bytes(run) + message.array.nbytes <= MAX_EARLY_BYTES
+        ):
             self._stash[message.src].append(message)
+
+    def _early_bytes(self, run: int) -> int:
+        return sum(c.array.nbytes for chunks in self._stash.values() for c in chunks if c.run > run)
 
     def _stashed(self, src: int, run: int, step: int) -> p.Chunk | None:
         """The message (src, run, step) if it has arrived; raises if the run was aborted."""
@@ -137,7 +146,10 @@ class Inbox:
         return {str(dst): self.plane for dst in range(self.size) if dst != self.rank}
 
     def forget_aborts(self) -> None:
-        self._aborts = {r: a for r, a in self._aborts.items() if r == -1}
+        """A new run starts clean: an abort of every run (-1) woke the workers of the run it
+        interrupted; after that the coordinator has marked the cluster lost, so a stale or forged
+        one must not break later runs."""
+        self._aborts = {}
 
 
 class QueueComm(Inbox):
@@ -314,13 +326,13 @@ class HostComm(ZmqComm):
                     check_arrival(header.shape, header.dtype, shape, dtype, src, step)
                     self._stream(reader, header, sink, waiter, run, src, step)
                     return
-                if header is not None and header.run < run:  # a failed run's leftover
+                if header is not None and header.run not in (run, run + 1):  # a failed run's leftover
                     self._stream(reader, header, _discard, waiter, run, src, step)
                     continue
                 if header is not None:  # a later message than the one awaited: set aside
                     array = np.empty(header.shape, header.dtype)
                     self._stream(reader, header, _copy_into(array.reshape(-1)), waiter, run, src, step)
-                    self._stash[src].append(p.Chunk(src, header.run, header.step, array))
+                    self._take(p.Chunk(src, header.run, header.step, array), run)
                     continue
                 if not self._idle(waiter, run):
                     self._lost(src, run, step, deadline)

@@ -23,7 +23,18 @@ from transport import protocol as p
 from transport import shm
 from transport.deadline import Deadline
 from transport.reply import respond
-from transport.sockets import CurveKeys, Security, dealer, pull, push, recv_frames, send, send_frames
+from transport.sockets import (
+    CurveKeys,
+    Security,
+    dealer,
+    is_local,
+    local_address,
+    pull,
+    push,
+    recv_frames,
+    send,
+    send_frames,
+)
 from workers.backends import make_backend, names
 from workers.comm import HostComm, ZmqComm
 from workers.server import WorkerServer
@@ -35,12 +46,21 @@ def parse(argv: list[str] | None) -> p.WorkerLaunch:
     return p.WorkerLaunch.parse(argv, backends=names())
 
 
-def data_endpoint(args: p.WorkerLaunch) -> str:
+def data_endpoint(args: p.WorkerLaunch) -> tuple[str, str]:
+    """(where to bind the data inbox, the host peers reach it at; "" keeps the bound address).
+
+    On one host: an ipc endpoint beside the coordinator's. Over tcp: the interface that routes to
+    the coordinator, advertised as itself; a coordinator on this host (loopback or a wildcard
+    address) keeps the inbox on loopback unless `advertise` names this host for other hosts'
+    workers, in which case the inbox listens on every interface."""
     if args.data:
-        return args.data
+        return args.data, args.advertise
     if args.connect.startswith("ipc://"):
-        return args.connect.rsplit("/", 1)[0] + f"/data-{args.rank}-{os.getpid()}"
-    return "tcp://" + args.connect[len("tcp://") :].rsplit(":", 1)[0] + ":*"
+        return args.connect.rsplit("/", 1)[0] + f"/data-{args.rank}-{os.getpid()}", ""
+    host = args.connect[len("tcp://") :].rsplit(":", 1)[0]
+    if is_local(host):
+        return ("tcp://0.0.0.0:*", args.advertise) if args.advertise else ("tcp://127.0.0.1:*", "")
+    return f"tcp://{local_address(host)}:*", args.advertise
 
 
 def watchdog(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop: threading.Event) -> None:
@@ -135,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     backend = make_backend(args.backend, args.device)
     context = zmq.Context()
     security = Security(context, CurveKeys.load(args.keys) if args.keys else None)
-    inbox, data_ep = pull(context, data_endpoint(args), security)
+    bind_at, advertise = data_endpoint(args)
+    inbox, data_ep = pull(context, bind_at, security)
+    if advertise:  # what peers on other hosts can reach, on the port that was bound
+        data_ep = f"tcp://{advertise}:{data_ep.rsplit(':', 1)[1]}"
     control = dealer(context, args.connect, p.worker_identity(args.rank), security)
     stop = threading.Event()
     dog = threading.Thread(target=watchdog, args=(args, context, security, stop), daemon=True)

@@ -1,0 +1,148 @@
+"""Several hosts for real: network namespaces on this machine joined by a bridge, each with its
+own address, so a worker cannot reach the coordinator's loopback or bind its address. A coordinator
+in one namespace, workers in the others: collectives and a tensor-parallel MLP over tcp, with a
+key file and with --insecure, and through a batch launcher's environment variables.
+
+Namespaces share /dev/shm (they are one machine), so the jobs ask for the ZeroMQ data plane, which
+is what workers on different machines use. Needs root (CAP_NET_ADMIN) and iproute2; skips with the
+reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = Path(__file__).resolve().parent.parent
+SUBNET = "10.251.7"
+
+JOB = textwrap.dedent("""
+    import numpy as np
+    from split_state import MIRRORED, PARTIAL, Split
+    n = dev.n
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 16)).astype(np.float32)
+    parts = [rng.standard_normal((6, 16)).astype(np.float32) for _ in range(n)]
+    p = dev.from_generator((6, 16), np.float32, PARTIAL, lambda d, _: parts[d])
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total = total + part
+    assert np.array_equal(p.redistribute(MIRRORED).numpy(), total)  # all-reduce, bit for bit
+    s = dev.tensor(x, Split(0, ((4, 2),)))
+    assert np.array_equal(s.redistribute(Split.even(1, 16, n)).numpy(), x)  # all-to-all
+    w_up = rng.standard_normal((16, 32)).astype(np.float32)
+    w_down = rng.standard_normal((32, 16)).astype(np.float32)
+    up = dev.tensor(w_up, Split.even(1, 32, n))
+    down = dev.tensor(w_down, Split.even(0, 32, n))
+    y = ((dev.tensor(x) @ up).relu() @ down).redistribute(MIRRORED).numpy()
+    np.testing.assert_allclose(y, np.maximum(x @ w_up, 0) @ w_down, rtol=1e-4, atol=1e-4)
+    planes = sorted({d["data_plane"] for d in dev.cluster.data_planes})
+    hosts = sorted({h.data_endpoint.split("//")[1].rsplit(":", 1)[0] for h in dev.cluster.devices})
+    print("JOB OK", n, "workers", planes, hosts, flush=True)
+""")
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def hosts():
+    """Three namespaces: A (10.251.7.1) holds the bridge; B (.2) and C (.3) hang off it."""
+    tag = f"mtp{os.getpid() % 100000}"
+    names = {h: f"{tag}{h}" for h in "abc"}
+    try:
+        for ns in names.values():
+            sh("ip", "netns", "add", ns)
+        a = names["a"]
+        sh("ip", "-n", a, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", a, "addr", "add", f"{SUBNET}.1/24", "dev", "br0")
+        sh("ip", "-n", a, "link", "set", "br0", "up")
+        for i, h in enumerate("bc", start=2):
+            outer, inner = f"{tag}v{h}", f"{tag}e{h}"
+            sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+            sh("ip", "link", "set", outer, "netns", a)
+            sh("ip", "link", "set", inner, "netns", names[h])
+            sh("ip", "-n", a, "link", "set", outer, "master", "br0", "up")
+            sh("ip", "-n", names[h], "addr", "add", f"{SUBNET}.{i}/24", "dev", inner)
+            sh("ip", "-n", names[h], "link", "set", inner, "up")
+        for ns in names.values():
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+    except (OSError, subprocess.SubprocessError) as exc:
+        for ns in names.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot make network namespaces here (needs root and iproute2): {exc}")
+    procs: list[subprocess.Popen] = []
+
+    def start(host: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        cmd = ["ip", "netns", "exec", names[host], sys.executable, str(ROOT / "launch.py"), *args]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+    for ns in names.values():
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def finish(coordinator: subprocess.Popen, workers: list[subprocess.Popen]) -> str:
+    out, err = coordinator.communicate(timeout=90)
+    assert coordinator.returncode == 0, err[-3000:]
+    for w in workers:
+        assert w.wait(20) == 0, w.stderr.read()[-2000:]
+    return out
+
+
+@pytest.mark.parametrize("secure", [True, False], ids=["keys", "insecure"])
+def test_coordinator_and_workers_on_three_hosts(hosts, tmp_path, secure):
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    auth = ["--keys", str(tmp_path / "cluster.key")] if secure else ["--insecure"]
+    if secure:
+        subprocess.run([sys.executable, str(ROOT / "launch.py"), "keys", str(tmp_path / "cluster.key")], check=True)
+    port = "29611"
+    coordinator = hosts(
+        "a",
+        "run",
+        "--listen",
+        f"tcp://{SUBNET}.1:{port}",
+        "--spawn",
+        "0",
+        "--workers",
+        "2",
+        "--data-plane",
+        "zmq",
+        *auth,
+        str(job),
+    )
+    workers = [
+        hosts(h, "worker", "--connect", f"tcp://{SUBNET}.1:{port}", "--rank", str(r), "--backend", "cpu", *auth)
+        for r, h in enumerate("bc")
+    ]
+    out = finish(coordinator, workers)
+    assert f"JOB OK 2 workers ['zmq'] ['{SUBNET}.2', '{SUBNET}.3']" in out
+
+
+def test_a_batch_launcher_starts_the_same_command_everywhere(hosts, tmp_path):
+    """torchrun's variables: rank 0 (host A) coordinates and runs worker 0; rank 1 runs on B."""
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    key = tmp_path / "cluster.key"
+    subprocess.run([sys.executable, str(ROOT / "launch.py"), "keys", str(key)], check=True)
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": "29621"}
+    args = ["run", "--data-plane", "zmq", "--keys", str(key), str(job)]
+    rank0 = hosts("a", *args, env={**env, "RANK": "0"})
+    rank1 = hosts("b", *args, env={**env, "RANK": "1"})
+    out = finish(rank0, [rank1])
+    assert f"JOB OK 2 workers ['zmq'] ['{SUBNET}.1', '{SUBNET}.2']" in out

@@ -1,0 +1,107 @@
+"""Closed to strangers: tcp is authenticated unless --insecure is given, and what a peer can push
+into a worker's data plane is bounded to the run in progress and the next."""
+
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from meta import ClusterConfig, MetaDevice, ProcessCluster
+from split_state import MIRRORED, DeadlineExceeded, MetaError, Split, TransportError
+from transport import protocol as p
+from transport.deadline import Deadline
+from transport.sockets import recv_frames, send
+from workers import comm as comm_module
+from workers.comm import QueueComm
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_spawned_tcp_workers_get_keys_and_a_stranger_cannot_join(fresh_cluster):
+    cluster = fresh_cluster(2, host="127.0.0.1")
+    assert cluster.keys is not None  # an ephemeral key pair for the workers spawned here
+    dev = MetaDevice(cluster)
+    x = dev.tensor(np.arange(8, dtype=np.float32), Split.even(0, 8, 2))
+    assert np.array_equal(x.redistribute(MIRRORED).numpy(), np.arange(8, dtype=np.float32))
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.linger, stranger.sndtimeo = 0, 500
+    stranger.identity = p.worker_identity(0)
+    stranger.connect(cluster.endpoint)
+    try:
+        with pytest.raises((DeadlineExceeded, TransportError, zmq.Again)):
+            send(stranger, p.Hello(0, 1, "cpu", "", 0, 0, "tcp://127.0.0.1:1"))
+            recv_frames(stranger, Deadline(1.0))  # no handshake, no reply
+    finally:
+        stranger.close(0)
+        ctx.term()
+    assert np.array_equal(x.numpy(), np.arange(8, dtype=np.float32))  # the cluster carries on
+
+
+def test_tcp_with_remote_workers_needs_keys_or_an_explicit_insecure():
+    with pytest.raises(MetaError, match="without keys.*--insecure"):
+        ProcessCluster(ClusterConfig(workers=1, host="127.0.0.1", spawn=False))
+
+
+def test_a_worker_needs_the_key_file_or_insecure():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "worker", "--connect", "tcp://127.0.0.1:1", "--backend", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "needs the cluster's key file" in out.stderr
+
+
+def test_insecure_tcp_says_who_can_connect(capfd, fresh_cluster):
+    fresh_cluster(1, host="127.0.0.1", insecure=True)
+    assert "anyone who can reach them can join" in capfd.readouterr().err
+
+
+def chunk(run: int, nbytes: int = 16) -> p.Chunk:
+    return p.Chunk(1, run, 0, np.zeros(nbytes, np.uint8))
+
+
+def test_data_for_runs_other_than_the_current_and_next_is_dropped():
+    comm = QueueComm(0, [queue.Queue(), queue.Queue()])
+    for run in (3, 5, 6, 7, 10**6):  # awaiting run 5: 3 is stale, 7 and 10**6 cannot be in flight
+        comm._take(chunk(run), 5)
+    assert sorted(c.run for c in comm._stash[1]) == [5, 6]
+
+
+def test_what_is_set_aside_for_the_next_run_is_bounded(monkeypatch):
+    monkeypatch.setattr(comm_module, "MAX_EARLY_BYTES", 100)
+    comm = QueueComm(0, [queue.Queue(), queue.Queue()])
+    for _ in range(10):
+        comm._take(chunk(6, 40), 5)
+    assert sum(c.array.nbytes for c in comm._stash[1]) == 80
+
+
+def test_an_abort_of_every_run_does_not_outlive_the_run_it_woke():
+    comm = QueueComm(0, [queue.Queue(), queue.Queue()])
+    comm._take(p.Abort(1, -1, "WorkerLost", "forged"), 5)
+    with pytest.raises(Exception, match="aborted"):
+        comm._raise_if_aborted(5)
+    comm.forget_aborts()  # what a worker does when the next RunProgram arrives
+    comm._raise_if_aborted(6)
+
+
+def test_data_plane_queues_are_bounded(fresh_cluster):
+    from transport.sockets import HIGH_WATER_MARK, Security, pull, push
+
+    ctx = zmq.Context()
+    try:
+        inbox, endpoint = pull(ctx, "tcp://127.0.0.1:*", Security(ctx, None))
+        out = push(ctx, endpoint, Security(ctx, None))
+        assert inbox.rcvhwm == HIGH_WATER_MARK and out.sndhwm == HIGH_WATER_MARK
+        inbox.close(0)
+        out.close(0)
+    finally:
+        ctx.term()
