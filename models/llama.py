@@ -19,6 +19,7 @@ so the next token is picked by a per-device top-k and a small combine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -111,7 +112,8 @@ class ReferenceDecoder:
                 self.k[i][b][:, positions[b]] = k[b].transpose(1, 0, 2)
                 self.v[i][b][:, positions[b]] = v[b].transpose(1, 0, 2)
             q = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
-            scores = q @ self.k[i][:, :, None].transpose(0, 1, 2, 4, 3) / np.sqrt(hd) + mask[:, None, None]
+            # a Python float: a NumPy float64 scalar would turn every later value into float64
+            scores = q @ self.k[i][:, :, None].transpose(0, 1, 2, 4, 3) / math.sqrt(hd) + mask[:, None, None]
             scores = np.exp(scores - scores.max(-1, keepdims=True))
             attn = (scores / scores.sum(-1, keepdims=True)) @ self.v[i][:, :, None]  # (b, kv, g, t, hd)
             x = x + attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd) @ w[p + "wo"]
@@ -119,7 +121,9 @@ class ReferenceDecoder:
             gate, up = h @ w[p + "w_gate"], h @ w[p + "w_up"]
             x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "w_down"]
         x = self._norm(x, w["norm"])
-        return x @ (w["embed"].T if cfg.tied else w["output"])
+        logits = x @ (w["embed"].T if cfg.tied else w["output"])
+        assert logits.dtype == np.float32, "the reference computes in float32 throughout"
+        return logits
 
 
 # -- tensor parallel -------------------------------------------------------------------------------
@@ -157,10 +161,11 @@ class TensorParallelLlama:
             self.w[p + "w_gate_up"] = self._fused_gate_up(source, p)
             if progress is not None:
                 progress(i + 1, cfg.layers)
-        cache = Split(1, self.kv.segments)  # (batch, kv heads, ctx, hd), split by KV heads
-        shape = (batch, cfg.kv_heads, ctx, hd)
-        self.k = [self._zeros(shape, cache) for _ in range(cfg.layers)]
-        self.v = [self._zeros(shape, cache) for _ in range(cfg.layers)]
+        cache = Split(1, self.kv.segments)  # split by KV heads
+        # K is kept as (batch, kv heads, hd, ctx), so scores need no transposed copy of it per
+        # step; V as (batch, kv heads, ctx, hd)
+        self.k = [self._zeros((batch, cfg.kv_heads, hd, ctx), cache) for _ in range(cfg.layers)]
+        self.v = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache) for _ in range(cfg.layers)]
         self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, 1, 1, 1, ctx))
         self.zero = dev.tensor(np.float32(0))
         self.minus_inf = dev.tensor(np.float32(-np.inf))
@@ -212,12 +217,12 @@ class TensorParallelLlama:
             q = (h @ self.w[p + "wq"]).reshape(batch, t, cfg.heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
             k = (h @ self.w[p + "wk"]).reshape(batch, t, cfg.kv_heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
             v = (h @ self.w[p + "wv"]).reshape(batch, t, cfg.kv_heads, hd)
-            cache_k = self.k[i].set_rows(pos, k.transpose(0, 2, 1, 3), axis=2)  # in place, (b, kv, ctx, hd)
-            cache_v = self.v[i].set_rows(pos, v.transpose(0, 2, 1, 3), axis=2)
+            cache_k = self.k[i].set_rows(pos, k.transpose(0, 2, 3, 1), axis=3)  # in place, (b, kv, hd, ctx)
+            cache_v = self.v[i].set_rows(pos, v.transpose(0, 2, 1, 3), axis=2)  # in place, (b, kv, ctx, hd)
             new_k.append(cache_k)
             new_v.append(cache_v)
             qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
-            keys = cache_k.reshape(batch, cfg.kv_heads, 1, self.ctx, hd).transpose(0, 1, 2, 4, 3)
+            keys = cache_k.reshape(batch, cfg.kv_heads, 1, hd, self.ctx)
             scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, ctx)
             attn = scores @ cache_v.reshape(batch, cfg.kv_heads, 1, self.ctx, hd)  # (b, kv, g, t, hd)
             merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)
