@@ -236,13 +236,17 @@ class ProcessCluster:
             message, _ = p.decode(frames)
             if not isinstance(message, p.Hello) or not 0 <= message.rank < self.world_size:
                 raise ProtocolError(f"expected a Hello from a worker of rank < {self.world_size}, got {message}")
+            if self.security.sender(frames[0]) not in (None, message.rank):
+                raise ProtocolError(
+                    f"a worker holding rank {self.security.sender(frames[0])}'s key said Hello as rank {message.rank}"
+                )
             if route.bytes != p.worker_identity(message.rank) or message.rank in hellos:
                 raise ProtocolError(f"worker rank {message.rank} connected twice or under a wrong identity")
             hellos[message.rank] = message
             self.pids.setdefault(message.rank, message.pid)
             self.liveness.heard(message.rank)
         for rank, hello in hellos.items():
-            self._data[rank] = push(self.context, hello.data_endpoint, self.security)
+            self._data[rank] = push(self.context, hello.data_endpoint, self.security, server=rank)
             self._data[rank].sndtimeo = 100
         return [hellos[r] for r in range(self.world_size)]
 
@@ -257,10 +261,11 @@ class ProcessCluster:
             deadline = time.monotonic() + self.config.heartbeat
             while (left := deadline - time.monotonic()) > 0 and self._beat_in.poll(int(left * 1000)):
                 try:
-                    message, _ = p.decode(self._beat_in.recv_multipart(copy=False))
+                    frames = self._beat_in.recv_multipart(copy=False)
+                    message, _ = p.decode(frames)
                 except (ProtocolError, zmq.ZMQError):
                     continue
-                if isinstance(message, p.Heartbeat):
+                if isinstance(message, p.Heartbeat) and self.security.sender(frames[0]) in (None, message.rank):
                     with self._lock:
                         self.liveness.heard(message.rank)
 

@@ -8,6 +8,7 @@ y.numpy()                                       # plans, compiles (cached), runs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import sys
@@ -170,7 +171,8 @@ class MetaDevice:
         try:
             self._call(messages)
         except MetaError:
-            self._free_ids([tensor])  # nothing half-placed stays behind
+            with contextlib.suppress(MetaError):  # a lost cluster cannot free; the first error is the news
+                self._free_ids([tensor])  # nothing half-placed stays behind
             raise
         return Tensor(self, self._resident(Node("", (), {}, tuple(shape), dtype, name), tensor, state))
 

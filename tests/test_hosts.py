@@ -134,15 +134,24 @@ def test_coordinator_and_workers_on_three_hosts(hosts, tmp_path, secure):
     assert f"JOB OK 2 workers ['zmq'] ['{SUBNET}.2', '{SUBNET}.3']" in out
 
 
-def test_a_batch_launcher_starts_the_same_command_everywhere(hosts, tmp_path):
-    """torchrun's variables: rank 0 (host A) coordinates and runs worker 0; rank 1 runs on B."""
+LAUNCHERS = {  # what each launcher tells rank R of 2 (the coordinator's port travels as MASTER_PORT)
+    "torchrun": lambda r: {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": f"{SUBNET}.1"},
+    "slurm": lambda r: {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": f"{SUBNET}.1"},
+    "openmpi": lambda r: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": f"{SUBNET}.1"},
+}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_a_batch_launcher_starts_the_same_command_everywhere(hosts, tmp_path, launcher):
+    """Every rank runs the same command: rank 0 (host A) coordinates and runs worker 0; rank 1
+    runs its worker on host B."""
     job = tmp_path / "job.py"
     job.write_text(JOB)
     key = tmp_path / "cluster.key"
     subprocess.run([sys.executable, str(ROOT / "launch.py"), "keys", str(key)], check=True)
-    env = {"WORLD_SIZE": "2", "MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": "29621"}
+    port = {"torchrun": "29621", "slurm": "29631", "openmpi": "29641"}[launcher]
     args = ["run", "--data-plane", "zmq", "--keys", str(key), str(job)]
-    rank0 = hosts("a", *args, env={**env, "RANK": "0"})
-    rank1 = hosts("b", *args, env={**env, "RANK": "1"})
+    rank0 = hosts("a", *args, env={**LAUNCHERS[launcher](0), "MASTER_PORT": port})
+    rank1 = hosts("b", *args, env={**LAUNCHERS[launcher](1), "MASTER_PORT": port})
     out = finish(rank0, [rank1])
     assert f"JOB OK 2 workers ['zmq'] ['{SUBNET}.1', '{SUBNET}.2']" in out

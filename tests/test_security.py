@@ -105,3 +105,82 @@ def test_data_plane_queues_are_bounded(fresh_cluster):
         out.close(0)
     finally:
         ctx.term()
+
+
+def test_a_key_holder_speaks_only_for_its_own_rank(tmp_path):
+    """Rank 1's key cannot forge rank 0's data or aborts; the coordinator may abort for a worker."""
+    from transport.sockets import COORDINATOR, CurveKeys, IpcDir, Security, pull, push
+    from workers.comm import ZmqComm
+
+    keys, ipc = CurveKeys.generate(), IpcDir()
+    contexts = {r: zmq.Context() for r in (0, 1, COORDINATOR)}  # one authenticator per context
+    security = {r: Security(ctx, keys, rank=r) for r, ctx in contexts.items()}
+    inbox, ep0 = pull(contexts[0], ipc.endpoint("d0"), security[0])
+    comm = ZmqComm(0, inbox, [ep0, ipc.endpoint("d1")], contexts[0], security[0])
+    sends = {r: push(contexts[r], ep0, security[r], server=0) for r in (1, COORDINATOR)}
+    try:
+        for sender, message in [
+            (1, p.Chunk(0, 5, 0, np.zeros(2))),  # forged: rank 1 posing as rank 0
+            (1, p.Abort(0, -1, "WorkerLost", "forged")),  # forged: an abort in rank 0's name
+            (1, p.Chunk(1, 5, 0, np.ones(2))),
+            (1, p.Abort(1, 5, "ValueError", "rank 1's own failure")),
+            (COORDINATOR, p.Abort(1, -1, "WorkerLost", "the coordinator lost rank 1")),
+        ]:
+            send(sends[sender], message)
+        got = []
+        while (message := comm._next(2.0)) is not None:
+            got.append(message)
+            if len(got) == 3:
+                break
+        assert sorted((type(m).__name__, m.src if isinstance(m, p.Chunk) else m.rank, m.run) for m in got) == [
+            ("Abort", 1, -1),
+            ("Abort", 1, 5),
+            ("Chunk", 1, 5),
+        ]  # two connections: their messages interleave in any order
+        assert comm._next(0.3) is None  # the forged two never arrive
+    finally:
+        comm.close()
+        for sock in (inbox, *sends.values()):
+            sock.close(0)
+        for r, ctx in contexts.items():
+            security[r].close()
+            ctx.term()
+        ipc.close()
+
+
+def test_forged_heartbeats_do_not_hide_a_stopped_worker(fresh_cluster):
+    import os
+    import signal
+    import threading
+    import time
+
+    from split_state import WorkerTimeout
+    from transport.sockets import Security, push
+
+    cluster = fresh_cluster(2, host="127.0.0.1", liveness=2.0, call_timeout=15.0)
+    dev = MetaDevice(cluster)
+    ctx = zmq.Context()
+    forger_security = Security(ctx, cluster.keys, rank=1)  # a key holder: worker 1's identity
+    forger = push(ctx, cluster.beat_in_endpoint, forger_security)
+    stop = threading.Event()
+
+    def forge() -> None:
+        while not stop.is_set():
+            send(forger, p.Heartbeat(0))  # "worker 0 is alive"
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=forge, daemon=True)
+    thread.start()
+    os.kill(cluster.processes[0].pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerTimeout, match="worker 0"):
+            dev.tensor(np.ones(4, np.float32)).numpy()
+        assert time.monotonic() - start < 6.0
+    finally:
+        os.kill(cluster.processes[0].pid, signal.SIGCONT)
+        stop.set()
+        thread.join(2)
+        forger.close(0)
+        forger_security.close()
+        ctx.term()

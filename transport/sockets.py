@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import shutil
 import socket
@@ -13,6 +15,7 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from split_state.errors import DeadlineExceeded, TransportError
 from transport.deadline import Deadline
@@ -22,10 +25,16 @@ HIGH_WATER_MARK = 1000
 SEND_TIMEOUT_MS = 10_000  # a send with no live peer (e.g. a refused CURVE handshake) blocks otherwise
 
 
+COORDINATOR = -1  # the coordinator's rank, for keys
+MAX_RANKS = 4096  # the ranks an authenticator admits keys of
+
+
 @dataclass(frozen=True)
 class CurveKeys:
-    """The cluster's key pair (Z85 text). Every party holds it; servers admit only this public key,
-    so a client without the secret cannot complete the handshake."""
+    """The cluster's key file (Z85 text). Every party derives from its secret one key pair per
+    rank (the coordinator's is rank -1) and uses its own; servers admit only the derived public
+    keys and learn from the handshake which rank a connection belongs to, so one rank's key
+    cannot speak for another. A client without the file cannot complete the handshake."""
 
     public: bytes
     secret: bytes
@@ -50,47 +59,76 @@ class CurveKeys:
             raise TransportError(f"{path} is not a key file made by 'launch.py keys'")
         return cls(values[b"public"], values[b"secret"])
 
+    def for_rank(self, rank: int) -> tuple[bytes, bytes]:
+        """(public, secret) of `rank`, derived from the cluster secret."""
+        return _rank_keys(self.secret, rank)
 
-def curve_server(sock: zmq.Socket, keys: CurveKeys) -> None:
-    sock.curve_secretkey = keys.secret
-    sock.curve_publickey = keys.public
+
+@functools.lru_cache(maxsize=8 * MAX_RANKS)
+def _rank_keys(secret: bytes, rank: int) -> tuple[bytes, bytes]:
+    seed = hashlib.sha256(b"meta-tp rank key\0" + secret + rank.to_bytes(4, "big", signed=True)).digest()
+    derived = z85.encode(seed)
+    return zmq.curve_public(derived), derived
+
+
+def curve_server(sock: zmq.Socket, keys: CurveKeys, rank: int = COORDINATOR) -> None:
+    sock.curve_publickey, sock.curve_secretkey = keys.for_rank(rank)
     sock.curve_server = True
 
 
-def curve_client(sock: zmq.Socket, keys: CurveKeys) -> None:
-    sock.curve_serverkey = keys.public
-    sock.curve_publickey = keys.public
-    sock.curve_secretkey = keys.secret
+def curve_client(sock: zmq.Socket, keys: CurveKeys, rank: int = COORDINATOR, server: int = COORDINATOR) -> None:
+    sock.curve_serverkey = keys.for_rank(server)[0]
+    sock.curve_publickey, sock.curve_secretkey = keys.for_rank(rank)
 
 
-class _AllowKey:
-    """ZAP credentials provider: pyzmq hands it the client's public key in Z85."""
+class _RankKeys:
+    """ZAP credentials provider: admits the cluster's derived keys and names their rank."""
 
-    def __init__(self, public: bytes):
-        self.public = public
+    def __init__(self, keys: CurveKeys):
+        self.ranks = {keys.for_rank(r)[0]: r for r in range(COORDINATOR, MAX_RANKS)}
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key == self.public
+        return key in self.ranks
+
+    def user_id(self, key: bytes) -> str:  # key: raw 32 bytes, as pyzmq passes it here
+        return str(self.ranks[z85.encode(key)])
 
 
 class Security:
-    """Owns the ZAP authenticator of a context when CURVE is on; a no-op otherwise."""
+    """A party's CURVE identity (its rank's key pair) and the ZAP authenticator of its context
+    when keys are in use; a no-op otherwise (ipc in a private directory, or --insecure)."""
 
-    def __init__(self, context: zmq.Context, keys: CurveKeys | None):
-        self.keys = keys
+    def __init__(self, context: zmq.Context, keys: CurveKeys | None, rank: int = COORDINATOR):
+        self.keys, self.rank = keys, rank
         self._auth: ThreadAuthenticator | None = None
         if keys is not None:
+            provider = _RankKeys(keys)
             self._auth = ThreadAuthenticator(context)
+            self._auth.curve_user_id = provider.user_id  # messages then carry the sender's rank
             self._auth.start()
-            self._auth.configure_curve_callback("*", credentials_provider=_AllowKey(keys.public))
+            self._auth.configure_curve_callback("*", credentials_provider=provider)
 
     def server(self, sock: zmq.Socket) -> None:
         if self.keys is not None:
-            curve_server(sock, self.keys)
+            curve_server(sock, self.keys, self.rank)
 
-    def client(self, sock: zmq.Socket) -> None:
+    def client(self, sock: zmq.Socket, server: int = COORDINATOR) -> None:
         if self.keys is not None:
-            curve_client(sock, self.keys)
+            curve_client(sock, self.keys, self.rank, server)
+
+    def sender(self, frame: Any) -> int | None:
+        """The rank whose key sent the message `frame` belongs to (None without keys)."""
+        if self.keys is None:
+            return None
+        try:
+            return int(frame.get("User-Id"))
+        except (AttributeError, ValueError, TypeError, zmq.ZMQError):
+            return None
+
+    def may_speak_for(self, frame: Any, rank: int) -> bool:
+        """Whether the message's sender may send on behalf of `rank`: itself, or the coordinator."""
+        sender = self.sender(frame)
+        return self.keys is None or sender in (rank, COORDINATOR)
 
     def close(self) -> None:
         if self._auth is not None:
@@ -159,7 +197,7 @@ def dealer(context: zmq.Context, endpoint: str, identity: bytes, security: Secur
     sock = context.socket(zmq.DEALER)
     _common(sock)
     sock.identity = identity
-    security.client(sock)
+    security.client(sock)  # to the coordinator
     sock.connect(endpoint)
     return sock
 
@@ -172,10 +210,11 @@ def pull(context: zmq.Context, endpoint: str, security: Security) -> tuple[zmq.S
     return sock, bind(sock, endpoint)
 
 
-def push(context: zmq.Context, endpoint: str, security: Security) -> zmq.Socket:
+def push(context: zmq.Context, endpoint: str, security: Security, server: int = COORDINATOR) -> zmq.Socket:
+    """A PUSH to the inbox of rank `server` (the coordinator's heartbeat inbox by default)."""
     sock = context.socket(zmq.PUSH)
     _common(sock)
-    security.client(sock)
+    security.client(sock, server)
     sock.connect(endpoint)
     return sock
 

@@ -180,8 +180,8 @@ class ZmqComm(Inbox):
 
     def __init__(self, rank: int, inbox: zmq.Socket, peers: list[str], context: zmq.Context, security: Security):
         super().__init__()
-        self.rank, self.size, self.inbox = rank, len(peers), inbox
-        self.outboxes = {d: push(context, ep, security) for d, ep in enumerate(peers) if d != rank}
+        self.rank, self.size, self.inbox, self.security = rank, len(peers), inbox, security
+        self.outboxes = {d: push(context, ep, security, server=d) for d, ep in enumerate(peers) if d != rank}
 
     def _send(self, dst: int, message: Any) -> None:
         send(self.outboxes[dst], message)
@@ -192,10 +192,15 @@ class ZmqComm(Inbox):
         end = time.monotonic() + timeout
         while self.inbox.poll(max(0, int((end - time.monotonic()) * 1000))):
             try:
-                message, _ = p.decode(self.inbox.recv_multipart(copy=False))
+                frames = self.inbox.recv_multipart(copy=False)
+                message, _ = p.decode(frames)
             except ProtocolError:
                 continue
-            if isinstance(message, (p.Chunk, p.Abort)):
+            # with keys, the handshake named the sender: it may only speak for itself (the
+            # coordinator may also abort on behalf of a worker it lost)
+            if isinstance(message, p.Chunk) and self.security.sender(frames[0]) in (None, message.src):
+                return message
+            if isinstance(message, p.Abort) and self.security.may_speak_for(frames[0], message.rank):
                 return message
         return None
 

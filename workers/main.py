@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     np.seterr(all="ignore")  # as on GPUs: overflow gives inf/nan, never a warning per op
     backend = make_backend(args.backend, args.device)
     context = zmq.Context()
-    security = Security(context, CurveKeys.load(args.keys) if args.keys else None)
+    security = Security(context, CurveKeys.load(args.keys) if args.keys else None, rank=args.rank)
     bind_at, advertise = data_endpoint(args)
     inbox, data_ep = pull(context, bind_at, security)
     if advertise:  # what peers on other hosts can reach, on the port that was bound
