@@ -1,5 +1,5 @@
 """The wire: `protocol` (every message type, field and convention; strict decoding with size
-limits, never pickle), `sockets` (ROUTER/DEALER control plane, PUSH/PULL data plane, CURVE,
+limits; nothing is unpickled), `sockets` (ROUTER/DEALER control plane, PUSH/PULL data plane, CURVE,
 bounded receives), `shm` (shared-memory rings between workers on one host), `deadline`
 (every wait is bounded) and `reply` (serve a request, always answer).
 """
