@@ -63,7 +63,7 @@ def make_backend(name: str, index: int = 0):
 
 def auto() -> str:
     """The highest-priority backend that has a device here."""
-    usable = [backend_class(n) for n in names() if backend_class(n).device_count() > 0]
+    usable = [cls for cls in map(backend_class, names()) if cls.device_count() > 0]
     return max(usable, key=lambda cls: cls.priority).name
 
 
