@@ -13,6 +13,7 @@ arrives (a direct all-reduce), K times. Bandwidth is algorithm bandwidth: tensor
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import sys
 import time
@@ -30,8 +31,9 @@ from transport import protocol as p  # noqa: E402
 from transport.sockets import IpcDir  # noqa: E402
 
 
-def raw_rank(rank: int, endpoints: list[str], nbytes: int, reps: int, results: mp.Queue) -> None:
-    """One raw process: every round, PUSH the buffer to each peer and sum one buffer from each."""
+def raw_rank(rank: int, endpoints: list[str], nbytes: int, reps: int, trials: int, results: mp.Queue) -> None:
+    """One raw process: every round, PUSH the buffer to each peer and sum one buffer from each;
+    reports the time per round of each of `trials` loops of `reps` rounds."""
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(endpoints[rank])
@@ -54,10 +56,13 @@ def raw_rank(rank: int, endpoints: list[str], nbytes: int, reps: int, results: m
     try:
         for _ in range(2):
             exchange()  # connect and warm up
-        start = time.perf_counter()
-        for _ in range(reps):
-            exchange()
-        results.put((rank, (time.perf_counter() - start) / reps))
+        times = []
+        for _ in range(trials):
+            start = time.perf_counter()
+            for _ in range(reps):
+                exchange()
+            times.append((time.perf_counter() - start) / reps)
+        results.put((rank, times))
     finally:
         inbox.close(0)
         for s in peers.values():
@@ -65,20 +70,23 @@ def raw_rank(rank: int, endpoints: list[str], nbytes: int, reps: int, results: m
         ctx.term()
 
 
-def raw_all_reduce(n: int, nbytes: int, reps: int) -> float:
+def raw_all_reduce(n: int, nbytes: int, reps: int, trials: int = 1) -> float:
+    """The median over `trials` loops of the time per direct exchange, on the slowest process."""
     ipc = IpcDir()
     endpoints = [ipc.endpoint(f"raw{d}") for d in range(n)]
     results: mp.Queue = mp.get_context("spawn").Queue()
     procs = [
-        mp.get_context("spawn").Process(target=raw_rank, args=(d, endpoints, nbytes, reps, results)) for d in range(n)
+        mp.get_context("spawn").Process(target=raw_rank, args=(d, endpoints, nbytes, reps, trials, results))
+        for d in range(n)
     ]
     for proc in procs:
         proc.start()
     try:
         try:
-            return max(results.get(timeout=120)[1] for _ in range(n))
+            per_rank = [results.get(timeout=120)[1] for _ in range(n)]
         except queue.Empty:
             raise TimeoutError(f"raw exchange of {nbytes} bytes on {n} processes did not finish") from None
+        return float(np.median(np.max(per_rank, axis=0)))
     finally:
         for proc in procs:
             proc.join(10)
@@ -139,6 +147,62 @@ def run(quick: bool, worker_counts: list[int], backend: str = "cpu", data_plane:
     return rows
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+def under_load(backend: str = "cpu", data_plane: str = "auto", nbytes: int = 4 << 10, runs: int = 7) -> list[dict]:
+    """A small all-reduce, median of `runs` runs, ours and the raw pyzmq exchange in the same
+    conditions: 2 workers on an idle machine, 2 workers beside a CPU-bound neighbour process,
+    and twice as many workers as cores. Waits that spin would lose the core their peer needs."""
+    cores = os.cpu_count() or 1
+    cases = [
+        ("idle", 2, False),
+        ("busy neighbour", 2, True),
+        (f"{2 * cores} workers on {cores} cores", 2 * cores, False),
+    ]
+    rows = []
+    for name, n, neighbour in cases:
+        print(f"  {human_bytes(nbytes)} all-reduce, {name} ...", file=sys.stderr, flush=True)
+        spinner = mp.get_context("spawn").Process(target=_spin, daemon=True) if neighbour else None
+        if spinner is not None:
+            spinner.start()
+        try:
+            config = ClusterConfig(workers=n, backend=backend, devices=(0,) * n, data_plane=data_plane)
+            with MetaDevice(ProcessCluster(config)) as dev:
+                mine = ours(dev, "all_reduce", nbytes, 20, runs)
+            raw = raw_all_reduce(n, nbytes, 200, runs)
+        finally:
+            if spinner is not None:
+                spinner.kill()
+                spinner.join(5)
+        rows.append(
+            {
+                "condition": name,
+                "workers": n,
+                "bytes": nbytes,
+                "ours_us": mine * 1e6,
+                "raw_us": raw * 1e6,
+                "raw_over_ours": raw / mine,
+            }
+        )
+    return rows
+
+
+def show_under_load(rows: list[dict]) -> None:
+    print(
+        table(
+            "small all-reduce under load (median of 7 runs; raw = direct pyzmq exchange + sum; > 1: ours is faster)",
+            ["condition", "workers", "size", "ours us", "raw us", "raw/ours"],
+            [
+                [r["condition"], r["workers"], human_bytes(r["bytes"]), r["ours_us"], r["raw_us"], r["raw_over_ours"]]
+                for r in rows
+            ],
+        )
+    )
+
+
 def show(rows: list[dict]) -> None:
     cols = ["workers", "size", "all-reduce us", "GB/s", "all-gather us", "GB/s", "raw exchange us", "GB/s", "AR/raw"]
     print(
@@ -164,19 +228,25 @@ def show(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli(
-        __doc__,
-        "collectives",
-        lambda args: run(args.quick, args.workers, data_plane=args.data_plane),
-        show,
-        argv,
-        _options,
-    )
+    def measure(args) -> dict:
+        if args.under_load:
+            return {"under_load": under_load(data_plane=args.data_plane)}
+        return {"rows": run(args.quick, args.workers, data_plane=args.data_plane)}
+
+    def show_any(results: dict) -> None:
+        show_under_load(results["under_load"]) if "under_load" in results else show(results["rows"])
+
+    return cli(__doc__, "collectives", measure, show_any, argv, _options)
 
 
 def _options(ap) -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--data-plane", default="auto", choices=["auto", "shm", "zmq"], help="between the workers")
+    ap.add_argument(
+        "--under-load",
+        action="store_true",
+        help="only the small all-reduce idle, beside a busy neighbour and with twice as many workers as cores",
+    )
 
 
 if __name__ == "__main__":

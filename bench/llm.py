@@ -77,10 +77,11 @@ def ours(path: str, workers: int, length: int, steps: int) -> dict:
         walls, parts = [], []
         for pos in range(length + 1, length + steps):
             start = time.perf_counter()
+            dev.clock.reset()
             out, *_ = decode(token, np.array([[pos]], np.int32))
             token = out.numpy().astype(np.int32)
             walls.append(time.perf_counter() - start)
-            parts.append(breakdown(walls[-1], dev.last_timings))
+            parts.append(breakdown(walls[-1], dev.last_timings, dev.clock))
         median = int(np.argsort(walls)[len(walls) // 2])
         return {
             "prefill_s": prefill,
@@ -119,6 +120,7 @@ def run(quick: bool, counts: list[int]) -> dict | None:
                 "collectives_ms": b["transfer_ms"] + b["wait_ms"],
                 "executor_ms": b["executor_ms"],
                 "dispatch_ms": b["dispatch_ms"],
+                "breakdown": b,
                 "plans": mine["plans"],
             }
         )

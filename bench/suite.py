@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import collectives, decode, llm, report, tp_matmul, transport  # noqa: E402
+from bench import collectives, decode, llm, peers, report, tp_matmul, transport  # noqa: E402
 
 
 def memcpy_GBps(nbytes: int = 64 << 20, reps: int = 10) -> float:  # noqa: N802 - unit in the name
@@ -52,6 +52,13 @@ def run(quick: bool, backend: str) -> dict:
     results["transport"] = transport.run(quick)
     print(f"{step} collectives on 2 and 4 workers ...", file=sys.stderr, flush=True)
     results["collectives"] = collectives.run(quick, [2, 4], backend)
+    if backend == "cpu":
+        print(
+            f"{step} a small all-reduce idle, beside a busy neighbour, oversubscribed ...", file=sys.stderr, flush=True
+        )
+        results["under_load"] = collectives.under_load(backend)
+        print(f"{step} the peers (DTensor/gloo, MPI) beside ours ...", file=sys.stderr, flush=True)
+        results["peers"] = peers.run(quick, 1 if quick else 3)
     results["tp_matmul"] = {}
     for n in counts:
         print(f"{step} tensor-parallel matmul and MLP on {n} workers ...", file=sys.stderr, flush=True)
@@ -66,6 +73,55 @@ def run(quick: bool, backend: str) -> dict:
 
 
 def summary_rows(results: dict) -> list[list]:
+    """[benchmark, unit, ours, baseline, its value, ratio, ours/DTensor-gloo, ours/MPI]: each ratio
+    is speed (> 1: ours is faster); the peer columns are filled where a peer ran the same work."""
+    rows = [row + ["", ""] for row in own_rows(results)]
+    peers_run = results.get("peers")
+    if peers_run:
+        m, k, n = peers_run["mlp_shape"]
+        mlp = peers_run["mlp"]
+        rows.append(
+            [
+                f"MLP M={m} K={k} N={n} {peers_run['workers']}w (peers run)",
+                "ms",
+                mlp["ours"] * 1e3,
+                "1 proc, 2 thr",
+                mlp["numpy"] * 1e3,
+                mlp["numpy"] / mlp["ours"],
+                peers.ratio(mlp["dtensor"], mlp["ours"]),
+                "",
+            ]
+        )
+        for r in peers_run["all_reduce"]:
+            rows.append(
+                [
+                    f"all-reduce {peers_run['workers']}w {report.human_bytes(r['bytes'])} (peers run)",
+                    "us",
+                    r["ours"] * 1e6,
+                    "gloo" if r["gloo"] else "-",
+                    (r["gloo"] or 0) * 1e6,
+                    peers.ratio(r["gloo"], r["ours"]),
+                    peers.ratio(r["gloo"], r["ours"]),
+                    peers.ratio(r["mpi"], r["ours"]),
+                ]
+            )
+    for r in results.get("under_load") or []:
+        rows.append(
+            [
+                f"all-reduce {r['workers']}w {report.human_bytes(r['bytes'])}, {r['condition']}",
+                "us",
+                r["ours_us"],
+                "raw exchange",
+                r["raw_us"],
+                r["raw_over_ours"],
+                "",
+                "",
+            ]
+        )
+    return rows
+
+
+def own_rows(results: dict) -> list[list]:
     rows = []
     for r in results["transport"]["throughput"]:
         if r["bytes"] >= 1 << 20:
@@ -139,7 +195,7 @@ def show(results: dict) -> None:
     print(
         report.table(
             f"summary ({results['backend']}, {results['cores']} cores; ratio > 1 means ours is faster)",
-            ["benchmark", "unit", "ours", "baseline", "baseline value", "ratio"],
+            ["benchmark", "unit", "ours", "baseline", "baseline value", "ratio", "vs DTensor/gloo", "vs MPI"],
             summary_rows(results),
         )
     )
@@ -149,41 +205,53 @@ def show(results: dict) -> None:
             "not speed-ups"
         )
     print()
-    rows = []
-    for n, tp in results["tp_matmul"].items():
-        for r in tp["rows"]:
-            b = r["breakdown"]
-            rows.append(
+    print(
+        report.table(
+            "where a step's time goes (ms, each part measured on its own; the worker that answered last)",
+            [
+                "step",
+                "wall",
+                "compute",
+                "transfer",
+                "waiting on peers",
+                "executor",
+                "worker other",
+                "control msgs",
+                "coordinator",
+                "graph",
+                "explained",
+            ],
+            [
                 [
-                    f"{r['case']} {n}w",
+                    name,
                     b["wall_ms"],
                     b["compute_ms"],
                     b["transfer_ms"],
                     b["wait_ms"],
                     b["executor_ms"],
-                    b["dispatch_ms"],
+                    b["worker_other_ms"],
+                    b["control_ms"],
+                    b["coordinator_ms"],
+                    b["graph_ms"],
+                    f"{b['explained']:.0%}",
                 ]
-            )
-    d = results.get("decode")
-    if d:
-        rows.append(
-            [
-                "decode step 2w",
-                d["ours_ms"],
-                d["compute_ms"],
-                d["collectives_ms"] - d["waiting_ms"],
-                d["waiting_ms"],
-                d["executor_ms"],
-                d["dispatch_ms"],
-            ]
-        )
-    print(
-        report.table(
-            "where a step's time goes (slowest worker's own timings, ms)",
-            ["step", "wall", "compute", "transfer", "waiting on peers", "executor", "dispatch/control"],
-            rows,
+                for name, b in step_breakdowns(results)
+            ],
         )
     )
+
+
+def step_breakdowns(results: dict) -> list[tuple[str, dict]]:
+    """Every benchmark step that has a breakdown, by name."""
+    rows = [(f"{r['case']} {n}w", r["breakdown"]) for n, tp in results["tp_matmul"].items() for r in tp["rows"]]
+    if results.get("decode"):
+        rows.append((f"decode step {results['decode']['workers']}w", results["decode"]["breakdown"]))
+    for r in (results.get("llm") or {}).get("rows", []):
+        rows.append((f"SmolLM2 decode {r['workers']}w", r["breakdown"]))
+    peers_run = results.get("peers")
+    if peers_run:
+        rows.append((f"MLP M={peers_run['mlp_shape'][0]} {peers_run['workers']}w (peers run)", peers_run["breakdown"]))
+    return rows
 
 
 def plots(results: dict, out: Path) -> list[Path]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import cli, in_process_with_threads, table  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
+from meta.device import Clock  # noqa: E402
 from split_state import MIRRORED, Split  # noqa: E402
 from split_state.kernels import KERNELS  # noqa: E402
+
+
+def median_step(parts: list[tuple]) -> tuple:
+    """The (wall, ...) record of the median step by wall time."""
+    return sorted(parts, key=lambda part: part[0])[len(parts) // 2]
 
 
 def timed(fn, steps: int, warmup: int = 1) -> float:
@@ -65,6 +72,24 @@ def numpy_child(cases: dict, steps: int, backend: str, out: mp.Queue) -> None:
     out.put({name: single_case(*case, steps, backend) for name, case in cases.items()})
 
 
+def numpy_child_server(rank: int, n: int, port: int, commands: mp.Queue, results: mp.Queue) -> None:
+    """A NumPy process that stays up between measurements (bench/peers.py's PeerGroup protocol):
+    ("load", M, K, N) makes the MLP's arrays, ("mlp", steps) answers the time of each step."""
+    arrays: dict[str, np.ndarray] = {}
+    while (command := commands.get()) is not None:
+        if command[0] == "load":
+            m, k, nn = command[1:]
+            arrays.update(x=weights((m, k), 1), up=weights((k, nn), 2), down=weights((nn, k), 3))
+            results.put((rank, None))
+            continue
+        times = []
+        for _ in range(command[1] + 1):  # the first is a warm-up
+            start = time.perf_counter()
+            KERNELS["gelu"](np, [arrays["x"] @ arrays["up"]], {}) @ arrays["down"]
+            times.append(time.perf_counter() - start)
+        results.put((rank, times[1:]))
+
+
 def numpy_baseline(cases: dict, steps: int, threads: int, backend: str = "cpu") -> dict:
     return in_process_with_threads(numpy_child, (cases, steps, backend), threads)
 
@@ -84,33 +109,51 @@ def ours_case(dev: MetaDevice, m: int, k: int, nn: int, kind: str, steps: int) -
     x = dev.tensor(weights((m, k), 1), MIRRORED, name="x")
     up = dev.from_generator((k, nn), np.float32, Split.even(1, nn, dev.n), column_slice(k, nn), name="w_up")
     down = dev.tensor(weights((nn, k), 3), Split.even(0, nn, dev.n), name="w_down") if kind == "mlp" else None
-    kept = []
+    kept, parts = [], []
 
     def step():
+        start = time.perf_counter()
+        dev.clock.reset()
         y = x @ up if down is None else ((x @ up).gelu() @ down).redistribute(MIRRORED)
+        graph = time.perf_counter() - start
         dev.run(y)
         kept.append(y)  # freed after timing: a free is one more message, not part of the step
+        parts.append((time.perf_counter() - start, dev.last_timings, replace(dev.clock), graph))
 
     seconds = timed(step, steps)
     dev.free(*kept, x, up, *([down] if down is not None else []))
-    return seconds, breakdown(seconds, dev.last_timings)
+    return seconds, breakdown(*median_step(parts))
 
 
-def breakdown(wall: float, timings: dict[int, dict]) -> dict:
-    """Where one step's time goes, from the slowest worker's own timings: compute, moving data,
-    waiting for peers, the executor's own work between steps (program), and the rest
-    (dispatch: the coordinator's work, control messages and replies)."""
-    slowest = max(timings.values(), key=lambda t: t["compute_s"] + t["comm_s"])
-    wait = slowest.get("wait_s", 0.0)
-    busy = slowest["compute_s"] + slowest["comm_s"]
-    program = slowest.get("program_s", busy)
+def breakdown(wall: float, timings: dict[int, dict], clock: Clock, graph_s: float = 0.0) -> dict:
+    """Where one step's wall time goes, each part measured on its own (none is the remainder):
+    on the worker that answered last, its compute, moving data, waiting for peers inside
+    collectives, the executor's own work between steps, and its work around the program
+    (releases, feeds, storing results); the control messages (the coordinator's round trips,
+    read-backs included, less that worker's handling); the coordinator's own work (plans,
+    messages: MetaDevice.clock); and building the graph in the caller (`graph_s`). `explained`
+    is their sum over the wall time, `dispatch_ms` control plus coordinator."""
+    last = max(timings.values(), key=lambda t: t.get("handled_s", t.get("program_s", 0.0)))
+    wait = last.get("wait_s", 0.0)
+    busy = last["compute_s"] + last["comm_s"]
+    program = last.get("program_s", busy)
+    handled = last.get("handled_s", program)
+    parts = {
+        "compute_ms": last["compute_s"],
+        "transfer_ms": last["comm_s"] - wait,
+        "wait_ms": wait,
+        "executor_ms": max(0.0, program - busy),
+        "worker_other_ms": max(0.0, handled - program),
+        "control_ms": max(0.0, clock.round_trip_s - handled),
+        "coordinator_ms": clock.coordinator_s,
+        "graph_ms": graph_s,
+    }
+    parts = {name: seconds * 1e3 for name, seconds in parts.items()}
     return {
         "wall_ms": wall * 1e3,
-        "compute_ms": slowest["compute_s"] * 1e3,
-        "transfer_ms": (slowest["comm_s"] - wait) * 1e3,
-        "wait_ms": wait * 1e3,
-        "executor_ms": max(0.0, program - busy) * 1e3,
-        "dispatch_ms": max(0.0, wall - program) * 1e3,
+        **parts,
+        "dispatch_ms": parts["control_ms"] + parts["coordinator_ms"],
+        "explained": sum(parts.values()) / (wall * 1e3),
     }
 
 

@@ -13,6 +13,7 @@ import functools
 import itertools
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -60,9 +61,36 @@ def serialized(method):
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self._lock:
-            return method(self, *args, **kwargs)
+            if self._depth:  # a call inside another: the outer one is timing
+                return method(self, *args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._depth -= 1
+                self.clock.inside_s += time.perf_counter() - start
 
     return locked
+
+
+@dataclass
+class Clock:
+    """Where the coordinator's time went since `reset`: inside the device's methods, and of
+    that, waiting for the workers' replies (round trips); the rest is its own work (graphs,
+    plans, messages). Benchmarks read it to account for a step's wall time."""
+
+    inside_s: float = 0.0
+    round_trip_s: float = 0.0
+    calls: int = 0
+
+    @property
+    def coordinator_s(self) -> float:
+        return self.inside_s - self.round_trip_s
+
+    def reset(self) -> None:
+        self.inside_s = self.round_trip_s = 0.0
+        self.calls = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +128,8 @@ class MetaDevice:
         self._feeds: dict[int, np.ndarray] = {}  # fed tensors not yet sent: they go with the next run
         self._pinned: set[int] = set()  # programs of captured steps: never evicted while they live
         self._lock = threading.RLock()
+        self._depth = 0
+        self.clock = Clock()
         # the workers' data plane: the planner charges the collective algorithms that run there
         planes = {info.get("data_plane", "") for info in getattr(cluster, "data_planes", ())}
         self.plane = planes.pop() if len(planes) == 1 else ""
@@ -349,7 +379,12 @@ class MetaDevice:
         return CompiledPlan(program, planned)
 
     def _call(self, messages: dict[int, p.Message]) -> dict[int, p.Message]:
-        replies = self.cluster.call_all(messages)
+        start = time.perf_counter()
+        try:
+            replies = self.cluster.call_all(messages)
+        finally:
+            self.clock.round_trip_s += time.perf_counter() - start
+            self.clock.calls += 1
         failures = {d: r for d, r in replies.items() if isinstance(r, p.Error)}
         if failures:
             raise _exception(failures)

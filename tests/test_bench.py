@@ -34,3 +34,51 @@ def test_quick_suite_writes_json_and_plots(tmp_path):
     for name in ("bandwidth_vs_size.png", "step_time_vs_workers.png", "tp_vs_single.png"):
         png = tmp_path / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_peers_that_are_not_installed_are_reported_not_fatal(monkeypatch):
+    from bench import peers
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    assert "pip install -e '.[peers]'" in peers.missing_torch()
+    assert peers.mpirun() is None
+
+
+@pytest.mark.timeout(60)
+def test_peer_group_runs_commands_in_processes_that_stay_up():
+    from bench import peers
+    from bench.tp_matmul import numpy_child_server
+
+    with peers.PeerGroup(numpy_child_server, 1, threads=1) as group:
+        assert group.ask("load", 4, 8, 6) == [None]
+        first, second = group.ask("mlp", 3), group.ask("mlp", 2)  # the same process, arrays kept
+        assert len(first[0]) == 3 and len(second[0]) == 2 and all(t > 0 for t in first[0] + second[0])
+    assert not any(proc.is_alive() for proc in group.procs)
+
+
+def test_a_step_breakdown_measures_every_part_and_says_how_much_it_explains():
+    from bench.tp_matmul import breakdown
+    from meta.device import Clock
+
+    timings = {
+        0: {"compute_s": 0.010, "comm_s": 0.004, "wait_s": 0.001, "program_s": 0.015, "handled_s": 0.016},
+        1: {"compute_s": 0.011, "comm_s": 0.002, "wait_s": 0.0, "program_s": 0.014, "handled_s": 0.015},
+    }
+    clock = Clock(inside_s=0.020, round_trip_s=0.018)
+    b = breakdown(0.0215, timings, clock, graph_s=0.001)
+    # worker 0 answered last: its parts, then round trip 18 - handled 16, coordinator 20 - 18, graph 1
+    expected = {
+        "compute_ms": 10,
+        "transfer_ms": 3,
+        "wait_ms": 1,
+        "executor_ms": 1,
+        "worker_other_ms": 1,
+        "control_ms": 2,
+        "coordinator_ms": 2,
+        "graph_ms": 1,
+    }
+    for name, ms in expected.items():
+        assert b[name] == pytest.approx(ms), name
+    assert b["explained"] == pytest.approx(21 / 21.5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import threading
 import time
 
 import numpy as np
@@ -22,6 +23,7 @@ from transport import shm
 from transport.deadline import Deadline
 from transport.shm import LINE, InboxFile, RingReader, RingWriter
 from transport.sockets import IpcDir, Security, pull
+from workers import comm
 from workers.comm import HostComm, ZmqComm
 from workers.main import make_comm
 
@@ -225,6 +227,86 @@ def test_host_comm_waits_end_with_typed_errors(comm_pair):
     a.send(1, 3, 0, np.zeros(2 << 20, np.float32))  # 8 MiB through a 4 MiB ring
     with pytest.raises(WorkerLost, match=r"workers \[1\] took no data"):
         a.flush(3, Deadline(0.3))
+
+
+# -- sleeping and waking: waits that give the core away -------------------------------------------
+
+
+def test_a_sleeper_wakes_when_rung_and_otherwise_at_its_timeout(ring_file):
+    inbox = ring_file()
+    start = time.monotonic()
+    inbox.sleep(1 + 1, lambda: False, 0.2)  # nobody rings: the whole timeout
+    assert 0.15 < time.monotonic() - start < 2
+    assert int(inbox.waiting[0]) == 0, "the asleep word is cleared on waking"
+    peer = InboxFile.attach(inbox.path, 2)
+    try:
+        threading.Timer(0.1, peer.ring).start()
+        start = time.monotonic()
+        inbox.sleep(1 + 1, lambda: False, 5.0)
+        assert time.monotonic() - start < 2, "the bell did not wake the sleeper"
+    finally:
+        peer.close()
+
+
+def test_a_ring_between_announcing_and_sleeping_is_not_lost(ring_file):
+    """The peer publishes and rings after the sleeper read its bell but before the futex call:
+    the sleep must not start (it would otherwise wait for its whole timeout)."""
+    inbox = ring_file()
+
+    def peer_rings_now() -> bool:
+        assert inbox.waits_for(1), "whom the sleeper waits for is announced before it checks"
+        inbox.ring()
+        return False
+
+    start = time.monotonic()
+    inbox.sleep(1 + 1, peer_rings_now, 5.0)
+    assert time.monotonic() - start < 1
+
+
+def test_waits_for_names_the_awaited_rank_or_any(ring_file):
+    inbox = ring_file(world=3)
+    assert not inbox.waits_for(0) and not inbox.waits_for(1)
+    inbox.waiting[0] = 1 + 1
+    assert inbox.waits_for(1) and not inbox.waits_for(0) and not inbox.waits_for(2)
+    inbox.waiting[0] = p.SHM_WAITING_ANY
+    assert all(inbox.waits_for(r) for r in range(3))
+
+
+def test_a_waiting_receiver_sleeps_instead_of_spinning(comm_pair):
+    """A receiver waiting 0.5 s for a peer that sends nothing uses little CPU time: with
+    more runnable processes than cores, a spinning wait takes the core its peer needs."""
+    make, _ = comm_pair
+    make(0)
+    b = make(1)
+    b.send(0, 1, 0, np.zeros(1, np.float32))  # maps the peer's file: the route is shared memory
+    cpu = time.thread_time()
+    with pytest.raises(WorkerLost):
+        receive_array(b, 0, 1, 0, (3,), seconds=0.5)
+    assert time.thread_time() - cpu < 0.15
+
+
+def test_a_sleeping_receiver_is_woken_by_the_sender(comm_pair, monkeypatch):
+    """With sleeps of up to 5 s, only the sender's bell can end the wait soon after the send."""
+    monkeypatch.setattr(comm, "BLOCK_SECONDS", 5.0)
+    make, _ = comm_pair
+    a, b = make(0), make(1)
+    b.send(0, 1, 0, np.zeros(1, np.float32))
+    data = np.arange(5, dtype=np.float32)
+    threading.Timer(0.3, lambda: a.send(1, 1, 0, data)).start()
+    start = time.monotonic()
+    assert np.array_equal(receive_array(b, 0, 1, 0, (5,), seconds=20), data)
+    assert time.monotonic() - start < 2
+
+
+def test_with_more_workers_than_cores_a_waiter_yields_while_it_spins(comm_pair, monkeypatch):
+    make, _ = comm_pair
+    a = make(0)
+    make(1)
+    a.send(1, 1, 0, np.zeros(1, np.float32))
+    a.cores = 4
+    assert not a._waiter(Deadline(1)).polite
+    a.cores = 1
+    assert a._waiter(Deadline(1)).polite
 
 
 def test_sender_falls_back_to_zmq_for_a_peer_without_an_inbox_file(comm_pair):

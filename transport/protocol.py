@@ -128,6 +128,12 @@ SHM_FILE_MAGIC = b"METATPS1"
 SHM_RECORD_MAGIC = 0x4D54_5052  # "MTPR"
 SHM_FILE_HEADER = struct.Struct("<8sIQQ64s")  # magic, world size, ring capacity, owner pid, host id
 SHM_RECORD_PREFIX = struct.Struct("<IIqqq24s")  # magic, ndim, run, step, nbytes, dtype name; shape follows
+# the owner's "asleep" word (uint64, on its own cache line of the file header): 0 while it runs;
+# while it sleeps, 1 + the rank whose bytes or freed space it waits for, or SHM_WAITING_ANY. On the
+# next line, its bell: a uint32 futex word that a peer publishing progress for it bumps and wakes.
+SHM_WAITING_OFFSET = 2048
+SHM_BELL_OFFSET = 2048 + 64
+SHM_WAITING_ANY = 1 << 63
 
 
 class MsgType(enum.IntEnum):

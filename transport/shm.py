@@ -11,6 +11,15 @@ the data, and publishes `tail` when done with it. Each index has one writer and 
 8-byte store, so this is correct on a total-store-order CPU (x86-64) without explicit fences;
 `supported()` refuses other machines, which then use ZeroMQ.
 
+Sleeping: a process waiting on a ring spins only briefly, then writes whom it waits for into
+its file's "asleep" word and sleeps on its bell, a futex word in the same file (one system call
+each way, no helper threads: the fastest wake-up Linux has, which matters most when the cores
+are oversubscribed and every extra thread hop waits for a time slice). A peer that publishes
+progress (head or tail) reads the asleep word and, if it names the peer, bumps the bell and wakes
+it. Each side stores, then `fence()`s, then loads (the sleeper re-checks the ring after announcing
+itself), so at least one sees the other's store; and the futex sleeps only while the bell still
+holds the value read before announcing, so no wake-up is lost.
+
 The file header and record layouts are wire conventions and live in transport.protocol.
 Ring layout, all offsets multiples of 64 bytes (one cache line): records start on a line, a
 record header is whole lines, payload chunks are whole lines except a record's last, so every
@@ -19,11 +28,13 @@ fragment a reader sees holds whole elements and is aligned for any dtype.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
 import struct
 import tempfile
+import threading
 from collections.abc import Callable
 from math import prod
 from pathlib import Path
@@ -33,7 +44,15 @@ import numpy as np
 
 from split_state.dtypes import DTYPES, dtype_name
 from split_state.errors import ProtocolError, TransportError
-from transport.protocol import SHM_FILE_HEADER, SHM_FILE_MAGIC, SHM_RECORD_MAGIC, SHM_RECORD_PREFIX
+from transport.protocol import (
+    SHM_BELL_OFFSET,
+    SHM_FILE_HEADER,
+    SHM_FILE_MAGIC,
+    SHM_RECORD_MAGIC,
+    SHM_RECORD_PREFIX,
+    SHM_WAITING_ANY,
+    SHM_WAITING_OFFSET,
+)
 
 LINE = 64
 FILE_HEADER = 4096  # magic, world size, capacity, owner pid; rings start on a page
@@ -99,6 +118,27 @@ class RecordHeader(NamedTuple):
         return raw + struct.pack(f"<{ndim}q", *self.shape) + bytes(header_bytes(ndim) - _PREFIX.size - 8 * ndim)
 
 
+_FENCE = threading.Lock()
+_SYS_FUTEX = 202  # x86-64, the only machine the rings run on (see `supported`)
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE) futexes: the word is in a file mapped by several processes
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def fence() -> None:
+    """A full memory barrier: taking a lock is an atomic read-modify-write (a locked instruction
+    on x86-64), which orders every earlier store before every later load."""
+    with _FENCE:
+        pass
+
+
 def header_bytes(ndim: int) -> int:
     return _round_up(_PREFIX.size + 8 * ndim)
 
@@ -151,6 +191,18 @@ class RingWriter:
         self.ring = ring
         self.head = ring.head()
         self.queue: list[_Outgoing] = []
+
+    def space(self) -> int:
+        """Bytes free in the ring now."""
+        return self.ring.capacity - (self.head - self.ring.tail())
+
+    def can_progress(self) -> bool:
+        """Whether `pump` would write something now: a record is queued and its next piece fits."""
+        if not self.queue:
+            return False
+        m = self.queue[0]
+        need = len(m.header) if m.done < 0 else min(LINE, m.payload.size - m.done)
+        return self.space() >= need
 
     def post(self, run: int, step: int, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array).reshape(array.shape)  # keeps 0-d arrays 0-d
@@ -270,6 +322,9 @@ class InboxFile:
 
     def __init__(self, path: Path, buffer: mmap.mmap, world_size: int, capacity: int, owner: bool):
         self.path, self.buffer, self.world_size, self.capacity, self.owner = path, buffer, world_size, capacity, owner
+        self.waiting = np.frombuffer(buffer, np.uint64, 1, SHM_WAITING_OFFSET)  # the owner's asleep word
+        self.bell = np.frombuffer(buffer, np.uint32, 1, SHM_BELL_OFFSET)
+        self._bell_address = ctypes.c_void_p(self.bell.ctypes.data)
         stride = CONTROL + capacity
         self.rings = [Ring(buffer, FILE_HEADER + src * stride, capacity) for src in range(world_size)]
 
@@ -317,8 +372,32 @@ class InboxFile:
             raise TransportError(f"{path} belongs to host {host!r}, not this one")
         return cls(path, buffer, world_size, capacity, owner=False)
 
+    def waits_for(self, rank: int) -> bool:
+        """Whether the owner sleeps until `rank` makes progress (read after a `fence()`)."""
+        word = int(self.waiting[0])
+        return word == rank + 1 or word == SHM_WAITING_ANY
+
+    def sleep(self, waiting_for: int, ready: Callable[[], bool], seconds: float) -> None:
+        """The owner sleeps until its bell rings or `seconds` pass, unless `ready()` (checked
+        after announcing whom it waits for: 1 + a rank, or SHM_WAITING_ANY) is already true."""
+        seen = int(self.bell[0])
+        self.waiting[0] = waiting_for
+        fence()
+        try:
+            if not ready():
+                t = _Timespec(int(seconds), int((seconds % 1) * 1e9))
+                _syscall(_SYS_FUTEX, self._bell_address, _FUTEX_WAIT, ctypes.c_uint32(seen), ctypes.byref(t), None, 0)
+        finally:
+            self.waiting[0] = 0
+
+    def ring(self) -> None:
+        """Wake the owner (a peer calls this after `waits_for` said it sleeps for it)."""
+        self.bell[0] = (int(self.bell[0]) + 1) & 0xFFFFFFFF  # any change fails the sleeper's compare
+        _syscall(_SYS_FUTEX, self._bell_address, _FUTEX_WAKE, ctypes.c_int(1), None, None, 0)
+
     def close(self) -> None:
         self.rings = []
+        self.waiting = self.bell = None
         try:
             self.buffer.close()
         except BufferError:  # a view still alive somewhere; the mapping goes with the process

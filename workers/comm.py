@@ -26,11 +26,13 @@ import zmq
 from split_state.errors import ProtocolError, RemoteError, TransportError, WorkerLost
 from transport import protocol as p
 from transport.deadline import Deadline
-from transport.shm import InboxFile, RecordHeader, RingReader, RingWriter, Sink, inbox_path, ring_capacity
+from transport.shm import InboxFile, RecordHeader, RingReader, RingWriter, Sink, fence, inbox_path, ring_capacity
 from transport.sockets import Security, push, send
 
-SPIN_SECONDS = 200e-6  # poll this long for a peer's bytes: a process wake-up costs more than that
-NAP_SECONDS = 50e-6  # then sleep in naps this short at first, checking for aborts between them
+SPIN_SECONDS = 50e-6  # poll this long for a peer's bytes before sleeping: a wake-up costs about that
+POLITE_SPIN_SECONDS = 200e-6  # with more workers than cores: yield the core while spinning this long
+BLOCK_SECONDS = 2e-3  # the longest sleep: how late an abort over ZeroMQ may be seen by a sleeping worker
+NAP_SECONDS = 50e-6  # GPU waits (nothing wakes them): sleep in naps this short at first
 MAX_NAP_SECONDS = 1e-3
 SIGNAL_SECONDS = 50e-6  # how often a waiting worker looks for aborts
 MAX_EARLY_BYTES = 256 << 20  # data set aside for the next run, at most (more is dropped)
@@ -218,14 +220,28 @@ class ZmqComm(Inbox):
 
 
 class Waiter:
-    """How a worker waits for a peer: spin briefly, then nap; `pause` is False past the deadline."""
+    """How a worker waits for a peer: spin briefly (the bytes usually come within microseconds of
+    the peer's turn), then block until woken; `pause` is the GPU planes' wait on a stream, which
+    nothing can wake: spin, then nap."""
 
-    def __init__(self, deadline: Deadline):
-        self.deadline = deadline
+    def __init__(self, deadline: Deadline, spin: float = SPIN_SECONDS, polite: bool = False):
+        self.deadline, self.spin, self.polite = deadline, spin, polite
         self.since = self.checked = time.perf_counter()
 
     def progressed(self) -> None:
         self.since = time.perf_counter()
+
+    def spinning(self) -> bool:
+        """Whether the wait is still short enough to spin on; past that, block."""
+        return time.perf_counter() - self.since < self.spin
+
+    def block_seconds(self) -> float:
+        """How long to sleep at most: until the deadline, and no longer than BLOCK_SECONDS."""
+        return max(0.0, min(BLOCK_SECONDS, self.deadline.remaining()))
+
+    def block_ms(self) -> int:
+        """The same for a ZeroMQ poll, whose timeouts are whole milliseconds."""
+        return max(1, int(self.block_seconds() * 1000))
 
     def signals_due(self) -> bool:
         """Whether to look at the ZeroMQ inbox (aborts) now: a poll is a system call, so it is
@@ -243,7 +259,7 @@ class Waiter:
             # waiting long on a slow peer does not take CPU time from the workers still computing
             time.sleep(min(MAX_NAP_SECONDS, max(NAP_SECONDS, waited / 20)))
         else:
-            os.sched_yield()  # free when a core is idle; hands it to a peer when there are more workers than cores
+            os.sched_yield()
         return not self.deadline.expired()
 
 
@@ -261,12 +277,24 @@ class HostComm(ZmqComm):
         self.own = InboxFile.create(inbox_path(session, rank), self.size, ring_capacity(self.size))
         self.readers = {src: RingReader(self.own.rings[src]) for src in range(self.size) if src != rank}
         self.writers: dict[int, RingWriter | None] = {}  # None: that peer is reached over ZeroMQ
-        self.peer_files: list[InboxFile] = []
+        self.peer_files: dict[int, InboxFile] = {}
+        self.cores = len(os.sched_getaffinity(0))
 
     plane = "shm"
 
     def routes(self) -> dict[int, str]:
         return {str(dst): "zmq" if w is None else "shm" for dst, w in sorted(self.writers.items())}
+
+    def _waiter(self, deadline: Deadline) -> Waiter:
+        """How to wait. While this host has a core for every worker of ours on it, spin briefly
+        and then sleep. With more of our workers than cores, the peer being waited for is likely
+        waiting for our core: yield it while spinning (the scheduler hands it to another of our
+        runnable workers at once, cheaper than a sleep and a wake-up), longer, then sleep. A
+        foreign process hogging a core is not seen here: the short spin and the futex sleep
+        serve that case, where a yield would give the hog a whole time slice."""
+        if 1 + len(self.peer_files) > self.cores:
+            return Waiter(deadline, POLITE_SPIN_SECONDS, polite=True)
+        return Waiter(deadline)
 
     def _writer(self, dst: int) -> RingWriter | None:
         if dst not in self.writers:
@@ -275,7 +303,7 @@ class HostComm(ZmqComm):
             except TransportError:
                 self.writers[dst] = None
             else:
-                self.peer_files.append(peer)
+                self.peer_files[dst] = peer
                 self.writers[dst] = RingWriter(peer.rings[self.rank])
         return self.writers[dst]
 
@@ -286,25 +314,56 @@ class HostComm(ZmqComm):
         else:
             self.bytes_sent += array.nbytes
             writer.post(run, step, array)
+            self._wake(dst)
+
+    def _wake(self, peer: int) -> None:
+        """After publishing progress in a ring shared with `peer`: ring its bell if it sleeps
+        waiting for us (see transport/shm.py on why the fence comes first)."""
+        inbox = self.peer_files.get(peer)
+        if inbox is None:
+            return
+        fence()
+        if inbox.waits_for(self.rank):
+            inbox.ring()
 
     def _pump(self) -> bool:
         """Move queued bytes into peers' rings; True when nothing is left queued."""
         done = True
-        for writer in self.writers.values():
+        for dst, writer in self.writers.items():
             if writer is not None and writer.queue:
+                before = writer.head
                 done = writer.pump() and done
+                if writer.head != before:
+                    self._wake(dst)
         return done
 
-    def _idle(self, waiter: Waiter, run: int) -> bool:
-        """One turn of waiting: move our queued bytes, look for aborts when due, pause. False once
-        the deadline has passed."""
+    def _idle(self, waiter: Waiter, run: int, peer: int | None = None, ready=lambda: False) -> bool:
+        """One turn of waiting for `peer` (None: for any peer to free ring space): move our
+        queued bytes, then spin, looking for aborts when due; once the spin is over, sleep until
+        the peer rings (or, for a peer reached over ZeroMQ, until a message comes), at most
+        BLOCK_SECONDS, then look for aborts. `ready()` says whether what is awaited has come.
+        False once the deadline has passed."""
         self._pump()
-        if waiter.signals_due():
-            self._check_signals(run)
-        return waiter.pause()
+        if waiter.spinning():
+            if waiter.signals_due():
+                self._check_signals(run)
+            if waiter.polite:
+                os.sched_yield()
+            return not waiter.deadline.expired()
+        if peer is not None and self._writer(peer) is None:  # it sends over ZeroMQ, which wakes a poll
+            self.inbox.poll(waiter.block_ms())
+        else:
+            queued = any(w is not None and w.queue for w in self.writers.values())
+            waiting_for = p.SHM_WAITING_ANY if peer is None or queued else peer + 1
+            self.own.sleep(waiting_for, lambda: ready() or (queued and self._can_pump()), waiter.block_seconds())
+        self._check_signals(run)
+        return not waiter.deadline.expired()
+
+    def _can_pump(self) -> bool:
+        return any(w is not None and w.can_progress() for w in self.writers.values())
 
     def flush(self, run: int, deadline: Deadline) -> None:
-        waiter = Waiter(deadline)
+        waiter = self._waiter(deadline)
         while not self._pump():
             if not self._idle(waiter, run):
                 stuck = [d for d, w in self.writers.items() if w is not None and w.queue]
@@ -317,7 +376,7 @@ class HostComm(ZmqComm):
         self, src: int, run: int, step: int, deadline: Deadline, shape: tuple[int, ...], dtype: np.dtype, sink: Sink
     ) -> None:
         reader = self.readers[src]
-        waiter = Waiter(deadline)
+        waiter = self._waiter(deadline)
         start = time.perf_counter()
         try:
             while True:
@@ -339,7 +398,7 @@ class HostComm(ZmqComm):
                     self._stream(reader, header, _copy_into(array.reshape(-1)), waiter, run, src, step)
                     self._take(p.Chunk(src, header.run, header.step, array), run)
                     continue
-                if not self._idle(waiter, run):
+                if not self._idle(waiter, run, src, lambda: reader.available() > 0):
                     self._lost(src, run, step, deadline)
         finally:
             self.waited += time.perf_counter() - start
@@ -349,12 +408,13 @@ class HostComm(ZmqComm):
         while reader.current is header:
             fragment = reader.fragment()
             if fragment is None:
-                if not self._idle(waiter, run):
+                if not self._idle(waiter, run, src, lambda: reader.available() > 0):
                     self._lost(src, run, step, waiter.deadline)
                 continue
             sink(at, fragment.view(header.dtype))
             at += fragment.size // itemsize
             reader.consume(fragment.size)
+            self._wake(src)  # it may be waiting for the space
             waiter.progressed()
             self._pump()  # the peer may be waiting on our bytes while we read its
 
@@ -367,9 +427,9 @@ class HostComm(ZmqComm):
     def close(self) -> None:
         super().close()
         self.readers, self.writers = {}, {}
-        for peer in self.peer_files:
+        for peer in self.peer_files.values():
             peer.close()
-        self.peer_files = []
+        self.peer_files = {}
         self.own.close()
 
 

@@ -6,6 +6,7 @@ The same handler serves a real worker process and a simulated device, so both be
 from __future__ import annotations
 
 import resource
+import time
 from collections.abc import Callable
 from math import prod
 
@@ -78,6 +79,7 @@ class WorkerServer:
         return p.Ok()
 
     def _on_run_program(self, m: p.RunProgram) -> p.Message:
+        start = time.perf_counter()
         self._require_configured()
         self.executor.comm.forget_aborts()
         for tensor in m.release:
@@ -85,7 +87,9 @@ class WorkerServer:
         for feed in m.feeds:
             self.store.put(feed.tensor, self.backend.to_device(_feed_array(feed, m.feed_data)))
         self.runs += 1
-        return p.Ok(self.executor.run(m.program, m.run, m.inputs, m.outputs))
+        timings = self.executor.run(m.program, m.run, m.inputs, m.outputs)
+        timings["handled_s"] = time.perf_counter() - start  # the program plus releases, feeds, storing
+        return p.Ok(timings)
 
     def _on_stats(self, m: p.Stats) -> p.Message:
         info = {
