@@ -244,6 +244,7 @@ def run(quick: bool, rounds: int, workers: int = 2) -> dict:
         print(f"[peers] {name} skipped: {why}", file=sys.stderr, flush=True)
 
     samples: dict[str, dict] = {"ours": {}, "numpy": {}, "dtensor": {}, "gloo": {}, "mpi": {}}
+    round_breakdowns: list[dict] = []  # ours: the median step of each round
 
     def add(system: str, key, value: float) -> None:
         samples[system].setdefault(key, []).append(value)
@@ -271,7 +272,6 @@ def run(quick: bool, rounds: int, workers: int = 2) -> dict:
             first = ours_step()
             ours_y = first.numpy()
             first.free()
-            samples["ours"]["breakdown"] = []
             numpy_server.ask("load", m, k, nn)
             agreement = None
             if torch_group is not None:
@@ -286,7 +286,7 @@ def run(quick: bool, rounds: int, workers: int = 2) -> dict:
                 for _ in range(steps):
                     ours_step().free()
                 add("ours", "mlp", float(np.median([part[0] for part in parts])))
-                samples["ours"]["breakdown"].append(breakdown(*median_step(parts)))
+                round_breakdowns.append(breakdown(*median_step(parts)))
                 add("numpy", "mlp", float(np.median(numpy_server.ask("mlp", steps)[0])))
                 if torch_group is not None:
                     per_rank = torch_group.ask("mlp", steps)
@@ -306,7 +306,6 @@ def run(quick: bool, rounds: int, workers: int = 2) -> dict:
         if torch_group is not None:
             torch_group.close()
 
-    steps_seen = samples["ours"].pop("breakdown")
     median = {s: {key: float(np.median(v)) for key, v in d.items()} for s, d in samples.items()}
     return {
         "workers": workers,
@@ -316,7 +315,7 @@ def run(quick: bool, rounds: int, workers: int = 2) -> dict:
         "dtensor_relative_difference": agreement,
         "samples": {s: {str(key): v for key, v in d.items()} for s, d in samples.items()},
         "mlp": {s: median[s].get("mlp") for s in ("ours", "numpy", "dtensor")},
-        "breakdown": sorted(steps_seen, key=lambda b: b["wall_ms"])[len(steps_seen) // 2],
+        "breakdown": sorted(round_breakdowns, key=lambda b: b["wall_ms"])[len(round_breakdowns) // 2],
         "all_reduce": [
             {"bytes": nbytes, **{s: median[s].get(nbytes) for s in ("ours", "gloo", "mpi")}} for nbytes in sizes
         ],

@@ -82,7 +82,6 @@ class Clock:
 
     inside_s: float = 0.0
     round_trip_s: float = 0.0
-    calls: int = 0
 
     @property
     def coordinator_s(self) -> float:
@@ -90,7 +89,6 @@ class Clock:
 
     def reset(self) -> None:
         self.inside_s = self.round_trip_s = 0.0
-        self.calls = 0
 
 
 @dataclass(frozen=True)
@@ -384,7 +382,6 @@ class MetaDevice:
             replies = self.cluster.call_all(messages)
         finally:
             self.clock.round_trip_s += time.perf_counter() - start
-            self.clock.calls += 1
         failures = {d: r for d, r in replies.items() if isinstance(r, p.Error)}
         if failures:
             raise _exception(failures)

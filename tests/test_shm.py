@@ -298,7 +298,7 @@ def test_a_sleeping_receiver_is_woken_by_the_sender(comm_pair, monkeypatch):
     assert time.monotonic() - start < 2
 
 
-def test_with_more_workers_than_cores_a_waiter_yields_while_it_spins(comm_pair, monkeypatch):
+def test_with_more_workers_than_cores_a_waiter_yields_while_it_spins(comm_pair):
     make, _ = comm_pair
     a = make(0)
     make(1)

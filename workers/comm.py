@@ -254,7 +254,7 @@ class Waiter:
 
     def pause(self) -> bool:
         waited = time.perf_counter() - self.since
-        if waited > SPIN_SECONDS:
+        if waited > self.spin:
             # a nap costs at most ~5 % of the wait so far: prompt after short waits, and a worker
             # waiting long on a slow peer does not take CPU time from the workers still computing
             time.sleep(min(MAX_NAP_SECONDS, max(NAP_SECONDS, waited / 20)))
