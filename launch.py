@@ -31,9 +31,9 @@ import cli
 from cli.tools import current
 from meta.api import cluster as _cluster
 from meta.device import MetaDevice
-from meta.launchers import LaunchEnv, blas_threads, detect_launcher
+from meta.launchers import LaunchEnv, blas_threads, detect_launcher, worker_cpus
 
-__all__ = ["LaunchEnv", "blas_threads", "cluster", "current", "detect_launcher", "main"]
+__all__ = ["LaunchEnv", "blas_threads", "cluster", "current", "detect_launcher", "main", "worker_cpus"]
 
 
 @contextlib.contextmanager

@@ -22,15 +22,18 @@ from pathlib import Path
 
 import zmq
 
+from meta.launchers import worker_cpus
 from split_state.errors import DeadlineExceeded, MetaError, ProtocolError, TransportError, WorkerLost, WorkerTimeout
 from transport import protocol as p
 from transport.deadline import Deadline, Liveness
 from transport.shm import remove_session
 from transport.sockets import CurveKeys, IpcDir, Security, bind, pull, push, recv_frames, router, send
 from workers.backends import backend_class
+from workers.binding import CPUS_ENV
 
 POLL_MS = 100
 DATA_PLANES = ("auto", "shm", "zmq", "nccl")
+BIND_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class ClusterConfig:
     # between workers: "shm" shared memory on one host (ZeroMQ across hosts), "zmq", "nccl" (CuPy
     # workers on distinct GPUs), or "auto": nccl where it applies, else shm
     data_plane: str = "auto"
+    # "auto": CPU workers spawned here each on their own cores when they go round once; "off"
+    bind: str = "auto"
     log_dir: str = ""
     env: dict[str, str] = field(default_factory=dict)
 
@@ -65,6 +70,8 @@ class ProcessCluster:
             raise MetaError(f"a cluster needs at least one worker, got {config.workers}")
         if config.data_plane not in DATA_PLANES:
             raise MetaError(f"data_plane must be one of {DATA_PLANES}, got {config.data_plane!r}")
+        if config.bind not in BIND_MODES:
+            raise MetaError(f"bind must be one of {BIND_MODES}, got {config.bind!r}")
         backend_class(config.backend)  # an unknown backend fails here, naming the known ones
         self.session = secrets.token_hex(8)
         self.config = config
@@ -200,8 +207,11 @@ class ProcessCluster:
     def _spawn(self) -> None:
         root = str(Path(__file__).resolve().parent.parent)
         local = self.world_size if self.config.local_workers < 0 else self.config.local_workers
+        cpus = self._worker_cpus(local)
         for rank in range(local):
             env = dict(os.environ, **self.config.env)
+            if cpus is not None:
+                env[CPUS_ENV] = ",".join(map(str, cpus[rank]))
             env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
             threads = str(self.config.blas_threads)
             for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -218,6 +228,12 @@ class ProcessCluster:
                 threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[worker {rank}] "), daemon=True).start()
             self.processes.append(proc)
             self.pids[rank] = proc.pid
+
+    def _worker_cpus(self, local: int) -> list[tuple[int, ...]] | None:
+        c = self.config
+        if c.bind == "off" or c.backend != "cpu" or not hasattr(os, "sched_getaffinity"):
+            return None
+        return worker_cpus(local, c.blas_threads, os.sched_getaffinity(0))
 
     def _handshake(self) -> list[p.Hello]:
         hellos: dict[int, p.Hello] = {}

@@ -7,7 +7,7 @@ there only).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -53,3 +53,15 @@ def first_slurm_host(nodelist: str) -> str:
 def blas_threads(workers: int) -> int:
     """BLAS threads per CPU worker so that workers together use the cores once."""
     return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
+def worker_cpus(workers: int, threads: int, allowed: Sequence[int]) -> list[tuple[int, ...]] | None:
+    """Disjoint CPUs for each of `workers` CPU workers of `threads` BLAS threads, from the CPUs
+    this process may use, or None where they do not go round once (then the scheduler places
+    them). A worker kept on its own cores never lands on its peer's core: two workers sharing
+    one core trade it at every collective, and beside a busy process the scheduler does that
+    often (one measured 4 KiB all-reduce: about 200 us unbound against 45 us bound)."""
+    cpus = sorted(allowed)
+    if workers < 1 or threads < 1 or workers * threads > len(cpus):
+        return None
+    return [tuple(cpus[w * threads : (w + 1) * threads]) for w in range(workers)]

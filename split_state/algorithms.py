@@ -23,11 +23,11 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Any, ClassVar
 
-from split_state.layout import box_shape, local_shape, pieces
+from split_state.layout import Box, box_shape, local_shape, pieces
 from split_state.states import MIRRORED, Mirrored, Partial, Split, State, validate
 from split_state.transitions import (
     Collective,
@@ -37,6 +37,7 @@ from split_state.transitions import (
     everyone_plan,
     exchange_plan,
     flat_split,
+    owned_groups,
     reduce_plan,
 )
 
@@ -58,6 +59,14 @@ class Request:
     dtype: str = ""  # the dtype's wire name, where an algorithm depends on it
     plane: str = ""  # the workers' data plane, where an algorithm depends on it
 
+    def __post_init__(self) -> None:
+        # hashed once: a worker looks its requests up (select, phases) on every collective
+        fields = (self.src, self.dst, self.shape, self.n, self.itemsize, self.dtype, self.plane)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @property
     def size(self) -> int:
         return prod(self.shape)
@@ -73,6 +82,17 @@ class PhaseKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class RankShare:
+    """What one device does in a phase, worked out once: its result's shape, the transfers it
+    sends, those it receives, and (in a reduce) the boxes it owns with their n contributions."""
+
+    out_shape: tuple[int, ...]
+    sends: tuple[Transfer, ...]
+    receives: tuple[Transfer, ...]
+    owned: tuple[tuple[Box, tuple[Transfer, ...]], ...]
+
+
+@dataclass(frozen=True)
 class Phase:
     """One round of transfers over a tensor of global `shape`, leaving it in state `out`."""
 
@@ -80,9 +100,25 @@ class Phase:
     shape: tuple[int, ...]
     out: State
     transfers: tuple[Transfer, ...]
+    _shares: dict = field(default_factory=dict, compare=False, repr=False)  # (n, rank) -> RankShare
 
     def out_shape(self, n: int, rank: int) -> tuple[int, ...]:
-        return local_shape(self.out, self.shape, n, rank)
+        return self.share(n, rank).out_shape
+
+    def share(self, n: int, rank: int) -> RankShare:
+        """This device's part: phases are cached per request, so a program's every run after
+        the first finds it here instead of filtering the plan again."""
+        got = self._shares.get((n, rank))
+        if got is None:
+            got = self._shares[(n, rank)] = RankShare(
+                local_shape(self.out, self.shape, n, rank),
+                tuple(t for t in self.transfers if t.src == rank and t.dst != rank),
+                tuple(t for t in self.transfers if t.dst == rank),
+                tuple((box, tuple(group)) for box, group in owned_groups(self.transfers, n, rank))
+                if self.kind is PhaseKind.REDUCE
+                else (),
+            )
+        return got
 
 
 @dataclass(frozen=True)
@@ -119,10 +155,10 @@ class Algorithm:
     def run(self, engine: Any, local: Any, r: Request, tag: Tag) -> Any:
         """Run the phases in order; the default for every plan-driven algorithm."""
         x = engine.xp.ascontiguousarray(local).reshape(-1) if self.flat else local
-        for phase in self.phases(r):
+        for phase in cached_phases(self, r):
             run_phase = engine.exchange if phase.kind is PhaseKind.EXCHANGE else engine.reduce
             x = run_phase(x, phase, tag)
-        return x.reshape(local_shape(r.dst, r.shape, r.n, engine.rank)) if self.flat else x
+        return x.reshape(cached_local_shape(r.dst, r.shape, r.n, engine.rank)) if self.flat else x
 
 
 def _sent(phases: Sequence[Phase], n: int, itemsize: int) -> tuple[int, ...]:
@@ -276,6 +312,16 @@ class Exchange(Algorithm):
 cached_exchange_plan = functools.lru_cache(maxsize=4096)(lambda s, d, shape, n: tuple(exchange_plan(s, d, shape, n)))
 cached_reduce_plan = functools.lru_cache(maxsize=4096)(lambda d, shape, n: tuple(reduce_plan(d, shape, n)))
 
+
+@functools.lru_cache(maxsize=4096)
+def cached_phases(algorithm: Algorithm, r: Request) -> tuple[Phase, ...]:
+    """An algorithm's phases for a request: the same objects every time a program repeats it."""
+    return algorithm.phases(r)
+
+
+cached_local_shape = functools.lru_cache(maxsize=4096)(local_shape)
+
+
 # Tried in order; the first that applies is the one that runs (and the one the planner charges).
 ALGORITHMS: tuple[Algorithm, ...] = (
     Keep(),
@@ -289,7 +335,9 @@ ALGORITHMS: tuple[Algorithm, ...] = (
 )
 
 
+@functools.lru_cache(maxsize=4096)
 def select(r: Request) -> Algorithm:
+    """The algorithm for a request (cached: a program asks for the same few every run)."""
     for algorithm in ALGORITHMS:
         if algorithm.applies(r):
             return algorithm

@@ -24,8 +24,13 @@ FLOAT_NAMES = frozenset({"float64", "float32", "float16", "bfloat16"})
 INDEX_NAMES = frozenset({"int64", "int32", "int16", "int8", "uint8"})
 
 
+_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
 def dtype_name(dtype: object) -> str:
     """The wire name of a dtype, or UnsupportedDtype naming the allowed set."""
+    if isinstance(dtype, np.dtype) and dtype in _NAMES:  # the common case, on every message
+        return _NAMES[dtype]
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:

@@ -162,3 +162,38 @@ def test_every_case_on_one_four_and_five_processes(n, fresh_cluster):
     locals_, got = run_transition(cluster.call_all, n, big, PARTIAL, MIRRORED, program=99, run=99)
     assert_bitwise(got, [rank_order_sum(locals_)] * n)
     check_identical(got)
+
+
+def test_a_program_reloaded_under_its_id_runs_its_new_steps():
+    """Workers prepare each collective step once per loaded program: loading another program
+    under the same id (or reconfiguring) must not run the old preparation."""
+    n = 2
+    cluster = SimulatedCluster(n)
+    try:
+        call = cluster.call_all
+        parts = addends((4,), n, np.float32)
+        call({d: p.Put(1, PARTIAL, (4,), parts[d]) for d in range(n)})
+        call({d: p.LoadProgram(7, [p.MoveStep(0, 1, PARTIAL, MIRRORED, (4,), "float32")]) for d in range(n)})
+        call({d: p.RunProgram(7, 1, [[0, 1]], [[1, 2]]) for d in range(n)})
+        assert_bitwise([np.asarray(call({0: p.Get(2)})[0].array)], [rank_order_sum(parts)])
+        x = np.arange(6, dtype=np.float32)
+        split = Split.even(0, 6, n)
+        call({d: p.Put(3, split, x.shape, scatter(x, split, n)[d]) for d in range(n)})
+        call({d: p.LoadProgram(7, [p.MoveStep(0, 1, split, MIRRORED, (6,), "float32")]) for d in range(n)})
+        call({d: p.RunProgram(7, 2, [[0, 3]], [[1, 4]]) for d in range(n)})
+        assert all(np.array_equal(np.asarray(call({d: p.Get(4)})[d].array), x) for d in range(n))
+    finally:
+        cluster.close()
+
+
+def test_a_collective_on_a_slot_of_another_dtype_names_both():
+    n = 2
+    cluster = SimulatedCluster(n)
+    try:
+        call = cluster.call_all
+        call({d: p.Put(1, PARTIAL, (4,), np.ones(4, np.int32)) for d in range(n)})
+        call({d: p.LoadProgram(1, [p.MoveStep(0, 1, PARTIAL, MIRRORED, (4,), "float32")]) for d in range(n)})
+        replies = call({d: p.RunProgram(1, 1, [[0, 1]], [[1, 2]]) for d in range(n)})
+        assert all(isinstance(r, p.Error) and "int32" in r.message and "float32" in r.message for r in replies.values())
+    finally:
+        cluster.close()

@@ -198,3 +198,31 @@ def test_blas_threads_do_not_oversubscribe():
     cores = os.cpu_count()
     assert launch.blas_threads(1) == cores
     assert launch.blas_threads(cores) == 1 and launch.blas_threads(4 * cores) == 1
+
+
+def test_worker_cpus_are_disjoint_shares_of_the_allowed_cpus_or_none():
+    assert launch.worker_cpus(2, 1, {5, 3}) == [(3,), (5,)]
+    assert launch.worker_cpus(2, 2, range(5)) == [(0, 1), (2, 3)]
+    assert launch.worker_cpus(3, 1, [0, 1]) is None, "three workers do not go round two cores once"
+    assert launch.worker_cpus(2, 2, [0, 1, 2]) is None
+    assert launch.worker_cpus(0, 1, [0]) is None
+
+
+def _task_cpus(pid: int) -> list[set[int]]:
+    """The CPUs each thread of process `pid` may run on."""
+    return [os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
+@pytest.mark.timeout(60)
+def test_spawned_cpu_workers_run_on_their_own_cores_unless_told_not_to(fresh_cluster):
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs")
+    cluster = fresh_cluster(2, blas_threads=1)
+    per_worker = [_task_cpus(proc.pid) for proc in cluster.processes]
+    for threads in per_worker:
+        assert len(threads) > 1, "the worker's own threads (ZeroMQ, watchdog) are there to check"
+        assert all(cpus == threads[0] and len(cpus) == 1 and cpus <= allowed for cpus in threads)
+    assert per_worker[0][0] != per_worker[1][0], "two workers bound to the same core"
+    unbound = fresh_cluster(2, blas_threads=1, bind="off")
+    assert all(cpus == allowed for proc in unbound.processes for cpus in _task_cpus(proc.pid))

@@ -58,11 +58,10 @@ def read_record(reader: RingReader, writer: RingWriter) -> tuple[tuple, np.ndarr
         if fragment is None:
             writer.pump()
             continue
-        assert fragment.ctypes.data % LINE == 0 and not fragment.flags.writeable
-        part = fragment.view(header.dtype)
-        flat[at : at + part.size] = part
-        at += part.size
-        reader.consume(fragment.size)
+        assert fragment.ctypes.data % LINE == 0 and not fragment.flags.writeable and fragment.dtype == header.dtype
+        flat[at : at + fragment.size] = fragment
+        at += fragment.size
+        reader.consume(fragment.nbytes)
     return (header.run, header.step), out
 
 
@@ -103,14 +102,14 @@ def test_reader_keeps_its_place_when_a_wait_is_abandoned(ring_file):
     writer.post(1, 1, np.arange(5, dtype=np.int32))
     header = reader.peek()
     first = reader.fragment()
-    reader.consume(first.size)  # ... and the waiter gives up here (a deadline, an abort)
+    reader.consume(first.nbytes)  # ... and the waiter gives up here (a deadline, an abort)
     assert reader.peek() is header  # the same record, not a misread of its middle
-    rest = [first.view(np.float32).copy()]
+    rest = [first.copy()]
     while reader.current is header:
         writer.pump()
         if (fragment := reader.fragment()) is not None:
-            rest.append(fragment.view(np.float32).copy())
-            reader.consume(fragment.size)
+            rest.append(fragment.copy())
+            reader.consume(fragment.nbytes)
     assert np.array_equal(np.concatenate(rest), big)
     assert read_record(reader, writer)[0] == (1, 1)
 
@@ -268,8 +267,9 @@ def test_waits_for_names_the_awaited_rank_or_any(ring_file):
     assert not inbox.waits_for(0) and not inbox.waits_for(1)
     inbox.waiting[0] = 1 + 1
     assert inbox.waits_for(1) and not inbox.waits_for(0) and not inbox.waits_for(2)
+    assert not inbox.waits_for(1, space=True), "a receiver waiting for data is not woken by reads of its bytes"
     inbox.waiting[0] = p.SHM_WAITING_ANY
-    assert all(inbox.waits_for(r) for r in range(3))
+    assert all(inbox.waits_for(r) and inbox.waits_for(r, space=True) for r in range(3))
 
 
 def test_a_waiting_receiver_sleeps_instead_of_spinning(comm_pair):
@@ -296,6 +296,23 @@ def test_a_sleeping_receiver_is_woken_by_the_sender(comm_pair, monkeypatch):
     start = time.monotonic()
     assert np.array_equal(receive_array(b, 0, 1, 0, (5,), seconds=20), data)
     assert time.monotonic() - start < 2
+
+
+def test_a_sender_waiting_for_ring_space_is_woken_by_the_reader(comm_pair, monkeypatch):
+    """A record larger than the ring: the sender sleeps (up to 5 s) until the reader frees room,
+    and only the reader's bell, rung as it consumes, ends each of those sleeps soon."""
+    monkeypatch.setattr(comm, "BLOCK_SECONDS", 5.0)
+    make, _ = comm_pair
+    a, b = make(0), make(1)
+    big = np.random.default_rng(0).standard_normal(3 * shm.ring_capacity(2) // 4).astype(np.float32)
+    a.send(1, 1, 0, big)  # three rings' worth: most of it stays queued
+    got = []
+    reader = threading.Timer(0.3, lambda: got.append(receive_array(b, 0, 1, 0, big.shape, seconds=20)))
+    reader.start()
+    start = time.monotonic()
+    a.flush(1, Deadline(20))
+    reader.join(20)
+    assert time.monotonic() - start < 2 and np.array_equal(got[0], big)
 
 
 def test_with_more_workers_than_cores_a_waiter_yields_while_it_spins(comm_pair):

@@ -29,6 +29,7 @@ fragment a reader sees holds whole elements and is aligned for any dtype.
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import platform
@@ -113,9 +114,37 @@ class RecordHeader(NamedTuple):
         return cls(run, step, array.dtype, array.shape, array.nbytes)
 
     def encode(self) -> bytes:
-        ndim = len(self.shape)
-        raw = _PREFIX.pack(SHM_RECORD_MAGIC, ndim, self.run, self.step, self.nbytes, dtype_name(self.dtype).encode())
-        return raw + struct.pack(f"<{ndim}q", *self.shape) + bytes(header_bytes(ndim) - _PREFIX.size - 8 * ndim)
+        raw = bytearray(header_template(self.dtype, self.shape))
+        _RUN_STEP.pack_into(raw, _RUN_STEP_AT, self.run, self.step)
+        return bytes(raw)
+
+
+_RUN_STEP = struct.Struct("<qq")  # the only fields of a record header that change from run to run
+_RUN_STEP_AT = 8  # after magic and ndim (see SHM_RECORD_PREFIX)
+_SHAPES = {ndim: struct.Struct(f"<{ndim}q") for ndim in range(MAX_NDIM + 1)}
+
+
+@functools.lru_cache(maxsize=1024)
+def header_template(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """A record header for an array of `dtype` and `shape`, run and step zero: a program sends
+    the same few shapes every run, so each header is packed once and only run and step are
+    written per message."""
+    ndim = len(shape)
+    nbytes = prod(shape) * dtype.itemsize
+    raw = _PREFIX.pack(SHM_RECORD_MAGIC, ndim, 0, 0, nbytes, dtype_name(dtype).encode())
+    return raw + _SHAPES[ndim].pack(*shape) + bytes(header_bytes(ndim) - _PREFIX.size - 8 * ndim)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(name: bytes, shape: tuple[int, ...], nbytes: int) -> np.dtype:
+    """The dtype of a record header's fields, checked once per distinct header."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        name = name.rstrip(b"\0")
+        raise ProtocolError(f"shared-memory record of unsupported dtype {name!r}")
+    if min(shape, default=0) < 0 or prod(shape) * dtype.itemsize != nbytes:
+        raise ProtocolError(f"shared-memory record: shape {shape} of {dtype} does not hold {nbytes} bytes")
+    return dtype
 
 
 _FENCE = threading.Lock()
@@ -135,8 +164,8 @@ _syscall.restype = ctypes.c_long
 def fence() -> None:
     """A full memory barrier: taking a lock is an atomic read-modify-write (a locked instruction
     on x86-64), which orders every earlier store before every later load."""
-    with _FENCE:
-        pass
+    _FENCE.acquire()
+    _FENCE.release()
 
 
 def header_bytes(ndim: int) -> int:
@@ -150,14 +179,26 @@ class Ring:
         self.capacity = capacity
         self.buffer = buffer
         self.base = offset + CONTROL  # where the data bytes start in `buffer`
-        self.control = np.frombuffer(buffer, np.uint64, CONTROL // 8, offset)
+        # head and tail as a memoryview of uint64: an index is one aligned 8-byte load or store,
+        # and several times cheaper from Python than a NumPy element
+        self.words = memoryview(buffer)[offset : offset + CONTROL].cast("Q")
         self.data = np.frombuffer(buffer, np.uint8, capacity, self.base)
+        self._typed: dict[np.dtype, np.ndarray] = {}
 
     def head(self) -> int:
-        return int(self.control[HEAD])
+        return self.words[HEAD]
 
     def tail(self) -> int:
-        return int(self.control[TAIL])
+        return self.words[TAIL]
+
+    def typed(self, dtype: np.dtype) -> np.ndarray:
+        """The data bytes as read-only elements of `dtype` (fragments start on a line, so at a
+        whole element of any dtype)."""
+        view = self._typed.get(dtype)
+        if view is None:
+            view = self._typed[dtype] = self.data.view(dtype)
+            view.flags.writeable = False
+        return view
 
     def write(self, position: int, raw: bytes) -> None:
         """Small bytes (a header) at a stream position, split where the ring wraps."""
@@ -172,6 +213,10 @@ class Ring:
         first = min(n, self.capacity - at)
         raw = self.buffer[self.base + at : self.base + at + first]
         return raw if first == n else raw + self.buffer[self.base : self.base + n - first]
+
+    def release(self) -> None:
+        self.words.release()
+        self._typed = {}
 
 
 class _Outgoing:
@@ -205,10 +250,35 @@ class RingWriter:
         return self.space() >= need
 
     def post(self, run: int, step: int, array: np.ndarray) -> None:
-        array = np.ascontiguousarray(array).reshape(array.shape)  # keeps 0-d arrays 0-d
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array).reshape(array.shape)  # keeps 0-d arrays 0-d
+        template = header_template(array.dtype, array.shape)
+        if not self.queue and self._write_whole(run, step, template, array):
+            return
+        header = bytearray(template)
+        _RUN_STEP.pack_into(header, _RUN_STEP_AT, run, step)
         payload = array.reshape(-1).view(np.uint8) if array.size else np.empty(0, np.uint8)
-        self.queue.append(_Outgoing(RecordHeader.of(run, step, array).encode(), payload))
+        self.queue.append(_Outgoing(bytes(header), payload))
         self.pump()
+
+    def _write_whole(self, run: int, step: int, template: bytes, array: np.ndarray) -> bool:
+        """The common case, in few Python operations: the whole record fits in the free space
+        before the ring wraps. Written, then published with one store of head."""
+        ring, head = self.ring, self.head
+        cap, size, nbytes = ring.capacity, len(template), array.nbytes
+        at = head % cap
+        record = _round_up(size + nbytes)
+        if at + record > cap or record > cap - (head - ring.words[TAIL]):
+            return False
+        start = ring.base + at
+        buffer = ring.buffer
+        buffer[start : start + size] = template
+        _RUN_STEP.pack_into(buffer, start + _RUN_STEP_AT, run, step)
+        if nbytes:
+            buffer[start + size : start + size + nbytes] = array  # its bytes, whatever the dtype
+        self.head = head + record
+        ring.words[HEAD] = self.head
+        return True
 
     def pump(self) -> bool:
         """Write what fits; True when nothing is left queued."""
@@ -229,16 +299,16 @@ class RingWriter:
                 if n < left:
                     n -= n % LINE  # whole lines until the last piece keeps fragments aligned
                 if n <= 0:
-                    ring.control[HEAD] = self.head
+                    ring.words[HEAD] = self.head
                     return False
                 ring.data[at : at + n] = m.payload[m.done : m.done + n]
                 m.done += n
                 self.head += n
                 if m.done < m.payload.size:
-                    ring.control[HEAD] = self.head  # publish progress: the reader may start
+                    ring.words[HEAD] = self.head  # publish progress: the reader may start
                     continue
             self.head = _round_up(self.head)
-            ring.control[HEAD] = self.head
+            ring.words[HEAD] = self.head
             self.queue.pop(0)
         return True
 
@@ -254,59 +324,61 @@ class RingReader:
         self.tail = ring.tail()
         self.current: RecordHeader | None = None
         self.offset = 0  # payload bytes of `current` already consumed
+        self._elements: np.ndarray | None = None  # the ring as elements of the current dtype
 
     def available(self) -> int:
-        return self.ring.head() - self.tail
+        return self.ring.words[HEAD] - self.tail
 
     def peek(self) -> RecordHeader | None:
         """The header of the record being read, taking in the next one if none is; None while
         no whole header has arrived."""
         if self.current is not None:
             return self.current
-        avail = self.available()
+        ring = self.ring
+        avail = ring.words[HEAD] - self.tail
         if avail < LINE:
             return None
-        magic, ndim, run, step, nbytes, name = _PREFIX.unpack(self.ring.read(self.tail, _PREFIX.size))
+        at = self.tail % ring.capacity
+        if at + LINE <= ring.capacity:  # a record starts on a line: its prefix never wraps there
+            magic, ndim, run, step, nbytes, name = _PREFIX.unpack_from(ring.buffer, ring.base + at)
+        else:
+            magic, ndim, run, step, nbytes, name = _PREFIX.unpack(ring.read(self.tail, _PREFIX.size))
         if magic != SHM_RECORD_MAGIC or ndim > MAX_NDIM:
             raise ProtocolError(f"shared-memory ring corrupted: record magic {magic:#x}, {ndim} dimensions")
         size = header_bytes(ndim)
         if avail < size:
             return None
-        shape = struct.unpack(f"<{ndim}q", self.ring.read(self.tail + _PREFIX.size, 8 * ndim))
-        dtype = _DTYPES.get(name)
-        if dtype is None:
-            name = name.rstrip(b"\0")
-            raise ProtocolError(f"shared-memory record of unsupported dtype {name!r}")
-        if min(shape, default=0) < 0 or prod(shape) * dtype.itemsize != nbytes:
-            raise ProtocolError(f"shared-memory record: shape {shape} of {dtype} does not hold {nbytes} bytes")
+        shape = _SHAPES[ndim].unpack(ring.read(self.tail + _PREFIX.size, 8 * ndim))
+        dtype = _parsed(name, shape, nbytes)
         self._advance(size)
         header = self.current = RecordHeader(run, step, dtype, shape, nbytes)
         self.offset = 0
+        self._elements = ring.typed(dtype)
         if not nbytes:
             self._finish()
         return header
 
     def fragment(self) -> np.ndarray | None:
-        """The next arrived bytes of the current payload as a read-only view of the ring (valid
-        until `consume`), or None when none has arrived yet."""
-        avail = self.ring.head() - self.tail
+        """The next arrived elements of the current payload as a read-only view of the ring
+        (valid until `consume`), or None when none has arrived yet."""
+        ring = self.ring
+        avail = ring.words[HEAD] - self.tail
         if not avail:
             return None
-        cap = self.ring.capacity
+        cap = ring.capacity
         at = self.tail % cap
         n = min(self.current.nbytes - self.offset, avail, cap - at, READ_CHUNK)
-        view = self.ring.data[at : at + n]
-        view.flags.writeable = False
-        return view
+        itemsize = self.current.dtype.itemsize
+        return self._elements[at // itemsize : (at + n) // itemsize]
 
-    def consume(self, n: int) -> None:
-        """Free `n` payload bytes (those of the last fragment) for the writer."""
-        self.offset += n
-        self.tail += n
+    def consume(self, nbytes: int) -> None:
+        """Free `nbytes` payload bytes (those of the last fragment) for the writer."""
+        self.offset += nbytes
+        self.tail += nbytes
         if self.offset == self.current.nbytes:
             self._finish()
         else:
-            self.ring.control[TAIL] = self.tail
+            self.ring.words[TAIL] = self.tail
 
     def _finish(self) -> None:
         self.current = None
@@ -314,7 +386,7 @@ class RingReader:
 
     def _advance(self, n: int) -> None:
         self.tail += n
-        self.ring.control[TAIL] = self.tail
+        self.ring.words[TAIL] = self.tail
 
 
 class InboxFile:
@@ -322,9 +394,11 @@ class InboxFile:
 
     def __init__(self, path: Path, buffer: mmap.mmap, world_size: int, capacity: int, owner: bool):
         self.path, self.buffer, self.world_size, self.capacity, self.owner = path, buffer, world_size, capacity, owner
-        self.waiting = np.frombuffer(buffer, np.uint64, 1, SHM_WAITING_OFFSET)  # the owner's asleep word
-        self.bell = np.frombuffer(buffer, np.uint32, 1, SHM_BELL_OFFSET)
-        self._bell_address = ctypes.c_void_p(self.bell.ctypes.data)
+        words = memoryview(buffer)
+        self.waiting = words[SHM_WAITING_OFFSET : SHM_WAITING_OFFSET + 8].cast("Q")  # the owner's asleep word
+        self.bell = words[SHM_BELL_OFFSET : SHM_BELL_OFFSET + 4].cast("I")
+        words.release()
+        self._bell_address = ctypes.c_void_p(np.frombuffer(buffer, np.uint32, 1, SHM_BELL_OFFSET).ctypes.data)
         stride = CONTROL + capacity
         self.rings = [Ring(buffer, FILE_HEADER + src * stride, capacity) for src in range(world_size)]
 
@@ -372,15 +446,17 @@ class InboxFile:
             raise TransportError(f"{path} belongs to host {host!r}, not this one")
         return cls(path, buffer, world_size, capacity, owner=False)
 
-    def waits_for(self, rank: int) -> bool:
-        """Whether the owner sleeps until `rank` makes progress (read after a `fence()`)."""
-        word = int(self.waiting[0])
-        return word == rank + 1 or word == SHM_WAITING_ANY
+    def waits_for(self, rank: int, space: bool = False) -> bool:
+        """Whether the owner sleeps until `rank` sends it data (read after a `fence()`), or with
+        `space`, until `rank` frees ring space (only an owner with bytes queued waits for that,
+        and it announces SHM_WAITING_ANY)."""
+        word = self.waiting[0]
+        return word == SHM_WAITING_ANY or (not space and word == rank + 1)
 
     def sleep(self, waiting_for: int, ready: Callable[[], bool], seconds: float) -> None:
         """The owner sleeps until its bell rings or `seconds` pass, unless `ready()` (checked
         after announcing whom it waits for: 1 + a rank, or SHM_WAITING_ANY) is already true."""
-        seen = int(self.bell[0])
+        seen = self.bell[0]
         self.waiting[0] = waiting_for
         fence()
         try:
@@ -392,12 +468,15 @@ class InboxFile:
 
     def ring(self) -> None:
         """Wake the owner (a peer calls this after `waits_for` said it sleeps for it)."""
-        self.bell[0] = (int(self.bell[0]) + 1) & 0xFFFFFFFF  # any change fails the sleeper's compare
+        self.bell[0] = (self.bell[0] + 1) & 0xFFFFFFFF  # any change fails the sleeper's compare
         _syscall(_SYS_FUTEX, self._bell_address, _FUTEX_WAKE, ctypes.c_int(1), None, None, 0)
 
     def close(self) -> None:
+        for ring in self.rings:
+            ring.release()
+        self.waiting.release()
+        self.bell.release()
         self.rings = []
-        self.waiting = self.bell = None
         try:
             self.buffer.close()
         except BufferError:  # a view still alive somewhere; the mapping goes with the process

@@ -17,7 +17,7 @@ from typing import Any
 from split_state.algorithms import Phase, Request, Tag, select
 from split_state.dtypes import dtype_name
 from split_state.states import State
-from split_state.transitions import Transfer, owned_groups
+from split_state.transitions import Transfer
 from transport.deadline import Deadline
 
 
@@ -25,13 +25,20 @@ class Collectives:
     def __init__(self, engine):
         self.engine = engine
 
+    def request(self, src: State, dst: State, shape: Sequence[int], dtype: Any) -> Request:
+        """The redistribution a program step asks of this worker's engine (made once per step:
+        `run` then finds its algorithm and phases by this object)."""
+        e = self.engine
+        return Request(src, dst, tuple(shape), e.size, dtype.itemsize, dtype_name(dtype), e.plane)
+
+    def run(self, r: Request, local: Any, run: int, step: int, deadline: Deadline) -> Any:
+        self.engine.check_usable()
+        return select(r).run(self.engine, local, r, Tag(run, step, deadline))
+
     def redistribute(
         self, local: Any, src: State, dst: State, shape: Sequence[int], run: int, step: int, deadline: Deadline
     ) -> Any:
-        e = self.engine
-        r = Request(src, dst, tuple(shape), e.size, local.dtype.itemsize, dtype_name(local.dtype), e.plane)
-        e.check_usable()
-        return select(r).run(e, local, r, Tag(run, step, deadline))
+        return self.run(self.request(src, dst, shape, local.dtype), local, run, step, deadline)
 
 
 class HostEngine:
@@ -46,10 +53,9 @@ class HostEngine:
     def check_usable(self) -> None:
         pass
 
-    def _send_mine(self, local: Any, plan: Sequence[Transfer], tag: Tag) -> None:
-        for t in plan:
-            if t.src == self.rank and t.dst != self.rank:
-                self.comm.send(t.dst, tag.run, tag.step, self.backend.to_host(local[t.src_box]))
+    def _send_mine(self, local: Any, sends: Sequence[Transfer], tag: Tag) -> None:
+        for t in sends:
+            self.comm.send(t.dst, tag.run, tag.step, self.backend.to_host(local[t.src_box]))
 
     def _receive(self, t: Transfer, target: Any, tag: Tag, combine) -> None:
         """Stream transfer `t` into the contiguous array `target`: combine(flat part, fragment)."""
@@ -62,12 +68,10 @@ class HostEngine:
         self.comm.receive(t.src, tag.run, tag.step, tag.deadline, target.shape, target.dtype, sink)
 
     def exchange(self, local: Any, phase: Phase, tag: Tag) -> Any:
-        plan = phase.transfers
-        self._send_mine(local, plan, tag)  # queued, never blocking: receives below drain them
-        out = self.xp.empty(phase.out_shape(self.size, self.rank), dtype=local.dtype)
-        for t in plan:
-            if t.dst != self.rank:
-                continue
+        share = phase.share(self.size, self.rank)
+        self._send_mine(local, share.sends, tag)  # queued, never blocking: receives below drain them
+        out = self.xp.empty(share.out_shape, dtype=local.dtype)
+        for t in share.receives:
             if t.src == self.rank:
                 out[t.dst_box] = local[t.src_box]
                 continue
@@ -85,12 +89,12 @@ class HostEngine:
         """Sum every device's contribution to each box this device owns, in rank order, adding
         remote contributions as their bytes arrive. The first two are added in one pass (a + b
         is b + a bit for bit), so every owner does the same arithmetic whatever its rank."""
-        plan = phase.transfers
-        self._send_mine(local, plan, tag)
         rank, n, xp = self.rank, self.size, self.xp
-        out_shape = phase.out_shape(n, rank)
+        share = phase.share(n, rank)
+        self._send_mine(local, share.sends, tag)
+        out_shape = share.out_shape
         out = None
-        for box, group in owned_groups(plan, n, rank):
+        for box, group in share.owned:
             mine = local[group[rank].src_box]
             if n == 1:
                 total = mine.copy()

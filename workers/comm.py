@@ -28,6 +28,7 @@ from transport import protocol as p
 from transport.deadline import Deadline
 from transport.shm import InboxFile, RecordHeader, RingReader, RingWriter, Sink, fence, inbox_path, ring_capacity
 from transport.sockets import Security, push, send
+from workers.binding import bound
 
 SPIN_SECONDS = 50e-6  # poll this long for a peer's bytes before sleeping: a wake-up costs about that
 POLITE_SPIN_SECONDS = 200e-6  # with more workers than cores: yield the core while spinning this long
@@ -278,7 +279,10 @@ class HostComm(ZmqComm):
         self.readers = {src: RingReader(self.own.rings[src]) for src in range(self.size) if src != rank}
         self.writers: dict[int, RingWriter | None] = {}  # None: that peer is reached over ZeroMQ
         self.peer_files: dict[int, InboxFile] = {}
-        self.cores = len(os.sched_getaffinity(0))
+        self._backlog: set[int] = set()  # peers with bytes queued for their rings
+        # a worker bound to its own cores (see meta.launchers.worker_cpus) was bound because
+        # this host's workers fit its cores; otherwise count the cores it may run on
+        self.cores = self.size if bound() else len(os.sched_getaffinity(0))
 
     plane = "shm"
 
@@ -308,34 +312,40 @@ class HostComm(ZmqComm):
         return self.writers[dst]
 
     def send(self, dst: int, run: int, step: int, array: np.ndarray) -> None:
-        writer = self._writer(dst)
+        writer = self.writers.get(dst) or self._writer(dst)
         if writer is None:
             super().send(dst, run, step, array)
         else:
             self.bytes_sent += array.nbytes
             writer.post(run, step, array)
+            if writer.queue:
+                self._backlog.add(dst)
             self._wake(dst)
 
-    def _wake(self, peer: int) -> None:
-        """After publishing progress in a ring shared with `peer`: ring its bell if it sleeps
-        waiting for us (see transport/shm.py on why the fence comes first)."""
+    def _wake(self, peer: int, space: bool = False) -> None:
+        """After publishing progress in a ring shared with `peer` (data we sent, or with `space`,
+        room we freed by reading): ring its bell if it sleeps waiting for that (see
+        transport/shm.py on why the fence comes first). A peer waiting for our data is not woken
+        by our reading its bytes: a wake-up costs it a trip through the scheduler."""
         inbox = self.peer_files.get(peer)
         if inbox is None:
-            return
+            if peer in self.writers or self._writer(peer) is None:  # it is reached over ZeroMQ
+                return
+            inbox = self.peer_files[peer]  # a peer we only read from so far: map its file now
         fence()
-        if inbox.waits_for(self.rank):
+        if inbox.waits_for(self.rank, space):
             inbox.ring()
 
     def _pump(self) -> bool:
         """Move queued bytes into peers' rings; True when nothing is left queued."""
-        done = True
-        for dst, writer in self.writers.items():
-            if writer is not None and writer.queue:
-                before = writer.head
-                done = writer.pump() and done
-                if writer.head != before:
-                    self._wake(dst)
-        return done
+        for dst in list(self._backlog):
+            writer = self.writers[dst]
+            before = writer.head
+            if writer.pump():
+                self._backlog.discard(dst)
+            if writer.head != before:
+                self._wake(dst)
+        return not self._backlog
 
     def _idle(self, waiter: Waiter, run: int, peer: int | None = None, ready=lambda: False) -> bool:
         """One turn of waiting for `peer` (None: for any peer to free ring space): move our
@@ -353,20 +363,21 @@ class HostComm(ZmqComm):
         if peer is not None and self._writer(peer) is None:  # it sends over ZeroMQ, which wakes a poll
             self.inbox.poll(waiter.block_ms())
         else:
-            queued = any(w is not None and w.queue for w in self.writers.values())
+            queued = bool(self._backlog)
             waiting_for = p.SHM_WAITING_ANY if peer is None or queued else peer + 1
             self.own.sleep(waiting_for, lambda: ready() or (queued and self._can_pump()), waiter.block_seconds())
         self._check_signals(run)
         return not waiter.deadline.expired()
 
     def _can_pump(self) -> bool:
-        return any(w is not None and w.can_progress() for w in self.writers.values())
+        return any(self.writers[dst].can_progress() for dst in self._backlog)
 
     def flush(self, run: int, deadline: Deadline) -> None:
-        waiter = self._waiter(deadline)
+        waiter = None
         while not self._pump():
+            waiter = waiter or self._waiter(deadline)
             if not self._idle(waiter, run):
-                stuck = [d for d, w in self.writers.items() if w is not None and w.queue]
+                stuck = sorted(self._backlog)
                 raise WorkerLost(
                     f"worker {self.rank}: workers {stuck} took no data for {deadline.seconds:.1f} s",
                     rank=stuck[0],
@@ -376,47 +387,52 @@ class HostComm(ZmqComm):
         self, src: int, run: int, step: int, deadline: Deadline, shape: tuple[int, ...], dtype: np.dtype, sink: Sink
     ) -> None:
         reader = self.readers[src]
-        waiter = self._waiter(deadline)
+        waiter: Waiter | None = None  # made only when the bytes are not there yet
         start = time.perf_counter()
         try:
             while True:
-                chunk = self._stashed(src, run, step)
-                if chunk is not None:  # it came over ZeroMQ, or was set aside earlier
-                    check_arrival(chunk.array.shape, chunk.array.dtype, shape, dtype, src, step)
-                    sink(0, chunk.array.reshape(-1))
-                    return
+                if self._aborts or self._stash.get(src):
+                    chunk = self._stashed(src, run, step)
+                    if chunk is not None:  # it came over ZeroMQ, or was set aside earlier
+                        check_arrival(chunk.array.shape, chunk.array.dtype, shape, dtype, src, step)
+                        sink(0, chunk.array.reshape(-1))
+                        return
                 header = reader.peek()
-                if header is not None and (header.run, header.step) == (run, step):
+                if header is not None and header.run == run and header.step == step:
                     check_arrival(header.shape, header.dtype, shape, dtype, src, step)
-                    self._stream(reader, header, sink, waiter, run, src, step)
+                    self._stream(reader, header, sink, deadline, run, src, step)
                     return
                 if header is not None and header.run not in (run, run + 1):  # a failed run's leftover
-                    self._stream(reader, header, _discard, waiter, run, src, step)
+                    self._stream(reader, header, _discard, deadline, run, src, step)
                     continue
                 if header is not None:  # a later message than the one awaited: set aside
                     array = np.empty(header.shape, header.dtype)
-                    self._stream(reader, header, _copy_into(array.reshape(-1)), waiter, run, src, step)
+                    self._stream(reader, header, _copy_into(array.reshape(-1)), deadline, run, src, step)
                     self._take(p.Chunk(src, header.run, header.step, array), run)
                     continue
+                waiter = waiter or self._waiter(deadline)
                 if not self._idle(waiter, run, src, lambda: reader.available() > 0):
                     self._lost(src, run, step, deadline)
         finally:
             self.waited += time.perf_counter() - start
 
-    def _stream(self, reader: RingReader, header: RecordHeader, sink: Sink, waiter: Waiter, run, src, step) -> None:
-        itemsize, at = header.dtype.itemsize, 0
+    def _stream(self, reader: RingReader, header: RecordHeader, sink: Sink, deadline: Deadline, run, src, step) -> None:
+        at, waiter = 0, None
         while reader.current is header:
             fragment = reader.fragment()
             if fragment is None:
+                waiter = waiter or self._waiter(deadline)
                 if not self._idle(waiter, run, src, lambda: reader.available() > 0):
-                    self._lost(src, run, step, waiter.deadline)
+                    self._lost(src, run, step, deadline)
                 continue
-            sink(at, fragment.view(header.dtype))
-            at += fragment.size // itemsize
-            reader.consume(fragment.size)
-            self._wake(src)  # it may be waiting for the space
-            waiter.progressed()
-            self._pump()  # the peer may be waiting on our bytes while we read its
+            sink(at, fragment)
+            at += fragment.size
+            reader.consume(fragment.nbytes)
+            self._wake(src, space=True)  # it may be waiting for the space
+            if waiter is not None:
+                waiter.progressed()
+            if self._backlog:
+                self._pump()  # the peer may be waiting on our bytes while we read its
 
     def _lost(self, src: int, run: int, step: int, deadline: Deadline):
         raise WorkerLost(
@@ -426,7 +442,7 @@ class HostComm(ZmqComm):
 
     def close(self) -> None:
         super().close()
-        self.readers, self.writers = {}, {}
+        self.readers, self.writers, self._backlog = {}, {}, set()
         for peer in self.peer_files.values():
             peer.close()
         self.peer_files = {}

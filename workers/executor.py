@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from math import prod
 from typing import Any
 
+from split_state.algorithms import Request
 from split_state.dtypes import dtype_from_name
 from split_state.errors import ProtocolError, ShapeError
 from split_state.kernels import KERNELS
@@ -17,16 +19,27 @@ from workers.collectives import Collectives, HostEngine
 from workers.store import TensorStore
 
 
+@dataclass(frozen=True)
+class Move:
+    """A program's collective step as this worker runs it."""
+
+    request: Request
+    dtype: Any  # what the step's input must hold
+    nbytes: int  # of this worker's result
+
+
 class Executor:
     def __init__(self, backend, store: TensorStore, collective_timeout: float):
         self.backend = backend
         self.store = store
         self.collective_timeout = collective_timeout
         self.programs: dict[int, list[p.Step]] = {}
+        self.moves: dict[int, list[Move | None]] = {}  # per program, each step's prepared collective
         self.collectives: Collectives | None = None
 
     def attach(self, comm) -> None:
         self.comm = comm
+        self.moves = {}  # prepared for the previous peers
         if comm.plane == "nccl":
             from workers.nccl import NcclEngine
 
@@ -39,6 +52,26 @@ class Executor:
             if isinstance(step, p.OpStep) and step.op not in KERNELS:
                 raise ProtocolError(f"program {program} step {i}: unknown op {step.op!r}")
         self.programs[program] = steps
+        self.moves.pop(program, None)
+
+    def unload(self, program: int) -> None:
+        self.programs.pop(program, None)
+        self.moves.pop(program, None)
+
+    def _prepare(self, program: int) -> list[Move | None]:
+        """Each collective step's request and the bytes of its result on this worker, worked out
+        at the program's first run, not at every run (a decode step runs the same plan per token)."""
+        n, rank = self.comm.size, self.comm.rank
+        moves: list[Move | None] = []
+        for step in self.programs[program]:
+            if isinstance(step, p.MoveStep):
+                dtype = dtype_from_name(step.dtype)
+                nbytes = prod(local_shape(step.dst, step.shape, n, rank)) * dtype.itemsize
+                moves.append(Move(self.collectives.request(step.src, step.dst, step.shape, dtype), dtype, nbytes))
+            else:
+                moves.append(None)
+        self.moves[program] = moves
+        return moves
 
     def run(self, program: int, run: int, inputs: list[list[int]], outputs: list[list[int]]) -> dict[str, Any]:
         if program not in self.programs:
@@ -51,8 +84,9 @@ class Executor:
         started = time.perf_counter()
         waited = self.comm.waited
         try:
+            moves = self.moves.get(program) or self._prepare(program)
             for index, step in enumerate(self.programs[program]):
-                self._step(index, step, slots, owned, run, timings)
+                self._step(index, step, moves[index], slots, owned, run, timings)
             self.backend.synchronize()
             results = {tensor: slots[slot] for slot, tensor in outputs}
             timings["wait_s"] = self.comm.waited - waited  # part of comm_s spent blocked on peers
@@ -71,34 +105,37 @@ class Executor:
         self.store.release(sum(owned.values()))
         owned.clear()
 
-    def _step(self, index: int, step: p.Step, slots: dict, owned: dict, run: int, timings: dict) -> None:
+    def _step(self, index: int, step: p.Step, move: Move | None, slots: dict, owned: dict, run: int, timings: dict):
         if isinstance(step, p.FreeStep):
             for slot in step.slots:
                 slots.pop(slot, None)
                 self.store.release(owned.pop(slot, 0))
             return
-        itemsize = dtype_from_name(step.dtype).itemsize
         start = time.perf_counter()
-        if isinstance(step, p.OpStep):
-            if OPS[step.op].inplace:  # writes into its first input: that memory changes hands
-                owned[step.output] = owned.pop(step.inputs[0], 0)
-            else:
-                nbytes = prod(step.shape) * itemsize
-                self.store.reserve(nbytes, lambda: f"step {index} ({step.op})")
-                owned[step.output] = nbytes
-            out = KERNELS[step.op](self.backend.xp, [slots[s] for s in step.inputs], step.params)
-            if tuple(out.shape) != tuple(step.shape) or out.dtype != dtype_from_name(step.dtype):
+        if move is not None:
+            local = slots[step.input]
+            if local.dtype != move.dtype:
                 raise ShapeError(
-                    f"step {index} ({step.op}) produced {tuple(out.shape)} {out.dtype}, "
-                    f"the plan expects {tuple(step.shape)} {step.dtype}"
+                    f"step {index} (redistribute): slot {step.input} holds {local.dtype}, not {step.dtype}"
                 )
-            timings["compute_s"] += time.perf_counter() - start
-        else:
-            n, r = self.comm.size, self.comm.rank
-            nbytes = prod(local_shape(step.dst, step.shape, n, r)) * itemsize
-            self.store.reserve(nbytes, lambda: f"step {index} (redistribute {step.src} -> {step.dst})")
-            owned[step.output] = nbytes
+            self.store.reserve(move.nbytes, lambda: f"step {index} (redistribute {step.src} -> {step.dst})")
+            owned[step.output] = move.nbytes
             deadline = Deadline(self.collective_timeout)
-            out = self.collectives.redistribute(slots[step.input], step.src, step.dst, step.shape, run, index, deadline)
+            slots[step.output] = self.collectives.run(move.request, local, run, index, deadline)
             timings["comm_s"] += time.perf_counter() - start
+            return
+        dtype = dtype_from_name(step.dtype)
+        if OPS[step.op].inplace:  # writes into its first input: that memory changes hands
+            owned[step.output] = owned.pop(step.inputs[0], 0)
+        else:
+            nbytes = prod(step.shape) * dtype.itemsize
+            self.store.reserve(nbytes, lambda: f"step {index} ({step.op})")
+            owned[step.output] = nbytes
+        out = KERNELS[step.op](self.backend.xp, [slots[s] for s in step.inputs], step.params)
+        if tuple(out.shape) != tuple(step.shape) or out.dtype != dtype:
+            raise ShapeError(
+                f"step {index} ({step.op}) produced {tuple(out.shape)} {out.dtype}, "
+                f"the plan expects {tuple(step.shape)} {step.dtype}"
+            )
+        timings["compute_s"] += time.perf_counter() - start
         slots[step.output] = out

@@ -75,7 +75,7 @@ class WorkerServer:
 
     def _on_unload(self, m: p.Unload) -> p.Message:
         for program in m.programs:
-            self.executor.programs.pop(program, None)
+            self.executor.unload(program)
         return p.Ok()
 
     def _on_run_program(self, m: p.RunProgram) -> p.Message:
