@@ -109,15 +109,6 @@ class RecordHeader(NamedTuple):
     shape: tuple[int, ...]
     nbytes: int
 
-    @classmethod
-    def of(cls, run: int, step: int, array: np.ndarray) -> RecordHeader:
-        return cls(run, step, array.dtype, array.shape, array.nbytes)
-
-    def encode(self) -> bytes:
-        raw = bytearray(header_template(self.dtype, self.shape))
-        _RUN_STEP.pack_into(raw, _RUN_STEP_AT, self.run, self.step)
-        return bytes(raw)
-
 
 _RUN_STEP = struct.Struct("<qq")  # the only fields of a record header that change from run to run
 _RUN_STEP_AT = 8  # after magic and ndim (see SHM_RECORD_PREFIX)
