@@ -14,13 +14,15 @@ from cli.options import add_cluster_options, open_cluster
 
 
 def generate(args: argparse.Namespace) -> int:
-    from models.generate import LLM, Sampling
+    from models.generate import LLM, Sampling, prompt_text
     from models.gguf_model import GGUFModel, ModelError
 
     if not args.prompts:
         raise ModelError('generate: give one or more prompts, e.g. launch.py generate "The capital of France is"')
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     model = GGUFModel(args.model or None)
+    for prompt in args.prompts:  # the file's chat template is checked before any worker starts
+        prompt_text(model, prompt, args.chat)
     with open_cluster(args) as dev:
         start = time.perf_counter()
         llm = LLM(

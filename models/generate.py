@@ -68,6 +68,17 @@ class Generation:
         }
 
 
+def prompt_text(model: GGUFModel, prompt: str, chat: bool) -> str:
+    """The text the model reads for `prompt`: as given, or wrapped in the file's chat template
+    (rendered in a sandbox; an unsafe or broken template is a TemplateError naming the file)."""
+    if not chat:
+        return prompt
+    template = model.chat_template
+    if template is None:
+        raise ModelError(f"{model.path.name} has no chat template; drop --chat")
+    return template.render([{"role": "user", "content": prompt}])
+
+
 class LLM:
     def __init__(self, dev: MetaDevice, model: GGUFModel, ctx: int = 2048, batch: int = 1, progress=None):
         if ctx > model.context_length:
@@ -79,12 +90,7 @@ class LLM:
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill
 
     def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
-        if chat:
-            template = self.model.chat_template
-            if template is None:
-                raise ModelError(f"{self.model.path.name} has no chat template; drop --chat")
-            prompt = template.render([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt_text(self.model, prompt, chat))
 
     def generate(
         self,

@@ -73,14 +73,45 @@ LAYER_TENSORS = {
 TOP_TENSORS = {"embed": "token_embd", "norm": "output_norm", "output": "output"}
 
 
+class TemplateError(ModelError):
+    """A chat template that cannot be rendered: unsafe (it reached for Python internals, which
+    the sandbox refuses) or malformed."""
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
+    """A chat template from a model file. The file is untrusted input: a template is Jinja code,
+    and an unsandboxed environment lets it reach Python internals (`cycler.__init__.__globals__`)
+    and run commands (llama-cpp-python's CVE-2024-34359). It is rendered in Jinja's immutable
+    sandbox, as transformers does: no unsafe attributes, no mutation of the values passed in."""
+
     source: str
+    origin: str = "the chat template"  # names the file in errors
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         jinja2 = _require("jinja2")
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined)
-        return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt)
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise_template_exception
+        try:
+            return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt)
+        except jinja2.exceptions.SecurityError as exc:
+            raise TemplateError(
+                f"{self.origin}: the chat template tried an unsafe operation and was stopped ({_one_line(exc)}); "
+                "the file may be malicious: do not use --chat with it"
+            ) from None
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError) as exc:
+            raise TemplateError(f"{self.origin}: the chat template cannot be rendered: {_one_line(exc)}") from None
+
+
+def _raise_template_exception(message: str):
+    # templates of Hugging Face models call raise_exception("...") to refuse a conversation
+    raise ValueError(f"the template refused the messages: {message}")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
 
 
 class GGUFModel:
@@ -174,7 +205,7 @@ class GGUFModel:
     @property
     def chat_template(self) -> ChatTemplate | None:
         source = self.meta("tokenizer.chat_template", "")
-        return ChatTemplate(source) if source else None
+        return ChatTemplate(source, str(self.path)) if source else None
 
     @property
     def eos(self) -> int:

@@ -1,0 +1,81 @@
+"""A model file's chat template is untrusted code: it renders in a sandbox, and a template that
+reaches for Python internals is refused with one line naming the file, before any worker starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from models.gguf_model import ChatTemplate, GGUFModel, ModelMissing, TemplateError
+from tests.gguf_files import copy_with_metadata
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parent.parent
+
+# the payload of CVE-2024-34359: reach `os` through a global's function and run a command
+ESCAPE = "{{ cycler.__init__.__globals__.os.system('touch %s') }}"
+
+
+@pytest.fixture(scope="module")
+def packaged():
+    try:
+        return GGUFModel().path
+    except ModelMissing as exc:
+        pytest.skip(str(exc))
+
+
+def test_template_escaping_the_sandbox_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    template = ChatTemplate(ESCAPE % marker, "evil.gguf")
+    with pytest.raises(TemplateError, match=r"^evil\.gguf: the chat template tried an unsafe operation"):
+        template.render([{"role": "user", "content": "hi"}])
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ messages.__class__.__mro__ }}",  # attribute starting with an underscore
+        "{% set _ = messages.append({'role': 'x'}) %}",  # mutating the caller's list
+        "{{ ''.__class__.__subclasses__() }}",
+    ],
+)
+def test_unsafe_attributes_and_mutation_are_refused(source):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(TemplateError, match="unsafe operation"):
+        ChatTemplate(source, "m.gguf").render(messages)
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+def test_template_that_refuses_or_breaks_names_the_file():
+    with pytest.raises(TemplateError, match=r"^t\.gguf: .*refused the messages: no system role"):
+        ChatTemplate("{{ raise_exception('no system role') }}", "t.gguf").render([])
+    with pytest.raises(TemplateError, match=r"^t\.gguf: the chat template cannot be rendered"):
+        ChatTemplate("{% for %}", "t.gguf").render([])
+
+
+def test_safe_template_renders_as_before():
+    source = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<a>{% endif %}"
+    )
+    assert ChatTemplate(source).render([{"role": "user", "content": "hi"}]) == "<user>hi<a>"
+
+
+def test_generate_with_a_malicious_gguf_fails_in_one_line_and_runs_nothing(packaged, tmp_path):
+    marker = tmp_path / "pwned"
+    evil = copy_with_metadata(packaged, tmp_path / "evil.gguf", {"tokenizer.chat_template": ESCAPE % marker})
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "generate", "hi", "--chat", "--model", str(evil)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(evil) in lines[0] and "unsafe operation" in lines[0], out.stderr
+    assert "workers started" not in out.stderr
+    assert not marker.exists()
