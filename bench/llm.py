@@ -3,13 +3,19 @@ workers against the single-process NumPy reference decoder with as many BLAS thr
 same run, with each decode step's time split into compute, collectives, executor and dispatch.
 
     python bench/llm.py [--quick] [--json results/llm.json] [--workers 1 2 4]
+                        [--contexts 256 8192] [--rss-tokens 2000]
 
 Prefill: one 128-token prompt (32 with --quick) in one step. Decode: greedy, one token per step
-through the captured decode step (one plan), the token read back every step as generation does.
+through the captured decode step (one plan), the token read back every step as generation does;
+the step time is the median with the workers untimed, the breakdown comes from as many steps
+with every kernel timed (the table shows both, so what profiling costs is visible). --contexts:
+decode at the same positions with the KV cache preallocated to each length. --rss-tokens:
+resident memory of the coordinator and the workers over that many decode tokens.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,13 +64,16 @@ def reference_child(path: str, length: int, steps: int, out) -> None:
     out.put({"prefill_s": prefill, "decode_step_s": float(np.median(times))})
 
 
-def ours(path: str, workers: int, length: int, steps: int) -> dict:
+def ours(path: str, workers: int, length: int, steps: int, ctx: int | None = None) -> dict:
+    """Prefill, then greedy decode through the captured step: the median step untimed on the
+    workers, then as many steps with every kernel timed (profiling) for the breakdown; the
+    difference of the two medians is what profiling costs."""
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
 
     model = GGUFModel(path)
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
-        net = TensorParallelLlama(dev, model.config, model.weight, length + steps + 1)
+        net = TensorParallelLlama(dev, model.config, model.weight, ctx or length + 2 * steps + 1)
         tokens = prompt_ids(model, length)
         start = time.perf_counter()
         logits = net.step(tokens, np.arange(length)[None])
@@ -74,24 +83,79 @@ def ours(path: str, workers: int, length: int, steps: int) -> dict:
         prefill = time.perf_counter() - start
         decode, (out, *_) = net.capture_decode(first, np.array([[length]]))
         token = out.numpy().astype(np.int32)
-        walls, parts = [], []
-        for pos in range(length + 1, length + steps):
-            start = time.perf_counter()
-            dev.clock.reset()
-            out, *_ = decode(token, np.array([[pos]], np.int32))
-            token = out.numpy().astype(np.int32)
-            walls.append(time.perf_counter() - start)
-            parts.append(breakdown(walls[-1], dev.last_timings, dev.clock))
-        median = int(np.argsort(walls)[len(walls) // 2])
+        pos = length + 1
+        walls: dict[bool, list[float]] = {False: [], True: []}
+        parts = []
+        for profile in (False, True):
+            dev.profile = profile
+            for _ in range(steps):
+                start = time.perf_counter()
+                dev.clock.reset()
+                out, *_ = decode(token, np.array([[pos]], np.int32))
+                token = out.numpy().astype(np.int32)
+                walls[profile].append(time.perf_counter() - start)
+                pos += 1
+                if profile:
+                    parts.append(breakdown(walls[True][-1], dev.last_timings, dev.clock))
+        median = int(np.argsort(walls[True])[len(walls[True]) // 2])
         return {
             "prefill_s": prefill,
-            "decode_step_s": walls[median],
+            "decode_step_s": float(np.median(walls[False])),
+            "profiled_step_s": float(np.median(walls[True])),
             "breakdown": parts[median],
             "plans": len(dev.plans),
         }
 
 
-def run(quick: bool, counts: list[int]) -> dict | None:
+def long_context(path: str, contexts: tuple[int, ...], length: int, steps: int) -> list[dict]:
+    """Decode at the same positions with caches preallocated to each context (one worker)."""
+    rows = []
+    for ctx in contexts:
+        mine = ours(path, 1, length, steps, ctx=ctx)
+        rows.append({"ctx": ctx, "decode_tok_s": 1 / mine["decode_step_s"]})
+    for row in rows:
+        row["vs_first"] = row["decode_tok_s"] / rows[0]["decode_tok_s"]
+    return rows
+
+
+def resident_memory(path: str, workers: int, tokens: int) -> dict:
+    """Coordinator and worker resident set sizes over `tokens` greedy decode steps: at the first
+    hundred tokens and at the end (a leak shows as growth)."""
+    from models.gguf_model import GGUFModel
+    from models.llama import TensorParallelLlama
+
+    def rss() -> dict[str, float]:
+        out = {"coordinator": _rss_kib() / 1024}
+        for rank, s in dev.stats().items():
+            out[f"worker {rank}"] = s["rss_kib"] / 1024
+        return out
+
+    model = GGUFModel(path)
+    with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
+        net = TensorParallelLlama(dev, model.config, model.weight, tokens + 16)
+        decode, (out, *_) = net.capture_decode(np.array([[1]], np.int32), np.array([[0]]))
+        token = out.numpy().astype(np.int32)
+        samples = {}
+        for pos in range(1, tokens):
+            out, *_ = decode(token, np.array([[pos]], np.int32))
+            token = out.numpy().astype(np.int32)
+            if pos in (100, tokens - 1):
+                samples[pos] = rss()
+        first, last = samples[100], samples[tokens - 1]
+        return {
+            "tokens": tokens,
+            "at_100_mib": first,
+            "at_end_mib": last,
+            "growth": {k: last[k] / first[k] - 1 for k in first},
+        }
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
+
+
+def run(quick: bool, counts: list[int], contexts: list[int], rss_tokens: int) -> dict | None:
     from models.gguf_model import ModelMissing, default_model_path
 
     try:
@@ -116,6 +180,8 @@ def run(quick: bool, counts: list[int]) -> dict | None:
                 "decode_ratio": base["decode_step_s"] / mine["decode_step_s"],
                 "prefill_ratio": base["prefill_s"] / mine["prefill_s"],
                 "step_ms": mine["decode_step_s"] * 1e3,
+                "profiled_step_ms": mine["profiled_step_s"] * 1e3,
+                "profiling_cost_ms": (mine["profiled_step_s"] - mine["decode_step_s"]) * 1e3,
                 "compute_ms": b["compute_ms"],
                 "collectives_ms": b["transfer_ms"] + b["wait_ms"],
                 "executor_ms": b["executor_ms"],
@@ -124,14 +190,19 @@ def run(quick: bool, counts: list[int]) -> dict | None:
                 "plans": mine["plans"],
             }
         )
-    return {"model": Path(path).name, "rows": rows}
+    results = {"model": Path(path).name, "rows": rows}
+    if contexts:
+        results["contexts"] = long_context(path, tuple(contexts), length, steps)
+    if rss_tokens:
+        results["memory"] = resident_memory(path, max(counts), rss_tokens)
+    return results
 
 
 def show(results: dict | None) -> None:
     if results is None:
         return
     cols = ["workers", "prefill tok/s numpy", "ours", "ratio", "decode tok/s numpy", "ours", "ratio"]
-    cols += ["step ms", "compute", "collectives", "executor", "dispatch"]
+    cols += ["step ms", "profiled", "compute", "collectives", "executor", "dispatch"]
     rows = [
         [
             r["workers"],
@@ -142,6 +213,7 @@ def show(results: dict | None) -> None:
             r["ours_decode_tok_s"],
             r["decode_ratio"],
             r["step_ms"],
+            r["profiled_step_ms"],
             r["compute_ms"],
             r["collectives_ms"],
             r["executor_ms"],
@@ -151,14 +223,32 @@ def show(results: dict | None) -> None:
     ]
     title = f"{results['model']}: {results['rows'][0]['prompt_tokens']}-token prefill and greedy decode, "
     print(table(title + "N workers (1 BLAS thread each) vs NumPy reference with N threads", cols, rows))
+    print("  step ms: untimed on the workers; profiled: every kernel timed, for the breakdown that follows")
+    if "contexts" in results:
+        rows = [[r["ctx"], r["decode_tok_s"], r["vs_first"]] for r in results["contexts"]]
+        print(
+            table(
+                "decode at the same positions, cache preallocated to --ctx (1 worker)", ["ctx", "tok/s", "ratio"], rows
+            )
+        )
+    if "memory" in results:
+        m = results["memory"]
+        rows = [[k, m["at_100_mib"][k], m["at_end_mib"][k], m["growth"][k]] for k in m["at_100_mib"]]
+        title = f"resident memory over {m['tokens']} decode tokens"
+        print(table(title, ["process", "MiB at 100", "MiB at end", "growth"], rows))
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli(__doc__, "llm", lambda args: run(args.quick, args.workers), show, argv, options)
+    def measure(args):
+        return run(args.quick, args.workers, args.contexts, args.rss_tokens)
+
+    return cli(__doc__, "llm", measure, show, argv, options)
 
 
 def options(ap) -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[256, 8192], help="decode rows per cache length")
+    ap.add_argument("--rss-tokens", type=int, default=0, help="decode this many tokens watching resident memory")
 
 
 if __name__ == "__main__":

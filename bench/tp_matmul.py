@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.report import cli, in_process_with_threads, table  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 from meta.device import Clock  # noqa: E402
+from models.reference import gelu_tanh  # noqa: E402
 from split_state import MIRRORED, Split  # noqa: E402
-from split_state.kernels import KERNELS  # noqa: E402
+from workers.kernels import KERNELS  # noqa: E402
 
 
 def median_step(parts: list[tuple]) -> tuple:
@@ -85,7 +86,7 @@ def numpy_child_server(rank: int, n: int, port: int, commands: mp.Queue, results
         times = []
         for _ in range(command[1] + 1):  # the first is a warm-up
             start = time.perf_counter()
-            KERNELS["gelu"](np, [arrays["x"] @ arrays["up"]], {}) @ arrays["down"]
+            gelu_tanh(arrays["x"] @ arrays["up"]) @ arrays["down"]
             times.append(time.perf_counter() - start)
         results.put((rank, times[1:]))
 

@@ -122,6 +122,9 @@ class MetaDevice:
         self.max_plans = max_plans
         self.last_plan: Plan | None = None
         self.last_timings: dict[int, dict] = {}
+        # workers time every step of every run (compute_s); off, they run untimed between
+        # collectives. Benchmarks switch it on for their breakdowns and measure what it costs.
+        self.profile = False
         self._released: list[int] = []  # resident tensors whose handles were collected
         self._feeds: dict[int, np.ndarray] = {}  # fed tensors not yet sent: they go with the next run
         self._pinned: set[int] = set()  # programs of captured steps: never evicted while they live
@@ -305,6 +308,7 @@ class MetaDevice:
             released,
             feeds,
             data,
+            int(self.profile),
         )
         try:
             replies = self._call({d: message for d in range(self.n)})
@@ -373,7 +377,14 @@ class MetaDevice:
         planned = plan(leaves, order, outputs, self.n, self.plane)
         programs = compile_plan(planned, self.n)
         program = next(self._program_ids)
-        self._call({d: p.LoadProgram(program, programs[d]) for d in range(self.n)})
+        outputs = list(planned.outputs)
+        try:
+            self._call({d: p.LoadProgram(program, programs[d], outputs) for d in range(self.n)})
+        except errors.MetaError:
+            # a worker that refused it (OutOfMemory at load): the others forget it too
+            with contextlib.suppress(errors.MetaError):
+                self._call({d: p.Unload([program]) for d in range(self.n)})
+            raise
         return CompiledPlan(program, planned)
 
     def _call(self, messages: dict[int, p.Message]) -> dict[int, p.Message]:

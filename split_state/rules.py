@@ -61,15 +61,18 @@ def choose(
     plane: str = "",
 ) -> tuple[Signature, int]:
     """The cheapest signature by bytes moved per device, as charged by the algorithms that will
-    run on `plane`; ties go to the earlier (split-keeping) one."""
+    run on `plane`; among equals, the one with fewest moves (on one device every move is free,
+    and a free move is still a step), then the earlier (split-keeping) one."""
     dtypes = dtypes or ("",) * len(states)
     best: tuple[Signature, int] | None = None
+    best_moves = 0
     for sig in signatures:
         cost = sum(
             transition(cur, req, shape, n, size, dtype, plane).bytes_per_device
             for cur, req, shape, size, dtype in zip(states, sig.inputs, shapes, itemsizes, dtypes)
         )
-        if best is None or cost < best[1]:
-            best = (sig, cost)
+        moves = sum(cur != req for cur, req in zip(states, sig.inputs))
+        if best is None or (cost, moves) < (best[1], best_moves):
+            best, best_moves = (sig, cost), moves
     assert best is not None, "every rule offers the all-Mirrored signature"
     return best

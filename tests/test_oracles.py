@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from models import reference as ref
-from split_state.kernels import KERNELS
+from workers.kernels import KERNELS
 
 GRID = np.linspace(-6, 6, 241)
 

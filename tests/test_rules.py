@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 from meta import apply
 from models.reference import REFERENCES
 from split_state import OPS, PARTIAL, Split, gather, local_shape, scatter
-from split_state.kernels import KERNELS
 from split_state.ops import localize, signatures
 from split_state.rules import choose
 from split_state.states import MIRRORED
 from tests.op_cases import CHECKED_OPS, assert_matches, case_from_seed, draw_case
 from tests.strategies import state_for
+from workers.kernels import KERNELS
 
 
 def test_every_op_has_a_rule_a_kernel_and_an_oracle():

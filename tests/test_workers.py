@@ -88,7 +88,7 @@ def test_put_with_wrong_local_shape_is_refused(procs2):
 
 @pytest.mark.skipif(CudaBackend.device_count() == 0, reason="needs CuPy and a CUDA device")
 def test_cupy_backend_runs_kernels_and_transfers():
-    from split_state.kernels import KERNELS
+    from workers.kernels import KERNELS
 
     backend = CudaBackend(0)
     a = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)

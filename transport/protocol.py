@@ -30,7 +30,7 @@ from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
 from split_state.states import State, decode_state, encode_state
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,9 @@ class MsgType(enum.IntEnum):
     CHUNK = 14
     ABORT = 15
     UNLOAD = 16
+    GENERATE = 17
+    TOKENS = 18
+    CANCEL = 19
 
 
 # -- program steps ------------------------------------------------------------------------------
@@ -272,6 +275,9 @@ class Free:
 class LoadProgram:
     program: int
     steps: list[Step]
+    # slots the program's runs return: a worker's memory plan gives them buffers of their own,
+    # never arena memory that the next run overwrites
+    outputs: list[int] = field(default_factory=list)
     KIND: ClassVar[MsgType]
 
 
@@ -294,6 +300,52 @@ class RunProgram:
     release: list[int] = field(default_factory=list)  # tensors whose handles are gone: free first
     feeds: list[Feed] = field(default_factory=list)
     feed_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), compare=False)
+    profile: int = 0  # 1: time every step (compute_s); off, a step runs with no timer around it
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.GENERATE)
+@dataclass(frozen=True)
+class Generate:
+    """Run the captured decode program `program` up to `steps` times on the workers, feeding
+    each step's chosen tokens back: runs `run`, `run + 1`, ... Each step the workers rewrite the
+    stored tensors `tokens` (chosen tokens) and `positions` (+1) in place, run the program
+    (inputs and outputs as in RunProgram), read the candidate pairs it stored as `values` and
+    `indices`, and choose every sequence's next token the same way on every rank (`sampling`:
+    temperature, top_p, the generator's state `rng`, `stop` token ids, `done` flags per
+    sequence). Rank 0 reports each step's tokens as a Tokens message under the request's id and
+    stops at a Cancel; every rank stops at the same step."""
+
+    program: int
+    run: int
+    steps: int
+    inputs: list[list[int]]
+    outputs: list[list[int]]
+    tokens: int
+    positions: int
+    values: int
+    indices: int
+    sampling: Params
+    feeds: list[Feed] = field(default_factory=list)
+    feed_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), compare=False)
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.TOKENS)
+@dataclass(frozen=True)
+class Tokens:
+    """One step of a Generate: the token chosen for every sequence (from rank 0, as it comes)."""
+
+    step: int
+    tokens: list[int]
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.CANCEL)
+@dataclass(frozen=True)
+class Cancel:
+    """Stop the Generate of the same request id after the step under way (to rank 0, no reply)."""
+
     KIND: ClassVar[MsgType]
 
 
@@ -374,6 +426,9 @@ Message = (
     | LoadProgram
     | Unload
     | RunProgram
+    | Generate
+    | Tokens
+    | Cancel
     | Tensor
     | Ok
     | Error

@@ -17,6 +17,7 @@ from split_state.errors import ProtocolError, SplitError
 from split_state.layout import local_shape
 from transport import protocol as p
 from workers.executor import Executor
+from workers.generation import run_generation
 from workers.store import TensorStore
 
 BUDGET_SHARE = 0.9  # of the device's memory, when the coordinator sets no budget
@@ -33,6 +34,10 @@ class WorkerServer:
         self.world_size = 0
         self.stopping = False
         self.runs = 0
+        # how a Generate reports tokens to the coordinator and learns of a Cancel between steps:
+        # set by the process (its control socket) or the simulator (its queues)
+        self.emit: Callable[[p.Message], None] = lambda message: None
+        self.cancelled: Callable[[], bool] = lambda: False
 
     def handle(self, message: p.Message) -> p.Message:
         handler = HANDLERS.get(type(message))
@@ -70,7 +75,7 @@ class WorkerServer:
         return p.Ok()
 
     def _on_load_program(self, m: p.LoadProgram) -> p.Message:
-        self.executor.load(m.program, m.steps)
+        self.executor.load(m.program, m.steps, m.outputs)
         return p.Ok()
 
     def _on_unload(self, m: p.Unload) -> p.Message:
@@ -87,9 +92,17 @@ class WorkerServer:
         for feed in m.feeds:
             self.store.put(feed.tensor, self.backend.to_device(_feed_array(feed, m.feed_data)))
         self.runs += 1
-        timings = self.executor.run(m.program, m.run, m.inputs, m.outputs)
+        timings = self.executor.run(m.program, m.run, m.inputs, m.outputs, bool(m.profile))
         timings["handled_s"] = time.perf_counter() - start  # the program plus releases, feeds, storing
         return p.Ok(timings)
+
+    def _on_generate(self, m: p.Generate) -> p.Message:
+        self._require_configured()
+        self.executor.comm.forget_aborts()
+        for feed in m.feeds:
+            self.store.put(feed.tensor, self.backend.to_device(_feed_array(feed, m.feed_data)))
+        self.runs += 1
+        return run_generation(self, m, self.emit, self.cancelled)
 
     def _on_stats(self, m: p.Stats) -> p.Message:
         info = {
@@ -97,12 +110,14 @@ class WorkerServer:
             "tensors": len(self.store.tensors),
             "used": self.store.used,
             "in_flight": self.store.transient,
+            "arena": self.store.arena,
             "budget": self.store.budget,
             "programs": len(self.executor.programs),
             "runs": self.runs,
             "data_plane": self.executor.comm.plane if self.world_size else "",
             "routes": self.executor.comm.routes() if self.world_size else {},
             "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "rss_kib": _rss_kib(),
         }
         return p.Ok(info)
 
@@ -116,6 +131,15 @@ class WorkerServer:
     def _require_configured(self) -> None:
         if not self.world_size:
             raise ProtocolError(f"worker {self.rank} is not configured yet (no Configure message)")
+
+
+def _rss_kib() -> int:
+    """This process's resident set now (Linux), 0 where /proc is not there."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * (resource.getpagesize() // 1024)
+    except OSError:
+        return 0
 
 
 def _feed_array(feed: p.Feed, data: np.ndarray) -> np.ndarray:
@@ -134,6 +158,7 @@ HANDLERS: dict[type, Callable[[WorkerServer, p.Message], p.Message]] = {
     p.Free: WorkerServer._on_free,
     p.LoadProgram: WorkerServer._on_load_program,
     p.RunProgram: WorkerServer._on_run_program,
+    p.Generate: WorkerServer._on_generate,
     p.Unload: WorkerServer._on_unload,
     p.Stats: WorkerServer._on_stats,
     p.Heartbeat: WorkerServer._on_heartbeat,

@@ -13,14 +13,15 @@ class TensorStore:
         self.budget = budget
         self.tensors: dict[int, Any] = {}
         self.used = 0
-        self.transient = 0  # bytes held by the running program's intermediates
+        self.transient = 0  # bytes held by the running program's own buffers (results, collectives)
+        self.arena = 0  # bytes of the arena every loaded program's intermediates share
 
     def reserve(self, nbytes: int, what: Callable[[], str]) -> None:
         """Account `nbytes` of intermediates, or OutOfMemory (nothing stored is touched). `what`
         names the allocation; it is called only for the error, as it runs once per step."""
-        if self.used + self.transient + nbytes > self.budget:
+        if self.used + self.transient + self.arena + nbytes > self.budget:
             raise OutOfMemory(
-                f"{what()} needs {nbytes} bytes; {self.used} stored + {self.transient} in flight "
+                f"{what()} needs {nbytes} bytes; {self.used} stored + {self.transient} in flight + {self.arena} arena "
                 f"of a {self.budget}-byte budget; free tensors or raise the budget"
             )
         self.transient += nbytes
@@ -31,7 +32,7 @@ class TensorStore:
     def put(self, tensor: int, array: Any) -> None:
         old = self.tensors.get(tensor)
         growth = array.nbytes - (old.nbytes if old is not None else 0)
-        if self.used + self.transient + growth > self.budget:
+        if self.used + self.transient + self.arena + growth > self.budget:
             raise OutOfMemory(
                 f"tensor {tensor} needs {array.nbytes} bytes; {self.used} of a {self.budget}-byte budget "
                 f"are in use; free tensors or raise the budget"

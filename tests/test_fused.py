@@ -1,0 +1,112 @@
+"""Fused decoder patterns (workers/kernels/fused.py): each kernel against a NumPy oracle written
+from the formula, the matcher finds each pattern in a decoder's program, and a fused program
+gives the tokens (and, reading the whole cache, the bits) of the unfused one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meta import MetaDevice
+from models import reference as ref
+from models.llama import LlamaConfig, TensorParallelLlama, random_weights
+from workers.kernels.fused import FUSED_KERNELS, KV_BUCKET, used_positions
+from workers.simulator import SimulatedCluster
+
+pytestmark = pytest.mark.timeout(120)
+rng = np.random.default_rng(7)
+
+
+def f32(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def test_rms_norm_mul_is_the_normalised_row_times_the_weight():
+    x, w = f32(2, 3, 40), f32(40)
+    expected = ref.rms_norm(x.astype(np.float64), -1, 1e-5) * w
+    out = np.empty_like(x)
+    got = FUSED_KERNELS["rms_norm_mul"](np, (x, w), {"axis": 2, "eps": 1e-5}, out)
+    assert got is out
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_swiglu_is_silu_of_the_gate_times_the_up_half():
+    both = f32(1, 2, 16)  # gate | up along the last axis
+    expected = ref.silu(both[..., :8].astype(np.float64)) * both[..., 8:]
+    got = FUSED_KERNELS["swiglu"](np, (both,), {"gate": (0, 8), "up": (8, 16)}, np.empty((1, 2, 8), np.float32))
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-6)
+
+
+def attention_oracle(q, k, mask, v, scale):
+    s = q.astype(np.float64) @ k.astype(np.float64) * scale + mask
+    return ref.softmax(s, -1) @ v.astype(np.float64)
+
+
+@pytest.mark.parametrize("ctx, position", [(40, 39), (700, 5), (700, 300), (700, 699), (1024, 511)])
+def test_attention_reads_the_used_cache_and_equals_the_whole_softmax(ctx, position):
+    b, kv, g, t, hd = 1, 2, 3, 1, 8
+    q, k, v = f32(b, kv, g, t, hd), f32(b, kv, 1, hd, ctx), f32(b, kv, 1, ctx, hd)
+    mask = np.where(np.arange(ctx) <= position, 0.0, -np.inf).astype(np.float32).reshape(1, 1, 1, 1, ctx)
+    # what lies past the used positions must not matter: poison it
+    unused = used_positions(np, mask, KV_BUCKET)
+    k[..., unused:], v[..., unused:, :] = np.nan, np.nan
+    out = np.empty((b, kv, g, t, hd), np.float32)
+    scratch = np.empty((b, kv, g, t, ctx), np.float32)
+    got = FUSED_KERNELS["attention"](np, (q, k, mask, v), {"scale": 0.3, "bucket": KV_BUCKET}, out, scratch=scratch)
+    k[..., unused:], v[..., unused:, :] = 0, 0
+    np.testing.assert_allclose(got, attention_oracle(q, k, mask, v, 0.3), rtol=1e-5, atol=1e-6)
+
+
+def test_used_positions_round_up_to_the_bucket_and_never_pass_the_cache():
+    def mask(ctx, open_columns):
+        m = np.full((2, 1, 1, 1, ctx), -np.inf, np.float32)
+        for row, last in enumerate(open_columns):
+            m[row, ..., : last + 1] = 0.0
+        return m
+
+    assert used_positions(np, mask(200, [3, 5]), 256) == 200  # a cache no larger than a bucket
+    assert used_positions(np, mask(1000, [3, 5]), 256) == 256
+    assert used_positions(np, mask(1000, [3, 300]), 256) == 512  # the row that sees furthest decides
+    assert used_positions(np, mask(1000, [255, 0]), 256) == 256
+    assert used_positions(np, mask(1000, [256, 0]), 256) == 512
+    assert used_positions(np, mask(1000, [999, 0]), 256) == 1000
+
+
+CFG = LlamaConfig(hidden=48, layers=2, heads=6, kv_heads=2, ffn=40, vocab=64, rope_base=500.0)
+
+
+def decode_tokens(n: int, ctx: int, fused: bool, steps: int = 6):
+    """Greedy tokens and last logits of a small decoder on n simulated devices."""
+    cluster = SimulatedCluster(n)
+    if not fused:
+        for server in cluster.servers:
+            server.executor.patterns = ()
+    with MetaDevice(cluster) as dev:
+        net = TensorParallelLlama(dev, CFG, random_weights(CFG, seed=3).__getitem__, ctx)
+        prompt = np.array([[5, 9, 2, 33]])
+        logits = net.step(prompt, np.arange(4)[None])
+        token = logits[:, 3:].argmax()
+        dev.run(token, *net.caches())
+        first = token.numpy().astype(np.int32)
+        tokens = [int(first[0, 0])]
+        step, (out, *_) = net.capture_decode(first, np.array([[4]]))
+        programs = [s.executor.programs for s in cluster.servers]
+        for pos in range(5, 5 + steps):
+            tokens.append(int(out.numpy()[0, 0]))
+            out, *_ = step(np.array([[tokens[-1]]], np.int32), np.array([[pos]], np.int32))
+        ops = {pl.step.op for program in programs[0].values() for pl in program.placed if hasattr(pl.step, "op")}
+        return tokens, ops
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_fused_decoder_gives_the_tokens_of_the_unfused_one(n):
+    fused, ops = decode_tokens(n, 32, fused=True)
+    plain, plain_ops = decode_tokens(n, 32, fused=False)
+    assert {"attention", "swiglu", "rms_norm_mul"} <= ops
+    assert not {"attention", "swiglu", "rms_norm_mul"} & plain_ops
+    assert fused == plain
+
+
+def test_a_long_cache_gives_the_tokens_of_a_short_one():
+    """Reading the used positions only: a 600-position cache decodes like a 32-position one."""
+    assert decode_tokens(2, 600, fused=True)[0] == decode_tokens(2, 32, fused=True)[0]

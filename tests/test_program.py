@@ -1,0 +1,142 @@
+"""Programs compiled at load (workers/program.py): intermediates planned in one arena by
+liveness and reused across runs, results that outlive the run, the arena charged at load and
+shared by every loaded program, profiling on request, and what adding an op takes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meta import MetaDevice, apply
+from split_state import MIRRORED, OPS, PARTIAL, OutOfMemory, Split
+from split_state.ops import OpSpec, _infer_unary_float, _unary_rule
+from workers.arena import aligned
+from workers.simulator import SimulatedCluster
+
+pytestmark = pytest.mark.timeout(60)
+SIZE = 16 << 10  # float32 elements of the test arrays: 64 KiB
+
+
+def arena_bytes(dev) -> list[int]:
+    return [s["arena"] for s in dev.stats().values()]
+
+
+def test_a_chain_of_elementwise_ops_keeps_one_buffer(sim):
+    dev = sim(2)
+    x_host = np.linspace(-1, 1, SIZE, dtype=np.float32)
+    x = dev.tensor(x_host)
+    y = x
+    for _ in range(12):  # 24 intermediates, each overwriting the one it consumes
+        y = (y * 0.5 + 0.25).exp() if _ == 5 else y * 0.5 + 0.25
+    got = y.numpy()
+    expected = x_host.astype(np.float64)
+    for i in range(12):
+        expected = np.exp(expected * 0.5 + 0.25) if i == 5 else expected * 0.5 + 0.25
+    np.testing.assert_allclose(got, expected, rtol=2e-6)
+    # exp is not an op that overwrites its input: it needs a second buffer, and only then
+    assert arena_bytes(dev) == [2 * aligned(SIZE * 4)] * 2
+
+
+def test_results_outlive_the_run_that_made_them(sim):
+    """The second run of a plan reuses the arena: results of the first stay as they were."""
+    dev = sim(2)
+    w = dev.tensor(np.arange(12, dtype=np.float32).reshape(3, 4), Split.even(1, 4, 2))
+    outs = []
+    for k in range(3):
+        x = dev.tensor(np.full((2, 3), k + 1, np.float32))
+        outs.append(((x @ w) * 2.0 + 1.0, k + 1))
+        dev.run(outs[-1][0])
+    assert len(dev.plans) == 1  # one plan ran three times
+    for out, k in outs:
+        expected = np.full((2, 3), k, np.float64) @ np.arange(12).reshape(3, 4) * 2.0 + 1.0
+        np.testing.assert_array_equal(out.numpy(), expected.astype(np.float32))
+
+
+def test_an_intermediate_read_through_a_view_lives_until_the_view_is_read(sim):
+    dev = sim(1)
+    x_host = np.arange(24, dtype=np.float32).reshape(4, 6)
+    x = dev.tensor(x_host)
+    a = (x * 2.0).reshape(6, 4)  # a view of the product's buffer
+    b = (x + 1.0).reshape(6, 4)  # must not take that buffer while the view is unread
+    got = (a.transpose(1, 0) @ b).numpy()
+    expected = (x_host * 2).reshape(6, 4).T.astype(np.float64) @ (x_host + 1).reshape(6, 4)
+    np.testing.assert_array_equal(got, expected.astype(np.float32))
+
+
+def test_the_arena_is_shared_by_programs_and_shrinks_when_they_go(sim):
+    dev = sim(1)
+    dev.max_plans = 1
+    small = dev.tensor(np.ones(SIZE // 4, np.float32))
+    big = dev.tensor(np.ones(SIZE, np.float32))
+
+    def two_live(x):  # exp and tanh live at once; the sum overwrites one of them
+        return (x.exp() + x.tanh()).sum(axis=0)
+
+    dev.run(two_live(small))
+    assert arena_bytes(dev) == [2 * aligned(SIZE)]
+    dev.run(two_live(big))  # the small program is evicted and unloaded
+    assert arena_bytes(dev) == [2 * aligned(SIZE * 4)]
+    dev.run(two_live(small) * 3.0)
+    assert arena_bytes(dev) == [2 * aligned(SIZE)]  # the big one is gone: the arena shrank
+    dev.max_plans = 4
+    dev.run(two_live(big))
+    dev.run(two_live(small) * 5.0)
+    assert arena_bytes(dev) == [2 * aligned(SIZE * 4)]  # the largest plan loaded, not the sum
+
+
+def test_the_arena_is_charged_at_load_before_any_step_runs(sim):
+    dev = sim(2)
+    for server in dev.cluster.servers:
+        server.store.budget = 3 * SIZE * 4
+    x = dev.tensor(np.ones(SIZE, np.float32))
+    runs_before = [s["runs"] for s in dev.stats().values()]
+    with pytest.raises(OutOfMemory, match=r"step \d+ \(exp\) needs 65536 bytes"):
+        dev.run((x.exp() + x.tanh() * x.sqrt()).sum(axis=0))  # three intermediates live at once
+    stats = dev.stats()
+    assert [s["runs"] for s in stats.values()] == runs_before  # refused at load: nothing ran
+    assert [s["arena"] for s in stats.values()] == [0, 0] and [s["programs"] for s in stats.values()] == [0, 0]
+    np.testing.assert_array_equal((x + 1.0).numpy(), np.full(SIZE, 2, np.float32))  # still usable
+
+
+def test_profiling_times_each_step_and_is_off_by_default(sim):
+    dev = sim(2)
+    w = dev.tensor(np.ones((64, 64), np.float32), Split.even(0, 64, 2))
+    x = dev.tensor(np.ones((8, 64), np.float32), Split.even(1, 64, 2))
+    y = ((x @ w).redistribute(MIRRORED) * 0.01).exp()
+    dev.run(y)
+    plain = dev.last_timings
+    dev.profile = True
+    dev.run(((x @ w).redistribute(MIRRORED) * 0.01).exp())
+    for timings in (plain, dev.last_timings):
+        for t in timings.values():
+            assert t["comm_s"] > 0 and t["compute_s"] > 0 and t["comm_s"] + t["compute_s"] <= t["program_s"] * 1.001
+    assert all(t["profiled"] for t in dev.last_timings.values())
+    assert not any(t["profiled"] for t in plain.values())
+
+
+def test_an_elementwise_op_takes_one_table_row_and_one_kernel(monkeypatch):
+    """CONTRIBUTING's recipe: a row in split_state.ops.OPS and a kernel in workers' KERNELS (the
+    oracle and the Tensor method are for tests and users, not for running it)."""
+    from workers.kernels import basic
+
+    row = OpSpec("softplus", 1, _infer_unary_float("softplus"), _unary_rule(linear=False))
+    monkeypatch.setitem(OPS, "softplus", row)
+    monkeypatch.setitem(basic.KERNELS, "softplus", basic._unary_float(lambda xp, x: xp.log1p(xp.exp(x))))
+    x_host = np.linspace(-3, 3, 10, dtype=np.float32).reshape(2, 5)
+    with MetaDevice(SimulatedCluster(3)) as dev:
+        for state in (MIRRORED, Split.even(1, 5, 3), PARTIAL):
+            x = dev.tensor(x_host, state)
+            got = apply("softplus", x).numpy()
+            np.testing.assert_allclose(got, np.log1p(np.exp(x_host.astype(np.float64))), rtol=1e-6)
+
+
+def test_a_result_is_never_a_view_of_memory_a_later_step_reuses(sim):
+    """A (1, 1) slice of a (1, 2) intermediate is already contiguous: a kernel that returned it
+    as is would leave the result inside the arena, where the next step writes."""
+    dev = sim(1)
+    x = dev.tensor(np.array([[1.0, 2.0]], np.float32))
+    first = (x * 2.0)[:, :1]  # the result: a slice of an arena buffer
+    later = (x + 5.0).exp()  # reuses that buffer once the product is dead
+    dev.run(first, later)
+    np.testing.assert_array_equal(first.numpy(), [[2.0]])
+    np.testing.assert_allclose(later.numpy(), np.exp([[6.0, 7.0]]), rtol=1e-6)

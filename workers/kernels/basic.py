@@ -1,0 +1,422 @@
+"""The kernel of every op in split_state.ops, written once against an array module `xp` (NumPy on
+the host, CuPy on a GPU).
+
+A kernel is `kernel(xp, inputs, params, out=None)`: local input arrays, localised parameters and,
+when the worker's memory plan gave it one, `out`, an array of the step's local shape and dtype
+to write the result into; it returns the result (`out` itself when given). Kernels of VIEW_OPS
+return a view of their input and never get `out`. Low-precision floats compute in float32 and
+round once at the end, so results do not depend on the backend's accumulation width. The float32
+paths write into `out` with the ufuncs' own `out=` and run the same arithmetic in the same order
+as the allocating path, so both give the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from split_state.dtypes import dtype_from_name
+from split_state.errors import ShapeError
+
+LOW_PRECISION = frozenset({"float16", "bfloat16"})
+
+
+def _low(dtype) -> bool:
+    return np.dtype(dtype).name in LOW_PRECISION
+
+
+def _wide(xp, x):
+    """float32 view of low-precision floats for the computation."""
+    return x.astype(xp.float32) if _low(x.dtype) else x
+
+
+def emit(value, out, dtype=None):
+    """`value` as the step's result: written into `out` when given (assignment rounds to its
+    dtype), else cast to `dtype` (default: unchanged)."""
+    if out is None:
+        return value if dtype is None else value.astype(dtype, copy=False)
+    out[...] = value
+    return out
+
+
+def _unary_float(fn: Callable) -> Callable:
+    def kernel(xp, inputs, params, out=None):
+        (x,) = inputs
+        return emit(fn(xp, _wide(xp, x)), out, x.dtype)
+
+    return kernel
+
+
+def _gelu_tanh(xp, x):
+    return 0.5 * x * (1.0 + xp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def _erf(xp, x):
+    """erf with fractional error below 1.2e-7 (the Numerical Recipes erfc fit). NumPy has no erf;
+    one formula on every backend keeps the devices' results identical."""
+    sign = xp.sign(x)
+    a = xp.abs(x)
+    t = 1.0 / (1.0 + 0.5 * a)
+    coefficients = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806, 0.09678418)
+    poly = coefficients[0]
+    for c in coefficients[1:]:
+        poly = c + t * poly
+    poly = -a * a - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * poly))
+    return sign * (1.0 - t * xp.exp(poly))
+
+
+def _gelu_erf(xp, x):
+    return 0.5 * x * (1.0 + _erf(xp, x / math.sqrt(2.0)))
+
+
+def silu_into(xp, x, out):
+    """x / (1 + exp(-x)) for float32 `x`, computed in `out` (which may not alias x)."""
+    xp.negative(x, out=out)
+    xp.exp(out, out=out)
+    out += 1.0
+    return xp.divide(x, out, out=out)
+
+
+def _silu(xp, inputs, params, out=None):
+    (x,) = inputs
+    if not _low(x.dtype):
+        return silu_into(xp, x, xp.empty_like(x) if out is None else out)
+    w = _wide(xp, x)
+    return emit(w / (1.0 + xp.exp(-w)), out, x.dtype)
+
+
+def _matmul(xp, inputs, params, out=None):
+    a, b = inputs
+    if _low(a.dtype) and _low(b.dtype):
+        return emit(xp.matmul(a.astype(xp.float32), b.astype(xp.float32)), out, a.dtype)
+    if _low(a.dtype) or _low(b.dtype):  # a low-precision operand beside float32: widened for this step
+        return emit(xp.matmul(_wide(xp, a), _wide(xp, b)), out)
+    return xp.matmul(a, b) if out is None else xp.matmul(a, b, out=out)
+
+
+def _binary(ufunc: str) -> Callable:
+    def kernel(xp, inputs, params, out=None):
+        a, b = inputs
+        fn = getattr(xp, ufunc)
+        if _low(a.dtype):
+            return emit(fn(_wide(xp, a), _wide(xp, b)), out, a.dtype)
+        if out is None:
+            return fn(a, b).astype(a.dtype, copy=False)
+        return fn(a, b, out=out)
+
+    return kernel
+
+
+def _along_axis(fn: Callable) -> Callable:
+    """A kernel normalising along params["axis"]: fn(xp, widened x, params); empty stays empty."""
+
+    def kernel(xp, inputs, params, out=None):
+        (x,) = inputs
+        if x.size == 0:
+            return x.copy() if out is None else out
+        return emit(fn(xp, _wide(xp, x), params), out, x.dtype)
+
+    return kernel
+
+
+@_along_axis
+def _softmax(xp, w, params):
+    w = w - w.max(axis=params["axis"], keepdims=True)
+    e = xp.exp(w)
+    return e / e.sum(axis=params["axis"], keepdims=True)
+
+
+def rms_norm_into(xp, x, axis: int, eps: float, out):
+    """x / sqrt(mean(x * x) + eps) for float32 `x`, in `out` (not aliasing x)."""
+    xp.multiply(x, x, out=out)
+    ms = out.mean(axis=axis, keepdims=True)
+    ms += eps
+    xp.sqrt(ms, out=ms)
+    return xp.divide(x, ms, out=out)
+
+
+def _rms_norm(xp, inputs, params, out=None):
+    (x,) = inputs
+    if x.size == 0:
+        return x.copy() if out is None else out
+    if not _low(x.dtype):
+        return rms_norm_into(xp, x, params["axis"], params["eps"], xp.empty_like(x) if out is None else out)
+    w = _wide(xp, x)
+    return emit(w / xp.sqrt((w * w).mean(axis=params["axis"], keepdims=True) + params["eps"]), out, x.dtype)
+
+
+@_along_axis
+def _layer_norm(xp, w, params):
+    c = w - w.mean(axis=params["axis"], keepdims=True)
+    var = (c * c).mean(axis=params["axis"], keepdims=True)
+    return c / xp.sqrt(var + params["eps"])
+
+
+def _sum(xp, inputs, params, out=None):
+    (x,) = inputs
+    return xp.sum(x, axis=params["axis"], keepdims=params["keepdims"], dtype=x.dtype, out=out)
+
+
+def _mean(xp, inputs, params, out=None):
+    (x,) = inputs
+    total = xp.sum(_wide(xp, x), axis=params["axis"], keepdims=params["keepdims"])
+    return emit(total / params["count"] if params["count"] else total * np.nan, out, x.dtype)
+
+
+def _scale(xp, inputs, params, out=None):
+    (x,) = inputs
+    if not _low(x.dtype) and out is not None:
+        return xp.multiply(x, params["factor"], out=out)
+    return emit(_wide(xp, x) * params["factor"], out, x.dtype)
+
+
+def _get_rows(xp, inputs, params, out=None):
+    table, ids = inputs
+    ids = ids.astype(xp.int64, copy=False)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= params["rows"]):
+        raise ShapeError(f"get_rows: ids must lie in [0, {params['rows']}), got [{int(ids.min())}, {int(ids.max())}]")
+    spans = params.get("spans", [(0, params["rows"], 0)])
+    if out is None:
+        out = xp.zeros(ids.shape + (table.shape[1],), dtype=table.dtype)
+    else:
+        out[...] = 0
+    for start, stop, local in spans:
+        mask = (ids >= start) & (ids < stop)
+        out[mask] = table[ids[mask] - start + local]
+    return out
+
+
+def _compare(ufunc: str) -> Callable:
+    def kernel(xp, inputs, params, out=None):
+        a, b = inputs
+        return getattr(xp, ufunc)(_wide(xp, a), _wide(xp, b), out=out)
+
+    return kernel
+
+
+def _where(xp, inputs, params, out=None):
+    cond, a, b = inputs
+    if out is None:
+        return xp.where(cond, a, b).astype(a.dtype, copy=False)
+    xp.copyto(out, b)
+    xp.copyto(out, a, where=cond)
+    return out
+
+
+def softmax_masked_into(xp, x, mask, scale: float, axis: int, out):
+    """softmax(x * scale + mask) along `axis` for float32 `x`, in `out` (which may be x)."""
+    xp.multiply(x, scale, out=out)
+    out += mask
+    out -= out.max(axis=axis, keepdims=True)
+    xp.exp(out, out=out)
+    out /= out.sum(axis=axis, keepdims=True)
+    return out
+
+
+def _softmax_masked(xp, inputs, params, out=None):
+    """softmax(x * scale + mask) along `axis`, in one pass over the scores (ggml's soft_max_ext)."""
+    x, mask = inputs
+    if x.size == 0:
+        return x.copy() if out is None else out
+    if not _low(x.dtype) and not _low(mask.dtype):
+        target = xp.empty_like(x) if out is None else out
+        return softmax_masked_into(xp, x, mask, params["scale"], params["axis"], target)
+    w = _wide(xp, x)
+    w = w * params["scale"] + _wide(xp, mask).astype(w.dtype, copy=False)
+    w = w - w.max(axis=params["axis"], keepdims=True)
+    e = xp.exp(w)
+    return emit(e / e.sum(axis=params["axis"], keepdims=True), out, x.dtype)
+
+
+def rope_angles(xp, positions, head_dim: int, base: float):
+    """(..., tokens, head_dim / 2) rotation angles: position * base^(-2i / head_dim), in float64."""
+    inv = np.power(float(base), -np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    return positions.astype(xp.float64)[..., None] * xp.asarray(inv)
+
+
+@functools.lru_cache(maxsize=16)
+def _host_rotation(positions: bytes, dtype: str, shape: tuple, head_dim: int, base: float):
+    """cos and sin (float32) of host positions, kept for the next step with the same positions:
+    every layer's q and k rope at the same positions."""
+    pos = np.frombuffer(positions, dtype=dtype).reshape(shape)
+    angles = rope_angles(np, pos, head_dim, base)[..., None, :]  # broadcast over heads
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def _rotation(xp, positions, head_dim: int, base: float, dtype):
+    if xp is np and np.dtype(dtype) == np.float32:
+        return _host_rotation(positions.tobytes(), positions.dtype.str, positions.shape, head_dim, float(base))
+    angles = rope_angles(xp, positions, head_dim, base)[..., None, :]
+    return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
+
+
+def _rope(xp, inputs, params, out=None):
+    x, positions = inputs
+    if x.size == 0:
+        return x.copy() if out is None else out
+    w = _wide(xp, x)
+    cos, sin = _rotation(xp, positions, x.shape[-1], params["base"], w.dtype)
+    target = xp.empty_like(w) if out is None or _low(x.dtype) else out
+    half = x.shape[-1] // 2
+    if params["mode"] == "neox":
+        a, b = w[..., :half], w[..., half:]
+        target[..., :half], target[..., half:] = a * cos - b * sin, a * sin + b * cos
+    else:
+        a, b = w[..., 0::2], w[..., 1::2]
+        target[..., 0::2], target[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+    return target if target is out else emit(target, out, x.dtype)
+
+
+def _set_rows(xp, inputs, params, out=None):
+    """dst[..., ids, ...] = value along `axis`, in place; returns dst. `spans` are the global row
+    ranges this device holds (start, stop, local start); rows elsewhere are another device's."""
+    dst, ids, value = inputs
+    ids = ids.astype(xp.int64, copy=False)
+    rows = params["rows"]
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{int(ids.min())}, {int(ids.max())}]")
+    axis = params["axis"]
+    if ids.ndim == 2:  # one row list per batch element (axis 0)
+        for b in range(ids.shape[0]):
+            _write_rows(xp, dst[b], ids[b], value[b], axis - 1, params["spans"])
+    else:
+        _write_rows(xp, dst, ids, value, axis, params["spans"])
+    return dst
+
+
+def _write_rows(xp, dst, ids, value, axis: int, spans) -> None:
+    before = (slice(None),) * axis
+    for start, stop, local in spans:
+        mask = (ids >= start) & (ids < stop)
+        if bool(mask.any()):
+            dst[before + (ids[mask] - start + local,)] = value[before + (mask,)].astype(dst.dtype, copy=False)
+
+
+def _top_k_candidates(xp, inputs, params, out=None):
+    """This device's best k of the last axis as (value, global index) pairs, best first, padded
+    to `width` with (-inf, -1). Ties go to the lower index, as numpy.argmax does; NaN ranks as
+    -inf."""
+    (x,) = inputs
+    k, width = params["k"], params["width"]
+    spans = sorted(params["spans"])  # by global start: concatenated, position order is index order
+    if out is None:
+        out = xp.empty(x.shape[:-1] + (width, 2), dtype=xp.float64)
+    out[..., 0], out[..., 1] = -xp.inf, -1.0
+    spans = [s for s in spans if s[1]]
+    if not spans:
+        return out
+    if len(spans) == 1:
+        start, length, local = spans[0]
+        v = x[..., local : local + length]
+        index = xp.arange(start, start + length, dtype=xp.float64)
+    else:
+        v = xp.concatenate([x[..., loc : loc + n] for _, n, loc in spans], axis=-1)
+        index = xp.concatenate([xp.arange(s, s + n, dtype=xp.float64) for s, n, _ in spans])
+    k = min(k, v.shape[-1])
+    if k == 1 and not bool(xp.isnan(v).any()):  # greedy: one pass, argmax keeps the first of ties
+        best = xp.argmax(v, axis=-1)
+        out[..., 0, 0] = xp.take_along_axis(v, best[..., None], -1)[..., 0]
+        out[..., 0, 1] = index[best]
+        return out
+    out[..., :k, :] = _best(xp, v.astype(xp.float64), xp.broadcast_to(index, v.shape), k)
+    return out
+
+
+def _best(xp, values, index, k: int):
+    """(..., k, 2): the k largest values with their index, ordered by value desc, then index asc;
+    padding (index -1) after every real entry. NaN counts as -inf. Only the entries that can
+    make the top k (at least the k-th largest value) are sorted."""
+    v = xp.where(xp.isnan(values), -xp.inf, values)
+    if k < v.shape[-1]:
+        kth = -xp.partition(-v, k - 1, axis=-1)[..., k - 1 : k]  # the k-th largest value per row
+    else:
+        kth = v.min(axis=-1, keepdims=True)
+    rows_v, rows_i = v.reshape(-1, v.shape[-1]), xp.broadcast_to(index, v.shape).reshape(-1, v.shape[-1])
+    out = xp.empty((rows_v.shape[0], k, 2), dtype=xp.float64)
+    for r, (row_v, row_i, t) in enumerate(zip(rows_v, rows_i, kth.reshape(-1))):
+        keep = xp.flatnonzero(row_v >= t)
+        cv, ci = row_v[keep], row_i[keep]
+        tie = xp.where(ci < 0, xp.inf, ci)  # padding (-1) after every real entry
+        order = xp.lexsort(xp.stack([tie, -cv]))[:k]
+        out[r, :, 0], out[r, :, 1] = cv[order], ci[order]
+    return out.reshape(v.shape[:-1] + (k, 2))
+
+
+def _top_k_combine(xp, inputs, params, out=None):
+    (c,) = inputs
+    return emit(_best(xp, c[..., 0], c[..., 1], params["k"]), out)
+
+
+def _reshape(xp, inputs, params, out=None):
+    return xp.reshape(inputs[0], tuple(params["shape"]))
+
+
+def _copy_of(view: Callable) -> Callable:
+    """A kernel that materialises a view of its input (transpose, slice) contiguously."""
+
+    def kernel(xp, inputs, params, out=None):
+        v = view(inputs[0], params)
+        if out is None:
+            return xp.ascontiguousarray(v)
+        xp.copyto(out, v)
+        return out
+
+    return kernel
+
+
+def _concat(xp, inputs, params, out=None):
+    return xp.concatenate(list(inputs), axis=params["axis"], out=out)
+
+
+def _relu(xp, inputs, params, out=None):
+    (x,) = inputs
+    return xp.maximum(x, xp.zeros((), dtype=x.dtype), out=out)
+
+
+# Ops whose kernel returns a view of its first input: no buffer of their own.
+VIEW_OPS = frozenset({"reshape"})
+# Ops whose kernel may write over an input of the output's shape (one elementwise ufunc call):
+# the memory plan gives them the buffer of an input that dies with them (ggml-alloc's in-place
+# reuse), so a chain of residual adds and scalings keeps one buffer.
+OVERWRITES_INPUT = frozenset({"add", "sub", "mul", "div", "scale", "neg"})
+
+KERNELS: dict[str, Callable] = {
+    "matmul": _matmul,
+    "add": _binary("add"),
+    "sub": _binary("subtract"),
+    "mul": _binary("multiply"),
+    "div": _binary("divide"),
+    "scale": _scale,
+    "neg": lambda xp, i, p, out=None: xp.negative(i[0], out=out),
+    "gelu": _unary_float(_gelu_tanh),
+    "gelu_erf": _unary_float(_gelu_erf),
+    "silu": _silu,
+    "relu": _relu,
+    "exp": _unary_float(lambda xp, x: xp.exp(x)),
+    "tanh": _unary_float(lambda xp, x: xp.tanh(x)),
+    "cast": lambda xp, i, p, out=None: emit(i[0].astype(dtype_from_name(p["dtype"])), out),
+    "softmax": _softmax,
+    "rms_norm": _rms_norm,
+    "layer_norm": _layer_norm,
+    "sum": _sum,
+    "mean": _mean,
+    "reshape": _reshape,
+    "transpose": _copy_of(lambda x, p: x.transpose(tuple(p["axes"]))),
+    "concat": _concat,
+    "slice": _copy_of(lambda x, p: x[(slice(None),) * p["axis"] + (slice(p["start"], p["stop"]),)]),
+    "get_rows": _get_rows,
+    "sqrt": _unary_float(lambda xp, x: xp.sqrt(x)),
+    "rsqrt": _unary_float(lambda xp, x: 1.0 / xp.sqrt(x)),
+    "lt": _compare("less"),
+    "le": _compare("less_equal"),
+    "eq": _compare("equal"),
+    "where": _where,
+    "softmax_ext": _softmax_masked,
+    "rope": _rope,
+    "set_rows": _set_rows,
+    "top_k_candidates": _top_k_candidates,
+    "top_k_combine": _top_k_combine,
+}

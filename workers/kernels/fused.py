@@ -1,0 +1,214 @@
+"""Fused decoder patterns: one table of rows, each a chain of program steps that one kernel runs
+in a single call with no intermediate arrays.
+
+A row is `Pattern(name, anchor, match, kernel)`: `match(view, i)` looks at step i (an `anchor`
+op) and the single-use steps that feed it, and returns a `Fusion` (the fused step's inputs and
+parameters, the steps it absorbs, any scratch buffer) or None. The compiled program replaces the
+anchor by the fused step and drops the absorbed ones. Every fused kernel runs the arithmetic of
+the steps it replaces in their order, on float32, so a fused program gives the bits of the
+unfused one; the one exception, attention over the used cache, is documented at its kernel.
+Adding a pattern is a row here, its kernel, and a test with a NumPy oracle (tests/test_fused.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any
+
+import numpy as np
+
+from transport import protocol as p
+from workers.kernels.basic import rms_norm_into, silu_into, softmax_masked_into
+
+KV_BUCKET = 256  # cached positions are read in multiples of this (llama.cpp pads n_kv to 256)
+
+
+@dataclass(frozen=True)
+class Fusion:
+    inputs: tuple[int, ...]
+    params: dict
+    absorbed: tuple[int, ...]  # indices of the steps the fused step replaces, besides the anchor
+    scratch: tuple[int, ...] | None = None  # shape of a float32 scratch buffer the kernel needs
+
+
+@dataclass
+class ProgramView:
+    """What a matcher may ask of a program: its steps, who produces each slot, how many steps
+    read it, and which slots the program returns."""
+
+    steps: list
+    producer: dict[int, int] = field(default_factory=dict)
+    uses: dict[int, int] = field(default_factory=dict)
+    outputs: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        for i, step in enumerate(self.steps):
+            for slot in _reads(step):
+                self.uses[slot] = self.uses.get(slot, 0) + 1
+            self.producer[step.output] = i
+
+    def single_use(self, slot: int, op: str) -> int | None:
+        """The index of the `op` step producing `slot` when nothing else reads it, else None."""
+        i = self.producer.get(slot)
+        if i is None or self.uses.get(slot) != 1 or slot in self.outputs:
+            return None
+        step = self.steps[i]
+        return i if isinstance(step, p.OpStep) and step.op == op else None
+
+    def float32(self, *indices: int) -> bool:
+        return all(self.steps[i].dtype == "float32" for i in indices)
+
+
+def _reads(step) -> tuple[int, ...]:
+    return step.inputs if isinstance(step, p.OpStep) else (step.input,)
+
+
+# -- rms_norm(x) * weight -------------------------------------------------------------------------
+
+
+def _match_rms_norm_mul(view: ProgramView, i: int) -> Fusion | None:
+    mul = view.steps[i]
+    for side in (0, 1):
+        norm = view.single_use(mul.inputs[side], "rms_norm")
+        if norm is not None and view.float32(i, norm) and view.steps[norm].shape == mul.shape:
+            x, weight = view.steps[norm].inputs[0], mul.inputs[1 - side]
+            return Fusion((x, weight), dict(view.steps[norm].params), (norm,))
+    return None
+
+
+def _rms_norm_mul(xp, inputs, params, out=None):
+    x, weight = inputs
+    out = xp.empty_like(x) if out is None else out
+    if x.size:
+        rms_norm_into(xp, x, params["axis"], params["eps"], out)
+        xp.multiply(out, weight, out=out)
+    return out
+
+
+# -- silu(gate) * up, gate and up slices of one tensor ---------------------------------------------
+
+
+def _match_swiglu(view: ProgramView, i: int) -> Fusion | None:
+    mul = view.steps[i]
+    for side in (0, 1):
+        silu = view.single_use(mul.inputs[side], "silu")
+        up = view.single_use(mul.inputs[1 - side], "slice")
+        if silu is None or up is None:
+            continue
+        gate = view.single_use(view.steps[silu].inputs[0], "slice")
+        if gate is None or not view.float32(i, silu, gate, up):
+            continue
+        g, u = view.steps[gate], view.steps[up]
+        last = len(mul.shape) - 1
+        if g.inputs != u.inputs or g.params["axis"] != last or u.params["axis"] != last or g.shape != mul.shape:
+            continue
+        params = {"gate": (g.params["start"], g.params["stop"]), "up": (u.params["start"], u.params["stop"])}
+        return Fusion(g.inputs, params, (gate, silu, up))
+    return None
+
+
+def _swiglu(xp, inputs, params, out=None):
+    (both,) = inputs
+    gate, up = both[..., slice(*params["gate"])], both[..., slice(*params["up"])]
+    out = xp.empty(gate.shape, gate.dtype) if out is None else out
+    silu_into(xp, gate, out)
+    return xp.multiply(out, up, out=out)
+
+
+# -- attention: softmax(q @ k * scale + mask) @ v over the used cache ------------------------------
+
+
+def _match_attention(view: ProgramView, i: int) -> Fusion | None:
+    pv = view.steps[i]
+    soft = view.single_use(pv.inputs[0], "softmax_ext")
+    if soft is None or view.steps[soft].params["axis"] != len(view.steps[soft].shape) - 1:
+        return None
+    qk = view.single_use(view.steps[soft].inputs[0], "matmul")
+    if qk is None or not view.float32(i, soft, qk):
+        return None
+    q, k = view.steps[qk].inputs
+    mask, v = view.steps[soft].inputs[1], pv.inputs[1]
+    params = {"scale": view.steps[soft].params["scale"], "bucket": KV_BUCKET}
+    return Fusion((q, k, mask, v), params, (qk, soft), scratch=tuple(view.steps[qk].shape))
+
+
+def used_positions(xp, mask, bucket: int) -> int:
+    """How many leading cache positions any query may see: one past the last column of `mask`
+    that is not -inf in some row, rounded up to `bucket` (at most the whole cache)."""
+    ctx = mask.shape[-1]
+    if ctx <= bucket:
+        return ctx
+    open_columns = xp.flatnonzero((mask.reshape(-1, ctx) != -xp.inf).any(axis=0))
+    last = int(open_columns[-1]) + 1 if open_columns.size else ctx
+    return min(ctx, -(-last // bucket) * bucket)
+
+
+def _attention(xp, inputs, params, out=None, scratch=None):
+    """softmax(q @ k * scale + mask) @ v, reading only the first n cached positions (n from the
+    mask, see used_positions): one plan serves every position, and a short sequence in a long
+    context reads what it uses, not the whole preallocated cache. Every position past n is -inf
+    in the mask, so it weighs exactly 0; the sums run over n terms instead of the whole context,
+    which may change the last bit of a result (the unfused program sums the zeros too)."""
+    q, k, mask, v = inputs
+    n = used_positions(xp, mask, params["bucket"])
+    lead = q.shape[:-1]
+    if scratch is None:
+        scores = xp.empty(lead + (n,), xp.float32)
+    else:
+        scores = scratch.reshape(-1)[: prod(lead) * n].reshape(lead + (n,))
+    xp.matmul(q, k[..., :n], out=scores)
+    softmax_masked_into(xp, scores, mask[..., :n], params["scale"], -1, scores)
+    if out is None:
+        return xp.matmul(scores, v[..., :n, :])
+    return xp.matmul(scores, v[..., :n, :], out=out)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str  # the fused step's op name
+    anchor: str  # the op of the pattern's last step, where matching starts
+    match: Callable[[ProgramView, int], Fusion | None]
+    kernel: Callable[..., Any]
+    scratch: bool = False  # the kernel takes a scratch buffer (Fusion.scratch)
+
+
+PATTERNS: tuple[Pattern, ...] = (
+    Pattern("attention", "matmul", _match_attention, _attention, scratch=True),
+    Pattern("swiglu", "mul", _match_swiglu, _swiglu),
+    Pattern("rms_norm_mul", "mul", _match_rms_norm_mul, _rms_norm_mul),
+)
+
+FUSED_KERNELS = {pattern.name: pattern.kernel for pattern in PATTERNS}
+
+
+def fuse(
+    steps: list, outputs: frozenset[int], patterns: tuple[Pattern, ...] = PATTERNS
+) -> list[tuple[Any, tuple[int, ...] | None, int]]:
+    """The program with every matched pattern replaced by its fused step (an OpStep whose op is
+    the pattern's name) and the absorbed steps gone: (step, scratch shape or None, the index in
+    `steps` of the step it stands for). `steps` hold OpSteps and MoveSteps only."""
+    view = ProgramView(steps, outputs=outputs)
+    by_anchor: dict[str, list[Pattern]] = {}
+    for pattern in patterns:
+        by_anchor.setdefault(pattern.anchor, []).append(pattern)
+    replaced: dict[int, tuple[p.OpStep, tuple[int, ...] | None]] = {}
+    gone: set[int] = set()
+    for i, step in enumerate(steps):
+        if not isinstance(step, p.OpStep):
+            continue
+        for pattern in by_anchor.get(step.op, ()):
+            found = pattern.match(view, i)
+            # a step already fused or absorbed is not taken twice
+            if found is None or i in gone or gone.intersection(found.absorbed) or replaced.keys() & set(found.absorbed):
+                continue
+            fused = p.OpStep(pattern.name, found.inputs, step.output, found.params, step.shape, step.dtype)
+            replaced[i] = (fused, found.scratch)
+            gone.update(found.absorbed)
+            break
+    return [(*replaced.get(i, (step, None)), i) for i, step in enumerate(steps) if i not in gone]
+
+
+def scratch_bytes(shape: tuple[int, ...]) -> int:
+    return prod(shape) * np.dtype(np.float32).itemsize

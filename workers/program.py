@@ -1,0 +1,324 @@
+"""A program compiled once, at load, into prebound calls over a static memory plan.
+
+Loading a program (the coordinator's steps for this worker):
+1. fuses the decoder patterns of workers/kernels/fused.py;
+2. plans memory: every intermediate gets a place in the worker's arena by liveness (first fit,
+   as ggml-alloc and XLA do), so buffers are reused within a run and across runs; views
+   (reshape) and in-place writes (set_rows) share their source's buffer; results the program
+   returns, and values a collective sends, get buffers of their own each run (a data plane may
+   still hold what it sent, and results outlive the run);
+3. prices the plan: the arena's size and the per-run buffers, checked against the budget now.
+
+Binding (at the first run, again when the arena moves or the peers change) makes one closure per
+step holding its kernel, parameters, output buffer and collective request. A run then fills the
+input slots from the store and calls the closures in order: no lookups, validation, timers or
+accounting per step. Profiling (RunProgram.profile) times each step; the first run after a bind
+checks every step's result against the plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import numpy as np
+
+from split_state.dtypes import dtype_from_name
+from split_state.errors import ProtocolError, ShapeError
+from split_state.layout import local_shape
+from split_state.ops import OPS
+from transport import protocol as p
+from transport.deadline import Deadline
+from workers.arena import Arena, aligned
+from workers.kernels import OVERWRITES_INPUT, VIEW_OPS
+from workers.kernels.fused import PATTERNS, Pattern, fuse, scratch_bytes
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A step of the compiled program: the (possibly fused) step, its index in the program as
+    loaded (collective traffic is tagged with it, the same on every worker whatever was fused),
+    where its output lives and its scratch buffer."""
+
+    step: p.OpStep | p.MoveStep
+    index: int
+    out: str  # "arena", "fresh" (its own array each run), "alias" (a view or in-place write), "move"
+    offset: int = -1  # in the arena, for "arena"
+    scratch: tuple[tuple[int, ...], int] | None = None  # (shape, arena offset)
+
+
+class CompiledProgram:
+    def __init__(
+        self,
+        program: int,
+        steps: list[p.Step],
+        outputs: list[int],
+        kernels: dict[str, Callable],
+        world: tuple[int, int] | None = None,
+        patterns: tuple[Pattern, ...] = PATTERNS,
+    ):
+        """`world`: (devices, this rank) when known, to price collective results exactly;
+        `patterns`: the fused patterns to apply (none: every step runs its own kernel)."""
+        self.program = program
+        for i, step in enumerate(steps):
+            if isinstance(step, p.OpStep) and step.op not in kernels:
+                raise ProtocolError(f"program {program} step {i}: unknown op {step.op!r}")
+        self.kernels = kernels
+        live = [(s, i) for i, s in enumerate(steps) if not isinstance(s, p.FreeStep)]
+        fused = [
+            (step, scratch, live[at][1])
+            for step, scratch, at in fuse([s for s, _ in live], frozenset(outputs), patterns)
+        ]
+        self.placed, self.arena_bytes, self.fresh_bytes, self.arena_slots = _plan(fused, set(outputs), world)
+        slots = {0}
+        for step in steps:
+            slots.update(_slots(step))
+        self.nslots = max(slots) + 1
+        arena_steps = [pl for pl in self.placed if pl.out == "arena"]
+        self.biggest = max(arena_steps, key=lambda pl: _nbytes(pl.step), default=None)
+        self.calls: list[Callable] = []
+        self.bound_to: tuple[int, int] | None = None  # (arena generation, collectives id)
+        self.checked = False
+        self.run_id = 0
+        self.comm_s = 0.0
+
+    def describe_peak(self) -> str:
+        if self.biggest is None:
+            return f"program {self.program}"
+        step = self.biggest.step
+        return f"program {self.program} step {self.biggest.index} ({step.op}) needs {_nbytes(step)} bytes"
+
+    # -- binding ----------------------------------------------------------------------------------
+
+    def bind(self, arena: Arena, collectives, comm, backend, collective_timeout: float) -> None:
+        xp = backend.xp
+        calls, outs = [], []
+        for placed in self.placed:
+            step = placed.step
+            if isinstance(step, p.MoveStep):
+                calls.append(self._move_call(placed, collectives, comm, collective_timeout))
+                outs.append(None)
+                continue
+            out = (
+                arena.view(placed.offset, tuple(step.shape), dtype_from_name(step.dtype))
+                if placed.out == "arena"
+                else None
+            )
+            scratch = None
+            if placed.scratch is not None:
+                shape, offset = placed.scratch
+                scratch = arena.view(offset, shape, np.float32)
+            calls.append(_op_call(self.kernels[step.op], xp, step, out, scratch, placed.out == "fresh"))
+            outs.append(out)
+        self.calls, self.outs, self.arena = calls, outs, arena
+        self.bound_to = (arena.generation, id(collectives))
+        self.checked = False
+
+    def _move_call(self, placed: Placed, collectives, comm, timeout: float) -> Callable:
+        step, index = placed.step, placed.index
+        dtype = dtype_from_name(step.dtype)
+        request = collectives.request(step.src, step.dst, step.shape, dtype)
+        source, target = step.input, step.output
+        run_collective = collectives.run
+
+        def call(slots: list) -> None:
+            local = slots[source]
+            if local.dtype != dtype:
+                raise ShapeError(f"step {index} (redistribute): slot {source} holds {local.dtype}, not {step.dtype}")
+            start = time.perf_counter()
+            slots[target] = run_collective(request, local, self.run_id, index, Deadline(timeout))
+            self.comm_s += time.perf_counter() - start
+
+        return call
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def run(self, slots: list, run: int, backend, profile: bool) -> dict[str, float]:
+        self.run_id, self.comm_s = run, 0.0
+        started = time.perf_counter()
+        compute = 0.0
+        if profile or not self.checked:
+            for placed, call, out in zip(self.placed, self.calls, self.outs):
+                start = time.perf_counter()
+                call(slots)
+                if isinstance(placed.step, p.OpStep):
+                    if profile:
+                        backend.synchronize()  # a GPU kernel's time, not its launch's
+                    compute += time.perf_counter() - start
+                    if not self.checked:
+                        _check(placed, slots[placed.step.output], out, self.arena.memory)
+            self.checked = True
+        else:
+            for call in self.calls:
+                call(slots)
+        backend.synchronize()
+        program = time.perf_counter() - started
+        # unprofiled, the time between collectives counts as compute: the steps are not timed
+        compute = compute if profile else program - self.comm_s
+        return {"compute_s": compute, "comm_s": self.comm_s, "program_s": program, "profiled": profile}
+
+
+def _slots(step: p.Step) -> tuple[int, ...]:
+    if isinstance(step, p.OpStep):
+        return (*step.inputs, step.output)
+    if isinstance(step, p.MoveStep):
+        return (step.input, step.output)
+    return tuple(step.slots)
+
+
+def _nbytes(step) -> int:
+    return prod(step.shape) * dtype_from_name(step.dtype).itemsize
+
+
+def _op_call(kernel, xp, step: p.OpStep, out, scratch, fresh: bool) -> Callable:
+    """The step as one call: its kernel, parameters and output buffer bound (`fresh`: a new
+    array every run, for results that outlive it)."""
+    params, o, ins = step.params, step.output, step.inputs
+    if fresh or scratch is not None:
+        shape, dtype, empty = tuple(step.shape), dtype_from_name(step.dtype), xp.empty
+        extra = {} if scratch is None else {"scratch": scratch}
+
+        def call(slots):
+            target = empty(shape, dtype) if fresh else out
+            slots[o] = kernel(xp, [slots[i] for i in ins], params, target, **extra)
+
+    elif len(ins) == 1:
+        (a,) = ins
+
+        def call(slots):
+            slots[o] = kernel(xp, (slots[a],), params, out)
+
+    elif len(ins) == 2:
+        a, b = ins
+
+        def call(slots):
+            slots[o] = kernel(xp, (slots[a], slots[b]), params, out)
+
+    else:
+
+        def call(slots):
+            slots[o] = kernel(xp, [slots[i] for i in ins], params, out)
+
+    return call
+
+
+def _check(placed: Placed, value: Any, out: Any, arena: Any) -> None:
+    """A step's result is what the plan says, and lies where the plan put it: a kernel that
+    returned another array than its `out` (a view of some input) would let the next step that
+    reuses the memory change a result."""
+    step = placed.step
+    if tuple(value.shape) != tuple(step.shape) or value.dtype != dtype_from_name(step.dtype):
+        raise ShapeError(
+            f"step {placed.index} ({step.op}) produced {tuple(value.shape)} {value.dtype}, "
+            f"the plan expects {tuple(step.shape)} {step.dtype}"
+        )
+    misplaced = value is not out if out is not None else placed.out == "fresh" and _overlaps(value, arena)
+    if misplaced:
+        raise ShapeError(f"step {placed.index} ({step.op}): its kernel did not write into the buffer it was given")
+
+
+def _overlaps(value: Any, arena: Any) -> bool:
+    if not arena.nbytes or not value.nbytes:
+        return False
+    return bool(np.may_share_memory(value, arena)) if isinstance(value, np.ndarray) else False
+
+
+def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
+    """Where every step's output lives, the arena's size, the bytes of per-run buffers, and the
+    slots whose value lies in the arena."""
+    steps = [s for s, _, _ in fused]
+    last_read: dict[int, int] = {}
+    root: dict[int, int] = {}
+    for j, step in enumerate(steps):
+        for slot in _reads(step):
+            last_read[slot] = j
+        aliases = isinstance(step, p.OpStep) and (step.op in VIEW_OPS or (step.op in OPS and OPS[step.op].inplace))
+        root[step.output] = root.get(step.inputs[0], step.inputs[0]) if aliases else step.output
+    # a buffer lives until the last read of anything that aliases it; results and what a
+    # collective sends get buffers of their own
+    end = len(steps)
+    death: dict[int, int] = {}
+    fresh: set[int] = set()
+    for slot, r in root.items():
+        death[r] = max(death.get(r, -1), last_read.get(slot, -1), end if slot in outputs else -1)
+        if slot in outputs:
+            fresh.add(r)
+    for step in steps:
+        if isinstance(step, p.MoveStep):
+            fresh.add(root.get(step.input, step.input))
+    placed: list[Placed] = []
+    allocator = _FirstFit()
+    in_arena: set[int] = set()
+    own: dict[int, tuple[int, int, tuple, str]] = {}  # arena slot -> (offset, size, shape, dtype)
+    fresh_bytes = 0
+    for j, (step, scratch_shape, index) in enumerate(fused):
+        allocator.free_before(j)
+        if isinstance(step, p.MoveStep):  # the engine's result: charged per run
+            shape = local_shape(step.dst, step.shape, *world) if world else step.shape
+            fresh_bytes += aligned(prod(shape) * dtype_from_name(step.dtype).itemsize)
+            placed.append(Placed(step, index, "move"))
+            continue
+        scratch = None
+        if scratch_shape is not None:
+            scratch = (scratch_shape, allocator.take(aligned(scratch_bytes(scratch_shape)), j))
+        if root[step.output] != step.output:
+            placed.append(Placed(step, index, "alias", scratch=scratch))
+        elif step.output in fresh:
+            fresh_bytes += aligned(_nbytes(step))
+            placed.append(Placed(step, index, "fresh", scratch=scratch))
+        else:
+            size = aligned(_nbytes(step))
+            reused = _dying_input(step, j, death, own, size) if step.op in OVERWRITES_INPUT else None
+            if reused is not None:
+                offset = own.pop(reused)[0]
+                allocator.extend(offset, death[step.output])
+            else:
+                offset = allocator.take(size, death[step.output])
+            own[step.output] = (offset, size, tuple(step.shape), step.dtype)
+            placed.append(Placed(step, index, "arena", offset, scratch))
+            in_arena.add(step.output)
+    arena_slots = frozenset(slot for slot, r in root.items() if r in in_arena)
+    return placed, allocator.peak, fresh_bytes, arena_slots
+
+
+def _dying_input(step: p.OpStep, j: int, death: dict, own: dict, size: int) -> int | None:
+    """An input of `step` whose arena buffer nothing reads after step j and that has the
+    output's shape and dtype: the output may overwrite it."""
+    for slot in step.inputs:
+        held = own.get(slot)
+        if held is not None and death[slot] == j and held[1:] == (size, tuple(step.shape), step.dtype):
+            return slot
+    return None
+
+
+def _reads(step) -> tuple[int, ...]:
+    return step.inputs if isinstance(step, p.OpStep) else (step.input,)
+
+
+class _FirstFit:
+    """Offsets for buffers with lifetimes: a new buffer goes into the lowest gap that fits among
+    the buffers still alive; `peak` is the arena size the plan needs."""
+
+    def __init__(self) -> None:
+        self.live: list[tuple[int, int, int]] = []  # (offset, size, last step it is read)
+        self.peak = 0
+
+    def free_before(self, step: int) -> None:
+        self.live = [b for b in self.live if b[2] >= step]
+
+    def extend(self, offset: int, until: int) -> None:
+        """The buffer at `offset` passes to a value that lives until step `until`."""
+        self.live = [(o, n, until if o == offset else u) for o, n, u in self.live]
+
+    def take(self, size: int, until: int) -> int:
+        at = 0
+        for offset, length, _ in sorted(self.live):
+            if offset - at >= size:
+                break
+            at = max(at, offset + length)
+        self.live.append((at, size, until))
+        self.peak = max(self.peak, at + size)
+        return at
