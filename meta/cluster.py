@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -34,6 +34,10 @@ from workers.binding import CPUS_ENV
 POLL_MS = 100
 DATA_PLANES = ("auto", "shm", "zmq", "nccl")
 BIND_MODES = ("auto", "off")
+
+
+OnMessage = Callable[[int, p.Message], bool]  # a report from a worker; False: cancel
+CANCEL_GRACE_S = 30.0  # after Ctrl-C, how long a cancelled request may take to answer
 
 
 @dataclass(frozen=True)
@@ -315,8 +319,13 @@ class ProcessCluster:
 
     # -- calls ----------------------------------------------------------------------------------
 
-    def call_all(self, messages: dict[int, p.Message], timeout: float | None = None) -> dict[int, p.Message]:
-        """Send each worker its message; return every reply, or raise WorkerLost/DeadlineExceeded."""
+    def call_all(
+        self, messages: dict[int, p.Message], timeout: float | None = None, on_message: OnMessage | None = None
+    ) -> dict[int, p.Message]:
+        """Send each worker its message; return every reply, or raise WorkerLost/DeadlineExceeded.
+        With `on_message`, reports a worker sends before its reply (Tokens) go to it as they come,
+        and each restarts the deadline; when it returns False, or on Ctrl-C, that worker is sent
+        a Cancel and the replies are still awaited, so the workers stay usable."""
         if self.lost is not None:
             raise WorkerLost(f"cluster unusable: {self.lost}", rank=self.lost.rank)
         if self.closed:
@@ -326,23 +335,44 @@ class ProcessCluster:
         rid = self._request
         for rank, message in messages.items():
             send(self.control, message, rid, route=p.worker_identity(rank))
-        deadline = Deadline(self.config.call_timeout if timeout is None else timeout)
+        seconds = self.config.call_timeout if timeout is None else timeout
+        deadline = Deadline(seconds)
         replies: dict[int, p.Message] = {}
+        interrupted: KeyboardInterrupt | None = None
+        cancelled = False
         while len(replies) < len(messages):
-            self._check_processes()
-            if deadline.expired():
-                missing = sorted(set(messages) - set(replies))
-                raise DeadlineExceeded(f"workers {missing} did not answer within {deadline.seconds:.1f} s")
-            if not self.control.poll(min(POLL_MS, deadline.remaining_ms())):
-                continue
-            route, *frames = self.control.recv_multipart(copy=False)
             try:
-                message, got = p.decode(frames)
-            except ProtocolError:
-                continue
-            rank = p.rank_of(route.bytes)
-            if got == rid and rank in messages:
+                self._check_processes()
+                if deadline.expired():
+                    missing = sorted(set(messages) - set(replies))
+                    raise DeadlineExceeded(f"workers {missing} did not answer within {deadline.seconds:.1f} s")
+                if not self.control.poll(min(POLL_MS, deadline.remaining_ms())):
+                    continue
+                route, *frames = self.control.recv_multipart(copy=False)
+                try:
+                    message, got = p.decode(frames)
+                except ProtocolError:
+                    continue
+                rank = p.rank_of(route.bytes)
+                if got != rid or rank not in messages:
+                    continue
+                if isinstance(message, p.Tokens) and on_message is not None:
+                    if cancelled:  # reports of steps already under way when the Cancel left
+                        continue
+                    deadline = Deadline(seconds)
+                    if not on_message(rank, message):
+                        cancelled = True
+                        send(self.control, p.Cancel(), rid, route=route.bytes)
+                    continue
                 replies[rank] = message
+            except KeyboardInterrupt as exc:
+                if on_message is None or interrupted is not None:
+                    raise
+                interrupted, cancelled, deadline = exc, True, Deadline(min(seconds, CANCEL_GRACE_S))
+                for rank in messages:
+                    send(self.control, p.Cancel(), rid, route=p.worker_identity(rank))
+        if interrupted is not None:
+            raise interrupted
         return replies
 
     # -- stop -----------------------------------------------------------------------------------

@@ -363,6 +363,60 @@ class MetaDevice:
             out.append(Tensor(self, node))
         return out
 
+    @serialized
+    def generate(
+        self,
+        step: Step,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        steps: int,
+        sampling: dict,
+        on_tokens: Callable[[int, list[int]], bool],
+    ) -> dict:
+        """Run captured decode `step` up to `steps` times on the workers, which feed each step's
+        chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
+        (tokens, positions), its first two outputs the candidates (values, indices) of
+        Tensor.top_k. `on_tokens(step, tokens)` gets each step's tokens as they come; False
+        cancels after the step under way (as Ctrl-C does). Returns rank 0's account (steps run,
+        cancelled, times)."""
+        if len(step.examples) != 2 or None in step.feed_slots:
+            raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
+        inputs = [leaf.tensor for leaf in step.leaves]
+        fed: dict[int, np.ndarray] = {}
+        for slot, example, array in zip(step.feed_slots, step.examples, (tokens, positions)):
+            array = np.asarray(array)
+            if array.shape != example.shape or array.dtype != example.dtype:
+                raise ShapeError(f"generate: a feed of {example.shape} {example.dtype} got {array.shape} {array.dtype}")
+            inputs[slot] = next(self._tensor_ids)
+            fed[inputs[slot]] = array
+        out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in step.roots]
+        fresh = [t for root, t in zip(step.roots, out_ids) if root is None]
+        run = next(self._run_ids)
+        self._run_ids = itertools.count(run + steps + 1)  # one run id per step, none reused
+        feeds, data = _pack_feeds(fed)
+        token_id, position_id = (inputs[slot] for slot in step.feed_slots)
+        message = p.Generate(
+            step.compiled.program,
+            run,
+            steps,
+            [[i, tensor] for i, tensor in enumerate(inputs)],
+            [[v, t] for v, t in zip(step.compiled.plan.outputs, out_ids)],
+            token_id,
+            position_id,
+            out_ids[0],
+            out_ids[1],
+            sampling,
+            feeds,
+            data,
+        )
+        try:
+            replies = self._call(
+                {d: message for d in range(self.n)}, on_message=lambda rank, m: on_tokens(m.step, list(m.tokens))
+            )
+        finally:
+            self._released.extend([*fed, *fresh])  # freed with the next message that runs
+        return dict(replies[0].info)
+
     def _evict(self) -> None:
         evicted = []
         for key in list(self.plans):
@@ -387,10 +441,13 @@ class MetaDevice:
             raise
         return CompiledPlan(program, planned)
 
-    def _call(self, messages: dict[int, p.Message]) -> dict[int, p.Message]:
+    def _call(self, messages: dict[int, p.Message], on_message=None) -> dict[int, p.Message]:
         start = time.perf_counter()
         try:
-            replies = self.cluster.call_all(messages)
+            if on_message is None:
+                replies = self.cluster.call_all(messages)
+            else:
+                replies = self.cluster.call_all(messages, on_message=on_message)
         finally:
             self.clock.round_trip_s += time.perf_counter() - start
         failures = {d: r for d, r in replies.items() if isinstance(r, p.Error)}

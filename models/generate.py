@@ -24,6 +24,7 @@ import numpy as np
 from meta.device import MetaDevice
 from models.gguf_model import GGUFModel, ModelError
 from models.llama import TensorParallelLlama
+from workers.generation import choose, generator_state
 
 POOL = 256  # candidates per sequence a sampled step considers
 
@@ -118,28 +119,67 @@ class LLM:
         rng = np.random.default_rng(sampling.seed)
         start = time.perf_counter()
         picks = self._prefill([g.prompt_tokens for g in out], sampling.pool, keep_logits)
-        tokens = [self._choose(v, i, sampling, rng) for v, i in picks]
+        tokens = [choose(v, i, sampling.temperature, sampling.top_p, rng) for v, i in picks]
         prefill_s = time.perf_counter() - start
         positions = np.array(lengths)
         done = [False] * len(out)
-        start = time.perf_counter()
-        for step in range(max_new_tokens):
+        stop = [self.model.eos] if stop_at_eos else []
+
+        def record(chosen: Sequence[int]) -> bool:
+            """Take one step's tokens; True once every sequence is done."""
             for b, g in enumerate(out):
                 if not done[b]:
-                    g.tokens.append(tokens[b])
+                    g.tokens.append(chosen[b])
                     if on_token is not None:
-                        on_token(b, tokens[b])
-                    done[b] = stop_at_eos and tokens[b] == self.model.eos
-            if all(done) or step == max_new_tokens - 1:
-                break
+                        on_token(b, chosen[b])
+                    done[b] = chosen[b] in stop
+            return all(done)
+
+        start = time.perf_counter()
+        finished, left = record(tokens), max_new_tokens - 1
+        if not finished and left > 0 and sampling.pool not in self._decode:
+            # the first decode step is captured (and run) here; the workers replay it after
             picks = self._decode_step(tokens, positions, sampling.pool)
-            tokens = [self._choose(v, i, sampling, rng) for v, i in picks]
-            positions = positions + 1
+            tokens = [choose(v, i, sampling.temperature, sampling.top_p, rng) for v, i in picks]
+            positions, left = positions + 1, left - 1
+            finished = record(tokens)
+        if not finished and left > 0:
+            self._drive(tokens, positions, left, sampling, rng, done, stop, record)
         decode_s = time.perf_counter() - start
         for g in out:
             g.text = self.tokenizer.decode(g.tokens)
             g.prefill_s, g.decode_s = prefill_s, decode_s
         return out
+
+    def _drive(self, tokens, positions, steps: int, sampling: Sampling, rng, done, stop, record) -> None:
+        """The rest of the decode loop on the workers: they choose each token themselves (with
+        this generator's state) and report it; an exception in `record` (Ctrl-C in a stream
+        callback) cancels them after the step under way and is raised here once they stopped."""
+        batch = self.batch
+        t = np.zeros((batch, 1), np.int32)
+        t[: len(tokens), 0] = tokens
+        p = np.zeros((batch, 1), np.int32)
+        p[: len(tokens), 0] = positions
+        raised: list[BaseException] = []
+
+        def on_tokens(step: int, chosen: list[int]) -> bool:
+            try:
+                record(chosen[: len(tokens)])
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the workers stopped
+                raised.append(exc)
+                return False
+            return True
+
+        settings = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "rng": generator_state(rng),
+            "stop": stop,
+            "done": list(done),
+        }
+        self.dev.generate(self._decode[sampling.pool], t, p, steps, settings, on_tokens)
+        if raised:
+            raise raised[0]
 
     def _prefill(self, prompts: list[list[int]], pool: int, keep_logits: bool):
         batch, longest = self.batch, max(len(p) for p in prompts)
@@ -172,15 +212,3 @@ class LLM:
             values, indices, *_ = step(t, p)
         v, i = values.numpy(), indices.numpy()
         return [(v[b, 0], i[b, 0]) for b in range(len(tokens))]
-
-    @staticmethod
-    def _choose(values: np.ndarray, indices: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
-        if sampling.temperature == 0:
-            return int(indices[0])
-        keep = values.astype(np.float64) / sampling.temperature
-        probs = np.exp(keep - keep.max())
-        probs /= probs.sum()
-        if sampling.top_p < 1:
-            cut = int(np.searchsorted(np.cumsum(probs), sampling.top_p)) + 1
-            probs = probs[:cut] / probs[:cut].sum()
-        return int(indices[rng.choice(len(probs), p=probs)])

@@ -7,6 +7,7 @@ that started us is gone), even if the main thread is stuck in a kernel. No orpha
 
 from __future__ import annotations
 
+import collections
 import os
 import platform
 import shutil
@@ -101,6 +102,24 @@ def _watch(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop:
         beat_out.close(0)
 
 
+def cancel_seen(control: zmq.Socket, rid: int, pending: collections.deque) -> bool:
+    """Whether a Cancel of request `rid` has come, without waiting; other requests that came
+    meanwhile are kept for after the one under way."""
+    seen = False
+    while control.poll(0):
+        frames = control.recv_multipart(copy=False)
+        try:
+            message, got = p.decode(frames)
+        except MetaError:
+            pending.append(frames)  # answered with its error in turn
+            continue
+        if isinstance(message, p.Cancel):
+            seen = seen or got == rid
+        else:
+            pending.append(frames)
+    return seen
+
+
 def make_comm(rank: int, configure: p.Configure, inbox, context: zmq.Context, security: Security) -> ZmqComm:
     """Shared memory with the peers on this host when asked for and possible, else ZeroMQ; the
     reason for a fallback is kept in `note` and reported to the coordinator."""
@@ -180,13 +199,20 @@ def main(argv: list[str] | None = None) -> int:
                 args.rank, os.getpid(), info.backend, info.description, info.memory_total, info.memory_free, data_ep
             ),
         )
+        pending: collections.deque = collections.deque()  # requests that came during a Generate
         while not server.stopping:
-            try:
-                frames = recv_frames(control, Deadline(0.5))
-            except MetaError:
-                if orphaned(args) or not dog.is_alive():  # belt and braces: never outlive the watch
-                    _exit(args.rank, "its parent exited" if orphaned(args) else "its watchdog stopped")
-                continue  # nothing yet; the watchdog decides when waiting is over
+            if pending:
+                frames = pending.popleft()
+            else:
+                try:
+                    frames = recv_frames(control, Deadline(0.5))
+                except MetaError:
+                    if orphaned(args) or not dog.is_alive():  # belt and braces: never outlive the watch
+                        _exit(args.rank, "its parent exited" if orphaned(args) else "its watchdog stopped")
+                    continue  # nothing yet; the watchdog decides when waiting is over
+            rid = p.request_id(frames)
+            server.emit = lambda message, rid=rid: send(control, message, rid)
+            server.cancelled = lambda rid=rid: cancel_seen(control, rid, pending)
             send_frames(control, respond(frames, server.handle))
     except KeyboardInterrupt:
         pass

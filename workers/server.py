@@ -159,6 +159,7 @@ HANDLERS: dict[type, Callable[[WorkerServer, p.Message], p.Message]] = {
     p.LoadProgram: WorkerServer._on_load_program,
     p.RunProgram: WorkerServer._on_run_program,
     p.Generate: WorkerServer._on_generate,
+    p.Cancel: lambda server, m: p.Ok(),  # came after its Generate ended: nothing to stop
     p.Unload: WorkerServer._on_unload,
     p.Stats: WorkerServer._on_stats,
     p.Heartbeat: WorkerServer._on_heartbeat,

@@ -26,6 +26,7 @@ class SimulatedCluster:
         self._data = [queue.Queue() for _ in range(n)]
         self._inboxes = [queue.Queue() for _ in range(n)]
         self._replies: queue.Queue = queue.Queue()
+        self._cancel = [threading.Event() for _ in range(n)]  # a Cancel for the request under way
         self.servers = [
             WorkerServer(r, make_backend(backend, 0), self._connector(r), collective_timeout) for r in range(n)
         ]
@@ -45,21 +46,44 @@ class SimulatedCluster:
             item = self._inboxes[rank].get()
             if item is None:
                 return
+            rid = p.request_id(item)
+            server.emit = lambda message, rid=rid: self._replies.put((rank, p.encode(message, rid)))
+            server.cancelled = self._cancel[rank].is_set
             frames = respond(item, server.handle)
             self._replies.put((rank, frames))
 
-    def call_all(self, messages: dict[int, p.Message], timeout: float | None = None) -> dict[int, p.Message]:
+    def call_all(
+        self, messages: dict[int, p.Message], timeout: float | None = None, on_message=None
+    ) -> dict[int, p.Message]:
+        """As ProcessCluster.call_all, reports (Tokens) to `on_message` included."""
         timeout = self.call_timeout if timeout is None else timeout
+        for event in self._cancel:
+            event.clear()
         for rank, message in messages.items():
             self._inboxes[rank].put(p.encode(message))
         replies = {}
+        interrupted = None
         while len(replies) < len(messages):
             try:
-                rank, frames = self._replies.get(timeout=timeout)
-            except queue.Empty:
-                missing = sorted(set(messages) - set(replies))
-                raise DeadlineExceeded(f"simulated devices {missing} did not answer within {timeout} s") from None
-            replies[rank] = p.decode(frames)[0]
+                try:
+                    rank, frames = self._replies.get(timeout=timeout)
+                except queue.Empty:
+                    missing = sorted(set(messages) - set(replies))
+                    raise DeadlineExceeded(f"simulated devices {missing} did not answer within {timeout} s") from None
+                message = p.decode(frames)[0]
+                if isinstance(message, p.Tokens) and on_message is not None:
+                    if not self._cancel[rank].is_set() and not on_message(rank, message):
+                        self._cancel[rank].set()
+                    continue
+                replies[rank] = message
+            except KeyboardInterrupt as exc:
+                if on_message is None or interrupted is not None:
+                    raise
+                interrupted = exc
+                for event in self._cancel:
+                    event.set()
+        if interrupted is not None:
+            raise interrupted
         return replies
 
     def abort_peers(self, lost: int, message: str) -> None:

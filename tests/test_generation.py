@@ -1,0 +1,149 @@
+"""Generation driven by the workers (MetaDevice.generate, workers/generation.py): the tokens of
+the coordinator's own loop for the same seed, cancellation between tokens with the workers
+left usable, and a lost worker as a typed error within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from meta import MetaDevice
+from models.llama import LlamaConfig, TensorParallelLlama, random_weights
+from split_state import WorkerLost
+from workers.generation import generator_state
+
+pytestmark = pytest.mark.timeout(120)
+CFG = LlamaConfig(hidden=48, layers=2, heads=6, kv_heads=2, ffn=40, vocab=64, rope_base=500.0)
+POOL, STEPS, CTX = 8, 10, 64
+PROMPT = np.array([[5, 9, 2, 33], [7, 1, 1, 60]])
+
+
+def sample(values: np.ndarray, indices: np.ndarray, temperature: float, top_p: float, rng) -> int:
+    """The sampling rule written again for the test: softmax of value / T over the candidates,
+    the smallest prefix reaching top_p, one draw of the generator; the best at T = 0."""
+    if temperature == 0:
+        return int(indices[0])
+    z = np.array(values, np.float64) / temperature
+    w = np.exp(z - z.max())
+    w = w / w.sum()
+    if top_p < 1:
+        keep = 1
+        while w[:keep].sum() < top_p:
+            keep += 1
+        w = w[:keep] / w[:keep].sum()
+    return int(indices[rng.choice(len(w), p=w)])
+
+
+def start(dev: MetaDevice):
+    """Prefill both prompts; capture the decode step (one run); first tokens and positions."""
+    net = TensorParallelLlama(dev, CFG, random_weights(CFG, seed=4).__getitem__, CTX, batch=2)
+    logits = net.step(PROMPT, np.tile(np.arange(4), (2, 1)))
+    token = logits[:, 3:].argmax()
+    dev.run(token, *net.caches())
+    first = token.numpy().astype(np.int32)
+    step, (values, indices, *_) = net.capture_decode(first, np.array([[4], [4]]), build=lambda lg: list(lg.top_k(POOL)))
+    return net, step, values.numpy(), indices.numpy()
+
+
+def coordinator_loop(dev, step, values, indices, temperature, top_p, seed):
+    rng = np.random.default_rng(seed)
+    tokens = [sample(values[b, 0], indices[b, 0], temperature, top_p, rng) for b in range(2)]
+    out = [tokens]
+    for pos in range(5, 5 + STEPS):
+        v, i, *_ = step(np.array([[t] for t in tokens], np.int32), np.array([[pos], [pos]], np.int32))
+        v, i = v.numpy(), i.numpy()
+        tokens = [sample(v[b, 0], i[b, 0], temperature, top_p, rng) for b in range(2)]
+        out.append(tokens)
+    return out
+
+
+def worker_loop(dev, step, values, indices, temperature, top_p, seed, stop=(), on=None):
+    rng = np.random.default_rng(seed)
+    tokens = [sample(values[b, 0], indices[b, 0], temperature, top_p, rng) for b in range(2)]
+    out = [tokens]
+
+    def on_tokens(k, chosen):
+        out.append(chosen)
+        return True if on is None else on(k, chosen)
+
+    settings = {"temperature": temperature, "top_p": top_p, "rng": generator_state(rng), "stop": list(stop)}
+    settings["done"] = [False, False]
+    info = dev.generate(
+        step, np.array([[t] for t in tokens], np.int32), np.array([[5], [5]], np.int32), STEPS, settings, on_tokens
+    )
+    return out, info
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (0.9, 1.0), (1.3, 0.8)])
+@pytest.mark.parametrize("devname", ["procs2", "sim3"])
+def test_workers_choose_the_tokens_the_coordinator_would(devname, temperature, top_p, request):
+    dev = request.getfixturevalue("procs2") if devname == "procs2" else request.getfixturevalue("sim")(3)
+    _, step, v, i = start(dev)
+    by_workers, info = worker_loop(dev, step, v, i, temperature, top_p, seed=11)
+    _, step, v, i = start(dev)  # the same prompts again, from fresh caches
+    assert by_workers == coordinator_loop(dev, step, v, i, temperature, top_p, seed=11)
+    assert info["steps"] == STEPS and not info["cancelled"]
+    if temperature:  # the draw depends on the seed
+        _, step, v, i = start(dev)
+        assert worker_loop(dev, step, v, i, temperature, top_p, seed=12)[0] != by_workers
+
+
+def test_every_sequence_at_a_stop_token_ends_the_loop(sim):
+    dev = sim(2)
+    _, step, v, i = start(dev)
+    greedy, _ = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0)
+    stops = {greedy[3][0], greedy[3][1]}  # both sequences have met a stop token by step 3
+    _, step, v, i = start(dev)
+    out, info = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, stop=sorted(stops))
+    assert out[: len(out)] == greedy[: len(out)]
+    last = max(max(next(k for k, t in enumerate(greedy) if t[b] in stops) for b in range(2)), 1)
+    assert len(out) == last + 1 and info["steps"] == last
+
+
+@pytest.mark.parametrize("how", ["refuse", "interrupt"])
+def test_a_cancel_stops_within_a_token_and_the_workers_stay_usable(procs2, how):
+    dev = procs2
+    seen = []
+
+    def on(k, chosen):
+        seen.append(k)
+        if k == 2:
+            if how == "interrupt":
+                raise KeyboardInterrupt  # Ctrl-C while a token is being shown
+            return False
+        return True
+
+    _, step, v, i = start(dev)
+    if how == "interrupt":
+        with pytest.raises(KeyboardInterrupt):
+            worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on)
+        assert seen == [0, 1, 2]  # nothing is shown after Ctrl-C
+    else:
+        out, info = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on)
+        # the workers stop at the first step after the Cancel reached rank 0; reports of steps
+        # already under way are not shown
+        assert info["cancelled"] and info["steps"] < STEPS and len(out) == 4
+    _, step, v, i = start(dev)  # usable: the same generation again, to the end
+    out, info = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0)
+    assert info["steps"] == STEPS and len(out) == STEPS + 1
+
+
+def test_a_worker_lost_during_generation_is_a_typed_error_within_seconds(fresh_cluster):
+    cluster = fresh_cluster(2, liveness=2.0, heartbeat=0.2)
+    dev = MetaDevice(cluster)
+    _, step, v, i = start(dev)
+    killed = {}
+
+    def on(k, chosen):
+        if k == 1:
+            os.kill(cluster.pids[1], signal.SIGKILL)
+            killed["at"] = time.monotonic()
+        return True
+
+    with pytest.raises(WorkerLost, match="worker 1"):
+        worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on)
+    assert time.monotonic() - killed["at"] < 5.0
