@@ -76,11 +76,13 @@ CFG = LlamaConfig(hidden=48, layers=2, heads=6, kv_heads=2, ffn=40, vocab=64, ro
 
 
 def decode_tokens(n: int, ctx: int, fused: bool, steps: int = 6):
-    """Greedy tokens and last logits of a small decoder on n simulated devices."""
+    """Greedy tokens of a small decoder on n simulated devices, and the ops its decode step ran."""
     cluster = SimulatedCluster(n)
-    if not fused:
+    if not fused:  # every step its own NumPy kernel: no pattern, no backend override
+        from workers.kernels import KERNELS
+
         for server in cluster.servers:
-            server.executor.patterns = ()
+            server.executor.patterns, server.executor.kernels = (), dict(KERNELS)
     with MetaDevice(cluster) as dev:
         net = TensorParallelLlama(dev, CFG, random_weights(CFG, seed=3).__getitem__, ctx)
         prompt = np.array([[5, 9, 2, 33]])
@@ -110,3 +112,49 @@ def test_a_fused_decoder_gives_the_tokens_of_the_unfused_one(n):
 def test_a_long_cache_gives_the_tokens_of_a_short_one():
     """Reading the used positions only: a 600-position cache decodes like a 32-position one."""
     assert decode_tokens(2, 600, fused=True)[0] == decode_tokens(2, 32, fused=True)[0]
+
+
+# -- the CPU backend's numba loops (workers/kernels/numba_cpu.py) ------------------------------
+
+
+def cpu_overrides():
+    from workers.kernels import numba_cpu
+
+    if not numba_cpu.AVAILABLE:
+        pytest.skip("numba is not installed: the NumPy kernels serve the CPU backend")
+    return numba_cpu.OVERRIDES
+
+
+@pytest.mark.parametrize("shape, weight", [((2, 3, 40), (40,)), ((1, 1, 576), (576,)), ((4, 8), (4, 8))])
+def test_numba_rms_norm_mul_against_the_formula(shape, weight):
+    x, w = f32(*shape), f32(*weight)
+    got = cpu_overrides()["rms_norm_mul"](np, (x, w), {"axis": len(shape) - 1, "eps": 1e-5})
+    np.testing.assert_allclose(got, ref.rms_norm(x.astype(np.float64), -1, 1e-5) * w, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+def test_numba_rope_against_complex_rotation(mode):
+    x, positions = f32(2, 3, 4, 16), np.array([[0, 5, 900], [7, 7, 1]], np.int32)
+    got = cpu_overrides()["rope"](np, (x, positions), {"base": 10000.0, "mode": mode})
+    np.testing.assert_allclose(got, ref.rope(x, positions, 10000.0, mode), rtol=1e-5, atol=2e-6)
+
+
+def test_numba_kernels_hand_other_layouts_to_numpy():
+    kernels = cpu_overrides()
+    x = f32(3, 8)[:, ::2]  # not contiguous
+    got = kernels["rms_norm_mul"](np, (x, np.ones(4, np.float32)), {"axis": 1, "eps": 1e-5})
+    np.testing.assert_allclose(got, ref.rms_norm(x.astype(np.float64), -1, 1e-5), rtol=2e-6)
+    h = f32(1, 2, 2, 8).astype(np.float16)
+    got = kernels["rope"](np, (h, np.array([[1, 2]], np.int32)), {"base": 100.0, "mode": "normal"})
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got, ref.rope(h, np.array([[1, 2]]), 100.0, "normal"), rtol=2e-3, atol=2e-3)
+
+
+def test_the_cpu_backend_runs_the_numba_loops_and_numpy_the_rest():
+    from workers.backends import make_backend
+    from workers.kernels import FUSED_KERNELS, kernels_for
+
+    overrides = cpu_overrides()
+    table = kernels_for(make_backend("cpu"))
+    assert table["rope"] is overrides["rope"] and table["rms_norm_mul"] is overrides["rms_norm_mul"]
+    assert table["swiglu"] is FUSED_KERNELS["swiglu"]

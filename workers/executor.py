@@ -26,6 +26,16 @@ class Executor:
         self.collectives: Collectives | None = None
         self.comm = None
 
+    def prepare_kernels(self) -> None:
+        """Compile every kernel that compiles (numba loops) ahead of the first program using it."""
+        for kernel in self.kernels.values():
+            prepare = getattr(kernel, "prepare", None)
+            if prepare is not None:
+                try:
+                    prepare()
+                except Exception:  # noqa: BLE001 - loading the program that needs it reports it
+                    return
+
     def attach(self, comm) -> None:
         self.comm = comm
         if comm.plane == "nccl":

@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         return comms[0]
 
     server = WorkerServer(args.rank, backend, connect, args.collective_timeout)
+    # kernels that compile (numba) get ready while the coordinator connects and places weights
+    threading.Thread(target=server.executor.prepare_kernels, daemon=True, name="prepare-kernels").start()
     info = backend.info()
     try:
         send(

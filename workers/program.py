@@ -67,6 +67,10 @@ class CompiledProgram:
             if isinstance(step, p.OpStep) and step.op not in kernels:
                 raise ProtocolError(f"program {program} step {i}: unknown op {step.op!r}")
         self.kernels = kernels
+        for step in steps:  # kernels that compile (numba) do it now, not during a run
+            prepare = getattr(kernels.get(step.op), "prepare", None) if isinstance(step, p.OpStep) else None
+            if prepare is not None:
+                prepare()
         live = [(s, i) for i, s in enumerate(steps) if not isinstance(s, p.FreeStep)]
         fused = [
             (step, scratch, live[at][1])

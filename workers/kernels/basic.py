@@ -246,7 +246,7 @@ def _host_rotation(positions: bytes, dtype: str, shape: tuple, head_dim: int, ba
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def _rotation(xp, positions, head_dim: int, base: float, dtype):
+def rotation(xp, positions, head_dim: int, base: float, dtype):
     if xp is np and np.dtype(dtype) == np.float32:
         return _host_rotation(positions.tobytes(), positions.dtype.str, positions.shape, head_dim, float(base))
     angles = rope_angles(xp, positions, head_dim, base)[..., None, :]
@@ -258,7 +258,7 @@ def _rope(xp, inputs, params, out=None):
     if x.size == 0:
         return x.copy() if out is None else out
     w = _wide(xp, x)
-    cos, sin = _rotation(xp, positions, x.shape[-1], params["base"], w.dtype)
+    cos, sin = rotation(xp, positions, x.shape[-1], params["base"], w.dtype)
     target = xp.empty_like(w) if out is None or _low(x.dtype) else out
     half = x.shape[-1] // 2
     if params["mode"] == "neox":
@@ -274,8 +274,10 @@ def _set_rows(xp, inputs, params, out=None):
     """dst[..., ids, ...] = value along `axis`, in place; returns dst. `spans` are the global row
     ranges this device holds (start, stop, local start); rows elsewhere are another device's."""
     dst, ids, value = inputs
-    ids = ids.astype(xp.int64, copy=False)
     rows = params["rows"]
+    if xp is np and ids.size <= FEW_ROWS and ids.ndim in (1, 2):
+        return _set_few_rows(dst, ids, value, rows, params["axis"], params["spans"])
+    ids = ids.astype(xp.int64, copy=False)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= rows):
         raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{int(ids.min())}, {int(ids.max())}]")
     axis = params["axis"]
@@ -284,6 +286,25 @@ def _set_rows(xp, inputs, params, out=None):
             _write_rows(xp, dst[b], ids[b], value[b], axis - 1, params["spans"])
     else:
         _write_rows(xp, dst, ids, value, axis, params["spans"])
+    return dst
+
+
+FEW_ROWS = 16  # a decode step writes one row per sequence: plain indexing beats masks there
+
+
+def _set_few_rows(dst, ids, value, rows: int, axis: int, spans):
+    """set_rows for a handful of host ids: one assignment per row this device holds."""
+    listed = ids.tolist()
+    flat = [r for row in listed for r in row] if ids.ndim == 2 else listed
+    if flat and (min(flat) < 0 or max(flat) >= rows):
+        raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{min(flat)}, {max(flat)}]")
+    batches = [(dst[b], listed[b], value[b], axis - 1) for b in range(len(listed))] if ids.ndim == 2 else []
+    for target, row_ids, source, ax in batches or [(dst, listed, value, axis)]:
+        before = (slice(None),) * ax
+        for j, row in enumerate(row_ids):
+            for start, stop, local in spans:
+                if start <= row < stop:
+                    target[before + (row - start + local,)] = source[before + (j,)]
     return dst
 
 
