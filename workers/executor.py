@@ -64,9 +64,29 @@ class Executor:
         if self.programs.pop(program, None) is not None:
             self.arena.resize(max([c.arena_bytes for c in self.programs.values()], default=0))
 
+    def input_slots(self, program: int, inputs: list[list[int]]) -> list:
+        """The program's slot list with its inputs filled from the store."""
+        compiled = self.programs.get(program)
+        if compiled is None:
+            raise ProtocolError(f"program {program} is not loaded on this worker")
+        slots: list = [None] * compiled.nslots
+        for slot, tensor in inputs:
+            if not 0 <= slot < compiled.nslots:
+                raise ProtocolError(f"program {program} has no input slot {slot}")
+            slots[slot] = self.store.get(tensor)
+        return slots
+
     def run(
-        self, program: int, run: int, inputs: list[list[int]], outputs: list[list[int]], profile: bool = False
+        self,
+        program: int,
+        run: int,
+        inputs: list[list[int]],
+        outputs: list[list[int]],
+        profile: bool = False,
+        filled: list | None = None,
     ) -> dict[str, Any]:
+        """Run `program`; `filled`: input_slots() of the same inputs, when they are still the
+        stored arrays (a generation's steps, which write their fed tensors in place)."""
         compiled = self.programs.get(program)
         if compiled is None:
             raise ProtocolError(f"program {program} is not loaded on this worker")
@@ -74,11 +94,7 @@ class Executor:
             raise ProtocolError("worker is not configured: no peers yet")
         if compiled.bound_to != (self.arena.generation, id(self.collectives)):
             compiled.bind(self.arena, self.collectives, self.comm, self.backend, self.collective_timeout)
-        slots: list = [None] * compiled.nslots
-        for slot, tensor in inputs:
-            if not 0 <= slot < compiled.nslots:
-                raise ProtocolError(f"program {program} has no input slot {slot}")
-            slots[slot] = self.store.get(tensor)
+        slots = list(filled) if filled is not None else self.input_slots(program, inputs)
         store = self.store
         store.reserve(compiled.fresh_bytes, lambda: compiled.describe_peak() + " (results and collectives)")
         waited = self.comm.waited
@@ -97,6 +113,8 @@ class Executor:
         finally:
             store.release(compiled.fresh_bytes)
         timings["wait_s"] = self.comm.waited - waited  # part of comm_s spent blocked on peers
+        stored = store.tensors
         for tensor, value in results:
-            store.put(tensor, value)
+            if stored.get(tensor) is not value:  # in-place results (a KV cache) are stored already
+                store.put(tensor, value)
         return timings
