@@ -13,6 +13,7 @@ from split_state import MIRRORED, PARTIAL, Collective, ShapeError, Split
 from split_state.transitions import classify
 from transport import protocol as p
 from transport.protocol import MoveStep
+from models.llama import LlamaConfig, ReferenceDecoder, TensorParallelLlama, random_weights
 from workers.simulator import SimulatedCluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -293,3 +294,47 @@ def test_a_feed_reaching_past_its_bytes_is_refused(sim):
         {0: p.RunProgram(1, 1, [], [], [], [p.Feed(5, "float32", (4,), 8)], np.zeros(16, np.uint8))}
     )[0]
     assert isinstance(reply, p.Error) and "reaches past the 16 bytes" in reply.message
+
+
+# -- the llama decoder's shapes, cache bounds and captured steps ------------------------------------
+
+# 8 query heads over 2 KV heads: groups of 4, so swapping "heads per group" and "KV heads" breaks
+# it (SmolLM2's 9 over 3 cannot tell them apart); a rope base of its own
+GQA_CFG = LlamaConfig(hidden=64, layers=2, heads=8, kv_heads=2, ffn=48, vocab=72, rope_base=30000.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_llama_with_four_query_heads_per_kv_head_equals_the_reference(sim, n):
+    weights = random_weights(GQA_CFG, seed=9)
+    ctx, prompt = 16, np.array([[3, 70, 15, 8, 41]])
+    ref_dec = ReferenceDecoder(GQA_CFG, weights, ctx)
+    expected = [ref_dec.forward(prompt, np.arange(5)[None])[0, -1]]
+    dev = sim(n)
+    net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx)
+    got = [net.step(prompt, np.arange(5)[None])[:, 4:].numpy()[0, 0]]
+    for pos, token in zip(range(5, 9), (11, 60, 2, 33)):
+        expected.append(ref_dec.forward(np.array([[token]]), np.array([[pos]]))[0, -1])
+        got.append(net.step(np.array([[token]]), np.array([[pos]])).numpy()[0, 0])
+    np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=2e-4, atol=2e-4)
+
+
+def test_a_cache_write_past_the_context_is_an_error(sim):
+    dev = sim(2)
+    net = TensorParallelLlama(dev, GQA_CFG, random_weights(GQA_CFG, seed=1).__getitem__, 8)
+    step, _ = net.capture_decode(np.array([[1]]), np.array([[7]]))  # the last position: fine
+    with pytest.raises(ShapeError, match=r"ids must lie in \[0, 8\), got \[8, 8\]"):
+        step(np.array([[1]], np.int32), np.array([[8]], np.int32))
+
+
+def test_a_captured_step_survives_a_plan_cache_overflow(sim):
+    dev = sim(2)
+    dev.max_plans = 2
+    x = dev.tensor(np.arange(6, dtype=np.float32))
+    step, (first,) = dev.capture(lambda f: [(x * f).exp()], np.float32(0.5))
+    loaded = [s["programs"] for s in dev.stats().values()]
+    for k in range(6):  # six other plans through a cache of two
+        dev.run(x.reshape(2, 3).sum(axis=k % 2) + float(k) if k < 2 else (x + float(k)).reshape(3, 2) * 2.0)
+        dev.run(x[: k + 1] * 3.0)
+    assert [s["programs"] for s in dev.stats().values()] <= [max(loaded) + 2] * 2
+    (again,) = step(np.float32(0.25))
+    np.testing.assert_allclose(again.numpy(), np.exp(np.arange(6) * 0.25), rtol=1e-6)

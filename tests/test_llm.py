@@ -168,3 +168,13 @@ def test_bad_input_says_what_and_how_to_fix(model, tmp_path):
         GGUFModel(tmp_path / "junk.gguf")
     out = run_generate(PROMPT * 20, "--ctx", "32", "--max-new-tokens", "2")
     assert out.returncode == 2 and "exceeds the context of 32 tokens; raise --ctx" in out.stderr
+
+
+def test_the_config_read_from_the_file_is_smollm2_135m(model):
+    """Against the published configuration of SmolLM2-135M-Instruct (its config.json), not the
+    reader's own output: a reader ignoring the file's rope base or eps would pass every test that
+    compares our decoder with a reference reading the same config."""
+    cfg = model.config
+    assert (cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.vocab) == (576, 30, 9, 3, 1536, 49152)
+    assert cfg.rope_base == 100000.0 and cfg.eps == pytest.approx(1e-5) and cfg.tied
+    assert cfg.head_dim == 64 and cfg.group == 3 and model.context_length == 8192

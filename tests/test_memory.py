@@ -74,3 +74,20 @@ def test_reserved_bytes_come_back_after_many_runs_and_failures(budgeted):
     for rank, s in stats.items():
         expected = 8 * 64 * 4 + 64 * Split.even(1, 64, 3).extent(rank) * 4  # x (Mirrored) + w's slice
         assert s["used"] == expected, (rank, s)
+
+
+def test_the_budget_at_exactly_what_a_program_needs_and_one_byte_less(budgeted):
+    """What a program needs, worked out by hand: the stored input, an arena of two live
+    intermediates (exp and tanh; the add overwrites one of them) and the 4-byte result in its own
+    64-byte-aligned buffer."""
+    size = 16 << 10
+    need = size + 2 * size + 64
+    for budget, fits in ((need, True), (need - 1, False)):
+        dev = budgeted(1, budget=budget)
+        x = dev.tensor(np.ones(size // 4, np.float32))
+        graph = (x.exp() + x.tanh()).sum(axis=0)
+        if fits:
+            np.testing.assert_allclose(graph.numpy(), (np.e + np.tanh(1.0)) * (size // 4), rtol=1e-5)
+        else:
+            with pytest.raises(OutOfMemory):
+                dev.run(graph)

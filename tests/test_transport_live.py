@@ -9,7 +9,7 @@ from split_state import MIRRORED, DeadlineExceeded, TransportError
 from tests.transport_helpers import live_receiver
 from transport import protocol as p
 from transport.deadline import Deadline
-from transport.sockets import CurveKeys, Security, curve_client, dealer, recv_frames, send
+from transport.sockets import COORDINATOR, CurveKeys, Security, curve_client, dealer, recv_frames, send
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -173,17 +173,24 @@ def test_curve_admits_only_holders_of_the_key(transport):
         with_key = plain_dealer(ctx, bound, keys)
         no_key = plain_dealer(ctx, bound)
         wrong_key = plain_dealer(ctx, bound, CurveKeys(keys.public, CurveKeys.generate().secret))
+        # the right server key (public, all a stranger needs to start a handshake) with a key
+        # pair of its own: only the server's check of client keys stops this one
+        foreign = ctx.socket(zmq.DEALER)
+        foreign.linger, foreign.sndtimeo = 0, 1000
+        foreign.curve_serverkey = keys.for_rank(COORDINATOR)[0]
+        foreign.curve_publickey, foreign.curve_secretkey = zmq.curve_keypair()
+        foreign.connect(bound)
         try:
             send(with_key, p.Get(tensor=5))
             reply, _ = p.decode(recv_frames(with_key, Deadline(5)))
             assert isinstance(reply, p.Tensor)
-            for sock in (no_key, wrong_key):
+            for sock in (no_key, wrong_key, foreign):
                 # the handshake fails: the send times out (no peer) or the reply never comes
                 with pytest.raises((DeadlineExceeded, TransportError)):
                     send(sock, p.Get(tensor=5))
                     recv_frames(sock, Deadline(1.0))
         finally:
-            for s in (with_key, no_key, wrong_key):
+            for s in (with_key, no_key, wrong_key, foreign):
                 s.close(0)
 
 
