@@ -9,11 +9,11 @@ import pytest
 from meta import MetaDevice, where
 from meta.planner import COMMUNICATING
 from models import reference as ref
+from models.llama import LlamaConfig, ReferenceDecoder, TensorParallelLlama, random_weights
 from split_state import MIRRORED, PARTIAL, Collective, ShapeError, Split
 from split_state.transitions import classify
 from transport import protocol as p
 from transport.protocol import MoveStep
-from models.llama import LlamaConfig, ReferenceDecoder, TensorParallelLlama, random_weights
 from workers.simulator import SimulatedCluster
 
 pytestmark = pytest.mark.timeout(300)
