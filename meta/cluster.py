@@ -37,7 +37,8 @@ BIND_MODES = ("auto", "off")
 
 
 OnMessage = Callable[[int, p.Message], bool]  # a report from a worker; False: cancel
-CANCEL_GRACE_S = 30.0  # after Ctrl-C, how long a cancelled request may take to answer
+CANCEL_GRACE_S = 30.0
+MAX_WORKERS_PER_CORE = 8  # beyond this a host only thrashes: refused before any worker starts  # after Ctrl-C, how long a cancelled request may take to answer
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,13 @@ class ProcessCluster:
     def _spawn(self) -> None:
         root = str(Path(__file__).resolve().parent.parent)
         local = self.world_size if self.config.local_workers < 0 else self.config.local_workers
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if local > MAX_WORKERS_PER_CORE * cores:  # checked before any process starts
+            raise MetaError(
+                f"{local} workers on this host of {cores} cores: at most {MAX_WORKERS_PER_CORE * cores} "
+                f"({MAX_WORKERS_PER_CORE} per core) start here; use fewer, or spread them over hosts "
+                "(launch.py worker --connect)"
+            )
         cpus = self._worker_cpus(local)
         for rank in range(local):
             env = dict(os.environ, **self.config.env)
@@ -224,10 +232,19 @@ class ProcessCluster:
             if self.config.log_dir:
                 Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
                 with open(Path(self.config.log_dir) / f"worker-{rank}.log", "ab") as log:
-                    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                    proc = subprocess.Popen(
+                        cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+                    )
             else:
                 proc = subprocess.Popen(
-                    cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                    cmd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    # a session of their own: Ctrl-C at the terminal reaches the coordinator, which
+                    # stops its workers, and not each worker (a traceback apiece while importing)
+                    start_new_session=True,
                 )
                 threading.Thread(target=_prefix_lines, args=(proc.stdout, f"[worker {rank}] "), daemon=True).start()
             self.processes.append(proc)
@@ -382,12 +399,17 @@ class ProcessCluster:
         if self.closed:
             return
         self.closed = True
-        if self.lost is None and getattr(self, "devices", None):
-            try:
+        lost = self.lost.rank if self.lost is not None else None
+        if getattr(self, "devices", None):
+            try:  # the survivors of a lost worker are told at once too, not left to the grace period
                 for rank in range(self.world_size):
-                    send(self.control, p.Shutdown(), 0, route=p.worker_identity(rank))
+                    if rank != lost:
+                        send(self.control, p.Shutdown(), 0, route=p.worker_identity(rank))
             except MetaError:
                 pass
+        for proc in self.processes:
+            if lost is not None and proc.pid == self.pids.get(lost) and proc.poll() is None:
+                proc.kill()  # dead or stopped: nothing to wait for
         end = time.monotonic() + grace
         for proc in self.processes:
             try:

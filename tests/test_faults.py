@@ -52,8 +52,10 @@ def test_worker_killed_mid_run_then_a_new_cluster_works(fresh_cluster):
     assert info.value.rank == 2 and elapsed < 5.0, elapsed
     with pytest.raises(WorkerLost):  # the broken cluster says so on every later call
         dev.tensor(np.ones(3, np.float32))
+    start = time.monotonic()
     cluster.close()
     assert alive(pids) == [], "surviving workers were not stopped"
+    assert time.monotonic() - start < 1.5, "the survivors were left to the grace period"
     fresh = MetaDevice(fresh_cluster(2))
     assert np.array_equal((fresh.tensor(np.eye(2, dtype=np.float32)) * 2.0).numpy(), 2 * np.eye(2))
 
@@ -166,3 +168,15 @@ def test_ten_thousand_runs_of_a_cached_plan_do_not_leak(fresh_cluster):
         assert after <= before * 1.10, (rss0, rss1)
     assert fds1 == fds0, (fds0, fds1)
     assert all(s["tensors"] == 2 for s in dev.stats().values())
+
+
+def test_a_starved_worker_leaves_the_coordinators_sockets_alone(fresh_cluster):
+    """Workers that stop hearing a coordinator that still lives (its heartbeats held back, as
+    when it is starved of CPU) exit, and remove only what they own: not the coordinator's socket
+    directory, which it and its later clusters still use."""
+    cluster = fresh_cluster(2, liveness=1.0, heartbeat=0.2)
+    ipc_dir = cluster.ipc.path
+    cluster._stop.set()  # the coordinator's heartbeat thread stops; the process lives on
+    for proc in cluster.processes:
+        proc.wait(10)  # each watchdog gives up on the coordinator and exits
+    assert os.path.isdir(ipc_dir), "a worker removed the living coordinator's socket directory"

@@ -226,3 +226,32 @@ def test_spawned_cpu_workers_run_on_their_own_cores_unless_told_not_to(fresh_clu
     assert per_worker[0][0] != per_worker[1][0], "two workers bound to the same core"
     unbound = fresh_cluster(2, blas_threads=1, bind="off")
     assert all(cpus == allowed for proc in unbound.processes for cpus in _task_cpus(proc.pid))
+
+
+def test_ctrl_c_while_workers_start_prints_no_worker_traceback():
+    """Ctrl-C reaches the terminal's whole process group; spawned workers have a session of their
+    own, so only the coordinator sees it: it stops them and says so in one line."""
+    for delay in (0.25, 0.35, 0.45):  # workers still importing, or just connected
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "demo"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # the test's own group stays out of it
+        )
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert "Traceback" not in err, (delay, err[-2000:])
+
+
+def test_more_workers_than_a_host_can_hold_fail_before_any_starts():
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "demo", "--workers", "1000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "1000 workers on this host" in out.stderr and "[worker" not in out.stderr
+    assert time.monotonic() - start < 10

@@ -71,7 +71,7 @@ def watchdog(args: p.WorkerLaunch, context: zmq.Context, security: Security, sto
         _watch(args, context, security, stop)
     except BaseException as exc:  # noqa: BLE001 - fail safe, whatever went wrong
         if not stop.is_set():
-            _exit(args.rank, f"its watchdog failed: {type(exc).__name__}: {exc}")
+            _exit(args.rank, f"its watchdog failed: {type(exc).__name__}: {exc}", orphaned(args))
 
 
 def _watch(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop: threading.Event) -> None:
@@ -94,9 +94,9 @@ def _watch(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop:
                     beat_in.recv_multipart()
                 last = time.monotonic()
             if orphaned(args):
-                _exit(args.rank, "its parent exited")
+                _exit(args.rank, "its parent exited", True)
             if time.monotonic() - last > args.liveness:
-                _exit(args.rank, f"no coordinator heartbeat for {args.liveness:.1f} s")
+                _exit(args.rank, f"no coordinator heartbeat for {args.liveness:.1f} s", orphaned(args))
     finally:
         beat_in.close(0)
         beat_out.close(0)
@@ -155,11 +155,14 @@ def orphaned(args: p.WorkerLaunch) -> bool:
 _IPC_DIRS: list[str] = []  # the coordinator's private socket directory: gone with it, removed here
 
 
-def _exit(rank: int, why: str) -> None:
+def _exit(rank: int, why: str, coordinator_gone: bool) -> None:
+    """Exit now, removing this worker's own files, and the coordinator's socket directory only
+    when the coordinator is known to be gone: a worker that merely stopped hearing it (starved
+    of CPU while the coordinator lives) must not pull the sockets from under every other worker."""
     try:
         for path in _SHARED_FILES:
             path.unlink(missing_ok=True)
-        for directory in _IPC_DIRS:
+        for directory in _IPC_DIRS if coordinator_gone else ():
             shutil.rmtree(directory, ignore_errors=True)
         print(f"worker {rank}: exiting, {why}", file=sys.stderr, flush=True)
     finally:  # stderr may be a pipe to the dead coordinator: exit regardless
@@ -210,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                     frames = recv_frames(control, Deadline(0.5))
                 except MetaError:
                     if orphaned(args) or not dog.is_alive():  # belt and braces: never outlive the watch
-                        _exit(args.rank, "its parent exited" if orphaned(args) else "its watchdog stopped")
+                        gone = orphaned(args)
+                        _exit(args.rank, "its parent exited" if gone else "its watchdog stopped", gone)
                     continue  # nothing yet; the watchdog decides when waiting is over
             rid = p.request_id(frames)
             server.emit = lambda message, rid=rid: send(control, message, rid)
