@@ -37,8 +37,8 @@ BIND_MODES = ("auto", "off")
 
 
 OnMessage = Callable[[int, p.Message], bool]  # a report from a worker; False: cancel
-CANCEL_GRACE_S = 30.0
-MAX_WORKERS_PER_CORE = 8  # beyond this a host only thrashes: refused before any worker starts  # after Ctrl-C, how long a cancelled request may take to answer
+CANCEL_GRACE_S = 30.0  # after Ctrl-C, how long a cancelled request may take to answer
+MAX_WORKERS_PER_CORE = 8  # beyond this a host only thrashes: refused before any worker starts
 
 
 @dataclass(frozen=True)
