@@ -32,13 +32,14 @@ def generate(args: argparse.Namespace) -> int:
             batch=len(args.prompts),
             progress=lambda i, n: progress(i, n, "placing layers", start),
         )
-        stream = _Stream(llm.tokenizer) if len(args.prompts) == 1 else None
+        stream = _Stream(llm.tokenizer, args.special) if len(args.prompts) == 1 else None
         out = llm.generate(
             args.prompts,
             args.max_new_tokens,
             sampling,
             chat=args.chat,
-            stop_at_eos=args.stop_at_eos,
+            stop_at_eos=not args.ignore_eos,
+            special=args.special,
             keep_logits=bool(args.logits_out),
             on_token=stream,
         )
@@ -67,12 +68,12 @@ def generate(args: argparse.Namespace) -> int:
 class _Stream:
     """Prints a single prompt's text as its tokens arrive (whole characters only)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.tokens, self.shown = tokenizer, [], ""
+    def __init__(self, tokenizer, special: bool = False):
+        self.tokenizer, self.special, self.tokens, self.shown = tokenizer, special, [], ""
 
     def __call__(self, prompt: int, token: int) -> None:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special=not self.special)
         if text.endswith("\ufffd"):  # a character whose bytes are still arriving
             return
         sys.stdout.write(text[len(self.shown) :])
@@ -84,8 +85,16 @@ def add(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a llama-family GGUF model, tensor-parallel")
     p.add_argument("prompts", nargs="*")
     p.add_argument("--model", default="", help="a llama-architecture .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="exactly this many, unless --stop-at-eos")
-    p.add_argument("--stop-at-eos", action="store_true")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=32, help="at most this many (default: %(default)s); fewer at the end"
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="go on past the model's end-of-generation tokens (EOS, end of turn), where it stops by default",
+    )
+    p.add_argument("--stop-at-eos", action="store_true", help="the default; kept for older scripts")
+    p.add_argument("--special", action="store_true", help="show control tokens (<|im_end|>, ...) in the text")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

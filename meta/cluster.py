@@ -371,8 +371,8 @@ class ProcessCluster:
                 except ProtocolError:
                     continue
                 rank = p.rank_of(route.bytes)
-                if got != rid or rank not in messages:
-                    continue
+                if got != rid or rank not in messages or rank in replies:
+                    continue  # another request's, or after this worker's reply (the Ok of a late Cancel)
                 if isinstance(message, p.Tokens) and on_message is not None:
                     if cancelled:  # reports of steps already under way when the Cancel left
                         continue

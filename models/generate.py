@@ -15,6 +15,7 @@ POOL candidates of the whole vocabulary (the tail beyond them is not sampled).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ class Generation:
     text: str = ""
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    finish_reason: str = "length"  # "stop": an end-of-generation token ended it
+    sampling: Sampling | None = None
 
     def as_json(self) -> dict:
         return {
@@ -62,6 +65,8 @@ class Generation:
             "prompt_tokens": self.prompt_tokens,
             "tokens": self.tokens,
             "text": self.text,
+            "finish_reason": self.finish_reason,
+            "sampling": dataclasses.asdict(self.sampling) if self.sampling is not None else None,
             "prefill_s": self.prefill_s,
             "decode_s": self.decode_s,
             "prompt_tokens_per_s": len(self.prompt_tokens) / self.prefill_s if self.prefill_s else 0.0,
@@ -99,12 +104,15 @@ class LLM:
         max_new_tokens: int = 32,
         sampling: Sampling = Sampling(),
         chat: bool = False,
-        stop_at_eos: bool = False,
+        stop_at_eos: bool = True,
+        special: bool = False,
         keep_logits: bool = False,
         on_token: Callable[[int, int], None] | None = None,
     ) -> list[Generation]:
         """Generate for every prompt (at most `batch` of them); `on_token(prompt index, token)`
-        is called as tokens arrive."""
+        is called as tokens arrive. A sequence ends at the model's end-of-generation tokens
+        (EOS, end of turn) unless `stop_at_eos` is False; control tokens are left out of the text
+        unless `special`."""
         if not 1 <= len(prompts) <= self.batch:
             raise ModelError(f"{len(prompts)} prompts for a model placed for a batch of {self.batch}")
         out = [Generation(p, self.prompt_ids(p, chat)) for p in prompts]
@@ -123,7 +131,7 @@ class LLM:
         prefill_s = time.perf_counter() - start
         positions = np.array(lengths)
         done = [False] * len(out)
-        stop = [self.model.eos] if stop_at_eos else []
+        stop = sorted(self.model.end_of_generation) if stop_at_eos else []
 
         def record(chosen: Sequence[int]) -> bool:
             """Take one step's tokens; True once every sequence is done."""
@@ -133,6 +141,8 @@ class LLM:
                     if on_token is not None:
                         on_token(b, chosen[b])
                     done[b] = chosen[b] in stop
+                    if done[b]:
+                        g.finish_reason = "stop"
             return all(done)
 
         start = time.perf_counter()
@@ -147,8 +157,8 @@ class LLM:
             self._drive(tokens, positions, left, sampling, rng, done, stop, record)
         decode_s = time.perf_counter() - start
         for g in out:
-            g.text = self.tokenizer.decode(g.tokens)
-            g.prefill_s, g.decode_s = prefill_s, decode_s
+            g.text = self.tokenizer.decode(g.tokens, skip_special=not special)
+            g.prefill_s, g.decode_s, g.sampling = prefill_s, decode_s, sampling
         return out
 
     def _drive(self, tokens, positions, steps: int, sampling: Sampling, rng, done, stop, record) -> None:

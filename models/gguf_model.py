@@ -58,6 +58,12 @@ def _require(module: str):
         raise ModelMissing(f"{module} is not installed: pip install -e '.[llm]' ({INSTALL_HINT})") from None
 
 
+CONTROL_TOKEN = 3  # llama.cpp's token type of control tokens
+# control tokens that end a turn in the chat formats llama.cpp knows (its vocabulary's EOG list)
+END_OF_TURN_TEXTS = frozenset(
+    {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>", "<|end_of_text|>"}
+)
+
 # weight names of models.llama <- GGUF tensor names (per layer: blk.N.*)
 LAYER_TENSORS = {
     "attn_norm": "attn_norm",
@@ -210,6 +216,21 @@ class GGUFModel:
     @property
     def eos(self) -> int:
         return int(self.meta("tokenizer.ggml.eos_token_id", -1))
+
+    @cached_property
+    def end_of_generation(self) -> frozenset[int]:
+        """Tokens after which a model has finished its answer, as llama.cpp counts them: EOS, the
+        end-of-turn and end-of-message ids the file names, and the control tokens chat models
+        end a turn with (`<|im_end|>`, `<|eot_id|>`, ...)."""
+        ids = {self.eos}
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            ids.add(int(self.meta(key, -1)))
+        tokens = self.meta("tokenizer.ggml.tokens")
+        types = self.meta("tokenizer.ggml.token_type", [])
+        for i, (text, kind) in enumerate(zip(tokens, types)):
+            if kind == CONTROL_TOKEN and text in END_OF_TURN_TEXTS:
+                ids.add(i)
+        return frozenset(i for i in ids if i >= 0)
 
 
 def _block(kind) -> int:

@@ -55,7 +55,7 @@ def test_worker_killed_mid_run_then_a_new_cluster_works(fresh_cluster):
     start = time.monotonic()
     cluster.close()
     assert alive(pids) == [], "surviving workers were not stopped"
-    assert time.monotonic() - start < 1.5, "the survivors were left to the grace period"
+    assert time.monotonic() - start < 2.5, "the survivors were left to the 3 s grace period"
     fresh = MetaDevice(fresh_cluster(2))
     assert np.array_equal((fresh.tensor(np.eye(2, dtype=np.float32)) * 2.0).numpy(), 2 * np.eye(2))
 

@@ -178,3 +178,27 @@ def test_the_config_read_from_the_file_is_smollm2_135m(model):
     assert (cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.ffn, cfg.vocab) == (576, 30, 9, 3, 1536, 49152)
     assert cfg.rope_base == 100000.0 and cfg.eps == pytest.approx(1e-5) and cfg.tied
     assert cfg.head_dim == 64 and cfg.group == 3 and model.context_length == 8192
+
+
+def test_a_chat_answer_ends_at_the_end_of_its_turn_without_control_tokens(model, tmp_path):
+    assert model.end_of_generation == {0, 2}  # <|endoftext|> and <|im_end|> (the file's EOS)
+    out = run_generate("What is the capital of France?", "--chat", "--json", str(tmp_path / "a.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (answer,) = json.loads((tmp_path / "a.json").read_text())
+    assert out.stdout.strip() == answer["text"] == "The capital of France is Paris."
+    assert answer["finish_reason"] == "stop" and answer["tokens"][-1] == 2 and len(answer["tokens"]) < 32
+    assert answer["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    out = run_generate(
+        "What is the capital of France?",
+        "--chat",
+        "--ignore-eos",
+        "--special",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        str(tmp_path / "b.json"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (longer,) = json.loads((tmp_path / "b.json").read_text())
+    assert longer["finish_reason"] == "length" and len(longer["tokens"]) == 12
+    assert longer["text"].startswith("The capital of France is Paris.<|im_end|>")

@@ -71,6 +71,8 @@ class SimulatedCluster:
                     missing = sorted(set(messages) - set(replies))
                     raise DeadlineExceeded(f"simulated devices {missing} did not answer within {timeout} s") from None
                 message = p.decode(frames)[0]
+                if rank in replies:
+                    continue  # after this device's reply
                 if isinstance(message, p.Tokens) and on_message is not None:
                     if not self._cancel[rank].is_set() and not on_message(rank, message):
                         self._cancel[rank].set()
