@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -32,7 +33,7 @@ def generate(args: argparse.Namespace) -> int:
             batch=len(args.prompts),
             progress=lambda i, n: progress(i, n, "placing layers", start),
         )
-        stream = _Stream(llm.tokenizer, args.special) if len(args.prompts) == 1 else None
+        stream = _Stream(llm.tokenizer, args.special, args.stop) if len(args.prompts) == 1 else None
         out = llm.generate(
             args.prompts,
             args.max_new_tokens,
@@ -40,10 +41,12 @@ def generate(args: argparse.Namespace) -> int:
             chat=args.chat,
             stop_at_eos=not args.ignore_eos,
             special=args.special,
+            stop_strings=args.stop,
             keep_logits=bool(args.logits_out),
             on_token=stream,
         )
     if stream is not None:
+        stream.finish(out[0].text)
         print(flush=True)
     else:
         for g in out:
@@ -68,17 +71,38 @@ def generate(args: argparse.Namespace) -> int:
 class _Stream:
     """Prints a single prompt's text as its tokens arrive (whole characters only)."""
 
-    def __init__(self, tokenizer, special: bool = False):
-        self.tokenizer, self.special, self.tokens, self.shown = tokenizer, special, [], ""
+    def __init__(self, tokenizer, special: bool = False, stop: Sequence[str] = ()):
+        self.tokenizer, self.special, self.stop = tokenizer, special, list(stop)
+        self.tokens, self.shown = [], ""
 
     def __call__(self, prompt: int, token: int) -> None:
+        from models.generate import stop_string_at
+
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens, skip_special=not self.special)
         if text.endswith("\ufffd"):  # a character whose bytes are still arriving
             return
+        cut = stop_string_at(text, self.stop)
+        if cut is not None:
+            text = text[:cut]
+        else:  # hold back what may be the start of a stop string
+            text = text[: len(text) - _pending(text, self.stop)]
+        if len(text) <= len(self.shown):
+            return
         sys.stdout.write(text[len(self.shown) :])
         sys.stdout.flush()
         self.shown = text
+
+    def finish(self, text: str) -> None:
+        """Show what was held back: the generation ended without completing a stop string."""
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            sys.stdout.write(text[len(self.shown) :])
+            self.shown = text
+
+
+def _pending(text: str, stop: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins one of `stop`."""
+    return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 
 def add(sub) -> None:
@@ -95,6 +119,13 @@ def add(sub) -> None:
     )
     p.add_argument("--stop-at-eos", action="store_true", help="the default; kept for older scripts")
     p.add_argument("--special", action="store_true", help="show control tokens (<|im_end|>, ...) in the text")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STRING",
+        help="end the text where it first contains STRING (repeatable; the text stops before it)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)

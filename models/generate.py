@@ -74,6 +74,12 @@ class Generation:
         }
 
 
+def stop_string_at(text: str, stop_strings: Sequence[str]) -> int | None:
+    """Where the first of `stop_strings` to occur in `text` begins, or None."""
+    found = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return min(found) if found else None
+
+
 def prompt_text(model: GGUFModel, prompt: str, chat: bool) -> str:
     """The text the model reads for `prompt`: as given, or wrapped in the file's chat template
     (rendered in a sandbox; an unsafe or broken template is a TemplateError naming the file)."""
@@ -106,13 +112,17 @@ class LLM:
         chat: bool = False,
         stop_at_eos: bool = True,
         special: bool = False,
+        stop_strings: Sequence[str] = (),
         keep_logits: bool = False,
         on_token: Callable[[int, int], None] | None = None,
     ) -> list[Generation]:
         """Generate for every prompt (at most `batch` of them); `on_token(prompt index, token)`
         is called as tokens arrive. A sequence ends at the model's end-of-generation tokens
-        (EOS, end of turn) unless `stop_at_eos` is False; control tokens are left out of the text
+        (EOS, end of turn) unless `stop_at_eos` is False, and where its text first contains one
+        of `stop_strings` (the text ends before it); control tokens are left out of the text
         unless `special`."""
+        if any(not s for s in stop_strings):
+            raise ModelError("an empty stop string would stop before the first token; give text to stop at")
         if not 1 <= len(prompts) <= self.batch:
             raise ModelError(f"{len(prompts)} prompts for a model placed for a batch of {self.batch}")
         out = [Generation(p, self.prompt_ids(p, chat)) for p in prompts]
@@ -141,6 +151,9 @@ class LLM:
                     if on_token is not None:
                         on_token(b, chosen[b])
                     done[b] = chosen[b] in stop
+                    if stop_strings and not done[b]:
+                        text = self.tokenizer.decode(g.tokens, skip_special=not special)
+                        done[b] = stop_string_at(text, stop_strings) is not None
                     if done[b]:
                         g.finish_reason = "stop"
             return all(done)
@@ -158,6 +171,8 @@ class LLM:
         decode_s = time.perf_counter() - start
         for g in out:
             g.text = self.tokenizer.decode(g.tokens, skip_special=not special)
+            cut = stop_string_at(g.text, stop_strings)
+            g.text = g.text if cut is None else g.text[:cut]
             g.prefill_s, g.decode_s, g.sampling = prefill_s, decode_s, sampling
         return out
 
@@ -174,11 +189,10 @@ class LLM:
 
         def on_tokens(step: int, chosen: list[int]) -> bool:
             try:
-                record(chosen[: len(tokens)])
+                return not record(chosen[: len(tokens)])  # all done (a stop string): cancel
             except BaseException as exc:  # noqa: BLE001 - re-raised once the workers stopped
                 raised.append(exc)
                 return False
-            return True
 
         settings = {
             "temperature": sampling.temperature,

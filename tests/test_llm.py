@@ -202,3 +202,27 @@ def test_a_chat_answer_ends_at_the_end_of_its_turn_without_control_tokens(model,
     (longer,) = json.loads((tmp_path / "b.json").read_text())
     assert longer["finish_reason"] == "length" and len(longer["tokens"]) == 12
     assert longer["text"].startswith("The capital of France is Paris.<|im_end|>")
+
+
+def test_a_stop_string_ends_the_text_before_it_and_the_stream_never_shows_it(model, tmp_path, capsys):
+    out = run_generate(PROMPT, "--stop", ".", "--stop", "never seen", "--json", str(tmp_path / "s.json"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "s.json").read_text())
+    assert out.stdout == " Paris\n" and result["text"] == " Paris" and result["finish_reason"] == "stop"
+    assert len(result["tokens"]) == 2  # " Paris", "." : stopped at once, not at --max-new-tokens
+
+    from cli.generate import _Stream
+
+    class Letters:  # token i is the i-th letter: decoding is joining
+        def decode(self, ids, skip_special=False):
+            return "".join("ab\nUser:xy"[i] for i in ids)
+
+    stream = _Stream(Letters(), stop=["\nUser:"])
+    for token in range(len("ab\nUser:xy")):
+        stream(0, token)
+    assert capsys.readouterr().out == "ab"  # "\nUs..." held back as it came, never shown
+    stream = _Stream(Letters(), stop=["\nUser:"])
+    for token in range(4):  # "ab\nU": the generation ends there
+        stream(0, token)
+    stream.finish("ab\nU")
+    assert capsys.readouterr().out == "ab\nU"
