@@ -334,9 +334,12 @@ class MetaDevice:
         return step, outputs
 
     @serialized
-    def _replay(self, step: Step, arrays: Sequence[np.ndarray]) -> list[Tensor]:
+    def _bind(self, step: Step, arrays: Sequence[np.ndarray]):
+        """A run of captured `step` with new feed values: its input tensor ids (fresh ids for
+        the fed ones), the fed arrays by id, its output ids (in-place results keep their
+        tensor's), and which of those are new."""
         inputs = [leaf.tensor for leaf in step.leaves]
-        fed = {}
+        fed: dict[int, np.ndarray] = {}
         for slot, example, array in zip(step.feed_slots, step.examples, arrays):
             array = np.asarray(array)
             if array.shape != example.shape or array.dtype != example.dtype:
@@ -349,6 +352,10 @@ class MetaDevice:
                 fed[inputs[slot]] = array
         out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in step.roots]
         fresh = [t for root, t in zip(step.roots, out_ids) if root is None]
+        return inputs, fed, out_ids, fresh
+
+    def _replay(self, step: Step, arrays: Sequence[np.ndarray]) -> list[Tensor]:
+        inputs, fed, out_ids, fresh = self._bind(step, arrays)
         try:
             self._execute(step.compiled, inputs, out_ids, fed, fresh)
         finally:
@@ -381,16 +388,7 @@ class MetaDevice:
         cancelled, times)."""
         if len(step.examples) != 2 or None in step.feed_slots:
             raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
-        inputs = [leaf.tensor for leaf in step.leaves]
-        fed: dict[int, np.ndarray] = {}
-        for slot, example, array in zip(step.feed_slots, step.examples, (tokens, positions)):
-            array = np.asarray(array)
-            if array.shape != example.shape or array.dtype != example.dtype:
-                raise ShapeError(f"generate: a feed of {example.shape} {example.dtype} got {array.shape} {array.dtype}")
-            inputs[slot] = next(self._tensor_ids)
-            fed[inputs[slot]] = array
-        out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in step.roots]
-        fresh = [t for root, t in zip(step.roots, out_ids) if root is None]
+        inputs, fed, out_ids, fresh = self._bind(step, (tokens, positions))
         run = next(self._run_ids)
         self._run_ids = itertools.count(run + steps + 1)  # one run id per step, none reused
         feeds, data = _pack_feeds(fed)

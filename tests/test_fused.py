@@ -144,6 +144,11 @@ def test_numba_kernels_hand_other_layouts_to_numpy():
     x = f32(3, 8)[:, ::2]  # not contiguous
     got = kernels["rms_norm_mul"](np, (x, np.ones(4, np.float32)), {"axis": 1, "eps": 1e-5})
     np.testing.assert_allclose(got, ref.rms_norm(x.astype(np.float64), -1, 1e-5), rtol=2e-6)
+    x16, w16 = f32(3, 8).astype(np.float16), f32(8).astype(np.float16)
+    got = kernels["rms_norm_mul"](np, (x16, w16), {"axis": 1, "eps": 1e-5})
+    assert got.dtype == np.float16
+    expected = ref.rms_norm(x16.astype(np.float64), -1, 1e-5) * w16
+    np.testing.assert_allclose(got.astype(np.float64), expected, rtol=5e-3, atol=5e-3)
     h = f32(1, 2, 2, 8).astype(np.float16)
     got = kernels["rope"](np, (h, np.array([[1, 2]], np.int32)), {"base": 100.0, "mode": "normal"})
     assert got.dtype == np.float16

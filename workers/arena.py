@@ -2,18 +2,17 @@
 
 A worker runs one program at a time, so all programs share the same memory: the arena is as
 large as the largest memory plan among the loaded programs, charged to the store's budget when
-a program is loaded (OutOfMemory then, never during a run), and shrinks when the program that
+a program is loaded (Executor.load raises OutOfMemory then, never during a run), and shrinks when the program that
 needed the most is unloaded. A reallocation bumps `generation`: programs bound to the old memory
 bind again before their next run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from math import prod
 
 import numpy as np
 
-from split_state.errors import OutOfMemory
 from workers.store import TensorStore
 
 ALIGN = 64  # bytes: every buffer starts on a cache line
@@ -33,25 +32,16 @@ class Arena:
     def nbytes(self) -> int:
         return int(self.memory.nbytes)
 
-    def resize(self, nbytes: int, what: Callable[[], str] = lambda: "the memory plan") -> None:
-        """Make the arena exactly `nbytes` (the largest plan loaded), or OutOfMemory with nothing
-        changed."""
+    def resize(self, nbytes: int) -> None:
+        """Make the arena exactly `nbytes` (the largest plan loaded). The caller has checked the
+        budget (Executor.load, with the program's other buffers)."""
         if nbytes == self.nbytes:
             return
-        store = self.store
-        if nbytes > self.nbytes and store.used + store.transient + nbytes > store.budget:
-            raise OutOfMemory(
-                f"{what()}; the worker's intermediates would take {nbytes} bytes beside {store.used} stored, "
-                f"over a {store.budget}-byte budget; free tensors, raise the budget or run smaller steps"
-            )
         self.memory = self.xp.empty(0, self.xp.uint8)  # the old memory goes before the new comes
         self.memory = self.xp.empty(nbytes, self.xp.uint8)
-        store.arena = nbytes
+        self.store.arena = nbytes
         self.generation += 1
 
     def view(self, offset: int, shape: tuple[int, ...], dtype):
-        itemsize = np.dtype(dtype).itemsize
-        count = 1
-        for d in shape:
-            count *= d
-        return self.memory[offset : offset + count * itemsize].view(dtype).reshape(shape)
+        nbytes = prod(shape) * np.dtype(dtype).itemsize
+        return self.memory[offset : offset + nbytes].view(dtype).reshape(shape)

@@ -57,7 +57,7 @@ class Executor:
                 f"{compiled.fresh_bytes} bytes of results and collectives beside {store.used} stored, over a "
                 f"{store.budget}-byte budget; free tensors, raise the budget or run smaller steps"
             )
-        self.arena.resize(max([compiled.arena_bytes] + [c.arena_bytes for c in others]), compiled.describe_peak)
+        self.arena.resize(max([compiled.arena_bytes] + [c.arena_bytes for c in others]))
         self.programs[program] = compiled
 
     def unload(self, program: int) -> None:
@@ -93,7 +93,7 @@ class Executor:
         if self.collectives is None:
             raise ProtocolError("worker is not configured: no peers yet")
         if compiled.bound_to != (self.arena.generation, id(self.collectives)):
-            compiled.bind(self.arena, self.collectives, self.comm, self.backend, self.collective_timeout)
+            compiled.bind(self.arena, self.collectives, self.backend, self.collective_timeout)
         slots = list(filled) if filled is not None else self.input_slots(program, inputs)
         store = self.store
         store.reserve(compiled.fresh_bytes, lambda: compiled.describe_peak() + " (results and collectives)")

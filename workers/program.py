@@ -34,7 +34,7 @@ from transport import protocol as p
 from transport.deadline import Deadline
 from workers.arena import Arena, aligned
 from workers.kernels import OVERWRITES_INPUT, VIEW_OPS
-from workers.kernels.fused import PATTERNS, Pattern, fuse, scratch_bytes
+from workers.kernels.fused import PATTERNS, Pattern, fuse, reads, scratch_bytes
 
 
 @dataclass(frozen=True)
@@ -97,13 +97,13 @@ class CompiledProgram:
 
     # -- binding ----------------------------------------------------------------------------------
 
-    def bind(self, arena: Arena, collectives, comm, backend, collective_timeout: float) -> None:
+    def bind(self, arena: Arena, collectives, backend, collective_timeout: float) -> None:
         xp = backend.xp
         calls, outs = [], []
         for placed in self.placed:
             step = placed.step
             if isinstance(step, p.MoveStep):
-                calls.append(self._move_call(placed, collectives, comm, collective_timeout))
+                calls.append(self._move_call(placed, collectives, collective_timeout))
                 outs.append(None)
                 continue
             out = (
@@ -121,7 +121,7 @@ class CompiledProgram:
         self.bound_to = (arena.generation, id(collectives))
         self.checked = False
 
-    def _move_call(self, placed: Placed, collectives, comm, timeout: float) -> Callable:
+    def _move_call(self, placed: Placed, collectives, timeout: float) -> Callable:
         step, index = placed.step, placed.index
         dtype = dtype_from_name(step.dtype)
         request = collectives.request(step.src, step.dst, step.shape, dtype)
@@ -237,7 +237,7 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
     last_read: dict[int, int] = {}
     root: dict[int, int] = {}
     for j, step in enumerate(steps):
-        for slot in _reads(step):
+        for slot in reads(step):
             last_read[slot] = j
         aliases = isinstance(step, p.OpStep) and (step.op in VIEW_OPS or (step.op in OPS and OPS[step.op].inplace))
         root[step.output] = root.get(step.inputs[0], step.inputs[0]) if aliases else step.output
@@ -296,10 +296,6 @@ def _dying_input(step: p.OpStep, j: int, death: dict, own: dict, size: int) -> i
         if held is not None and death[slot] == j and held[1:] == (size, tuple(step.shape), step.dtype):
             return slot
     return None
-
-
-def _reads(step) -> tuple[int, ...]:
-    return step.inputs if isinstance(step, p.OpStep) else (step.input,)
 
 
 class _FirstFit:

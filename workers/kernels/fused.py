@@ -45,7 +45,7 @@ class ProgramView:
 
     def __post_init__(self) -> None:
         for i, step in enumerate(self.steps):
-            for slot in _reads(step):
+            for slot in reads(step):
                 self.uses[slot] = self.uses.get(slot, 0) + 1
             self.producer[step.output] = i
 
@@ -61,7 +61,8 @@ class ProgramView:
         return all(self.steps[i].dtype == "float32" for i in indices)
 
 
-def _reads(step) -> tuple[int, ...]:
+def reads(step) -> tuple[int, ...]:
+    """The slots a program step reads."""
     return step.inputs if isinstance(step, p.OpStep) else (step.input,)
 
 

@@ -16,6 +16,7 @@ kernels run everywhere.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 
@@ -26,6 +27,7 @@ from workers.kernels import basic, fused
 AVAILABLE = importlib.util.find_spec("numba") is not None
 
 
+@functools.cache
 def _loops():
     return importlib.import_module("workers.kernels.numba_loops")
 
