@@ -24,14 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Iterator
 
-import cli
-from cli.tools import current
-from meta.api import cluster as _cluster
-from meta.device import MetaDevice
-from meta.launchers import LaunchEnv, blas_threads, detect_launcher, worker_cpus
+if __name__ == "__main__":
+    # Ctrl-C while the imports below run (a second or more on a slow machine) ends quietly with
+    # 130, as it does once the command runs, where Python's own handler is back.
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+
+import cli  # noqa: E402
+from cli.tools import current  # noqa: E402
+from meta.api import cluster as _cluster  # noqa: E402
+from meta.device import MetaDevice  # noqa: E402
+from meta.launchers import LaunchEnv, blas_threads, detect_launcher, worker_cpus  # noqa: E402
 
 __all__ = ["LaunchEnv", "blas_threads", "cluster", "current", "detect_launcher", "main", "worker_cpus"]
 
@@ -55,4 +61,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())
