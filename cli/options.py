@@ -84,7 +84,11 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
     debug = args.environ.get("META_TP_DEBUG", "") not in ("", "0")
     try:
         with cluster(workers=args.workers, backend=args.backend, devices=devices, debug=debug, **config) as dev:
-            yield dev
+            try:
+                yield dev
+            except WorkerLost as exc:  # said at once; stopping the survivors follows
+                print(f"error: {exc}; stopping every worker", file=sys.stderr, flush=True)
+                raise SystemExit(3) from None
     except WorkerLost as exc:
         print(f"error: {exc}; every worker was stopped", file=sys.stderr)
         raise SystemExit(3) from None

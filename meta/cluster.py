@@ -88,6 +88,7 @@ class ProcessCluster:
         self.ipc = IpcDir() if not config.host else None
         self.processes: list[subprocess.Popen] = []
         self.pids: dict[int, int] = {}
+        self.routes: dict[int, bytes] = {}  # each rank's identity on the control socket, from its Hello
         self.liveness = Liveness(config.liveness)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -257,7 +258,12 @@ class ProcessCluster:
         return worker_cpus(local, c.blas_threads, os.sched_getaffinity(0))
 
     def _handshake(self) -> list[p.Hello]:
+        """Wait for a Hello from every rank. Anything else that arrives (a malformed message, a
+        rank out of range or already taken, a key holder speaking for another rank) is dropped,
+        its sender told why when it can be reached, and the waiting goes on: one stray message
+        must not stop a cluster from forming. The drops are counted in one line on stderr."""
         hellos: dict[int, p.Hello] = {}
+        refused: list[str] = []
         deadline = Deadline(self.config.start_timeout)
         while len(hellos) < self.world_size:
             self._check_processes()
@@ -266,26 +272,62 @@ class ProcessCluster:
             except DeadlineExceeded:
                 if deadline.expired():
                     missing = sorted(set(range(self.world_size)) - set(hellos))
+                    also = f" ({len(refused)} start-up messages refused, the first: {refused[0]})" if refused else ""
                     raise DeadlineExceeded(
-                        f"workers {missing} did not connect to {self.endpoint} within {self.config.start_timeout} s"
+                        f"workers {missing} did not connect to {self.endpoint} within "
+                        f"{self.config.start_timeout} s{also}"
                     ) from None
                 continue
+            reason = self._refusal(route.bytes, frames, hellos)
+            if reason:
+                refused.append(reason)
+                self._refuse(route.bytes, reason)
+                continue
             message, _ = p.decode(frames)
-            if not isinstance(message, p.Hello) or not 0 <= message.rank < self.world_size:
-                raise ProtocolError(f"expected a Hello from a worker of rank < {self.world_size}, got {message}")
-            if self.security.sender(frames[0]) not in (None, message.rank):
-                raise ProtocolError(
-                    f"a worker holding rank {self.security.sender(frames[0])}'s key said Hello as rank {message.rank}"
-                )
-            if route.bytes != p.worker_identity(message.rank) or message.rank in hellos:
-                raise ProtocolError(f"worker rank {message.rank} connected twice or under a wrong identity")
             hellos[message.rank] = message
+            self.routes[message.rank] = route.bytes
             self.pids.setdefault(message.rank, message.pid)
             self.liveness.heard(message.rank)
+        if refused:
+            print(
+                f"coordinator: refused {len(refused)} start-up message(s) not from a worker of this cluster; "
+                f"the first: {refused[0]}",
+                file=sys.stderr,
+                flush=True,
+            )
         for rank, hello in hellos.items():
             self._data[rank] = push(self.context, hello.data_endpoint, self.security, server=rank)
             self._data[rank].sndtimeo = 100
         return [hellos[r] for r in range(self.world_size)]
+
+    def _refusal(self, route: bytes, frames: list, hellos: dict[int, p.Hello]) -> str:
+        """Why a start-up message is not a worker's Hello for this cluster ("" when it is)."""
+        try:
+            message, _ = p.decode(frames)
+        except ProtocolError as exc:
+            return f"a malformed message ({exc})"
+        if not isinstance(message, p.Hello):
+            return f"a {type(message).__name__} where a Hello was expected"
+        if not 0 <= message.rank < self.world_size:
+            return f"a Hello from rank {message.rank}, but this cluster has ranks 0..{self.world_size - 1}"
+        sender = self.security.sender(frames[0])
+        if sender not in (None, message.rank):
+            return f"a Hello as rank {message.rank} from the holder of rank {sender}'s key"
+        if p.rank_of(route) != message.rank:
+            return f"a Hello as rank {message.rank} under the identity {route!r}"
+        if message.rank in hellos:
+            taken = hellos[message.rank].pid
+            return f"a second worker as rank {message.rank} (pid {message.pid}; rank {message.rank} is pid {taken})"
+        return ""
+
+    def _refuse(self, route: bytes, reason: str) -> None:
+        """Tell a refused worker why (it prints the reason and exits), when it can be reached."""
+        if p.rank_of(route) < 0:
+            return
+        try:
+            send(self.control, p.Error("Refused", f"the coordinator refused it: {reason}"), 0, route=route)
+        except MetaError:
+            pass
 
     # -- liveness -------------------------------------------------------------------------------
 
@@ -351,7 +393,7 @@ class ProcessCluster:
         self._request += 1
         rid = self._request
         for rank, message in messages.items():
-            send(self.control, message, rid, route=p.worker_identity(rank))
+            send(self.control, message, rid, route=self.routes[rank])
         seconds = self.config.call_timeout if timeout is None else timeout
         deadline = Deadline(seconds)
         replies: dict[int, p.Message] = {}
@@ -371,6 +413,10 @@ class ProcessCluster:
                 except ProtocolError:
                     continue
                 rank = p.rank_of(route.bytes)
+                if self.routes.get(rank) != route.bytes:
+                    if isinstance(message, p.Hello):  # a latecomer: the cluster has formed
+                        self._refuse(route.bytes, f"rank {rank} is taken and the cluster has formed")
+                    continue
                 if got != rid or rank not in messages or rank in replies:
                     continue  # another request's, or after this worker's reply (the Ok of a late Cancel)
                 if isinstance(message, p.Tokens) and on_message is not None:
@@ -387,7 +433,7 @@ class ProcessCluster:
                     raise
                 interrupted, cancelled, deadline = exc, True, Deadline(min(seconds, CANCEL_GRACE_S))
                 for rank in messages:
-                    send(self.control, p.Cancel(), rid, route=p.worker_identity(rank))
+                    send(self.control, p.Cancel(), rid, route=self.routes[rank])
         if interrupted is not None:
             raise interrupted
         return replies
@@ -402,9 +448,9 @@ class ProcessCluster:
         lost = self.lost.rank if self.lost is not None else None
         if getattr(self, "devices", None):
             try:  # the survivors of a lost worker are told at once too, not left to the grace period
-                for rank in range(self.world_size):
+                for rank, route in self.routes.items():
                     if rank != lost:
-                        send(self.control, p.Shutdown(), 0, route=p.worker_identity(rank))
+                        send(self.control, p.Shutdown(), 0, route=route)
             except MetaError:
                 pass
         for proc in self.processes:

@@ -95,7 +95,7 @@ def test_hostile_messages_to_a_worker_holding_tensors_change_nothing(fresh_clust
     for name, frames in MALFORMED.items():
         if not frames:
             continue
-        send_frames(cluster.control, list(frames), route=b"w0")
+        send_frames(cluster.control, list(frames), route=cluster.routes[0])
         route, *reply = recv_frames(cluster.control, Deadline(5))
         message, _ = p.decode(reply)
         assert isinstance(message, p.Error) and message.kind == "ProtocolError", name

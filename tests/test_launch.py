@@ -152,7 +152,8 @@ def test_two_hosts_on_loopback_with_curve(tmp_path, right_key):
         else:
             assert coordinator.returncode == 2
             assert "did not connect" in err
-            assert worker.wait(15) != 0  # never heard the coordinator: exits on its own
+            assert worker.wait(15) == 2  # told why by its own handshake, not left to time out
+            assert "wrong key file" in worker.stderr.read()
     finally:
         for proc in (coordinator, worker):
             proc.kill()
@@ -280,3 +281,51 @@ def test_more_workers_than_a_host_can_hold_fail_before_any_starts():
     )
     assert out.returncode == 2 and "1000 workers on this host" in out.stderr and "[worker" not in out.stderr
     assert time.monotonic() - start < 10
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    import numpy as np
+    from split_state import PARTIAL, MIRRORED
+    x = dev.tensor(np.ones(4, np.float32), PARTIAL)
+    pids = " ".join(str(proc.pid) for proc in dev.cluster.processes)
+    print("killing", time.time(), pids, file=sys.stderr, flush=True)
+    os.kill(dev.cluster.processes[1].pid, signal.SIG{sig})
+    while True:
+        x.redistribute(MIRRORED).numpy()
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+def test_a_lost_worker_is_reported_at_once_and_every_process_is_gone_soon_after(tmp_path, sig):
+    """Error within 0.5 s of detection, every process gone within 1 s more: a killed worker is
+    detected by its exit, a stopped one by its silence over the liveness window (1 s here)."""
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT.format(sig=sig))
+    proc = subprocess.Popen(
+        launch_cmd("run", "--workers", "2", "--liveness", "1", str(script)),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        lines, seen = [], {}
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("killing"):
+                _, at, *pids = line.split()
+                seen["kill"], seen["pids"] = float(at), [int(pid) for pid in pids]
+            if line.startswith("error:"):
+                seen["error"] = time.time()
+        proc.wait(10)
+        gone = time.time()
+        assert proc.returncode == 3 and "error" in seen, "".join(lines)
+        detection = 0.0 if sig == "KILL" else 1.0  # the liveness window
+        assert seen["error"] - seen["kill"] < detection + 0.5, "".join(lines)
+        assert gone - seen["error"] < 1.0, "".join(lines)
+        assert alive(seen["pids"]) == [], "a worker outlived the coordinator"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

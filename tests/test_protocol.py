@@ -173,3 +173,63 @@ def test_every_dtype_outside_the_allowlist_is_refused():
         h["a"][0][0] = bad
         with pytest.raises(ProtocolError, match=f"dtype {bad!r} is not supported"):
             p.decode([msgpack.packb(h), x.tobytes()])
+
+
+def _nested(depth: int):
+    value = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _decodes(message, **limits) -> bool:
+    frames = [bytes(f) for f in p.encode(message, request_id=1)]
+    try:
+        p.decode(frames, p.Limits(**limits))
+    except ProtocolError:
+        return False
+    return True
+
+
+def _header_size(message) -> int:
+    return len(bytes(p.encode(message, request_id=1)[0]))
+
+
+@pytest.mark.parametrize(
+    ("limit", "at_limit", "message"),
+    [
+        # each message sits exactly at the limit: accepted; one less is refused
+        ("array_bytes", 96, p.Tensor(1, np.zeros((4, 6), np.float32))),
+        ("max_ndim", 5, p.Tensor(1, np.zeros((1, 2, 1, 2, 1), np.int8))),
+        ("max_arrays", 1, p.Tensor(1, np.zeros(3, np.int8))),
+        ("max_items", 9, p.Free(tensors=list(range(9)))),
+        # params {"x": [[[1]]]}: the map is level 0, its value level 1, the innermost 1 level 4
+        (
+            "max_depth",
+            4,
+            p.LoadProgram(program=1, steps=[p.OpStep("add", (0,), 1, {"x": _nested(3)}, (1,), "float32")]),
+        ),
+        ("header_bytes", None, p.Hello(1, 2, "cpu", "x" * 300, 0, 0, "ipc://x")),
+    ],
+)
+def test_every_decoding_limit_holds_at_the_limit_and_refuses_one_past_it(limit, at_limit, message):
+    at_limit = _header_size(message) if at_limit is None else at_limit
+    assert _decodes(message, **{limit: at_limit}), f"{limit}={at_limit} refused a message at the limit"
+    assert not _decodes(message, **{limit: at_limit - 1}), f"{limit}={at_limit - 1} took one past the limit"
+
+
+def test_the_frame_count_limit_holds_at_the_limit_and_refuses_one_past_it():
+    """An array of n bytes in chunks of c may come in up to ceil(n / c) + 1 frames (a sender may
+    split differently by one), never more: a peer cannot make us hold many tiny frames."""
+    array = np.arange(10, dtype=np.uint8)
+    header = msgpack.unpackb(bytes(p.encode(p.Tensor(1, array), 1)[0]))
+
+    def frames(count: int) -> list[bytes]:
+        header["a"][0][2] = count
+        cuts = np.array_split(array, count)
+        return [msgpack.packb(header), *(c.tobytes() for c in cuts)]
+
+    limits = p.Limits(chunk_bytes=5)  # ceil(10 / 5) + 1 = 3 frames at most
+    assert np.array_equal(p.decode(frames(3), limits)[0].array, array)
+    with pytest.raises(ProtocolError, match="bad frame count 4"):
+        p.decode(frames(4), limits)

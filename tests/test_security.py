@@ -6,6 +6,8 @@ from __future__ import annotations
 import queue
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +35,7 @@ def test_spawned_tcp_workers_get_keys_and_a_stranger_cannot_join(fresh_cluster):
     ctx = zmq.Context()
     stranger = ctx.socket(zmq.DEALER)
     stranger.linger, stranger.sndtimeo = 0, 500
-    stranger.identity = p.worker_identity(0)
+    stranger.identity = p.worker_identity(0, 1)
     stranger.connect(cluster.endpoint)
     try:
         with pytest.raises((DeadlineExceeded, TransportError, zmq.Again)):
@@ -184,3 +186,79 @@ def test_forged_heartbeats_do_not_hide_a_stopped_worker(fresh_cluster):
         forger.close(0)
         forger_security.close()
         ctx.term()
+
+
+def _worker(endpoint: str, rank: int) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "launch.py"), "worker", "--connect", endpoint, "--rank", str(rank)]
+    return subprocess.Popen([*cmd, "--backend", "cpu", "--insecure"], stderr=subprocess.PIPE, text=True)
+
+
+def _stranger(ctx: zmq.Context, endpoint: str, identity: bytes, frames: list) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger, sock.identity = 0, identity
+    sock.connect(endpoint)
+    sock.send_multipart(frames)
+    return sock
+
+
+@pytest.mark.timeout(90)
+def test_stray_start_up_messages_are_refused_and_the_cluster_still_forms(capfd):
+    """With --insecure anyone who reaches the port can send: a malformed message, a Hello from a
+    rank the cluster does not have, or one under another rank's identity is dropped (its sender
+    told why when it can be), and the real worker still joins. A second worker claiming a rank
+    that is taken is told so and exits, instead of waiting out its liveness window."""
+    from tests.test_launch import free_port_triple
+
+    port = free_port_triple()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    made: dict = {}
+
+    def coordinator() -> None:
+        config = ClusterConfig(workers=1, host="127.0.0.1", port=port, spawn=False, insecure=True, start_timeout=30)
+        try:
+            made["cluster"] = ProcessCluster(config)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            made["error"] = exc
+
+    thread = threading.Thread(target=coordinator)
+    thread.start()
+    ctx = zmq.Context()
+    hello = p.encode(p.Hello(7, 1, "cpu", "", 0, 0, "tcp://127.0.0.1:1"), 0)
+    strangers = [
+        _stranger(ctx, endpoint, b"x", [b"\x00not msgpack"]),
+        _stranger(ctx, endpoint, p.worker_identity(7, 1), hello),
+        _stranger(ctx, endpoint, p.worker_identity(0, 2), p.encode(p.Hello(1, 2, "cpu", "", 0, 0, "tcp://x:1"), 0)),
+    ]
+    time.sleep(0.5)  # the strays come first
+    real = _worker(endpoint, 0)
+    duplicate = None
+    try:
+        thread.join(60)
+        assert "cluster" in made, made.get("error")
+        reply, _ = p.decode(recv_frames(strangers[1], Deadline(5)))
+        assert isinstance(reply, p.Error) and "ranks 0..0" in reply.message
+        assert "refused 3 start-up message(s)" in capfd.readouterr().err
+        cluster = made["cluster"]
+        dev = MetaDevice(cluster)
+        x = dev.tensor(np.arange(4, dtype=np.float32), MIRRORED)
+        duplicate = _worker(endpoint, 0)
+        end = time.monotonic() + 20
+        while duplicate.poll() is None and time.monotonic() < end:
+            assert np.array_equal((x + 1).numpy(), np.arange(1, 5))  # the coordinator reads its socket
+        assert duplicate.wait(1) == 2
+        assert "rank 0 is taken" in duplicate.stderr.read()
+        assert np.array_equal((x * 2).numpy(), 2 * np.arange(4))  # the real worker carries on
+        cluster.close()
+        assert real.wait(10) == 0
+    finally:
+        for sock in strangers:
+            sock.close(0)
+        ctx.term()
+        if "cluster" in made:
+            made["cluster"].close()
+        thread.join(5)
+        for proc in (real, duplicate):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.wait()

@@ -55,17 +55,19 @@ HEARTBEAT_FRAME = b"beat"  # what the coordinator publishes; any message on that
 PORT_OFFSETS = {"control": 0, "beat": 1, "beat-in": 2}  # over tcp: one address, three ports
 
 
-def worker_identity(rank: int) -> bytes:
-    """A worker's identity on the coordinator's ROUTER socket."""
-    return f"w{rank}".encode()
+def worker_identity(rank: int, nonce: int) -> bytes:
+    """A worker's identity on the coordinator's ROUTER socket: its rank and a number of its own
+    (its pid), so that a second worker claiming a rank already taken still connects (ZeroMQ
+    would drop a duplicate identity unseen) and can be told why it is refused."""
+    return f"w{rank}.{nonce}".encode()
 
 
 def rank_of(identity: bytes) -> int:
-    """The rank behind a worker identity, or -1 for anything else."""
-    try:
-        return int(identity[1:]) if identity[:1] == b"w" and identity[1:].isdigit() else -1
-    except ValueError:
+    """The rank a worker identity claims, or -1 for anything else."""
+    rank, dot, nonce = identity[1:].partition(b".")
+    if identity[:1] != b"w" or not dot or not rank.isdigit() or not nonce.isdigit():
         return -1
+    return int(rank)
 
 
 def tcp_endpoint(host: str, port: int, name: str) -> str:

@@ -202,6 +202,38 @@ def dealer(context: zmq.Context, endpoint: str, identity: bytes, security: Secur
     return sock
 
 
+class HandshakeWatch:
+    """Why a client socket's CURVE handshake failed, if it did: a refused key is otherwise
+    silent (ZeroMQ retries in the background and the messages just never arrive)."""
+
+    EVENTS = (
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    )
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self.monitor = sock.get_monitor_socket(self.EVENTS)
+
+    def failure(self) -> str:
+        """The first handshake failure seen so far ("" if none), without waiting."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while self.monitor.poll(0):
+            event = parse_monitor_message(self.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return f"the coordinator at {event['endpoint'].decode()} refused this worker's key (wrong key file?)"
+            if event["event"] & self.EVENTS:
+                return (
+                    f"the secure handshake with {event['endpoint'].decode()} failed: the coordinator's public key "
+                    "in the key file is not the one it has (wrong key file?)"
+                )
+        return ""
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
+
+
 def pull(context: zmq.Context, endpoint: str, security: Security) -> tuple[zmq.Socket, str]:
     """A worker's data-plane inbox: peers PUSH collective payloads to it."""
     sock = context.socket(zmq.PULL)

@@ -26,6 +26,7 @@ from transport.deadline import Deadline
 from transport.reply import respond
 from transport.sockets import (
     CurveKeys,
+    HandshakeWatch,
     Security,
     dealer,
     is_local,
@@ -181,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     inbox, data_ep = pull(context, bind_at, security)
     if advertise:  # what peers on other hosts can reach, on the port that was bound
         data_ep = f"tcp://{advertise}:{data_ep.rsplit(':', 1)[1]}"
-    control = dealer(context, args.connect, p.worker_identity(args.rank), security)
+    control = dealer(context, args.connect, p.worker_identity(args.rank, os.getpid()), security)
+    # with keys, a refused handshake is otherwise silent: watch it until the coordinator speaks
+    handshake = HandshakeWatch(control) if args.keys else None
     stop = threading.Event()
     dog = threading.Thread(target=watchdog, args=(args, context, security, stop), daemon=True)
     dog.start()
@@ -212,10 +215,17 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     frames = recv_frames(control, Deadline(0.5))
                 except MetaError:
+                    refused = handshake.failure() if handshake is not None else ""
+                    if refused:
+                        server.refused = refused
+                        break
                     if orphaned(args) or not dog.is_alive():  # belt and braces: never outlive the watch
                         gone = orphaned(args)
                         _exit(args.rank, "its parent exited" if gone else "its watchdog stopped", gone)
                     continue  # nothing yet; the watchdog decides when waiting is over
+            if handshake is not None:  # the coordinator got through: the handshake is done
+                handshake.close()
+                handshake = None
             rid = p.request_id(frames)
             server.emit = lambda message, rid=rid: send(control, message, rid)
             server.cancelled = lambda rid=rid: cancel_seen(control, rid, pending)
@@ -231,7 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         for comm in comms:
             comm.close()
         inbox.close(0)
+        if handshake is not None:
+            handshake.close()
         control.close(0)
         security.close()
         context.term()
+    if server.refused:
+        print(f"worker {args.rank}: exiting, {server.refused}", file=sys.stderr, flush=True)
+        return 2
     return 0

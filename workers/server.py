@@ -33,6 +33,7 @@ class WorkerServer:
         self.executor = Executor(backend, self.store, collective_timeout)
         self.world_size = 0
         self.stopping = False
+        self.refused = ""  # why the coordinator would not have this worker, once it said so
         self.runs = 0
         # how a Generate reports tokens to the coordinator and learns of a Cancel between steps:
         # set by the process (its control socket) or the simulator (its queues)
@@ -128,6 +129,12 @@ class WorkerServer:
         self.stopping = True
         return p.Ok()
 
+    def _on_refused(self, m: p.Error) -> p.Message:
+        """The coordinator will not have this worker (a rank taken, a key for another rank):
+        stop, keeping the reason for the exit line."""
+        self.stopping, self.refused = True, m.message
+        return p.Ok()
+
     def _require_configured(self) -> None:
         if not self.world_size:
             raise ProtocolError(f"worker {self.rank} is not configured yet (no Configure message)")
@@ -164,4 +171,5 @@ HANDLERS: dict[type, Callable[[WorkerServer, p.Message], p.Message]] = {
     p.Stats: WorkerServer._on_stats,
     p.Heartbeat: WorkerServer._on_heartbeat,
     p.Shutdown: WorkerServer._on_shutdown,
+    p.Error: WorkerServer._on_refused,
 }
