@@ -64,7 +64,7 @@ def reference_child(path: str, length: int, steps: int, out) -> None:
     out.put({"prefill_s": prefill, "decode_step_s": float(np.median(times))})
 
 
-def ours(path: str, workers: int, length: int, steps: int, ctx: int | None = None) -> dict:
+def ours(path: str, workers: int, length: int, steps: int, ctx: int | None = None, weights: str = "f32") -> dict:
     """Prefill, then greedy decode through the captured step: the median step untimed on the
     workers, then as many steps with every kernel timed (profiling) for the breakdown; the
     difference of the two medians is what profiling costs."""
@@ -72,8 +72,9 @@ def ours(path: str, workers: int, length: int, steps: int, ctx: int | None = Non
     from models.llama import TensorParallelLlama
 
     model = GGUFModel(path)
+    source = model.native if weights == "native" else model.weight
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
-        net = TensorParallelLlama(dev, model.config, model.weight, ctx or length + 6 * steps + 8)
+        net = TensorParallelLlama(dev, model.config, source, ctx or length + 6 * steps + 8)
         tokens = prompt_ids(model, length)
         start = time.perf_counter()
         logits = net.step(tokens, np.arange(length)[None])
@@ -110,7 +111,10 @@ def ours(path: str, workers: int, length: int, steps: int, ctx: int | None = Non
         median = int(np.argsort(walls[True])[len(walls[True]) // 2])
         dev.profile = False
         driven, around = worker_driven_step(dev, net, token, pos, 4 * steps)
+        stats = dev.stats().values()
         return {
+            "stored_mib": max(st["used"] for st in stats) / 2**20,
+            "peak_rss_mib": max(st["max_rss_kib"] for st in stats) / 1024,
             "prefill_s": prefill,
             "prefill_again_s": prefill_again,
             "driven_step_s": driven,
@@ -191,7 +195,9 @@ def _rss_kib() -> int:
         return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
 
 
-def run(quick: bool, counts: list[int], contexts: list[int], rss_tokens: int) -> dict | None:
+def run(
+    quick: bool, counts: list[int], contexts: list[int], rss_tokens: int, weights: tuple[str, ...] = ("f32",)
+) -> dict | None:
     from models.gguf_model import ModelMissing, default_model_path
 
     try:
@@ -203,33 +209,8 @@ def run(quick: bool, counts: list[int], contexts: list[int], rss_tokens: int) ->
     rows = []
     for n in counts:
         base = in_process_with_threads(reference_child, (path, length, steps), n)
-        mine = ours(path, n, length, steps)
-        b = mine["breakdown"]
-        rows.append(
-            {
-                "workers": n,
-                "prompt_tokens": length,
-                "numpy_prefill_tok_s": length / base["prefill_s"],
-                "ours_prefill_tok_s": length / mine["prefill_s"],
-                "numpy_decode_tok_s": 1 / base["decode_step_s"],
-                "ours_decode_tok_s": 1 / mine["driven_step_s"],
-                "decode_ratio": base["decode_step_s"] / mine["driven_step_s"],
-                "replayed_decode_tok_s": 1 / mine["decode_step_s"],
-                "driven_outside_program_ms": mine["driven_outside_program_s"] * 1e3,
-                "prefill_ratio": base["prefill_s"] / mine["prefill_s"],
-                "ours_prefill_again_tok_s": length / mine["prefill_again_s"],
-                "prefill_again_ratio": base["prefill_s"] / mine["prefill_again_s"],
-                "step_ms": mine["decode_step_s"] * 1e3,
-                "profiled_step_ms": mine["profiled_step_s"] * 1e3,
-                "profiling_cost_ms": (mine["profiled_step_s"] - mine["decode_step_s"]) * 1e3,
-                "compute_ms": b["compute_ms"],
-                "collectives_ms": b["transfer_ms"] + b["wait_ms"],
-                "executor_ms": b["executor_ms"],
-                "dispatch_ms": b["dispatch_ms"],
-                "breakdown": b,
-                "plans": mine["plans"],
-            }
-        )
+        for kind in weights:
+            rows.append(_row(n, kind, length, base, ours(path, n, length, steps, weights=kind)))
     results = {"model": Path(path).name, "rows": rows}
     if contexts:
         results["contexts"] = long_context(path, tuple(contexts), 32, steps)  # 32: a short prompt fits every cache
@@ -238,15 +219,58 @@ def run(quick: bool, counts: list[int], contexts: list[int], rss_tokens: int) ->
     return results
 
 
+def _row(n: int, weights: str, length: int, base: dict, mine: dict) -> dict:
+    b = mine["breakdown"]
+    return {
+        "workers": n,
+        "weights": weights,
+        "stored_mib": mine["stored_mib"],
+        "peak_rss_mib": mine["peak_rss_mib"],
+        "prompt_tokens": length,
+        "numpy_prefill_tok_s": length / base["prefill_s"],
+        "ours_prefill_tok_s": length / mine["prefill_s"],
+        "numpy_decode_tok_s": 1 / base["decode_step_s"],
+        "ours_decode_tok_s": 1 / mine["driven_step_s"],
+        "decode_ratio": base["decode_step_s"] / mine["driven_step_s"],
+        "replayed_decode_tok_s": 1 / mine["decode_step_s"],
+        "driven_outside_program_ms": mine["driven_outside_program_s"] * 1e3,
+        "prefill_ratio": base["prefill_s"] / mine["prefill_s"],
+        "ours_prefill_again_tok_s": length / mine["prefill_again_s"],
+        "prefill_again_ratio": base["prefill_s"] / mine["prefill_again_s"],
+        "step_ms": mine["decode_step_s"] * 1e3,
+        "profiled_step_ms": mine["profiled_step_s"] * 1e3,
+        "profiling_cost_ms": (mine["profiled_step_s"] - mine["decode_step_s"]) * 1e3,
+        "compute_ms": b["compute_ms"],
+        "collectives_ms": b["transfer_ms"] + b["wait_ms"],
+        "executor_ms": b["executor_ms"],
+        "dispatch_ms": b["dispatch_ms"],
+        "breakdown": b,
+        "plans": mine["plans"],
+    }
+
+
 def show(results: dict | None) -> None:
     if results is None:
         return
-    cols = ["workers", "prefill tok/s numpy", "ours", "ratio", "again", "ratio"]
+    cols = [
+        "workers",
+        "weights",
+        "stored MiB",
+        "peak RSS MiB",
+        "prefill tok/s numpy",
+        "ours",
+        "ratio",
+        "again",
+        "ratio",
+    ]
     cols += ["decode tok/s numpy", "ours", "ratio", "outside ms"]
     cols += ["replayed", "step ms", "profiled", "compute", "collectives", "executor", "dispatch"]
     rows = [
         [
             r["workers"],
+            r["weights"],
+            r["stored_mib"],
+            r["peak_rss_mib"],
             r["numpy_prefill_tok_s"],
             r["ours_prefill_tok_s"],
             r["prefill_ratio"],
@@ -296,7 +320,7 @@ def show(results: dict | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     def measure(args):
-        return run(args.quick, args.workers, args.contexts, args.rss_tokens)
+        return run(args.quick, args.workers, args.contexts, args.rss_tokens, tuple(args.weights))
 
     return cli(__doc__, "llm", measure, show, argv, options)
 
@@ -305,6 +329,13 @@ def options(ap) -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--contexts", type=int, nargs="*", default=[256, 8192], help="decode rows per cache length")
     ap.add_argument("--rss-tokens", type=int, default=0, help="decode this many tokens watching resident memory")
+    ap.add_argument(
+        "--weights",
+        nargs="+",
+        choices=("f32", "native"),
+        default=["f32", "native"],
+        help="rows per weight kind: float32, or Q4_0/Q4_1/Q8_0 kept in the file's blocks",
+    )
 
 
 if __name__ == "__main__":

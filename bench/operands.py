@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from split_state.dtypes import dtype_from_name
+from split_state.quant import FORMATS
 
 ZERO_AXIS = 0.08
 BINARY = ("add", "sub", "mul", "div")
@@ -88,6 +89,15 @@ def reshape_target(rng: np.random.Generator, shape_: tuple[int, ...]) -> tuple[i
     return (int(np.prod(shape_)),)
 
 
+def quantized_blocks(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Random ggml blocks (rows, blocks, block bytes): random quants under finite float16 scales
+    (and minimums) in the first bytes of each block, as every legacy format begins."""
+    w = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    scales = 4 if shape[-1] == FORMATS["q4_1"].block_bytes else 2
+    w[..., :scales] = rng.uniform(-0.1, 0.1, shape[:-1] + (scales // 2,)).astype("<f2").view(np.uint8)
+    return w
+
+
 def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ...]], list[str], dict]:
     """(input shapes, dtypes, parameters) of one random application of op `name`."""
     f32 = "float32"
@@ -108,6 +118,15 @@ def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ..
         rows = int(rng.integers(1, 7))
         ids = tuple(dim(rng) for _ in range(int(rng.integers(1, 3))))
         return [(rows, dim(rng)), ids], [f32, "int32"], {}
+    if name in ("qmatmul", "qget_rows"):
+        fmt = FORMATS[str(rng.choice(sorted(FORMATS)))]
+        rows, blocks = dim(rng), int(rng.integers(0, 4))
+        weight = (rows, blocks, fmt.block_bytes)
+        if name == "qget_rows":
+            ids = tuple(dim(rng) for _ in range(int(rng.integers(1, 3))))
+            return [(max(rows, 1),) + weight[1:], ids], ["uint8", "int32"], {"format": fmt.name}
+        lead = tuple(dim(rng) for _ in range(int(rng.integers(1, 3))))
+        return [lead + (blocks, fmt.block), weight], [f32, "uint8"], {"format": fmt.name}
     if name in COMPARISONS:
         other = partner_shape(rng, x)
         return ([x, other] if rng.random() < 0.5 else [other, x]), [f32, f32], {}
@@ -139,8 +158,10 @@ def random_operands(rng: np.random.Generator, name: str, shapes, dtypes, params:
     """Values for `random_case`'s shapes: divisors away from zero, row ids inside the table."""
     out = []
     for i, (s, t) in enumerate(zip(shapes, dtypes)):
-        if name == "get_rows" and i == 1:
+        if name in ("get_rows", "qget_rows") and i == 1:
             out.append(rng.integers(0, shapes[0][0], size=s).astype(dtype_from_name(t)))
+        elif t == "uint8" and name in ("qmatmul", "qget_rows"):
+            out.append(quantized_blocks(rng, s))
         elif name == "set_rows" and i == 1:  # distinct rows in each list
             rows = shapes[0][params["axis"]]
             lists = [rng.permutation(rows)[: s[-1]] for _ in range(s[0] if len(s) == 2 else 1)]

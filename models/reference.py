@@ -185,6 +185,40 @@ def _get_rows(inputs, params):
     return table[np.asarray(ids, dtype=np.int64)]
 
 
+def dequantize_blocks(w: np.ndarray, name: str) -> np.ndarray:
+    """(rows, blocks, bytes) of ggml blocks -> (rows, blocks * 32) float64, value by value from
+    ggml's definitions: q8_0 d * int8; q4_0 d * (nibble - 8); q4_1 d * nibble + m, where byte j
+    of the quants holds value j in its low and value j + 16 in its high four bits."""
+    rows, blocks, _ = w.shape
+    out = np.zeros((rows, blocks, 32))
+    for r in range(rows):
+        for b in range(blocks):
+            block = bytes(w[r, b])
+            d = float(np.frombuffer(block[:2], "<f2")[0])
+            if name == "q8_0":
+                out[r, b] = d * np.frombuffer(block[2:34], np.int8)
+                continue
+            m = float(np.frombuffer(block[2:4], "<f2")[0]) if name == "q4_1" else 0.0
+            quants = block[4:20] if name == "q4_1" else block[2:18]
+            for j, byte in enumerate(quants):
+                low, high = byte & 15, byte >> 4
+                if name == "q4_0":
+                    low, high = low - 8, high - 8
+                out[r, b, j], out[r, b, j + 16] = d * low + m, d * high + m
+    return out.reshape(rows, blocks * 32)
+
+
+def _qmatmul(inputs, params):
+    xb, w = inputs
+    x = _f64(xb).reshape(xb.shape[:-2] + (xb.shape[-2] * xb.shape[-1],))
+    return (x @ dequantize_blocks(w, params["format"]).T).astype(np.float32)
+
+
+def _qget_rows(inputs, params):
+    table, ids = inputs
+    return dequantize_blocks(table, params["format"])[np.asarray(ids, dtype=np.int64)].astype(np.float32)
+
+
 def _slice(inputs, params):
     (x,) = inputs
     index = [slice(None)] * x.ndim
@@ -217,6 +251,8 @@ REFERENCES: dict[str, Callable[[Sequence[np.ndarray], Params], np.ndarray]] = {
     "concat": lambda i, p: np.concatenate(list(i), axis=p["axis"]),
     "slice": _slice,
     "get_rows": _get_rows,
+    "qmatmul": _qmatmul,
+    "qget_rows": _qget_rows,
     "sqrt": _float_unary(np.sqrt),
     "rsqrt": _float_unary(lambda w: 1.0 / np.sqrt(w)),
     "lt": lambda i, p: np.less(_f64(i[0]), _f64(i[1])),

@@ -16,6 +16,7 @@ from typing import Any
 from split_state.dtypes import DTYPES, FLOAT_NAMES, INDEX_NAMES
 from split_state.errors import ShapeError, SplitError
 from split_state.layout import local_shape, pieces
+from split_state.quant import quant_format
 from split_state.rules import Labels, Signature, label_signatures
 from split_state.states import MIRRORED, PARTIAL, Split, State
 
@@ -561,6 +562,52 @@ def _top_k_combine_labels(shapes, params, out_shape):
     return Labels((rows + ("candidates", "pair"),), rows + ("best", "pair"), frozenset({"candidates", "best", "pair"}))
 
 
+# -- block-quantized weights (split_state/quant.py) ----------------------------------------------
+
+
+def _infer_qmatmul(shapes, dtypes, params):
+    """x (..., blocks, block) float32 times a quantized weight (n, blocks, block_bytes) of n rows:
+    (..., n), each output the dot product of x with one dequantized row."""
+    xb, w = (tuple(s) for s in shapes)
+    fmt = quant_format(params.get("format"))
+    if len(xb) < 2 or len(w) != 3 or xb[-1] != fmt.block or w[2] != fmt.block_bytes or xb[-2] != w[1]:
+        raise ShapeError(
+            f"qmatmul ({fmt.name}): x must be (..., blocks, {fmt.block}) and the weight (rows, blocks, "
+            f"{fmt.block_bytes}) with the same blocks, got {xb} and {w}"
+        )
+    if dtypes[0] != "float32" or dtypes[1] != "uint8":
+        raise ShapeError(f"qmatmul: operands must be float32 and uint8 (the file's bytes), got {tuple(dtypes)}")
+    return xb[:-2] + (w[0],), "float32", {"format": fmt.name}
+
+
+def _qmatmul_labels(shapes, params, out_shape):
+    # einsum "...kj,nkb->...n": a split of the blocks (k) gives Partial, of the rows (n) a split
+    # output; a block's values (j) and bytes (b) are never split
+    batch = _out_labels(len(shapes[0]) - 2)
+    return Labels((batch + ("k", "j"), ("n", "k", "b")), batch + ("n",), frozenset({"j", "b"}), ((P, M),))
+
+
+def _infer_qget_rows(shapes, dtypes, params):
+    table, ids = (tuple(s) for s in shapes)
+    fmt = quant_format(params.get("format"))
+    if len(table) != 3 or table[2] != fmt.block_bytes:
+        raise ShapeError(f"qget_rows ({fmt.name}): the table must be (rows, blocks, {fmt.block_bytes}), got {table}")
+    if dtypes[0] != "uint8" or dtypes[1] not in INDEX_NAMES:
+        raise ShapeError(f"qget_rows: operands must be uint8 and integer ids, got {tuple(dtypes)}")
+    return ids + (table[1] * fmt.block,), "float32", {"rows": table[0], "format": fmt.name}
+
+
+def _qget_rows_labels(shapes, params, out_shape):
+    # as get_rows: a table split on rows gives Partial; its blocks are not split, and a Partial
+    # table is not a sum of tables (dequantizing is not linear in the bytes)
+    ids = tuple(f"i{k}" for k in range(len(shapes[1])))
+    return Labels((("rows", "k", "b"), ids), ids + ("width",), frozenset({"k", "b"}))
+
+
+def _localize_qget_rows(params, in_states, in_shapes, out_state, out_shape, n, d):
+    return _localize_get_rows(params, in_states, in_shapes, out_state, out_shape, n, d) | {"format": params["format"]}
+
+
 # -- the table ----------------------------------------------------------------------------------
 
 _LINEAR_UNARY = _unary_rule(linear=True)
@@ -592,6 +639,8 @@ OPS: dict[str, OpSpec] = {
     "concat": OpSpec("concat", None, _infer_concat, _labels_rule(_concat_labels)),
     "slice": OpSpec("slice", 1, _infer_slice, _slice_rule, _localize_slice),
     "get_rows": OpSpec("get_rows", 2, _infer_get_rows, _labels_rule(_get_rows_labels), _localize_get_rows),
+    "qmatmul": OpSpec("qmatmul", 2, _infer_qmatmul, _labels_rule(_qmatmul_labels)),
+    "qget_rows": OpSpec("qget_rows", 2, _infer_qget_rows, _labels_rule(_qget_rows_labels), _localize_qget_rows),
     "sqrt": OpSpec("sqrt", 1, _infer_unary_float("sqrt"), _NONLINEAR_UNARY),
     "rsqrt": OpSpec("rsqrt", 1, _infer_unary_float("rsqrt"), _NONLINEAR_UNARY),
     "lt": OpSpec("lt", 2, _infer_compare("lt"), _binary_rule(())),

@@ -226,3 +226,21 @@ def test_a_stop_string_ends_the_text_before_it_and_the_stream_never_shows_it(mod
         stream(0, token)
     stream.finish("ab\nU")
     assert capsys.readouterr().out == "ab\nU"
+
+
+def test_native_weights_give_the_float32_paths_tokens(model):
+    """SmolLM2's Q4_1 layers and Q8_0 embedding kept in their blocks on 2 workers: the same greedy
+    tokens as the float32 weights of the same file, logits within 2e-3."""
+    from models.generate import LLM
+
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        runs = {}
+        for weights in ("f32", "native"):
+            llm = LLM(dev, model, ctx=64, weights=weights)
+            runs[weights] = (llm.generate([PROMPT], max_new_tokens=16, keep_logits=True)[0], llm.last_logits)
+            assert len(llm.net.formats) == (0 if weights == "f32" else 181)
+    finally:
+        dev.close()
+    assert runs["native"][0].tokens == runs["f32"][0].tokens
+    np.testing.assert_allclose(runs["native"][1], runs["f32"][1], atol=2e-3, rtol=0)

@@ -22,7 +22,7 @@ import importlib.util
 
 import numpy as np
 
-from workers.kernels import basic, fused
+from workers.kernels import basic, fused, quant
 
 AVAILABLE = importlib.util.find_spec("numba") is not None
 
@@ -67,7 +67,33 @@ def rope(xp, inputs, params, out=None):
     return out
 
 
-for kernel in (rms_norm_mul, rope):
+MAX_LOOP_ROWS = 8  # rows of x (tokens) up to which the block loops beat dequantizing tiles for BLAS
+
+
+@functools.cache
+def _halves() -> np.ndarray:
+    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+def qmatmul(xp, inputs, params, out=None):
+    """Decode's products with quantized weights: one pass over the blocks, no float32 copy."""
+    xb, w = inputs
+    n = w.shape[0]
+    rows = xb.size // max(1, xb.shape[-2] * xb.shape[-1])
+    out = xp.empty(xb.shape[:-2] + (n,), np.float32) if out is None else out
+    usable = xp is np and 0 < rows <= MAX_LOOP_ROWS and w.size and _plain(xb, out) and w.flags.c_contiguous
+    if not usable:
+        return quant.qmatmul(xp, inputs, params, out)
+    x = xb.reshape(rows, xb.shape[-2], xb.shape[-1])
+    flat = out.reshape(rows, n)
+    if params["format"] == "q8_0":
+        _loops().q8_0_rows(x, w, _halves(), flat)
+    else:
+        _loops().q4_rows(x, w, _halves(), params["format"] == "q4_1", flat)
+    return out
+
+
+for kernel in (rms_norm_mul, rope, qmatmul):
     kernel.prepare = _loops
 
-OVERRIDES = {"rms_norm_mul": rms_norm_mul, "rope": rope} if AVAILABLE else {}
+OVERRIDES = {"rms_norm_mul": rms_norm_mul, "rope": rope, "qmatmul": qmatmul} if AVAILABLE else {}

@@ -49,3 +49,67 @@ def warm() -> None:
 
 
 warm()
+
+
+# -- block-quantized matrix times a few rows of x (decode), reading the file's blocks ----------
+# x (m, blocks, 32) float32, w (n, blocks, block bytes) uint8, out (m, n); `half` maps a float16's
+# 16 bits to its float32 value (a 256 KiB table, cheaper than converting bits in the loop).
+# fastmath lets the 16-wide inner sums vectorize: the sum order differs from the BLAS path's,
+# within float32 rounding.
+
+fast = numba.njit(cache=True, nogil=True, fastmath=True)
+
+
+@fast
+def _block_sums(x):
+    m, blocks = x.shape[0], x.shape[1]
+    sums = np.empty((m, blocks), np.float32)
+    for i in range(m):
+        for b in range(blocks):
+            s = np.float32(0.0)
+            for j in range(32):
+                s += x[i, b, j]
+            sums[i, b] = s
+    return sums
+
+
+@fast
+def _half(half, w, r, b, at):
+    return half[np.int32(w[r, b, at]) | (np.int32(w[r, b, at + 1]) << 8)]
+
+
+@fast
+def q4_rows(x, w, half, with_min, out):
+    """q4_1 (with_min: d * nibble + m) or q4_0 (d * (nibble - 8))."""
+    m, blocks = x.shape[0], x.shape[1]
+    sums = _block_sums(x)
+    start = 4 if with_min else 2
+    for r in range(w.shape[0]):
+        for i in range(m):
+            acc = np.float32(0.0)
+            for b in range(blocks):
+                s = np.float32(0.0)
+                for j in range(16):
+                    q = np.int32(w[r, b, start + j])
+                    s += np.float32(q & 15) * x[i, b, j] + np.float32(q >> 4) * x[i, b, j + 16]
+                d = _half(half, w, r, b, 0)
+                offset = _half(half, w, r, b, 2) if with_min else np.float32(-8.0) * d
+                acc += d * s + offset * sums[i, b]
+            out[i, r] = acc
+
+
+# q8_0 has its own loop, though its shape repeats q4_rows': one loop with the format as a runtime
+# branch per block ran 2.2x slower (1.27 ms against 0.57 ms for a 1536 x 576 Q4_1 matrix)
+@fast
+def q8_0_rows(x, w, half, out):
+    m, blocks = x.shape[0], x.shape[1]
+    for r in range(w.shape[0]):
+        for i in range(m):
+            acc = np.float32(0.0)
+            for b in range(blocks):
+                s = np.float32(0.0)
+                for j in range(32):
+                    q = np.int32(w[r, b, 2 + j])
+                    s += np.float32(q - 256 if q > 127 else q) * x[i, b, j]
+                acc += _half(half, w, r, b, 0) * s
+            out[i, r] = acc

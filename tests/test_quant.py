@@ -1,0 +1,101 @@
+"""Weights kept in their GGUF blocks: the kernels against `gguf`'s own quantization and
+dequantization, and the tensor-parallel decoder on quantized weights against the float32
+reference on the same (dequantized) values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models.llama import LlamaConfig, QuantizedWeight, ReferenceDecoder, TensorParallelLlama, random_weights
+from split_state import ShapeError, Split
+from split_state.quant import FORMATS
+from workers.kernels import numba_cpu, quant
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.timeout(120)
+TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}
+TYPES["q8_0"] = gguf.GGMLQuantizationType.Q8_0
+
+
+def quantized(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks (rows, blocks, bytes) made by gguf, their values as gguf dequantizes them)."""
+    raw = gguf.quants.quantize(values.astype(np.float32), TYPES[name])
+    blocks = raw.reshape(values.shape[0], -1, FORMATS[name].block_bytes)
+    return blocks, gguf.quants.dequantize(raw, TYPES[name]).astype(np.float64)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_dequantizing_gives_ggufs_values(name):
+    values = np.random.default_rng(1).standard_normal((7, 96)) * 3
+    blocks, expected = quantized(values, name)
+    np.testing.assert_array_equal(quant.dequantize(np, blocks, FORMATS[name]), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_products_with_quantized_weights_match_the_dequantized_product(name, rows, monkeypatch):
+    rng = np.random.default_rng(rows)
+    blocks, dequantized = quantized(rng.standard_normal((45, 128)), name)
+    x = rng.standard_normal((rows, 128)).astype(np.float32)
+    expected = x.astype(np.float64) @ dequantized.T
+    monkeypatch.setattr(quant, "TILE_BYTES", 8 * 128 * 4)  # 8 rows a tile: several tiles and a ragged one
+    params = {"format": name}
+    for kernel in (quant.qmatmul, numba_cpu.qmatmul):
+        got = kernel(np, [x.reshape(rows, 4, 32), blocks], params)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(), err_msg=str(kernel))
+
+
+def test_looked_up_rows_are_dequantized_alone():
+    blocks, dequantized = quantized(np.random.default_rng(2).standard_normal((10, 64)), "q8_0")
+    ids = np.array([[9, 0, 4], [4, 4, 1]])
+    got = quant.qget_rows(np, [blocks, ids], {"rows": 10, "format": "q8_0"})
+    np.testing.assert_array_equal(got, dequantized[ids].astype(np.float32))
+    with pytest.raises(ShapeError, match=r"ids must lie in \[0, 10\)"):
+        quant.qget_rows(np, [blocks, np.array([10])], {"rows": 10, "format": "q8_0"})
+
+
+CFG = LlamaConfig(hidden=64, layers=2, heads=4, kv_heads=2, ffn=96, vocab=40, tied=True)
+
+
+def quantized_model(cfg: LlamaConfig, formats: dict[str, str]):
+    """(source of QuantizedWeight / float32 weights, the float32 weights gguf dequantizes them to)."""
+    weights = random_weights(cfg, seed=4)
+    source, values = {}, {}
+    for key, w in weights.items():
+        name = formats.get(key.split(".")[-1])
+        if name is None or w.ndim != 2:
+            source[key] = values[key] = w
+            continue
+        rows = w if key == "embed" else w.T  # GGUF's (out, in): rows are the outputs
+        blocks, dequantized = quantized(rows, name)
+        source[key] = QuantizedWeight(name, blocks)
+        values[key] = (dequantized if key == "embed" else dequantized.T).astype(np.float32)
+    return source, values
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_the_decoder_on_quantized_weights_equals_the_reference_on_their_values(sim, n):
+    """Every matrix kept in blocks (q4_1 layers, a q8_0 tied embedding and head as in SmolLM2's
+    file, q4_0 for the attention output), on 1-5 devices: splits of the FFN on block boundaries,
+    uneven over 3 and 5 devices, and devices holding no KV head."""
+    formats = {"wq": "q4_1", "wk": "q4_1", "wv": "q8_0", "wo": "q4_0", "w_gate": "q4_1", "w_up": "q4_1"}
+    source, values = quantized_model(CFG, formats | {"w_down": "q4_1", "embed": "q8_0"})
+    ctx, prompt = 12, np.array([[3, 17, 5, 29]])
+    reference = ReferenceDecoder(CFG, values, ctx)
+    expected = [reference.forward(prompt, np.arange(4)[None])[0, -1]]
+    net = TensorParallelLlama(sim(n), CFG, source.__getitem__, ctx)
+    assert len(net.formats) == 1 + 6 * CFG.layers  # every matrix stayed quantized
+    got = [net.step(prompt, np.arange(4)[None])[:, 3:].numpy()[0, 0]]
+    for pos, token in zip(range(4, 7), (11, 2, 38)):
+        expected.append(reference.forward(np.array([[token]]), np.array([[pos]]))[0, -1])
+        got.append(net.step(np.array([[token]]), np.array([[pos]])).numpy()[0, 0])
+    np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=2e-4, atol=2e-4)
+
+
+def test_a_row_parallel_split_off_the_block_boundaries_is_refused():
+    weight = QuantizedWeight("q4_1", np.zeros((8, 3, 20), np.uint8))  # 8 outputs of 96 inputs
+    assert weight.split(Split(0, ((64, 32),)), "l0.w_down", 2) == Split(1, ((2, 1),))
+    assert weight.split(Split(1, ((5, 3),)), "l0.wq", 2) == Split(0, ((5, 3),))  # rows: any extents
+    with pytest.raises(ShapeError, match=r"l0.w_down: a q4_1 weight splits its inputs on 32-value blocks"):
+        weight.split(Split(0, ((48, 48),)), "l0.w_down", 2)
