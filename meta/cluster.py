@@ -278,12 +278,11 @@ class ProcessCluster:
                         f"{self.config.start_timeout} s{also}"
                     ) from None
                 continue
-            reason = self._refusal(route.bytes, frames, hellos)
+            message, reason = self._vet(route.bytes, frames, hellos)
             if reason:
                 refused.append(reason)
                 self._refuse(route.bytes, reason)
                 continue
-            message, _ = p.decode(frames)
             hellos[message.rank] = message
             self.routes[message.rank] = route.bytes
             self.pids.setdefault(message.rank, message.pid)
@@ -300,25 +299,25 @@ class ProcessCluster:
             self._data[rank].sndtimeo = 100
         return [hellos[r] for r in range(self.world_size)]
 
-    def _refusal(self, route: bytes, frames: list, hellos: dict[int, p.Hello]) -> str:
-        """Why a start-up message is not a worker's Hello for this cluster ("" when it is)."""
+    def _vet(self, route: bytes, frames: list, hellos: dict[int, p.Hello]) -> tuple[p.Hello | None, str]:
+        """(the Hello, "") of a worker of this cluster, or (None, why this start-up message is not)."""
         try:
             message, _ = p.decode(frames)
         except ProtocolError as exc:
-            return f"a malformed message ({exc})"
+            return None, f"a malformed message ({exc})"
         if not isinstance(message, p.Hello):
-            return f"a {type(message).__name__} where a Hello was expected"
-        if not 0 <= message.rank < self.world_size:
-            return f"a Hello from rank {message.rank}, but this cluster has ranks 0..{self.world_size - 1}"
+            return None, f"a {type(message).__name__} where a Hello was expected"
+        rank = message.rank
+        if not 0 <= rank < self.world_size:
+            return None, f"a Hello from rank {rank}, but this cluster has ranks 0..{self.world_size - 1}"
         sender = self.security.sender(frames[0])
-        if sender not in (None, message.rank):
-            return f"a Hello as rank {message.rank} from the holder of rank {sender}'s key"
-        if p.rank_of(route) != message.rank:
-            return f"a Hello as rank {message.rank} under the identity {route!r}"
-        if message.rank in hellos:
-            taken = hellos[message.rank].pid
-            return f"a second worker as rank {message.rank} (pid {message.pid}; rank {message.rank} is pid {taken})"
-        return ""
+        if sender not in (None, rank):
+            return None, f"a Hello as rank {rank} from the holder of rank {sender}'s key"
+        if p.rank_of(route) != rank:
+            return None, f"a Hello as rank {rank} under the identity {route!r}"
+        if rank in hellos:
+            return None, f"a second worker as rank {rank} (pid {message.pid}; rank {rank} is pid {hellos[rank].pid})"
+        return message, ""
 
     def _refuse(self, route: bytes, reason: str) -> None:
         """Tell a refused worker why (it prints the reason and exits), when it can be reached."""

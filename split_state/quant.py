@@ -20,11 +20,6 @@ class QuantFormat:
     block: int  # values per block
     block_bytes: int  # bytes per block
 
-    def byte_shape(self, rows: int, cols: int) -> tuple[int, int, int]:
-        if cols % self.block:
-            raise ShapeError(f"{self.name}: a row of {cols} values is not a whole number of {self.block}-value blocks")
-        return (rows, cols // self.block, self.block_bytes)
-
 
 # ggml's legacy formats, each block a float16 scale (and for q4_1 a float16 minimum) then the
 # quants: q4_0 value = d * (nibble - 8); q4_1 value = d * nibble + m; q8_0 value = d * int8.

@@ -42,18 +42,22 @@ def test_an_intermediate_past_the_budget_fails_even_with_a_small_output(budgeted
     assert np.array_equal(x.numpy(), np.ones((256, 1), np.float32))  # stored tensors unharmed
 
 
+def affine_chain(x_host: np.ndarray, x, rounds: int = 12):
+    """(x * 0.5 + 0.25, `rounds` times, on the device: 2 * rounds intermediates; the same in
+    float64 on the host)."""
+    y, expected = x, x_host.astype(np.float64)
+    for _ in range(rounds):
+        y = y * 0.5 + 0.25
+        expected = expected * 0.5 + 0.25
+    return y.numpy(), expected
+
+
 def test_a_long_chain_fits_only_because_dead_intermediates_are_freed(budgeted):
     size = 64 << 10  # bytes of x on every device
     dev = budgeted(2, budget=int(3.5 * size))  # x + two live intermediates + the output's growth
     x_host = np.linspace(-1, 1, size // 4, dtype=np.float32)
-    x = dev.tensor(x_host)
-    y = x
-    for _ in range(12):  # 12 intermediates: 12 x the size of x if none were freed
-        y = y * 0.5 + 0.25
-    got = y.numpy()
-    expected = x_host.astype(np.float64)
-    for _ in range(12):
-        expected = expected * 0.5 + 0.25
+    # 24 intermediates: 24 x the size of x if none were freed
+    got, expected = affine_chain(x_host, dev.tensor(x_host))
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     assert in_flight(dev) == [0, 0]
 

@@ -10,6 +10,7 @@ import pytest
 from meta import MetaDevice, apply
 from split_state import MIRRORED, OPS, PARTIAL, OutOfMemory, Split
 from split_state.ops import OpSpec, _infer_unary_float, _unary_rule
+from tests.test_memory import affine_chain
 from workers.arena import aligned
 from workers.simulator import SimulatedCluster
 
@@ -24,14 +25,8 @@ def arena_bytes(dev) -> list[int]:
 def test_a_chain_of_elementwise_ops_keeps_one_buffer(sim):
     dev = sim(2)
     x_host = np.linspace(-1, 1, SIZE, dtype=np.float32)
-    x = dev.tensor(x_host)
-    y = x
-    for _ in range(12):  # 24 intermediates, each overwriting the one it consumes
-        y = y * 0.5 + 0.25
-    got = y.numpy()
-    expected = x_host.astype(np.float64)
-    for _ in range(12):
-        expected = expected * 0.5 + 0.25
+    # 24 intermediates, each overwriting the one it consumes
+    got, expected = affine_chain(x_host, dev.tensor(x_host))
     np.testing.assert_allclose(got, expected, rtol=2e-6)
     # one buffer for all 23 intermediates (the last is the result, in a buffer of its own);
     # without in-place reuse two would alternate

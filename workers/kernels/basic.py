@@ -173,20 +173,26 @@ def _scale(xp, inputs, params, out=None):
     return emit(_wide(xp, x) * params["factor"], out, x.dtype)
 
 
-def _get_rows(xp, inputs, params, out=None):
-    table, ids = inputs
+def look_up_rows(xp, op: str, table, ids, params, out, width: int, dtype, read=lambda rows: rows):
+    """Rows `ids` of `table` as (ids..., width), zeros for the rows this device does not hold
+    (params["spans"]: which global rows it holds, where); `read` turns the table's rows into
+    values (a quantized table dequantizes only the rows looked up)."""
     ids = ids.astype(xp.int64, copy=False)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= params["rows"]):
-        raise ShapeError(f"get_rows: ids must lie in [0, {params['rows']}), got [{int(ids.min())}, {int(ids.max())}]")
-    spans = params.get("spans", [(0, params["rows"], 0)])
+        raise ShapeError(f"{op}: ids must lie in [0, {params['rows']}), got [{int(ids.min())}, {int(ids.max())}]")
     if out is None:
-        out = xp.zeros(ids.shape + (table.shape[1],), dtype=table.dtype)
+        out = xp.zeros(ids.shape + (width,), dtype=dtype)
     else:
         out[...] = 0
-    for start, stop, local in spans:
+    for start, stop, local in params.get("spans", [(0, params["rows"], 0)]):
         mask = (ids >= start) & (ids < stop)
-        out[mask] = table[ids[mask] - start + local]
+        out[mask] = read(table[ids[mask] - start + local])
     return out
+
+
+def _get_rows(xp, inputs, params, out=None):
+    table, ids = inputs
+    return look_up_rows(xp, "get_rows", table, ids, params, out, table.shape[1], table.dtype)
 
 
 def _compare(ufunc: str) -> Callable:

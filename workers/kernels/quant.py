@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from split_state.errors import ShapeError
 from split_state.quant import FORMATS, QuantFormat
+from workers.kernels.basic import look_up_rows
 
 TILE_BYTES = 1 << 20  # float32 bytes of one dequantized tile of rows
 
@@ -57,17 +58,11 @@ def qmatmul(xp, inputs, params, out=None):
 def qget_rows(xp, inputs, params, out=None):
     table, ids = inputs
     fmt = FORMATS[params["format"]]
-    ids = ids.astype(xp.int64, copy=False)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= params["rows"]):
-        raise ShapeError(f"qget_rows: ids must lie in [0, {params['rows']}), got [{int(ids.min())}, {int(ids.max())}]")
-    width = table.shape[1] * fmt.block
-    out = xp.zeros(ids.shape + (width,), xp.float32) if out is None else out
-    out[...] = 0
-    for start, stop, local in params.get("spans", [(0, params["rows"], 0)]):
-        mask = (ids >= start) & (ids < stop)
-        if bool(mask.any()):
-            out[mask] = dequantize(xp, table[ids[mask] - start + local], fmt)
-    return out
+
+    def read(rows):
+        return dequantize(xp, rows, fmt)
+
+    return look_up_rows(xp, "qget_rows", table, ids, params, out, table.shape[1] * fmt.block, xp.float32, read)
 
 
 KERNELS = {"qmatmul": qmatmul, "qget_rows": qget_rows}
