@@ -54,7 +54,7 @@ def reference_child(path: str, length: int, steps: int, out) -> None:
     ref = ReferenceDecoder(cfg, {n: model.weight(n) for n in names}, length + steps + 1)
     tokens = prompt_ids(model, length)
     start = time.perf_counter()
-    logits = ref.forward(tokens, np.arange(length)[None])
+    logits = ref.forward(tokens, np.arange(length)[None], last=[length - 1])  # as ours: the head for the last token
     prefill = time.perf_counter() - start
     token, times = int(np.argmax(logits[0, -1])), []
     for pos in range(length, length + steps):
@@ -77,15 +77,15 @@ def ours(path: str, workers: int, length: int, steps: int, ctx: int | None = Non
         net = TensorParallelLlama(dev, model.config, source, ctx or length + 6 * steps + 8)
         tokens = prompt_ids(model, length)
         start = time.perf_counter()
-        logits = net.step(tokens, np.arange(length)[None])
-        token = logits[:, length - 1 :].argmax()
+        logits = net.step(tokens, np.arange(length)[None], last=[length - 1])
+        token = logits.argmax()
         dev.run(token, *net.caches())
         first = token.numpy().astype(np.int32)
         prefill = time.perf_counter() - start
         # a second prompt of the same length: its plan is cached and loaded, its memory planned
         start = time.perf_counter()
-        again = net.step(tokens, np.arange(length)[None])
-        token = again[:, length - 1 :].argmax()
+        again = net.step(tokens, np.arange(length)[None], last=[length - 1])
+        token = again.argmax()
         dev.run(token, *net.caches())
         token.numpy()
         prefill_again = time.perf_counter() - start

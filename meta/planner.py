@@ -53,6 +53,38 @@ class Plan:
         return sum(1 for c in self.collectives() if c is kind)
 
 
+_CHOSEN: dict[tuple, Signature] = {}  # a decoder repeats each layer's choices: 30 layers, one pick each
+_CHOSEN_LIMIT = 16384
+
+
+def _signature(op: str, params: dict, shape, states: tuple, shapes: tuple, dtypes: tuple, n: int, plane: str):
+    """The signature `choose` picks for an op over inputs in these states, shapes and dtypes
+    (a pure function of them, so remembered)."""
+    try:
+        key = (op, _frozen(params), tuple(shape), states, shapes, dtypes, n, plane)
+        hash(key)
+    except TypeError:  # a parameter that cannot be a key: choose afresh
+        key = None
+    sig = _CHOSEN.get(key) if key is not None else None
+    if sig is None:
+        sigs = signatures(op, list(states), list(shapes), params, shape)
+        itemsizes = [dtype_from_name(d).itemsize for d in dtypes]
+        sig, _ = choose(sigs, states, shapes, itemsizes, n, dtypes, plane)
+        if key is not None:
+            if len(_CHOSEN) >= _CHOSEN_LIMIT:
+                _CHOSEN.clear()
+            _CHOSEN[key] = sig
+    return sig
+
+
+def _frozen(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return type(value).__name__, value  # 1, 1.0 and True are equal keys otherwise
+
+
 def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, plane: str = "") -> Plan:
     value: dict[int, int] = {leaf.id: i for i, leaf in enumerate(leaves)}
     state: dict[int, State] = {i: leaf.state for i, leaf in enumerate(leaves)}
@@ -86,9 +118,7 @@ def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, pla
         shapes = [meta[v][0] for v in ins]
         current = [state[v] for v in ins]
         dtypes = [meta[v][1] for v in ins]
-        sigs = signatures(node.op, current, shapes, node.params, node.shape)
-        sig: Signature
-        sig, _ = choose(sigs, current, shapes, [dtype_from_name(d).itemsize for d in dtypes], n, dtypes, plane)
+        sig = _signature(node.op, node.params, node.shape, tuple(current), tuple(shapes), tuple(dtypes), n, plane)
         ins = [move(v, s) for v, s in zip(ins, sig.inputs)]
         out = counter
         counter += 1

@@ -225,16 +225,16 @@ class LLM:
         positions = np.tile(np.arange(longest, dtype=np.int32), (batch, 1))
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = p
-        logits = self.net.step(tokens, positions)
-        values, indices = logits.top_k(pool)  # (batch, tokens, pool): only candidates travel
-        last = [len(p) - 1 for p in prompts]
-        # the whole vocabulary of the last prompt positions, gathered only when asked for
-        rows = [logits[b : b + 1, t : t + 1] for b, t in enumerate(last)] if keep_logits else []
+        last = [len(p) - 1 for p in prompts] + [0] * (batch - len(prompts))
+        logits = self.net.step(tokens, positions, last=last)  # (batch, 1, vocab): the last positions'
+        values, indices = logits.top_k(pool)  # only candidates travel
+        # the whole vocabulary, gathered only when asked for
+        rows = [logits[b : b + 1] for b in range(len(prompts))] if keep_logits else []
         self.dev.run(values, indices, *rows, *self.net.caches())
         if keep_logits:
             self.last_logits = np.stack([r.numpy().reshape(-1).astype(np.float32) for r in rows])
         v, i = values.numpy(), indices.numpy()
-        return [(v[b, t], i[b, t]) for b, t in enumerate(last)]
+        return [(v[b, 0], i[b, 0]) for b in range(len(prompts))]
 
     def _decode_step(self, tokens: list[int], positions: np.ndarray, pool: int):
         batch = self.batch

@@ -20,7 +20,7 @@ so the next token is picked by a per-device top-k and a small combine.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,7 +98,8 @@ class ReferenceDecoder:
     def _norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.cfg.eps) * weight
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, last: Sequence[int] | None = None) -> np.ndarray:
+        """`last`: one token index per row; the logits are then (batch, 1, vocab), of those only."""
         cfg, w, hd = self.cfg, self.w, self.cfg.head_dim
         batch, t = tokens.shape
         x = w["embed"][tokens]  # (batch, tokens, hidden)
@@ -122,6 +123,8 @@ class ReferenceDecoder:
             h = self._norm(x, w[p + "ffn_norm"])
             gate, up = h @ w[p + "w_gate"], h @ w[p + "w_up"]
             x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "w_down"]
+        if last is not None:
+            x = x[np.arange(batch), np.asarray(last)][:, None]
         x = self._norm(x, w["norm"])
         logits = x @ (w["embed"].T if cfg.tied else w["output"])
         assert logits.dtype == np.float32, "the reference computes in float32 throughout"
@@ -257,9 +260,11 @@ class TensorParallelLlama:
     def _norm(self, x: Tensor, name: str) -> Tensor:
         return x.rms_norm(eps=self.cfg.eps) * self.w[name]
 
-    def step(self, tokens, positions) -> Tensor:
+    def step(self, tokens, positions, last: Sequence[int] | None = None) -> Tensor:
         """Logits (batch, tokens, vocab), split by vocabulary; caches written at `positions`.
-        tokens, positions: (batch, tokens) host arrays, or fed tensors (see capture_decode)."""
+        tokens, positions: (batch, tokens) host arrays, or fed tensors (see capture_decode).
+        `last`: one token index per row; the logits are then (batch, 1, vocab), of those tokens
+        only (a prefill needs no others: the head is a fifth of a SmolLM2 prompt's work)."""
         cfg, dev, hd = self.cfg, self.dev, self.cfg.head_dim
         batch, t = tokens.shape
         # host values travel with the run: no round trip of their own
@@ -292,6 +297,10 @@ class TensorParallelLlama:
             gate, up = gate_up[:, :, : cfg.ffn], gate_up[:, :, cfg.ffn :]
             x = x + self._mm(gate.silu() * up, p + "w_down")
         self.k, self.v = new_k, new_v
+        if last is not None:
+            rows = dev.feed(np.array([b * t + i for b, i in enumerate(last)], np.int32))
+            x = get_rows(x.reshape(batch * t, cfg.hidden), rows).reshape(batch, 1, cfg.hidden)
+            t = 1
         x = self._norm(x, "norm")
         if cfg.tied and embed_format is not None:  # the table's rows are the head's outputs
             return qmatmul(x, self.w["embed"], embed_format)

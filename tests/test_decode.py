@@ -318,6 +318,21 @@ def test_llama_with_four_query_heads_per_kv_head_equals_the_reference(sim, n):
     np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_prefill_of_the_last_tokens_only_gives_their_rows_of_the_whole_logits(sim, n):
+    """step(last=...) computes the head for one token per row: those rows of the reference's
+    logits over every token (different rows of a batch at different tokens)."""
+    weights = random_weights(GQA_CFG, seed=4)
+    prompts, positions = np.array([[3, 70, 15, 8, 41], [9, 2, 66, 1, 0]]), np.tile(np.arange(5), (2, 1))
+    whole = ReferenceDecoder(GQA_CFG, weights, 16, batch=2).forward(prompts, positions)
+    net = TensorParallelLlama(sim(n), GQA_CFG, weights.__getitem__, 16, batch=2)
+    got = net.step(prompts, positions, last=[4, 2]).numpy()
+    assert got.shape == (2, 1, GQA_CFG.vocab)
+    np.testing.assert_allclose(got[:, 0], [whole[0, 4], whole[1, 2]], rtol=2e-4, atol=2e-4)
+    mine = ReferenceDecoder(GQA_CFG, weights, 16, batch=2).forward(prompts, positions, last=[4, 2])
+    np.testing.assert_allclose(mine[:, 0], [whole[0, 4], whole[1, 2]], rtol=1e-6, atol=1e-6)
+
+
 def test_a_cache_write_past_the_context_is_an_error(sim):
     dev = sim(2)
     net = TensorParallelLlama(dev, GQA_CFG, random_weights(GQA_CFG, seed=1).__getitem__, 8)

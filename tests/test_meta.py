@@ -45,6 +45,36 @@ def test_every_op_on_worker_processes(name, devname, data, request):
     check_op(request.getfixturevalue(devname), name, data)
 
 
+@pytest.mark.parametrize("name", CHECKED_OPS)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), n=st.integers(1, 8))
+def test_the_planners_remembered_choice_is_the_one_made_afresh(name, data, n):
+    """The planner remembers each op's signature by what it depends on (a decoder repeats every
+    layer's choices); after many other draws, a remembered choice is still the fresh one."""
+    from meta.planner import _signature
+    from split_state.dtypes import dtype_from_name
+    from split_state.ops import infer, signatures
+    from split_state.rules import choose
+
+    arrays, params, _, _ = draw_case(data, name)
+    states = tuple(data.draw(state_for(a.shape, n)) for a in arrays)
+    shapes = tuple(a.shape for a in arrays)
+    dtypes = tuple(str(a.dtype) for a in arrays)
+    out_shape = infer(name, shapes, dtypes, params)[0]
+    plane = data.draw(st.sampled_from(["", "shm", "nccl"]))
+    fresh, _ = choose(
+        signatures(name, list(states), list(shapes), params, out_shape),
+        states,
+        shapes,
+        [dtype_from_name(d).itemsize for d in dtypes],
+        n,
+        dtypes,
+        plane,
+    )
+    assert _signature(name, params, out_shape, states, shapes, dtypes, n, plane) == fresh
+    assert _signature(name, params, out_shape, states, shapes, dtypes, n, plane) == fresh  # remembered
+
+
 # -- worked examples: tensor-parallel MLP and attention -----------------------------------------
 
 
