@@ -147,7 +147,13 @@ def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ..
         tokens = int(rng.integers(0, dst[axis] + 1))
         ids = (dst[0], tokens) if axis > 0 and rng.random() < 0.3 else (tokens,)
         value = dst[:axis] + (tokens,) + dst[axis + 1 :]
-        return [dst, ids, value], [f32, "int32", f32], {"axis": axis}
+        params = {"axis": axis}
+        if axis > 0 and rng.random() < 0.3:  # some batch indices only: one sequence of a batched cache
+            start = int(rng.integers(0, dst[0]))
+            ids = (dst[0] - start - int(rng.integers(0, dst[0] - start)), tokens)
+            value = (ids[0],) + dst[1:axis] + (tokens,) + dst[axis + 1 :]
+            params["batch_start"] = start
+        return [dst, ids, value], [f32, "int32", f32], params
     if name == "top_k_combine":
         m = int(rng.integers(1, 9))
         return [x[:-1] + (m, 2)], ["float64"], {"k": int(rng.integers(1, m + 1))}

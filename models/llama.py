@@ -265,16 +265,42 @@ class TensorParallelLlama:
         tokens, positions: (batch, tokens) host arrays, or fed tensors (see capture_decode).
         `last`: one token index per row; the logits are then (batch, 1, vocab), of those tokens
         only (a prefill needs no others: the head is a fifth of a SmolLM2 prompt's work)."""
-        cfg, dev, hd = self.cfg, self.dev, self.cfg.head_dim
+        dev = self.dev
         batch, t = tokens.shape
         # host values travel with the run: no round trip of their own
         ids = tokens if isinstance(tokens, Tensor) else dev.feed(np.asarray(tokens, np.int32))
         pos = positions if isinstance(positions, Tensor) else dev.feed(np.asarray(positions, np.int32))
-        embed_format = self.formats.get("embed")
-        # (batch, tokens, hidden), Partial over the vocabulary split
-        x = get_rows(self.w["embed"], ids) if embed_format is None else qget_rows(self.w["embed"], ids, embed_format)
         keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)  # (batch, 1, 1, tokens, ctx)
-        mask = where(keep, self.zero, self.minus_inf)
+        x = self._layers(self._embed(ids), pos, where(keep, self.zero, self.minus_inf))
+        return self._head(x, last)
+
+    def prefill_slot(self, tokens: Sequence[int], slot: int) -> Tensor:
+        """Logits (1, 1, vocab) of the last of `tokens`, a new sequence in batch row `slot` (a
+        server's slot): its caches are written at positions 0.., the other rows are left as they
+        are, and the prompt attends to itself (nothing cached before it is read)."""
+        t = len(tokens)
+        if not 0 <= slot < self.batch:
+            raise ShapeError(f"slot {slot}: the caches hold batch rows 0..{self.batch - 1}")
+        if not 1 <= t <= self.ctx:
+            raise ShapeError(f"a prompt of {t} tokens: give 1 to {self.ctx} (the context)")
+        ids = self.dev.feed(np.asarray(tokens, np.int32).reshape(1, t))
+        pos = self.dev.feed(np.arange(t, dtype=np.int32).reshape(1, t))
+        keep = self.positions_ctx[:, :, :, :, :t] <= pos.reshape(1, 1, 1, t, 1)  # causal: (1, 1, 1, t, t)
+        x = self._layers(self._embed(ids), pos, where(keep, self.zero, self.minus_inf), slot)
+        return self._head(x, [t - 1])
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        """(batch, tokens, hidden), Partial over the vocabulary split."""
+        fmt = self.formats.get("embed")
+        return get_rows(self.w["embed"], ids) if fmt is None else qget_rows(self.w["embed"], ids, fmt)
+
+    def _layers(self, x: Tensor, pos: Tensor, mask: Tensor, slot: int | None = None) -> Tensor:
+        """Every layer over x (batch, tokens, hidden), writing the caches at `pos`. Attention reads
+        the caches (masked), or with `slot`, writes batch row `slot` only and reads the new keys
+        and values themselves (a prompt starting a sequence)."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        batch, t = x.shape[:2]
+        at = {} if slot is None else {"batch_start": slot}
         new_k, new_v = [], []
         for i in range(cfg.layers):
             p = f"l{i}."
@@ -282,14 +308,16 @@ class TensorParallelLlama:
             q = self._mm(h, p + "wq").reshape(batch, t, cfg.heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
             k = self._mm(h, p + "wk").reshape(batch, t, cfg.kv_heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
             v = self._mm(h, p + "wv").reshape(batch, t, cfg.kv_heads, hd)
-            cache_k = self.k[i].set_rows(pos, k.transpose(0, 2, 3, 1), axis=3)  # in place, (b, kv, hd, ctx)
-            cache_v = self.v[i].set_rows(pos, v.transpose(0, 2, 1, 3), axis=2)  # in place, (b, kv, ctx, hd)
+            k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # (b, kv, hd, t), (b, kv, t, hd)
+            cache_k = self.k[i].set_rows(pos, k, axis=3, **at)  # in place, (b, kv, hd, ctx)
+            cache_v = self.v[i].set_rows(pos, v, axis=2, **at)  # in place, (b, kv, ctx, hd)
             new_k.append(cache_k)
             new_v.append(cache_v)
+            keys, values, seen = (k, v, t) if slot is not None else (cache_k, cache_v, self.ctx)
             qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
-            keys = cache_k.reshape(batch, cfg.kv_heads, 1, hd, self.ctx)
-            scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, ctx)
-            attn = scores @ cache_v.reshape(batch, cfg.kv_heads, 1, self.ctx, hd)  # (b, kv, g, t, hd)
+            keys = keys.reshape(batch, cfg.kv_heads, 1, hd, seen)
+            scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, seen)
+            attn = scores @ values.reshape(batch, cfg.kv_heads, 1, seen, hd)  # (b, kv, g, t, hd)
             merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)
             x = x + self._mm(merged, p + "wo")
             h = self._norm(x, p + "ffn_norm")
@@ -297,6 +325,14 @@ class TensorParallelLlama:
             gate, up = gate_up[:, :, : cfg.ffn], gate_up[:, :, cfg.ffn :]
             x = x + self._mm(gate.silu() * up, p + "w_down")
         self.k, self.v = new_k, new_v
+        return x
+
+    def _head(self, x: Tensor, last: Sequence[int] | None) -> Tensor:
+        """The logits of x (batch, tokens, hidden), split by vocabulary; with `last`, of one token
+        per row only."""
+        cfg, dev = self.cfg, self.dev
+        batch, t = x.shape[:2]
+        embed_format = self.formats.get("embed")
         if last is not None:
             rows = dev.feed(np.array([b * t + i for b, i in enumerate(last)], np.int32))
             x = get_rows(x.reshape(batch * t, cfg.hidden), rows).reshape(batch, 1, cfg.hidden)

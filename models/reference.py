@@ -130,9 +130,10 @@ def _set_rows(inputs, params):
         for j, row in enumerate(ids.tolist()):
             _put(out, axis, row, np.take(value, j, axis=axis))
     else:
+        start = params.get("batch_start", 0)
         for b in range(ids.shape[0]):
             for j, row in enumerate(ids[b].tolist()):
-                _put(out[b], axis - 1, row, np.take(value[b], j, axis=axis - 1))
+                _put(out[start + b], axis - 1, row, np.take(value[b], j, axis=axis - 1))
     return out
 
 

@@ -482,16 +482,29 @@ def _infer_set_rows(shapes, dtypes, params):
         raise ShapeError(f"set_rows: row ids must be integers, got {dtypes[1]}")
     if len(ids) == 2 and axis == 0:
         raise ShapeError("set_rows: per-batch ids (batch, tokens) need the rows on an axis after the batch axis 0")
-    if len(ids) not in (1, 2) or (len(ids) == 2 and ids[0] != dst[0]):
-        raise ShapeError(f"set_rows: ids must be (tokens,) or (batch={dst[0]}, tokens), got {ids}")
+    # batch_start given: the ids' rows are batch indices batch_start, batch_start + 1, ... only
+    some = "batch_start" in params
+    start = params.get("batch_start", 0)
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ShapeError(f"set_rows: batch_start must be an integer >= 0, got {start!r}")
+    if some and len(ids) != 2:
+        raise ShapeError("set_rows: batch_start needs per-batch ids (batch, tokens)")
+    batch_fits = len(ids) == 1 or (ids[0] + start <= dst[0] if some else ids[0] == dst[0])
+    if len(ids) not in (1, 2) or not batch_fits:
+        raise ShapeError(
+            f"set_rows: ids must be (tokens,) or (batch={dst[0]}, tokens), or (at most {dst[0] - start}, tokens) "
+            f"from batch_start {start}; got {ids}"
+        )
     want = dst[:axis] + (ids[-1],) + dst[axis + 1 :]
+    if some:
+        want = (ids[0],) + want[1:]
     if value != want:
         raise ShapeError(
             f"set_rows: writing rows {ids} along axis {axis} of {dst} needs a value of {want}, got {value}"
         )
     if (dtypes[0] in FLOAT_NAMES) != (dtypes[2] in FLOAT_NAMES):
         raise ShapeError(f"set_rows: cannot write {dtypes[2]} into {dtypes[0]}")
-    return dst, dtypes[0], {"axis": axis, "rows": dst[axis]}
+    return dst, dtypes[0], {"axis": axis, "rows": dst[axis]} | ({"batch_start": start} if some else {})
 
 
 def _set_rows_rule(states, shapes, params, out_shape):
@@ -500,6 +513,8 @@ def _set_rows_rule(states, shapes, params, out_shape):
     device writes the rows it holds; Partial: each device writes its addend of the value."""
     dst, axis = states[0], params["axis"]
     batched = len(shapes[1]) == 2
+    if "batch_start" in params and isinstance(dst, Split) and dst.axis == 0:
+        return [Signature((dst, MIRRORED, MIRRORED), dst)]  # each device writes the batch indices it holds
     if isinstance(dst, Split) and dst.axis != axis:
         ids = dst.with_axis(0) if batched and dst.axis == 0 else MIRRORED
         return [Signature((dst, ids, dst), dst)]
@@ -514,7 +529,18 @@ def _localize_set_rows(params, in_states, in_shapes, out_state, out_shape, n, d)
         spans = [(p.global_start, p.global_stop, p.local_start) for p in pieces(dst, in_shapes[0], n, d)]
     else:
         spans = [(0, params["rows"], 0)]
-    return dict(params, spans=spans)
+    if "batch_start" not in params:
+        return dict(params, spans=spans)
+    # (row of the ids, local batch index) for each row this device writes
+    start, count = params["batch_start"], in_shapes[1][0]
+    held = pieces(dst, in_shapes[0], n, d) if isinstance(dst, Split) and dst.axis == 0 else None
+    pairs = [
+        (j, start + j if held is None else p.local_start + start + j - p.global_start)
+        for j in range(count)
+        for p in ([None] if held is None else held)
+        if p is None or p.global_start <= start + j < p.global_stop
+    ]
+    return {k: v for k, v in params.items() if k != "batch_start"} | {"spans": spans, "batches": pairs}
 
 
 def _infer_top_k_candidates(shapes, dtypes, params):

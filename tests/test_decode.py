@@ -82,6 +82,33 @@ def test_set_rows_writes_in_place_keeping_id_and_storage(sim, n):
         assert all(s["tensors"] == 1 for s in stats.values()), "only the cache is stored"
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("state_of", ["mirrored", "heads", "batch", "batch uneven"])
+def test_set_rows_from_a_batch_index_writes_that_sequence_only(sim, n, state_of):
+    """batch_start: one sequence's rows of a batched cache (a server prefilling one slot), with
+    the cache split on its heads or on its batch axis (some devices holding none of it)."""
+    rng = np.random.default_rng(n)
+    host = rng.standard_normal((4, 3, 6, 2)).astype(np.float32)  # (batch, heads, ctx, dim)
+    state = {
+        "mirrored": MIRRORED,
+        "heads": Split.even(1, 3, n),
+        "batch": Split.even(0, 4, n),
+        "batch uneven": Split(0, ((1, 3) + (0,) * (n - 2),)) if n > 1 else MIRRORED,
+    }[state_of]
+    dev = sim(n)
+    cache = dev.tensor(host, state)
+    ids = np.array([[4, 0], [1, 5]], np.int32)  # sequences 1 and 2, two positions each
+    value = rng.standard_normal((2, 3, 2, 2)).astype(np.float32)
+    cache.set_rows(dev.tensor(ids), dev.tensor(value), axis=2, batch_start=1).numpy()
+    expected = host.copy()
+    for j, b in enumerate((1, 2)):
+        for t, row in enumerate(ids[j]):
+            expected[b, :, row] = value[j, :, t]
+    np.testing.assert_array_equal(cache.numpy(), expected)
+    with pytest.raises(ShapeError, match="from batch_start 3"):
+        cache.set_rows(dev.tensor(ids), dev.tensor(value), axis=2, batch_start=3)
+
+
 def test_set_rows_with_bad_ids_fails_and_leaves_the_cache_intact(sim):
     dev = sim(2)
     cache_host = np.arange(24, dtype=np.float32).reshape(6, 4)
@@ -331,6 +358,30 @@ def test_a_prefill_of_the_last_tokens_only_gives_their_rows_of_the_whole_logits(
     np.testing.assert_allclose(got[:, 0], [whole[0, 4], whole[1, 2]], rtol=2e-4, atol=2e-4)
     mine = ReferenceDecoder(GQA_CFG, weights, 16, batch=2).forward(prompts, positions, last=[4, 2])
     np.testing.assert_allclose(mine[:, 0], [whole[0, 4], whole[1, 2]], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_sequences_prefilled_into_their_own_slots_decode_as_if_alone(sim, n):
+    """A server's slots: prompts of different lengths prefilled one at a time into batch rows
+    (prefill_slot), then decoded together, each row at its own position, equal the reference
+    run on each sequence alone; a row not prefilled yet takes no harm from the others."""
+    weights = random_weights(GQA_CFG, seed=12)
+    ctx, prompts = 16, {2: [3, 70, 15, 8, 41], 0: [9, 2, 66]}
+    net = TensorParallelLlama(sim(n), GQA_CFG, weights.__getitem__, ctx, batch=3)
+    refs = {slot: ReferenceDecoder(GQA_CFG, weights, ctx) for slot in prompts}
+    for slot, prompt in prompts.items():
+        got = net.prefill_slot(prompt, slot).numpy()[0, 0]
+        want = refs[slot].forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1]
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    tokens = {2: [11, 60, 2], 0: [33, 7, 5]}
+    for step in range(3):
+        at = {slot: len(prompts[slot]) + step for slot in prompts}
+        t = np.array([[tokens[s][step]] if s in prompts else [0] for s in range(3)], np.int32)
+        p = np.array([[at[s]] if s in prompts else [0] for s in range(3)], np.int32)
+        logits = net.step(t, p).numpy()
+        for slot in prompts:
+            want = refs[slot].forward(t[slot : slot + 1], p[slot : slot + 1])[0, -1]
+            np.testing.assert_allclose(logits[slot, 0], want, rtol=2e-4, atol=2e-4)
 
 
 def test_a_cache_write_past_the_context_is_an_error(sim):

@@ -280,16 +280,17 @@ def _set_rows(xp, inputs, params, out=None):
     """dst[..., ids, ...] = value along `axis`, in place; returns dst. `spans` are the global row
     ranges this device holds (start, stop, local start); rows elsewhere are another device's."""
     dst, ids, value = inputs
-    rows = params["rows"]
+    # batches: (row of the ids, local batch index) pairs when only some batch indices are written
+    rows, pairs = params["rows"], params.get("batches")
     if xp is np and ids.size <= FEW_ROWS and ids.ndim in (1, 2):
-        return _set_few_rows(dst, ids, value, rows, params["axis"], params["spans"])
+        return _set_few_rows(dst, ids, value, rows, params["axis"], params["spans"], pairs)
     ids = ids.astype(xp.int64, copy=False)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= rows):
         raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{int(ids.min())}, {int(ids.max())}]")
     axis = params["axis"]
     if ids.ndim == 2:  # one row list per batch element (axis 0)
-        for b in range(ids.shape[0]):
-            _write_rows(xp, dst[b], ids[b], value[b], axis - 1, params["spans"])
+        for j, b in [(j, j) for j in range(ids.shape[0])] if pairs is None else pairs:
+            _write_rows(xp, dst[b], ids[j], value[j], axis - 1, params["spans"])
     else:
         _write_rows(xp, dst, ids, value, axis, params["spans"])
     return dst
@@ -298,14 +299,18 @@ def _set_rows(xp, inputs, params, out=None):
 FEW_ROWS = 16  # a decode step writes one row per sequence: plain indexing beats masks there
 
 
-def _set_few_rows(dst, ids, value, rows: int, axis: int, spans):
+def _set_few_rows(dst, ids, value, rows: int, axis: int, spans, pairs=None):
     """set_rows for a handful of host ids: one assignment per row this device holds."""
     listed = ids.tolist()
     flat = [r for row in listed for r in row] if ids.ndim == 2 else listed
     if flat and (min(flat) < 0 or max(flat) >= rows):
         raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{min(flat)}, {max(flat)}]")
-    batches = [(dst[b], listed[b], value[b], axis - 1) for b in range(len(listed))] if ids.ndim == 2 else []
-    for target, row_ids, source, ax in batches or [(dst, listed, value, axis)]:
+    if ids.ndim == 2:
+        pairs = [(j, j) for j in range(len(listed))] if pairs is None else pairs
+        batches = [(dst[b], listed[j], value[j], axis - 1) for j, b in pairs]
+    else:
+        batches = [(dst, listed, value, axis)]
+    for target, row_ids, source, ax in batches:
         before = (slice(None),) * ax
         for j, row in enumerate(row_ids):
             for start, stop, local in spans:
