@@ -3,6 +3,7 @@
     python launch.py demo [--workers N] [--backend auto|cpu|cuda] [--devices 0,2,3]
     python launch.py devices
     python launch.py run SCRIPT.py [args ...]       # `dev` (a MetaDevice) is ready in the script
+    python launch.py serve [--workers N] [--port 8000] [--max-slots 8] [--api-key KEY]
     python launch.py embed "a sentence" "another" [--workers N] [--out emb.npy] [--file F]
     python launch.py bench [--quick]
     python launch.py stress --seconds S --workers N --seed K

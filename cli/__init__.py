@@ -4,6 +4,7 @@ an `add(subparsers)` that declares its options; `main` parses and dispatches.
     demo     cli/demo.py     tensor-parallel matmul and MLP checked against NumPy
     embed    cli/embed.py    MiniLM sentence embeddings
     generate cli/generate.py text from a llama-family GGUF model
+    serve    cli/serve.py    an OpenAI-compatible server with continuous batching
     devices, run, bench, stress, keys, worker    cli/tools.py
 """
 
@@ -13,10 +14,10 @@ import argparse
 import sys
 from collections.abc import Mapping
 
-from cli import demo, embed, generate, tools
+from cli import demo, embed, generate, serve, tools
 from split_state.errors import MetaError
 
-COMMANDS = (demo, embed, generate, tools)
+COMMANDS = (demo, embed, generate, serve, tools)
 
 
 def parser(description: str = "") -> argparse.ArgumentParser:

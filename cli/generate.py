@@ -73,37 +73,16 @@ class _Stream:
     """Prints a single prompt's text as its tokens arrive (whole characters only)."""
 
     def __init__(self, tokenizer, special: bool = False, stop: Sequence[str] = ()):
-        self.tokenizer, self.special, self.stop = tokenizer, special, list(stop)
-        self.tokens, self.shown = [], ""
+        from models.generate import TextStream
+
+        self.text = TextStream(tokenizer, special, stop)
 
     def __call__(self, prompt: int, token: int) -> None:
-        from models.generate import stop_string_at
-
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special=not self.special)
-        if text.endswith("\ufffd"):  # a character whose bytes are still arriving
-            return
-        cut = stop_string_at(text, self.stop)
-        if cut is not None:
-            text = text[:cut]
-        else:  # hold back what may be the start of a stop string
-            text = text[: len(text) - _pending(text, self.stop)]
-        if len(text) <= len(self.shown):
-            return
-        sys.stdout.write(text[len(self.shown) :])
+        sys.stdout.write(self.text.push(token))
         sys.stdout.flush()
-        self.shown = text
 
     def finish(self, text: str) -> None:
-        """Show what was held back: the generation ended without completing a stop string."""
-        if text.startswith(self.shown) and len(text) > len(self.shown):
-            sys.stdout.write(text[len(self.shown) :])
-            self.shown = text
-
-
-def _pending(text: str, stop: Sequence[str]) -> int:
-    """The length of the longest end of `text` that begins one of `stop`."""
-    return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        sys.stdout.write(self.text.finish(text))
 
 
 def add(sub) -> None:

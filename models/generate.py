@@ -80,6 +80,51 @@ def stop_string_at(text: str, stop_strings: Sequence[str]) -> int | None:
     return min(found) if found else None
 
 
+class TextStream:
+    """A generation's text as its tokens arrive: each `push` returns the new text that is safe
+    to show (whole characters only, nothing past a stop string, and the end that may still begin
+    one held back)."""
+
+    def __init__(self, tokenizer, special: bool = False, stop: Sequence[str] = ()):
+        self.tokenizer, self.special, self.stop = tokenizer, special, list(stop)
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special=not self.special)
+        if text.endswith("\ufffd"):  # a character whose bytes are still arriving
+            return ""
+        cut = stop_string_at(text, self.stop)
+        if cut is not None:
+            text = text[:cut]
+        else:  # hold back what may be the start of a stop string
+            text = text[: len(text) - _pending(text, self.stop)]
+        if len(text) <= len(self.shown):
+            return ""
+        new, self.shown = text[len(self.shown) :], text
+        return new
+
+    def final_text(self) -> str:
+        """The whole text, cut at the first stop string."""
+        text = self.tokenizer.decode(self.tokens, skip_special=not self.special)
+        cut = stop_string_at(text, self.stop)
+        return text if cut is None else text[:cut]
+
+    def finish(self, text: str | None = None) -> str:
+        """What was held back, once the generation ended (`text`: its final text)."""
+        text = self.final_text() if text is None else text
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            new, self.shown = text[len(self.shown) :], text
+            return new
+        return ""
+
+
+def _pending(text: str, stop: Sequence[str]) -> int:
+    """The length of the longest end of `text` that begins one of `stop`."""
+    return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
 def prompt_text(model: GGUFModel, prompt: str, chat: bool) -> str:
     """The text the model reads for `prompt`: as given, or wrapped in the file's chat template
     (rendered in a sandbox; an unsafe or broken template is a TemplateError naming the file)."""

@@ -63,6 +63,17 @@ def procs3_zmq():
     yield from _process_device(3, data_plane="zmq")
 
 
+@pytest.fixture(scope="module")
+def model():
+    """The packaged SmolLM2-135M-Instruct GGUF model; the test skips where it is not installed."""
+    from models.gguf_model import GGUFModel, ModelMissing
+
+    try:
+        return GGUFModel()
+    except ModelMissing as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.fixture
 def fresh_cluster():
     """Clusters a test may break (kill a worker, exhaust memory): closed and checked after."""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from meta import MetaDevice
-from models.gguf_model import GGUFModel, ModelError, ModelMissing
+from models.gguf_model import GGUFModel, ModelError
 from models.llama import ReferenceDecoder, TensorParallelLlama
 from split_state import Collective
 from workers.simulator import SimulatedCluster
@@ -23,14 +23,6 @@ PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # as the model's own tokenizer encodes it
 STEPS = 16
 CTX = 64
-
-
-@pytest.fixture(scope="module")
-def model():
-    try:
-        return GGUFModel()
-    except ModelMissing as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,12 @@ from transport.shm import InboxFile, RecordHeader, RingReader, RingWriter, Sink,
 from transport.sockets import Security, push, send
 from workers.binding import bound
 
-# poll this long for a peer's bytes before sleeping. A decode step's all-reduces wait 100-200 us
-# for the peer with more heads; a futex sleep and wake-up then costs the waiter ~100 us more on a
-# VM, which makes it the late one at the next all-reduce (measured: 50 us spins lost 4-8 ms per
-# SmolLM2 token on 2 workers; a busy neighbour's 4 KiB all-reduce took 393 us, 31 us with 1 ms)
-SPIN_SECONDS = 1e-3
+# poll this long for a peer's bytes before sleeping: a wake-up costs about that. 1 ms made
+# SmolLM2's 2-worker decode 10-15 % faster (the worker with fewer KV heads sleeps through each
+# attention all-reduce, then wakes late for the next), but slowed the test suite about 3x on 2
+# cores, where spinning workers take the core their coordinator needs: kept short until the
+# spin can tell the two cases apart
+SPIN_SECONDS = 50e-6
 POLITE_SPIN_SECONDS = 200e-6  # with more workers than cores: yield the core while spinning this long
 BLOCK_SECONDS = 2e-3  # the longest sleep: how late an abort over ZeroMQ may be seen by a sleeping worker
 NAP_SECONDS = 50e-6  # GPU waits (nothing wakes them): sleep in naps this short at first

@@ -1,0 +1,257 @@
+"""Continuous batching: concurrent requests as the slots of one running batch (as vLLM and
+llama-server run them).
+
+    batcher = ContinuousBatcher(dev, GGUFModel(), slots=8, ctx=2048).start()
+    ticket = batcher.submit(Job(prompt_ids, max_tokens=64, sampling=Sampling()))
+    for event in ticket.stream(): ...        # Token(...), then one Finished(...)
+
+The caches hold `slots` sequences (batch rows). One thread owns the device: between two decode
+steps it admits queued jobs into free slots (each prompt prefilled into its own row with
+`prefill_slot`, the other rows untouched), then runs one captured decode step (one plan) for the
+whole batch, each row at its own position, and hands each active slot its next token. A slot
+whose job finished, was cancelled or whose client left is free for the next job at once. Rows
+without a job decode a dummy token at position 0 of their own row, which the next prompt placed
+there overwrites. A row's tokens do not depend on the other rows: a greedy job gives the same
+tokens alone and in a full batch.
+
+Every job draws from its own generator (its seed), so a sampled job is reproducible too. The
+decode step proposes POOL candidates per row; a job's top_k cuts them further.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meta.device import MetaDevice
+from models.generate import POOL, WEIGHTS, Sampling, stop_string_at
+from models.gguf_model import GGUFModel, ModelError
+from models.llama import TensorParallelLlama
+from split_state.errors import MetaError, WorkerLost
+from workers.generation import choose
+
+TOKEN_SECONDS = 120.0  # a job waiting longer than this for its next token gives up (no hang)
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling = Sampling()
+    stop_strings: tuple[str, ...] = ()
+    stop_at_eos: bool = True
+
+
+@dataclass(frozen=True)
+class Token:
+    token: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (end of generation or a stop string), "length", "cancelled" or "error"
+    error: str = ""
+
+
+class Ticket:
+    """A submitted job: its events, and `cancel` (the slot is freed before the next token)."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.events: queue.Queue[Token | Finished] = queue.Queue()
+        self.cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+        self.first_token_s: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def stream(self, timeout: float = TOKEN_SECONDS) -> Iterator[Token | Finished]:
+        """The events as they come, ending with the Finished one; a silence longer than
+        `timeout` ends it with an error (and cancels the job)."""
+        while True:
+            try:
+                event = self.events.get(timeout=timeout)
+            except queue.Empty:
+                self.cancel()
+                yield Finished("error", f"no token within {timeout:.0f} s")
+                return
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+@dataclass
+class _Slot:
+    ticket: Ticket
+    rng: np.random.Generator
+    position: int  # where the next token's keys and values go
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Counters:
+    """What /metrics reports."""
+
+    requests: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: collections.Counter())
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    first_token_seconds: list[float] = field(default_factory=list)  # the last 1000
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+
+
+class ContinuousBatcher:
+    def __init__(self, dev: MetaDevice, model: GGUFModel, slots: int = 8, ctx: int = 2048, weights: str = "f32"):
+        if slots < 1:
+            raise ModelError(f"--max-slots {slots}: at least one")
+        if ctx > model.context_length:
+            raise ModelError(f"--ctx {ctx} exceeds the model's context length {model.context_length}")
+        if weights not in WEIGHTS:
+            raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
+        self.dev, self.model, self.ctx = dev, model, ctx
+        source = model.native if weights == "native" else model.weight
+        self.net = TensorParallelLlama(dev, model.config, source, ctx, batch=slots)
+        self.tokenizer = model.tokenizer
+        self.stop_ids = frozenset(model.end_of_generation)
+        self.slots: list[_Slot | None] = [None] * slots
+        self.waiting: collections.deque[Ticket] = collections.deque()
+        self.counters = Counters()
+        self.lost: str = ""  # why the cluster can no longer serve, once it cannot
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._decode = None  # the captured decode step, made at the first one
+        self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
+
+    # -- the requests' side -------------------------------------------------------------------------
+
+    def start(self) -> ContinuousBatcher:
+        self._thread.start()
+        return self
+
+    def submit(self, job: Job) -> Ticket:
+        if self.lost:
+            raise WorkerLost(f"the cluster is lost: {self.lost}")
+        if not job.prompt:
+            raise ModelError("an empty prompt: give at least one token of text")
+        if job.max_tokens < 1:
+            raise ModelError(f"max_tokens {job.max_tokens}: at least 1")
+        if len(job.prompt) >= self.ctx:
+            raise ModelError(f"a prompt of {len(job.prompt)} tokens does not fit the context of {self.ctx} tokens")
+        ticket = Ticket(job)
+        with self._wake:
+            self.waiting.append(ticket)
+            self.counters.requests += 1
+            self._wake.notify()
+        return ticket
+
+    def active(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel what waits or runs and stop the loop (the cluster stays open)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # -- the device's side ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stopping and not self.waiting and not self.active():
+                        self._wake.wait(1.0)
+                    if self._stopping:
+                        break
+                self._admit()
+                self._step()
+        except MetaError as exc:  # the cluster failed: every job is told, later ones refused
+            self.lost = f"{type(exc).__name__}: {exc}"
+        finally:
+            reason = ("error", self.lost) if self.lost else ("cancelled", "the server is stopping")
+            for slot in self.slots:
+                if slot is not None:
+                    slot.ticket.events.put(Finished(*reason))
+            with self._wake:
+                while self.waiting:
+                    self.waiting.popleft().events.put(Finished(*reason))
+            self.slots = [None] * len(self.slots)
+
+    def _admit(self) -> None:
+        for index, slot in enumerate(self.slots):
+            if slot is not None:
+                continue
+            with self._wake:
+                ticket = self.waiting.popleft() if self.waiting else None
+            if ticket is None:
+                return
+            if ticket.cancelled.is_set():
+                self._finish(index, ticket, "cancelled")
+                continue
+            job = ticket.job
+            logits = self.net.prefill_slot(list(job.prompt), index)
+            values, indices = logits.top_k(job.sampling.pool)
+            self.dev.run(values, indices, *self.net.caches())
+            self.counters.prompt_tokens += len(job.prompt)
+            self.slots[index] = _Slot(ticket, np.random.default_rng(job.sampling.seed), len(job.prompt))
+            self._take(index, values.numpy()[0, 0], indices.numpy()[0, 0])
+
+    def _step(self) -> None:
+        if not self.active():
+            return
+        rows = len(self.slots)
+        tokens, positions = np.zeros((rows, 1), np.int32), np.zeros((rows, 1), np.int32)
+        for index, slot in enumerate(self.slots):
+            if slot is not None:
+                tokens[index, 0], positions[index, 0] = slot.tokens[-1], slot.position
+        start = time.perf_counter()
+        if self._decode is None:
+            build = lambda logits: list(logits.top_k(POOL))  # noqa: E731
+            self._decode, (values, indices, *_) = self.net.capture_decode(tokens, positions, build=build)
+        else:
+            values, indices, *_ = self._decode(tokens, positions)
+        v, i = values.numpy(), indices.numpy()
+        self.counters.decode_steps += 1
+        self.counters.decode_seconds += time.perf_counter() - start
+        for index, slot in enumerate(self.slots):
+            if slot is not None:
+                slot.position += 1
+                pool = slot.ticket.job.sampling.pool
+                self._take(index, v[index, 0, :pool], i[index, 0, :pool])
+
+    def _take(self, index: int, values: np.ndarray, indices: np.ndarray) -> None:
+        """Slot `index`'s next token from its candidates, handed to its job; the slot is freed
+        when the job is done."""
+        slot = self.slots[index]
+        ticket, job = slot.ticket, slot.ticket.job
+        if ticket.cancelled.is_set():
+            self._finish(index, ticket, "cancelled")
+            return
+        s = job.sampling
+        token = choose(values, indices, s.temperature, s.top_p, slot.rng)
+        slot.tokens.append(token)
+        if ticket.first_token_s is None:
+            ticket.first_token_s = time.perf_counter() - ticket.submitted
+            self.counters.first_token_seconds = self.counters.first_token_seconds[-999:] + [ticket.first_token_s]
+        self.counters.generated_tokens += 1
+        ticket.events.put(Token(token))
+        if job.stop_at_eos and token in self.stop_ids:
+            self._finish(index, ticket, "stop")
+        elif job.stop_strings and stop_string_at(self.tokenizer.decode(slot.tokens), job.stop_strings) is not None:
+            self._finish(index, ticket, "stop")
+        elif len(slot.tokens) >= job.max_tokens or slot.position >= self.ctx:  # no room to feed it back
+            self._finish(index, ticket, "length")
+
+    def _finish(self, index: int, ticket: Ticket, reason: str) -> None:
+        self.slots[index] = None
+        self.counters.finished[reason] += 1
+        ticket.events.put(Finished(reason))
