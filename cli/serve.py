@@ -132,10 +132,11 @@ def build_app(batcher, model_id: str, api_key: str = "", chat_template=None):
                 return
             yield event
 
-    async def respond(request: Request, body: dict, prompt_ids: list[int], chat: bool):
+    async def respond(body: dict, prompt_ids: list[int], chat: bool):
         job = job_from(body, prompt_ids, secrets.randbelow(2**31))
         ticket = submit(job)
-        kind = "chat.completion" if chat else "text_completion"
+        streamed = bool(body.get("stream"))
+        kind = ("chat.completion.chunk" if streamed else "chat.completion") if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         text = TextStream(tokenizer, False, job.stop_strings)
@@ -152,15 +153,9 @@ def build_app(batcher, model_id: str, api_key: str = "", chat_template=None):
             return {"index": 0, key: content, "finish_reason": finish}
 
         def envelope(choices: list, **extra) -> dict:
-            return {
-                "id": rid,
-                "object": kind + ("" if extra.get("final") else ".chunk" if chat else ""),
-                "created": created,
-                "model": model_id,
-                "choices": choices,
-            } | {k: v for k, v in extra.items() if k != "final"}
+            return {"id": rid, "object": kind, "created": created, "model": model_id, "choices": choices} | extra
 
-        if not body.get("stream"):
+        if not streamed:
             try:
                 finished = None
                 async for event in events(ticket):
@@ -172,7 +167,7 @@ def build_app(batcher, model_id: str, api_key: str = "", chat_template=None):
                 ticket.cancel()  # a client gone before the end frees the slot
             if finished.reason == "error":
                 raise RequestError(503, f"generation failed: {finished.error}", "server_error")
-            result = envelope([choice(text.final_text(), finished.reason, True)], usage=usage(), final=True)
+            result = envelope([choice(text.final_text(), finished.reason, True)], usage=usage())
             return JSONResponse(result)
 
         async def sse():
@@ -225,7 +220,7 @@ def build_app(batcher, model_id: str, api_key: str = "", chat_template=None):
             ids = tokenizer.encode(prompt)
         else:
             raise RequestError(400, "'prompt' must be a string (or one string, or a list of token ids)", param="prompt")
-        return await respond(request, body, ids, chat=False)
+        return await respond(body, ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -252,7 +247,7 @@ def build_app(batcher, model_id: str, api_key: str = "", chat_template=None):
             text = chat_template.render([{"role": m["role"], "content": m["content"]} for m in messages])
         except TemplateError as exc:
             raise RequestError(400, f"the chat template refused the messages: {exc}", param="messages") from None
-        return await respond(request, body, tokenizer.encode(text), chat=True)
+        return await respond(body, tokenizer.encode(text), chat=True)
 
     @app.get("/metrics")
     async def metrics():

@@ -60,12 +60,11 @@ _CHOSEN_LIMIT = 16384
 def _signature(op: str, params: dict, shape, states: tuple, shapes: tuple, dtypes: tuple, n: int, plane: str):
     """The signature `choose` picks for an op over inputs in these states, shapes and dtypes
     (a pure function of them, so remembered)."""
+    key = (op, _frozen(params), tuple(shape), states, shapes, dtypes, n, plane)
     try:
-        key = (op, _frozen(params), tuple(shape), states, shapes, dtypes, n, plane)
-        hash(key)
+        sig = _CHOSEN.get(key)
     except TypeError:  # a parameter that cannot be a key: choose afresh
-        key = None
-    sig = _CHOSEN.get(key) if key is not None else None
+        key = sig = None
     if sig is None:
         sigs = signatures(op, list(states), list(shapes), params, shape)
         itemsizes = [dtype_from_name(d).itemsize for d in dtypes]

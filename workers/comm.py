@@ -30,12 +30,12 @@ from transport.shm import InboxFile, RecordHeader, RingReader, RingWriter, Sink,
 from transport.sockets import Security, push, send
 from workers.binding import bound
 
-# poll this long for a peer's bytes before sleeping: a wake-up costs about that. 1 ms made
-# SmolLM2's 2-worker decode 10-15 % faster (the worker with fewer KV heads sleeps through each
-# attention all-reduce, then wakes late for the next), but slowed the test suite about 3x on 2
-# cores, where spinning workers take the core their coordinator needs: kept short until the
-# spin can tell the two cases apart
-SPIN_SECONDS = 50e-6
+# poll this long for a peer's bytes before sleeping, while every worker has a core. In a SmolLM2
+# decode step on 2 workers the one with fewer KV heads waits 100-200 us at each attention
+# all-reduce; after a sleep the futex wake-up made it late for the next one (profiled step:
+# collectives 7-8 ms per token with 50 us spins, 2.3 ms with 1 ms). A 4 KiB all-reduce beside a
+# busy neighbour process: 393 us with 50 us spins, 31 us with 1 ms; the test suite is no slower
+SPIN_SECONDS = 1e-3
 POLITE_SPIN_SECONDS = 200e-6  # with more workers than cores: yield the core while spinning this long
 BLOCK_SECONDS = 2e-3  # the longest sleep: how late an abort over ZeroMQ may be seen by a sleeping worker
 NAP_SECONDS = 50e-6  # GPU waits (nothing wakes them): sleep in naps this short at first

@@ -280,8 +280,10 @@ def _set_rows(xp, inputs, params, out=None):
     """dst[..., ids, ...] = value along `axis`, in place; returns dst. `spans` are the global row
     ranges this device holds (start, stop, local start); rows elsewhere are another device's."""
     dst, ids, value = inputs
-    # batches: (row of the ids, local batch index) pairs when only some batch indices are written
+    # (row of the ids, local batch index) for each sequence written: given when only some are
     rows, pairs = params["rows"], params.get("batches")
+    if ids.ndim == 2 and pairs is None:
+        pairs = [(j, j) for j in range(ids.shape[0])]
     if xp is np and ids.size <= FEW_ROWS and ids.ndim in (1, 2):
         return _set_few_rows(dst, ids, value, rows, params["axis"], params["spans"], pairs)
     ids = ids.astype(xp.int64, copy=False)
@@ -289,7 +291,7 @@ def _set_rows(xp, inputs, params, out=None):
         raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{int(ids.min())}, {int(ids.max())}]")
     axis = params["axis"]
     if ids.ndim == 2:  # one row list per batch element (axis 0)
-        for j, b in [(j, j) for j in range(ids.shape[0])] if pairs is None else pairs:
+        for j, b in pairs:
             _write_rows(xp, dst[b], ids[j], value[j], axis - 1, params["spans"])
     else:
         _write_rows(xp, dst, ids, value, axis, params["spans"])
@@ -299,14 +301,13 @@ def _set_rows(xp, inputs, params, out=None):
 FEW_ROWS = 16  # a decode step writes one row per sequence: plain indexing beats masks there
 
 
-def _set_few_rows(dst, ids, value, rows: int, axis: int, spans, pairs=None):
+def _set_few_rows(dst, ids, value, rows: int, axis: int, spans, pairs):
     """set_rows for a handful of host ids: one assignment per row this device holds."""
     listed = ids.tolist()
     flat = [r for row in listed for r in row] if ids.ndim == 2 else listed
     if flat and (min(flat) < 0 or max(flat) >= rows):
         raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{min(flat)}, {max(flat)}]")
     if ids.ndim == 2:
-        pairs = [(j, j) for j in range(len(listed))] if pairs is None else pairs
         batches = [(dst[b], listed[j], value[j], axis - 1) for j, b in pairs]
     else:
         batches = [(dst, listed, value, axis)]
