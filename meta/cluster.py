@@ -91,6 +91,10 @@ class ProcessCluster:
         self.routes: dict[int, bytes] = {}  # each rank's identity on the control socket, from its Hello
         self.liveness = Liveness(config.liveness)
         self._lock = threading.Lock()
+        # the control socket is read by a call, or between calls by the heartbeat thread (latecomers
+        # must be told why they cannot join even while the user is idle): one at a time
+        self._control_lock = threading.Lock()
+        self._formed = False
         self._stop = threading.Event()
         self._request = 0
         self._data: dict[int, zmq.Socket] = {}
@@ -107,7 +111,8 @@ class ProcessCluster:
             self._beats.start()
             if config.spawn:
                 self._spawn()
-            self.devices = self._handshake()
+            with self._control_lock:
+                self.devices = self._handshake()
             plane = self._data_plane()
             nccl_id = b""
             if plane == "nccl":
@@ -129,6 +134,7 @@ class ProcessCluster:
                 config.start_timeout,
             )
             self.data_planes = [replies[r].info for r in range(self.world_size)]
+            self._formed = True
         except BaseException:
             self.close()
             raise
@@ -346,6 +352,27 @@ class ProcessCluster:
                 if isinstance(message, p.Heartbeat) and self.security.sender(frames[0]) in (None, message.rank):
                     with self._lock:
                         self.liveness.heard(message.rank)
+            self._read_while_idle()
+
+    def _read_while_idle(self) -> None:
+        """Between calls, read what came on the control socket: a latecomer's Hello is told why it
+        cannot join (else it would wait out its liveness window untold); anything else is a late
+        reply of a finished call, which a call would drop too."""
+        if not self._formed or not self._control_lock.acquire(blocking=False):
+            return
+        try:
+            while not self.closed and self.control.poll(0):
+                route, *frames = self.control.recv_multipart(copy=False)
+                if self.routes.get(p.rank_of(route.bytes)) != route.bytes:
+                    self._tell_latecomer(route.bytes, p.decode(frames)[0])
+        except (zmq.ZMQError, ProtocolError):
+            pass
+        finally:
+            self._control_lock.release()
+
+    def _tell_latecomer(self, route: bytes, message: p.Message) -> None:
+        if isinstance(message, p.Hello):
+            self._refuse(route, f"rank {message.rank} is taken and the cluster has formed")
 
     def _check_processes(self) -> None:
         for rank, proc in enumerate(self.processes):
@@ -388,6 +415,12 @@ class ProcessCluster:
             raise WorkerLost(f"cluster unusable: {self.lost}", rank=self.lost.rank)
         if self.closed:
             raise TransportError("cluster is closed")
+        with self._control_lock:
+            return self._call_all(messages, timeout, on_message)
+
+    def _call_all(
+        self, messages: dict[int, p.Message], timeout: float | None, on_message: OnMessage | None
+    ) -> dict[int, p.Message]:
         self._check_processes()  # a dead worker is WorkerLost, not an unroutable send
         self._request += 1
         rid = self._request
@@ -413,8 +446,7 @@ class ProcessCluster:
                     continue
                 rank = p.rank_of(route.bytes)
                 if self.routes.get(rank) != route.bytes:
-                    if isinstance(message, p.Hello):  # a latecomer: the cluster has formed
-                        self._refuse(route.bytes, f"rank {rank} is taken and the cluster has formed")
+                    self._tell_latecomer(route.bytes, message)
                     continue
                 if got != rid or rank not in messages or rank in replies:
                     continue  # another request's, or after this worker's reply (the Ok of a late Cancel)
@@ -446,12 +478,17 @@ class ProcessCluster:
         self.closed = True
         lost = self.lost.rank if self.lost is not None else None
         if getattr(self, "devices", None):
-            try:  # the survivors of a lost worker are told at once too, not left to the grace period
-                for rank, route in self.routes.items():
-                    if rank != lost:
-                        send(self.control, p.Shutdown(), 0, route=route)
-            except MetaError:
-                pass
+            # the socket is another thread's while it reads between calls or (closing from a signal
+            # handler or another thread) makes a call; then the workers go by terminate below
+            if self._control_lock.acquire(timeout=1.0):
+                try:  # the survivors of a lost worker are told at once too, not left to the grace period
+                    for rank, route in self.routes.items():
+                        if rank != lost:
+                            send(self.control, p.Shutdown(), 0, route=route)
+                except MetaError:
+                    pass
+                finally:
+                    self._control_lock.release()
         for proc in self.processes:
             if lost is not None and proc.pid == self.pids.get(lost) and proc.poll() is None:
                 proc.kill()  # dead or stopped: nothing to wait for
