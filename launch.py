@@ -3,6 +3,7 @@
     python launch.py demo [--workers N] [--backend auto|cpu|cuda] [--devices 0,2,3]
     python launch.py devices
     python launch.py run SCRIPT.py [args ...]       # `dev` (a MetaDevice) is ready in the script
+    python launch.py generate "PROMPT" [-n 64] [--chat] [--temp 0.8] [-m MODEL.gguf]   # or -i: a conversation
     python launch.py serve [--workers N] [--port 8000] [--max-slots 8] [--api-key KEY]
     python launch.py embed "a sentence" "another" [--workers N] [--out emb.npy] [--file F]
     python launch.py bench [--quick]
@@ -16,6 +17,9 @@ Under Slurm, Open MPI, PMI or torchrun every rank runs the same command: rank 0 
 coordinator (and runs worker 0), the other ranks become workers.
 
 Environment: META_TP_DEBUG=1 prints each planned node and every inserted collective.
+
+`launch.py COMMAND --help` shows each command's options and their defaults. Installed with pip,
+the same commands are `meta-tp COMMAND ...`.
 
 This file is the entry point and the only reader of the environment; the commands live in cli/,
 the Python API in meta/api.py (re-exported here as `launch.cluster`).

@@ -129,10 +129,10 @@ def ours(path: str, workers: int, length: int, steps: int, ctx: int | None = Non
 def worker_driven_step(dev, net, token: np.ndarray, pos: int, steps: int) -> float:
     """Seconds per token of greedy generation driven by the workers (as `generate` runs it):
     one Generate for `steps` tokens, the workers feeding each token back themselves."""
-    from workers.generation import generator_state
+    from workers.generation import Rule, generator_state
 
     step, _ = net.capture_decode(token, np.array([[pos]]), build=lambda logits: list(logits.top_k(1)))
-    settings = {"temperature": 0.0, "top_p": 1.0, "rng": generator_state(np.random.default_rng(0))}
+    settings = {"rule": Rule().as_wire(), "rng": generator_state(np.random.default_rng(0))}
     settings |= {"stop": [], "done": [False]}
     start = time.perf_counter()
     info = dev.generate(step, token, np.array([[pos + 1]], np.int32), steps, settings, lambda k, t: True)
@@ -163,7 +163,7 @@ def resident_memory(path: str, workers: int, tokens: int) -> dict:
             out[f"worker {rank}"] = s["rss_kib"] / 1024
         return out
 
-    from workers.generation import generator_state
+    from workers.generation import Rule, generator_state
 
     model = GGUFModel(path)
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
@@ -172,7 +172,7 @@ def resident_memory(path: str, workers: int, tokens: int) -> dict:
             np.array([[1]], np.int32), np.array([[0]]), build=lambda logits: list(logits.top_k(1))
         )
         token = indices.numpy().astype(np.int32).reshape(1, 1)
-        settings = {"temperature": 0.0, "top_p": 1.0, "rng": generator_state(np.random.default_rng(0))}
+        settings = {"rule": Rule().as_wire(), "rng": generator_state(np.random.default_rng(0))}
         settings |= {"stop": [], "done": [False]}
         samples, pos, last = {}, 1, []
         for upto in (100, tokens - 1):  # generation driven by the workers, in two runs

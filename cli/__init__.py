@@ -27,11 +27,15 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     for module in COMMANDS:
         module.add(sub)
+    for command in sub.choices.values():
+        command.set_defaults(parser=command)  # an unknown option is told with this command's usage
     return ap
 
 
 def main(argv: list[str] | None, environ: Mapping[str, str], description: str = "") -> int:
-    args = parser(description).parse_args(argv)
+    args, unknown = parser(description).parse_known_args(argv)
+    if unknown:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.environ = environ
     try:
         return args.fn(args)

@@ -73,7 +73,7 @@ def demo(args: argparse.Namespace) -> int:
 
 def add(sub) -> None:
     p = sub.add_parser("demo", help="tensor-parallel matmul and MLP, checked against NumPy")
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=64, help="rows of the MLP's input (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=512, help="the model width (default: %(default)s)")
     add_cluster_options(p)
     p.set_defaults(fn=demo)

@@ -53,9 +53,9 @@ def embed(args: argparse.Namespace) -> int:
 
 def add(sub) -> None:
     p = sub.add_parser("embed", help="sentence embeddings with all-MiniLM-L6-v2, tensor-parallel")
-    p.add_argument("sentences", nargs="*")
+    p.add_argument("sentences", nargs="*", help="sentences to embed")
     p.add_argument("--file", default="", help="one sentence per line")
     p.add_argument("--out", default="", help="write the embeddings here (.npy, float32)")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=int, default=32, help="sentences per run (default: %(default)s)")
     add_cluster_options(p)
     p.set_defaults(fn=embed)

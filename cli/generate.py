@@ -1,4 +1,15 @@
-"""`launch.py generate`: text from a llama-family GGUF model, tensor-parallel over the workers."""
+"""`launch.py generate`: text from a llama-family GGUF model, tensor-parallel over the workers.
+
+Flags mean what llama-cli's mean (-m, -p, -f, -n, -c, --temp, --top-k, --top-p, --min-p,
+--repeat-penalty, --repeat-last-n, --seed, -sys, -i), so its users need not learn new ones.
+Everything that can be checked is checked before any worker starts: the options, the model
+file's metadata against its tensors, the prompts' text and their length against --ctx.
+
+One prompt streams its text; several decode together as a batch, each printed as plain text
+(the first streams when stdout is a terminal); `--json -` writes JSON lines instead. With
+`-i`, or with no prompt on a terminal, it is a conversation: the model stays loaded and each
+reply streams, until end of input or /exit.
+"""
 
 from __future__ import annotations
 
@@ -11,57 +22,54 @@ from collections.abc import Sequence
 import numpy as np
 
 from cli.display import progress
-from cli.options import add_cluster_options, open_cluster
+from cli.options import add_cluster_options, check_cluster_options, open_cluster
+
+EXIT = "/exit"
 
 
 def generate(args: argparse.Namespace) -> int:
-    from models.generate import LLM, Sampling, prompt_text
+    from models.generate import LLM, Sampling, check_lengths, prompt_text
     from models.gguf_model import GGUFModel, ModelError
 
-    if not args.prompts:
-        raise ModelError('generate: give one or more prompts, e.g. launch.py generate "The capital of France is"')
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    check_cluster_options(args)
+    prompts = gather_prompts(args)
+    interactive = args.interactive or (not prompts and sys.stdin.isatty())
+    if not prompts and not interactive:
+        raise ModelError('give a prompt, e.g. launch.py generate "The capital of France is" (or -f FILE, or -i)')
+    if prompts and interactive:
+        raise ModelError("--interactive reads its messages from the input; give no prompt with it")
+    if args.ctx <= 0:
+        raise ModelError(f"--ctx {args.ctx}: give a positive number of tokens")
+    if args.max_new_tokens is not None and args.max_new_tokens < 0:
+        raise ModelError(f"--max-new-tokens {args.max_new_tokens}: give 0 or more")
+    sampling = Sampling(
+        args.temperature, args.top_k, args.top_p, args.seed, args.min_p, args.repeat_penalty, args.repeat_last_n
+    )
     model = GGUFModel(args.model or None)
-    for prompt in args.prompts:  # the file's chat template is checked before any worker starts
-        prompt_text(model, prompt, args.chat)
+    model.check()
+    if args.ctx > model.context_length:
+        raise ModelError(f"--ctx {args.ctx} exceeds the model's context length {model.context_length}")
+    chat = args.chat or bool(args.system) or interactive
+    if interactive:  # the template must render before the workers start
+        prompt_text(model, [{"role": "user", "content": "hello"}], True, args.system)
+    else:
+        new = 32 if args.max_new_tokens is None else args.max_new_tokens
+        lengths = [len(model.tokenizer.encode(prompt_text(model, p, chat, args.system))) for p in prompts]
+        check_lengths(lengths, new, args.ctx, model.context_length)
     with open_cluster(args) as dev:
         start = time.perf_counter()
         llm = LLM(
             dev,
             model,
             ctx=args.ctx,
-            batch=len(args.prompts),
+            batch=max(1, len(prompts)),
             progress=lambda i, n: progress(i, n, "placing layers", start),
             weights=args.weights,
         )
-        stream = _Stream(llm.tokenizer, args.special, args.stop) if len(args.prompts) == 1 else None
-        out = llm.generate(
-            args.prompts,
-            args.max_new_tokens,
-            sampling,
-            chat=args.chat,
-            stop_at_eos=not args.ignore_eos,
-            special=args.special,
-            stop_strings=args.stop,
-            keep_logits=bool(args.logits_out),
-            on_token=stream,
-        )
-    if stream is not None:
-        stream.finish(out[0].text)
-        print(flush=True)
-    else:
-        for g in out:
-            print(f"{g.prompt!r} -> {g.text!r}")
-    g = out[0]
-    prompt_tokens = sum(len(x.prompt_tokens) for x in out)
-    new = sum(len(x.tokens) for x in out)
-    print(
-        f"{len(out)} prompt(s) on {dev.n} {dev.cluster.config.backend} workers: prefill {prompt_tokens} tokens in "
-        f"{g.prefill_s:.2f} s ({prompt_tokens / g.prefill_s:.1f} tokens/s), decode {new} tokens in "
-        f"{g.decode_s:.2f} s ({max(0, new - len(out)) / g.decode_s if g.decode_s else 0:.1f} tokens/s)",
-        file=sys.stderr,
-    )
-    if args.json:
+        if interactive:
+            return converse(llm, args, sampling)
+        out = _one_batch(llm, args, prompts, new, sampling, chat)
+    if args.json and args.json != "-":
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump([x.as_json() for x in out], f, indent=1)
     if args.logits_out:
@@ -69,8 +77,130 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def gather_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts from the command line, -p and -f (a whole file is one prompt; - is stdin)."""
+    from models.gguf_model import ModelError
+
+    prompts = [*args.prompts, *args.prompt]
+    for path in args.file:
+        try:
+            if path == "-":
+                raw = sys.stdin.buffer.read()
+            else:
+                with open(path, "rb") as f:
+                    raw = f.read()
+        except OSError as exc:
+            raise ModelError(f"-f {path}: {exc.strerror}") from None
+        try:
+            prompts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ModelError(f"-f {path}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})") from None
+    return prompts
+
+
+def _one_batch(llm, args, prompts: list[str], new: int, sampling, chat: bool):
+    lines = args.json == "-"
+    quiet = lines or (len(prompts) > 1 and not sys.stdout.isatty())
+    live = None if quiet else _Stream(llm.tokenizer, args.special, args.stop)
+    out = llm.generate(
+        prompts,
+        new,
+        sampling,
+        chat=chat,
+        stop_at_eos=not args.ignore_eos,
+        special=args.special,
+        stop_strings=args.stop,
+        keep_logits=bool(args.logits_out),
+        on_token=None if live is None else (lambda b, token: b == 0 and live(b, token)),
+        system=args.system,
+    )
+    if lines:
+        for g in out:
+            print(json.dumps(g.as_json()), flush=True)
+    else:
+        for b, g in enumerate(out):
+            if b > 0:
+                print()  # a blank line between prompts' texts
+            sys.stdout.write(live.finish(g.text) if b == 0 and live is not None else g.text)
+            print(flush=True)
+    prompt_tokens = sum(len(x.prompt_tokens) for x in out)
+    generated = sum(len(x.tokens) for x in out)
+    g, dev = out[0], llm.dev
+    print(
+        f"{len(out)} prompt(s) on {dev.n} {dev.cluster.config.backend} workers: prefill {prompt_tokens} tokens in "
+        f"{g.prefill_s:.2f} s ({prompt_tokens / g.prefill_s:.1f} tokens/s), decode {generated} tokens in "
+        f"{g.decode_s:.2f} s ({max(0, generated - len(out)) / g.decode_s if g.decode_s else 0:.1f} tokens/s)",
+        file=sys.stderr,
+    )
+    return out
+
+
+def converse(llm, args, sampling) -> int:
+    """A conversation on the loaded model: each message read, its reply streamed, until end of
+    input or /exit. The caches keep the conversation, so each turn prefills only what is new."""
+    from models.gguf_model import ModelError
+
+    terminal = sys.stdin.isatty()
+    print(
+        f"chatting with {llm.model.path.name}: {EXIT} or end of input (Ctrl-D) ends it; a line ending in \\ "
+        "goes on in the next; Ctrl-C cuts a reply short",
+        file=sys.stderr,
+        flush=True,
+    )
+    messages: list[dict] = []
+    while (text := read_message(terminal)) is not None and text.strip() != EXIT:
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        room = llm.ctx - len(llm.prompt_ids(messages, True, args.system))
+        new = room if args.max_new_tokens is None else min(args.max_new_tokens, max(room, 0))
+        stream = _Stream(llm.tokenizer, args.special, args.stop)
+        try:
+            reply = llm.chat(
+                messages,
+                new,
+                sampling=sampling,
+                system=args.system,
+                stop_at_eos=not args.ignore_eos,
+                special=args.special,
+                stop_strings=args.stop,
+                on_token=stream,
+            )
+        except KeyboardInterrupt:  # the reply is cut short; the conversation goes on without this turn
+            messages.pop()
+            print("\n[interrupted]", flush=True)
+            continue
+        except ModelError as exc:  # the conversation outgrew --ctx: say so, keep the model loaded
+            messages.pop()
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            continue
+        sys.stdout.write(stream.finish(reply.text))
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply.text})
+    return 0
+
+
+def read_message(terminal: bool) -> str | None:
+    """The next message (lines ending in a backslash go on in the next), or None at the end."""
+    lines: list[str] = []
+    while True:
+        try:
+            line = input("> " if not lines else "  ") if terminal else sys.stdin.readline()
+        except EOFError:
+            line = None
+        except UnicodeDecodeError as exc:
+            print(f"error: that line is not UTF-8 text ({exc.reason}); type it again", file=sys.stderr, flush=True)
+            continue
+        if line is None or (not terminal and line == ""):
+            return "\n".join(lines) if lines else None
+        line = line.rstrip("\n")
+        if not line.endswith("\\"):
+            return "\n".join([*lines, line])
+        lines.append(line[:-1])
+
+
 class _Stream:
-    """Prints a single prompt's text as its tokens arrive (whole characters only)."""
+    """Prints one text as its tokens arrive (whole characters only)."""
 
     def __init__(self, tokenizer, special: bool = False, stop: Sequence[str] = ()):
         from models.generate import TextStream
@@ -81,16 +211,51 @@ class _Stream:
         sys.stdout.write(self.text.push(token))
         sys.stdout.flush()
 
-    def finish(self, text: str) -> None:
-        sys.stdout.write(self.text.finish(text))
+    def finish(self, text: str) -> str:
+        """What is still to print once the text is final."""
+        return self.text.finish(text)
 
 
 def add(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a llama-family GGUF model, tensor-parallel")
-    p.add_argument("prompts", nargs="*")
-    p.add_argument("--model", default="", help="a llama-architecture .gguf file (default: SmolLM2-135M-Instruct)")
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a llama-family GGUF model, tensor-parallel",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=_Help,
+    )
+    p.add_argument("prompts", nargs="*", help="prompts; several decode together as a batch")
+    p.add_argument("-p", "--prompt", action="append", default=[], help="a prompt (repeatable), as llama-cli takes it")
     p.add_argument(
-        "--max-new-tokens", type=int, default=32, help="at most this many (default: %(default)s); fewer at the end"
+        "-f", "--file", action="append", default=[], metavar="FILE", help="a prompt from a file; - reads stdin"
+    )
+    p.add_argument(
+        "-m", "--model", default="", help="a llama-architecture .gguf file (default: SmolLM2-135M-Instruct, packaged)"
+    )
+    p.add_argument(
+        "-n",
+        "--max-new-tokens",
+        "--n-predict",
+        type=int,
+        metavar="N",
+        default=None,
+        help="at most this many new tokens (default: 32; in a conversation, until the end of the turn or the context)",
+    )
+    p.add_argument(
+        "-c", "--ctx", "--ctx-size", type=int, default=2048, metavar="N", help="KV cache length, tokens per sequence"
+    )
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K best only (0: no limit)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the best whose probability reaches P")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than P times the best")
+    p.add_argument(
+        "--repeat-penalty", type=float, default=1.0, help="lower the recent tokens' logits by this factor (1: off)"
+    )
+    p.add_argument("--repeat-last-n", type=int, default=64, help="the recent tokens --repeat-penalty counts")
+    p.add_argument("-s", "--seed", type=int, default=0, help="the sampler's seed")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("-sys", "--system", default="", help="a system message (implies --chat)")
+    p.add_argument(
+        "-i", "--interactive", action="store_true", help="a conversation read from the input (default on a terminal)"
     )
     p.add_argument(
         "--ignore-eos",
@@ -106,21 +271,26 @@ def add(sub) -> None:
         metavar="STRING",
         help="end the text where it first contains STRING (repeatable; the text stops before it)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    p.add_argument("--ctx", type=int, default=2048, help="KV cache length (tokens per sequence)")
     p.add_argument(
         "--weights",
         choices=("native", "f32"),  # models.generate.WEIGHTS, without importing the models here
         default="f32",
         help="f32: every weight float32 (the fastest here); native: Q4_0, Q4_1 and Q8_0 matrices stay in the "
-        "file's blocks on the workers (a fifth of the memory, slower decode for now), other types float32 "
-        "(default: %(default)s)",
+        "file's blocks on the workers (a fifth of the memory, slower decode for now), other types float32",
     )
-    p.add_argument("--json", default="", help="write prompts, token ids, text and timings here")
+    p.add_argument(
+        "--json", default="", help="write prompts, token ids, text, finish reason and timings here; - : JSON lines"
+    )
     p.add_argument("--logits-out", default="", help="write the last prompt position's logits (.npy)")
     add_cluster_options(p)
     p.set_defaults(fn=generate)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in --help (unless its help says it); the description as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default:" in text or action.default in (None, False, "", []):  # nothing worth saying
+            return text
+        return super()._get_help_string(action)

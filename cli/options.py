@@ -27,7 +27,9 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 
 def add_cluster_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: one per GPU, else 2)")
-    ap.add_argument("--backend", default="auto", choices=["auto", *backends.names()])
+    ap.add_argument(
+        "--backend", default="auto", choices=["auto", *backends.names()], help="auto: cuda where a GPU is, else cpu"
+    )
     ap.add_argument("--devices", default="", help="device indices, one worker each, e.g. 0,2,3")
     ap.add_argument("--listen", default="", help="coordinator endpoint for remote workers, e.g. tcp://0.0.0.0:5555")
     ap.add_argument("--spawn", type=int, default=None, help="with --listen: 0 waits for remote workers")
@@ -37,7 +39,7 @@ def add_cluster_options(ap: argparse.ArgumentParser) -> None:
         "--advertise", default="", help="with --listen: this host's address as other hosts' workers reach it"
     )
     ap.add_argument("--liveness", type=float, default=5.0, help="seconds before a silent worker is lost")
-    ap.add_argument("--start-timeout", type=float, default=60.0)
+    ap.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for the workers to connect")
     ap.add_argument("--log-dir", default="", help="write worker-R.log files here instead of prefixed stderr")
     ap.add_argument(
         "--data-plane",
@@ -48,10 +50,20 @@ def add_cluster_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def check_cluster_options(args: argparse.Namespace) -> None:
+    """The cluster options' values, checked before anything slow starts."""
+    for name, value in (("--liveness", args.liveness), ("--start-timeout", args.start_timeout)):
+        if not value > 0:
+            raise MetaError(f"{name} {value}: give a positive number of seconds")
+    if args.workers is not None and args.workers < 1:
+        raise MetaError(f"--workers {args.workers}: give 1 or more")
+
+
 @contextlib.contextmanager
 def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
     """A cluster from the common options; under a batch launcher, rank 0 coordinates and the
     other ranks serve as workers (this process then never returns from here normally)."""
+    check_cluster_options(args)
     config = {"liveness": args.liveness, "log_dir": args.log_dir, "data_plane": args.data_plane}
     launcher = detect_launcher(args.environ) if not args.listen else None
     listen = args.listen
@@ -118,6 +130,6 @@ def exec_worker(connect: str, rank: int, args: argparse.Namespace) -> int:
     )
     env = dict(args.environ, PYTHONPATH=ROOT + os.pathsep + args.environ.get("PYTHONPATH", ""))
     try:
-        return subprocess.call([sys.executable, "-m", "workers", *launch.argv()], env=env)
+        return subprocess.call(launch.command(), env=env)
     except KeyboardInterrupt:
         return 130

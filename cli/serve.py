@@ -69,6 +69,8 @@ def job_from(body: dict, prompt_ids: list[int], default_seed: int):
         top_k=_number(body, "top_k", 0, int, 0),
         top_p=_number(body, "top_p", 1.0, float, 0.0, 1.0) or 1.0,
         seed=_number(body, "seed", default_seed, int, 0),
+        min_p=_number(body, "min_p", 0.0, float, 0.0, 0.99),  # vLLM's and llama-server's extension
+        repeat_penalty=_number(body, "repetition_penalty", 1.0, float, 0.01, 10.0),  # vLLM's name for it
     )
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _number({"max_tokens": limit}, "max_tokens", DEFAULT_MAX_TOKENS, int, 1)

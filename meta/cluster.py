@@ -184,7 +184,7 @@ class ProcessCluster:
             collective_timeout=c.collective_timeout,
             parent_pid=os.getpid(),
         )
-        return [sys.executable, "-m", "workers", *launch.argv()]
+        return launch.command()
 
     def _cluster_keys(self) -> CurveKeys | None:
         """tcp is authenticated: the key file given, or a fresh key pair when every worker is
@@ -225,6 +225,13 @@ class ProcessCluster:
                 f"{local} workers on this host of {cores} cores: at most {MAX_WORKERS_PER_CORE * cores} "
                 f"({MAX_WORKERS_PER_CORE} per core) start here; use fewer, or spread them over hosts "
                 "(launch.py worker --connect)"
+            )
+        if self.config.backend == "cpu" and local > cores:
+            print(
+                f"warning: {local} CPU workers on {cores} cores: they take turns on the cores, and a tensor-parallel "
+                f"step runs at the pace of the slowest; --workers {cores} or fewer is faster",
+                file=sys.stderr,
+                flush=True,
             )
         cpus = self._worker_cpus(local)
         for rank in range(local):

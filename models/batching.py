@@ -236,8 +236,9 @@ class ContinuousBatcher:
         if ticket.cancelled.is_set():
             self._finish(index, ticket, "cancelled")
             return
-        s = job.sampling
-        token = choose(values, indices, s.temperature, s.top_p, slot.rng)
+        s, n = job.sampling, job.sampling.penalized
+        recent = [*job.prompt[-n:], *slot.tokens[-n:]][-n:] if n else ()
+        token = choose(values, indices, s.rule, slot.rng, recent)
         slot.tokens.append(token)
         if ticket.first_token_s is None:
             ticket.first_token_s = time.perf_counter() - ticket.submitted

@@ -15,9 +15,10 @@ POOL candidates of the whole vocabulary (the tail beyond them is not sampled).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +26,7 @@ import numpy as np
 from meta.device import MetaDevice
 from models.gguf_model import GGUFModel, ModelError
 from models.llama import TensorParallelLlama
-from workers.generation import choose, generator_state
+from workers.generation import Rule, choose, generator_state
 
 POOL = 256  # candidates per sequence a sampled step considers
 
@@ -36,16 +37,41 @@ class Sampling:
     top_k: int = 0  # 0: no limit (within POOL)
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0  # 0: off
+    repeat_penalty: float = 1.0  # 1: off
+    repeat_last_n: int = 64
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ModelError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {self}")
+        if (
+            self.temperature < 0
+            or self.top_k < 0
+            or not 0 < self.top_p <= 1
+            or not 0 <= self.min_p < 1
+            or self.repeat_penalty <= 0
+            or self.repeat_last_n < 0
+        ):
+            raise ModelError(
+                "sampling needs temperature >= 0, top_k >= 0, 0 < top_p <= 1, 0 <= min_p < 1, repeat_penalty > 0 "
+                f"and repeat_last_n >= 0; got {self}"
+            )
+
+    @property
+    def rule(self) -> Rule:
+        fields = dataclasses.asdict(self)
+        del fields["seed"]
+        return Rule(**fields)
+
+    @property
+    def penalized(self) -> int:
+        """How many of a sequence's latest tokens the repeat penalty lowers (0: none)."""
+        return self.repeat_last_n if self.repeat_penalty != 1 else 0
 
     @property
     def pool(self) -> int:
-        if self.temperature == 0:
-            return 1
-        return min(self.top_k, POOL) if self.top_k else POOL
+        """Candidates per sequence the workers propose: enough that the penalty, lowering at most
+        `penalized` of them, still leaves the best top_k others among them."""
+        want = 1 if self.temperature == 0 else (self.top_k or POOL)
+        return min(want + self.penalized, POOL)
 
 
 @dataclass
@@ -125,15 +151,59 @@ def _pending(text: str, stop: Sequence[str]) -> int:
     return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 
-def prompt_text(model: GGUFModel, prompt: str, chat: bool) -> str:
-    """The text the model reads for `prompt`: as given, or wrapped in the file's chat template
-    (rendered in a sandbox; an unsafe or broken template is a TemplateError naming the file)."""
-    if not chat:
-        return prompt
+Prompt = str | Sequence[Mapping[str, str]]  # text, or a conversation: [{"role": ..., "content": ...}]
+
+
+def messages_of(prompt: Prompt, system: str = "") -> list[dict]:
+    """A prompt as chat messages: text is one user turn; `system` goes first unless the
+    conversation has its own system message."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = [dict(m) for m in prompt]
+        for m in messages:
+            if set(m) != {"role", "content"} or not all(isinstance(v, str) for v in m.values()):
+                raise ModelError(f"a chat message is a {{'role': str, 'content': str}} mapping; got {m!r}")
+    if system and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def prompt_text(model: GGUFModel, prompt: Prompt, chat: bool, system: str = "") -> str:
+    """The text the model reads for `prompt`: text as given, or (with `chat`, and always for a
+    list of messages) the conversation in the file's chat template, rendered in a sandbox (an
+    unsafe or broken template is a TemplateError naming the file)."""
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = prompt[exc.start : exc.end].encode("utf-8", "surrogateescape")
+            raise ModelError(f"the prompt is not UTF-8 text: byte(s) {bad!r} at character {exc.start}") from None
+        if not chat:
+            return prompt
     template = model.chat_template
     if template is None:
-        raise ModelError(f"{model.path.name} has no chat template; drop --chat")
-    return template.render([{"role": "user", "content": prompt}])
+        raise ModelError(f"{model.path.name} has no chat template; drop --chat (and --system, --interactive)")
+    return template.render(messages_of(prompt, system))
+
+
+def check_lengths(lengths: Sequence[int], max_new_tokens: int, ctx: int, model_ctx: int) -> None:
+    """Prompts of these token counts, and `max_new_tokens` more each, fit in `ctx`."""
+    if min(lengths) == 0:
+        raise ModelError("an empty prompt: give at least one token of text")
+    if max_new_tokens < 0:
+        raise ModelError(f"--max-new-tokens {max_new_tokens}: give 0 or more")
+    if max(lengths) + max_new_tokens > ctx:
+        raise ModelError(
+            f"a prompt of {max(lengths)} tokens plus {max_new_tokens} new ones exceeds the context of "
+            f"{ctx} tokens; raise --ctx (up to {model_ctx}) or shorten the prompt"
+        )
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
 
 
 WEIGHTS = ("native", "f32")  # kept in the file's blocks where the workers compute on them; all float32
@@ -149,8 +219,8 @@ class LLM:
         progress=None,
         weights: str = "f32",
     ):
-        if ctx > model.context_length:
-            raise ModelError(f"--ctx {ctx} exceeds the model's context length {model.context_length}")
+        if not 0 < ctx <= model.context_length:
+            raise ModelError(f"--ctx {ctx}: give 1 to the model's context length, {model.context_length}")
         if weights not in WEIGHTS:
             raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
         self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch
@@ -159,13 +229,21 @@ class LLM:
         self.tokenizer = model.tokenizer
         self._decode: dict[int, object] = {}  # captured decode steps by candidate pool size
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill
+        self._cached: list[int] = []  # the tokens batch row 0's caches hold at positions 0..
 
-    def prompt_ids(self, prompt: str, chat: bool) -> list[int]:
-        return self.tokenizer.encode(prompt_text(self.model, prompt, chat))
+    def prompt_ids(self, prompt: Prompt, chat: bool, system: str = "") -> list[int]:
+        return self.tokenizer.encode(prompt_text(self.model, prompt, chat, system))
+
+    def chat(self, messages: Sequence[Mapping[str, str]], max_new_tokens: int = 256, **options) -> Generation:
+        """The next assistant turn of a conversation, `[{"role": "user", "content": ...}, ...]`,
+        in the file's chat template. Batch row 0's caches keep the conversation: when the next
+        call's conversation begins with the same tokens, only what is new is prefilled (as
+        llama.cpp's interactive mode does). Options: those of `generate`."""
+        return self.generate([messages], max_new_tokens, chat=True, reuse_prefix=True, **options)[0]
 
     def generate(
         self,
-        prompts: Sequence[str],
+        prompts: Sequence[Prompt],
         max_new_tokens: int = 32,
         sampling: Sampling = Sampling(),
         chat: bool = False,
@@ -174,32 +252,35 @@ class LLM:
         stop_strings: Sequence[str] = (),
         keep_logits: bool = False,
         on_token: Callable[[int, int], None] | None = None,
+        system: str = "",
+        reuse_prefix: bool = False,
     ) -> list[Generation]:
-        """Generate for every prompt (at most `batch` of them); `on_token(prompt index, token)`
-        is called as tokens arrive. A sequence ends at the model's end-of-generation tokens
-        (EOS, end of turn) unless `stop_at_eos` is False, and where its text first contains one
-        of `stop_strings` (the text ends before it); control tokens are left out of the text
-        unless `special`."""
+        """Generate for every prompt (at most `batch` of them): text, or a conversation (a list
+        of messages, always in the chat template; `system` is the system message of each that
+        has none). `on_token(prompt index, token)` is called as tokens arrive. A sequence ends
+        at the model's end-of-generation tokens (EOS, end of turn) unless `stop_at_eos` is
+        False, and where its text first contains one of `stop_strings` (the text ends before
+        it); control tokens are left out of the text unless `special`. `reuse_prefix` (one
+        prompt): prefill only what follows the tokens batch row 0's caches already hold."""
         if any(not s for s in stop_strings):
             raise ModelError("an empty stop string would stop before the first token; give text to stop at")
         if not 1 <= len(prompts) <= self.batch:
             raise ModelError(f"{len(prompts)} prompts for a model placed for a batch of {self.batch}")
-        out = [Generation(p, self.prompt_ids(p, chat)) for p in prompts]
+        out = [Generation(_shown(p), self.prompt_ids(p, chat, system)) for p in prompts]
         lengths = [len(g.prompt_tokens) for g in out]
-        if min(lengths) == 0:
-            raise ModelError("an empty prompt: give at least one token of text")
-        if max(lengths) + max_new_tokens > self.ctx:
-            raise ModelError(
-                f"a prompt of {max(lengths)} tokens plus {max_new_tokens} new ones exceeds the context of "
-                f"{self.ctx} tokens; raise --ctx (up to {self.model.context_length}) or shorten the prompt"
-            )
+        check_lengths(lengths, max_new_tokens, self.ctx, self.model.context_length)
+        # a prefix already cached is reused, but never the whole prompt: its last token's logits are needed
+        start = min(common_prefix(self._cached, out[0].prompt_tokens), lengths[0] - 1)
+        start = start if reuse_prefix and len(out) == 1 else 0
         rng = np.random.default_rng(sampling.seed)
-        start = time.perf_counter()
-        picks = self._prefill([g.prompt_tokens for g in out], sampling.pool, keep_logits)
-        tokens = [choose(v, i, sampling.temperature, sampling.top_p, rng) for v, i in picks]
-        prefill_s = time.perf_counter() - start
+        rule, window = sampling.rule, sampling.penalized
+        recent = [collections.deque(g.prompt_tokens[-window:] if window else (), maxlen=window) for g in out]
+        clock = time.perf_counter()
+        picks = self._prefill([g.prompt_tokens[start:] for g in out], sampling.pool, keep_logits, start)
+        tokens = [choose(v, i, rule, rng, recent[b]) for b, (v, i) in enumerate(picks)]
+        prefill_s = time.perf_counter() - clock
         positions = np.array(lengths)
-        done = [False] * len(out)
+        done = [max_new_tokens == 0] * len(out)
         stop = sorted(self.model.end_of_generation) if stop_at_eos else []
 
         def record(chosen: Sequence[int]) -> bool:
@@ -207,6 +288,7 @@ class LLM:
             for b, g in enumerate(out):
                 if not done[b]:
                     g.tokens.append(chosen[b])
+                    recent[b].append(chosen[b])
                     if on_token is not None:
                         on_token(b, chosen[b])
                     done[b] = chosen[b] in stop
@@ -217,17 +299,19 @@ class LLM:
                         g.finish_reason = "stop"
             return all(done)
 
-        start = time.perf_counter()
+        clock = time.perf_counter()
         finished, left = record(tokens), max_new_tokens - 1
         if not finished and left > 0 and sampling.pool not in self._decode:
             # the first decode step is captured (and run) here; the workers replay it after
             picks = self._decode_step(tokens, positions, sampling.pool)
-            tokens = [choose(v, i, sampling.temperature, sampling.top_p, rng) for v, i in picks]
+            tokens = [choose(v, i, rule, rng, recent[b]) for b, (v, i) in enumerate(picks)]
             positions, left = positions + 1, left - 1
             finished = record(tokens)
         if not finished and left > 0:
-            self._drive(tokens, positions, left, sampling, rng, done, stop, record)
-        decode_s = time.perf_counter() - start
+            self._drive(tokens, positions, left, sampling, rng, done, stop, recent, record)
+        decode_s = time.perf_counter() - clock
+        # what row 0's caches hold now: its prompt, and every token fed back (all but the last)
+        self._cached = out[0].prompt_tokens + out[0].tokens[:-1]
         for g in out:
             g.text = self.tokenizer.decode(g.tokens, skip_special=not special)
             cut = stop_string_at(g.text, stop_strings)
@@ -235,7 +319,7 @@ class LLM:
             g.prefill_s, g.decode_s, g.sampling = prefill_s, decode_s, sampling
         return out
 
-    def _drive(self, tokens, positions, steps: int, sampling: Sampling, rng, done, stop, record) -> None:
+    def _drive(self, tokens, positions, steps: int, sampling: Sampling, rng, done, stop, recent, record) -> None:
         """The rest of the decode loop on the workers: they choose each token themselves (with
         this generator's state) and report it; an exception in `record` (Ctrl-C in a stream
         callback) cancels them after the step under way and is raised here once they stopped."""
@@ -254,20 +338,22 @@ class LLM:
                 return False
 
         settings = {
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
+            "rule": sampling.rule.as_wire(),
             "rng": generator_state(rng),
             "stop": stop,
             "done": list(done),
+            "recent": [list(r) for r in recent],
         }
         self.dev.generate(self._decode[sampling.pool], t, p, steps, settings, on_tokens)
         if raised:
             raise raised[0]
 
-    def _prefill(self, prompts: list[list[int]], pool: int, keep_logits: bool):
+    def _prefill(self, prompts: list[list[int]], pool: int, keep_logits: bool, start: int = 0):
+        """Each prompt's tokens written into the caches from position `start` on (the earlier
+        ones are cached already); the candidates for each prompt's next token."""
         batch, longest = self.batch, max(len(p) for p in prompts)
         tokens = np.zeros((batch, longest), np.int32)
-        positions = np.tile(np.arange(longest, dtype=np.int32), (batch, 1))
+        positions = np.tile(np.arange(start, start + longest, dtype=np.int32), (batch, 1))
         for b, p in enumerate(prompts):
             tokens[b, : len(p)] = p
         last = [len(p) - 1 for p in prompts] + [0] * (batch - len(prompts))
@@ -295,3 +381,8 @@ class LLM:
             values, indices, *_ = step(t, p)
         v, i = values.numpy(), indices.numpy()
         return [(v[b, 0], i[b, 0]) for b in range(len(tokens))]
+
+
+def _shown(prompt: Prompt) -> str:
+    """A prompt as a Generation records it: text as given; a conversation's last message."""
+    return prompt if isinstance(prompt, str) else (prompt[-1]["content"] if prompt else "")

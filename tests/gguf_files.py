@@ -35,3 +35,41 @@ def copy_with_metadata(source: Path, target: Path, replace: dict[str, str]) -> P
         writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
     writer.close()
     return target
+
+
+TINY = {"hidden": 8, "heads": 2, "kv_heads": 1, "ffn": 12, "layers": 1, "vocab": 16}
+
+
+def tiny_llama(target: Path, meta: dict | None = None, shapes: dict | None = None, truncate: int = 0) -> Path:
+    """A small llama-architecture GGUF file (random float32 weights, TINY's sizes): `meta`
+    overrides sizes in the metadata, `shapes` a tensor's shape (ggml order), `truncate` cuts
+    that many bytes off the end of the file."""
+    import gguf
+    import numpy as np
+
+    size = {**TINY, **(meta or {})}
+    writer = gguf.GGUFWriter(str(target), "llama")
+    writer.add_uint32("llama.embedding_length", size["hidden"])
+    writer.add_uint32("llama.attention.head_count", size["heads"])
+    writer.add_uint32("llama.attention.head_count_kv", size["kv_heads"])
+    writer.add_uint32("llama.feed_forward_length", size["ffn"])
+    writer.add_uint32("llama.block_count", size["layers"])
+    writer.add_uint32("llama.context_length", 64)
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(TINY["vocab"])])
+    h, kv, f, v = TINY["hidden"], TINY["hidden"] // TINY["heads"] * TINY["kv_heads"], TINY["ffn"], TINY["vocab"]
+    tensors = {"token_embd.weight": (h, v), "output_norm.weight": (h,)}
+    layer = {"attn_norm": (h,), "ffn_norm": (h,), "attn_q": (h, h), "attn_k": (h, kv), "attn_v": (h, kv)}
+    layer.update(attn_output=(h, h), ffn_gate=(h, f), ffn_up=(h, f), ffn_down=(f, h))
+    tensors.update({f"blk.0.{name}.weight": shape for name, shape in layer.items()})
+    tensors.update(shapes or {})
+    rng = np.random.default_rng(0)
+    for name, shape in tensors.items():  # ggml order in, NumPy order written
+        writer.add_tensor(name, rng.standard_normal(tuple(reversed(shape))).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if truncate:
+        data = target.read_bytes()
+        target.write_bytes(data[:-truncate])
+    return target

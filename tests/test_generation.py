@@ -14,7 +14,7 @@ import pytest
 from meta import MetaDevice
 from models.llama import LlamaConfig, TensorParallelLlama, random_weights
 from split_state import WorkerLost
-from workers.generation import generator_state
+from workers.generation import Rule, generator_state
 
 pytestmark = pytest.mark.timeout(120)
 CFG = LlamaConfig(hidden=48, layers=2, heads=6, kv_heads=2, ffn=40, vocab=64, rope_base=500.0)
@@ -70,7 +70,7 @@ def worker_loop(dev, step, values, indices, temperature, top_p, seed, stop=(), o
         out.append(chosen)
         return True if on is None else on(k, chosen)
 
-    settings = {"temperature": temperature, "top_p": top_p, "rng": generator_state(rng), "stop": list(stop)}
+    settings = {"rule": Rule(temperature, top_p=top_p).as_wire(), "rng": generator_state(rng), "stop": list(stop)}
     settings["done"] = [False, False]
     info = dev.generate(
         step, np.array([[t] for t in tokens], np.int32), np.array([[5], [5]], np.int32), STEPS, settings, on_tokens

@@ -36,6 +36,52 @@ def test_demo_runs_and_checks_against_numpy():
     assert "OK: max error" in out.stdout
 
 
+def test_a_directory_with_its_own_workers_models_and_cli_packages_does_not_shadow_ours(tmp_path):
+    """Users run the tool from their own projects: packages there named like ours must not be
+    what our coordinator or its workers import."""
+    for name in ("workers", "models", "cli", "meta", "transport", "split_state"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise SystemExit('the wrong package was imported')\n")
+        (tmp_path / name / "__main__.py").write_text("raise SystemExit('the wrong package was run')\n")
+    out = subprocess.run(
+        launch_cmd("demo", "--workers", "2", "--backend", "cpu", "--hidden", "32"),
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "wrong package" not in out.stderr and "OK: max error" in out.stdout
+
+
+def test_every_option_has_help_and_help_shows_the_defaults():
+    import argparse
+
+    from cli import parser
+
+    top = parser()
+    commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert "generate" in top.format_usage()
+    for name, command in commands.items():
+        for action in command._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+    text = " ".join(commands["generate"].format_help().split())
+    for shown in ("-c N, --ctx N, --ctx-size N", "(default: 2048)", "(default: 1.0)", "--min-p", "-f FILE"):
+        assert shown in text, shown
+
+
+def test_an_unknown_option_prints_that_commands_usage():
+    out = subprocess.run(launch_cmd("generate", "hi", "--no-such-flag"), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "usage: launch.py generate" in out.stderr
+    assert "unrecognized arguments: --no-such-flag" in out.stderr
+
+
+def test_more_cpu_workers_than_cores_warn_once(fresh_cluster, capfd, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    fresh_cluster(2, backend="cpu", bind="off")
+    assert capfd.readouterr().err.count("2 CPU workers on 1 cores") == 1
+
+
 def test_devices_lists_the_cpu_backend():
     out = subprocess.run(launch_cmd("devices"), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "cpu:0" in out.stdout

@@ -179,7 +179,15 @@ def test_a_chat_answer_ends_at_the_end_of_its_turn_without_control_tokens(model,
     (answer,) = json.loads((tmp_path / "a.json").read_text())
     assert out.stdout.strip() == answer["text"] == "The capital of France is Paris."
     assert answer["finish_reason"] == "stop" and answer["tokens"][-1] == 2 and len(answer["tokens"]) < 32
-    assert answer["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0}
+    assert answer["sampling"] == {
+        "temperature": 0.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "seed": 0,
+        "min_p": 0.0,
+        "repeat_penalty": 1.0,
+        "repeat_last_n": 64,
+    }
     out = run_generate(
         "What is the capital of France?",
         "--chat",
@@ -216,8 +224,7 @@ def test_a_stop_string_ends_the_text_before_it_and_the_stream_never_shows_it(mod
     stream = _Stream(Letters(), stop=["\nUser:"])
     for token in range(4):  # "ab\nU": the generation ends there
         stream(0, token)
-    stream.finish("ab\nU")
-    assert capsys.readouterr().out == "ab\nU"
+    assert capsys.readouterr().out == "ab" and stream.finish("ab\nU") == "\nU"  # the rest, once final
 
 
 def test_native_weights_give_the_float32_paths_tokens(model):
@@ -236,3 +243,111 @@ def test_native_weights_give_the_float32_paths_tokens(model):
         dev.close()
     assert runs["native"][0].tokens == runs["f32"][0].tokens
     np.testing.assert_allclose(runs["native"][1], runs["f32"][1], atol=2e-3, rtol=0)
+
+
+def test_a_repeat_penalty_gives_the_tokens_of_the_reference_with_the_penalty_by_hand(model, weights, reference_run):
+    """Greedy with llama.cpp's repeat penalty over the last 8 tokens (the prompt's included), the
+    workers choosing the later tokens themselves: equal to the NumPy reference's whole logits,
+    penalised here by hand."""
+    from models.generate import LLM, Sampling
+
+    penalty, window, steps = 1.8, 8, 14
+    ref = ReferenceDecoder(model.config, weights, CTX)
+    seq = list(PROMPT_IDS)
+    logits = ref.forward(np.array([seq]), np.arange(len(seq))[None])[0, -1]
+    expected = []
+    for _ in range(steps):
+        penalised = logits.astype(np.float64)
+        for token in set(seq[-window:]):
+            penalised[token] = penalised[token] / penalty if penalised[token] > 0 else penalised[token] * penalty
+        expected.append(int(np.argmax(penalised)))
+        seq.append(expected[-1])
+        logits = ref.forward(np.array([[seq[-1]]]), np.array([[len(seq) - 1]]))[0, -1]
+    assert expected != reference_run[1][:steps]  # the penalty changes the text
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        llm = LLM(dev, model, ctx=CTX)
+        sampling = Sampling(repeat_penalty=penalty, repeat_last_n=window)
+        (got,) = llm.generate([PROMPT], steps, sampling, stop_at_eos=False)
+    finally:
+        dev.close()
+    assert got.tokens == expected
+
+
+def test_a_conversation_goes_on_from_its_cached_turns_and_equals_a_fresh_run(model):
+    """The chat API takes messages; a second turn prefills only what follows the cached first
+    turn, and gives the tokens a fresh model gives for the whole conversation."""
+    from models.generate import LLM
+
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        llm = LLM(dev, model, ctx=160)
+        conversation = [{"role": "user", "content": "What is the capital of France?"}]
+        first = llm.chat(conversation, 24, system="Answer in one sentence.")
+        assert first.finish_reason == "stop" and "Paris" in first.text
+        conversation += [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "And of Italy?"},
+        ]
+        whole = llm.prompt_ids(conversation, True, "Answer in one sentence.")
+        cached = list(llm._cached)
+        prefilled, prefill = [], llm._prefill
+        llm._prefill = lambda prompts, *rest: prefilled.append(len(prompts[0])) or prefill(prompts, *rest)
+        second = llm.chat(conversation, 24, system="Answer in one sentence.", keep_logits=True)
+        again = LLM(dev, model, ctx=160)
+        fresh = again.chat(conversation, 24, system="Answer in one sentence.", keep_logits=True)
+    finally:
+        dev.close()
+    reused = next(i for i, (a, b) in enumerate(zip([*cached, -1], whole)) if a != b)
+    assert reused > len(first.prompt_tokens)  # the first turn's prompt and answer are cached ...
+    assert prefilled == [len(whole) - reused]  # ... and not prefilled again
+    assert second.prompt_tokens == whole and second.tokens == fresh.tokens
+    np.testing.assert_allclose(llm.last_logits, again.last_logits, atol=1e-3, rtol=0)
+    assert "Rome" in second.text
+
+
+def test_llama_cli_flags_and_json_lines(model, reference_run):
+    expected_tokens = reference_run[1]
+    out = run_generate("-p", PROMPT, "-n", "4", "-c", "64", "--temp", "0", "--json", "-")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = out.stdout.splitlines()  # JSON lines only: no plain text mixed in
+    result = json.loads(line)
+    assert result["prompt_tokens"] == PROMPT_IDS and result["tokens"] == expected_tokens[:4]
+
+
+def test_several_prompts_print_plain_text_each_and_a_file_prompt_reads_stdin(model):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "generate", PROMPT, "-f", "-", "-n", "3", "-c", "64"],
+        input="Water boils at a temperature of",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = out.stdout.split("\n\n\n")  # each text ends its line, a blank line between them
+    assert first == " Paris.\n" or first.startswith(" Paris.")
+    assert "'" not in second and "->" not in second  # plain text, not a repr
+    assert "2 prompt(s)" in out.stderr
+
+
+def test_an_interactive_conversation_streams_each_reply_until_exit(model):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "generate", "-i", "-sys", "Answer in one sentence.", "-c", "256"],
+        input="What is the capital of France?\nAnd of Italy?\n/exit\nnever read\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    replies = out.stdout.splitlines()
+    assert len(replies) == 2 and "Paris" in replies[0] and "Rome" in replies[1], out.stdout
+    assert "<|im_end|>" not in out.stdout and "<|im_start|>" not in out.stdout
+
+
+def test_a_message_read_goes_on_past_lines_ending_in_a_backslash(monkeypatch):
+    import io
+
+    from cli.generate import read_message
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("one\\\ntwo\nthree\n\nlast"))
+    assert [read_message(False) for _ in range(5)] == ["one\ntwo", "three", "", "last", None]

@@ -9,7 +9,7 @@ import pytest
 
 from models.generate import POOL, Sampling
 from models.gguf_model import ModelError
-from workers.generation import choose
+from workers.generation import Rule, choose
 
 pytestmark = pytest.mark.timeout(60)
 VALUES = np.array([2.0, 1.0, 0.5, 0.0, -1.0], np.float32)  # candidates, best first
@@ -17,16 +17,17 @@ INDICES = np.array([40, 7, 12, 3, 99], np.int64)
 DRAWS = 20_000
 
 
-def frequencies(temperature: float, top_p: float, seed: int = 5) -> dict[int, float]:
+def frequencies(temperature: float, top_p: float, seed: int = 5, min_p: float = 0.0) -> dict[int, float]:
     rng = np.random.default_rng(seed)
-    drawn = [choose(VALUES, INDICES, temperature, top_p, rng) for _ in range(DRAWS)]
+    drawn = [choose(VALUES, INDICES, Rule(temperature, top_p=top_p, min_p=min_p), rng) for _ in range(DRAWS)]
     tokens, counts = np.unique(drawn, return_counts=True)
     return dict(zip(tokens.tolist(), (counts / DRAWS).tolist()))
 
 
-def expected(temperature: float, top_p: float) -> dict[int, float]:
+def expected(temperature: float, top_p: float, min_p: float = 0.0) -> dict[int, float]:
     """softmax(v / T) over the candidates, then the smallest best-first prefix whose probability
-    reaches top_p, renormalised: computed here term by term."""
+    reaches top_p, renormalised, then those at least min_p times as likely as the best:
+    computed here term by term."""
     weights = [np.exp(float(v) / temperature) for v in VALUES]
     total = sum(weights)
     probs = [w / total for w in weights]
@@ -36,12 +37,25 @@ def expected(temperature: float, top_p: float) -> dict[int, float]:
         mass += p
         if mass >= top_p:
             break
+    kept = [p / sum(kept) for p in kept]
+    kept = [p for p in kept if p >= min_p * kept[0]]
     return {int(INDICES[i]): p / sum(kept) for i, p in enumerate(kept)}
 
 
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.5, 1.0), (2.0, 1.0), (1.0, 0.8), (0.7, 0.5)])
-def test_draws_follow_the_tempered_softmax_cut_to_top_p(temperature, top_p):
-    got, want = frequencies(temperature, top_p), expected(temperature, top_p)
+@pytest.mark.parametrize(
+    "temperature, top_p, min_p",
+    [
+        (1.0, 1.0, 0.0),
+        (0.5, 1.0, 0.0),
+        (2.0, 1.0, 0.0),
+        (1.0, 0.8, 0.0),
+        (0.7, 0.5, 0.0),
+        (1.0, 1.0, 0.2),
+        (2.0, 0.9, 0.3),
+    ],
+)
+def test_draws_follow_the_tempered_softmax_cut_to_top_p_and_min_p(temperature, top_p, min_p):
+    got, want = frequencies(temperature, top_p, min_p=min_p), expected(temperature, top_p, min_p)
     assert set(got) == set(want), (got, want)  # nothing outside the top-p set, nothing in it missing
     for token, p in want.items():
         sigma = np.sqrt(p * (1 - p) / DRAWS)
@@ -52,8 +66,8 @@ def test_greedy_takes_the_best_and_the_seed_decides_the_draw():
     assert frequencies(0.0, 1.0) == {40: 1.0}
     assert frequencies(1.0, 1.0, seed=1) == frequencies(1.0, 1.0, seed=1)
     rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(2)
-    a = [choose(VALUES, INDICES, 1.0, 1.0, rng_a) for _ in range(50)]
-    b = [choose(VALUES, INDICES, 1.0, 1.0, rng_b) for _ in range(50)]
+    a = [choose(VALUES, INDICES, Rule(1.0), rng_a) for _ in range(50)]
+    b = [choose(VALUES, INDICES, Rule(1.0), rng_b) for _ in range(50)]
     assert a != b
 
 
@@ -63,5 +77,33 @@ def test_top_k_is_the_candidate_pool_and_bad_settings_are_refused():
     assert Sampling(temperature=1.0).pool == POOL
     assert Sampling(temperature=1.0, top_k=10 * POOL).pool == POOL
     for bad in (dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
+        with pytest.raises(ModelError):
+            Sampling(**bad)
+
+
+def test_the_repeat_penalty_lowers_recent_tokens_as_llama_cpp_does():
+    """llama.cpp's rule: a recent token's logit is divided by the penalty when positive and
+    multiplied by it when not; then the order is the new one (top-k, greedy)."""
+    assert choose(VALUES, INDICES, Rule(repeat_penalty=1.5), None, recent=[40]) == 40  # 2 / 1.5 > 1
+    assert choose(VALUES, INDICES, Rule(repeat_penalty=2.5), None, recent=[40]) == 7  # 2 / 2.5 < 1
+    assert choose(VALUES, INDICES, Rule(repeat_penalty=5.0), None, recent=[40, 7]) == 12  # 0.4, 0.2 < 0.5
+    values = np.array([-0.5, -0.6], np.float32)  # negative logits: multiplied, pushed further down
+    assert choose(values, np.array([5, 6]), Rule(repeat_penalty=1.5), None, recent=[5]) == 6  # -0.75 < -0.6
+    assert choose(VALUES, INDICES, Rule(repeat_penalty=2.5, top_k=1), None, recent=[40]) == 7  # top-k after
+    # sampled: the penalised logits' softmax, computed here by hand
+    rng = np.random.default_rng(3)
+    drawn = [choose(VALUES, INDICES, Rule(1.0, repeat_penalty=2.0), rng, recent=[40, 99]) for _ in range(DRAWS)]
+    logits = {40: 1.0, 7: 1.0, 12: 0.5, 3: 0.0, 99: -2.0}
+    total = sum(np.exp(v) for v in logits.values())
+    for token, value in logits.items():
+        p = np.exp(value) / total
+        assert abs(drawn.count(token) / DRAWS - p) < 5 * np.sqrt(p * (1 - p) / DRAWS) + 1e-3, token
+
+
+def test_the_candidate_pool_leaves_room_for_penalised_tokens():
+    assert Sampling(repeat_penalty=1.1).pool == 1 + 64  # greedy: the best unpenalised one is among them
+    assert Sampling(temperature=1.0, top_k=3, repeat_penalty=1.1, repeat_last_n=10).pool == 13
+    assert Sampling(temperature=1.0, repeat_penalty=1.1).pool == POOL
+    for bad in (dict(min_p=-0.1), dict(min_p=1.0), dict(repeat_penalty=0.0), dict(repeat_last_n=-1)):
         with pytest.raises(ModelError):
             Sampling(**bad)

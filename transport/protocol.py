@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import enum
 import struct
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -98,6 +99,12 @@ class WorkerLaunch:
     liveness: float = 5.0  # seconds of coordinator silence before exiting
     collective_timeout: float = 30.0
     parent_pid: int = 0  # exit when this process is gone
+
+    def command(self) -> list[str]:
+        """The command line that starts this worker here. -P: the working directory is not put on
+        the module path, so a directory with its own `workers` (or `models`, `cli`) package cannot
+        shadow ours; the caller puts the project's root on PYTHONPATH."""
+        return [sys.executable, "-P", "-m", "workers", *self.argv()]
 
     def argv(self) -> list[str]:
         out = []

@@ -9,7 +9,10 @@ to its peers every step over the data plane, a one-byte message.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,18 +23,54 @@ from transport.deadline import Deadline
 STOP_TAG = 1 << 30  # the step tag of rank 0's stop flag: no program has that many steps
 
 
-def choose(values: np.ndarray, indices: np.ndarray, temperature: float, top_p: float, rng) -> int:
-    """The next token from a sequence's candidates, best first: greedy at temperature 0, else a
-    draw from their softmax at `temperature`, cut to the smallest prefix whose probability
-    reaches `top_p`."""
-    if temperature == 0:
+@dataclass(frozen=True)
+class Rule:
+    """How a sequence's next token is chosen from its candidates, in the order vLLM and
+    transformers apply them: the repeat penalty on recently seen tokens, then temperature,
+    top-k, top-p and min-p."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: every candidate
+    top_p: float = 1.0
+    min_p: float = 0.0  # drop candidates less likely than min_p times the best one
+    repeat_penalty: float = 1.0  # 1: off; llama.cpp's rule: a seen token's logit / penalty if > 0, else * it
+    repeat_last_n: int = 64  # the penalty's window: this many of the latest tokens, the prompt's included
+
+    def as_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, fields: dict) -> Rule:
+        casts = {"float": float, "int": int}  # the fields' annotations, as strings
+        try:
+            return cls(**{f.name: casts[f.type](fields[f.name]) for f in dataclasses.fields(cls)})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"generate: a malformed sampling rule ({exc!r})") from None
+
+
+def choose(values: np.ndarray, indices: np.ndarray, rule: Rule, rng, recent: Sequence[int] = ()) -> int:
+    """The next token from a sequence's candidates (best first) under `rule`; `recent`: the
+    sequence's latest tokens, which the repeat penalty lowers."""
+    if rule.repeat_penalty != 1 and len(recent):
+        seen = np.isin(indices, np.asarray(recent))
+        values = values.astype(np.float64)
+        lowered = np.where(values > 0, values / rule.repeat_penalty, values * rule.repeat_penalty)
+        values = np.where(seen, lowered, values)
+        order = np.argsort(-values, kind="stable")
+        values, indices = values[order], indices[order]
+    if rule.top_k:
+        values, indices = values[: rule.top_k], indices[: rule.top_k]
+    if rule.temperature == 0:
         return int(indices[0])
-    keep = values.astype(np.float64) / temperature
+    keep = values.astype(np.float64) / rule.temperature
     probs = np.exp(keep - keep.max())
     probs /= probs.sum()
-    if top_p < 1:
-        cut = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
+    if rule.top_p < 1:
+        cut = int(np.searchsorted(np.cumsum(probs), rule.top_p)) + 1
         probs = probs[:cut] / probs[:cut].sum()
+    if rule.min_p > 0:
+        probs = probs[probs >= rule.min_p * probs[0]]
+        probs /= probs.sum()
     return int(indices[rng.choice(len(probs), p=probs)])
 
 
@@ -63,11 +102,16 @@ def run_generation(
 ) -> p.Message:
     """The loop of one Generate on this worker; the reply says how many steps ran."""
     executor, store, backend = server.executor, server.store, server.backend
-    sampling = m.sampling
-    done = [bool(d) for d in sampling["done"]]
-    stop = {int(t) for t in sampling["stop"]}
-    temperature, top_p = float(sampling["temperature"]), float(sampling["top_p"])
-    rng = restore_generator(sampling["rng"])
+    try:
+        sampling = m.sampling
+        done = [bool(d) for d in sampling["done"]]
+        stop = {int(t) for t in sampling["stop"]}
+        rule = Rule.from_wire(sampling["rule"])
+        rng = restore_generator(sampling["rng"])
+        window = rule.repeat_last_n if rule.repeat_penalty != 1 else 0
+        recent = [collections.deque(map(int, r), maxlen=window) for r in sampling.get("recent", [[]] * len(done))]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"generate: malformed settings ({exc!r} missing or wrong)") from None
     tokens, positions = store.get(m.tokens), store.get(m.positions)
     count = len(done)
     if tokens.shape[0] < count or positions.shape[0] < count:
@@ -85,9 +129,10 @@ def run_generation(
         timings["comm_s"] += t["comm_s"]
         values = backend.to_host(store.get(m.values))
         indices = backend.to_host(store.get(m.indices))
-        chosen = [choose(values[b, 0], indices[b, 0], temperature, top_p, rng) for b in range(count)]
+        chosen = [choose(values[b, 0], indices[b, 0], rule, rng, recent[b]) for b in range(count)]
         for b, token in enumerate(chosen):
             done[b] = done[b] or token in stop
+            recent[b].append(token)
         steps += 1
         finished = all(done) or step == m.steps - 1
         if rank == 0:
