@@ -9,11 +9,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from meta.backends import resolve
 from meta.cluster import ClusterConfig, ProcessCluster
 from meta.device import MetaDevice
 from meta.launchers import blas_threads
-from split_state.errors import MetaError
-from workers import backends
 
 
 @contextlib.contextmanager
@@ -26,22 +25,16 @@ def cluster(
 ) -> Iterator[MetaDevice]:
     """Start workers, connect them, yield the MetaDevice; every process is stopped on exit.
 
-    backend: a name from workers.backends (`auto`: the highest-priority one with devices here).
+    backend: a name from workers/backends/ (`auto`: the highest-priority one with devices here).
     workers: default one per device of the backend (CPU: 2); devices: device index per worker.
     """
-    backend = backends.auto() if backend == "auto" else backend
-    cls = backends.backend_class(backend)
-    if cls.device_count() == 0:
-        raise MetaError(
-            f"--backend {backend}: no device is visible (is its package installed? pip install -e '.[{backend}]')"
-        )
+    chosen = resolve(backend)  # asked of the workers: meta does not import them
     if workers is None:
-        workers = len(devices) or cls.default_workers()
-    if cls.host_threads:
+        workers = len(devices) or chosen.default_workers
+    if chosen.host_threads:
         config.setdefault("blas_threads", blas_threads(workers))
-    dev = MetaDevice(
-        ProcessCluster(ClusterConfig(workers=workers, backend=backend, devices=tuple(devices), **config)), debug=debug
-    )
+    cluster_config = ClusterConfig(workers=workers, backend=chosen.name, devices=tuple(devices), **config)
+    dev = MetaDevice(ProcessCluster(cluster_config), debug=debug)
     try:
         yield dev
     finally:

@@ -26,10 +26,9 @@ from meta.launchers import worker_cpus
 from split_state.errors import DeadlineExceeded, MetaError, ProtocolError, TransportError, WorkerLost, WorkerTimeout
 from transport import protocol as p
 from transport.deadline import Deadline, Liveness
+from transport.environment import CPUS_ENV
 from transport.shm import remove_session
 from transport.sockets import CurveKeys, IpcDir, Security, bind, pull, push, recv_frames, router, send
-from workers.backends import backend_class
-from workers.binding import CPUS_ENV
 
 POLL_MS = 100
 DATA_PLANES = ("auto", "shm", "zmq", "nccl")
@@ -77,7 +76,6 @@ class ProcessCluster:
             raise MetaError(f"data_plane must be one of {DATA_PLANES}, got {config.data_plane!r}")
         if config.bind not in BIND_MODES:
             raise MetaError(f"bind must be one of {BIND_MODES}, got {config.bind!r}")
-        backend_class(config.backend)  # an unknown backend fails here, naming the known ones
         self.session = secrets.token_hex(8)
         self.config = config
         self.world_size = config.workers
@@ -115,10 +113,9 @@ class ProcessCluster:
                 self.devices = self._handshake()
             plane = self._data_plane()
             nccl_id = b""
-            if plane == "nccl":
-                from workers.nccl import make_unique_id
-
-                nccl_id = make_unique_id()
+            if plane == "nccl":  # rank 0 makes it (and hosts NCCL's bootstrap root); every rank gets it
+                reply = self.call_all({0: p.NcclId()}, config.start_timeout)[0]
+                nccl_id = bytes.fromhex(reply.info["nccl_id"])
             replies = self.call_all(
                 {
                     r: p.Configure(
@@ -142,22 +139,22 @@ class ProcessCluster:
     # -- start ----------------------------------------------------------------------------------
 
     def _data_plane(self) -> str:
-        """NCCL for CuPy workers each on its own GPU (one host, spawned here), when this process
-        has NCCL to make the unique id; else shared memory (ZeroMQ where it cannot be shared)."""
+        """The plane the workers say they can all join: NCCL for CuPy workers each on its own GPU
+        (one host, spawned here) when every one has NCCL; else shared memory (ZeroMQ where it
+        cannot be shared). The coordinator decides from their Hellos, not from its own imports."""
         config = self.config
+        lacking = lambda plane: [h.rank for h in self.devices if plane not in h.planes]  # noqa: E731
         if config.data_plane != "auto":
-            if config.data_plane == "nccl":
-                from workers.nccl import nccl_available
-
-                if config.backend != "cuda" or not nccl_available():
-                    raise MetaError("data_plane 'nccl' needs the cuda backend and CuPy with NCCL >= 2.7")
+            if lacking(config.data_plane):
+                raise MetaError(
+                    f"data_plane {config.data_plane!r}: workers {lacking(config.data_plane)} cannot join it "
+                    "(nccl needs the cuda backend and CuPy with NCCL >= 2.7)"
+                )
             return config.data_plane
         devices = config.devices or tuple(range(self.world_size))
-        if config.backend == "cuda" and config.spawn and self.world_size > 1 and len(set(devices)) == self.world_size:
-            from workers.nccl import nccl_available
-
-            if nccl_available():
-                return "nccl"
+        distinct = len(set(devices)) == self.world_size
+        if config.backend == "cuda" and config.spawn and self.world_size > 1 and distinct and not lacking("nccl"):
+            return "nccl"
         return "shm"
 
     def _endpoint(self, name: str) -> str:
@@ -176,7 +173,7 @@ class ProcessCluster:
             beat_in=self.beat_in_endpoint,
             rank=rank,
             backend=c.backend,
-            device=c.devices[rank] if c.devices else rank % max(1, backend_class(c.backend).device_count()),
+            device=c.devices[rank] if c.devices else -1,  # -1: the worker takes the rank's turn round its devices
             keys=c.keys,
             advertise=c.advertise,
             heartbeat=c.heartbeat,

@@ -178,18 +178,50 @@ def test_a_peer_abort_ends_an_nccl_wait_at_once(nccl_comm):
     assert time.monotonic() - start < 2 and device.aborted == 1
 
 
-def test_data_plane_choice():
-    def choose(**config):
-        cluster = SimpleNamespace(config=ClusterConfig(**config), world_size=config.get("workers", 2))
+def test_data_plane_choice_follows_what_the_workers_say_they_can_join():
+    from transport import protocol as p
+
+    def choose(planes=(("shm", "zmq"), ("shm", "zmq")), **config):
+        hellos = [p.Hello(r, 1, "x", "", 0, 0, "", list(joins)) for r, joins in enumerate(planes)]
+        cluster = SimpleNamespace(config=ClusterConfig(**config), world_size=len(planes), devices=hellos)
         return ProcessCluster._data_plane(cluster)
 
+    nccl = (("shm", "zmq", "nccl"), ("shm", "zmq", "nccl"))
     assert choose() == "shm"
     assert choose(data_plane="zmq") == "zmq"
-    assert choose(backend="cuda", devices=(0, 0)) == "shm"  # one GPU: NCCL refuses two ranks on it
-    with pytest.raises(MetaError, match="needs the cuda backend"):
+    assert choose(nccl, backend="cuda", devices=(0, 1)) == "nccl"
+    assert choose(nccl, backend="cuda", devices=(0, 0)) == "shm"  # one GPU: NCCL refuses two ranks on it
+    assert choose((nccl[0], ("shm", "zmq")), backend="cuda", devices=(0, 1)) == "shm"  # rank 1 has no NCCL
+    with pytest.raises(MetaError, match=r"workers \[0, 1\] cannot join it"):
         choose(data_plane="nccl")
     with pytest.raises(MetaError, match="data_plane must be one of"):
         ProcessCluster(ClusterConfig(data_plane="carrier-pigeon"))
+
+
+def test_the_coordinator_does_not_import_the_workers():
+    """meta/ and workers/ are siblings over transport/ and split_state/: what the coordinator
+    needs of the workers (backends, NCCL, the CPU binding's variable) it asks or reads there."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "meta"
+    found = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "workers"]
+    assert found == []
+
+
+def test_the_backends_are_asked_of_a_worker_process():
+    from meta.backends import local_backends, resolve
+
+    assert resolve("cpu").host_threads and resolve("cpu").device_count == 1
+    assert set(local_backends()) == {"cpu", "cuda"}
+    assert resolve("auto").name == ("cuda" if CudaBackend.device_count() else "cpu")
+    with pytest.raises(MetaError, match="unknown backend 'tpu'"):
+        resolve("tpu")
 
 
 @pytest.mark.skipif(CudaBackend.device_count() < 2 or not nccl_available(), reason="needs two GPUs and NCCL")

@@ -17,7 +17,16 @@ def round_trip(message, limits=p.DEFAULT_LIMITS):
 
 
 EXAMPLES = [
-    p.Hello(rank=1, pid=123, backend="cpu", device="cpu:1", memory_total=10, memory_free=5, data_endpoint="ipc://x"),
+    p.Hello(
+        rank=1,
+        pid=123,
+        backend="cuda",
+        device="gpu:1",
+        memory_total=10,
+        memory_free=5,
+        data_endpoint="ipc://x",
+        planes=["shm", "nccl"],
+    ),
     p.Configure(world_size=3, peers=["ipc://a", "ipc://b", "ipc://c"], collective="zmq", nccl_id=b"\x00\x01"),
     p.Get(tensor=7),
     p.Free(tensors=[1, 2, 3]),
@@ -46,6 +55,7 @@ EXAMPLES = [
     ),
     p.Tokens(step=3, tokens=[17, 4]),
     p.Cancel(),
+    p.NcclId(),
     p.Unload(programs=[5, 6]),
     p.Ok(info={"a": 1, "b": (1.5, "x"), "c": None}),
     p.Error(kind="OutOfMemory", message="too big", traceback="Traceback..."),

@@ -91,7 +91,7 @@ class WorkerLaunch:
     beat_in: str  # coordinator heartbeat inbox (PULL)
     rank: int
     backend: str = "cpu"
-    device: int = 0  # device index for backends with several devices
+    device: int = -1  # device index for backends with several devices (-1: rank modulo their count)
     data: str = ""  # endpoint to bind the data inbox (default: beside --connect)
     advertise: str = ""  # the host other workers reach this one's data inbox at (default: derived)
     keys: str = ""  # CURVE key file made by 'launch.py keys'
@@ -165,6 +165,7 @@ class MsgType(enum.IntEnum):
     GENERATE = 17
     TOKENS = 18
     CANCEL = 19
+    NCCL_ID = 20
 
 
 # -- program steps ------------------------------------------------------------------------------
@@ -240,6 +241,7 @@ class Hello:
     memory_total: int
     memory_free: int
     data_endpoint: str
+    planes: list[str] = dataclasses.field(default_factory=lambda: ["shm", "zmq"])  # data planes it can join
     KIND: ClassVar[MsgType]
 
 
@@ -358,6 +360,15 @@ class Cancel:
     KIND: ClassVar[MsgType]
 
 
+@_message(MsgType.NCCL_ID)
+@dataclass(frozen=True)
+class NcclId:
+    """Make a fresh NCCL unique id (to rank 0, which then hosts NCCL's bootstrap root); the reply
+    is Ok({"nccl_id": hex string}), which the coordinator relays to every rank in Configure."""
+
+    KIND: ClassVar[MsgType]
+
+
 @_message(MsgType.TENSOR)
 @dataclass(frozen=True)
 class Tensor:
@@ -438,6 +449,7 @@ Message = (
     | Generate
     | Tokens
     | Cancel
+    | NcclId
     | Tensor
     | Ok
     | Error

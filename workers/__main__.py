@@ -1,8 +1,18 @@
-"""python -m workers --connect ENDPOINT --rank R ...: one worker process."""
+"""python -m workers --connect ENDPOINT --rank R ...: one worker process.
+python -m workers --backends: this host's backends as JSON (what a coordinator asks before it
+starts workers here; see meta/backends.py)."""
 
 import sys
 
 from workers.binding import bind_from_env
+
+if sys.argv[1:] == ["--backends"]:
+    import json
+
+    from workers.backends import describe
+
+    print(json.dumps(describe()))
+    sys.exit(0)
 
 bind_from_env()  # first: before anything starts a thread
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-CPUS_ENV = "META_TP_CPUS"  # a spawned worker's CPUs, "0,1"; absent when workers are not bound
+from transport.environment import CPUS_ENV
 
 
 def bind_from_env() -> None:

@@ -170,12 +170,20 @@ def _exit(rank: int, why: str, coordinator_gone: bool) -> None:
         os._exit(EXIT_COORDINATOR_LOST)
 
 
+def data_planes(backend: str) -> list[str]:
+    """The data planes this worker can join: shared memory and ZeroMQ always; NCCL with CuPy
+    workers whose NCCL has grouped send/recv."""
+    from workers.nccl import nccl_available
+
+    return ["shm", "zmq", *(["nccl"] if backend == "cuda" and nccl_available() else [])]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.connect.startswith("ipc://") and os.path.basename(os.path.dirname(args.connect[6:])).startswith("meta-tp-"):
         _IPC_DIRS.append(os.path.dirname(args.connect[6:]))
     np.seterr(all="ignore")  # as on GPUs: overflow gives inf/nan, never a warning per op
-    backend = make_backend(args.backend, args.device)
+    backend = make_backend(args.backend, args.device, args.rank)
     context = zmq.Context()
     security = Security(context, CurveKeys.load(args.keys) if args.keys else None, rank=args.rank)
     bind_at, advertise = data_endpoint(args)
@@ -204,7 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         send(
             control,
             p.Hello(
-                args.rank, os.getpid(), info.backend, info.description, info.memory_total, info.memory_free, data_ep
+                args.rank,
+                os.getpid(),
+                info.backend,
+                info.description,
+                info.memory_total,
+                info.memory_free,
+                data_ep,
+                data_planes(info.backend),
             ),
         )
         pending: collections.deque = collections.deque()  # requests that came during a Generate

@@ -105,6 +105,11 @@ class WorkerServer:
         self.runs += 1
         return run_generation(self, m, self.emit, self.cancelled)
 
+    def _on_nccl_id(self, m: p.NcclId) -> p.Message:
+        from workers.nccl import make_unique_id
+
+        return p.Ok({"nccl_id": make_unique_id().hex()})
+
     def _on_stats(self, m: p.Stats) -> p.Message:
         info = {
             "rank": self.rank,
@@ -169,6 +174,7 @@ HANDLERS: dict[type, Callable[[WorkerServer, p.Message], p.Message]] = {
     p.Cancel: lambda server, m: p.Ok(),  # came after its Generate ended: nothing to stop
     p.Unload: WorkerServer._on_unload,
     p.Stats: WorkerServer._on_stats,
+    p.NcclId: WorkerServer._on_nccl_id,
     p.Heartbeat: WorkerServer._on_heartbeat,
     p.Shutdown: WorkerServer._on_shutdown,
     p.Error: WorkerServer._on_refused,

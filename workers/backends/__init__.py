@@ -54,8 +54,11 @@ def backend_class(name: str) -> type:
     return importlib.import_module(f"{__name__}.{name}").Backend
 
 
-def make_backend(name: str, index: int = 0):
+def make_backend(name: str, index: int = 0, rank: int = 0):
+    """Backend `name` driving device `index` (-1: the rank's turn round the devices here)."""
     cls = backend_class(name)
+    if index < 0:
+        index = rank % max(1, cls.device_count())
     if cls.device_count() <= index:
         raise TransportError(f"backend {name!r} device {index} is not available on this machine")
     return cls(index)
@@ -65,6 +68,25 @@ def auto() -> str:
     """The highest-priority backend that has a device here."""
     usable = [cls for cls in map(backend_class, names()) if cls.device_count() > 0]
     return max(usable, key=lambda cls: cls.priority).name
+
+
+def describe() -> list[dict]:
+    """What a coordinator needs to know of each backend on this host, as plain values (it asks
+    a `python -m workers --backends` process rather than importing the workers)."""
+    out = []
+    for name in names():
+        cls = backend_class(name)
+        count = cls.device_count()
+        out.append(
+            {
+                "name": name,
+                "priority": cls.priority,
+                "host_threads": cls.host_threads,
+                "device_count": count,
+                "default_workers": cls.default_workers() if count else 0,
+            }
+        )
+    return out
 
 
 def registry() -> list[DeviceInfo]:
