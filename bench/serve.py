@@ -2,7 +2,7 @@
 to first token, beside the prefill time of `launch.py generate` (LLM.generate) for the same prompt
 on as many workers, in the same run.
 
-    python bench/serve.py [--quick] [--json results/serve.json] [--workers 2] [--clients 1 4 8]
+    python bench/serve.py [--quick] [--json results/serve.json] [--workers 2] [--clients 1 4 8] [--soak 120]
 
 Every client streams a greedy completion of a short prompt for a fixed number of tokens
 (ignore_eos, as llama-server's benchmarks do). The server runs with as many slots as the most
@@ -24,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.report import cli, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+# a prompt whose continuation starts with text: the model's first token after "Write a short story
+# about ..." was <|im_end|>, which has no text, so the first chunk waited a decode step more and the
+# time to first token was measured as the time to the second
+PROMPT = "Once upon a time, a lighthouse keeper found a message in a bottle. It said"
 
 
 def _free_port() -> int:
@@ -49,6 +52,55 @@ def stream_once(url: str, tokens: int) -> dict:
     return {"ttft_s": first, "tokens": usage, "wall_s": time.perf_counter() - start}
 
 
+SOAK_PROMPTS = [f"Question {i}: what is {i} plus {i + 3}? Answer:" for i in range(12)]
+
+
+def complete(url: str, prompt: str, tokens: int, stream: bool) -> str:
+    """A greedy completion's text, streamed (its pieces joined) or not."""
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": stream}
+    if not stream:
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        reply.raise_for_status()
+        return reply.json()["choices"][0]["text"]
+    pieces = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(pieces)
+
+
+def soak(url: str, seconds: float, clients: int, tokens: int = 16) -> dict:
+    """`clients` clients sending greedy requests (streamed and not, in turn) for `seconds`, each
+    answer compared with the one its prompt got alone: a lost request (an error) or another
+    request's text (cross-talk) is counted."""
+    expected = {p: complete(url, p, tokens, False) for p in SOAK_PROMPTS}  # alone, one at a time
+    counts = {"requests": 0, "lost": 0, "wrong_text": 0}
+    lock, end = threading.Lock(), time.monotonic() + seconds
+
+    def client(k: int) -> None:
+        i = k
+        while time.monotonic() < end:
+            prompt, i = SOAK_PROMPTS[i % len(SOAK_PROMPTS)], i + 1
+            try:
+                outcome = "requests" if complete(url, prompt, tokens, i % 2 == 0) == expected[prompt] else "wrong_text"
+            except Exception:  # noqa: BLE001 - every failure is a lost request, counted
+                outcome = "lost"
+            with lock:
+                counts[outcome] += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 600)
+    counts["requests"] += counts["lost"] + counts["wrong_text"]
+    return {"seconds": seconds, "clients": clients, **counts}
+
+
 def generate_prefill(workers: int) -> float:
     """Prefill seconds of LLM.generate (what `launch.py generate` reports) for the prompt."""
     from meta import ClusterConfig, MetaDevice, ProcessCluster
@@ -61,7 +113,7 @@ def generate_prefill(workers: int) -> float:
         return min(llm.generate([PROMPT], max_new_tokens=2)[0].prefill_s for _ in range(3))
 
 
-def run(quick: bool, workers: int, clients: list[int]) -> dict:
+def run(quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0) -> dict:
     import httpx
 
     tokens = 24 if quick else 64
@@ -105,21 +157,41 @@ def run(quick: bool, workers: int, clients: list[int]) -> dict:
                     "ttft_max_s": ttft[-1],
                 }
             )
+        soaked = soak(url, soak_seconds, max(clients)) if soak_seconds > 0 else None
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        inside = [line for line in metrics.splitlines() if 'first_token_seconds{quantile="0.5"}' in line]
     finally:
         server.terminate()
         server.wait(60)
     one = rows[0]["aggregate_tokens_per_s"] if rows and rows[0]["clients"] == 1 else None
     for row in rows:
         row["speedup_over_one"] = row["aggregate_tokens_per_s"] / one if one else None
-    return {"workers": workers, "rows": rows, "generate_prefill_s": generate_prefill(workers)}
+    server_ttft = float(inside[0].split()[-1]) if inside else None  # submit to first token, in the server
+    return {
+        "workers": workers,
+        "rows": rows,
+        "generate_prefill_s": generate_prefill(workers),
+        "server_ttft_median_s": server_ttft,
+        "soak": soaked,
+    }
 
 
 def show(results: dict) -> None:
+    soaked = results.get("soak")
+    if soaked:
+        print(
+            table(
+                f"soak: {soaked['clients']} clients, {soaked['seconds']:.0f} s, answers against their prompt's alone",
+                ["requests", "lost", "wrong text"],
+                [[soaked["requests"], soaked["lost"], soaked["wrong_text"]]],
+            )
+        )
     prefill = results["generate_prefill_s"]
     print(
         table(
             f"launch.py serve, {results['workers']} workers, greedy streams of one prompt "
-            f"(launch.py generate prefills it in {prefill * 1e3:.0f} ms)",
+            f"(launch.py generate prefills it in {prefill * 1e3:.0f} ms; the server's own median from request to "
+            f"first token, every request: {(results.get('server_ttft_median_s') or 0) * 1e3:.0f} ms)",
             ["clients", "tokens", "aggregate tok/s", "x one stream", "TTFT median ms", "TTFT max ms", "TTFT/prefill"],
             [
                 [
@@ -139,11 +211,14 @@ def show(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     def measure(args):
-        return run(args.quick, args.workers, args.clients)
+        return run(args.quick, args.workers, args.clients, args.soak)
 
     def options(ap) -> None:
         ap.add_argument("--workers", type=int, default=2)
         ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
+        ap.add_argument(
+            "--soak", type=float, default=0.0, help="then as many clients as the most for this many seconds"
+        )
 
     return cli(__doc__, "serve", measure, show, argv, options)
 
