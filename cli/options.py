@@ -15,12 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from meta.api import cluster
-from meta.cluster import DATA_PLANES
 from meta.device import MetaDevice
 from meta.launchers import detect_launcher
 from split_state.errors import MetaError, WorkerLost
 from transport import protocol as p
-from workers import backends
+from workers import backends, planes
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -44,7 +43,7 @@ def add_cluster_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--data-plane",
         default="auto",
-        choices=list(DATA_PLANES),
+        choices=["auto", *planes.names()],
         help="between workers: shared memory on one host (ZeroMQ across hosts), ZeroMQ only, NCCL "
         "(CuPy workers on distinct GPUs); auto: NCCL where it applies, else shared memory",
     )

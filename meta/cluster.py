@@ -31,7 +31,6 @@ from transport.shm import remove_session
 from transport.sockets import CurveKeys, IpcDir, Security, bind, pull, push, recv_frames, router, send
 
 POLL_MS = 100
-DATA_PLANES = ("auto", "shm", "zmq", "nccl")
 BIND_MODES = ("auto", "off")
 
 
@@ -59,8 +58,9 @@ class ClusterConfig:
     collective_timeout: float = 30.0
     blas_threads: int = 1
     memory_budget: int = 0
-    # between workers: "shm" shared memory on one host (ZeroMQ across hosts), "zmq", "nccl" (CuPy
-    # workers on distinct GPUs), or "auto": nccl where it applies, else shm
+    # between workers: a plane of workers/planes/ that every worker can join ("shm" shared memory
+    # on one host, ZeroMQ across hosts; "zmq"; "nccl" for CuPy workers on distinct GPUs), or "auto":
+    # nccl where it applies, else shm
     data_plane: str = "auto"
     # "auto": CPU workers spawned here each on their own cores when they go round once; "off"
     bind: str = "auto"
@@ -72,8 +72,8 @@ class ProcessCluster:
     def __init__(self, config: ClusterConfig):
         if config.workers < 1:
             raise MetaError(f"a cluster needs at least one worker, got {config.workers}")
-        if config.data_plane not in DATA_PLANES:
-            raise MetaError(f"data_plane must be one of {DATA_PLANES}, got {config.data_plane!r}")
+        if not config.data_plane.isidentifier():  # which planes exist, the workers say (workers/planes/)
+            raise MetaError(f"data_plane must be 'auto' or a plane's name, got {config.data_plane!r}")
         if config.bind not in BIND_MODES:
             raise MetaError(f"bind must be one of {BIND_MODES}, got {config.bind!r}")
         self.session = secrets.token_hex(8)
@@ -148,7 +148,8 @@ class ProcessCluster:
             if lacking(config.data_plane):
                 raise MetaError(
                     f"data_plane {config.data_plane!r}: workers {lacking(config.data_plane)} cannot join it "
-                    "(nccl needs the cuda backend and CuPy with NCCL >= 2.7)"
+                    f"(they can join {', '.join(self.devices[0].planes)}; nccl needs the cuda backend and CuPy "
+                    "with NCCL >= 2.7)"
                 )
             return config.data_plane
         devices = config.devices or tuple(range(self.world_size))

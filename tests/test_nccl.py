@@ -194,8 +194,10 @@ def test_data_plane_choice_follows_what_the_workers_say_they_can_join():
     assert choose((nccl[0], ("shm", "zmq")), backend="cuda", devices=(0, 1)) == "shm"  # rank 1 has no NCCL
     with pytest.raises(MetaError, match=r"workers \[0, 1\] cannot join it"):
         choose(data_plane="nccl")
-    with pytest.raises(MetaError, match="data_plane must be one of"):
-        ProcessCluster(ClusterConfig(data_plane="carrier-pigeon"))
+    with pytest.raises(MetaError, match=r"'carrier_pigeon': workers \[0, 1\] cannot join it"):
+        choose(data_plane="carrier_pigeon")
+    with pytest.raises(MetaError, match="data_plane must be 'auto' or a plane's name"):
+        ProcessCluster(ClusterConfig(data_plane="carrier pigeon"))
 
 
 def test_the_coordinator_does_not_import_the_workers():

@@ -25,7 +25,7 @@ from transport.shm import LINE, InboxFile, RingReader, RingWriter
 from transport.sockets import IpcDir, Security, pull
 from workers import comm
 from workers.comm import HostComm, ZmqComm
-from workers.main import make_comm
+from workers.planes import connect as make_comm
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -338,7 +338,7 @@ def test_sender_falls_back_to_zmq_for_a_peer_without_an_inbox_file(comm_pair):
     assert np.array_equal(receive_array(a, 1, 1, 1, (10,)), data * 2)
 
 
-def test_make_comm_reports_why_shared_memory_was_not_used(monkeypatch, tmp_path):
+def test_connecting_reports_why_shared_memory_was_not_used(monkeypatch, tmp_path):
     ctx, ipc = zmq.Context(), IpcDir()
     security = Security(ctx, None)
     inbox, ep = pull(ctx, ipc.endpoint("d0"), security)

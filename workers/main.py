@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import os
-import platform
 import shutil
 import sys
 import threading
@@ -19,9 +18,8 @@ import traceback
 import numpy as np
 import zmq
 
-from split_state.errors import MetaError, TransportError
+from split_state.errors import MetaError
 from transport import protocol as p
-from transport import shm
 from transport.deadline import Deadline
 from transport.reply import respond
 from transport.sockets import (
@@ -37,8 +35,10 @@ from transport.sockets import (
     send,
     send_frames,
 )
+from workers import planes
 from workers.backends import make_backend, names
-from workers.comm import HostComm, ZmqComm
+from workers.comm import ZmqComm
+from workers.planes.shm import SHARED_FILES
 from workers.server import WorkerServer
 
 EXIT_COORDINATOR_LOST = 17
@@ -121,34 +121,6 @@ def cancel_seen(control: zmq.Socket, rid: int, pending: collections.deque) -> bo
     return seen
 
 
-def make_comm(rank: int, configure: p.Configure, inbox, context: zmq.Context, security: Security) -> ZmqComm:
-    """Shared memory with the peers on this host when asked for and possible, else ZeroMQ; the
-    reason for a fallback is kept in `note` and reported to the coordinator."""
-    note = ""
-    if configure.collective == "nccl":
-        from workers.nccl import NcclComm, NcclDevice
-
-        device = NcclDevice(configure.world_size, configure.nccl_id, rank)  # blocks until all ranks join
-        return NcclComm(rank, inbox, configure.peers, context, security, device)
-    if configure.collective == "shm" and configure.world_size > 1:
-        if not shm.supported():
-            note = f"shared memory needs an x86-64 CPU (this is {platform.machine()})"
-        else:
-            try:
-                comm = HostComm(rank, inbox, configure.peers, context, security, configure.session)
-            except TransportError as exc:
-                note = str(exc)
-            else:
-                _SHARED_FILES.append(comm.own.path)
-                return comm
-    comm = ZmqComm(rank, inbox, configure.peers, context, security)
-    comm.note = note
-    return comm
-
-
-_SHARED_FILES: list = []  # removed even when the watchdog ends the process abruptly
-
-
 def orphaned(args: p.WorkerLaunch) -> bool:
     return bool(args.parent_pid) and os.getppid() != args.parent_pid
 
@@ -161,21 +133,13 @@ def _exit(rank: int, why: str, coordinator_gone: bool) -> None:
     when the coordinator is known to be gone: a worker that merely stopped hearing it (starved
     of CPU while the coordinator lives) must not pull the sockets from under every other worker."""
     try:
-        for path in _SHARED_FILES:
+        for path in SHARED_FILES:
             path.unlink(missing_ok=True)
         for directory in _IPC_DIRS if coordinator_gone else ():
             shutil.rmtree(directory, ignore_errors=True)
         print(f"worker {rank}: exiting, {why}", file=sys.stderr, flush=True)
     finally:  # stderr may be a pipe to the dead coordinator: exit regardless
         os._exit(EXIT_COORDINATOR_LOST)
-
-
-def data_planes(backend: str) -> list[str]:
-    """The data planes this worker can join: shared memory and ZeroMQ always; NCCL with CuPy
-    workers whose NCCL has grouped send/recv."""
-    from workers.nccl import nccl_available
-
-    return ["shm", "zmq", *(["nccl"] if backend == "cuda" and nccl_available() else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     def connect(configure: p.Configure) -> ZmqComm:
         for old in comms:
             old.close()
-        comms[:] = [make_comm(args.rank, configure, inbox, context, security)]
+        comms[:] = [planes.connect(args.rank, configure, inbox, context, security)]
         return comms[0]
 
     server = WorkerServer(args.rank, backend, connect, args.collective_timeout)
@@ -219,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 info.memory_total,
                 info.memory_free,
                 data_ep,
-                data_planes(info.backend),
+                planes.joinable_planes(info.backend),
             ),
         )
         pending: collections.deque = collections.deque()  # requests that came during a Generate

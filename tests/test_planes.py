@@ -1,0 +1,39 @@
+"""Data planes as a registry (workers/planes/): each module found by name declares what it
+supports; workers say in Hello which they can join, and the coordinator and the command line
+take the names from there."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from split_state.errors import TransportError
+from workers import planes
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_every_plane_module_declares_itself():
+    assert planes.names() == ("nccl", "shm", "zmq")
+    for name in planes.names():
+        plane = planes.plane(name)
+        assert plane.name == name and plane.hosts in ("one", "many") and set(plane.kinds) <= {"cpu", "gpu"}
+    with pytest.raises(TransportError, match="unknown data plane 'pigeon'"):
+        planes.plane("pigeon")
+
+
+def test_a_cpu_worker_can_join_shared_memory_and_zeromq_not_nccl():
+    shared = ["shm"] if platform.machine() in ("x86_64", "AMD64") else []
+    assert planes.joinable_planes("cpu") == [*shared, "zmq"]
+    assert "cuda backend" in planes.plane("nccl").joinable("cpu")
+
+
+def test_workers_say_which_planes_they_can_join_and_the_cli_offers_the_registry(fresh_cluster):
+    from cli import parser
+
+    cluster = fresh_cluster(2)
+    assert [h.planes for h in cluster.devices] == [planes.joinable_planes("cpu")] * 2
+    generate = parser()._subparsers._group_actions[0].choices["generate"]
+    option = next(a for a in generate._actions if "--data-plane" in a.option_strings)
+    assert option.choices == ["auto", *planes.names()]

@@ -1,0 +1,70 @@
+"""Data planes: how workers move bytes to each other in collectives. One module per plane in this
+folder, found by its name; each defines `PLANE`, a `Plane`:
+
+    name          as --data-plane spells it
+    hosts         "one" (peers must share this host) or "many"
+    kinds         the device kinds it moves data of ("cpu", "gpu")
+    joinable(backend) -> str   "" when a worker of this backend can join it here, else why not
+    connect(rank, configure, inbox, context, security) -> comm
+                  the worker's comm (workers.comm.Inbox: send, receive, flush, abort); raises
+                  PlaneUnavailable when it cannot after all (ZeroMQ is then used, and why is
+                  reported to the coordinator)
+
+Every worker says in its Hello which planes it can join (`joinable_planes`); the coordinator
+picks one they all can (`--data-plane`, or auto: NCCL for GPU workers on distinct GPUs, else
+shared memory), without importing this package. Adding a plane is one file here plus tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from split_state.errors import TransportError
+
+
+class PlaneUnavailable(TransportError):
+    """A plane that cannot connect on this worker (the reason goes to the coordinator)."""
+
+
+@dataclass(frozen=True)
+class Plane:
+    name: str
+    hosts: str  # "one" or "many"
+    kinds: tuple[str, ...]
+    joinable: Callable[[str], str]  # backend -> "" or why this worker cannot join
+    connect: Callable[..., Any]
+
+
+FALLBACK = "zmq"  # every worker can join it, on any host
+
+
+@functools.cache
+def names() -> tuple[str, ...]:
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
+
+
+def plane(name: str) -> Plane:
+    if name not in names():
+        raise TransportError(f"unknown data plane {name!r}; choose one of {', '.join(names())}")
+    return importlib.import_module(f"{__name__}.{name}").PLANE
+
+
+def joinable_planes(backend: str) -> list[str]:
+    """The planes a worker of `backend` can join here, for its Hello."""
+    return [name for name in names() if not plane(name).joinable(backend)]
+
+
+def connect(rank: int, configure, inbox, context, security):
+    """The comm of the plane the coordinator chose; ZeroMQ, with the reason kept in `note`,
+    where that plane cannot connect on this worker."""
+    try:
+        return plane(configure.collective).connect(rank, configure, inbox, context, security)
+    except PlaneUnavailable as exc:
+        comm = plane(FALLBACK).connect(rank, configure, inbox, context, security)
+        comm.note = str(exc)
+        return comm
