@@ -22,24 +22,21 @@ from collections.abc import Sequence
 import numpy as np
 
 from cli.display import progress
-from cli.options import add_cluster_options, check_cluster_options, open_cluster
+from cli.options import add_cluster_options, open_cluster
 
 EXIT = "/exit"
 
 
 def generate(args: argparse.Namespace) -> int:
-    from models.generate import LLM, Sampling, check_lengths, prompt_text
+    from models.generate import LLM, Sampling, check_context, check_lengths, prompt_text
     from models.gguf_model import GGUFModel, ModelError
 
-    check_cluster_options(args)
     prompts = gather_prompts(args)
     interactive = args.interactive or (not prompts and sys.stdin.isatty())
     if not prompts and not interactive:
         raise ModelError('give a prompt, e.g. launch.py generate "The capital of France is" (or -f FILE, or -i)')
     if prompts and interactive:
         raise ModelError("--interactive reads its messages from the input; give no prompt with it")
-    if args.ctx <= 0:
-        raise ModelError(f"--ctx {args.ctx}: give a positive number of tokens")
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise ModelError(f"--max-new-tokens {args.max_new_tokens}: give 0 or more")
     sampling = Sampling(
@@ -47,8 +44,7 @@ def generate(args: argparse.Namespace) -> int:
     )
     model = GGUFModel(args.model or None)
     model.check()
-    if args.ctx > model.context_length:
-        raise ModelError(f"--ctx {args.ctx} exceeds the model's context length {model.context_length}")
+    check_context(args.ctx, model.context_length)
     chat = args.chat or bool(args.system) or interactive
     if interactive:  # the template must render before the workers start
         prompt_text(model, [{"role": "user", "content": "hello"}], True, args.system)

@@ -31,15 +31,16 @@ class Backend:
 @functools.cache
 def local_backends() -> dict[str, Backend]:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = [sys.executable, "-P", "-m", "workers", "--backends"]
+    asked = "could not ask the workers which backends this host has"
     try:
-        out = subprocess.run(
-            [sys.executable, "-P", "-m", "workers", "--backends"], capture_output=True, text=True, timeout=120, env=env
-        )
-        described = json.loads(out.stdout)
-        return {b["name"]: Backend(**b) for b in described}
-    except (OSError, subprocess.TimeoutExpired, ValueError, TypeError, KeyError) as exc:
-        detail = out.stderr.strip().splitlines()[-1:] if "out" in locals() else []
-        raise MetaError(f"could not ask the workers which backends this host has: {exc!r} {detail}") from None
+        out = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise MetaError(f"{asked}: {exc}") from None
+    try:
+        return {b["name"]: Backend(**b) for b in json.loads(out.stdout)}
+    except (ValueError, TypeError, KeyError) as exc:
+        raise MetaError(f"{asked}: {exc!r} {out.stderr.strip().splitlines()[-1:]}") from None
 
 
 def resolve(name: str) -> Backend:

@@ -63,8 +63,7 @@ class Sampling:
 
     @property
     def penalized(self) -> int:
-        """How many of a sequence's latest tokens the repeat penalty lowers (0: none)."""
-        return self.repeat_last_n if self.repeat_penalty != 1 else 0
+        return self.rule.penalized
 
     @property
     def pool(self) -> int:
@@ -187,6 +186,11 @@ def prompt_text(model: GGUFModel, prompt: Prompt, chat: bool, system: str = "") 
     return template.render(messages_of(prompt, system))
 
 
+def check_context(ctx: int, model_ctx: int) -> None:
+    if not 0 < ctx <= model_ctx:
+        raise ModelError(f"--ctx {ctx}: give 1 to the model's context length, {model_ctx}")
+
+
 def check_lengths(lengths: Sequence[int], max_new_tokens: int, ctx: int, model_ctx: int) -> None:
     """Prompts of these token counts, and `max_new_tokens` more each, fit in `ctx`."""
     if min(lengths) == 0:
@@ -219,8 +223,7 @@ class LLM:
         progress=None,
         weights: str = "f32",
     ):
-        if not 0 < ctx <= model.context_length:
-            raise ModelError(f"--ctx {ctx}: give 1 to the model's context length, {model.context_length}")
+        check_context(ctx, model.context_length)
         if weights not in WEIGHTS:
             raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
         self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch
@@ -269,9 +272,9 @@ class LLM:
         out = [Generation(_shown(p), self.prompt_ids(p, chat, system)) for p in prompts]
         lengths = [len(g.prompt_tokens) for g in out]
         check_lengths(lengths, max_new_tokens, self.ctx, self.model.context_length)
-        # a prefix already cached is reused, but never the whole prompt: its last token's logits are needed
-        start = min(common_prefix(self._cached, out[0].prompt_tokens), lengths[0] - 1)
-        start = start if reuse_prefix and len(out) == 1 else 0
+        start = 0
+        if reuse_prefix and len(out) == 1:  # never the whole prompt: its last token's logits are needed
+            start = min(common_prefix(self._cached, out[0].prompt_tokens), lengths[0] - 1)
         rng = np.random.default_rng(sampling.seed)
         rule, window = sampling.rule, sampling.penalized
         recent = [collections.deque(g.prompt_tokens[-window:] if window else (), maxlen=window) for g in out]

@@ -241,7 +241,7 @@ class Hello:
     memory_total: int
     memory_free: int
     data_endpoint: str
-    planes: list[str] = dataclasses.field(default_factory=lambda: ["shm", "zmq"])  # data planes it can join
+    planes: list[str] = dataclasses.field(default_factory=list)  # the data planes it can join (workers/planes/)
     KIND: ClassVar[MsgType]
 
 

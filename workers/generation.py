@@ -36,6 +36,11 @@ class Rule:
     repeat_penalty: float = 1.0  # 1: off; llama.cpp's rule: a seen token's logit / penalty if > 0, else * it
     repeat_last_n: int = 64  # the penalty's window: this many of the latest tokens, the prompt's included
 
+    @property
+    def penalized(self) -> int:
+        """How many of a sequence's latest tokens the repeat penalty lowers (0: none)."""
+        return self.repeat_last_n if self.repeat_penalty != 1 else 0
+
     def as_wire(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -108,8 +113,8 @@ def run_generation(
         stop = {int(t) for t in sampling["stop"]}
         rule = Rule.from_wire(sampling["rule"])
         rng = restore_generator(sampling["rng"])
-        window = rule.repeat_last_n if rule.repeat_penalty != 1 else 0
-        recent = [collections.deque(map(int, r), maxlen=window) for r in sampling.get("recent", [[]] * len(done))]
+        given = sampling.get("recent", [[]] * len(done))
+        recent = [collections.deque(map(int, r), maxlen=rule.penalized) for r in given]
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"generate: malformed settings ({exc!r} missing or wrong)") from None
     tokens, positions = store.get(m.tokens), store.get(m.positions)
