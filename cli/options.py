@@ -1,7 +1,8 @@
 """The options every cluster command shares, and the cluster they describe.
 
-Under a batch launcher (Slurm, Open MPI, PMI, torchrun) every rank runs the same command: rank 0
-becomes the coordinator (and runs worker 0), the other ranks become workers.
+Under a batch launcher (Open MPI's or MPICH's mpiexec, Slurm's srun, torchrun) every rank runs the
+same command: rank 0 becomes the coordinator (and starts worker 0), the other ranks start their
+workers (see `_join_batch_job`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from meta.api import cluster
 from meta.device import MetaDevice
-from meta.launchers import detect_launcher
+from meta.launchers import LaunchEnv, detect_launcher, job_directory
 from split_state.errors import MetaError, WorkerLost
 from transport import protocol as p
+from transport.environment import MPI_RANK_ENV
+from transport.sockets import private_dir
 from workers import backends, planes
 
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -45,7 +50,8 @@ def add_cluster_options(ap: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", *planes.names()],
         help="between workers: shared memory on one host (ZeroMQ across hosts), ZeroMQ only, NCCL "
-        "(CuPy workers on distinct GPUs); auto: NCCL where it applies, else shared memory",
+        "(CuPy workers on distinct GPUs), MPI (under mpiexec/srun); auto: NCCL where it applies, MPI "
+        "under an MPI launcher, else shared memory",
     )
 
 
@@ -67,12 +73,7 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
     launcher = detect_launcher(args.environ) if not args.listen else None
     listen = args.listen
     if launcher is not None and launcher.world_size > 1:
-        port = launcher.port or 29500
-        if launcher.rank != 0:
-            sys.exit(exec_worker(f"tcp://{launcher.coordinator or '127.0.0.1'}:{port}", launcher.rank, args))
-        listen, args.workers, args.spawn = f"tcp://0.0.0.0:{port}", launcher.world_size, 1
-        config["local_workers"] = 1  # rank 0's own worker; the other ranks start theirs
-        args.advertise = args.advertise or launcher.coordinator  # rank 0 runs on the coordinator's host
+        listen = _join_batch_job(launcher, args, config)
     if listen:
         host, port = listen[len("tcp://") :].rsplit(":", 1)
         config.update(
@@ -95,6 +96,13 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
     debug = args.environ.get("META_TP_DEBUG", "") not in ("", "0")
     try:
         with cluster(workers=args.workers, backend=args.backend, devices=devices, debug=debug, **config) as dev:
+            if launcher is not None and launcher.world_size > 1:
+                print(
+                    f"{launcher.world_size} workers, one per rank of the {launcher.source} job; data plane: "
+                    f"{dev.plane or 'mixed'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             try:
                 yield dev
             except WorkerLost as exc:  # said at once; stopping the survivors follows
@@ -108,9 +116,43 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
         raise SystemExit(130) from None
 
 
-def exec_worker(connect: str, rank: int, args: argparse.Namespace) -> int:
-    """Run a worker on this host for the coordinator at `connect` (tcp), until it exits."""
-    if not args.keys and not getattr(args, "insecure", False):
+def _join_batch_job(launcher: LaunchEnv, args: argparse.Namespace, config: dict) -> str:
+    """Under a batch launcher: rank 0 coordinates and starts worker 0 (the coordinator waits on
+    sockets while the workers compute, so it takes no core of its own); every other rank starts
+    its worker here and waits for it, never returning. Each worker knows its job rank, so the
+    workers of an MPI job join MPI as those ranks (the MPI plane). All ranks on this host with a
+    job id: ipc in the job's private directory, no keys needed; else tcp to rank 0's host, with
+    --keys (or --insecure). Returns the endpoint to listen on ("" for ipc)."""
+    env = {}
+    if launcher.source in ("openmpi", "pmi") or "PMIX_RANK" in args.environ:  # MPI can start in the workers
+        env[MPI_RANK_ENV] = str(launcher.rank)
+    args.workers = launcher.world_size
+    linger = args.liveness + 2.0  # the coordinator notices a silent worker within its liveness window
+    config.update(local_workers=1, env=env, start_timeout=args.start_timeout)
+    if launcher.one_host and launcher.job and not args.keys and not args.insecure:
+        directory = job_directory(launcher, tempfile.gettempdir(), os.getuid())
+        if launcher.rank != 0:
+            sys.exit(exec_worker(f"ipc://{directory}/control", launcher.rank, args, env, linger))
+        config["ipc_dir"] = directory
+        return ""
+    port = launcher.port or 29500
+    if launcher.rank != 0:
+        sys.exit(exec_worker(f"tcp://{launcher.coordinator or '127.0.0.1'}:{port}", launcher.rank, args, env, linger))
+    args.spawn = 1
+    args.advertise = args.advertise or launcher.coordinator  # rank 0 runs on the coordinator's host
+    return f"tcp://0.0.0.0:{port}"
+
+
+def exec_worker(
+    connect: str, rank: int, args: argparse.Namespace, extra_env: dict | None = None, linger: float = 0.0
+) -> int:
+    """Run a worker on this host for the coordinator at `connect`, until it exits: over tcp with
+    the cluster's keys, or over ipc in a private directory of this host. A worker that fails is
+    said here at once; with `linger` (a batch job's rank, whose exit ends the whole job) this
+    process then waits that long, so the coordinator can say what it lost before the job ends."""
+    if connect.startswith("ipc://"):
+        private_dir(connect[len("ipc://") :].rsplit("/", 1)[0])  # our data inbox is bound there
+    elif not args.keys and not getattr(args, "insecure", False):
         raise MetaError(
             "a worker over tcp needs the cluster's key file (--keys PATH, made by 'launch.py keys PATH'), "
             "or --insecure if the coordinator runs without keys"
@@ -126,9 +168,15 @@ def exec_worker(connect: str, rank: int, args: argparse.Namespace) -> int:
         keys=args.keys,
         advertise=getattr(args, "advertise", ""),
         liveness=args.liveness,
+        parent_pid=os.getpid(),  # the worker ends with this process (a launcher may kill it)
     )
-    env = dict(args.environ, PYTHONPATH=ROOT + os.pathsep + args.environ.get("PYTHONPATH", ""))
+    env = dict(args.environ, PYTHONPATH=ROOT + os.pathsep + args.environ.get("PYTHONPATH", ""), **(extra_env or {}))
     try:
-        return subprocess.call(launch.command(), env=env)
+        code = subprocess.call(launch.command(), env=env)
+        if code != 0:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            print(f"worker {rank} (pid {os.getpid()}'s child) {how}", file=sys.stderr, flush=True)
+            time.sleep(linger)
+        return code if code >= 0 else 128 - code
     except KeyboardInterrupt:
         return 130

@@ -45,6 +45,7 @@ class ClusterConfig:
     backend: str = "cpu"
     devices: tuple[int, ...] = ()  # GPU index per worker (cuda)
     host: str = ""  # "" : ipc on this host; otherwise tcp on this address, e.g. "127.0.0.1" or "0.0.0.0"
+    ipc_dir: str = ""  # with ipc: a known private directory for the endpoints (a batch job's ranks find it)
     advertise: str = ""  # over tcp: the address workers spawned here give peers on other hosts
     port: int = 0
     keys: str = ""  # CURVE key file
@@ -59,8 +60,8 @@ class ClusterConfig:
     blas_threads: int = 1
     memory_budget: int = 0
     # between workers: a plane of workers/planes/ that every worker can join ("shm" shared memory
-    # on one host, ZeroMQ across hosts; "zmq"; "nccl" for CuPy workers on distinct GPUs), or "auto":
-    # nccl where it applies, else shm
+    # on one host, ZeroMQ across hosts; "zmq"; "nccl" for CuPy workers on distinct GPUs; "mpi" for
+    # workers that are an MPI job's ranks), or "auto": nccl where it applies, then mpi, else shm
     data_plane: str = "auto"
     # "auto": CPU workers spawned here each on their own cores when they go round once; "off"
     bind: str = "auto"
@@ -83,7 +84,7 @@ class ProcessCluster:
         self._key_dir = None  # ephemeral keys for workers spawned here, over tcp
         self.keys = self._cluster_keys()
         self.security = Security(self.context, self.keys)
-        self.ipc = IpcDir() if not config.host else None
+        self.ipc = IpcDir(config.ipc_dir) if not config.host else None
         self.processes: list[subprocess.Popen] = []
         self.pids: dict[int, int] = {}
         self.routes: dict[int, bytes] = {}  # each rank's identity on the control socket, from its Hello
@@ -140,8 +141,9 @@ class ProcessCluster:
 
     def _data_plane(self) -> str:
         """The plane the workers say they can all join: NCCL for CuPy workers each on its own GPU
-        (one host, spawned here) when every one has NCCL; else shared memory (ZeroMQ where it
-        cannot be shared). The coordinator decides from their Hellos, not from its own imports."""
+        (one host, spawned here) when every one has NCCL; MPI for the workers of an MPI job's
+        ranks; else shared memory (ZeroMQ where it cannot be shared). The coordinator decides
+        from their Hellos, not from its own imports."""
         config = self.config
         lacking = lambda plane: [h.rank for h in self.devices if plane not in h.planes]  # noqa: E731
         if config.data_plane != "auto":
@@ -149,13 +151,15 @@ class ProcessCluster:
                 raise MetaError(
                     f"data_plane {config.data_plane!r}: workers {lacking(config.data_plane)} cannot join it "
                     f"(they can join {', '.join(self.devices[0].planes)}; nccl needs the cuda backend and CuPy "
-                    "with NCCL >= 2.7)"
+                    "with NCCL >= 2.7; mpi needs workers started by the ranks of an MPI job, with mpi4py)"
                 )
             return config.data_plane
         devices = config.devices or tuple(range(self.world_size))
         distinct = len(set(devices)) == self.world_size
         if config.backend == "cuda" and config.spawn and self.world_size > 1 and distinct and not lacking("nccl"):
             return "nccl"
+        if self.world_size > 1 and not lacking("mpi"):  # workers that are an MPI job's ranks
+            return "mpi"
         return "shm"
 
     def _endpoint(self, name: str) -> str:

@@ -20,6 +20,17 @@ class LaunchEnv:
     world_size: int
     coordinator: str = ""  # host of rank 0, when the launcher says
     port: int = 0
+    job: str = ""  # the job's (step's) id, where the launcher gives one: names what its ranks share
+    one_host: bool = False  # every rank runs on this host, as the launcher says
+
+
+# per launcher: the variables naming the job, and the local and total rank counts
+_JOB_VARS = {
+    "torchrun": (("TORCHELASTIC_RUN_ID",), "LOCAL_WORLD_SIZE"),
+    "openmpi": (("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"), "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "pmi": (("PMIX_NAMESPACE", "PMI_KVSNAME"), "MPI_LOCALNRANKS"),
+    "slurm": (("SLURM_JOB_ID",), "SLURM_STEP_TASKS_PER_NODE"),
+}
 
 
 PROBES = (
@@ -37,8 +48,22 @@ def detect_launcher(env: Mapping[str, str]) -> LaunchEnv | None:
             host = env.get("MASTER_ADDR", "")
             if not host and source == "slurm":
                 host = first_slurm_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-            return LaunchEnv(source, int(env[rank_var]), int(env[size_var]), host, int(env.get("MASTER_PORT", 0)))
+            size = int(env[size_var])
+            job_vars, local_var = _JOB_VARS[source]
+            job = next((env[v] for v in job_vars if env.get(v)), "")
+            if source == "slurm" and job:
+                job += "." + env.get("SLURM_STEP_ID", "0")
+            local = env.get(local_var, "")
+            one_host = local.isdigit() and int(local) == size  # Slurm's "2(x1)" on several hosts is not
+            return LaunchEnv(source, int(env[rank_var]), size, host, int(env.get("MASTER_PORT", 0)), job, one_host)
     return None
+
+
+def job_directory(launch: LaunchEnv, temp: str, uid: int) -> str:
+    """The private socket directory the ranks of one job on one host share: named from the job
+    id and the user (characters a path cannot hold dropped)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in launch.job)
+    return f"{temp.rstrip('/')}/meta-tp-job-{uid}-{safe}"
 
 
 def first_slurm_host(nodelist: str) -> str:

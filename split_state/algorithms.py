@@ -25,7 +25,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from split_state.layout import Box, box_shape, local_shape, pieces
 from split_state.states import MIRRORED, Mirrored, Partial, Split, State, validate
@@ -45,6 +45,11 @@ DIRECT_ALL_REDUCE_BYTES = 64 << 10  # up to this size (or on 2 devices) one exch
 NCCL_REDUCIBLE = frozenset(
     {"int8", "uint8", "int32", "int64", "float16", "float32", "float64", "bfloat16"}
 )  # dtypes ncclAllReduce sums (ncclDataType_t); others go point to point
+MPI_REDUCIBLE = frozenset(
+    {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32", "float64"}
+)  # dtypes MPI_Allreduce sums with MPI_SUM (MPI has no 16-bit floats)
+# the data planes with an all-reduce of their own (workers/planes/), and the dtypes it sums
+NATIVE_ALL_REDUCE = {"nccl": NCCL_REDUCIBLE, "mpi": MPI_REDUCIBLE}
 
 
 @dataclass(frozen=True)
@@ -121,9 +126,10 @@ class Phase:
         return got
 
 
-@dataclass(frozen=True)
-class Tag:
-    """What identifies a collective's traffic and bounds its waits."""
+class Tag(NamedTuple):
+    """What identifies a collective's traffic and bounds its waits. A named tuple, not a frozen
+    dataclass: one is made per collective call, and a dataclass's frozen __init__ costs a
+    microsecond more (a decode step makes 60 of them)."""
 
     run: int
     step: int
@@ -231,21 +237,23 @@ def _flat_request(r: Request, dst: State) -> Request:
 
 
 class NativeAllReduce(Algorithm):
-    """The data plane's own all-reduce (NCCL's ring): same bits on every rank, on the device."""
+    """The data plane's own all-reduce (NCCL's ring on the device, MPI's Allreduce): the same
+    bits on every rank."""
 
     name = "native_all_reduce"
 
     def applies(self, r: Request) -> bool:
-        return _is_all_reduce(r) and r.plane == "nccl" and r.dtype in NCCL_REDUCIBLE and r.n > 1
+        return _is_all_reduce(r) and r.dtype in NATIVE_ALL_REDUCE.get(r.plane, ()) and r.n > 1
 
     def sent(self, r: Request) -> tuple[int, ...]:
-        # a ring: n-1 reduce-scatter steps and n-1 all-gather steps of one chunk each
+        # charged as a ring: n-1 reduce-scatter steps and n-1 all-gather steps of one chunk each
+        # (NCCL's algorithm; MPI picks its own by size, of about these bytes for large tensors)
         chunks = flat_split(r.size, r.n).segments[0]
         return tuple(2 * (r.size - c) * r.itemsize for c in chunks)
 
     def run(self, engine, local, r, tag):
-        flat = engine.xp.ascontiguousarray(local).reshape(-1).copy()
-        return engine.all_reduce(flat, tag).reshape(r.shape)
+        # the engine leaves `local` as it was (the program may still read it)
+        return engine.all_reduce(engine.xp.ascontiguousarray(local).reshape(-1), tag).reshape(r.shape)
 
 
 class DirectAllReduce(Algorithm):

@@ -192,6 +192,11 @@ def test_data_plane_choice_follows_what_the_workers_say_they_can_join():
     assert choose(nccl, backend="cuda", devices=(0, 1)) == "nccl"
     assert choose(nccl, backend="cuda", devices=(0, 0)) == "shm"  # one GPU: NCCL refuses two ranks on it
     assert choose((nccl[0], ("shm", "zmq")), backend="cuda", devices=(0, 1)) == "shm"  # rank 1 has no NCCL
+    mpi = (("shm", "zmq", "mpi"), ("zmq", "mpi"))  # the ranks of an MPI job, maybe on two hosts
+    assert choose(mpi) == "mpi"
+    assert choose((mpi[0], ("shm", "zmq"))) == "shm"  # rank 1 was not started by the job
+    assert choose((mpi[0], mpi[0]), data_plane="shm") == "shm"
+    assert choose(mpi[:1]) == "shm"  # one worker: nobody to reduce with
     with pytest.raises(MetaError, match=r"workers \[0, 1\] cannot join it"):
         choose(data_plane="nccl")
     with pytest.raises(MetaError, match=r"'carrier_pigeon': workers \[0, 1\] cannot join it"):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_every_plane_module_declares_itself():
-    assert planes.names() == ("nccl", "shm", "zmq")
+    assert planes.names() == ("mpi", "nccl", "shm", "zmq")
     for name in planes.names():
         plane = planes.plane(name)
         assert plane.name == name and plane.hosts in ("one", "many") and set(plane.kinds) <= {"cpu", "gpu"}
@@ -27,6 +27,18 @@ def test_a_cpu_worker_can_join_shared_memory_and_zeromq_not_nccl():
     shared = ["shm"] if platform.machine() in ("x86_64", "AMD64") else []
     assert planes.joinable_planes("cpu") == [*shared, "zmq"]
     assert "cuda backend" in planes.plane("nccl").joinable("cpu")
+
+
+def test_only_a_worker_started_by_an_mpi_jobs_rank_can_join_mpi(monkeypatch):
+    from transport.environment import MPI_RANK_ENV
+
+    mpi = planes.plane("mpi")
+    monkeypatch.delenv(MPI_RANK_ENV, raising=False)
+    assert "not started by a rank of an MPI job" in mpi.joinable("cpu")
+    monkeypatch.setenv(MPI_RANK_ENV, "1")
+    assert "cpu backend" in mpi.joinable("cuda")
+    pytest.importorskip("mpi4py")
+    assert mpi.joinable("cpu") == ""
 
 
 def test_workers_say_which_planes_they_can_join_and_the_cli_offers_the_registry(fresh_cluster):

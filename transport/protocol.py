@@ -77,7 +77,11 @@ def tcp_endpoint(host: str, port: int, name: str) -> str:
 
 
 def endpoints_from_control(control: str) -> tuple[str, str]:
-    """(heartbeat out, heartbeat in) of a coordinator known by its tcp control endpoint."""
+    """(heartbeat out, heartbeat in) of a coordinator known by its control endpoint: over tcp on
+    the two ports after it, over ipc beside it in its directory."""
+    if control.startswith("ipc://"):
+        where = control.rsplit("/", 1)[0]
+        return f"{where}/beat", f"{where}/beat-in"
     host, port = control[len("tcp://") :].rsplit(":", 1)
     return tcp_endpoint(host, int(port), "beat"), tcp_endpoint(host, int(port), "beat-in")
 

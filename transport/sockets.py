@@ -7,6 +7,7 @@ import hashlib
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,17 +138,36 @@ class Security:
 
 
 class IpcDir:
-    """A private (0700) directory for ipc:// endpoints, removed on close."""
+    """A private (0700) directory for ipc:// endpoints, removed on close: a fresh one, or `path`
+    (made here if missing; refused unless it is ours alone)."""
 
-    def __init__(self) -> None:
-        self.path = tempfile.mkdtemp(prefix="meta-tp-")
-        os.chmod(self.path, 0o700)
+    def __init__(self, path: str = "") -> None:
+        if path:
+            self.path = private_dir(path)
+        else:
+            self.path = tempfile.mkdtemp(prefix="meta-tp-")
+            os.chmod(self.path, 0o700)
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.path}/{name}"
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def private_dir(path: str) -> str:
+    """`path` as a directory only this user can enter, made if missing. A known name in a shared
+    temporary folder could have been made first by someone else: then it is refused."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise TransportError(f"cannot make the socket directory {path}: {exc}") from None
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise TransportError(f"{path} is not a private directory of this user (mode 0700): remove it and retry")
+    return path
 
 
 def is_local(host: str) -> bool:

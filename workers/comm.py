@@ -149,6 +149,13 @@ class Inbox:
         exc.origin = abort.rank  # a consequence of that worker's failure, not a cause (see Error.origin)
         raise exc
 
+    def engine(self, backend):
+        """The collective primitives over this comm (workers.collectives): point to point here;
+        a plane with collectives of its own returns an engine that uses them."""
+        from workers.collectives import HostEngine
+
+        return HostEngine(self, backend)
+
     def routes(self) -> dict[int, str]:
         """How this worker has reached each peer so far."""
         return {str(dst): self.plane for dst in range(self.size) if dst != self.rank}

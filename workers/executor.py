@@ -8,7 +8,7 @@ from typing import Any
 from split_state.errors import OutOfMemory, ProtocolError
 from transport import protocol as p
 from workers.arena import Arena
-from workers.collectives import Collectives, HostEngine
+from workers.collectives import Collectives
 from workers.kernels import PATTERNS, kernels_for
 from workers.program import CompiledProgram
 from workers.store import TensorStore
@@ -38,12 +38,7 @@ class Executor:
 
     def attach(self, comm) -> None:
         self.comm = comm
-        if comm.plane == "nccl":
-            from workers.nccl import NcclEngine
-
-            self.collectives = Collectives(NcclEngine(comm, self.backend))
-        else:
-            self.collectives = Collectives(HostEngine(comm, self.backend))
+        self.collectives = Collectives(comm.engine(self.backend))
 
     def load(self, program: int, steps: list[p.Step], outputs: list[int] = ()) -> None:
         """Compile, plan memory and charge it: OutOfMemory here, before any step of it runs."""

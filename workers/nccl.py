@@ -154,6 +154,9 @@ class NcclComm(ZmqComm):
             self.broken = why
             self.device.abort()
 
+    def engine(self, backend):
+        return NcclEngine(self, backend)
+
     def check_usable(self) -> None:
         if self.broken:
             raise TransportError(
@@ -178,6 +181,7 @@ class NcclEngine:
         self.comm.check_usable()
 
     def all_reduce(self, flat: Any, tag: Tag) -> Any:
+        flat = flat.copy()  # NCCL sums in place; the caller's array stays as it was
         self.comm.device.all_reduce(flat)
         self.comm.wait(tag.run, tag.deadline)
         return flat
