@@ -13,6 +13,8 @@ provides the primitives the phases need:
     engine.exchange(local, phase, tag) -> local result   # copy boxes between devices
     engine.reduce(local, phase, tag)   -> local result   # sum each box's contributions in rank order
     engine.all_reduce(flat, tag)       -> flat result    # only on planes with a native all-reduce
+    engine.all_gather(flat, blocks, tag), engine.reduce_scatter(flat, blocks, tag)
+                                       -> flat result    # only on NATIVE_BLOCKS planes
 
 Adding an algorithm is a class here (its rule, phases, and `run` if the generic one does not fit)
 and a row in `ALGORITHMS`, ahead of the ones it should win against.
@@ -50,6 +52,9 @@ MPI_REDUCIBLE = frozenset(
 )  # dtypes MPI_Allreduce sums with MPI_SUM (MPI has no 16-bit floats)
 # the data planes with an all-reduce of their own (workers/planes/), and the dtypes it sums
 NATIVE_ALL_REDUCE = {"nccl": NCCL_REDUCIBLE, "mpi": MPI_REDUCIBLE}
+# the planes with an all-gather and a reduce-scatter of their own over one contiguous block per
+# device (engine.all_gather, engine.reduce_scatter; the reduce-scatter sums NATIVE_ALL_REDUCE's dtypes)
+NATIVE_BLOCKS = frozenset({"mpi"})
 
 
 @dataclass(frozen=True)
@@ -288,6 +293,63 @@ class TwoPhaseAllReduce(Algorithm):
         )
 
 
+def rank_blocks(state: State, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The elements each device holds when `state` cuts the raveled tensor into one contiguous
+    block per device in rank order (a Split in one segment of an axis after only size-1 axes),
+    else None."""
+    if not isinstance(state, Split) or len(state.segments) != 1 or any(d != 1 for d in shape[: state.axis]):
+        return None
+    inner = prod(shape[state.axis + 1 :])
+    return tuple(e * inner for e in state.segments[0])
+
+
+class NativeReduceScatter(Algorithm):
+    """Partial -> one contiguous block per device, by the plane's own reduce-scatter (MPI's
+    Reduce_scatter): each block is summed where the plane sums it and lands on its owner."""
+
+    name = "native_reduce_scatter"
+
+    def applies(self, r: Request) -> bool:
+        return (
+            isinstance(r.src, Partial)
+            and r.plane in NATIVE_BLOCKS
+            and r.dtype in NATIVE_ALL_REDUCE.get(r.plane, ())
+            and r.n > 1
+            and rank_blocks(r.dst, r.shape) is not None
+        )
+
+    def sent(self, r: Request) -> tuple[int, ...]:
+        blocks = rank_blocks(r.dst, r.shape)  # each device's contribution to every other block
+        return tuple((r.size - b) * r.itemsize for b in blocks)
+
+    def run(self, engine, local, r, tag):
+        flat = engine.xp.ascontiguousarray(local).reshape(-1)
+        mine = engine.reduce_scatter(flat, rank_blocks(r.dst, r.shape), tag)
+        return mine.reshape(cached_local_shape(r.dst, r.shape, r.n, engine.rank))
+
+
+class NativeAllGather(Algorithm):
+    """One contiguous block per device -> Mirrored, by the plane's own all-gather (MPI's
+    Allgatherv): bytes only, so every rank holds the same bits."""
+
+    name = "native_all_gather"
+
+    def applies(self, r: Request) -> bool:
+        return (
+            isinstance(r.dst, Mirrored)
+            and r.plane in NATIVE_BLOCKS
+            and r.n > 1
+            and rank_blocks(r.src, r.shape) is not None
+        )
+
+    def sent(self, r: Request) -> tuple[int, ...]:
+        return tuple(b * (r.n - 1) * r.itemsize for b in rank_blocks(r.src, r.shape))
+
+    def run(self, engine, local, r, tag):
+        flat = engine.xp.ascontiguousarray(local).reshape(-1)
+        return engine.all_gather(flat, rank_blocks(r.src, r.shape), tag).reshape(r.shape)
+
+
 class ReduceScatter(Algorithm):
     """Partial -> Split: every device sends each box to its owner, which sums in rank order."""
 
@@ -338,7 +400,9 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     NativeAllReduce(),
     DirectAllReduce(),
     TwoPhaseAllReduce(),
+    NativeReduceScatter(),
     ReduceScatter(),
+    NativeAllGather(),
     Exchange(),
 )
 

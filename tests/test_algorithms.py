@@ -92,3 +92,27 @@ def test_the_threshold_picks_the_algorithm():
     assert select(Request(PARTIAL, MIRRORED, over, 2, 4)).name == "direct_all_reduce"  # 2 ranks: one round
     assert select(Request(PARTIAL, MIRRORED, over, 3, 4, "float32", "nccl")).name == "native_all_reduce"
     assert select(Request(PARTIAL, MIRRORED, over, 3, 2, "int16", "nccl")).name != "native_all_reduce"
+
+
+def test_mpi_gathers_and_scatters_one_block_per_rank_natively_and_charges_what_the_plan_moves():
+    from split_state.algorithms import Exchange, ReduceScatter, Request, rank_blocks, select
+
+    uneven = Split(0, ((5, 0, 3),))
+    assert rank_blocks(uneven, (8, 4)) == (20, 0, 12)
+    assert rank_blocks(Split(1, ((2, 6),)), (1, 8, 3)) == (6, 18)  # only size-1 axes before it
+    assert rank_blocks(Split(1, ((2, 6),)), (2, 8)) is None
+    assert rank_blocks(Split(0, ((2, 2), (1, 3))), (8,)) is None  # two segments: not one block each
+    assert rank_blocks(MIRRORED, (8,)) is None
+
+    def algorithm(src, dst, shape, dtype="float32", plane="mpi", n=3):
+        return select(Request(src, dst, shape, n, 4 if dtype != "float16" else 2, dtype, plane))
+
+    assert algorithm(PARTIAL, uneven, (8, 4)).name == "native_reduce_scatter"
+    assert algorithm(PARTIAL, uneven, (8, 4), dtype="float16").name == "reduce_scatter"  # MPI cannot sum it
+    assert algorithm(PARTIAL, uneven, (8, 4), plane="shm").name == "reduce_scatter"
+    assert algorithm(uneven, MIRRORED, (8, 4), dtype="float16").name == "native_all_gather"  # bytes move
+    assert algorithm(uneven, MIRRORED, (8, 4), plane="nccl").name == "exchange"
+    assert algorithm(Split(1, ((2, 1, 1),)), MIRRORED, (2, 4)).name == "exchange"
+    for src, dst, generic in ((PARTIAL, uneven, ReduceScatter()), (uneven, MIRRORED, Exchange())):
+        r = Request(src, dst, (8, 4), 3, 4, "float32", "mpi")
+        assert select(r).sent(r) == generic.sent(r)  # the plan's bytes, from transfers

@@ -4,6 +4,7 @@ no MPI job. Skipped where mpi4py or mpiexec is missing (pip install -e '.[mpi]')
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -74,7 +75,10 @@ def test_collectives_under_mpiexec_equal_the_shared_memory_planes(n, tmp_path):
     failed = [c for c in found["cases"] if not c["ok"]]
     assert not failed, failed[:5]
     assert len(found["cases"]) == 96
-    assert sum(c["native"] for c in found["cases"]) == 9  # Partial -> Mirrored of what MPI sums: Allreduce
+    used = collections.Counter(c["algorithm"] for c in found["cases"])
+    assert used["native_all_reduce"] == 9  # Partial -> Mirrored of the dtypes MPI sums: Allreduce
+    assert used["native_reduce_scatter"] == 9  # Partial -> one block per rank: Reduce_scatter
+    assert used["native_all_gather"] == 24  # one block per rank -> Mirrored, any dtype: Allgatherv
     if n == 2:  # a + b == b + a: MPI's sum is the rank-order sum, bit for bit
         assert all(c["bitwise"] for c in found["cases"])
 

@@ -8,8 +8,11 @@ the two agree). Data moves through MPI's own buffer calls, never pickled objects
   result's size. A commutative sum gives every rank the same bits (each element's additions are
   done once and shared, or in the same pairs on every rank), though for 3 or more ranks not
   necessarily the rank-order bits of the shared-memory plane;
+- where a split is one contiguous block per rank (split_state.algorithms.rank_blocks), Partial ->
+  Split is `Reduce_scatter` and Split -> Mirrored is `Allgatherv` (of bytes: any dtype);
 - every other phase runs as `Isend` / `Irecv` of raw bytes (split_state.algorithms' transfer
-  plans), each message tagged with its run and step, waited for with the collective deadline.
+  plans: segments, inner axes, all-to-all), each message tagged with its run and step, waited
+  for with the collective deadline.
 
 The blocking `Allreduce` is the fast one: 2 us for 4 KiB here against 7 us for `Iallreduce`,
 whose schedule is built anew each call. A blocked rank cannot look at ZeroMQ for aborts, so a
@@ -160,6 +163,35 @@ class MpiComm(ZmqComm):
             self._failed(exc, run)
         return out
 
+    def all_gather(self, flat: np.ndarray, blocks: tuple[int, ...], run: int) -> np.ndarray:
+        """Every rank's block (`blocks[r]` elements; ours is `flat`), in rank order, on every rank."""
+        if self.broken:
+            self.check_usable()
+        out = self._results.take(flat.dtype, sum(blocks))
+        size = flat.dtype.itemsize
+        counts = [b * size for b in blocks]  # as bytes: any dtype moves, none is summed
+        displacements = np.cumsum([0, *counts[:-1]]).tolist()
+        BYTE = self.MPI.BYTE
+        try:
+            self.world.Allgatherv([flat.view(np.uint8), BYTE], [out.view(np.uint8), (counts, displacements), BYTE])
+        except self.MPI.Exception as exc:
+            self._failed(exc, run)
+        return out
+
+    def reduce_scatter(self, flat: np.ndarray, blocks: tuple[int, ...], run: int) -> np.ndarray:
+        """The sum over every rank of block `rank` of `flat` (`blocks[r]` elements each)."""
+        if self.broken:
+            self.check_usable()
+        kind = self._sum_types.get(flat.dtype)
+        if kind is None:
+            kind = self._sum_types[flat.dtype] = self._sum_type(flat.dtype)
+        out = self._results.take(flat.dtype, blocks[self.rank])
+        try:
+            self.world.Reduce_scatter([flat, kind], [out, kind], list(blocks), self.MPI.SUM)
+        except self.MPI.Exception as exc:
+            self._failed(exc, run)
+        return out
+
     def _sum_type(self, dtype: np.dtype):
         name = dtype_name(dtype)
         if name not in _MPI_TYPES:
@@ -284,3 +316,9 @@ class MpiEngine(HostEngine):
 
     def all_reduce(self, flat: Any, tag) -> Any:
         return self.comm.all_reduce(flat, tag.run)
+
+    def all_gather(self, flat: Any, blocks: tuple[int, ...], tag) -> Any:
+        return self.comm.all_gather(flat, blocks, tag.run)
+
+    def reduce_scatter(self, flat: Any, blocks: tuple[int, ...], tag) -> Any:
+        return self.comm.reduce_scatter(flat, blocks, tag.run)
