@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meta.device import MetaDevice
-from models.generate import POOL, WEIGHTS, Sampling, stop_string_at
+from models.generate import POOL, WEIGHTS, Sampling, check_fits, stop_string_at
 from models.gguf_model import GGUFModel, ModelError
 from models.llama import TensorParallelLlama
 from split_state.errors import MetaError, WorkerLost
@@ -117,6 +117,7 @@ class ContinuousBatcher:
         if weights not in WEIGHTS:
             raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
         self.dev, self.model, self.ctx = dev, model, ctx
+        check_fits(dev, model, weights, ctx, slots)
         source = model.native if weights == "native" else model.weight
         self.net = TensorParallelLlama(dev, model.config, source, ctx, batch=slots)
         self.tokenizer = model.tokenizer

@@ -210,6 +210,28 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(differ[0]) if len(differ) else n
 
 
+def check_fits(dev: MetaDevice, model: GGUFModel, weights: str, ctx: int, batch: int) -> None:
+    """Refuse, before any weight moves, a model that cannot fit the workers' memory budgets:
+    each worker holds at least its share of the weights (1/N of them) and the KV cache of its
+    whole KV heads (the worker with the most: ceil(kv heads / N)) at `ctx` positions. A model
+    that passes may still run short by the uneven part of the split, the worker's programs and
+    its working memory: that is the workers' OutOfMemory, as before."""
+    cfg, n = model.config, dev.n
+    share = model.resident_bytes(weights) / n
+    kv = 2 * cfg.layers * batch * -(-cfg.kv_heads // n) * ctx * cfg.head_dim * 4
+    budget = min(info["budget"] for info in dev.stats().values())
+    if share + kv > budget:
+        mib = 1 << 20
+        raise ModelError(
+            f"{model.path.name} cannot fit: each of {n} workers needs at least {share / mib:.0f} MiB of "
+            f"{weights} weights and {kv / mib:.0f} MiB of KV cache at --ctx {ctx}"
+            + (f" for {batch} sequences" if batch > 1 else "")
+            + f", over its {budget / mib:.0f} MiB budget; use more workers"
+            + (", --weights native" if weights != "native" else "")
+            + " or a smaller --ctx"
+        )
+
+
 WEIGHTS = ("native", "f32")  # kept in the file's blocks where the workers compute on them; all float32
 
 
@@ -227,6 +249,7 @@ class LLM:
         if weights not in WEIGHTS:
             raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
         self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch
+        check_fits(dev, model, weights, ctx, batch)
         source = model.native if weights == "native" else model.weight
         self.net = TensorParallelLlama(dev, model.config, source, ctx, batch, progress=progress)
         self.tokenizer = model.tokenizer

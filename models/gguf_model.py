@@ -254,6 +254,15 @@ class GGUFModel:
             raise ModelError(f"{self.path.name}: tensor {t.name} ({fmt.name}) has rows of {row_bytes} bytes")
         return QuantizedWeight(fmt.name, t.data.reshape(rows, row_bytes // fmt.block_bytes, fmt.block_bytes))
 
+    def resident_bytes(self, weights: str) -> int:
+        """The bytes the workers hold for the weights, all of them together: the file's blocks
+        for the matrices `native` keeps in them (`weights="native"`), float32 for the rest."""
+        total = 0
+        for t in self.tensors.values():
+            kept = weights == "native" and t.data.ndim == 2 and t.tensor_type.name.lower() in FORMATS
+            total += t.data.nbytes if kept else 4 * int(np.prod(t.shape, dtype=np.int64))
+        return total
+
     def weight(self, name: str) -> np.ndarray:
         """Weight `name` of models.llama (e.g. "l3.wq", "embed") as float32 in NumPy layout."""
         t = self._tensor(name)

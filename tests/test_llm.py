@@ -351,3 +351,29 @@ def test_a_message_read_goes_on_past_lines_ending_in_a_backslash(monkeypatch):
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("one\\\ntwo\nthree\n\nlast"))
     assert [read_message(False) for _ in range(5)] == ["one\ntwo", "three", "", "last", None]
+
+
+def test_a_model_that_cannot_fit_says_so_before_any_weight_moves(model, fresh_cluster):
+    """The budget check of LLM against figures taken with gguf's own reader: float32 weights
+    (every element, 4 bytes) over 2 workers plus a worker's KV cache of 2 of SmolLM2's 3 KV heads
+    do not fit 200 MiB; the file's own blocks do, and load."""
+    from gguf import GGUFReader
+
+    from models.generate import LLM
+
+    f32 = sum(int(t.n_elements) for t in GGUFReader(model.path).tensors) * 4
+    kv = 2 * 30 * 2 * 256 * 64 * 4  # K and V, 30 layers, 2 KV heads, 256 positions, 64 values, float32
+    dev = MetaDevice(fresh_cluster(2, memory_budget=200 << 20))
+    try:
+        wanted = (
+            f"cannot fit: each of 2 workers needs at least {f32 / 2 / 2**20:.0f} MiB of f32 weights and "
+            f"{kv / 2**20:.0f} MiB of KV cache at --ctx 256, over its 200 MiB budget; use more workers, "
+            "--weights native or a smaller --ctx"
+        )
+        with pytest.raises(ModelError, match=wanted.replace("-", r"\-")):
+            LLM(dev, model, ctx=256, weights="f32")
+        assert [info["used"] for info in dev.stats().values()] == [0, 0]  # no weight was placed
+        llm = LLM(dev, model, ctx=256, weights="native")
+        assert "Paris" in llm.generate(["The capital of France is"], max_new_tokens=4)[0].text
+    finally:
+        dev.close()
