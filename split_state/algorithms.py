@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any, ClassVar, NamedTuple
@@ -110,7 +110,8 @@ class Phase:
     shape: tuple[int, ...]
     out: State
     transfers: tuple[Transfer, ...]
-    _shares: dict = field(default_factory=dict, compare=False, repr=False)  # (n, rank) -> RankShare
+    # (n, rank) -> RankShare, and whatever else an engine works out once per phase (`derived`)
+    _shares: dict = field(default_factory=dict, compare=False, repr=False)
 
     def out_shape(self, n: int, rank: int) -> tuple[int, ...]:
         return self.share(n, rank).out_shape
@@ -128,6 +129,14 @@ class Phase:
                 if self.kind is PhaseKind.REDUCE
                 else (),
             )
+        return got
+
+    def derived(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """A value an engine works out from this phase once (a plane's packing of its transfers,
+        say), kept with the phase: it lives and goes with the cached phase, so nothing grows."""
+        got = self._shares.get(key)
+        if got is None:
+            got = self._shares[key] = make()
         return got
 
 
@@ -293,6 +302,7 @@ class TwoPhaseAllReduce(Algorithm):
         )
 
 
+@functools.lru_cache(maxsize=4096)
 def rank_blocks(state: State, shape: tuple[int, ...]) -> tuple[int, ...] | None:
     """The elements each device holds when `state` cuts the raveled tensor into one contiguous
     block per device in rank order (a Split in one segment of an axis after only size-1 axes),

@@ -44,6 +44,7 @@ from split_state.transitions import Transfer
 from transport.deadline import Deadline
 from workers.collectives import HostEngine
 from workers.comm import Waiter, ZmqComm
+from workers.generation import STOP_TAG
 
 _STEP_BITS = 16  # a tag is (run, step): MPI guarantees tags up to 32767; Open MPI allows 2**31 - 1
 _STOP_STEP = (1 << _STEP_BITS) - 1  # workers.generation.STOP_TAG's step, folded into the tag's range
@@ -68,8 +69,6 @@ _MPI_TYPES = {
 def message_tag(run: int, step: int) -> int:
     """The MPI tag of the message (run, step): runs are told apart modulo 2**15, enough to keep a
     failed run's leftovers from matching (the communicator is revoked after one anyway)."""
-    from workers.generation import STOP_TAG
-
     if step == STOP_TAG:
         step = _STOP_STEP
     elif not 0 <= step < _STOP_STEP:
@@ -159,9 +158,7 @@ class MpiComm(ZmqComm):
         """The sum of `flat` (contiguous) over every rank, in a new array."""
         if self.broken:
             self.check_usable()
-        kind = self._sum_types.get(flat.dtype)
-        if kind is None:
-            kind = self._sum_types[flat.dtype] = self._sum_type(flat.dtype)
+        kind = self._sum_types.get(flat.dtype) or self._sum_type(flat.dtype)
         out = self._results.take(flat.dtype, flat.size)
         try:  # the hot path of a decode step: no wrapper around the call
             self.world.Allreduce([flat, kind], [out, kind], self.MPI.SUM)
@@ -202,9 +199,7 @@ class MpiComm(ZmqComm):
         """The sum over every rank of block `rank` of `flat` (`blocks[r]` elements each)."""
         if self.broken:
             self.check_usable()
-        kind = self._sum_types.get(flat.dtype)
-        if kind is None:
-            kind = self._sum_types[flat.dtype] = self._sum_type(flat.dtype)
+        kind = self._sum_types.get(flat.dtype) or self._sum_type(flat.dtype)
         out = self._results.take(flat.dtype, blocks[self.rank])
         try:
             self.world.Reduce_scatter([flat, kind], [out, kind], list(blocks), self.MPI.SUM)
@@ -213,10 +208,12 @@ class MpiComm(ZmqComm):
         return out
 
     def _sum_type(self, dtype: np.dtype):
+        """The MPI datatype MPI sums `dtype` as (looked up once per dtype)."""
         name = dtype_name(dtype)
         if name not in _MPI_TYPES:
             raise UnsupportedDtype(f"dtype {name} has no MPI sum")
-        return getattr(self.MPI, _MPI_TYPES[name])
+        kind = self._sum_types[dtype] = getattr(self.MPI, _MPI_TYPES[name])
+        return kind
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -363,22 +360,17 @@ def standalone(world) -> Iterator[MpiComm]:
 class MpiEngine(HostEngine):
     """MPI's own collectives: Allreduce, Reduce_scatter and Allgatherv where split_state's table
     picks them, every exchange phase as one Alltoallv; reduce phases (dtypes MPI cannot sum,
-    splits in several segments) point to point, summed in rank order as on the host planes."""
-
-    def __init__(self, comm, backend):
-        super().__init__(comm, backend)
-        self._packings: dict[tuple[int, int], tuple[Any, Packing]] = {}  # (id(phase), itemsize)
+    splits in several segments) point to point, summed in rank order as on the host planes.
+    Usability is checked by every call of the comm (a revoked communicator refuses them), so the
+    engine's own check stays the host planes' no-op."""
 
     def exchange(self, local: Any, phase, tag) -> Any:
-        key = (id(phase), local.dtype.itemsize)
-        known = self._packings.get(key)
-        if known is None or known[0] is not phase:  # phases are cached: made once per request
-            known = self._packings[key] = (phase, Packing.of(phase, self.size, self.rank, local.dtype.itemsize))
-        packing = known[1]
-        out = np.empty(phase.out_shape(self.size, self.rank), dtype=local.dtype)
+        n, rank, itemsize = self.size, self.rank, local.dtype.itemsize
+        packing = phase.derived(("alltoallv", n, rank, itemsize), lambda: Packing.of(phase, n, rank, itemsize))
+        out = np.empty(phase.out_shape(n, rank), dtype=local.dtype)
         boxes = [local[t.src_box].reshape(-1) for t in packing.sends]
         send = np.concatenate(boxes) if boxes else np.empty(0, local.dtype)
-        into = np.empty(sum(packing.received) // max(local.dtype.itemsize, 1), local.dtype)
+        into = np.empty(sum(packing.received) // itemsize, local.dtype)
         self.comm.all_to_all(send, packing.sent, into, packing.received, tag.run)
         at = 0
         for t in packing.receives:
@@ -388,9 +380,6 @@ class MpiEngine(HostEngine):
         for t in packing.own:
             out[t.dst_box] = local[t.src_box]
         return out
-
-    def check_usable(self) -> None:
-        self.comm.check_usable()
 
     def all_reduce(self, flat: Any, tag) -> Any:
         return self.comm.all_reduce(flat, tag.run)
