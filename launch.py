@@ -27,16 +27,20 @@ the Python API in meta/api.py (re-exported here as `launch.cluster`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import sys
-from collections.abc import Iterator
 
 if __name__ == "__main__":
     # Ctrl-C while the imports below run (a second or more on a slow machine) ends quietly with
-    # 130, as it does once the command runs, where Python's own handler is back.
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+    # 130, as it does once the command runs, where Python's own handler is back. Set before any
+    # other import, and it exits at once (os._exit: nothing has started yet), since an exception
+    # raised from the handler can land in an import lock's weakref callback, where Python prints
+    # "Exception ignored" and a traceback
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
+import contextlib  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 
 import cli  # noqa: E402
 from cli.tools import current  # noqa: E402
@@ -67,4 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # before a command took charge of Ctrl-C (building its options, say)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
