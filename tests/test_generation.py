@@ -19,6 +19,9 @@ from workers.generation import Rule, generator_state
 pytestmark = pytest.mark.timeout(120)
 CFG = LlamaConfig(hidden=48, layers=2, heads=6, kv_heads=2, ffn=40, vocab=64, rope_base=500.0)
 POOL, STEPS, CTX = 8, 10, 64
+# as many steps as the cache holds, for tests that act while the workers generate: the workers do
+# not wait for the coordinator, and a generation of STEPS had sometimes ended before it read token 2
+LONG = CTX - 6
 PROMPT = np.array([[5, 9, 2, 33], [7, 1, 1, 60]])
 
 
@@ -118,15 +121,16 @@ def test_a_cancel_stops_within_a_token_and_the_workers_stay_usable(procs2, how):
         return True
 
     _, step, v, i = start(dev)
+    steps = LONG  # the workers must still be generating when the coordinator reads token 2
     if how == "interrupt":
         with pytest.raises(KeyboardInterrupt):
-            worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on)
+            worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on, steps=steps)
         assert seen == [0, 1, 2]  # nothing is shown after Ctrl-C
     else:
-        out, info = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on)
+        out, info = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on, steps=steps)
         # the workers stop at the first step after the Cancel reached rank 0; reports of steps
         # already under way are not shown
-        assert info["cancelled"] and info["steps"] < STEPS and len(out) == 4
+        assert info["cancelled"] and info["steps"] < steps and len(out) == 4
     _, step, v, i = start(dev)  # usable: the same generation again, to the end
     out, info = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0)
     assert info["steps"] == STEPS and len(out) == STEPS + 1
@@ -144,8 +148,6 @@ def test_a_worker_lost_during_generation_is_a_typed_error_within_seconds(fresh_c
             killed["at"] = time.monotonic()
         return True
 
-    # as many steps as the cache holds: the workers, which do not wait for the coordinator, are
-    # still generating when it reads the first token (with 10 they had sometimes finished)
     with pytest.raises(WorkerLost, match="worker 1"):
-        worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on, steps=CTX - 6)
+        worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on, steps=LONG)
     assert time.monotonic() - killed["at"] < 5.0
