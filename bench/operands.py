@@ -90,12 +90,13 @@ def reshape_target(rng: np.random.Generator, shape_: tuple[int, ...]) -> tuple[i
 
 
 def quantized_blocks(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Random ggml blocks (rows, blocks, block bytes): random quants under finite float16 scales
-    (and minimums) in the first bytes of each block, as every legacy format begins."""
-    w = rng.integers(0, 256, size=shape, dtype=np.uint8)
-    scales = 4 if shape[-1] == FORMATS["q4_1"].block_bytes else 2
-    w[..., :scales] = rng.uniform(-0.1, 0.1, shape[:-1] + (scales // 2,)).astype("<f2").view(np.uint8)
-    return w
+    """Random planar ggml blocks (rows, block bytes, blocks): random quants under finite float16
+    scales (and minimums) in the first bytes of each block, as every legacy format begins."""
+    rows, size, blocks = shape
+    w = rng.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
+    scales = 4 if size == FORMATS["q4_1"].block_bytes else 2
+    w[..., :scales] = rng.uniform(-0.1, 0.1, (rows, blocks, scales // 2)).astype("<f2").view(np.uint8)
+    return np.ascontiguousarray(w.swapaxes(1, 2))
 
 
 def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ...]], list[str], dict]:
@@ -121,7 +122,7 @@ def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ..
     if name in ("qmatmul", "qget_rows"):
         fmt = FORMATS[str(rng.choice(sorted(FORMATS)))]
         rows, blocks = dim(rng), int(rng.integers(0, 4))
-        weight = (rows, blocks, fmt.block_bytes)
+        weight = (rows, fmt.block_bytes, blocks)
         if name == "qget_rows":
             ids = tuple(dim(rng) for _ in range(int(rng.integers(1, 3))))
             return [(max(rows, 1),) + weight[1:], ids], ["uint8", "int32"], {"format": fmt.name}

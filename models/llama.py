@@ -30,7 +30,7 @@ from meta.tensor import Tensor, get_rows, qget_rows, qmatmul, where
 from models import reference as ref
 from split_state.errors import ShapeError
 from split_state.layout import local_shape
-from split_state.quant import quant_format
+from split_state.quant import planar, quant_format
 from split_state.states import MIRRORED, Split
 
 
@@ -138,14 +138,20 @@ class ReferenceDecoder:
 class QuantizedWeight:
     """A weight kept in its file's ggml blocks (split_state/quant.py): `blocks` is (rows, row
     blocks, block bytes) with a linear layer's rows its outputs, as GGUF stores it ((out, in),
-    the transpose of the float32 (in, out) layout)."""
+    the transpose of the float32 (in, out) layout). The workers get it planar (`planar`)."""
 
     format: str
     blocks: np.ndarray
 
+    @property
+    def planar(self) -> np.ndarray:
+        """(rows, block bytes, blocks), as the workers keep it: a view."""
+        return planar(self.blocks)
+
     def split(self, state: Split, name: str, n: int) -> Split:
-        """The split of `blocks` for a split of the float32 (in, out) weight: outputs (axis 1)
-        split the rows; inputs (axis 0) the blocks, on block boundaries only."""
+        """The split of the planar blocks for a split of the float32 (in, out) weight: outputs
+        (axis 1) split the rows; inputs (axis 0) the blocks (planar axis 2), on block boundaries
+        only."""
         if state.axis == 1 or self.blocks.ndim == 2:
             return Split(0, state.segments)
         block = quant_format(self.format).block
@@ -154,7 +160,7 @@ class QuantizedWeight:
                 f"{name}: a {self.format} weight splits its inputs on {block}-value blocks, and "
                 f"{state.segments} over {n} devices does not fall on them"
             )
-        return Split(1, tuple(tuple(e // block for e in seg) for seg in state.segments))
+        return Split(2, tuple(tuple(e // block for e in seg) for seg in state.segments))
 
 
 Source = Callable[[str], "np.ndarray | QuantizedWeight"]  # weight name -> the whole weight (a GGUF file, a dict)
@@ -209,7 +215,7 @@ class TensorParallelLlama:
                 self.formats[name] = weight.format
                 if isinstance(state, Split) and name != "embed":  # the table is (vocab, hidden) in both
                     state = weight.split(state, name, self.dev.n)
-                weight = weight.blocks
+                weight = weight.planar
             self.w[name] = self.dev.tensor(weight, state, name=name)  # each worker gets its slice
 
         return place
@@ -217,12 +223,12 @@ class TensorParallelLlama:
     def _fused_gate_up(self, source: Source, p: str) -> Tensor:
         """w_gate | w_up as one (hidden, 2*ffn) weight of two segments: each device gets its
         columns of both, built per device from the two halves (the whole never exists). Kept
-        quantized, it is the (2*ffn, blocks, bytes) rows of both, split on the rows alike."""
+        quantized, it is the planar (2*ffn, bytes, blocks) rows of both, split on the rows alike."""
         gate, up = source(p + "w_gate"), source(p + "w_up")
         quantized = isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight) and gate.format == up.format
         if quantized:
             self.formats[p + "w_gate_up"] = gate.format
-            gate, up = gate.blocks, up.blocks
+            gate, up = gate.planar, up.planar
         elif isinstance(gate, QuantizedWeight) or isinstance(up, QuantizedWeight):
             raise ShapeError(f"{p}w_gate and {p}w_up must both be kept quantized in one format, or neither")
         axis = 0 if quantized else 1

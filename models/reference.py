@@ -212,12 +212,12 @@ def dequantize_blocks(w: np.ndarray, name: str) -> np.ndarray:
 def _qmatmul(inputs, params):
     xb, w = inputs
     x = _f64(xb).reshape(xb.shape[:-2] + (xb.shape[-2] * xb.shape[-1],))
-    return (x @ dequantize_blocks(w, params["format"]).T).astype(np.float32)
+    return (x @ dequantize_blocks(w.swapaxes(1, 2), params["format"]).T).astype(np.float32)  # planar -> file
 
 
 def _qget_rows(inputs, params):
     table, ids = inputs
-    return dequantize_blocks(table, params["format"])[np.asarray(ids, dtype=np.int64)].astype(np.float32)
+    return dequantize_blocks(table.swapaxes(1, 2), params["format"])[np.asarray(ids, dtype=np.int64)].astype(np.float32)
 
 
 def _slice(inputs, params):

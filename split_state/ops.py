@@ -592,14 +592,14 @@ def _top_k_combine_labels(shapes, params, out_shape):
 
 
 def _infer_qmatmul(shapes, dtypes, params):
-    """x (..., blocks, block) float32 times a quantized weight (n, blocks, block_bytes) of n rows:
-    (..., n), each output the dot product of x with one dequantized row."""
+    """x (..., blocks, block) float32 times a planar quantized weight (n, block_bytes, blocks) of
+    n rows: (..., n), each output the dot product of x with one dequantized row."""
     xb, w = (tuple(s) for s in shapes)
     fmt = quant_format(params.get("format"))
-    if len(xb) < 2 or len(w) != 3 or xb[-1] != fmt.block or w[2] != fmt.block_bytes or xb[-2] != w[1]:
+    if len(xb) < 2 or len(w) != 3 or xb[-1] != fmt.block or w[1] != fmt.block_bytes or xb[-2] != w[2]:
         raise ShapeError(
-            f"qmatmul ({fmt.name}): x must be (..., blocks, {fmt.block}) and the weight (rows, blocks, "
-            f"{fmt.block_bytes}) with the same blocks, got {xb} and {w}"
+            f"qmatmul ({fmt.name}): x must be (..., blocks, {fmt.block}) and the planar weight (rows, "
+            f"{fmt.block_bytes}, blocks) with the same blocks, got {xb} and {w}"
         )
     if dtypes[0] != "float32" or dtypes[1] != "uint8":
         raise ShapeError(f"qmatmul: operands must be float32 and uint8 (the file's bytes), got {tuple(dtypes)}")
@@ -607,27 +607,29 @@ def _infer_qmatmul(shapes, dtypes, params):
 
 
 def _qmatmul_labels(shapes, params, out_shape):
-    # einsum "...kj,nkb->...n": a split of the blocks (k) gives Partial, of the rows (n) a split
+    # einsum "...kj,nbk->...n": a split of the blocks (k) gives Partial, of the rows (n) a split
     # output; a block's values (j) and bytes (b) are never split
     batch = _out_labels(len(shapes[0]) - 2)
-    return Labels((batch + ("k", "j"), ("n", "k", "b")), batch + ("n",), frozenset({"j", "b"}), ((P, M),))
+    return Labels((batch + ("k", "j"), ("n", "b", "k")), batch + ("n",), frozenset({"j", "b"}), ((P, M),))
 
 
 def _infer_qget_rows(shapes, dtypes, params):
     table, ids = (tuple(s) for s in shapes)
     fmt = quant_format(params.get("format"))
-    if len(table) != 3 or table[2] != fmt.block_bytes:
-        raise ShapeError(f"qget_rows ({fmt.name}): the table must be (rows, blocks, {fmt.block_bytes}), got {table}")
+    if len(table) != 3 or table[1] != fmt.block_bytes:
+        raise ShapeError(
+            f"qget_rows ({fmt.name}): the table must be planar (rows, {fmt.block_bytes}, blocks), got {table}"
+        )
     if dtypes[0] != "uint8" or dtypes[1] not in INDEX_NAMES:
         raise ShapeError(f"qget_rows: operands must be uint8 and integer ids, got {tuple(dtypes)}")
-    return ids + (table[1] * fmt.block,), "float32", {"rows": table[0], "format": fmt.name}
+    return ids + (table[2] * fmt.block,), "float32", {"rows": table[0], "format": fmt.name}
 
 
 def _qget_rows_labels(shapes, params, out_shape):
     # as get_rows: a table split on rows gives Partial; its blocks are not split, and a Partial
     # table is not a sum of tables (dequantizing is not linear in the bytes)
     ids = tuple(f"i{k}" for k in range(len(shapes[1])))
-    return Labels((("rows", "k", "b"), ids), ids + ("width",), frozenset({"k", "b"}))
+    return Labels((("rows", "b", "k"), ids), ids + ("width",), frozenset({"k", "b"}))
 
 
 def _localize_qget_rows(params, in_states, in_shapes, out_state, out_shape, n, d):

@@ -1,10 +1,14 @@
 """Block-quantized weights as ggml stores them (GGUF): the formats the workers compute on
 without widening them to float32.
 
-A quantized matrix of `rows` x `cols` values is a uint8 array (rows, cols // block, block_bytes):
-row r, block b holds values [b * block, (b + 1) * block) of that row in the file's own bytes.
-Split states of such a weight are over that array, so a split of the block axis is a split of
-the values on block boundaries, and a split of the rows splits whole rows (any extents).
+A GGUF file holds a quantized matrix of `rows` x `cols` values as (rows, cols // block,
+block_bytes) uint8: row r, block b holds values [b * block, (b + 1) * block) of that row. The
+workers keep the same bytes planar, (rows, block_bytes, blocks): byte p of block b of row r at
+[r, p, b], the file's array with its last two axes swapped (`planar`). Memory is the file's size;
+what changes is that byte p of every block of a row lies contiguous, so a kernel's innermost
+loop runs over blocks and vectorizes (llama.cpp repacks its CPU weights for the same reason).
+Split states of such a weight are over the planar array, so a split of the block axis (2) is a
+split of the values on block boundaries, and a split of the rows splits whole rows (any extents).
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ FORMATS = {
     "q4_1": QuantFormat("q4_1", 32, 20),
     "q8_0": QuantFormat("q8_0", 32, 34),
 }
+
+
+def planar(blocks):
+    """The file's (rows, blocks, block_bytes) as the workers' (rows, block_bytes, blocks): a view,
+    made contiguous where it is sent."""
+    return blocks.swapaxes(-1, -2)
 
 
 def quant_format(name: str) -> QuantFormat:

@@ -1,9 +1,10 @@
 """Kernels on block-quantized weights (split_state/quant.py), written once against `xp`.
 
-`qmatmul` dequantizes the weight a tile of rows at a time into a small float32 buffer and hands
-each tile to the BLAS matmul, so no float32 copy of the whole weight ever exists; the CPU backend
-overrides it with numba loops that read the blocks directly for a few rows of x (decode), see
-workers/kernels/numba_cpu.py. `qget_rows` dequantizes only the rows it looks up.
+Weights are planar, (rows, block_bytes, blocks). `qmatmul` dequantizes the weight a tile of rows
+at a time into a small float32 buffer and hands each tile to the BLAS matmul, so no float32 copy
+of the whole weight ever exists; the CPU backend overrides it with numba loops that read the
+blocks directly for a few rows of x (decode), see workers/kernels/numba_cpu.py. `qget_rows`
+dequantizes only the rows it looks up.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def _nibbles(xp, qs):
     return xp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(xp.float32)
 
 
-def dequantize(xp, w, fmt: QuantFormat):
-    """(rows, blocks, block_bytes) uint8 -> (rows, blocks * block) float32."""
+def dequantize(xp, planar, fmt: QuantFormat):
+    """Planar (rows, block_bytes, blocks) uint8 -> (rows, blocks * block) float32."""
+    w = planar.swapaxes(-1, -2)  # the file's (rows, blocks, block_bytes), a view
     if fmt.name == "q8_0":
         values = _scale(xp, w, 0) * xp.ascontiguousarray(w[..., 2:]).view(xp.int8).astype(xp.float32)
     elif fmt.name == "q4_0":
@@ -41,7 +43,7 @@ def dequantize(xp, w, fmt: QuantFormat):
 def qmatmul(xp, inputs, params, out=None):
     xb, w = inputs
     fmt = FORMATS[params["format"]]
-    n, width = w.shape[0], w.shape[1] * fmt.block
+    n, width = w.shape[0], w.shape[2] * fmt.block
     out = xp.empty(xb.shape[:-2] + (n,), xp.float32) if out is None else out
     if not width or not n or not out.size:
         out[...] = 0
@@ -62,7 +64,7 @@ def qget_rows(xp, inputs, params, out=None):
     def read(rows):
         return dequantize(xp, rows, fmt)
 
-    return look_up_rows(xp, "qget_rows", table, ids, params, out, table.shape[1] * fmt.block, xp.float32, read)
+    return look_up_rows(xp, "qget_rows", table, ids, params, out, table.shape[2] * fmt.block, xp.float32, read)
 
 
 KERNELS = {"qmatmul": qmatmul, "qget_rows": qget_rows}
