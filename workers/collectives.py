@@ -11,7 +11,7 @@ every device then receives the owner's bits, so Mirrored results are bitwise ide
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from split_state.algorithms import Phase, Request, Tag, select
@@ -34,6 +34,17 @@ class Collectives:
     def run(self, r: Request, local: Any, run: int, step: int, deadline: Deadline) -> Any:
         self.engine.check_usable()
         return select(r).run(self.engine, local, r, Tag(run, step, deadline))
+
+    def prepared(self, r: Request) -> Callable[[Any, int, int, Deadline], Any]:
+        """`run` for one request with its algorithm looked up now, as a program step binds it
+        (the lookup hashes the request's states: a few microseconds a step otherwise)."""
+        engine, algorithm = self.engine, select(r)
+
+        def run(local: Any, run: int, step: int, deadline: Deadline) -> Any:
+            engine.check_usable()
+            return algorithm.run(engine, local, r, Tag(run, step, deadline))
+
+        return run
 
     def redistribute(
         self, local: Any, src: State, dst: State, shape: Sequence[int], run: int, step: int, deadline: Deadline

@@ -124,16 +124,15 @@ class CompiledProgram:
     def _move_call(self, placed: Placed, collectives, timeout: float) -> Callable:
         step, index = placed.step, placed.index
         dtype = dtype_from_name(step.dtype)
-        request = collectives.request(step.src, step.dst, step.shape, dtype)
+        run_collective = collectives.prepared(collectives.request(step.src, step.dst, step.shape, dtype))
         source, target = step.input, step.output
-        run_collective = collectives.run
 
         def call(slots: list) -> None:
             local = slots[source]
             if local.dtype != dtype:
                 raise ShapeError(f"step {index} (redistribute): slot {source} holds {local.dtype}, not {step.dtype}")
             start = time.perf_counter()
-            slots[target] = run_collective(request, local, self.run_id, index, Deadline(timeout))
+            slots[target] = run_collective(local, self.run_id, index, Deadline(timeout))
             self.comm_s += time.perf_counter() - start
 
         return call

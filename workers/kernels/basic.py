@@ -25,7 +25,15 @@ LOW_PRECISION = frozenset({"float16", "bfloat16"})
 
 
 def _low(dtype) -> bool:
-    return np.dtype(dtype).name in LOW_PRECISION
+    """Whether `dtype` is a 16-bit float, computed in float32. Cached: every matmul and binary
+    step asks, and a dtype's `.name` costs about a microsecond."""
+    low = _LOW.get(dtype)
+    if low is None:
+        low = _LOW[dtype] = np.dtype(dtype).name in LOW_PRECISION
+    return low
+
+
+_LOW: dict = {}
 
 
 def _wide(xp, x):
