@@ -31,13 +31,9 @@ class Collectives:
         e = self.engine
         return Request(src, dst, tuple(shape), e.size, dtype.itemsize, dtype_name(dtype), e.plane)
 
-    def run(self, r: Request, local: Any, run: int, step: int, deadline: Deadline) -> Any:
-        self.engine.check_usable()
-        return select(r).run(self.engine, local, r, Tag(run, step, deadline))
-
     def prepared(self, r: Request) -> Callable[[Any, int, int, Deadline], Any]:
-        """`run` for one request with its algorithm looked up now, as a program step binds it
-        (the lookup hashes the request's states: a few microseconds a step otherwise)."""
+        """The redistribution of one request, its algorithm looked up now: a program step binds
+        it once (the lookup hashes the request's states, a few microseconds a call)."""
         engine, algorithm = self.engine, select(r)
 
         def run(local: Any, run: int, step: int, deadline: Deadline) -> Any:
@@ -49,7 +45,7 @@ class Collectives:
     def redistribute(
         self, local: Any, src: State, dst: State, shape: Sequence[int], run: int, step: int, deadline: Deadline
     ) -> Any:
-        return self.run(self.request(src, dst, shape, local.dtype), local, run, step, deadline)
+        return self.prepared(self.request(src, dst, shape, local.dtype))(local, run, step, deadline)
 
 
 class HostEngine:

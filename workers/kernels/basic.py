@@ -24,6 +24,9 @@ from split_state.errors import ShapeError
 LOW_PRECISION = frozenset({"float16", "bfloat16"})
 
 
+_LOW: dict = {}  # dtype -> _low's answer
+
+
 def _low(dtype) -> bool:
     """Whether `dtype` is a 16-bit float, computed in float32. Cached: every matmul and binary
     step asks, and a dtype's `.name` costs about a microsecond."""
@@ -31,9 +34,6 @@ def _low(dtype) -> bool:
     if low is None:
         low = _LOW[dtype] = np.dtype(dtype).name in LOW_PRECISION
     return low
-
-
-_LOW: dict = {}
 
 
 def _wide(xp, x):

@@ -57,8 +57,8 @@ warm()
 # over blocks and LLVM vectorizes them (one vector load widens 16 or 64 quants at once); out
 # (m, n). `half` maps a float16's 16 bits to its float32 value (a 256 KiB table, cheaper than
 # converting bits in the loop). GROUP rows of w go through together: each x value loaded serves
-# all of them. Measured on 30 SmolLM2 layers (Q4_1, one AVX-512 core, one token): 18 ms against
-# 68 ms for the block-by-block loop this replaces, which did not vectorize. fastmath lets LLVM
+# all of them. Measured on SmolLM2's 30 Q4_1 layers streamed from memory (one AVX-512 core, one
+# token): 27 ms against 69 ms for the block-by-block loop this replaces, which did not vectorize. fastmath lets LLVM
 # reorder the sums (within float32 rounding of the BLAS path's). The activations stay float32:
 # quantizing them to int8 (llama.cpp's Q8 activations) was ~10 % faster here but moves the
 # logits by ~0.5 %, and the native path must give the float32 path's tokens.
