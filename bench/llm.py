@@ -2,15 +2,19 @@
 workers against the single-process NumPy reference decoder with as many BLAS threads, in the
 same run, with each decode step's time split into compute, collectives, executor and dispatch.
 
-    python bench/llm.py [--quick] [--json results/llm.json] [--workers 1 2 4]
+    python bench/llm.py [--quick] [--json results/llm.json] [--workers 1 2 4] [--rounds 3]
                         [--contexts 256 8192] [--rss-tokens 2000]
 
-Prefill: one 128-token prompt (32 with --quick) in one step. Decode: greedy, one token per step
-through the captured decode step (one plan), the token read back every step as generation does;
-the step time is the median with the workers untimed, the breakdown comes from as many steps
-with every kernel timed (the table shows both, so what profiling costs is visible). --contexts:
-decode at the same positions with the KV cache preallocated to each length. --rss-tokens:
-resident memory of the coordinator and the workers over that many decode tokens.
+Prefill: one 128-token prompt (32 with --quick) in one step, as generation prefills (a captured
+step per padded length); "first" plans and loads it, "again" replays it. Decode: greedy,
+generation driven by the workers (one Generate, each token fed back on the workers); then the
+captured decode step replayed by the coordinator token by token, its median step untimed on the
+workers, and the breakdown from as many steps with every kernel timed (the table shows both, so
+what profiling costs is visible). The reference stays up in its own process for the whole row,
+and the two alternate, --rounds rounds of a prefill and of decoding each, so a busy neighbour
+slows both alike; the figures are the rounds' medians. --contexts: decode at the same positions
+with the KV cache preallocated to each length. --rss-tokens: resident memory of the coordinator
+and the workers over that many decode tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cli, in_process_with_threads, table  # noqa: E402
+from bench.report import ThreadedChild, cli, table  # noqa: E402
 from bench.tp_matmul import breakdown  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
@@ -39,8 +43,10 @@ def prompt_ids(model, length: int) -> np.ndarray:
     return np.array([ids[:length]], np.int64)
 
 
-def reference_child(path: str, length: int, steps: int, out) -> None:
-    """The NumPy reference in a process whose BLAS thread count was fixed at spawn."""
+def reference_child(path: str, length: int, steps: int, requests, replies) -> None:
+    """The NumPy reference in a process whose BLAS thread count was fixed at spawn, answering
+    ("prefill",): the seconds of the prompt's prefill, and ("decode",): the median seconds of a
+    greedy decode step over `steps` steps after it (the same positions every time)."""
     from models.gguf_model import GGUFModel
     from models.llama import ReferenceDecoder
 
@@ -53,42 +59,49 @@ def reference_child(path: str, length: int, steps: int, out) -> None:
     ]
     ref = ReferenceDecoder(cfg, {n: model.weight(n) for n in names}, length + steps + 1)
     tokens = prompt_ids(model, length)
-    start = time.perf_counter()
-    logits = ref.forward(tokens, np.arange(length)[None], last=[length - 1])  # as ours: the head for the last token
-    prefill = time.perf_counter() - start
-    token, times = int(np.argmax(logits[0, -1])), []
-    for pos in range(length, length + steps):
-        start = time.perf_counter()
-        token = int(np.argmax(ref.forward(np.array([[token]]), np.array([[pos]]))[0, -1]))
-        times.append(time.perf_counter() - start)
-    out.put({"prefill_s": prefill, "decode_step_s": float(np.median(times))})
+    first = 0
+    while (request := requests.get()) is not None:
+        if request[0] == "prefill":
+            start = time.perf_counter()
+            logits = ref.forward(tokens, np.arange(length)[None], last=[length - 1])  # as ours: the last token's head
+            replies.put(time.perf_counter() - start)
+            first = int(np.argmax(logits[0, -1]))
+            continue
+        token, times = first, []
+        for pos in range(length, length + steps):
+            start = time.perf_counter()
+            token = int(np.argmax(ref.forward(np.array([[token]]), np.array([[pos]]))[0, -1]))
+            times.append(time.perf_counter() - start)
+        replies.put(float(np.median(times)))
 
 
-def ours(path: str, workers: int, length: int, steps: int, ctx: int | None = None, weights: str = "f32") -> dict:
-    """Prefill, then greedy decode through the captured step: the median step untimed on the
-    workers, then as many steps with every kernel timed (profiling) for the breakdown; the
-    difference of the two medians is what profiling costs."""
+def ours(
+    path: str,
+    workers: int,
+    length: int,
+    steps: int,
+    ctx: int | None = None,
+    weights: str = "f32",
+    reference=None,
+    rounds: int = 1,
+) -> dict:
+    """Prefill twice (the first plans and loads its step, the second replays it), greedy decode
+    through the captured step replayed by the coordinator, untimed on the workers, then as many
+    steps with every kernel timed (profiling) for the breakdown; then `rounds` rounds of a
+    prefill and of worker-driven decode, each right after the same on `reference` (a
+    ThreadedChild running reference_child) when given. Medians of the rounds."""
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
 
     model = GGUFModel(path)
     source = model.native if weights == "native" else model.weight
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
-        net = TensorParallelLlama(dev, model.config, source, ctx or length + 6 * steps + 8)
-        tokens = prompt_ids(model, length)
+        net = TensorParallelLlama(dev, model.config, source, ctx or length + (6 + 4 * rounds) * steps + 8)
+        tokens = [list(prompt_ids(model, length)[0])]
         start = time.perf_counter()
-        logits = net.step(tokens, np.arange(length)[None], last=[length - 1])
-        token = logits.argmax()
-        dev.run(token, *net.caches())
-        first = token.numpy().astype(np.int32)
+        _, best = net.prefill(tokens, 0, pool=1)  # as generate prefills: the candidates travel
+        first = best.numpy().astype(np.int32).reshape(1, 1)
         prefill = time.perf_counter() - start
-        # a second prompt of the same length: its plan is cached and loaded, its memory planned
-        start = time.perf_counter()
-        again = net.step(tokens, np.arange(length)[None], last=[length - 1])
-        token = again.argmax()
-        dev.run(token, *net.caches())
-        token.numpy()
-        prefill_again = time.perf_counter() - start
         decode, (out, *_) = net.capture_decode(first, np.array([[length]]))
         token = out.numpy().astype(np.int32)
         pos = length + 1
@@ -110,15 +123,31 @@ def ours(path: str, workers: int, length: int, steps: int, ctx: int | None = Non
                     parts.append(breakdown(walls[True][-1], dev.last_timings, dev.clock))
         median = int(np.argsort(walls[True])[len(walls[True]) // 2])
         dev.profile = False
-        driven, around = worker_driven_step(dev, net, token, pos, 4 * steps)
+        timed = {"ref_prefill": [], "prefill_again": [], "ref_decode": [], "driven": [], "around": []}
+        driven = worker_driven(dev, net, token, pos)
+        for _ in range(rounds):
+            if reference is not None:
+                timed["ref_prefill"].append(reference.ask("prefill"))
+            start = time.perf_counter()
+            net.prefill(tokens, 0, pool=1)[1].numpy()  # a second prompt of the same length: replayed
+            timed["prefill_again"].append(time.perf_counter() - start)
+            if reference is not None:
+                timed["ref_decode"].append(reference.ask("decode"))
+            step_s, around_s = driven(4 * steps)
+            timed["driven"].append(step_s)
+            timed["around"].append(around_s)
         stats = dev.stats().values()
+        medians = {k: float(np.median(v)) if v else None for k, v in timed.items()}
         return {
             "stored_mib": max(st["used"] for st in stats) / 2**20,
             "peak_rss_mib": max(st["max_rss_kib"] for st in stats) / 1024,
+            "rounds": len(timed["driven"]),
             "prefill_s": prefill,
-            "prefill_again_s": prefill_again,
-            "driven_step_s": driven,
-            "driven_outside_program_s": around,
+            "prefill_again_s": medians["prefill_again"],
+            "reference_prefill_s": medians["ref_prefill"],
+            "reference_decode_step_s": medians["ref_decode"],
+            "driven_step_s": medians["driven"],
+            "driven_outside_program_s": medians["around"],
             "decode_step_s": float(np.median(walls[False])),
             "profiled_step_s": float(np.median(walls[True])),
             "breakdown": parts[median],
@@ -126,18 +155,26 @@ def ours(path: str, workers: int, length: int, steps: int, ctx: int | None = Non
         }
 
 
-def worker_driven_step(dev, net, token: np.ndarray, pos: int, steps: int) -> float:
-    """Seconds per token of greedy generation driven by the workers (as `generate` runs it):
-    one Generate for `steps` tokens, the workers feeding each token back themselves."""
+def worker_driven(dev, net, token: np.ndarray, pos: int):
+    """A function of `steps` giving the seconds per token of greedy generation driven by the
+    workers (as `generate` runs it): one Generate for `steps` tokens, the workers feeding each
+    token back themselves; and of those, the time outside the program. Positions go on from
+    `pos`, one run after the other."""
     from workers.generation import Rule, generator_state
 
     step, _ = net.capture_decode(token, np.array([[pos]]), build=lambda logits: list(logits.top_k(1)))
-    settings = {"rule": Rule().as_wire(), "rng": generator_state(np.random.default_rng(0))}
-    settings |= {"stop": [], "done": [False]}
-    start = time.perf_counter()
-    info = dev.generate(step, token, np.array([[pos + 1]], np.int32), steps, settings, lambda k, t: True)
-    wall = (time.perf_counter() - start) / info["steps"]
-    return wall, wall - info["program_s"] / info["steps"]
+    at = [pos + 1]
+
+    def run(steps: int) -> tuple[float, float]:
+        settings = {"rule": Rule().as_wire(), "rng": generator_state(np.random.default_rng(0))}
+        settings |= {"stop": [], "done": [False]}
+        start = time.perf_counter()
+        info = dev.generate(step, token, np.array([at], np.int32), steps, settings, lambda k, t: True)
+        wall = (time.perf_counter() - start) / info["steps"]
+        at[0] += info["steps"]
+        return wall, wall - info["program_s"] / info["steps"]
+
+    return run
 
 
 def long_context(path: str, contexts: tuple[int, ...], length: int, steps: int) -> list[dict]:
@@ -196,7 +233,12 @@ def _rss_kib() -> int:
 
 
 def run(
-    quick: bool, counts: list[int], contexts: list[int], rss_tokens: int, weights: tuple[str, ...] = ("f32",)
+    quick: bool,
+    counts: list[int],
+    contexts: list[int],
+    rss_tokens: int,
+    weights: tuple[str, ...] = ("f32",),
+    rounds: int = 3,
 ) -> dict | None:
     from models.gguf_model import ModelMissing, default_model_path
 
@@ -208,9 +250,13 @@ def run(
     length, steps = (32, 8) if quick else (128, 24)
     rows = []
     for n in counts:
-        base = in_process_with_threads(reference_child, (path, length, steps), n)
-        for kind in weights:
-            rows.append(_row(n, kind, length, base, ours(path, n, length, steps, weights=kind)))
+        with ThreadedChild(reference_child, (path, length, steps), n) as reference:
+            for kind in weights:
+                rows.append(
+                    _row(
+                        n, kind, length, ours(path, n, length, steps, weights=kind, reference=reference, rounds=rounds)
+                    )
+                )
     results = {"model": Path(path).name, "rows": rows}
     if contexts:
         results["contexts"] = long_context(path, tuple(contexts), 32, steps)  # 32: a short prompt fits every cache
@@ -219,11 +265,13 @@ def run(
     return results
 
 
-def _row(n: int, weights: str, length: int, base: dict, mine: dict) -> dict:
+def _row(n: int, weights: str, length: int, mine: dict) -> dict:
     b = mine["breakdown"]
+    base = {"prefill_s": mine["reference_prefill_s"], "decode_step_s": mine["reference_decode_step_s"]}
     return {
         "workers": n,
         "weights": weights,
+        "rounds": mine["rounds"],
         "stored_mib": mine["stored_mib"],
         "peak_rss_mib": mine["peak_rss_mib"],
         "prompt_tokens": length,
@@ -294,7 +342,8 @@ def show(results: dict | None) -> None:
     print(table(title + "N workers (1 BLAS thread each) vs NumPy reference with N threads", cols, rows))
     print(
         "  prefill ours: the first prompt (graph, plan, program load and first run included); again: a second"
-        " prompt of the same length, its plan cached"
+        " prompt of the same length, its captured step replayed; numpy and again: medians of"
+        f" {results['rows'][0]['rounds']} alternating rounds"
     )
     print(
         "  decode ours: generation driven by the workers (one Generate, each token fed back on the workers);"
@@ -320,13 +369,15 @@ def show(results: dict | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     def measure(args):
-        return run(args.quick, args.workers, args.contexts, args.rss_tokens, tuple(args.weights))
+        rounds = 1 if args.quick else args.rounds
+        return run(args.quick, args.workers, args.contexts, args.rss_tokens, tuple(args.weights), rounds)
 
     return cli(__doc__, "llm", measure, show, argv, options)
 
 
 def options(ap) -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds with the reference (1 with --quick)")
     ap.add_argument("--contexts", type=int, nargs="*", default=[256, 8192], help="decode rows per cache length")
     ap.add_argument("--rss-tokens", type=int, default=0, help="decode this many tokens watching resident memory")
     ap.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -77,22 +78,60 @@ def cli(doc: str, name: str, run, show, argv: list[str] | None = None, extra=Non
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def in_process_with_threads(target, args: tuple, threads: int, timeout: float = 1800):
-    """Run `target(*args, queue)` in a spawned process whose BLAS uses `threads` threads (fixed
-    by the environment at start, the only reliable way); return what it put on the queue."""
+@contextlib.contextmanager
+def _blas_threads(threads: int):
+    """The environment a spawned process reads its BLAS thread count from at start (the only
+    reliable way to fix it), set while it starts."""
     saved = {v: os.environ.get(v) for v in BLAS_THREAD_VARS}
     os.environ.update({v: str(threads) for v in BLAS_THREAD_VARS})
     try:
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        proc = ctx.Process(target=target, args=(*args, out))
-        proc.start()
-        result = out.get(timeout=timeout)
-        proc.join(30)
-        return result
+        yield
     finally:
         for v, value in saved.items():
             if value is None:
                 os.environ.pop(v, None)
             else:
                 os.environ[v] = value
+
+
+def in_process_with_threads(target, args: tuple, threads: int, timeout: float = 1800):
+    """Run `target(*args, queue)` in a spawned process whose BLAS uses `threads` threads; return
+    what it put on the queue."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with _blas_threads(threads):
+        proc = ctx.Process(target=target, args=(*args, out))
+        proc.start()
+    result = out.get(timeout=timeout)
+    proc.join(30)
+    return result
+
+
+class ThreadedChild:
+    """A spawned process whose BLAS uses `threads` threads, kept up to answer requests:
+    `target(*args, requests, replies)` answers each request until it reads None. A benchmark
+    alternates with it round by round, so a busy neighbour slows both sides alike."""
+
+    def __init__(self, target, args: tuple, threads: int, timeout: float = 1800):
+        ctx = mp.get_context("spawn")
+        self.requests, self.replies, self.timeout = ctx.Queue(), ctx.Queue(), timeout
+        with _blas_threads(threads):
+            self.proc = ctx.Process(target=target, args=(*args, self.requests, self.replies))
+            self.proc.start()
+
+    def ask(self, *request):
+        self.requests.put(request)
+        return self.replies.get(timeout=self.timeout)
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+    def __enter__(self) -> ThreadedChild:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

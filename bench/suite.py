@@ -66,7 +66,7 @@ def run(quick: bool, backend: str) -> dict:
     print(f"{step} decode step of a 30-layer llama stand-in on 2 workers ...", file=sys.stderr, flush=True)
     results["decode"] = decode.run(quick, 2)
     print(f"{step} SmolLM2 generation on {'2' if quick else '1, 2 and 4'} workers ...", file=sys.stderr, flush=True)
-    results["llm"] = llm.run(quick, [2] if quick else counts, [] if quick else [256, 8192], 0)
+    results["llm"] = llm.run(quick, [2] if quick else counts, [] if quick else [256, 8192], 0, rounds=1 if quick else 3)
     print(f"{step} model ...", file=sys.stderr, flush=True)
     results["model"] = model_benchmark(quick)
     return results

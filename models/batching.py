@@ -7,7 +7,8 @@ llama-server run them).
 
 The caches hold `slots` sequences (batch rows). One thread owns the device: between two decode
 steps it admits queued jobs into free slots (each prompt prefilled into its own row with
-`prefill_slot`, the other rows untouched), then runs one captured decode step (one plan) for the
+`prefill(..., slot=...)`, the other rows untouched; prompts padded to a few lengths, each a
+captured step), then runs one captured decode step (one plan) for the
 whole batch, each row at its own position, and hands each active slot its next token. A slot
 whose job finished, was cancelled or whose client left is free for the next job at once. Rows
 without a job decode a dummy token at position 0 of their own row, which the next prompt placed
@@ -199,9 +200,7 @@ class ContinuousBatcher:
                 self._finish(index, ticket, "cancelled")
                 continue
             job = ticket.job
-            logits = self.net.prefill_slot(list(job.prompt), index)
-            values, indices = logits.top_k(job.sampling.pool)
-            self.dev.run(values, indices, *self.net.caches())
+            values, indices = self.net.prefill([list(job.prompt)], 0, job.sampling.pool, slot=index)
             self.counters.prompt_tokens += len(job.prompt)
             self.slots[index] = _Slot(ticket, np.random.default_rng(job.sampling.seed), len(job.prompt))
             self._take(index, values.numpy()[0, 0], indices.numpy()[0, 0])

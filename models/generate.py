@@ -377,19 +377,9 @@ class LLM:
     def _prefill(self, prompts: list[list[int]], pool: int, keep_logits: bool, start: int = 0):
         """Each prompt's tokens written into the caches from position `start` on (the earlier
         ones are cached already); the candidates for each prompt's next token."""
-        batch, longest = self.batch, max(len(p) for p in prompts)
-        tokens = np.zeros((batch, longest), np.int32)
-        positions = np.tile(np.arange(start, start + longest, dtype=np.int32), (batch, 1))
-        for b, p in enumerate(prompts):
-            tokens[b, : len(p)] = p
-        last = [len(p) - 1 for p in prompts] + [0] * (batch - len(prompts))
-        logits = self.net.step(tokens, positions, last=last)  # (batch, 1, vocab): the last positions'
-        values, indices = logits.top_k(pool)  # only candidates travel
-        # the whole vocabulary, gathered only when asked for
-        rows = [logits[b : b + 1] for b in range(len(prompts))] if keep_logits else []
-        self.dev.run(values, indices, *rows, *self.net.caches())
-        if keep_logits:
-            self.last_logits = np.stack([r.numpy().reshape(-1).astype(np.float32) for r in rows])
+        values, indices, *logits = self.net.prefill(prompts, start, pool, logits=keep_logits)
+        if keep_logits:  # the whole vocabulary, gathered only when asked for
+            self.last_logits = logits[0].numpy()[: len(prompts), 0].astype(np.float32)
         v, i = values.numpy(), indices.numpy()
         return [(v[b, 0], i[b, 0]) for b in range(len(prompts))]
 

@@ -163,6 +163,18 @@ class QuantizedWeight:
         return Split(2, tuple(tuple(e // block for e in seg) for seg in state.segments))
 
 
+PREFILL_STEPS = 16  # captured prefill steps a model keeps (one per padded length, pool, logits, slot)
+
+
+def padded_length(tokens: int, room: int) -> int:
+    """The length a prompt of `tokens` is padded to, at most `room` (the positions left in the
+    cache): a multiple of 16 up to 64, then of a quarter of the power of two below it (80, 96,
+    112, 128, 160, ...), so at most a quarter of a prompt is padding and a context of n
+    positions has about 4 log2(n / 16) lengths, each planned once."""
+    granule = max(16, 1 << max(0, tokens.bit_length() - 3))
+    return max(tokens, min(room, -(-tokens // granule) * granule))
+
+
 Source = Callable[[str], "np.ndarray | QuantizedWeight"]  # weight name -> the whole weight (a GGUF file, a dict)
 
 
@@ -204,6 +216,7 @@ class TensorParallelLlama:
         # step; V as (batch, kv heads, ctx, hd)
         self.k = [self._zeros((batch, cfg.kv_heads, hd, ctx), cache) for _ in range(cfg.layers)]
         self.v = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache) for _ in range(cfg.layers)]
+        self._prefills: dict[tuple, object] = {}  # (padded length, pool, logits, slot) -> captured step
         self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, 1, 1, 1, ctx))
         self.zero = dev.tensor(np.float32(0))
         self.minus_inf = dev.tensor(np.float32(-np.inf))
@@ -266,24 +279,79 @@ class TensorParallelLlama:
     def _norm(self, x: Tensor, name: str) -> Tensor:
         return x.rms_norm(eps=self.cfg.eps) * self.w[name]
 
-    def step(self, tokens, positions, last: Sequence[int] | None = None) -> Tensor:
+    def step(self, tokens, positions, last: Sequence[int] | Tensor | None = None) -> Tensor:
         """Logits (batch, tokens, vocab), split by vocabulary; caches written at `positions`.
         tokens, positions: (batch, tokens) host arrays, or fed tensors (see capture_decode).
         `last`: one token index per row; the logits are then (batch, 1, vocab), of those tokens
-        only (a prefill needs no others: the head is a fifth of a SmolLM2 prompt's work)."""
+        only (a prefill needs no others: the head is a fifth of a SmolLM2 prompt's work). A fed
+        tensor `last` holds those tokens' rows of the flattened (batch * tokens) instead."""
         dev = self.dev
         batch, t = tokens.shape
         # host values travel with the run: no round trip of their own
         ids = tokens if isinstance(tokens, Tensor) else dev.feed(np.asarray(tokens, np.int32))
         pos = positions if isinstance(positions, Tensor) else dev.feed(np.asarray(positions, np.int32))
+        if last is not None and not isinstance(last, Tensor):
+            last = dev.feed(np.array([b * t + i for b, i in enumerate(last)], np.int32))
         keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)  # (batch, 1, 1, tokens, ctx)
         x = self._layers(self._embed(ids), pos, where(keep, self.zero, self.minus_inf))
         return self._head(x, last)
 
+    def prefill(
+        self, prompts: Sequence[Sequence[int]], start: int, pool: int, logits: bool = False, slot: int | None = None
+    ) -> list[Tensor]:
+        """Each prompt (one per batch row; rows past them are written with padding) written into
+        the caches from position `start` on; returns the top `pool` (values, indices) of each
+        prompt's next token, (rows, 1, pool), and with `logits` the whole (rows, 1, vocab)
+        logits after them, all run. With `slot`: one prompt, a new sequence in batch row `slot`
+        (a server's slot, see prefill_slot), the other rows left as they are.
+
+        Through a captured step per padded length: the prompts are padded to `padded_length`,
+        so prompts of similar lengths replay one compiled program (no graph to build, plan or
+        key on the coordinator) instead of planning each length anew. The padding writes the
+        caches past each prompt, where nothing reads before a later step writes them: a query
+        sees positions up to its own (the mask), and decoding writes a position before it
+        reads it."""
+        rows_fed = self.batch if slot is None else 1
+        longest = max((len(p) for p in prompts), default=0)
+        if not 1 <= len(prompts) <= rows_fed or not longest or start < 0 or start + longest > self.ctx:
+            raise ShapeError(
+                f"prefill: {len(prompts)} prompts of up to {longest} tokens from position {start}; give 1 to "
+                f"{rows_fed} prompts of 1 or more tokens within the caches' {self.ctx} positions"
+            )
+        if slot is not None and (start or not 0 <= slot < self.batch):
+            raise ShapeError(f"prefill of slot {slot} from {start}: a slot starts at 0, in rows 0..{self.batch - 1}")
+        t = padded_length(longest, self.ctx - start)
+        tokens = np.zeros((rows_fed, t), np.int32)
+        rows = np.zeros(rows_fed, np.int32)  # each row's last token in the flattened (rows * t)
+        for b, prompt in enumerate(prompts):
+            tokens[b, : len(prompt)] = prompt
+            rows[b] = b * t + max(len(prompt), 1) - 1
+        positions = np.tile(np.arange(start, start + t, dtype=np.int32), (rows_fed, 1))
+        key = (t, pool, logits, slot)
+        step = self._prefills.pop(key, None)
+        if step is None:
+
+            def graph(ids: Tensor, pos: Tensor, last: Tensor) -> list[Tensor]:
+                out = self.step(ids, pos, last=last) if slot is None else self._slot_step(ids, pos, last, slot)
+                return [*out.top_k(pool), *([out] if logits else []), *self.caches()]
+
+            step, outputs = self.dev.capture(graph, tokens, positions, rows)
+        else:
+            outputs = step(tokens, positions, rows)
+        self._prefills[key] = step  # now the latest: past PREFILL_STEPS the oldest goes
+        while len(self._prefills) > PREFILL_STEPS:
+            self._prefills.pop(next(iter(self._prefills)))
+        # the next graph starts from the caches as this step left them, not from an earlier
+        # graph's writes not run yet (those would run again, over what this step wrote)
+        layers = self.cfg.layers
+        self.k, self.v = outputs[-2 * layers : -layers], outputs[-layers:]
+        return outputs[: 3 if logits else 2]
+
     def prefill_slot(self, tokens: Sequence[int], slot: int) -> Tensor:
         """Logits (1, 1, vocab) of the last of `tokens`, a new sequence in batch row `slot` (a
         server's slot): its caches are written at positions 0.., the other rows are left as they
-        are, and the prompt attends to itself (nothing cached before it is read)."""
+        are, and the prompt attends to itself (nothing cached before it is read). Lazy; a
+        server runs it through `prefill(..., slot=slot)`, captured."""
         t = len(tokens)
         if not 0 <= slot < self.batch:
             raise ShapeError(f"slot {slot}: the caches hold batch rows 0..{self.batch - 1}")
@@ -291,9 +359,13 @@ class TensorParallelLlama:
             raise ShapeError(f"a prompt of {t} tokens: give 1 to {self.ctx} (the context)")
         ids = self.dev.feed(np.asarray(tokens, np.int32).reshape(1, t))
         pos = self.dev.feed(np.arange(t, dtype=np.int32).reshape(1, t))
+        return self._slot_step(ids, pos, self.dev.feed(np.array([t - 1], np.int32)), slot)
+
+    def _slot_step(self, ids: Tensor, pos: Tensor, rows: Tensor, slot: int) -> Tensor:
+        t = ids.shape[1]
         keep = self.positions_ctx[:, :, :, :, :t] <= pos.reshape(1, 1, 1, t, 1)  # causal: (1, 1, 1, t, t)
         x = self._layers(self._embed(ids), pos, where(keep, self.zero, self.minus_inf), slot)
-        return self._head(x, [t - 1])
+        return self._head(x, rows)
 
     def _embed(self, ids: Tensor) -> Tensor:
         """(batch, tokens, hidden), Partial over the vocabulary split."""
@@ -333,14 +405,13 @@ class TensorParallelLlama:
         self.k, self.v = new_k, new_v
         return x
 
-    def _head(self, x: Tensor, last: Sequence[int] | None) -> Tensor:
-        """The logits of x (batch, tokens, hidden), split by vocabulary; with `last`, of one token
-        per row only."""
-        cfg, dev = self.cfg, self.dev
+    def _head(self, x: Tensor, rows: Tensor | None) -> Tensor:
+        """The logits of x (batch, tokens, hidden), split by vocabulary; with `rows` (fed), of
+        those rows of the flattened (batch * tokens) only, one per batch row."""
+        cfg = self.cfg
         batch, t = x.shape[:2]
         embed_format = self.formats.get("embed")
-        if last is not None:
-            rows = dev.feed(np.array([b * t + i for b, i in enumerate(last)], np.int32))
+        if rows is not None:
             x = get_rows(x.reshape(batch * t, cfg.hidden), rows).reshape(batch, 1, cfg.hidden)
             t = 1
         x = self._norm(x, "norm")

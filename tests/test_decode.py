@@ -384,6 +384,97 @@ def test_sequences_prefilled_into_their_own_slots_decode_as_if_alone(sim, n):
             np.testing.assert_allclose(logits[slot, 0], want, rtol=2e-4, atol=2e-4)
 
 
+def test_a_prompt_is_padded_by_at_most_a_quarter_within_the_room_left():
+    from models.llama import padded_length
+
+    lengths = {1: 16, 16: 16, 17: 32, 64: 64, 65: 80, 100: 112, 128: 128, 129: 160, 1000: 1024}
+    assert {t: padded_length(t, 4096) for t in lengths} == lengths
+    assert padded_length(100, 105) == 105 and padded_length(100, 100) == 100
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_padded_prefills_replay_one_plan_and_equal_the_reference(sim, n):
+    """Prompts of 5 and 3 tokens, then of 12 and 9, are padded to 16 tokens: the second pair
+    replays the first's captured step (no new plan). Every logit equals the reference run on the
+    unpadded prompt, and so does decoding after it: the padding's cache writes past each prompt
+    are never read. A continuation near the end of the context pads only to what fits."""
+    weights = random_weights(GQA_CFG, seed=21)
+    ctx, rng = 40, np.random.default_rng(3)
+    dev = sim(n)
+    net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx, batch=2)
+
+    def check(prompts, start, refs):
+        values, indices, logits = net.prefill(prompts, start, pool=4, logits=True)
+        got = logits.numpy()[:, 0]
+        for b, prompt in enumerate(prompts):
+            want = refs[b].forward(np.array([prompt]), np.arange(start, start + len(prompt))[None])[0, -1]
+            np.testing.assert_allclose(got[b], want, rtol=2e-4, atol=2e-4)
+            np.testing.assert_array_equal(indices.numpy()[b, 0], np.argsort(-want, kind="stable")[:4])
+            np.testing.assert_allclose(values.numpy()[b, 0], np.sort(want)[::-1][:4], rtol=2e-4, atol=2e-4)
+
+    refs = [ReferenceDecoder(GQA_CFG, weights, ctx) for _ in range(2)]
+    check([list(rng.integers(0, 72, 5)), list(rng.integers(0, 72, 3))], 0, refs)
+    plans = len(dev.plans)
+    for step in range(3):  # decoding reads the caches the padded prefill wrote
+        tokens, at = np.array([[7 + step], [50 - step]], np.int32), np.array([[5 + step], [3 + step]], np.int32)
+        logits = net.step(tokens, at).numpy()
+        for b in range(2):
+            want = refs[b].forward(tokens[b : b + 1], at[b : b + 1])[0, -1]
+            np.testing.assert_allclose(logits[b, 0], want, rtol=2e-4, atol=2e-4)
+    plans = len(dev.plans)
+    refs = [ReferenceDecoder(GQA_CFG, weights, ctx) for _ in range(2)]
+    check([list(rng.integers(0, 72, 12)), list(rng.integers(0, 72, 9))], 0, refs)
+    assert len(dev.plans) == plans  # the 16-token step replayed
+    # row 0 goes on from its 12 cached tokens (row 1 gets padding only)
+    check([list(rng.integers(0, 72, 5))], 12, refs)  # padded to 16
+    check([list(rng.integers(0, 72, 16))], 17, refs)  # 16: no padding
+    check([list(rng.integers(0, 72, 6))], 33, refs)  # 7 positions left: padded to 7
+    with pytest.raises(ShapeError, match="prefill: 1 prompts of up to 8 tokens from position 33"):
+        net.prefill([[1] * 8], 33, pool=4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_padded_prefills_into_slots_leave_the_other_rows_and_equal_the_reference(sim, n):
+    """A server's slots through captured, padded prefills: a prompt into slot 1, then prompts of
+    5 and 3 tokens into slots 2 and 0, then decoding all three; then slot 2 takes a new prompt
+    of 9 tokens (the same padded step, no new plan) while slot 1 goes on. Every logit equals
+    the reference run on each sequence alone."""
+    weights = random_weights(GQA_CFG, seed=17)
+    ctx, rng = 24, np.random.default_rng(5)
+    dev = sim(n)
+    net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx, batch=3)
+    refs, at = {}, {}
+
+    def admit(slot, length):
+        prompt = [int(x) for x in rng.integers(0, 72, length)]
+        refs[slot], at[slot] = ReferenceDecoder(GQA_CFG, weights, ctx), length
+        want = refs[slot].forward(np.array([prompt]), np.arange(length)[None])[0, -1]
+        values, indices, logits = net.prefill([prompt], 0, pool=3, logits=True, slot=slot)
+        np.testing.assert_allclose(logits.numpy()[0, 0], want, rtol=2e-4, atol=2e-4)
+        np.testing.assert_array_equal(indices.numpy()[0, 0], np.argsort(-want, kind="stable")[:3])
+
+    def decode():
+        t = np.array([[int(rng.integers(0, 72))] for _ in range(3)], np.int32)
+        p = np.array([[at[s]] for s in range(3)], np.int32)
+        logits = net.step(t, p).numpy()
+        for slot in refs:
+            want = refs[slot].forward(t[slot : slot + 1], p[slot : slot + 1])[0, -1]
+            np.testing.assert_allclose(logits[slot, 0], want, rtol=2e-4, atol=2e-4)
+            at[slot] += 1
+
+    admit(1, 7)
+    admit(2, 5)
+    admit(0, 3)
+    decode()
+    decode()
+    plans = len(dev.plans)
+    admit(2, 9)
+    assert len(dev.plans) == plans  # slot 2's 16-token step replayed
+    decode()
+    with pytest.raises(ShapeError, match="prefill of slot 3 from 0"):
+        net.prefill([[1, 2]], 0, pool=3, slot=3)
+
+
 def test_a_cache_write_past_the_context_is_an_error(sim):
     dev = sim(2)
     net = TensorParallelLlama(dev, GQA_CFG, random_weights(GQA_CFG, seed=1).__getitem__, 8)

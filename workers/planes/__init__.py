@@ -12,7 +12,8 @@ folder, found by its name; each defines `PLANE`, a `Plane`:
 
 Every worker says in its Hello which planes it can join (`joinable_planes`); the coordinator
 picks one they all can (`--data-plane`, or auto: NCCL for GPU workers on distinct GPUs, then
-MPI for the ranks of an MPI job, else shared memory), without importing this package. Adding a plane is one file here plus tests.
+MPI for the ranks of an MPI job, else shared memory), without importing this package. Adding a
+plane is one file here plus tests.
 """
 
 from __future__ import annotations
