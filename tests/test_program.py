@@ -67,6 +67,28 @@ def test_an_intermediate_read_through_a_view_lives_until_the_view_is_read(sim):
     np.testing.assert_array_equal(got, expected.astype(np.float32))
 
 
+def test_views_of_arena_buffers_are_made_at_bind_and_see_every_runs_values(sim):
+    """A reshape of an arena buffer is the same view every run: made once when the program is
+    bound, with no call per run. A reshape of an input (a new array each run) still runs."""
+    dev = sim(1)
+    w = dev.tensor(np.eye(6, dtype=np.float32) * 3.0)
+    outs = []
+    for k in range(3):
+        x = dev.tensor(np.arange(24, dtype=np.float32).reshape(4, 6) + k)
+        y = (x.reshape(6, 4).transpose(1, 0) + 1.0) @ w  # reshape of an input, of nothing in the arena
+        outs.append((((y * 2.0).reshape(2, 12) + 1.0).reshape(3, 8) * 0.5, k))
+        dev.run(outs[-1][0])
+    assert len(dev.plans) == 1
+    for out, k in outs:
+        x = np.arange(24, dtype=np.float64).reshape(4, 6) + k
+        want = (((x.reshape(6, 4).T + 1.0) @ (np.eye(6) * 3.0) * 2.0).reshape(2, 12) + 1.0).reshape(3, 8) * 0.5
+        np.testing.assert_array_equal(out.numpy(), want.astype(np.float32))
+    (program,) = dev.cluster.servers[0].executor.programs.values()
+    reshapes = [pl for pl in program.placed if pl.step.op == "reshape"]
+    assert len(reshapes) == 3 and len(program.preset) == 2  # the two reshapes of products
+    assert len(program.calls) == len(program.placed) - 2
+
+
 def test_the_arena_is_shared_by_programs_and_shrinks_when_they_go(sim):
     dev = sim(1)
     dev.max_plans = 1

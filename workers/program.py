@@ -10,9 +10,10 @@ Loading a program (the coordinator's steps for this worker):
 3. prices the plan: the arena's size and the per-run buffers, checked against the budget now.
 
 Binding (at the first run, again when the arena moves or the peers change) makes one closure per
-step holding its kernel, parameters, output buffer and collective request. A run then fills the
-input slots from the store and calls the closures in order: no lookups, validation, timers or
-accounting per step. Profiling (RunProgram.profile) times each step; the first run after a bind
+step holding its kernel, parameters, output buffer and collective request; a view of an arena
+buffer (a reshape) is made then, once, and set in its slot each run instead of being called. A
+run then fills the input slots from the store and calls the closures in order: no lookups,
+validation, timers or accounting per step. Profiling (RunProgram.profile) times each step; the first run after a bind
 checks every step's result against the plan.
 """
 
@@ -99,25 +100,37 @@ class CompiledProgram:
 
     def bind(self, arena: Arena, collectives, backend, collective_timeout: float) -> None:
         xp = backend.xp
-        calls, outs = [], []
+        bound: list[tuple[Placed, Callable, Any]] = []
+        # the slots whose value is the same array every run: arena buffers, and views of them
+        # (a reshape of q, of the attention's output), which are made here once instead of by a
+        # call per run: a decode step has ~8 per layer
+        fixed: dict[int, Any] = {}
+        preset: list[tuple[int, Any]] = []
         for placed in self.placed:
             step = placed.step
             if isinstance(step, p.MoveStep):
-                calls.append(self._move_call(placed, collectives, collective_timeout))
-                outs.append(None)
+                bound.append((placed, self._move_call(placed, collectives, collective_timeout), None))
                 continue
             out = (
                 arena.view(placed.offset, tuple(step.shape), dtype_from_name(step.dtype))
                 if placed.out == "arena"
                 else None
             )
+            if out is not None:
+                fixed[step.output] = out
+            if step.op in VIEW_OPS and step.inputs[0] in fixed:
+                view = self.kernels[step.op](xp, (fixed[step.inputs[0]],), step.params, None)
+                if getattr(view, "base", None) is not None:  # a view, not a copy made now
+                    _check(placed, view, None, arena.memory)
+                    fixed[step.output] = view
+                    preset.append((step.output, view))
+                    continue
             scratch = None
             if placed.scratch is not None:
                 shape, offset = placed.scratch
                 scratch = arena.view(offset, shape, np.float32)
-            calls.append(_op_call(self.kernels[step.op], xp, step, out, scratch, placed.out == "fresh"))
-            outs.append(out)
-        self.calls, self.outs, self.arena = calls, outs, arena
+            bound.append((placed, _op_call(self.kernels[step.op], xp, step, out, scratch, placed.out == "fresh"), out))
+        self.bound, self.calls, self.preset, self.arena = bound, [call for _, call, _ in bound], preset, arena
         self.bound_to = (arena.generation, id(collectives))
         self.checked = False
 
@@ -143,8 +156,10 @@ class CompiledProgram:
         self.run_id, self.comm_s = run, 0.0
         started = time.perf_counter()
         compute = 0.0
+        for slot, view in self.preset:
+            slots[slot] = view
         if profile or not self.checked:
-            for placed, call, out in zip(self.placed, self.calls, self.outs):
+            for placed, call, out in self.bound:
                 start = time.perf_counter()
                 call(slots)
                 if isinstance(placed.step, p.OpStep):
