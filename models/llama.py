@@ -303,7 +303,8 @@ class TensorParallelLlama:
         the caches from position `start` on; returns the top `pool` (values, indices) of each
         prompt's next token, (rows, 1, pool), and with `logits` the whole (rows, 1, vocab)
         logits after them, all run. With `slot`: one prompt, a new sequence in batch row `slot`
-        (a server's slot, see prefill_slot), the other rows left as they are.
+        (a server's slot) from position 0, attending to itself only, the other rows left as they
+        are.
 
         Through a captured step per padded length: the prompts are padded to `padded_length`,
         so prompts of similar lengths replay one compiled program (no graph to build, plan or
@@ -339,7 +340,7 @@ class TensorParallelLlama:
         else:
             outputs = step(tokens, positions, rows)
         self._prefills[key] = step  # now the latest: past PREFILL_STEPS the oldest goes
-        while len(self._prefills) > PREFILL_STEPS:
+        if len(self._prefills) > PREFILL_STEPS:
             self._prefills.pop(next(iter(self._prefills)))
         # the next graph starts from the caches as this step left them, not from an earlier
         # graph's writes not run yet (those would run again, over what this step wrote)
@@ -347,21 +348,10 @@ class TensorParallelLlama:
         self.k, self.v = outputs[-2 * layers : -layers], outputs[-layers:]
         return outputs[: 3 if logits else 2]
 
-    def prefill_slot(self, tokens: Sequence[int], slot: int) -> Tensor:
-        """Logits (1, 1, vocab) of the last of `tokens`, a new sequence in batch row `slot` (a
-        server's slot): its caches are written at positions 0.., the other rows are left as they
-        are, and the prompt attends to itself (nothing cached before it is read). Lazy; a
-        server runs it through `prefill(..., slot=slot)`, captured."""
-        t = len(tokens)
-        if not 0 <= slot < self.batch:
-            raise ShapeError(f"slot {slot}: the caches hold batch rows 0..{self.batch - 1}")
-        if not 1 <= t <= self.ctx:
-            raise ShapeError(f"a prompt of {t} tokens: give 1 to {self.ctx} (the context)")
-        ids = self.dev.feed(np.asarray(tokens, np.int32).reshape(1, t))
-        pos = self.dev.feed(np.arange(t, dtype=np.int32).reshape(1, t))
-        return self._slot_step(ids, pos, self.dev.feed(np.array([t - 1], np.int32)), slot)
-
     def _slot_step(self, ids: Tensor, pos: Tensor, rows: Tensor, slot: int) -> Tensor:
+        """Logits (1, 1, vocab) of `rows` of ids (1, t), a new sequence in batch row `slot`: its
+        caches are written at `pos`, the other rows are left as they are, and the prompt attends
+        to itself (nothing cached before it is read)."""
         t = ids.shape[1]
         keep = self.positions_ctx[:, :, :, :, :t] <= pos.reshape(1, 1, 1, t, 1)  # causal: (1, 1, 1, t, t)
         x = self._layers(self._embed(ids), pos, where(keep, self.zero, self.minus_inf), slot)

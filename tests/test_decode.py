@@ -363,14 +363,14 @@ def test_a_prefill_of_the_last_tokens_only_gives_their_rows_of_the_whole_logits(
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_sequences_prefilled_into_their_own_slots_decode_as_if_alone(sim, n):
     """A server's slots: prompts of different lengths prefilled one at a time into batch rows
-    (prefill_slot), then decoded together, each row at its own position, equal the reference
+    (prefill with slot=), then decoded together, each row at its own position, equal the reference
     run on each sequence alone; a row not prefilled yet takes no harm from the others."""
     weights = random_weights(GQA_CFG, seed=12)
     ctx, prompts = 16, {2: [3, 70, 15, 8, 41], 0: [9, 2, 66]}
     net = TensorParallelLlama(sim(n), GQA_CFG, weights.__getitem__, ctx, batch=3)
     refs = {slot: ReferenceDecoder(GQA_CFG, weights, ctx) for slot in prompts}
     for slot, prompt in prompts.items():
-        got = net.prefill_slot(prompt, slot).numpy()[0, 0]
+        got = net.prefill([prompt], 0, pool=1, logits=True, slot=slot)[2].numpy()[0, 0]
         want = refs[slot].forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1]
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
     tokens = {2: [11, 60, 2], 0: [33, 7, 5]}

@@ -13,8 +13,8 @@ Binding (at the first run, again when the arena moves or the peers change) makes
 step holding its kernel, parameters, output buffer and collective request; a view of an arena
 buffer (a reshape) is made then, once, and set in its slot each run instead of being called. A
 run then fills the input slots from the store and calls the closures in order: no lookups,
-validation, timers or accounting per step. Profiling (RunProgram.profile) times each step; the first run after a bind
-checks every step's result against the plan.
+validation, timers or accounting per step. Profiling (RunProgram.profile) times each step; the
+first run after a bind checks every step's result against the plan.
 """
 
 from __future__ import annotations
