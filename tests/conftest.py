@@ -63,6 +63,24 @@ def procs3_zmq():
     yield from _process_device(3, data_plane="zmq")
 
 
+def _standin_env() -> dict[str, str]:
+    """A worker's environment where `import cupy` gives tests/cupy_standin (no GPU needed)."""
+    from tests.cupy_standin import SHIM
+
+    return {"PYTHONPATH": SHIM}
+
+
+@pytest.fixture(scope="module")
+def cuda2():
+    """Two workers on the CUDA backend, on the asynchronous CuPy stand-in, sharing device 0."""
+    yield from _process_device(2, backend="cuda", devices=(0, 0), env=_standin_env())
+
+
+@pytest.fixture(scope="module")
+def cuda3():
+    yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env())
+
+
 @pytest.fixture(scope="module")
 def model():
     """The packaged SmolLM2-135M-Instruct GGUF model; the test skips where it is not installed."""

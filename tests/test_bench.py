@@ -82,3 +82,15 @@ def test_a_step_breakdown_measures_every_part_and_says_how_much_it_explains():
     for name, ms in expected.items():
         assert b[name] == pytest.approx(ms), name
     assert b["explained"] == pytest.approx(21 / 21.5)
+
+
+def test_the_gpu_check_without_a_gpu_says_so_in_one_line_and_fails():
+    from meta.backends import local_backends
+
+    if local_backends()["cuda"].device_count:
+        pytest.skip("a CUDA GPU is here: bench/gpu_check.py runs for real (see bench/README.md)")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == ["gpu_check: no CUDA GPU was found (the cuda backend sees no device here)"]

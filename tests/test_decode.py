@@ -52,7 +52,9 @@ def test_top_k_over_every_state_never_gathers_the_vocabulary(sim, n):
         dev.free(t)
 
 
-def test_top_k_on_worker_processes(procs3):
+@pytest.mark.parametrize("devname", ["procs3", "cuda3"])
+def test_top_k_on_worker_processes(devname, request):
+    procs3 = request.getfixturevalue(devname)
     logits = np.random.default_rng(0).standard_normal((2, 101)).astype(np.float32)
     t = procs3.tensor(logits, Split(1, ((60, 0, 41),)))
     values, indices = t.top_k(5)
@@ -237,7 +239,9 @@ def test_gqa_decode_loop_equals_numpy_with_one_plan(sim, n):
     assert decode.plan.collectives() == ([Collective.ALL_REDUCE] if n > 1 else [])
 
 
-def test_gqa_decode_on_two_processes(procs2):
+@pytest.mark.parametrize("devname", ["procs2", "cuda2"])
+def test_gqa_decode_on_two_processes(devname, request):
+    procs2 = request.getfixturevalue(devname)
     rng = np.random.default_rng(8)
     m = GQA(rng)
     steps = 12

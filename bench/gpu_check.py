@@ -1,0 +1,128 @@
+"""The GPU path checked on a machine with an NVIDIA GPU, in one command.
+
+    python bench/gpu_check.py [--quick] [--json PATH]
+
+Runs, each on the CUDA backend with several workers sharing GPU 0 (shared memory between them):
+1. the CuPy tests: the API check against the installed CuPy, the stand-in suites, and the tests
+   that skip without a GPU (the backend's stream ordering on a real device, NCCL, two workers
+   on one GPU);
+2. `launch.py demo --backend cuda`;
+3. `launch.py generate --backend cuda`, whose tokens must equal `--backend cpu`'s;
+4. the all-reduce sweep (bench/collectives.py) and the tensor-parallel MLP (bench/tp_matmul.py)
+   against one CuPy process.
+Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
+exits 1; a failed check exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.report import cli, table  # noqa: E402
+from meta.backends import local_backends  # noqa: E402
+
+PROMPT = "The capital of France is"
+CUPY_TESTS = [
+    "tests/test_cupy_api.py",
+    "tests/test_cupy_standin.py",
+    "tests/test_graphs.py",
+    "tests/test_cuda_backend.py",
+    "tests/test_nccl.py",
+    "tests/test_workers.py",
+]
+
+
+def gpus() -> int:
+    backend = local_backends().get("cuda")
+    return backend.device_count if backend is not None else 0
+
+
+def _command(args: list[str], timeout: float) -> tuple[bool, str, float]:
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"no answer within {timeout:.0f} s", time.perf_counter() - start
+    tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
+    return done.returncode == 0, tail[0][-200:], time.perf_counter() - start
+
+
+def _generate(backend: str, workers: int, folder: Path) -> tuple[bool, str, list[int]]:
+    out = folder / f"{backend}.json"
+    devices = ["--devices", ",".join(["0"] * workers)] if backend == "cuda" else []
+    ok, detail, _ = _command(
+        [sys.executable, "launch.py", "generate", PROMPT, "-n", "16", "--temp", "0", "--ctx", "256",
+         "--backend", backend, "--workers", str(workers), *devices, "--json", str(out)],
+        900,
+    )  # fmt: skip
+    tokens = json.loads(out.read_text())[0]["tokens"] if ok and out.exists() else []
+    return ok, detail, tokens
+
+
+def run(quick: bool, workers: int = 2) -> dict:
+    from bench import collectives, tp_matmul
+
+    checks = []
+
+    def record(name: str, ok: bool, detail: str, seconds: float, **figures) -> None:
+        checks.append({"check": name, "ok": ok, "detail": detail, "seconds": seconds, **figures})
+
+    ok, detail, seconds = _command([sys.executable, "-m", "pytest", "-q", *CUPY_TESTS, "-k", "cuda or cupy or graph"], 1800)
+    record("CuPy tests", ok, detail, seconds)
+    devices = ",".join(["0"] * workers)
+    ok, detail, seconds = _command(
+        [sys.executable, "launch.py", "demo", "--backend", "cuda", "--workers", str(workers), "--devices", devices], 600
+    )
+    record("demo --backend cuda", ok, detail, seconds)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        ok_gpu, detail, on_gpu = _generate("cuda", workers, Path(folder))
+        ok_cpu, _, on_cpu = _generate("cpu", workers, Path(folder))
+    same = ok_gpu and ok_cpu and on_gpu == on_cpu
+    record("generate: cuda tokens == cpu tokens", same, detail if not ok_gpu else f"{len(on_gpu)} tokens", time.perf_counter() - start)
+    start = time.perf_counter()
+    try:
+        sweep = collectives.run(quick, [workers], backend="cuda", data_plane="shm")
+        record("all-reduce sweep (shm)", True, f"{len(sweep)} sizes", time.perf_counter() - start, rows=sweep)
+    except Exception as exc:  # noqa: BLE001 - reported in the table, the other checks still run
+        record("all-reduce sweep (shm)", False, repr(exc)[:200], time.perf_counter() - start)
+    start = time.perf_counter()
+    try:
+        mlp = tp_matmul.run(quick, workers, "cuda")
+        ratio = min(r["throughput_ratio"] for r in mlp["rows"]) if "rows" in mlp else None
+        record("TP MLP vs one CuPy process", True, f"worst ratio {ratio}", time.perf_counter() - start, result=mlp)
+    except Exception as exc:  # noqa: BLE001
+        record("TP MLP vs one CuPy process", False, repr(exc)[:200], time.perf_counter() - start)
+    return {"workers": workers, "checks": checks, "ok": all(c["ok"] for c in checks)}
+
+
+def show(results: dict) -> None:
+    rows = [(c["check"], "ok" if c["ok"] else "FAILED", f"{c['seconds']:.1f}", c["detail"]) for c in results["checks"]]
+    print(table(f"GPU check, {results['workers']} workers on GPU 0", ["check", "result", "s", "detail"], rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    if gpus() == 0:
+        print("gpu_check: no CUDA GPU was found (the cuda backend sees no device here)", file=sys.stderr)
+        return 1
+    outcome: dict = {}
+
+    def measure(args) -> dict:
+        outcome.update(run(args.quick, args.workers))
+        return outcome
+
+    status = cli(__doc__, "gpu_check", measure, show, argv, lambda ap: ap.add_argument("--workers", type=int, default=2))
+    return status or (0 if outcome.get("ok") else 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

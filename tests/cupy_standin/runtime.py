@@ -1,0 +1,502 @@
+"""The stand-in's device: streams that run their work later on threads of their own, events,
+stream capture into graphs, the memory pools, and the race detector.
+
+Ordering is CUDA's: work on one stream runs in the order issued; work on two streams is
+unordered unless an event orders it (record on one, wait_event on the other) or the host waits
+for one (synchronize) before it issues to the other. Every operation names the device bytes it
+reads and writes; the detector keeps, per stream, a vector clock of what that stream is known to
+run after, and an operation that touches bytes another stream touched (one of them writing)
+without such an order raises RaceError where it is issued: a missing wait fails every time, not
+only when the threads happen to interleave badly. The work itself also runs late, after small
+random delays, so a host that reads pinned memory before waiting reads garbage.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.lib.array_utils import byte_bounds
+
+GARBAGE = 0xFF  # fresh device and pinned memory: NaN as float32, so unwritten data shows
+DEADLINE_S = 60.0  # a stream waiting for an event that never comes fails rather than hangs
+
+
+class CUDARuntimeError(RuntimeError):
+    """As cupy_backends.cuda.api.runtime.CUDARuntimeError: the CUDA error's name in the text."""
+
+    def __init__(self, status: str, detail: str = ""):
+        self.status = status
+        super().__init__(f"{status}: {detail}" if detail else status)
+
+
+class RaceError(AssertionError):
+    """Two streams touched the same bytes, one writing, with nothing ordering them."""
+
+
+class OutOfMemoryError(MemoryError):
+    def __init__(self, size: int, total: int, limit: int):
+        super().__init__(
+            f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes, limit {limit:,})."
+        )
+
+
+def _setting(name: str, default: float) -> float:
+    return float(os.environ.get(f"CUPY_STANDIN_{name}", default))
+
+
+# -- vector clocks and the race detector -----------------------------------------------------------
+
+
+def _merge(into: dict[int, int], other: dict[int, int]) -> None:
+    for stream, tick in other.items():
+        if into.get(stream, 0) < tick:
+            into[stream] = tick
+
+
+@dataclass
+class Access:
+    lo: int
+    hi: int  # byte addresses [lo, hi)
+    write: bool
+    tick: int  # the issuing stream's tick
+    what: str
+
+
+class Detector:
+    """Accesses per stream, checked against every other stream's when an operation is issued."""
+
+    def __init__(self) -> None:
+        self.host: dict[int, int] = {}  # what the host has waited for
+        self.accesses: dict[int, list[Access]] = {}  # stream id -> accesses not yet known ordered
+        self.clocks: dict[int, dict[int, int]] = {}  # stream id -> its vector clock
+        self.names: dict[int, str] = {}
+
+    def issue(self, stream: Stream, reads, writes, what: str) -> int:
+        """The tick of a new operation on `stream`, after checking it against the others."""
+        clock = self.clocks.setdefault(stream.id, {})
+        _merge(clock, self.host)  # the host issued it after everything the host waited for
+        tick = clock.get(stream.id, 0) + 1
+        clock[stream.id] = tick
+        mine = [(lo, hi, False) for lo, hi in reads] + [(lo, hi, True) for lo, hi in writes]
+        for other, accesses in self.accesses.items():
+            if other == stream.id:
+                continue
+            seen = clock.get(other, 0)
+            for a in accesses:
+                if a.tick <= seen:
+                    continue
+                for lo, hi, write in mine:
+                    if lo < a.hi and a.lo < hi and (write or a.write):
+                        raise RaceError(
+                            f"{what} on {stream.name} {'writes' if write else 'reads'} bytes that "
+                            f"{a.what} on {self.names[other]} {'writes' if a.write else 'reads'}, "
+                            "and no event or synchronize orders the two"
+                        )
+        own = self.accesses.setdefault(stream.id, [])
+        own.extend(Access(lo, hi, write, tick, what) for lo, hi, write in mine)
+        if len(own) > 4096:
+            self._prune(stream.id)
+        self.names[stream.id] = stream.name
+        return tick
+
+    def _prune(self, sid: int) -> None:
+        """Drop the accesses every other stream (and the host) is known to run after: any later
+        operation of theirs merges the host's clock first, so it is ordered after them too."""
+        known = self.host.get(sid, 0)
+        others = [c for s, c in self.clocks.items() if s != sid]
+        if others:
+            known = max(known, min(c.get(sid, 0) for c in others))
+        self.accesses[sid] = [a for a in self.accesses[sid] if a.tick > known]
+
+    def host_waited(self, clock: dict[int, int]) -> None:
+        _merge(self.host, clock)
+
+    def check_host_read(self, ranges, what: str) -> None:
+        """The host reads device bytes directly (a blocking copy ran on a stream it waited for):
+        every stream's writes to them must be ones the host waited for."""
+        for sid, accesses in self.accesses.items():
+            seen = self.host.get(sid, 0)
+            for a in accesses:
+                if a.write and a.tick > seen and any(lo < a.hi and a.lo < hi for lo, hi in ranges):
+                    raise RaceError(f"{what}: the host reads bytes that {a.what} on {self.names[sid]} writes unwaited")
+
+
+DETECTOR = Detector()
+_lock = threading.RLock()  # issuing is atomic across the host threads of one process
+
+
+def extent(array: np.ndarray) -> tuple[int, int]:
+    if array.size == 0:
+        return (0, 0)
+    return byte_bounds(array)
+
+
+# -- streams and events -------------------------------------------------------------------------------
+
+
+class Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self._done = threading.Event()
+        self._done.set()  # an event never recorded counts as complete, as in CUDA
+        self.clock: dict[int, int] = {}
+        self.stream: Stream | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        stream = stream or get_current_stream()
+        stream._record(self)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        if not self._done.wait(DEADLINE_S):
+            raise CUDARuntimeError("cudaErrorLaunchTimeout", "event never completed")
+        with _lock:
+            DETECTOR.host_waited(self.clock)
+        if self.stream is not None:
+            self.stream._raise_failure()
+
+
+@dataclass
+class _Work:
+    run: Callable[[], None]
+    what: str
+
+
+@dataclass
+class _Captured:
+    run: Callable[[], None]
+    reads: list
+    writes: list
+    what: str
+
+
+_local = threading.local()
+_ids = iter(range(1, 1 << 62))
+
+
+class Stream:
+    null: Stream  # set below
+
+    def __init__(self, null=False, non_blocking=False, ptds=False, priority=0):
+        self.id = next(_ids)
+        self.name = "the null stream" if null else f"stream {self.id}"
+        self.ptr = 0 if null else self.id
+        self.non_blocking = non_blocking
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._failure: BaseException | None = None
+        self._capture: list[_Captured] | None = None
+        self._capture_broken = ""
+        self._previous: list[Stream] = []
+        self._issued = 0
+        self._completed = 0
+        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        self._thread.start()
+        self._delay = _setting("DELAY_S", 0.0005)
+        self._delay_odds = _setting("DELAY_ODDS", 0.05)
+
+    def _loop(self) -> None:
+        while True:
+            work: _Work = self._queue.get()
+            if random.random() < self._delay_odds:  # late, so an unordered reader sees it missing
+                threading.Event().wait(random.uniform(0, self._delay))
+            if self._failure is not None and not isinstance(work.run, _Marker):
+                self._completed += 1
+                continue  # a failed stream runs nothing more, as a sticky CUDA error
+            try:
+                work.run()
+            except BaseException as exc:  # noqa: BLE001 - kept, raised at the next synchronize
+                self._failure = exc
+            finally:
+                self._completed += 1
+
+    def _put(self, work: _Work) -> None:
+        self._issued += 1
+        self._queue.put(work)
+
+    # what a kernel or copy calls to run on this stream
+    def issue(self, run: Callable[[], None], reads=(), writes=(), what: str = "a kernel") -> None:
+        reads = [extent(a) for a in reads]
+        writes = [extent(a) for a in writes]
+        with _lock:
+            if self._capture is not None:
+                self._capture.append(_Captured(run, reads, writes, what))
+                return
+            DETECTOR.issue(self, reads, writes, what)
+            self._put(_Work(run, what))
+
+    def _record(self, event: Event) -> None:
+        with _lock:
+            if self._capture is not None:
+                self._broken("an event recorded during capture (cross-stream capture is not modelled)")
+            done = threading.Event()
+            event._done = done
+            event.stream = self
+            event.clock = dict(DETECTOR.clocks.setdefault(self.id, {}))
+            _merge(event.clock, DETECTOR.host)
+            self._put(_Work(_Marker(done), "record"))
+
+    def record(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        self._record(event)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        with _lock:
+            if self._capture is not None:
+                self._broken("wait_event during capture (cross-stream capture is not modelled)")
+            _merge(DETECTOR.clocks.setdefault(self.id, {}), event.clock)
+            done = event._done
+
+            def wait() -> None:
+                if not done.wait(DEADLINE_S):
+                    raise CUDARuntimeError("cudaErrorLaunchTimeout", "waited for an event that never completed")
+
+            self._put(_Work(wait, "wait_event"))
+
+    def synchronize(self) -> None:
+        if self._capture is not None:
+            self._broken("synchronize of a capturing stream")
+        done = threading.Event()
+        with _lock:
+            clock = dict(DETECTOR.clocks.get(self.id, {}))
+            self._put(_Work(_Marker(done), "synchronize"))
+        if not done.wait(DEADLINE_S):
+            raise CUDARuntimeError("cudaErrorLaunchTimeout", f"{self.name} did not finish")
+        with _lock:
+            DETECTOR.host_waited(clock)
+        self._raise_failure()
+
+    @property
+    def done(self) -> bool:
+        return self._completed == self._issued
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            failure = self._failure
+            raise CUDARuntimeError(
+                "cudaErrorLaunchFailure", f"a kernel on {self.name} failed: {failure!r}"
+            ) from failure
+
+    # -- current stream ------------------------------------------------------------------------------
+
+    def use(self) -> Stream:
+        _local.current = self
+        return self
+
+    def __enter__(self) -> Stream:
+        self._previous.append(get_current_stream())
+        return self.use()
+
+    def __exit__(self, *exc) -> None:
+        self._previous.pop().use()
+
+    # -- capture -------------------------------------------------------------------------------------
+
+    def begin_capture(self, mode=None) -> None:
+        if self is Stream.null:
+            raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported", "the legacy null stream cannot be captured")
+        if self._capture is not None:
+            raise CUDARuntimeError("cudaErrorIllegalState", "already capturing")
+        self._capture, self._capture_broken = [], ""
+
+    def is_capturing(self) -> bool:
+        return self._capture is not None
+
+    def end_capture(self) -> Graph:
+        if self._capture is None:
+            raise CUDARuntimeError("cudaErrorIllegalState", "not capturing")
+        work, broken = self._capture, self._capture_broken
+        self._capture, self._capture_broken = None, ""
+        if broken:
+            raise CUDARuntimeError("cudaErrorStreamCaptureInvalidated", broken)
+        return Graph(work)
+
+    def _broken(self, why: str) -> None:
+        """As CUDA: the illegal call fails, and so does the capture it happened in."""
+        self._capture_broken = self._capture_broken or why
+        raise CUDARuntimeError("cudaErrorStreamCaptureUnsupported", why)
+
+
+class _Marker:
+    """Work that only says the stream got this far (it runs even after a failure)."""
+
+    def __init__(self, done: threading.Event):
+        self.done = done
+
+    def __call__(self) -> None:
+        self.done.set()
+
+
+Stream.null = Stream(null=True)
+
+
+def get_current_stream() -> Stream:
+    return getattr(_local, "current", None) or Stream.null
+
+
+def forbid_in_capture(why: str) -> None:
+    """A host-synchronous call: illegal while the current stream captures."""
+    stream = get_current_stream()
+    if stream._capture is not None:
+        stream._broken(why)
+
+
+class Graph:
+    """A captured sequence of work: launching issues it again, on the same memory, in order."""
+
+    def __init__(self, work: list[_Captured]):
+        self._work = work
+        self.launches = 0
+
+    def upload(self, stream: Stream | None = None) -> None:
+        pass
+
+    def launch(self, stream: Stream | None = None) -> None:
+        stream = stream or get_current_stream()
+        with _lock:
+            for w in self._work:
+                if stream._capture is not None:
+                    stream._capture.append(w)
+                    continue
+                DETECTOR.issue(stream, w.reads, w.writes, f"{w.what} (graph)")
+                stream._put(_Work(w.run, w.what))
+        self.launches += 1
+
+
+def device_synchronize() -> None:
+    forbid_in_capture("device synchronize during capture")
+    for stream in list(_STREAMS):
+        stream.synchronize()
+
+
+_STREAMS: weakref.WeakSet[Stream] = weakref.WeakSet()
+_original_init = Stream.__init__
+
+
+def _tracked_init(self, *args, **kwargs):
+    _original_init(self, *args, **kwargs)
+    _STREAMS.add(self)
+
+
+Stream.__init__ = _tracked_init
+_STREAMS.add(Stream.null)
+
+
+# -- memory ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Memory:
+    """One device allocation; back to its pool's free list (for its stream) when no array holds it."""
+
+    raw: np.ndarray
+    pool: MemoryPool | None
+    stream_id: int
+    size: int
+
+    def __del__(self) -> None:
+        if self.pool is not None:
+            self.pool._free(self)
+
+
+@dataclass
+class MemoryPool:
+    """CuPy's pool: sizes rounded to 512 bytes, a freed block kept for reuse by later
+    allocations on the stream it was allocated on (stream-ordered reuse, as CuPy's arenas)."""
+
+    limit: int = 0
+    _free_blocks: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict)
+    _used: int = 0
+    _total: int = 0
+
+    def malloc(self, nbytes: int) -> Memory:
+        size = max(512, -(-nbytes // 512) * 512)
+        sid = get_current_stream().id
+        with _lock:
+            blocks = self._free_blocks.get((sid, size))
+            if blocks:
+                raw = blocks.pop()
+            else:
+                capacity = self.limit or int(_setting("MEMORY", 8 << 30))
+                if self._total + size > capacity:
+                    raise OutOfMemoryError(size, self._total, capacity)
+                raw = np.full(size, GARBAGE, np.uint8)
+                self._total += size
+            self._used += size
+        return Memory(raw, self, sid, size)
+
+    def _free(self, memory: Memory) -> None:
+        with _lock:
+            self._used -= memory.size
+            self._free_blocks.setdefault((memory.stream_id, memory.size), []).append(memory.raw)
+
+    def used_bytes(self) -> int:
+        return self._used
+
+    def total_bytes(self) -> int:
+        return self._total
+
+    def free_bytes(self) -> int:
+        return self._total - self._used
+
+    def free_all_blocks(self, stream=None) -> None:
+        with _lock:
+            for blocks in self._free_blocks.values():
+                self._total -= sum(b.nbytes for b in blocks)
+            self._free_blocks.clear()
+
+    def set_limit(self, size=None, fraction=None) -> None:
+        self.limit = int(size or 0)
+
+    def get_limit(self) -> int:
+        return self.limit
+
+
+class PinnedMemoryPool:
+    """Page-locked host memory: arrays the stand-in knows are pinned (copies into them are
+    asynchronous, so the host must wait before reading them)."""
+
+    def __init__(self) -> None:
+        self.pinned: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+
+    def malloc(self, nbytes: int):
+        return nbytes
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        raw = np.full(int(np.prod(shape)) * dtype.itemsize, GARBAGE, np.uint8)
+        array = raw.view(dtype).reshape(shape)
+        self.pinned[id(array)] = array
+        return array
+
+    def is_pinned(self, array: np.ndarray) -> bool:
+        base = array
+        while isinstance(base, np.ndarray):
+            if self.pinned.get(id(base)) is base:
+                return True
+            base = base.base
+        return False
+
+    def n_free_blocks(self) -> int:
+        return 0
+
+    def free_all_blocks(self) -> None:
+        pass
+
+
+DEFAULT_POOL = MemoryPool()
+PINNED_POOL = PinnedMemoryPool()
+_allocator: list[Callable[[int], Memory]] = [DEFAULT_POOL.malloc]
+
+
+def allocate(nbytes: int) -> Memory:
+    return _allocator[-1](nbytes)

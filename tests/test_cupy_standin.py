@@ -1,0 +1,153 @@
+"""The CuPy stand-in (tests/cupy_standin) keeps CuPy's rules: work runs late and in stream
+order, a missing wait is caught, capture forbids host synchronisation and graphs replay on the
+memory they were captured on. The CUDA backend's own ordering is checked under it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.cupy_standin import cupy as cp
+from tests.cupy_standin import install
+from tests.cupy_standin import runtime as rt
+
+
+@pytest.fixture
+def slow_streams(monkeypatch):
+    """Every piece of work waits a little before it runs: a host that does not wait sees it missing."""
+    monkeypatch.setenv("CUPY_STANDIN_DELAY_S", "0.05")
+    monkeypatch.setenv("CUPY_STANDIN_DELAY_ODDS", "1")
+
+
+def test_results_equal_numpy_and_work_on_one_stream_runs_in_order():
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    x = cp.asarray(a)
+    y = cp.exp(x / 10) @ x.T
+    y += 1
+    y[0, :] = -1
+    np.testing.assert_allclose(y.get(), np.concatenate([-np.ones((1, 4)), (np.exp(a / 10) @ a.T + 1)[1:]]), rtol=1e-6)
+    assert int(x.sum()) == a.sum() and x.reshape(6, 4).base is x
+
+
+def test_reading_on_another_stream_without_an_event_is_a_race():
+    producer, consumer = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with producer:
+        x = cp.ones((256,), cp.float32) * 3
+    with consumer, pytest.raises(rt.RaceError, match="no event or synchronize"):
+        x + 1
+    consumer.wait_event(producer.record())
+    with consumer:
+        assert float((x + 1).sum()) == 4 * 256
+
+
+def test_writing_what_another_stream_still_reads_is_a_race():
+    reader, writer = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    x = cp.zeros((64,), cp.float32)
+    writer.wait_event(cp.cuda.get_current_stream().record())
+    reader.wait_event(cp.cuda.get_current_stream().record())
+    with reader:
+        y = x * 2
+    with writer, pytest.raises(rt.RaceError, match="writes bytes"):
+        x.fill(1)
+    reader.synchronize()  # the host waited for the reader: the writer may go on after it
+    with writer:
+        x.fill(1)
+    assert y.get().sum() == 0
+    writer.synchronize()  # x's memory goes back to the null stream's blocks: nothing may still write it
+
+
+def test_an_asynchronous_copy_into_pinned_memory_is_garbage_until_waited_for(slow_streams):
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cp.arange(8, dtype=cp.float32)
+    host = rt.PINNED_POOL.empty((8,), np.float32)
+    x.get(out=host, stream=stream, blocking=False)
+    assert np.isnan(host).all()  # not yet copied: the stand-in's fresh memory is NaN
+    stream.synchronize()
+    np.testing.assert_array_equal(host, np.arange(8, dtype=np.float32))
+
+
+def test_a_host_to_device_copy_takes_pageable_data_at_once_and_pinned_data_late(slow_streams):
+    stream = cp.cuda.Stream(non_blocking=True)
+    pageable, pinned = np.ones(4, np.float32), rt.PINNED_POOL.empty((4,), np.float32)
+    pinned[:] = 1
+    with stream:
+        a, b = cp.asarray(pageable), cp.asarray(pinned)
+    pageable[:] = 7  # the host may reuse pageable memory at once ...
+    pinned[:] = 7  # ... but pinned memory is read when the copy runs
+    with stream:
+        assert a.get().tolist() == [1] * 4 and b.get().tolist() == [7] * 4
+
+
+def test_device_arrays_never_convert_to_numpy_implicitly():
+    x = cp.ones(3)
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(x)
+    with pytest.raises(TypeError):
+        x + np.ones(3)
+
+
+def test_a_failed_kernel_surfaces_at_the_next_synchronize_and_the_stream_stays_failed():
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cp.ones((2, 3))
+        stream.issue(lambda: 1 / 0, writes=[x._a], what="a faulty kernel")
+        y = x + 1  # issued fine: the failure is not known yet
+        with pytest.raises(rt.CUDARuntimeError, match="ZeroDivisionError"):
+            stream.synchronize()
+        with pytest.raises(rt.CUDARuntimeError):
+            y.get()
+
+
+def test_a_captured_graph_runs_nothing_until_launched_and_replays_on_its_memory():
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cp.asarray(np.arange(4, dtype=np.float32))
+        out = cp.zeros(4, cp.float32)
+        stream.synchronize()
+        stream.begin_capture()
+        cp.multiply(x, 2, out=out)
+        out += 1
+        graph = stream.end_capture()
+        assert out.get().tolist() == [0, 0, 0, 0]  # captured, not run
+        graph.launch(stream)
+        assert out.get().tolist() == [1, 3, 5, 7]
+        x.set(np.full(4, 10, np.float32))  # new data in the captured input
+        graph.launch(stream)
+        assert out.get().tolist() == [21] * 4
+
+
+def test_a_host_synchronisation_during_capture_fails_and_invalidates_the_capture():
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cp.ones(4)
+        stream.synchronize()
+        stream.begin_capture()
+        with pytest.raises(rt.CUDARuntimeError, match="StreamCaptureUnsupported"):
+            int(x.sum())
+        with pytest.raises(rt.CUDARuntimeError, match="Invalidated"):
+            stream.end_capture()
+        assert not stream.is_capturing()
+
+
+def test_a_freed_block_is_reused_by_the_next_allocation_on_its_stream():
+    """As CuPy's pool: what a graph captured in a freed temporary may belong to another array."""
+    a = cp.empty(1000, cp.float32)
+    address = a.data.ptr
+    del a
+    assert cp.empty(1000, cp.float32).data.ptr == address
+    with cp.cuda.Stream(non_blocking=True):
+        assert cp.empty(1000, cp.float32).data.ptr != address  # another stream: its own blocks
+
+
+def test_the_cuda_backend_orders_host_copies_after_the_compute_stream(monkeypatch, slow_streams):
+    install(monkeypatch)
+    from workers.backends.cuda import Backend
+
+    backend = Backend(0)
+    x = backend.to_device(np.arange(1000, dtype=np.float32))
+    got = backend.to_host(backend.xp.sqrt(x * x))
+    np.testing.assert_allclose(got, np.arange(1000, dtype=np.float32))
+    monkeypatch.setattr(rt.Stream, "wait_event", lambda self, event: None)  # the planted bug
+    with pytest.raises(rt.RaceError):
+        backend.to_host(backend.xp.sqrt(x * x))
