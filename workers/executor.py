@@ -7,6 +7,7 @@ from typing import Any
 
 from split_state.errors import OutOfMemory, ProtocolError
 from transport import protocol as p
+from workers import graphs
 from workers.arena import Arena
 from workers.collectives import Collectives
 from workers.kernels import PATTERNS, kernels_for
@@ -54,6 +55,15 @@ class Executor:
             )
         self.arena.resize(max([compiled.arena_bytes] + [c.arena_bytes for c in others]))
         self.programs[program] = compiled
+
+    def graph_counts(self) -> dict[str, int]:
+        """Device graphs of the loaded programs: segments, captures and replays so far."""
+        found = [s for c in self.programs.values() for s in graphs.segments(c.calls)]
+        return {
+            "segments": len(found),
+            "captures": sum(s.captures for s in found),
+            "replays": sum(s.replays for s in found),
+        }
 
     def unload(self, program: int) -> None:
         if self.programs.pop(program, None) is not None:

@@ -14,7 +14,8 @@ step holding its kernel, parameters, output buffer and collective request; a vie
 buffer (a reshape) is made then, once, and set in its slot each run instead of being called. A
 run then fills the input slots from the store and calls the closures in order: no lookups,
 validation, timers or accounting per step. Profiling (RunProgram.profile) times each step; the
-first run after a bind checks every step's result against the plan.
+first run after a bind checks every step's result against the plan. On a backend that captures
+device graphs, the calls between collectives become graph segments (workers/graphs.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from split_state.layout import local_shape
 from split_state.ops import OPS
 from transport import protocol as p
 from transport.deadline import Deadline
+from workers import graphs
 from workers.arena import Arena, aligned
 from workers.kernels import OVERWRITES_INPUT, VIEW_OPS
 from workers.kernels.fused import PATTERNS, Pattern, fuse, reads, scratch_bytes
@@ -130,7 +132,10 @@ class CompiledProgram:
                 shape, offset = placed.scratch
                 scratch = arena.view(offset, shape, np.float32)
             bound.append((placed, _op_call(self.kernels[step.op], xp, step, out, scratch, placed.out == "fresh"), out))
-        self.bound, self.calls, self.preset, self.arena = bound, [call for _, call, _ in bound], preset, arena
+        calls = [call for _, call, _ in bound]
+        if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
+            calls = graphs.piecewise(bound, backend, backend.capture_pool())
+        self.bound, self.calls, self.preset, self.arena = bound, calls, preset, arena
         self.bound_to = (arena.generation, id(collectives))
         self.checked = False
 

@@ -120,6 +120,7 @@ class WorkerServer:
             "budget": self.store.budget,
             "programs": len(self.executor.programs),
             "runs": self.runs,
+            "graphs": self.executor.graph_counts(),
             "data_plane": self.executor.comm.plane if self.world_size else "",
             "routes": self.executor.comm.routes() if self.world_size else {},
             "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,

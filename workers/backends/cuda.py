@@ -73,3 +73,20 @@ class Backend:
 
     def synchronize(self) -> None:
         self.compute.synchronize()
+
+    # -- device graphs (workers/graphs.py): kernels captured on the compute stream, replayed on it
+
+    def begin_capture(self) -> None:
+        self.compute.begin_capture()
+
+    def end_capture(self):
+        return self.compute.end_capture()
+
+    def launch(self, graph) -> None:
+        graph.launch(stream=self.compute)
+
+    def capture_pool(self):
+        """A context in which allocations come from a pool of their own: what a captured kernel
+        allocates is written again at every replay, so nothing outside may reuse it."""
+        pool = self.xp.cuda.MemoryPool()
+        return lambda: self.xp.cuda.using_allocator(pool.malloc)

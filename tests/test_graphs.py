@@ -1,0 +1,138 @@
+"""Device graphs (workers/graphs.py) on the CUDA backend under the CuPy stand-in: a compiled
+program's kernels are captured at their second run and replayed after, with results equal to
+NumPy's every run, whatever changes between runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.cupy_standin import install
+from transport import protocol as p
+from workers import graphs
+from workers.arena import Arena
+from workers.kernels import kernels_for
+from workers.program import CompiledProgram
+from workers.store import TensorStore
+
+X, W, B = 0, 1, 2  # input slots
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    install(monkeypatch)
+    from workers.backends.cuda import Backend
+
+    return Backend(0)
+
+
+def op(name, inputs, output, shape, **params):
+    return p.OpStep(name, tuple(inputs), output, params, shape, "float32")
+
+
+def relu_mlp_steps():
+    """out = relu(x @ w) * 2 + b, with x (4, 8), w (8, 6), b (6,)."""
+    return [
+        op("matmul", (X, W), 3, (4, 6)),
+        op("relu", (3,), 4, (4, 6)),
+        op("scale", (4,), 5, (4, 6), factor=2.0),
+        op("add", (5, B), 6, (4, 6)),
+        op("exp", (6,), 7, (4, 6)),
+        op("neg", (7,), 8, (4, 6)),  # the result: its own array each run, so not captured
+    ]
+
+
+def expected(x, w, b):
+    return -np.exp(np.maximum(x @ w, 0) * 2 + b)
+
+
+class Program:
+    """One compiled program on the backend, run as the executor runs it."""
+
+    def __init__(self, backend, steps, kernels=None):
+        self.backend = backend
+        self.compiled = CompiledProgram(1, steps, [steps[-1].output], kernels or kernels_for(backend))
+        self.arena = Arena(backend.xp, TensorStore(1 << 30))
+        self.arena.resize(self.compiled.arena_bytes)
+        self.compiled.bind(self.arena, None, backend, 5.0)
+        self.runs = 0
+
+    def __call__(self, *inputs):
+        slots = [None] * self.compiled.nslots
+        for i, value in enumerate(inputs):
+            slots[i] = value
+        self.runs += 1
+        self.compiled.run(slots, self.runs, self.backend, profile=False)
+        return self.backend.to_host(slots[self.compiled.placed[-1].step.output])
+
+    def segments(self):
+        return graphs.segments(self.compiled.calls)
+
+
+def test_runs_are_captured_once_and_replayed_with_new_inputs_copied_in(backend):
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((8, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    program = Program(backend, relu_mlp_steps())
+    wd, bd = backend.to_device(w), backend.to_device(b)
+    for _ in range(6):
+        x = rng.standard_normal((4, 8)).astype(np.float32)  # a new array every run: copied in
+        np.testing.assert_allclose(program(backend.to_device(x), wd, bd), expected(x, w, b), rtol=1e-5)
+    (segment,) = program.segments()
+    assert segment.captures == 1 and segment.replays == 4  # run 1 checks, run 2 learns, run 3 captures
+    assert set(segment.staged) == {X} and len(segment.calls) == 5
+
+
+def test_inputs_that_stay_are_read_in_place_and_a_new_weight_is_captured_again(backend):
+    rng = np.random.default_rng(1)
+    x, b = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    w1, w2 = (rng.standard_normal((8, 6)).astype(np.float32) for _ in range(2))
+    program = Program(backend, relu_mlp_steps())
+    xd, bd, wd1, wd2 = (backend.to_device(a) for a in (x, b, w1, w2))
+    for _ in range(4):
+        np.testing.assert_allclose(program(xd, wd1, bd), expected(x, w1, b), rtol=1e-5)
+    for _ in range(3):
+        np.testing.assert_allclose(program(xd, wd2, bd), expected(x, w2, b), rtol=1e-5)
+    (segment,) = program.segments()
+    assert segment.captures == 2 and not segment.staged  # nothing copied: every input read in place
+
+
+def test_a_kernel_that_reads_on_the_host_runs_eagerly_between_two_graphs(backend):
+    def host_reading_scale(xp, inputs, params, out=None):
+        factor = float(inputs[0].max())  # waits for the device: cannot be captured
+        return xp.multiply(inputs[0], 1 / factor, out=out)
+
+    kernels = {**kernels_for(backend), "normalize": host_reading_scale}
+    steps = relu_mlp_steps()
+    steps.insert(2, op("normalize", (4,), 9, (4, 6)))
+    steps[3] = op("scale", (9,), 5, (4, 6), factor=2.0)
+    program = Program(backend, steps, kernels)
+    rng = np.random.default_rng(2)
+    w, b = rng.standard_normal((8, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    for _ in range(5):
+        x = rng.standard_normal((4, 8)).astype(np.float32)
+        h = np.maximum(x @ w, 0)
+        want = -np.exp(h / h.max() * 2 + b)
+        np.testing.assert_allclose(
+            program(backend.to_device(x), backend.to_device(w), backend.to_device(b)), want, rtol=1e-5
+        )
+    found = program.segments()
+    assert [len(s.calls) for s in found] == [2, 3] and all(s.replays for s in found)
+
+
+def test_what_a_captured_kernel_allocates_is_never_handed_to_anyone_else(backend):
+    xp = backend.xp
+
+    def with_temporaries(xp, inputs, params, out=None):
+        return xp.add(xp.exp(inputs[0]) * 0, inputs[0], out=out)  # two temporaries of 96 bytes
+
+    kernels = {**kernels_for(backend), "identity": with_temporaries}
+    steps = [op("identity", (X,), 3, (4, 6)), op("neg", (3,), 4, (4, 6))]
+    program = Program(backend, steps, kernels)
+    x = backend.to_device(np.ones((4, 6), np.float32))
+    for _ in range(3):
+        program(x)
+    bystanders = [xp.full((4, 6), 7, xp.float32) for _ in range(4)]  # blocks of the temporaries' size
+    for _ in range(2):
+        np.testing.assert_array_equal(program(x), -np.ones((4, 6), np.float32))
+    for a in bystanders:
+        assert backend.to_host(a).tolist() == np.full((4, 6), 7, np.float32).tolist()

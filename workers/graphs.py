@@ -1,0 +1,168 @@
+"""Device graphs: a bound program's runs of kernels captured once and replayed every run (CUDA
+graphs through CuPy's stream capture), piecewise as vLLM captures a model around its attention.
+
+A program splits into pieces: a collective, a step whose result is a fresh array each run, and
+a kernel that reads device data on the host (found when its capture fails: the attention over
+the used cache asks where the mask ends) run eagerly; every run of other kernels between them is
+a segment. A segment runs eagerly the first time, is captured the second and from then on replayed: one
+launch instead of a call per kernel.
+
+A graph replays on the memory it was captured on. So a segment keeps the arrays it read:
+- an input that was the same array in the first two runs (a weight, a KV cache, a
+  generation's fed tokens) is read in place; if it changes (a new generation's caches), the
+  segment runs eagerly once and is captured again;
+- an input that changed (a collective's result, a coordinator's new feed) is copied into a
+  buffer of the segment before each replay (a few KiB in a decode step);
+- its results lie in the arena (or are views of what it read), the same arrays every run, and
+  are set in their slots on replay;
+- what its kernels allocate while captured comes from a pool that only the program's captures
+  use, so nothing else reuses that memory while the graph may still write it.
+
+A backend that can capture defines `begin_capture()`, `end_capture() -> graph`,
+`launch(graph)` and `capture_pool()` (workers/backends/cuda.py); others run every call eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from transport import protocol as p
+from workers.kernels.fused import reads
+
+WARMUP_SIGHTINGS = 2  # a segment is captured at its second run: the first tells what changes
+
+
+def can_capture(backend) -> bool:
+    return hasattr(backend, "begin_capture")
+
+
+def piecewise(bound: list[tuple[Any, Callable, Any]], backend, pool) -> list[Callable]:
+    """The program's calls with every run of capturable steps made one Segment."""
+    pieces: list[Callable] = []
+    run: list[tuple[p.OpStep, Callable]] = []
+    for placed, call, _ in bound:
+        step = placed.step
+        if isinstance(step, p.MoveStep) or placed.out == "fresh":
+            if run:
+                pieces.append(Segment(run, backend, pool))
+                run = []
+            pieces.append(call)
+        else:
+            run.append((step, call))
+    if run:
+        pieces.append(Segment(run, backend, pool))
+    return pieces
+
+
+class Segment:
+    """Consecutive kernels, replayed as one graph once captured (the module docstring says when)."""
+
+    def __init__(self, steps: list[tuple[p.OpStep, Callable]], backend, pool):
+        self.steps, self.backend, self.pool = steps, backend, pool
+        written: set[int] = set()
+        external: list[int] = []
+        for step, _ in steps:
+            for slot in reads(step):
+                if slot not in written and slot not in external:
+                    external.append(slot)
+            written.add(step.output)
+        self.external = tuple(external)
+        self.written = tuple(dict.fromkeys(step.output for step, _ in steps))
+        self.calls = [call for _, call in steps]
+        self.pieces: list[Callable] | None = None  # after a failed capture: the segment split
+        self.graph = None
+        self.held: tuple = ()  # the arrays the graph reads in place (None: staged)
+        self.staged: dict[int, Any] = {}  # input slot -> the segment's buffer copied into
+        self.results: list[tuple[int, Any]] = []
+        self.last_seen: tuple = ()
+        self.sightings = 0
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, slots: list) -> None:
+        if self.pieces is not None:
+            for piece in self.pieces:
+                piece(slots)
+            return
+        inputs = tuple(slots[s] for s in self.external)
+        if self.graph is not None:
+            if all(h is None or h is a for h, a in zip(self.held, inputs, strict=True)):
+                self._replay(slots, inputs)
+                return
+            # an input read in place changed (a new generation's caches): learn again
+            self.graph, self.last_seen, self.sightings = None, (), 0
+        if self.last_seen:  # what changed since the last run is copied in from now on
+            changed = zip(self.external, self.last_seen, inputs, strict=True)
+            self.staged.update({s: None for s, before, now in changed if before is not now and s not in self.staged})
+        self.last_seen = inputs
+        self.sightings += 1
+        if self.sightings < WARMUP_SIGHTINGS:
+            for call in self.calls:
+                call(slots)
+            return
+        self._capture(slots, inputs)
+
+    def _replay(self, slots: list, inputs: tuple) -> None:
+        xp = self.backend.xp
+        for slot, value in zip(self.external, inputs, strict=True):
+            buffer = self.staged.get(slot)
+            if buffer is not None:
+                xp.copyto(buffer, value)
+        for slot, value in self.results:
+            slots[slot] = value
+        self.backend.launch(self.graph)
+        self.replays += 1
+
+    def _capture(self, slots: list, inputs: tuple) -> None:
+        xp = self.backend.xp
+        for slot, value in zip(self.external, inputs, strict=True):
+            if slot in self.staged:
+                buffer = self.staged[slot]
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                    with self.pool():
+                        buffer = self.staged[slot] = xp.empty(value.shape, value.dtype)
+                xp.copyto(buffer, value)  # before the capture: the graph reads the buffer
+                slots[slot] = buffer
+        self.backend.begin_capture()
+        done = 0
+        try:
+            with self.pool():
+                for call in self.calls:
+                    call(slots)
+                    done += 1
+        except Exception:  # noqa: BLE001 - a kernel that cannot be captured (or a real error: rerun below)
+            with contextlib.suppress(Exception):
+                self.backend.end_capture()
+            self._split(done)
+            for slot, value in zip(self.external, inputs, strict=True):
+                slots[slot] = value
+            self(slots)  # eagerly, through the split pieces; a real error raises here
+            return
+        self.graph = self.backend.end_capture()
+        self.captures += 1
+        self.held = tuple(None if s in self.staged else a for s, a in zip(self.external, inputs, strict=True))
+        self.results = [(slot, slots[slot]) for slot in self.written]
+        self.backend.launch(self.graph)
+        self.replays += 1
+
+    def _split(self, at: int) -> None:
+        """Step `at` could not be captured: it runs eagerly, the steps around it are segments."""
+        before, after = self.steps[:at], self.steps[at + 1 :]
+        pieces: list[Callable] = []
+        if before:
+            pieces.append(Segment(before, self.backend, self.pool))
+        pieces.append(self.steps[at][1])
+        if after:
+            pieces.append(Segment(after, self.backend, self.pool))
+        self.pieces = pieces
+
+
+def segments(pieces: list[Callable]) -> list[Segment]:
+    """Every Segment among `pieces`, those a failed capture split included."""
+    found: list[Segment] = []
+    for piece in pieces:
+        if isinstance(piece, Segment):
+            found += segments(piece.pieces) if piece.pieces is not None else [piece]
+    return found
