@@ -76,7 +76,8 @@ def run(quick: bool, workers: int = 2) -> dict:
     def record(name: str, ok: bool, detail: str, seconds: float, **figures) -> None:
         checks.append({"check": name, "ok": ok, "detail": detail, "seconds": seconds, **figures})
 
-    ok, detail, seconds = _command([sys.executable, "-m", "pytest", "-q", *CUPY_TESTS, "-k", "cuda or cupy or graph"], 1800)
+    tests = [sys.executable, "-m", "pytest", "-q", *CUPY_TESTS, "-k", "cuda or cupy or graph"]
+    ok, detail, seconds = _command(tests, 1800)
     record("CuPy tests", ok, detail, seconds)
     devices = ",".join(["0"] * workers)
     ok, detail, seconds = _command(
@@ -88,7 +89,8 @@ def run(quick: bool, workers: int = 2) -> dict:
         ok_gpu, detail, on_gpu = _generate("cuda", workers, Path(folder))
         ok_cpu, _, on_cpu = _generate("cpu", workers, Path(folder))
     same = ok_gpu and ok_cpu and on_gpu == on_cpu
-    record("generate: cuda tokens == cpu tokens", same, detail if not ok_gpu else f"{len(on_gpu)} tokens", time.perf_counter() - start)
+    said = detail if not ok_gpu else f"{len(on_gpu)} tokens"
+    record("generate: cuda tokens == cpu tokens", same, said, time.perf_counter() - start)
     start = time.perf_counter()
     try:
         sweep = collectives.run(quick, [workers], backend="cuda", data_plane="shm")
@@ -120,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         outcome.update(run(args.quick, args.workers))
         return outcome
 
-    status = cli(__doc__, "gpu_check", measure, show, argv, lambda ap: ap.add_argument("--workers", type=int, default=2))
+    def options(ap) -> None:
+        ap.add_argument("--workers", type=int, default=2)
+
+    status = cli(__doc__, "gpu_check", measure, show, argv, options)
     return status or (0 if outcome.get("ok") else 2)
 
 

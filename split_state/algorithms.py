@@ -193,14 +193,19 @@ def _sent(phases: Sequence[Phase], n: int, itemsize: int) -> tuple[int, ...]:
 # -- local transitions ----------------------------------------------------------------------------
 
 
+def moves_nothing(src: State, dst: State, n: int) -> bool:
+    """Redistributing `src` -> `dst` over `n` devices leaves every local tensor as it is: the
+    same state, or one device (where every state's local tensor is the whole tensor, in order)."""
+    return n == 1 or classify(src, dst) is Collective.NONE
+
+
 class Keep(Algorithm):
-    """Nothing to do: the same state, or one device (where every state's local tensor is the
-    whole tensor, in order)."""
+    """Nothing to do (moves_nothing)."""
 
     name = "keep"
 
     def applies(self, r: Request) -> bool:
-        return r.n == 1 or classify(r.src, r.dst) is Collective.NONE
+        return moves_nothing(r.src, r.dst, r.n)
 
     def run(self, engine, local, r, tag):
         return local

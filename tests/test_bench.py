@@ -93,4 +93,5 @@ def test_the_gpu_check_without_a_gpu_says_so_in_one_line_and_fails():
         [sys.executable, str(ROOT / "bench" / "gpu_check.py")], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.strip().splitlines() == ["gpu_check: no CUDA GPU was found (the cuda backend sees no device here)"]
+    said = "gpu_check: no CUDA GPU was found (the cuda backend sees no device here)"
+    assert done.stderr.strip().splitlines() == [said]

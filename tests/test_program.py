@@ -11,6 +11,7 @@ from meta import MetaDevice, apply
 from split_state import MIRRORED, OPS, PARTIAL, OutOfMemory, Split
 from split_state.ops import OpSpec, _infer_unary_float, _unary_rule
 from tests.test_memory import affine_chain
+from transport.protocol import MoveStep
 from workers.arena import aligned
 from workers.simulator import SimulatedCluster
 
@@ -166,3 +167,38 @@ def test_a_result_is_never_a_view_of_memory_a_later_step_reuses(sim):
     dev.run(first, later)
     np.testing.assert_array_equal(first.numpy(), [[2.0]])
     np.testing.assert_allclose(later.numpy(), np.exp([[6.0, 7.0]]), rtol=1e-6)
+
+
+def test_a_reshape_that_copies_a_transposed_buffer_runs_every_run(sim):
+    """A transpose of an arena buffer is a view made at bind; a reshape of that view must copy
+    (its layout is not contiguous), so it cannot be made once at bind: it runs every run."""
+    dev = sim(1)
+    outs = []
+    for k in range(3):
+        x = dev.tensor(np.arange(24, dtype=np.float32).reshape(4, 6) + k)
+        outs.append((((x * 2.0).transpose(1, 0).reshape(4, 6) + 1.0), k))
+        dev.run(outs[-1][0])
+    for out, k in outs:
+        want = ((np.arange(24, dtype=np.float64).reshape(4, 6) + k) * 2.0).T.reshape(4, 6) + 1.0
+        np.testing.assert_array_equal(out.numpy(), want.astype(np.float32))
+    (program,) = dev.cluster.servers[0].executor.programs.values()
+    assert [op for op, _ in ((pl.step.op, pl) for pl in program.placed)].count("transpose") == 1
+    assert len(program.preset) == 1  # the transpose; the reshape is a call
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_redistributions_that_move_nothing_leave_the_compiled_program(sim, n):
+    """On one device every redistribution is the tensor as it is (the Keep algorithm): the
+    compiled program drops it and its readers read its input. On two, the all-reduce stays."""
+    dev = sim(n)
+    rng = np.random.default_rng(n)
+    xh, wh = rng.standard_normal((3, 6)).astype(np.float32), rng.standard_normal((6, 4)).astype(np.float32)
+    x, w = dev.tensor(xh, Split.even(1, 6, n)), dev.tensor(wh, Split.even(0, 6, n))
+    y = ((x @ w).redistribute(MIRRORED) * 2.0 + 1.0).redistribute(Split.even(0, 3, n)).exp()
+    np.testing.assert_allclose(y.numpy(), np.exp((xh @ wh) * 2.0 + 1.0), rtol=1e-5)
+    planned = [s for s in dev.last_plan.steps if isinstance(s, MoveStep)]
+    assert len(planned) == 2  # what the plan asks of every device
+    for server in dev.cluster.servers:
+        (program,) = server.executor.programs.values()
+        moves = [pl.step for pl in program.placed if pl.out == "move"]
+        assert [(str(m.src), str(m.dst)) for m in moves] == ([] if n == 1 else [("P", "M"), ("M", "S0[2|1]")])

@@ -107,6 +107,7 @@ class Executor:
             timings = compiled.run(slots, run, self.backend, profile)
             results = []
             for slot, tensor in outputs:
+                slot = compiled.renamed.get(slot, slot)
                 value = slots[slot]
                 if slot in compiled.arena_slots:  # not declared at load: the next run overwrites it
                     value = value.copy()

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 from typing import Any
 
 import numpy as np
 
+from split_state.algorithms import moves_nothing
 from split_state.dtypes import dtype_from_name
 from split_state.errors import ProtocolError, ShapeError
 from split_state.layout import local_shape
@@ -75,6 +76,10 @@ class CompiledProgram:
             if prepare is not None:
                 prepare()
         live = [(s, i) for i, s in enumerate(steps) if not isinstance(s, p.FreeStep)]
+        # slot -> the slot it stands for, where a redistribution that moves nothing was dropped
+        self.renamed: dict[int, int] = {}
+        if world is not None:
+            live = _without_idle_moves(live, set(outputs), world[0], self.renamed)
         fused = [
             (step, scratch, live[at][1])
             for step, scratch, at in fuse([s for s, _ in live], frozenset(outputs), patterns)
@@ -121,8 +126,9 @@ class CompiledProgram:
             if out is not None:
                 fixed[step.output] = out
             if step.op in VIEW_OPS and step.inputs[0] in fixed:
-                view = self.kernels[step.op](xp, (fixed[step.inputs[0]],), step.params, None)
-                if getattr(view, "base", None) is not None:  # a view, not a copy made now
+                source = fixed[step.inputs[0]]
+                view = self.kernels[step.op](xp, (source,), step.params, None)
+                if xp.may_share_memory(view, source):  # a view, not a copy made now (which has a base too)
                     _check(placed, view, None, arena.memory)
                     fixed[step.output] = view
                     preset.append((step.output, view))
@@ -182,6 +188,32 @@ class CompiledProgram:
         # unprofiled, the time between collectives counts as compute: the steps are not timed
         compute = compute if profile else program - self.comm_s
         return {"compute_s": compute, "comm_s": self.comm_s, "program_s": program, "profiled": profile}
+
+
+def _without_idle_moves(
+    live: list[tuple[p.Step, int]], outputs: set[int], n: int, renamed: dict[int, int]
+) -> list[tuple[p.Step, int]]:
+    """The program without the redistributions that move nothing (one device, or the same
+    layout: the Keep algorithm, which hands back its input): their readers read the input
+    instead. A decode step on one worker has ~8 per layer; as calls they cost ~1 us each, and
+    they kept their inputs out of the arena (what a collective sends gets a buffer per run).
+    Every rank drops the same steps (it depends on the states and `n` only), and the steps
+    left keep their indices, which tag collective traffic. `renamed` gets each dropped output's
+    source, for a run that asks for a slot the load did not declare an output."""
+    kept: list[tuple[p.Step, int]] = []
+    for step, index in live:
+        if isinstance(step, p.OpStep):
+            if renamed and any(s in renamed for s in step.inputs):
+                step = replace(step, inputs=tuple(renamed.get(s, s) for s in step.inputs))
+        elif isinstance(step, p.MoveStep):
+            source = renamed.get(step.input, step.input)
+            if step.output not in outputs and moves_nothing(step.src, step.dst, n):
+                renamed[step.output] = source
+                continue
+            if source != step.input:
+                step = replace(step, input=source)
+        kept.append((step, index))
+    return kept
 
 
 def _slots(step: p.Step) -> tuple[int, ...]:

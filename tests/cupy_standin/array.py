@@ -516,6 +516,14 @@ def ascontiguousarray(a, dtype=None):
     return _defer("ascontiguousarray", lambda x: np.ascontiguousarray(x, dtype=dtype), (a,), {})
 
 
+def may_share_memory(a, b, max_work=None) -> bool:
+    return bool(np.may_share_memory(a._a, b._a))  # addresses only: no data read
+
+
+def shares_memory(a, b, max_work=None) -> bool:
+    return bool(np.shares_memory(a._a, b._a))
+
+
 def copyto(dst, src, casting="same_kind", where=None) -> None:
     if where is not None:
         mask = where._a if isinstance(where, ndarray) else where
@@ -568,6 +576,8 @@ SPECIAL = {
         full_like,
         ascontiguousarray,
         copyto,
+        may_share_memory,
+        shares_memory,
         reshape,
         transpose,
         broadcast_to,

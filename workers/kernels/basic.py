@@ -4,7 +4,7 @@ the host, CuPy on a GPU).
 A kernel is `kernel(xp, inputs, params, out=None)`: local input arrays, localised parameters and,
 when the worker's memory plan gave it one, `out`, an array of the step's local shape and dtype
 to write the result into; it returns the result (`out` itself when given). Kernels of VIEW_OPS
-return a view of their input and never get `out`. Low-precision floats compute in float32 and
+return a view of their input where they can and never get `out`. Low-precision floats compute in float32 and
 round once at the end, so results do not depend on the backend's accumulation width. The float32
 paths write into `out` with the ufuncs' own `out=` and run the same arithmetic in the same order
 as the allocating path, so both give the same bits.
@@ -417,8 +417,9 @@ def _relu(xp, inputs, params, out=None):
     return xp.maximum(x, xp.zeros((), dtype=x.dtype), out=out)
 
 
-# Ops whose kernel returns a view of its first input: no buffer of their own.
-VIEW_OPS = frozenset({"reshape"})
+# Ops whose kernel returns a view of its first input where the layout allows (a reshape of a
+# transposed view copies): no buffer of their own. Kernels read views of any strides.
+VIEW_OPS = frozenset({"reshape", "transpose"})
 # Ops whose kernel may write over an input of the output's shape (one elementwise ufunc call):
 # the memory plan gives them the buffer of an input that dies with them (ggml-alloc's in-place
 # reuse), so a chain of residual adds and scalings keeps one buffer.
@@ -445,7 +446,7 @@ KERNELS: dict[str, Callable] = {
     "sum": _sum,
     "mean": _mean,
     "reshape": _reshape,
-    "transpose": _copy_of(lambda x, p: x.transpose(tuple(p["axes"]))),
+    "transpose": lambda xp, inputs, params, out=None: xp.transpose(inputs[0], tuple(params["axes"])),
     "concat": _concat,
     "slice": _copy_of(lambda x, p: x[(slice(None),) * p["axis"] + (slice(p["start"], p["stop"]),)]),
     "get_rows": _get_rows,
