@@ -77,6 +77,13 @@ def cuda2():
 
 
 @pytest.fixture(scope="module")
+def cuda_nccl2():
+    """Two workers on the stand-in's two devices: their collectives go through NCCL (the
+    stand-in's communicator between the processes)."""
+    yield from _process_device(2, backend="cuda", devices=(0, 1), env={**_standin_env(), "CUPY_STANDIN_DEVICES": "2"})
+
+
+@pytest.fixture(scope="module")
 def cuda3():
     yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env())
 

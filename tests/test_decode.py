@@ -239,7 +239,7 @@ def test_gqa_decode_loop_equals_numpy_with_one_plan(sim, n):
     assert decode.plan.collectives() == ([Collective.ALL_REDUCE] if n > 1 else [])
 
 
-@pytest.mark.parametrize("devname", ["procs2", "cuda2"])
+@pytest.mark.parametrize("devname", ["procs2", "cuda2", "cuda_nccl2"])
 def test_gqa_decode_on_two_processes(devname, request):
     procs2 = request.getfixturevalue(devname)
     rng = np.random.default_rng(8)

@@ -82,7 +82,7 @@ def worker_loop(dev, step, values, indices, temperature, top_p, seed, stop=(), o
 
 
 @pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (0.9, 1.0), (1.3, 0.8)])
-@pytest.mark.parametrize("devname", ["procs2", "cuda2", "sim3"])
+@pytest.mark.parametrize("devname", ["procs2", "cuda2", "cuda_nccl2", "sim3"])
 def test_workers_choose_the_tokens_the_coordinator_would(devname, temperature, top_p, request):
     dev = request.getfixturevalue("sim")(3) if devname == "sim3" else request.getfixturevalue(devname)
     _, step, v, i = start(dev)
@@ -90,7 +90,7 @@ def test_workers_choose_the_tokens_the_coordinator_would(devname, temperature, t
     _, step, v, i = start(dev)  # the same prompts again, from fresh caches
     assert by_workers == coordinator_loop(dev, step, v, i, temperature, top_p, seed=11)
     assert info["steps"] == STEPS and not info["cancelled"]
-    if devname == "cuda2":  # the decode step's kernels ran as replayed device graphs
+    if devname.startswith("cuda"):  # the decode step's kernels ran as replayed device graphs
         assert all(s["graphs"]["replays"] > STEPS for s in dev.stats().values())
     if temperature:  # the draw depends on the seed
         _, step, v, i = start(dev)

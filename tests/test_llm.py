@@ -90,7 +90,7 @@ def test_tensor_parallel_equals_the_reference_on_simulated_devices(model, weight
         dev.close()
 
 
-@pytest.mark.parametrize("devname", ["procs2", "procs3", "cuda2"])
+@pytest.mark.parametrize("devname", ["procs2", "procs3", "cuda2", "cuda_nccl2"])
 def test_tensor_parallel_equals_the_reference_on_worker_processes(model, weights, reference_run, devname, request):
     check_tensor_parallel(request.getfixturevalue(devname), model, weights, reference_run)
 

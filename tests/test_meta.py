@@ -38,7 +38,7 @@ def test_every_op_and_state_on_the_simulator(name, data, n):
 
 
 @pytest.mark.parametrize("name", CHECKED_OPS)
-@pytest.mark.parametrize("devname", ["procs2", "procs3", "cuda2", "cuda3"])
+@pytest.mark.parametrize("devname", ["procs2", "procs3", "cuda2", "cuda3", "cuda_nccl2"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_every_op_on_worker_processes(name, devname, data, request):

@@ -9,8 +9,8 @@ without a GPU, with CuPy's ordering rules enforced (tests/cupy_standin/runtime.p
 What it models: streams (each a thread running its work later, in order), events, the current
 stream, stream capture into graphs and their replay, the device memory pool (stream-ordered
 reuse of freed blocks, a limit), pinned host memory, host-synchronous calls (forbidden while
-capturing), and the race detector. What it does not: kernel launch configuration, real device
-pointers shared across processes, NCCL (workers/nccl.py finds no `cupy.cuda.nccl` and says so).
+capturing), the race detector, and NCCL communicators between processes (nccl.py). What it
+does not: kernel launch configuration, device memory shared across processes (CUDA IPC).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.cupy_standin import array as arr
+from tests.cupy_standin import nccl as standin_nccl
 from tests.cupy_standin import runtime as rt
 
 SHIM = str(Path(__file__).resolve().parent / "shim")
@@ -109,7 +110,7 @@ def modules() -> dict[str, types.ModuleType]:
     memory.OutOfMemoryError = rt.OutOfMemoryError
     memory.MemoryPool = rt.MemoryPool
     cuda = types.ModuleType("cupy.cuda")
-    cuda.runtime, cuda.memory = runtime, memory
+    cuda.runtime, cuda.memory, cuda.nccl = runtime, memory, standin_nccl
     cuda.Stream, cuda.Event, cuda.Graph, cuda.Device = rt.Stream, rt.Event, rt.Graph, Device
     cuda.MemoryPool, cuda.PinnedMemoryPool = rt.MemoryPool, rt.PinnedMemoryPool
     cuda.get_current_stream = rt.get_current_stream
@@ -127,7 +128,14 @@ def modules() -> dict[str, types.ModuleType]:
         setattr(cupy, name, fn)
     cupyx = types.ModuleType("cupyx")
     cupyx.empty_pinned, cupyx.zeros_pinned = _empty_pinned, _zeros_pinned
-    return {"cupy": cupy, "cupy.cuda": cuda, "cupy.cuda.runtime": runtime, "cupy.cuda.memory": memory, "cupyx": cupyx}
+    return {
+        "cupy": cupy,
+        "cupy.cuda": cuda,
+        "cupy.cuda.runtime": runtime,
+        "cupy.cuda.memory": memory,
+        "cupy.cuda.nccl": standin_nccl,
+        "cupyx": cupyx,
+    }
 
 
 MODULES = modules()

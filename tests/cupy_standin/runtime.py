@@ -430,6 +430,7 @@ class MemoryPool:
                 if self._total + size > capacity:
                     raise OutOfMemoryError(size, self._total, capacity)
                 raw = np.full(size, GARBAGE, np.uint8)
+                BLOCKS[raw.ctypes.data] = raw
                 self._total += size
             self._used += size
         return Memory(raw, self, sid, size)
@@ -452,6 +453,8 @@ class MemoryPool:
         with _lock:
             for blocks in self._free_blocks.values():
                 self._total -= sum(b.nbytes for b in blocks)
+                for b in blocks:
+                    BLOCKS.pop(b.ctypes.data, None)
             self._free_blocks.clear()
 
     def set_limit(self, size=None, fraction=None) -> None:
@@ -491,6 +494,19 @@ class PinnedMemoryPool:
 
     def free_all_blocks(self) -> None:
         pass
+
+
+BLOCKS: dict[int, np.ndarray] = {}  # every block a pool holds, by its address
+
+
+def array_at(ptr: int, count: int, dtype) -> np.ndarray:
+    """The device memory at address `ptr` (what a library given a raw pointer reads), as
+    `count` values of `dtype`."""
+    nbytes = count * np.dtype(dtype).itemsize
+    for start, raw in list(BLOCKS.items()):
+        if start <= ptr and ptr + nbytes <= start + raw.nbytes:
+            return raw[ptr - start : ptr - start + nbytes].view(dtype)
+    raise CUDARuntimeError("cudaErrorIllegalAddress", f"{nbytes} bytes at {ptr:#x} are not device memory")
 
 
 DEFAULT_POOL = MemoryPool()
