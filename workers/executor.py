@@ -104,7 +104,8 @@ class Executor:
         store.reserve(compiled.fresh_bytes, lambda: compiled.describe_peak() + " (results and collectives)")
         waited = self.comm.waited
         try:
-            timings = compiled.run(slots, run, self.backend, profile)
+            undeclared = any(compiled.renamed.get(s, s) not in compiled.outputs for s, _ in outputs)
+            timings = compiled.run(slots, run, self.backend, profile, keep=undeclared)
             results = []
             for slot, tensor in outputs:
                 slot = compiled.renamed.get(slot, slot)
