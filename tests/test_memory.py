@@ -95,3 +95,17 @@ def test_the_budget_at_exactly_what_a_program_needs_and_one_byte_less(budgeted):
         else:
             with pytest.raises(OutOfMemory):
                 dev.run(graph)
+
+
+def test_a_workers_peak_memory_is_its_own_not_its_coordinators(fresh_cluster):
+    """A worker is forked from the coordinator and then runs `python -m workers`: getrusage's
+    peak survives that exec, so a coordinator holding 600 MiB made every worker it spawned
+    report a 600 MiB peak before loading anything."""
+    ballast = np.ones(600 << 18, np.float32)  # 600 MiB, every page touched
+    try:
+        cluster = fresh_cluster(1)
+    finally:
+        del ballast
+    (stats,) = MetaDevice(cluster).stats().values()
+    assert 0 < stats["max_rss_kib"] < 400 << 10, stats["max_rss_kib"]
+    assert stats["max_rss_kib"] >= stats["rss_kib"] > 0

@@ -123,7 +123,7 @@ class WorkerServer:
             "graphs": self.executor.graph_counts(),
             "data_plane": self.executor.comm.plane if self.world_size else "",
             "routes": self.executor.comm.routes() if self.world_size else {},
-            "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "max_rss_kib": _peak_rss_kib(),
             "rss_kib": _rss_kib(),
         }
         return p.Ok(info)
@@ -153,6 +153,20 @@ def _rss_kib() -> int:
             return int(f.read().split()[1]) * (resource.getpagesize() // 1024)
     except OSError:
         return 0
+
+
+def _peak_rss_kib() -> int:
+    """This process's peak resident set. Linux's VmHWM, not getrusage's ru_maxrss: that one
+    survives exec, so a worker spawned by a coordinator holding 400 MiB reported a 400 MiB peak
+    before it had loaded anything (bench/llm.py's peak column showed the coordinator's size)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def _feed_array(feed: p.Feed, data: np.ndarray) -> np.ndarray:
