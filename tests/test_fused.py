@@ -163,3 +163,38 @@ def test_the_cpu_backend_runs_the_numba_loops_and_numpy_the_rest():
     table = kernels_for(make_backend("cpu"))
     assert table["rope"] is overrides["rope"] and table["rms_norm_mul"] is overrides["rms_norm_mul"]
     assert table["swiglu"] is FUSED_KERNELS["swiglu"]
+
+
+def test_the_layers_of_a_run_find_the_used_positions_once_and_each_run_again(monkeypatch):
+    """Every layer's attention reads the same mask: the first of a run finds how much of the
+    cache is in use, the others reuse it, and the next run (a longer sequence) finds it again."""
+    from transport import protocol as p
+    from workers.arena import Arena
+    from workers.backends.cpu import Backend
+    from workers.kernels import fused, kernels_for
+    from workers.program import CompiledProgram
+    from workers.store import TensorStore
+
+    calls = []
+    counted = fused.used_positions
+    monkeypatch.setattr(fused, "used_positions", lambda *a: calls.append(1) or counted(*a))
+    ctx, hd, params = 700, 8, {"scale": 0.3, "bucket": KV_BUCKET}
+    steps = [  # two layers' attention over one mask: q (2, 1, hd), k (2, hd, ctx), v (2, ctx, hd)
+        p.OpStep("attention", (0, 1, 2, 3), 4, params, (2, 1, hd), "float32"),
+        p.OpStep("attention", (4, 1, 2, 3), 5, params, (2, 1, hd), "float32"),
+    ]
+    backend = Backend(0)
+    program = CompiledProgram(1, steps, [5], kernels_for(backend))
+    arena = Arena(np, TensorStore(1 << 24))
+    arena.resize(program.arena_bytes)
+    program.bind(arena, None, backend, 5.0)
+    q, k, v = f32(2, 1, hd), f32(2, hd, ctx), f32(2, ctx, hd)
+    mask = np.empty((1, ctx), np.float32)  # written in place each run, as a generation's inputs are
+    for run, position in enumerate([100, 300, 600]):  # n: 256, then 512, then 700
+        mask[...] = np.where(np.arange(ctx) <= position, 0.0, -np.inf)
+        slots = [q, k, mask, v] + [None] * (program.nslots - 4)
+        calls.clear()
+        program.run(slots, run + 1, backend, profile=False)
+        first = attention_oracle(q, k, mask, v, 0.3)
+        np.testing.assert_allclose(slots[5], attention_oracle(first, k, mask, v, 0.3), rtol=1e-5, atol=1e-6)
+        assert len(calls) == 1

@@ -1,11 +1,11 @@
 """Device graphs: a bound program's runs of kernels captured once and replayed every run (CUDA
 graphs through CuPy's stream capture), piecewise as vLLM captures a model around its attention.
 
-A program splits into pieces: a collective, a step whose result is a fresh array each run, and
-a kernel that reads device data on the host (found when its capture fails: the attention over
-the used cache asks where the mask ends) run eagerly; every run of other kernels between them is
-a segment. A segment runs eagerly the first time, is captured the second and from then on replayed: one
-launch instead of a call per kernel.
+A program splits into pieces: a collective, a step whose result is a fresh array each run, a
+kernel marked `eager` (the attention over the used cache: how much it reads follows the mask)
+and a kernel that reads device data on the host (found when its capture fails) run eagerly;
+every run of other kernels between them is a segment. A segment runs eagerly the first time,
+is captured the second and from then on replayed: one launch instead of a call per kernel.
 
 A graph replays on the memory it was captured on. So a segment keeps the arrays it read:
 - an input that was the same array in the first two runs (a weight, a KV cache, a
@@ -38,13 +38,15 @@ def can_capture(backend) -> bool:
     return hasattr(backend, "begin_capture")
 
 
-def piecewise(bound: list[tuple[Any, Callable, Any]], backend, pool) -> list[Callable]:
-    """The program's calls with every run of capturable steps made one Segment."""
+def piecewise(bound: list[tuple[Any, Callable, Any]], backend, pool, kernels: dict) -> list[Callable]:
+    """The program's calls with every run of capturable steps made one Segment (a kernel marked
+    `eager` never is: its shapes follow the data)."""
     pieces: list[Callable] = []
     run: list[tuple[p.OpStep, Callable]] = []
     for placed, call, _ in bound:
         step = placed.step
-        if isinstance(step, p.MoveStep) or placed.out == "fresh":
+        eager = isinstance(step, p.MoveStep) or placed.out == "fresh" or getattr(kernels[step.op], "eager", False)
+        if eager:
             if run:
                 pieces.append(Segment(run, backend, pool))
                 run = []

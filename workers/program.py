@@ -96,6 +96,7 @@ class CompiledProgram:
         self.calls: list[Callable] = []
         self.bound_to: tuple[int, int] | None = None  # (arena generation, collectives id)
         self.checked = False
+        self.memo: dict = {}
         self.run_id = 0
         self.comm_s = 0.0
 
@@ -139,7 +140,9 @@ class CompiledProgram:
             if placed.scratch is not None:
                 shape, offset = placed.scratch
                 scratch = arena.view(offset, shape, np.float32)
-            bound.append((placed, _op_call(self.kernels[step.op], xp, step, out, scratch, placed.out == "fresh"), out))
+            kernel = self.kernels[step.op]
+            memo = self.memo if getattr(kernel, "memo", False) else None
+            bound.append((placed, _op_call(kernel, xp, step, out, scratch, placed.out == "fresh", memo), out))
         # the calls that drop per-run memory after its last read; the plain ones for a run that
         # asks for slots the load did not declare (they must stay until the run ends)
         self.plain_calls = [call for _, call, _ in bound]
@@ -149,7 +152,7 @@ class CompiledProgram:
         ]
         calls = [call for _, call, _ in dropping]
         if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
-            calls = graphs.piecewise(dropping, backend, backend.capture_pool())
+            calls = graphs.piecewise(dropping, backend, backend.capture_pool(), self.kernels)
         self.bound, self.calls, self.preset, self.arena = bound, calls, preset, arena
         self.bound_to = (arena.generation, id(collectives))
         self.checked = False
@@ -175,6 +178,7 @@ class CompiledProgram:
     def run(self, slots: list, run: int, backend, profile: bool, keep: bool = False) -> dict[str, float]:
         """`keep`: every slot stays until the run ends (the run asks for undeclared slots)."""
         self.run_id, self.comm_s = run, 0.0
+        self.memo.clear()  # what kernels found from this run's data (the attention's used positions)
         started = time.perf_counter()
         compute = 0.0
         for slot, view in self.preset:
@@ -273,13 +277,16 @@ def _nbytes(step) -> int:
     return prod(step.shape) * dtype_from_name(step.dtype).itemsize
 
 
-def _op_call(kernel, xp, step: p.OpStep, out, scratch, fresh: bool) -> Callable:
+def _op_call(kernel, xp, step: p.OpStep, out, scratch, fresh: bool, memo: dict | None = None) -> Callable:
     """The step as one call: its kernel, parameters and output buffer bound (`fresh`: a new
-    array every run, for results that outlive it)."""
+    array every run, for results that outlive it; `memo`: the run's memo, for a kernel that
+    takes one)."""
     params, o, ins = step.params, step.output, step.inputs
-    if fresh or scratch is not None:
+    if fresh or scratch is not None or memo is not None:
         shape, dtype, empty = tuple(step.shape), dtype_from_name(step.dtype), xp.empty
         extra = {} if scratch is None else {"scratch": scratch}
+        if memo is not None:
+            extra["memo"] = memo
 
         def call(slots):
             target = empty(shape, dtype) if fresh else out

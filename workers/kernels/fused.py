@@ -146,14 +146,21 @@ def used_positions(xp, mask, bucket: int) -> int:
     return min(ctx, -(-last // bucket) * bucket)
 
 
-def _attention(xp, inputs, params, out=None, scratch=None):
+def _attention(xp, inputs, params, out=None, scratch=None, memo=None):
     """softmax(q @ k * scale + mask) @ v, reading only the first n cached positions (n from the
     mask, see used_positions): one plan serves every position, and a short sequence in a long
     context reads what it uses, not the whole preallocated cache. Every position past n is -inf
     in the mask, so it weighs exactly 0; the sums run over n terms instead of the whole context,
-    which may change the last bit of a result (the unfused program sums the zeros too)."""
+    which may change the last bit of a result (the unfused program sums the zeros too). Its
+    shapes follow the data, so a device graph must never capture it (`eager`)."""
     q, k, mask, v = inputs
-    n = used_positions(xp, mask, params["bucket"])
+    # every layer reads the same mask: the first one of a run finds n (`memo`: the run's)
+    key = ("used positions", id(mask), params["bucket"])
+    n = memo.get(key) if memo is not None else None
+    if n is None:
+        n = used_positions(xp, mask, params["bucket"])
+        if memo is not None:
+            memo[key] = n
     lead = q.shape[:-1]
     if scratch is None:
         scores = xp.empty(lead + (n,), xp.float32)
@@ -164,6 +171,10 @@ def _attention(xp, inputs, params, out=None, scratch=None):
     if out is None:
         return xp.matmul(scores, v[..., :n, :])
     return xp.matmul(scores, v[..., :n, :], out=out)
+
+
+_attention.memo = True  # takes the run's memo (workers/program.py clears it every run)
+_attention.eager = True  # n comes from the data: never inside a device graph
 
 
 @dataclass(frozen=True)
