@@ -29,6 +29,7 @@ from transport.deadline import Deadline, Liveness
 from transport.environment import CPUS_ENV
 from transport.shm import remove_session
 from transport.sockets import CurveKeys, IpcDir, Security, bind, pull, push, recv_frames, router, send
+from transport.stop_signal import StopSignal
 
 POLL_MS = 100
 BIND_MODES = ("auto", "off")
@@ -94,7 +95,7 @@ class ProcessCluster:
         # must be told why they cannot join even while the user is idle): one at a time
         self._control_lock = threading.Lock()
         self._formed = False
-        self._stop = threading.Event()
+        self._stop = StopSignal()  # ends the heartbeat thread's wait at once
         self._request = 0
         self._data: dict[int, zmq.Socket] = {}
         self.closed = False
@@ -346,13 +347,16 @@ class ProcessCluster:
     # -- liveness -------------------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._beat_in, zmq.POLLIN)
+        poller.register(self._stop.fd, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 self._beat_out.send(p.HEARTBEAT_FRAME)
             except zmq.ZMQError:
                 return
             deadline = time.monotonic() + self.config.heartbeat
-            while (left := deadline - time.monotonic()) > 0 and self._beat_in.poll(int(left * 1000)):
+            while (left := deadline - time.monotonic()) > 0 and self._beat_in in dict(poller.poll(int(left * 1000))):
                 try:
                     frames = self._beat_in.recv_multipart(copy=False)
                     message, _ = p.decode(frames)
@@ -516,6 +520,8 @@ class ProcessCluster:
         self._stop.set()
         if getattr(self, "_beats", None) is not None:
             self._beats.join(2)
+        if getattr(self, "_beats", None) is None or not self._beats.is_alive():
+            self._stop.close()
         for sock in [
             *self._data.values(),
             getattr(self, "control", None),

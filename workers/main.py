@@ -35,6 +35,7 @@ from transport.sockets import (
     send,
     send_frames,
 )
+from transport.stop_signal import StopSignal
 from workers import planes
 from workers.backends import make_backend, names
 from workers.comm import ZmqComm
@@ -65,7 +66,7 @@ def data_endpoint(args: p.WorkerLaunch) -> tuple[str, str]:
     return f"tcp://{local_address(host)}:*", args.advertise
 
 
-def watchdog(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop: threading.Event) -> None:
+def watchdog(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop: StopSignal) -> None:
     """Heartbeats out, coordinator heartbeats in; exits the process when the coordinator is gone.
     Any failure of the watchdog itself also exits: a worker must never outlive its watch."""
     try:
@@ -75,7 +76,7 @@ def watchdog(args: p.WorkerLaunch, context: zmq.Context, security: Security, sto
             _exit(args.rank, f"its watchdog failed: {type(exc).__name__}: {exc}", orphaned(args))
 
 
-def _watch(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop: threading.Event) -> None:
+def _watch(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop: StopSignal) -> None:
     beat_in = context.socket(zmq.SUB)
     beat_in.linger = 0
     security.client(beat_in)
@@ -83,6 +84,9 @@ def _watch(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop:
     beat_in.connect(args.beat)
     beat_out = push(context, args.beat_in, security)
     beat_out.sndtimeo = 0  # a heartbeat that cannot leave now is simply skipped
+    poller = zmq.Poller()
+    poller.register(beat_in, zmq.POLLIN)
+    poller.register(stop.fd, zmq.POLLIN)
     last = time.monotonic()
     try:
         while not stop.is_set():
@@ -90,7 +94,7 @@ def _watch(args: p.WorkerLaunch, context: zmq.Context, security: Security, stop:
                 send(beat_out, p.Heartbeat(args.rank))
             except MetaError:
                 pass
-            if beat_in.poll(int(args.heartbeat * 1000)):
+            if beat_in in dict(poller.poll(int(args.heartbeat * 1000))):
                 while beat_in.poll(0):  # drain: only the latest beat matters
                     beat_in.recv_multipart()
                 last = time.monotonic()
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     control = dealer(context, args.connect, p.worker_identity(args.rank, os.getpid()), security)
     # with keys, a refused handshake is otherwise silent: watch it until the coordinator speaks
     handshake = HandshakeWatch(control) if args.keys else None
-    stop = threading.Event()
+    stop = StopSignal()
     dog = threading.Thread(target=watchdog, args=(args, context, security, stop), daemon=True)
     dog.start()
     comms: list[ZmqComm] = []
@@ -217,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.set()
         dog.join(2)
+        if not dog.is_alive():
+            stop.close()
         for comm in comms:
             comm.close()
         inbox.close(0)
