@@ -111,6 +111,7 @@ class WorkerServer:
         return p.Ok({"nccl_id": make_unique_id().hex()})
 
     def _on_stats(self, m: p.Stats) -> p.Message:
+        rss = _rss_kib()
         info = {
             "rank": self.rank,
             "tensors": len(self.store.tensors),
@@ -123,8 +124,8 @@ class WorkerServer:
             "graphs": self.executor.graph_counts(),
             "data_plane": self.executor.comm.plane if self.world_size else "",
             "routes": self.executor.comm.routes() if self.world_size else {},
-            "max_rss_kib": _peak_rss_kib(),
-            "rss_kib": _rss_kib(),
+            "max_rss_kib": max(_peak_rss_kib(), rss),  # read apart: the peak may trail a page
+            "rss_kib": rss,
         }
         return p.Ok(info)
 

@@ -181,6 +181,7 @@ class _Captured:
 
 _local = threading.local()
 _ids = iter(range(1, 1 << 62))
+_STREAMS: weakref.WeakSet = weakref.WeakSet()  # every stream made (synchronize-all, NCCL's lookup by pointer)
 
 
 class Stream:
@@ -202,6 +203,7 @@ class Stream:
         self._thread.start()
         self._delay = _setting("DELAY_S", 0.0005)
         self._delay_odds = _setting("DELAY_ODDS", 0.05)
+        _STREAMS.add(self)
 
     def _loop(self) -> None:
         while True:
@@ -376,19 +378,6 @@ def device_synchronize() -> None:
     forbid_in_capture("device synchronize during capture")
     for stream in list(_STREAMS):
         stream.synchronize()
-
-
-_STREAMS: weakref.WeakSet[Stream] = weakref.WeakSet()
-_original_init = Stream.__init__
-
-
-def _tracked_init(self, *args, **kwargs):
-    _original_init(self, *args, **kwargs)
-    _STREAMS.add(self)
-
-
-Stream.__init__ = _tracked_init
-_STREAMS.add(Stream.null)
 
 
 # -- memory ---------------------------------------------------------------------------------------------
