@@ -1,7 +1,8 @@
 """Every CuPy name the project uses exists in the real `cupy` package, and takes the keywords we
 pass it. The stand-in (tests/cupy_standin) would accept a misspelt attribute NumPy happens to
 have; this reads the code that runs on the CUDA backend and asks the installed CuPy (which
-imports without a GPU) instead."""
+imports without a GPU) instead. NCCL's calls (workers/nccl.py's `nccl.`, `self.nccl.`) are not
+read: without libnccl, which the wheel does not bring, `cupy.cuda.nccl` has no API to ask."""
 
 from __future__ import annotations
 
@@ -127,13 +128,6 @@ def test_every_cupy_attribute_and_keyword_exists(path):
     for _, line, root, chain, keywords in (u for u in USES if u[0] == path):
         obj = {**ROOTS, **BACKEND_ROOTS}[root]()
         for name in chain:
-            if (
-                name == "nccl"
-                and obj is cupy.cuda
-                and not getattr(__import__("cupy.cuda.nccl").cuda.nccl, "available", True)
-            ):
-                obj = None  # this CuPy has no NCCL library: its API cannot be read here
-                break
             if not hasattr(obj, name):
                 missing.append(f"{path}:{line} {root}.{'.'.join(chain)}: no {name!r}")
                 obj = None

@@ -128,6 +128,11 @@ def test_a_host_synchronisation_during_capture_fails_and_invalidates_the_capture
         with pytest.raises(rt.CUDARuntimeError, match="Invalidated"):
             stream.end_capture()
         assert not stream.is_capturing()
+        stream.begin_capture()  # a copy from pageable host memory is host-synchronous too
+        with pytest.raises(rt.CUDARuntimeError, match="StreamCaptureUnsupported"):
+            cp.asarray(np.ones(4))
+        with pytest.raises(rt.CUDARuntimeError, match="Invalidated"):
+            stream.end_capture()
 
 
 def test_a_freed_block_is_reused_by_the_next_allocation_on_its_stream():

@@ -104,7 +104,7 @@ class Executor:
         store.reserve(compiled.fresh_bytes, lambda: compiled.describe_peak() + " (results and collectives)")
         waited = self.comm.waited
         try:
-            undeclared = any(compiled.renamed.get(s, s) not in compiled.outputs for s, _ in outputs)
+            undeclared = any(slot not in compiled.outputs for slot, _ in outputs)  # declared ones are never renamed
             timings = compiled.run(slots, run, self.backend, profile, keep=undeclared)
             results = []
             for slot, tensor in outputs:

@@ -84,9 +84,8 @@ class CompiledProgram:
             (step, scratch, live[at][1])
             for step, scratch, at in fuse([s for s, _ in live], frozenset(outputs), patterns)
         ]
-        self.placed, self.arena_bytes, self.fresh_bytes, self.arena_slots = _plan(fused, set(outputs), world)
         self.outputs = frozenset(outputs)
-        self.dead = _dead_per_run_slots(self.placed, self.outputs)
+        self.placed, self.arena_bytes, self.fresh_bytes, self.arena_slots, self.dead = _plan(fused, self.outputs, world)
         slots = {0}
         for step in steps:
             slots.update(_slots(step))
@@ -143,17 +142,17 @@ class CompiledProgram:
             kernel = self.kernels[step.op]
             memo = self.memo if getattr(kernel, "memo", False) else None
             bound.append((placed, _op_call(kernel, xp, step, out, scratch, placed.out == "fresh", memo), out))
-        # the calls that drop per-run memory after its last read; the plain ones for a run that
-        # asks for slots the load did not declare (they must stay until the run ends)
-        self.plain_calls = [call for _, call, _ in bound]
-        self.dead_at = [self.dead.get(id(placed), ()) for placed, _, _ in bound]
-        dropping = [
-            (pl, _dropping(call, dead) if dead else call, out) for (pl, call, out), dead in zip(bound, self.dead_at)
-        ]
+        # the calls that drop per-run memory after its last read; the plain ones (`keep`) for a run
+        # that asks for slots the load did not declare (they must stay until the run ends)
+        dropping = []
+        for placed, call, out in bound:
+            dead = self.dead.get(placed.step.output)
+            dropping.append((placed, _dropping(call, dead) if dead else call, out))
         calls = [call for _, call, _ in dropping]
         if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
             calls = graphs.piecewise(dropping, backend, backend.capture_pool(), self.kernels)
-        self.bound, self.calls, self.preset, self.arena = bound, calls, preset, arena
+        self.bound, self.dropping, self.calls, self.preset, self.arena = bound, dropping, calls, preset, arena
+        self.keeping_calls = [call for _, call, _ in bound]
         self.bound_to = (arena.generation, id(collectives))
         self.checked = False
 
@@ -184,7 +183,7 @@ class CompiledProgram:
         for slot, view in self.preset:
             slots[slot] = view
         if profile or not self.checked:
-            for (placed, call, out), dead in zip(self.bound, self.dead_at):
+            for placed, call, out in self.bound if keep else self.dropping:
                 start = time.perf_counter()
                 call(slots)
                 if isinstance(placed.step, p.OpStep):
@@ -193,41 +192,15 @@ class CompiledProgram:
                     compute += time.perf_counter() - start
                     if not self.checked:
                         _check(placed, slots[placed.step.output], out, self.arena.memory)
-                if not keep:
-                    for slot in dead:
-                        slots[slot] = None
             self.checked = True
         else:
-            for call in self.plain_calls if keep else self.calls:
+            for call in self.keeping_calls if keep else self.calls:
                 call(slots)
         backend.synchronize()
         program = time.perf_counter() - started
         # unprofiled, the time between collectives counts as compute: the steps are not timed
         compute = compute if profile else program - self.comm_s
         return {"compute_s": compute, "comm_s": self.comm_s, "program_s": program, "profiled": profile}
-
-
-def _dead_per_run_slots(placed: list[Placed], outputs: frozenset[int]) -> dict[int, tuple[int, ...]]:
-    """For each step (by id of its Placed), the slots holding per-run memory (a fresh result, a
-    collective's, or a view of one) that it reads last: the run drops them after it, so the
-    memory goes back at once. A 128-token prefill on two workers otherwise held all 60 of its
-    all-reduces' buffers (and what they sent) until its end: ~50 MiB of peak RSS per worker."""
-    root: dict[int, int] = {}
-    per_run: set[int] = set()
-    last: dict[int, Placed] = {}
-    for pl in placed:
-        step = pl.step
-        for slot in reads(step):
-            last[slot] = pl
-        aliases = isinstance(step, p.OpStep) and (step.op in VIEW_OPS or (step.op in OPS and OPS[step.op].inplace))
-        root[step.output] = root.get(step.inputs[0], step.inputs[0]) if aliases else step.output
-        if pl.out in ("fresh", "move"):
-            per_run.add(step.output)
-    dead: dict[int, list[int]] = {}
-    for slot, r in root.items():
-        if r in per_run and slot not in outputs and slot in last:
-            dead.setdefault(id(last[slot]), []).append(slot)
-    return {key: tuple(slots) for key, slots in dead.items()}
 
 
 def _dropping(call: Callable, dead: tuple[int, ...]) -> Callable:
@@ -334,8 +307,9 @@ def _overlaps(value: Any, arena: Any) -> bool:
 
 
 def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
-    """Where every step's output lives, the arena's size, the bytes of per-run buffers, and the
-    slots whose value lies in the arena."""
+    """Where every step's output lives, the arena's size, the bytes of per-run buffers, the
+    slots whose value lies in the arena, and after which step (by its output slot) each per-run
+    slot is dropped."""
     steps = [s for s, _, _ in fused]
     last_read: dict[int, int] = {}
     root: dict[int, int] = {}
@@ -388,7 +362,15 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
             placed.append(Placed(step, index, "arena", offset, scratch))
             in_arena.add(step.output)
     arena_slots = frozenset(slot for slot, r in root.items() if r in in_arena)
-    return placed, allocator.peak, fresh_bytes, arena_slots
+    # per-run memory (a fresh result, a collective's, or a view of one) goes back after its last
+    # reader: a 128-token prefill on two workers otherwise held all 60 of its all-reduces'
+    # buffers (and what they sent) until its end, ~35 MiB of peak RSS per worker
+    per_run = fresh | {step.output for step in steps if isinstance(step, p.MoveStep)}
+    dead: dict[int, list[int]] = {}  # a step's output slot -> the per-run slots it reads last
+    for slot, r in root.items():
+        if r in per_run and slot not in outputs and slot in last_read:
+            dead.setdefault(steps[last_read[slot]].output, []).append(slot)
+    return placed, allocator.peak, fresh_bytes, arena_slots, {out: tuple(slots) for out, slots in dead.items()}
 
 
 def _dying_input(step: p.OpStep, j: int, death: dict, own: dict, size: int) -> int | None:

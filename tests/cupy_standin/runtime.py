@@ -17,6 +17,7 @@ import os
 import queue
 import random
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,15 +119,6 @@ class Detector:
     def host_waited(self, clock: dict[int, int]) -> None:
         _merge(self.host, clock)
 
-    def check_host_read(self, ranges, what: str) -> None:
-        """The host reads device bytes directly (a blocking copy ran on a stream it waited for):
-        every stream's writes to them must be ones the host waited for."""
-        for sid, accesses in self.accesses.items():
-            seen = self.host.get(sid, 0)
-            for a in accesses:
-                if a.write and a.tick > seen and any(lo < a.hi and a.lo < hi for lo, hi in ranges):
-                    raise RaceError(f"{what}: the host reads bytes that {a.what} on {self.names[sid]} writes unwaited")
-
 
 DETECTOR = Detector()
 _lock = threading.RLock()  # issuing is atomic across the host threads of one process
@@ -209,7 +201,7 @@ class Stream:
         while True:
             work: _Work = self._queue.get()
             if random.random() < self._delay_odds:  # late, so an unordered reader sees it missing
-                threading.Event().wait(random.uniform(0, self._delay))
+                time.sleep(random.uniform(0, self._delay))
             if self._failure is not None and not isinstance(work.run, _Marker):
                 self._completed += 1
                 continue  # a failed stream runs nothing more, as a sticky CUDA error
@@ -435,9 +427,6 @@ class MemoryPool:
     def total_bytes(self) -> int:
         return self._total
 
-    def free_bytes(self) -> int:
-        return self._total - self._used
-
     def free_all_blocks(self, stream=None) -> None:
         with _lock:
             for blocks in self._free_blocks.values():
@@ -449,9 +438,6 @@ class MemoryPool:
     def set_limit(self, size=None, fraction=None) -> None:
         self.limit = int(size or 0)
 
-    def get_limit(self) -> int:
-        return self.limit
-
 
 class PinnedMemoryPool:
     """Page-locked host memory: arrays the stand-in knows are pinned (copies into them are
@@ -461,7 +447,7 @@ class PinnedMemoryPool:
         self.pinned: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
 
     def malloc(self, nbytes: int):
-        return nbytes
+        raise NotImplementedError("the stand-in's pinned arrays come from cupyx.empty_pinned")
 
     def empty(self, shape, dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
@@ -477,9 +463,6 @@ class PinnedMemoryPool:
                 return True
             base = base.base
         return False
-
-    def n_free_blocks(self) -> int:
-        return 0
 
     def free_all_blocks(self) -> None:
         pass

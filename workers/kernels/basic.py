@@ -4,10 +4,10 @@ the host, CuPy on a GPU).
 A kernel is `kernel(xp, inputs, params, out=None)`: local input arrays, localised parameters and,
 when the worker's memory plan gave it one, `out`, an array of the step's local shape and dtype
 to write the result into; it returns the result (`out` itself when given). Kernels of VIEW_OPS
-return a view of their input where they can and never get `out`. Low-precision floats compute in float32 and
-round once at the end, so results do not depend on the backend's accumulation width. The float32
-paths write into `out` with the ufuncs' own `out=` and run the same arithmetic in the same order
-as the allocating path, so both give the same bits.
+return a view of their input where they can and never get `out`. Low-precision floats compute in
+float32 and round once at the end, so results do not depend on the backend's accumulation width.
+The float32 paths write into `out` with the ufuncs' own `out=` and run the same arithmetic in the
+same order as the allocating path, so both give the same bits.
 """
 
 from __future__ import annotations
