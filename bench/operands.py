@@ -90,13 +90,14 @@ def reshape_target(rng: np.random.Generator, shape_: tuple[int, ...]) -> tuple[i
 
 
 def quantized_blocks(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Random planar ggml blocks (rows, block bytes, blocks): random quants under finite float16
-    scales (and minimums) in the first bytes of each block, as every legacy format begins."""
-    rows, size, blocks = shape
-    w = rng.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
+    """Random interleaved ggml blocks (groups, blocks, block bytes, lanes): random quants under
+    finite float16 scales (and minimums) in the first bytes of each block, as every legacy format
+    begins."""
+    groups, blocks, size, lanes = shape
+    w = rng.integers(0, 256, size=(groups, lanes, blocks, size), dtype=np.uint8)
     scales = 4 if size == FORMATS["q4_1"].block_bytes else 2
-    w[..., :scales] = rng.uniform(-0.1, 0.1, (rows, blocks, scales // 2)).astype("<f2").view(np.uint8)
-    return np.ascontiguousarray(w.swapaxes(1, 2))
+    w[..., :scales] = rng.uniform(-0.1, 0.1, (groups, lanes, blocks, scales // 2)).astype("<f2").view(np.uint8)
+    return np.ascontiguousarray(w.transpose(0, 2, 3, 1))
 
 
 def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ...]], list[str], dict]:
@@ -121,11 +122,11 @@ def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ..
         return [(rows, dim(rng)), ids], [f32, "int32"], {}
     if name in ("qmatmul", "qget_rows"):
         fmt = FORMATS[str(rng.choice(sorted(FORMATS)))]
-        rows, blocks = dim(rng), int(rng.integers(0, 4))
-        weight = (rows, fmt.block_bytes, blocks)
+        groups, blocks, lanes = dim(rng), int(rng.integers(0, 4)), int(rng.choice([1, 2, 4]))
+        weight = (groups, blocks, fmt.block_bytes, lanes)
         if name == "qget_rows":
             ids = tuple(dim(rng) for _ in range(int(rng.integers(1, 3))))
-            return [(max(rows, 1),) + weight[1:], ids], ["uint8", "int32"], {"format": fmt.name}
+            return [(max(groups, 1),) + weight[1:], ids], ["uint8", "int32"], {"format": fmt.name}
         lead = tuple(dim(rng) for _ in range(int(rng.integers(1, 3))))
         return [lead + (blocks, fmt.block), weight], [f32, "uint8"], {"format": fmt.name}
     if name in COMPARISONS:

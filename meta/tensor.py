@@ -251,12 +251,14 @@ def get_rows(table: Tensor, ids: Tensor) -> Tensor:
 
 
 def qmatmul(x: Tensor, weight: Tensor, format: str) -> Tensor:
-    """x (..., k) times a block-quantized weight (n, k / block, block bytes) of n rows of k values
-    (split_state/quant.py): (..., n), as x @ the dequantized weight transposed."""
+    """x (..., k) times a block-quantized weight of n rows of k values, interleaved as the workers
+    keep it ((n / lanes, k / block, block bytes, lanes), split_state/quant.py): (..., n), as x @
+    the dequantized weight transposed."""
     block = quant_format(format).block
     if not x.shape or x.shape[-1] % block:
         raise ShapeError(f"qmatmul: x's last axis ({x.shape}) is not a whole number of {block}-value blocks")
-    return apply("qmatmul", x.reshape(*x.shape[:-1], x.shape[-1] // block, block), weight, format=format)
+    product = apply("qmatmul", x.reshape(*x.shape[:-1], x.shape[-1] // block, block), weight, format=format)
+    return product.reshape(*product.shape[:-2], product.shape[-2] * product.shape[-1])
 
 
 def qget_rows(table: Tensor, ids: Tensor, format: str) -> Tensor:

@@ -30,7 +30,7 @@ from meta.tensor import Tensor, get_rows, qget_rows, qmatmul, where
 from models import reference as ref
 from split_state.errors import ShapeError
 from split_state.layout import local_shape
-from split_state.quant import planar, quant_format
+from split_state.quant import interleave, lanes_for, quant_format
 from split_state.states import MIRRORED, Split
 
 
@@ -138,29 +138,33 @@ class ReferenceDecoder:
 class QuantizedWeight:
     """A weight kept in its file's ggml blocks (split_state/quant.py): `blocks` is (rows, row
     blocks, block bytes) with a linear layer's rows its outputs, as GGUF stores it ((out, in),
-    the transpose of the float32 (in, out) layout). The workers get it planar (`planar`)."""
+    the transpose of the float32 (in, out) layout). The workers get it interleaved (`placed`)."""
 
     format: str
     blocks: np.ndarray
 
-    @property
-    def planar(self) -> np.ndarray:
-        """(rows, block bytes, blocks), as the workers keep it: a view."""
-        return planar(self.blocks)
-
-    def split(self, state: Split, name: str, n: int) -> Split:
-        """The split of the planar blocks for a split of the float32 (in, out) weight: outputs
-        (axis 1) split the rows; inputs (axis 0) the blocks (planar axis 2), on block boundaries
-        only."""
-        if state.axis == 1 or self.blocks.ndim == 2:
-            return Split(0, state.segments)
+    def placed(self, state, name: str, n: int, rows_axis: int = 1):
+        """(the workers' interleaved array (a view), its split state) for `state`, a split of the
+        float32 weight whose axis `rows_axis` holds this weight's rows: 1 for a linear layer's
+        (in, out), 0 for an embedding table's (vocab, hidden). A split of the rows splits whole
+        groups of lanes (any extents: the lanes are chosen to divide them); a split of a linear
+        layer's inputs splits the blocks, on block boundaries only."""
+        rows = self.blocks.shape[0]
+        split = isinstance(state, Split)
+        extents = [e for seg in state.segments for e in seg] if split and state.axis == rows_axis else []
+        lanes = lanes_for([rows, *extents])
+        array = interleave(self.blocks, lanes)
+        if not split:
+            return array, state
+        if extents:
+            return array, Split(0, tuple(tuple(e // lanes for e in seg) for seg in state.segments))
         block = quant_format(self.format).block
-        if any(e % block for seg in state.segments for e in seg):
+        if any(e % block for e in (e for seg in state.segments for e in seg)):
             raise ShapeError(
                 f"{name}: a {self.format} weight splits its inputs on {block}-value blocks, and "
                 f"{state.segments} over {n} devices does not fall on them"
             )
-        return Split(2, tuple(tuple(e // block for e in seg) for seg in state.segments))
+        return array, Split(1, tuple(tuple(e // block for e in seg) for seg in state.segments))
 
 
 PREFILL_STEPS = 16  # captured prefill steps a model keeps (one per padded length, pool, logits, slot)
@@ -226,9 +230,8 @@ class TensorParallelLlama:
             weight = source(name)
             if isinstance(weight, QuantizedWeight):
                 self.formats[name] = weight.format
-                if isinstance(state, Split) and name != "embed":  # the table is (vocab, hidden) in both
-                    state = weight.split(state, name, self.dev.n)
-                weight = weight.planar
+                # the table is (vocab, hidden) both as float32 and in the file
+                weight, state = weight.placed(state, name, self.dev.n, rows_axis=0 if name == "embed" else 1)
             self.w[name] = self.dev.tensor(weight, state, name=name)  # each worker gets its slice
 
         return place
@@ -236,17 +239,20 @@ class TensorParallelLlama:
     def _fused_gate_up(self, source: Source, p: str) -> Tensor:
         """w_gate | w_up as one (hidden, 2*ffn) weight of two segments: each device gets its
         columns of both, built per device from the two halves (the whole never exists). Kept
-        quantized, it is the planar (2*ffn, bytes, blocks) rows of both, split on the rows alike."""
+        quantized, it is the interleaved row groups of both, (2*ffn / lanes, blocks, bytes,
+        lanes), split on the groups alike."""
         gate, up = source(p + "w_gate"), source(p + "w_up")
         quantized = isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight) and gate.format == up.format
+        state = Split(1, (self.ffn_extents, self.ffn_extents))
+        ffn = self.cfg.ffn
         if quantized:
             self.formats[p + "w_gate_up"] = gate.format
-            gate, up = gate.planar, up.planar
+            n = self.dev.n
+            (gate, state), (up, _) = gate.placed(state, p + "w_gate", n), up.placed(state, p + "w_up", n)
+            ffn = gate.shape[0]  # in groups of lanes
         elif isinstance(gate, QuantizedWeight) or isinstance(up, QuantizedWeight):
             raise ShapeError(f"{p}w_gate and {p}w_up must both be kept quantized in one format, or neither")
-        axis = 0 if quantized else 1
-        state = Split(axis, (self.ffn_extents, self.ffn_extents))
-        ffn = self.cfg.ffn
+        axis = state.axis
 
         def make(device, pieces):
             parts = []

@@ -209,15 +209,24 @@ def dequantize_blocks(w: np.ndarray, name: str) -> np.ndarray:
     return out.reshape(rows, blocks * 32)
 
 
+def _in_file_order(w):
+    """The workers' (groups, blocks, bytes, lanes), row g * lanes + l at [g, :, :, l], as the
+    file's (rows, blocks, bytes)."""
+    rows = np.concatenate([w[:, :, :, lane][:, None] for lane in range(w.shape[3])], axis=1)
+    return rows.reshape(w.shape[0] * w.shape[3], *w.shape[1:3])
+
+
 def _qmatmul(inputs, params):
     xb, w = inputs
     x = _f64(xb).reshape(xb.shape[:-2] + (xb.shape[-2] * xb.shape[-1],))
-    return (x @ dequantize_blocks(w.swapaxes(1, 2), params["format"]).T).astype(np.float32)  # planar -> file
+    out = x @ dequantize_blocks(_in_file_order(w), params["format"]).T
+    return out.reshape(out.shape[:-1] + (w.shape[0], w.shape[3])).astype(np.float32)
 
 
 def _qget_rows(inputs, params):
     table, ids = inputs
-    return dequantize_blocks(table.swapaxes(1, 2), params["format"])[np.asarray(ids, dtype=np.int64)].astype(np.float32)
+    values = dequantize_blocks(_in_file_order(table), params["format"])
+    return values[np.asarray(ids, dtype=np.int64)].astype(np.float32)
 
 
 def _slice(inputs, params):

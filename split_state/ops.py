@@ -592,48 +592,55 @@ def _top_k_combine_labels(shapes, params, out_shape):
 
 
 def _infer_qmatmul(shapes, dtypes, params):
-    """x (..., blocks, block) float32 times a planar quantized weight (n, block_bytes, blocks) of
-    n rows: (..., n), each output the dot product of x with one dequantized row."""
+    """x (..., blocks, block) float32 times a quantized weight interleaved as the workers keep it,
+    (groups, blocks, block_bytes, lanes): (..., groups, lanes), each output the dot product of x
+    with one dequantized row (row g * lanes + l at [..., g, l]; meta.tensor.qmatmul merges the
+    last two axes)."""
     xb, w = (tuple(s) for s in shapes)
     fmt = quant_format(params.get("format"))
-    if len(xb) < 2 or len(w) != 3 or xb[-1] != fmt.block or w[1] != fmt.block_bytes or xb[-2] != w[2]:
+    if len(xb) < 2 or len(w) != 4 or xb[-1] != fmt.block or w[2] != fmt.block_bytes or xb[-2] != w[1]:
         raise ShapeError(
-            f"qmatmul ({fmt.name}): x must be (..., blocks, {fmt.block}) and the planar weight (rows, "
-            f"{fmt.block_bytes}, blocks) with the same blocks, got {xb} and {w}"
+            f"qmatmul ({fmt.name}): x must be (..., blocks, {fmt.block}) and the weight (groups, blocks, "
+            f"{fmt.block_bytes}, lanes) with the same blocks, got {xb} and {w}"
         )
     if dtypes[0] != "float32" or dtypes[1] != "uint8":
         raise ShapeError(f"qmatmul: operands must be float32 and uint8 (the file's bytes), got {tuple(dtypes)}")
-    return xb[:-2] + (w[0],), "float32", {"format": fmt.name}
+    return xb[:-2] + (w[0], w[3]), "float32", {"format": fmt.name}
 
 
 def _qmatmul_labels(shapes, params, out_shape):
-    # einsum "...kj,nbk->...n": a split of the blocks (k) gives Partial, of the rows (n) a split
-    # output; a block's values (j) and bytes (b) are never split
+    # einsum "...kj,gkbl->...gl": a split of the blocks (k) gives Partial, of the row groups (g) a
+    # split output; a block's values (j), its bytes (b) and the lanes (l) are never split
     batch = _out_labels(len(shapes[0]) - 2)
-    return Labels((batch + ("k", "j"), ("n", "b", "k")), batch + ("n",), frozenset({"j", "b"}), ((P, M),))
+    return Labels((batch + ("k", "j"), ("g", "k", "b", "l")), batch + ("g", "l"), frozenset({"j", "b", "l"}), ((P, M),))
 
 
 def _infer_qget_rows(shapes, dtypes, params):
     table, ids = (tuple(s) for s in shapes)
     fmt = quant_format(params.get("format"))
-    if len(table) != 3 or table[1] != fmt.block_bytes:
+    if len(table) != 4 or table[2] != fmt.block_bytes:
         raise ShapeError(
-            f"qget_rows ({fmt.name}): the table must be planar (rows, {fmt.block_bytes}, blocks), got {table}"
+            f"qget_rows ({fmt.name}): the table must be interleaved (groups, blocks, {fmt.block_bytes}, lanes), "
+            f"got {table}"
         )
     if dtypes[0] != "uint8" or dtypes[1] not in INDEX_NAMES:
         raise ShapeError(f"qget_rows: operands must be uint8 and integer ids, got {tuple(dtypes)}")
-    return ids + (table[2] * fmt.block,), "float32", {"rows": table[0], "format": fmt.name}
+    return ids + (table[1] * fmt.block,), "float32", {"rows": table[0] * table[3], "format": fmt.name}
 
 
 def _qget_rows_labels(shapes, params, out_shape):
-    # as get_rows: a table split on rows gives Partial; its blocks are not split, and a Partial
-    # table is not a sum of tables (dequantizing is not linear in the bytes)
+    # as get_rows: a table split on row groups gives Partial; its blocks are not split, and a
+    # Partial table is not a sum of tables (dequantizing is not linear in the bytes)
     ids = tuple(f"i{k}" for k in range(len(shapes[1])))
-    return Labels((("rows", "b", "k"), ids), ids + ("width",), frozenset({"k", "b"}))
+    return Labels((("g", "k", "b", "l"), ids), ids + ("width",), frozenset({"k", "b", "l"}))
 
 
 def _localize_qget_rows(params, in_states, in_shapes, out_state, out_shape, n, d):
-    return _localize_get_rows(params, in_states, in_shapes, out_state, out_shape, n, d) | {"format": params["format"]}
+    """get_rows' spans, in rows: the table's split is in groups of `lanes` rows."""
+    spans = _localize_get_rows(params, in_states, in_shapes, out_state, out_shape, n, d)["spans"]
+    lanes = in_shapes[0][3]
+    rows = [(start * lanes, stop * lanes, local * lanes) for start, stop, local in spans]
+    return {"rows": params["rows"], "spans": rows, "format": params["format"]}
 
 
 # -- the table ----------------------------------------------------------------------------------

@@ -3,12 +3,18 @@ without widening them to float32.
 
 A GGUF file holds a quantized matrix of `rows` x `cols` values as (rows, cols // block,
 block_bytes) uint8: row r, block b holds values [b * block, (b + 1) * block) of that row. The
-workers keep the same bytes planar, (rows, block_bytes, blocks): byte p of block b of row r at
-[r, p, b], the file's array with its last two axes swapped (`planar`). Memory is the file's size;
-what changes is that byte p of every block of a row lies contiguous, so a kernel's innermost
-loop runs over blocks and vectorizes (llama.cpp repacks its CPU weights for the same reason).
-Split states of such a weight are over the planar array, so a split of the block axis (2) is a
-split of the values on block boundaries, and a split of the rows splits whole rows (any extents).
+workers keep the same bytes with rows interleaved by `lanes` (`interleave`): (rows / lanes,
+blocks, block_bytes, lanes), byte p of block b of row g * lanes + l at [g, b, p, l]. Memory is the
+file's size; what changes is that one byte of `lanes` consecutive rows lies contiguous, so a
+kernel's innermost loop runs over rows with one value of x for all of them and vectorizes with
+no remainder (llama.cpp interleaves its CPU weights for the same reason). Measured on SmolLM2's
+30 Q4_1 layers, one AVX-512 core, one token: 64 lanes took 2.5x less time than the layout with
+byte p of every block of a row contiguous, whose inner loop ran over a row's 18 blocks.
+
+Split states of such a weight are over the interleaved array: a split of axis 0 splits whole
+groups of `lanes` rows, a split of axis 1 the values on block boundaries. `lanes_for` picks the
+most lanes that every extent of a split of the rows is a multiple of (one lane is the file's
+own order), so any split works, and the common ones (whole heads, even FFN shares) get the most.
 """
 
 from __future__ import annotations
@@ -35,10 +41,31 @@ FORMATS = {
 }
 
 
-def planar(blocks):
-    """The file's (rows, blocks, block_bytes) as the workers' (rows, block_bytes, blocks): a view,
-    made contiguous where it is sent."""
-    return blocks.swapaxes(-1, -2)
+MAX_LANES = 64  # rows interleaved at most: 64 float32 accumulators, four AVX-512 registers
+
+
+def lanes_for(extents) -> int:
+    """The most lanes (a power of two up to MAX_LANES) that divide every row extent."""
+    lanes = MAX_LANES
+    while lanes > 1 and any(e % lanes for e in extents):
+        lanes //= 2
+    return lanes
+
+
+def interleave(blocks, lanes: int):
+    """The file's (rows, blocks, block_bytes) as the workers' (rows / lanes, blocks, block_bytes,
+    lanes): a copy."""
+    rows, count, size = blocks.shape
+    if rows % lanes:
+        raise ShapeError(f"{rows} rows do not interleave by {lanes}")
+    return blocks.reshape(rows // lanes, lanes, count, size).transpose(0, 2, 3, 1).copy()
+
+
+def file_order(w):
+    """The workers' interleaved (groups, blocks, block_bytes, lanes) back in the file's order,
+    (rows, blocks, block_bytes): a copy (a view where lanes is 1). Works for NumPy and CuPy."""
+    groups, count, size, lanes = w.shape
+    return w.transpose(0, 3, 1, 2).reshape(groups * lanes, count, size)
 
 
 def quant_format(name: str) -> QuantFormat:

@@ -26,37 +26,47 @@ def quantized(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
     return blocks, gguf.quants.dequantize(raw, TYPES[name]).astype(np.float64)
 
 
-def on_workers(blocks: np.ndarray) -> np.ndarray:
-    """The file's blocks as the workers keep them: byte p of block b of row r at [r, p, b]."""
-    return np.ascontiguousarray(np.transpose(blocks, (0, 2, 1)))
+def on_workers(blocks: np.ndarray, lanes: int) -> np.ndarray:
+    """The file's blocks as the workers keep them: byte p of block b of row g * lanes + l at
+    [g, b, p, l]."""
+    rows, count, size = blocks.shape
+    out = np.empty((rows // lanes, count, size, lanes), np.uint8)
+    for r in range(rows):
+        out[r // lanes, :, :, r % lanes] = blocks[r]
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_dequantizing_gives_ggufs_values(name):
+@pytest.mark.parametrize("lanes", [1, 7])
+def test_dequantizing_gives_ggufs_values(name, lanes):
     values = np.random.default_rng(1).standard_normal((7, 96)) * 3
     blocks, expected = quantized(values, name)
-    np.testing.assert_array_equal(quant.dequantize(np, on_workers(blocks), FORMATS[name]), expected.astype(np.float32))
+    got = quant.dequantize(np, on_workers(blocks, lanes), FORMATS[name])
+    np.testing.assert_array_equal(got, expected.astype(np.float32))
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_products_with_quantized_weights_match_the_dequantized_product(name, rows, monkeypatch):
+@pytest.mark.parametrize("lanes", [1, 4, 16])
+def test_products_with_quantized_weights_match_the_dequantized_product(name, rows, lanes, monkeypatch):
     rng = np.random.default_rng(rows)
-    # 47 weight rows: the loops take them 4 at a time (numba_loops.GROUP), then a tail of 3
-    blocks, dequantized = quantized(rng.standard_normal((47, 128)), name)
+    blocks, dequantized = quantized(rng.standard_normal((48, 128)), name)
     x = rng.standard_normal((rows, 128)).astype(np.float32)
     expected = x.astype(np.float64) @ dequantized.T
-    monkeypatch.setattr(quant, "TILE_BYTES", 8 * 128 * 4)  # 8 rows a tile: several tiles and a ragged one
+    monkeypatch.setattr(quant, "TILE_BYTES", 5 * 128 * 4 * lanes)  # 5 groups a tile: the last one ragged
     params = {"format": name}
     for kernel in (quant.qmatmul, numba_cpu.qmatmul):
-        got = kernel(np, [x.reshape(rows, 4, 32), on_workers(blocks)], params)
-        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(), err_msg=str(kernel))
+        got = kernel(np, [x.reshape(rows, 4, 32), on_workers(blocks, lanes)], params)
+        assert got.shape == (rows, 48 // lanes, lanes)
+        np.testing.assert_allclose(
+            got.reshape(rows, 48), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(), err_msg=str(kernel)
+        )
 
 
 def test_looked_up_rows_are_dequantized_alone():
     blocks, dequantized = quantized(np.random.default_rng(2).standard_normal((10, 64)), "q8_0")
     ids = np.array([[9, 0, 4], [4, 4, 1]])
-    blocks = on_workers(blocks)
+    blocks = on_workers(blocks, 2)
     got = quant.qget_rows(np, [blocks, ids], {"rows": 10, "format": "q8_0"})
     np.testing.assert_array_equal(got, dequantized[ids].astype(np.float32))
     with pytest.raises(ShapeError, match=r"ids must lie in \[0, 10\)"):
@@ -102,8 +112,12 @@ def test_the_decoder_on_quantized_weights_equals_the_reference_on_their_values(s
 
 
 def test_a_row_parallel_split_off_the_block_boundaries_is_refused():
-    weight = QuantizedWeight("q4_1", np.zeros((8, 3, 20), np.uint8))  # 8 outputs of 96 inputs
-    assert weight.split(Split(0, ((64, 32),)), "l0.w_down", 2) == Split(2, ((2, 1),))  # planar blocks
-    assert weight.split(Split(1, ((5, 3),)), "l0.wq", 2) == Split(0, ((5, 3),))  # rows: any extents
+    weight = QuantizedWeight("q4_1", np.arange(8 * 3 * 20, dtype=np.uint8).reshape(8, 3, 20))  # 8 outputs of 96
+    array, state = weight.placed(Split(0, ((64, 32),)), "l0.w_down", 2)
+    assert state == Split(1, ((2, 1),)) and array.shape == (1, 3, 20, 8)  # blocks; rows not split: 8 lanes
+    array, state = weight.placed(Split(1, ((6, 2),)), "l0.wq", 2)
+    assert state == Split(0, ((3, 1),)) and array.shape == (4, 3, 20, 2)  # rows: whole groups of 2 lanes
+    np.testing.assert_array_equal(array, on_workers(weight.blocks, 2))
+    assert weight.placed(Split(1, ((5, 3),)), "l0.wq", 2)[1] == Split(0, ((5, 3),))  # any extents: 1 lane
     with pytest.raises(ShapeError, match=r"l0.w_down: a q4_1 weight splits its inputs on 32-value blocks"):
-        weight.split(Split(0, ((48, 48),)), "l0.w_down", 2)
+        weight.placed(Split(0, ((48, 48),)), "l0.w_down", 2)

@@ -181,10 +181,12 @@ def _scale(xp, inputs, params, out=None):
     return emit(_wide(xp, x) * params["factor"], out, x.dtype)
 
 
-def look_up_rows(xp, op: str, table, ids, params, out, width: int, dtype, read=lambda rows: rows):
+def look_up_rows(xp, op: str, table, ids, params, out, width: int, dtype, read=None):
     """Rows `ids` of `table` as (ids..., width), zeros for the rows this device does not hold
-    (params["spans"]: which global rows it holds, where); `read` turns the table's rows into
-    values (a quantized table dequantizes only the rows looked up)."""
+    (params["spans"]: which global rows it holds, where); `read`, given local row numbers, gives
+    their values instead of `table[rows]` (a quantized table dequantizes only the rows looked
+    up)."""
+    read = table.__getitem__ if read is None else read
     ids = ids.astype(xp.int64, copy=False)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= params["rows"]):
         raise ShapeError(f"{op}: ids must lie in [0, {params['rows']}), got [{int(ids.min())}, {int(ids.max())}]")
@@ -194,7 +196,7 @@ def look_up_rows(xp, op: str, table, ids, params, out, width: int, dtype, read=l
         out[...] = 0
     for start, stop, local in params.get("spans", [(0, params["rows"], 0)]):
         mask = (ids >= start) & (ids < stop)
-        out[mask] = read(table[ids[mask] - start + local])
+        out[mask] = read(ids[mask] - start + local)
     return out
 
 

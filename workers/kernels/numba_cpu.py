@@ -75,41 +75,41 @@ def _halves() -> np.ndarray:
     return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
-KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_rows's codes
+KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_lanes's codes
 
 
 def qmatmul(xp, inputs, params, out=None):
     """Products with quantized weights, no float32 copy of the weight: for a few rows of x
-    (decode) one pass over the blocks; for more (prefill) the weight a tile of rows at a time
-    into one reused float32 buffer, each tile a BLAS product."""
+    (decode) one pass over the blocks; for more (prefill) the weight a tile of row groups at a
+    time into one reused float32 buffer, each tile a BLAS product."""
     xb, w = inputs
-    n = w.shape[0]
-    rows = xb.size // max(1, xb.shape[-2] * xb.shape[-1])
-    out = xp.empty(xb.shape[:-2] + (n,), np.float32) if out is None else out
+    groups, lanes = w.shape[0], w.shape[3]
+    width = xb.shape[-2] * xb.shape[-1] if xb.ndim >= 2 else 0
+    rows = xb.size // max(1, width)
+    out = xp.empty(xb.shape[:-2] + (groups, lanes), np.float32) if out is None else out
     usable = xp is np and rows > 0 and w.size and _plain(xb, out) and w.flags.c_contiguous
     if not usable:
         return quant.qmatmul(xp, inputs, params, out)
-    x = xb.reshape(rows, xb.shape[-2], xb.shape[-1])
-    flat = out.reshape(rows, n)
+    x = xb.reshape(rows, width)
+    flat = out.reshape(rows, groups * lanes)
     if rows > MAX_LOOP_ROWS:
         _tiled(x, w, params["format"], flat)
     elif params["format"] == "q8_0":
-        _loops().q8_0_rows(x, w, w.view(np.int8), _halves(), flat)
+        _loops().q8_0_lanes(x, w, w.view(np.int8), _halves(), flat)
     else:
-        _loops().q4_rows(x, w, _halves(), params["format"] == "q4_1", flat)
+        _loops().q4_lanes(x, w, _halves(), params["format"] == "q4_1", flat)
     return out
 
 
 def _tiled(x, w, fmt: str, flat) -> None:
-    rows, blocks = x.shape[0], x.shape[1]
-    width = blocks * 32
-    by_value = np.ascontiguousarray(x.transpose(0, 2, 1)).reshape(rows, width)  # the tiles' (j, b) order
-    tile = np.empty((max(1, min(w.shape[0], quant.TILE_BYTES // (4 * width))), width), np.float32)
+    width, lanes = x.shape[1], w.shape[3]
+    tile_groups = max(1, min(w.shape[0], quant.TILE_BYTES // (4 * width * lanes)))
+    tile = np.empty((width, tile_groups * lanes), np.float32)  # values by rows: see dequantize_lanes
     kind, half = KINDS[fmt], _halves()
-    for start in range(0, w.shape[0], tile.shape[0]):
-        part = tile[: min(tile.shape[0], w.shape[0] - start)]
-        _loops().dequantize_rows(w, start, half, kind, part)
-        flat[:, start : start + part.shape[0]] = by_value @ part.T
+    for start in range(0, w.shape[0], tile_groups):
+        part = tile[:, : min(tile_groups, w.shape[0] - start) * lanes]
+        _loops().dequantize_lanes(w, start, half, kind, part)
+        flat[:, start * lanes : start * lanes + part.shape[1]] = x @ part
 
 
 for kernel in (rms_norm_mul, rope, qmatmul):
