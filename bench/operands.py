@@ -90,13 +90,14 @@ def reshape_target(rng: np.random.Generator, shape_: tuple[int, ...]) -> tuple[i
 
 
 def quantized_blocks(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Random interleaved ggml blocks (groups, blocks, block bytes, lanes): random quants under
-    finite float16 scales (and minimums) in the first bytes of each block, as every legacy format
-    begins."""
+    """Random interleaved ggml blocks (groups, blocks, block bytes, lanes): random bytes under
+    finite float16 factors (scales, minimums), where the block's format keeps them."""
     groups, blocks, size, lanes = shape
+    fmt = next(f for f in FORMATS.values() if f.block_bytes == size)
     w = rng.integers(0, 256, size=(groups, lanes, blocks, size), dtype=np.uint8)
-    scales = 4 if size == FORMATS["q4_1"].block_bytes else 2
-    w[..., :scales] = rng.uniform(-0.1, 0.1, (groups, lanes, blocks, scales // 2)).astype("<f2").view(np.uint8)
+    top = 0.1 if fmt.block == 32 else 1e-3  # K-quants multiply d by six- or eight-bit scales
+    for at in fmt.factors:
+        w[..., at : at + 2] = rng.uniform(-top, top, (groups, lanes, blocks, 1)).astype("<f2").view(np.uint8)
     return np.ascontiguousarray(w.transpose(0, 2, 3, 1))
 
 

@@ -6,6 +6,7 @@ import sys
 import time
 
 from bench.report import table
+from split_state.quant import FORMATS
 
 
 def progress(done: int, total: int, label: str, start: float, stream=sys.stderr) -> None:
@@ -19,6 +20,14 @@ def progress(done: int, total: int, label: str, start: float, stream=sys.stderr)
     if done >= total:
         stream.write("\n")
     stream.flush()
+
+
+def widening_notice(model, weights: str, stream=sys.stderr) -> None:
+    """One line naming the matrix types `--weights native` cannot keep in their blocks."""
+    widened = model.widened() if weights == "native" else []
+    if widened:
+        kept = ", ".join(name.upper() for name in FORMATS)
+        stream.write(f"note: {', '.join(widened)} matrices become float32 on the workers (kept in blocks: {kept})\n")
 
 
 def print_table(title: str, columns: list[str], rows: list[list]) -> None:

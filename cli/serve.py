@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 
+from cli.display import widening_notice
 from cli.options import add_cluster_options, open_cluster
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -300,6 +301,7 @@ def serve(args: argparse.Namespace) -> int:
 
     model = GGUFModel(args.model or None)
     model_id = args.model_id or model.path.stem
+    widening_notice(model, args.weights)
     with open_cluster(args) as dev:
         batcher = ContinuousBatcher(dev, model, slots=args.max_slots, ctx=args.ctx, weights=args.weights).start()
         try:
@@ -347,6 +349,8 @@ def add(sub) -> None:
         default=10.0,
         help="seconds in-flight requests may take to finish after SIGTERM (default: %(default)s)",
     )
-    p.add_argument("--weights", choices=("native", "f32"), default="f32", help="as for generate (default: %(default)s)")
+    p.add_argument(
+        "--weights", choices=("native", "f32"), default="native", help="as for generate (default: %(default)s)"
+    )
     add_cluster_options(p)
     p.set_defaults(fn=serve)

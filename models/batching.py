@@ -110,7 +110,7 @@ class Counters:
 
 
 class ContinuousBatcher:
-    def __init__(self, dev: MetaDevice, model: GGUFModel, slots: int = 8, ctx: int = 2048, weights: str = "f32"):
+    def __init__(self, dev: MetaDevice, model: GGUFModel, slots: int = 8, ctx: int = 2048, weights: str = "native"):
         if slots < 1:
             raise ModelError(f"--max-slots {slots}: at least one")
         if ctx > model.context_length:

@@ -243,7 +243,7 @@ class LLM:
         ctx: int = 2048,
         batch: int = 1,
         progress=None,
-        weights: str = "f32",
+        weights: str = "native",
     ):
         check_context(ctx, model.context_length)
         if weights not in WEIGHTS:

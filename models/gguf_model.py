@@ -254,6 +254,11 @@ class GGUFModel:
             raise ModelError(f"{self.path.name}: tensor {t.name} ({fmt.name}) has rows of {row_bytes} bytes")
         return QuantizedWeight(fmt.name, t.data.reshape(rows, row_bytes // fmt.block_bytes, fmt.block_bytes))
 
+    def widened(self) -> list[str]:
+        """The types of this file's matrices that `native` widens to float32 (not F32 itself)."""
+        names = {t.tensor_type.name for t in self.tensors.values() if t.data.ndim == 2}
+        return sorted(name for name in names if name.lower() not in FORMATS and name != "F32")
+
     def resident_bytes(self, weights: str) -> int:
         """The bytes the workers hold for the weights, all of them together: the file's blocks
         for the matrices `native` keeps in them (`weights="native"`), float32 for the rest."""

@@ -167,6 +167,20 @@ class QuantizedWeight:
         return array, Split(1, tuple(tuple(e // block for e in seg) for seg in state.segments))
 
 
+def _down_block(source: Source, cfg: LlamaConfig) -> int:
+    """The largest block of the w_down weights kept quantized (32 if none): their inputs, the
+    FFN, split on it. Only a quantized first layer makes it look at the others, so a float32
+    source is not asked for a weight twice."""
+    if not isinstance(source("l0.w_down"), QuantizedWeight):
+        return 32
+    blocks = [
+        quant_format(w.format).block
+        for i in range(cfg.layers)
+        if isinstance(w := source(f"l{i}.w_down"), QuantizedWeight)
+    ]
+    return max(blocks, default=32)
+
+
 PREFILL_STEPS = 16  # captured prefill steps a model keeps (one per padded length, pool, logits, slot)
 
 
@@ -193,8 +207,10 @@ class TensorParallelLlama:
         kv_cols = tuple(e * hd for e in self.kv.segments[0])
         q_cols = tuple(e * cfg.group * hd for e in self.kv.segments[0])
         vocab_rows = Split.even(0, cfg.vocab, n)
-        # whole 32-value blocks of the FFN per device, so a quantized w_down splits on them
-        ffn = Split.even(0, cfg.ffn // 32, n).scaled(32) if cfg.ffn % 32 == 0 else Split.even(0, cfg.ffn, n)
+        # whole blocks of the FFN per device (32 values, 256 for K-quants), so a quantized w_down
+        # splits on them
+        block = _down_block(source, cfg)
+        ffn = Split.even(0, cfg.ffn // block, n).scaled(block) if cfg.ffn % block == 0 else Split.even(0, cfg.ffn, n)
         self.ffn_extents = ffn.segments[0]
         self.w: dict[str, Tensor] = {}
         self.formats: dict[str, str] = {}  # the weights kept quantized, and their format

@@ -187,26 +187,76 @@ def _get_rows(inputs, params):
 
 
 def dequantize_blocks(w: np.ndarray, name: str) -> np.ndarray:
-    """(rows, blocks, bytes) of ggml blocks -> (rows, blocks * 32) float64, value by value from
-    ggml's definitions: q8_0 d * int8; q4_0 d * (nibble - 8); q4_1 d * nibble + m, where byte j
-    of the quants holds value j in its low and value j + 16 in its high four bits."""
+    """(rows, blocks, bytes) of ggml blocks -> (rows, blocks * block) float64, value by value from
+    ggml's definitions (its dequantize_row_* in C): q8_0 d * int8; q4_0 d * (nibble - 8); q4_1
+    d * nibble + m, where byte j of the quants holds value j in its low and value j + 16 in its
+    high four bits; q4_k and q6_k below."""
     rows, blocks, _ = w.shape
-    out = np.zeros((rows, blocks, 32))
+    per_block = 256 if name in ("q4_k", "q6_k") else 32
+    out = np.zeros((rows, blocks, per_block))
     for r in range(rows):
         for b in range(blocks):
             block = bytes(w[r, b])
-            d = float(np.frombuffer(block[:2], "<f2")[0])
+            if name == "q4_k":
+                out[r, b] = _q4_k_block(block)
+                continue
+            if name == "q6_k":
+                out[r, b] = _q6_k_block(block)
+                continue
+            d = _half(block, 0)
             if name == "q8_0":
                 out[r, b] = d * np.frombuffer(block[2:34], np.int8)
                 continue
-            m = float(np.frombuffer(block[2:4], "<f2")[0]) if name == "q4_1" else 0.0
+            m = _half(block, 2) if name == "q4_1" else 0.0
             quants = block[4:20] if name == "q4_1" else block[2:18]
             for j, byte in enumerate(quants):
                 low, high = byte & 15, byte >> 4
                 if name == "q4_0":
                     low, high = low - 8, high - 8
                 out[r, b, j], out[r, b, j + 16] = d * low + m, d * high + m
-    return out.reshape(rows, blocks * 32)
+    return out.reshape(rows, blocks * per_block)
+
+
+def _half(block: bytes, at: int) -> float:
+    return float(np.frombuffer(block[at : at + 2], "<f2")[0])
+
+
+def _q4_k_block(block: bytes) -> list[float]:
+    """d, dmin (float16), 12 bytes of six-bit scales and minimums, 128 bytes of nibbles."""
+    d, dmin, scales, q = _half(block, 0), _half(block, 2), block[4:16], block[16:144]
+
+    def scale_min(j: int) -> tuple[int, int]:  # ggml's get_scale_min_k4
+        if j < 4:
+            return scales[j] & 63, scales[j + 4] & 63
+        return (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4), (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4)
+
+    values = []
+    for chunk in range(4):  # 64 values: the low nibbles of 32 bytes, then their high nibbles
+        (sc1, m1), (sc2, m2) = scale_min(2 * chunk), scale_min(2 * chunk + 1)
+        quants = q[32 * chunk : 32 * chunk + 32]
+        values += [d * sc1 * (byte & 0xF) - dmin * m1 for byte in quants]
+        values += [d * sc2 * (byte >> 4) - dmin * m2 for byte in quants]
+    return values
+
+
+def _q6_k_block(block: bytes) -> list[float]:
+    """128 bytes ql (low four bits), 64 bytes qh (top two), 16 int8 scales, d (float16)."""
+    ql, qh, d = block[0:128], block[128:192], _half(block, 208)
+    scales = np.frombuffer(block[192:208], np.int8)
+    values = [0.0] * 256
+    for half in range(2):
+        low, top, sc, y = ql[64 * half :], qh[32 * half :], scales[8 * half :], 128 * half
+        for lane in range(32):
+            s = lane // 16
+            q1 = ((low[lane] & 0xF) | (((top[lane] >> 0) & 3) << 4)) - 32
+            q2 = ((low[lane + 32] & 0xF) | (((top[lane] >> 2) & 3) << 4)) - 32
+            q3 = ((low[lane] >> 4) | (((top[lane] >> 4) & 3) << 4)) - 32
+            q4 = ((low[lane + 32] >> 4) | (((top[lane] >> 6) & 3) << 4)) - 32
+            values[y + lane] = d * sc[s] * q1
+            values[y + lane + 32] = d * sc[s + 2] * q2
+            values[y + lane + 64] = d * sc[s + 4] * q3
+            values[y + lane + 96] = d * sc[s + 6] * q4
+    return values
 
 
 def _in_file_order(w):

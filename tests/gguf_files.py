@@ -40,10 +40,12 @@ def copy_with_metadata(source: Path, target: Path, replace: dict[str, str]) -> P
 TINY = {"hidden": 8, "heads": 2, "kv_heads": 1, "ffn": 12, "layers": 1, "vocab": 16}
 
 
-def tiny_llama(target: Path, meta: dict | None = None, shapes: dict | None = None, truncate: int = 0) -> Path:
+def tiny_llama(
+    target: Path, meta: dict | None = None, shapes: dict | None = None, truncate: int = 0, float16: tuple = ()
+) -> Path:
     """A small llama-architecture GGUF file (random float32 weights, TINY's sizes): `meta`
     overrides sizes in the metadata, `shapes` a tensor's shape (ggml order), `truncate` cuts
-    that many bytes off the end of the file."""
+    that many bytes off the end of the file, `float16` names tensors written as F16."""
     import gguf
     import numpy as np
 
@@ -64,7 +66,8 @@ def tiny_llama(target: Path, meta: dict | None = None, shapes: dict | None = Non
     tensors.update(shapes or {})
     rng = np.random.default_rng(0)
     for name, shape in tensors.items():  # ggml order in, NumPy order written
-        writer.add_tensor(name, rng.standard_normal(tuple(reversed(shape))).astype(np.float32))
+        dtype = np.float16 if name in float16 else np.float32
+        writer.add_tensor(name, rng.standard_normal(tuple(reversed(shape))).astype(dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

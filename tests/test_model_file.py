@@ -5,6 +5,7 @@ error naming what is wrong, from `launch.py generate` before it starts a worker.
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -79,6 +80,23 @@ def test_a_consistent_tiny_model_passes_its_checks(tmp_path):
     model = GGUFModel(tiny_llama(tmp_path / "ok.gguf"))
     model.check()  # every refusal below is of one thing wrong, not of the tiny model itself
     assert (model.config.hidden, model.config.heads, model.config.kv_heads) == (8, 2, 1)
+
+
+def test_native_weights_name_the_matrix_types_they_widen_to_float32(tmp_path):
+    from cli.display import widening_notice
+
+    model = GGUFModel(tiny_llama(tmp_path / "f16.gguf", float16=("blk.0.ffn_up.weight",)))
+    assert model.widened() == ["F16"]
+    assert GGUFModel(tiny_llama(tmp_path / "f32.gguf")).widened() == []
+    said = io.StringIO()
+    widening_notice(model, "native", said)
+    assert (
+        said.getvalue().startswith("note: F16 matrices become float32 on the workers")
+        and said.getvalue().count("\n") == 1
+    )
+    said = io.StringIO()
+    widening_notice(model, "f32", said)
+    assert said.getvalue() == ""
 
 
 CASES = {

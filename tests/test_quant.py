@@ -10,20 +10,35 @@ import pytest
 from models.llama import LlamaConfig, QuantizedWeight, ReferenceDecoder, TensorParallelLlama, random_weights
 from split_state import ShapeError, Split
 from split_state.quant import FORMATS
-from workers.kernels import numba_cpu, quant
+from workers.kernels import kernels_for, numba_cpu, quant
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.timeout(120)
-TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}
-TYPES["q8_0"] = gguf.GGMLQuantizationType.Q8_0
+TYPES = {name: getattr(gguf.GGMLQuantizationType, name.upper()) for name in FORMATS}
+K_QUANTS = ("q4_k", "q6_k")  # gguf dequantizes them but cannot quantize: random blocks instead
 
 
 def quantized(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(blocks as the file holds them, (rows, blocks, bytes) made by gguf, their values as gguf
-    dequantizes them)."""
-    raw = gguf.quants.quantize(values.astype(np.float32), TYPES[name])
+    """(blocks as the file holds them, (rows, blocks, bytes), their values as gguf dequantizes
+    them): gguf's quantization of `values`, or for the K-quants random blocks of that shape with
+    scales that keep values near `values`' size."""
+    if name in K_QUANTS:
+        raw = k_blocks(np.random.default_rng(values.shape[1]), values.shape[0], values.shape[1], name)
+    else:
+        raw = gguf.quants.quantize(values.astype(np.float32), TYPES[name])
     blocks = raw.reshape(values.shape[0], -1, FORMATS[name].block_bytes)
-    return blocks, gguf.quants.dequantize(raw, TYPES[name]).astype(np.float64)
+    return blocks, gguf.quants.dequantize(raw.reshape(values.shape[0], -1), TYPES[name]).astype(np.float64)
+
+
+def k_blocks(rng: np.random.Generator, rows: int, cols: int, name: str) -> np.ndarray:
+    """Random K-quant blocks (rows, cols / 256 * block bytes): every byte random but the float16
+    factors, small enough that values stay under about 1 (q4_k: d, dmin; q6_k: d)."""
+    fmt = FORMATS[name]
+    w = rng.integers(0, 256, (rows, cols // fmt.block, fmt.block_bytes), dtype=np.uint8)
+    top = 2e-4 if name == "q4_k" else 4e-5
+    for at in fmt.factors:
+        w[..., at : at + 2] = rng.uniform(top / 4, top, w.shape[:2] + (1,)).astype("<f2").view(np.uint8)
+    return w.reshape(rows, -1)
 
 
 def on_workers(blocks: np.ndarray, lanes: int) -> np.ndarray:
@@ -39,7 +54,7 @@ def on_workers(blocks: np.ndarray, lanes: int) -> np.ndarray:
 @pytest.mark.parametrize("name", sorted(FORMATS))
 @pytest.mark.parametrize("lanes", [1, 7])
 def test_dequantizing_gives_ggufs_values(name, lanes):
-    values = np.random.default_rng(1).standard_normal((7, 96)) * 3
+    values = np.random.default_rng(1).standard_normal((7, 3 * FORMATS[name].block)) * 3
     blocks, expected = quantized(values, name)
     got = quant.dequantize(np, on_workers(blocks, lanes), FORMATS[name])
     np.testing.assert_array_equal(got, expected.astype(np.float32))
@@ -50,17 +65,47 @@ def test_dequantizing_gives_ggufs_values(name, lanes):
 @pytest.mark.parametrize("lanes", [1, 4, 16])
 def test_products_with_quantized_weights_match_the_dequantized_product(name, rows, lanes, monkeypatch):
     rng = np.random.default_rng(rows)
-    blocks, dequantized = quantized(rng.standard_normal((48, 128)), name)
-    x = rng.standard_normal((rows, 128)).astype(np.float32)
+    block = FORMATS[name].block
+    width = 4 * block
+    blocks, dequantized = quantized(rng.standard_normal((48, width)), name)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
     expected = x.astype(np.float64) @ dequantized.T
-    monkeypatch.setattr(quant, "TILE_BYTES", 5 * 128 * 4 * lanes)  # 5 groups a tile: the last one ragged
+    monkeypatch.setattr(quant, "TILE_BYTES", 5 * width * 4 * lanes)  # 5 groups a tile: the last one ragged
     params = {"format": name}
     for kernel in (quant.qmatmul, numba_cpu.qmatmul):
-        got = kernel(np, [x.reshape(rows, 4, 32), on_workers(blocks, lanes)], params)
+        got = kernel(np, [x.reshape(rows, 4, block), on_workers(blocks, lanes)], params)
         assert got.shape == (rows, 48 // lanes, lanes)
         np.testing.assert_allclose(
             got.reshape(rows, 48), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max(), err_msg=str(kernel)
         )
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_the_cuda_backends_kernels_on_the_cupy_standin_match_the_dequantized_product(name, monkeypatch):
+    """The CUDA backend has no loops of its own: qmatmul dequantizes tiles of row groups for
+    cuBLAS, qget_rows the rows it looks up, written once against `xp`; here on the stand-in."""
+    from tests.cupy_standin import install
+
+    install(monkeypatch)
+    from workers.backends.cuda import Backend
+
+    backend = Backend(0)
+    kernels = kernels_for(backend)
+    rng = np.random.default_rng(5)
+    block = FORMATS[name].block
+    blocks, dequantized = quantized(rng.standard_normal((32, 2 * block)), name)
+    w = backend.to_device(on_workers(blocks, 8))
+    monkeypatch.setattr(quant, "TILE_BYTES", 3 * 2 * block * 4 * 8)  # 3 groups a tile, the last ragged
+    for rows in (1, 12):
+        x = rng.standard_normal((rows, 2 * block)).astype(np.float32)
+        got = kernels["qmatmul"](backend.xp, [backend.to_device(x.reshape(rows, 2, block)), w], {"format": name})
+        expected = x.astype(np.float64) @ dequantized.T
+        np.testing.assert_allclose(
+            backend.to_host(got).reshape(rows, 32), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max()
+        )
+    ids = np.array([[31, 0, 9]])
+    got = kernels["qget_rows"](backend.xp, [w, backend.to_device(ids)], {"rows": 32, "format": name})
+    np.testing.assert_array_equal(backend.to_host(got), dequantized[ids].astype(np.float32))
 
 
 def test_looked_up_rows_are_dequantized_alone():
@@ -108,6 +153,29 @@ def test_the_decoder_on_quantized_weights_equals_the_reference_on_their_values(s
     for pos, token in zip(range(4, 7), (11, 2, 38)):
         expected.append(reference.forward(np.array([[token]]), np.array([[pos]]))[0, -1])
         got.append(net.step(np.array([[token]]), np.array([[pos]])).numpy()[0, 0])
+    np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=2e-4, atol=2e-4)
+
+
+K_CFG = LlamaConfig(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=40, tied=True)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_the_decoder_on_k_quant_weights_equals_the_reference_on_their_values(sim, n):
+    """Q4_K and Q6_K mixed with the legacy types as a Q4_K_M file mixes them (a Q6_K tied
+    embedding and head). w_down splits its inputs on 256-value blocks: the FFN goes 256 / 256 to
+    2 devices and 256 / 256 / 0 to 3. wo stays q4_0: its inputs (whole heads, 128 values a
+    device on 2) do not fall on 256-value blocks."""
+    formats = {"wq": "q4_k", "wk": "q6_k", "wv": "q8_0", "wo": "q4_0", "w_gate": "q4_k", "w_up": "q4_k"}
+    source, values = quantized_model(K_CFG, formats | {"w_down": "q6_k", "embed": "q6_k"})
+    ctx, prompt = 8, np.array([[3, 17, 5]])
+    reference = ReferenceDecoder(K_CFG, values, ctx)
+    net = TensorParallelLlama(sim(n), K_CFG, source.__getitem__, ctx)
+    assert len(net.formats) == 1 + 6 * K_CFG.layers
+    assert net.ffn_extents == ((512,), (256, 256), (256, 256, 0))[n - 1]
+    expected = [reference.forward(prompt, np.arange(3)[None])[0, -1]]
+    got = [net.step(prompt, np.arange(3)[None])[:, 2:].numpy()[0, 0]]
+    expected.append(reference.forward(np.array([[11]]), np.array([[3]]))[0, -1])
+    got.append(net.step(np.array([[11]]), np.array([[3]])).numpy()[0, 0])
     np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=2e-4, atol=2e-4)
 
 

@@ -22,6 +22,7 @@ import importlib.util
 
 import numpy as np
 
+from split_state.quant import FORMATS
 from workers.kernels import basic, fused, quant
 
 AVAILABLE = importlib.util.find_spec("numba") is not None
@@ -75,7 +76,7 @@ def _halves() -> np.ndarray:
     return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
-KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_lanes's codes
+KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_lanes's codes (K-quants: NumPy)
 
 
 def qmatmul(xp, inputs, params, out=None):
@@ -92,12 +93,17 @@ def qmatmul(xp, inputs, params, out=None):
         return quant.qmatmul(xp, inputs, params, out)
     x = xb.reshape(rows, width)
     flat = out.reshape(rows, groups * lanes)
+    fmt = params["format"]
     if rows > MAX_LOOP_ROWS:
-        _tiled(x, w, params["format"], flat)
-    elif params["format"] == "q8_0":
+        _tiled(x, w, fmt, flat)
+    elif fmt == "q8_0":
         _loops().q8_0_lanes(x, w, w.view(np.int8), _halves(), flat)
+    elif fmt == "q4_k":
+        _loops().q4_k_lanes(x, w, _halves(), flat)
+    elif fmt == "q6_k":
+        _loops().q6_k_lanes(x, w, _halves(), flat)
     else:
-        _loops().q4_lanes(x, w, _halves(), params["format"] == "q4_1", flat)
+        _loops().q4_lanes(x, w, _halves(), fmt == "q4_1", flat)
     return out
 
 
@@ -105,10 +111,13 @@ def _tiled(x, w, fmt: str, flat) -> None:
     width, lanes = x.shape[1], w.shape[3]
     tile_groups = max(1, min(w.shape[0], quant.TILE_BYTES // (4 * width * lanes)))
     tile = np.empty((width, tile_groups * lanes), np.float32)  # values by rows: see dequantize_lanes
-    kind, half = KINDS[fmt], _halves()
+    kind, half = KINDS.get(fmt), _halves()
     for start in range(0, w.shape[0], tile_groups):
         part = tile[:, : min(tile_groups, w.shape[0] - start) * lanes]
-        _loops().dequantize_lanes(w, start, half, kind, part)
+        if kind is None:  # the K-quants' tiles: NumPy's dequantization, a tile at a time
+            part[...] = quant.dequantize(np, w[start : start + tile_groups], FORMATS[fmt]).T
+        else:
+            _loops().dequantize_lanes(w, start, half, kind, part)
         flat[:, start * lanes : start * lanes + part.shape[1]] = x @ part
 
 

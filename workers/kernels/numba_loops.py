@@ -68,6 +68,8 @@ warm()
 
 fast = numba.njit(cache=True, nogil=True, fastmath=True)
 SIXTEENTH = np.float32(0.0625)
+QUARTER, SIXTY_FOURTH = np.float32(0.25), np.float32(1 / 64)
+FOUR, SIXTEEN = np.float32(4), np.float32(16)
 
 
 @fast
@@ -137,6 +139,131 @@ def q8_0_lanes(x, w, signed, half, out):
                 _lane_scales(half, w, g, b, 0, d)
                 for lane in range(lanes):
                     acc[lane] += d[lane] * part[lane]
+            out[i, g * lanes : (g + 1) * lanes] = acc
+
+
+# K-quants: 256-value blocks of 8 or 16 sub-blocks, each with its own scale (workers/kernels/quant.py
+# spells out the orders). Per sub-block the loops keep partial sums per lane and scale them once.
+@fast
+def _sub_block_sums(x, blocks, size):
+    """Each `size`-value sub-block's sum of x (m, blocks * 256): (m, blocks, 256 // size)."""
+    sums = np.zeros((x.shape[0], blocks, 256 // size), np.float32)
+    for i in range(x.shape[0]):
+        for b in range(blocks):
+            for s in range(256 // size):
+                for j in range(size):
+                    sums[i, b, s] += x[i, b * 256 + s * size + j]
+    return sums
+
+
+@fast
+def _k4_lane_scales(w, g, b, scales, mins):
+    """Q4_K's 6-bit scales and minimums of the 8 sub-blocks, bytes 4-15, per lane: (8, lanes)."""
+    for lane in range(scales.shape[1]):
+        for j in range(4):
+            low, mid, top = (
+                np.int32(w[g, b, 4 + j, lane]),
+                np.int32(w[g, b, 8 + j, lane]),
+                np.int32(w[g, b, 12 + j, lane]),
+            )
+            scales[j, lane] = low & 63
+            mins[j, lane] = mid & 63
+            scales[j + 4, lane] = (top & 15) | ((low >> 6) << 4)
+            mins[j + 4, lane] = (top >> 4) | ((mid >> 6) << 4)
+
+
+@fast
+def q4_k_lanes(x, w, half, out):
+    """Q4_K: value = d * scale * nibble - dmin * min per 32-value sub-block; 64-value chunk c
+    holds sub-block 2c in the low halves of quant bytes 16 + 32c ... + 32, 2c + 1 in the high."""
+    m = x.shape[0]
+    groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
+    sums = _sub_block_sums(x, blocks, 32)
+    acc = np.empty(lanes, np.float32)
+    whole = np.empty(lanes, np.float32)  # sum of q * x_low
+    tops = np.empty(lanes, np.float32)  # of floor(q / 16) * x_high
+    cross = np.empty(lanes, np.float32)  # of floor(q / 16) * x_low
+    d = np.empty(lanes, np.float32)
+    dmin = np.empty(lanes, np.float32)
+    scales = np.empty((8, lanes), np.float32)
+    mins = np.empty((8, lanes), np.float32)
+    for g in range(groups):
+        for i in range(m):
+            acc[:] = 0
+            for b in range(blocks):
+                _lane_scales(half, w, g, b, 0, d)
+                _lane_scales(half, w, g, b, 2, dmin)
+                _k4_lane_scales(w, g, b, scales, mins)
+                for c in range(4):
+                    whole[:] = 0
+                    tops[:] = 0
+                    cross[:] = 0
+                    base = b * 256 + c * 64
+                    for j in range(32):
+                        lo = x[i, base + j]
+                        hi = x[i, base + 32 + j]
+                        q = w[g, b, 16 + c * 32 + j]
+                        for lane in range(lanes):
+                            v = np.float32(q[lane])
+                            top = np.floor(v * SIXTEENTH)
+                            whole[lane] += v * lo
+                            tops[lane] += top * hi
+                            cross[lane] += top * lo
+                    s0, s1 = sums[i, b, 2 * c], sums[i, b, 2 * c + 1]
+                    for lane in range(lanes):
+                        low_part = whole[lane] - np.float32(16) * cross[lane]
+                        acc[lane] += d[lane] * (scales[2 * c, lane] * low_part + scales[2 * c + 1, lane] * tops[lane])
+                        acc[lane] -= dmin[lane] * (mins[2 * c, lane] * s0 + mins[2 * c + 1, lane] * s1)
+            out[i, g * lanes : (g + 1) * lanes] = acc
+
+
+@fast
+def q6_k_lanes(x, w, half, out):
+    """Q6_K: value = d * scale * (q - 32) per 16-value sub-block (int8 scales, bytes 192-207; d
+    at 208). q's low 4 bits: ql (bytes 0-127), high 2: qh (128-191). In half h of the block,
+    for at < 32: values at and at + 64 take ql[64h + at]'s low and high halves, values at + 32 and
+    at + 96 those of ql[64h + 32 + at]; qh[32h + at] holds their top bits, two each, in the order
+    at, at + 32, at + 64, at + 96. The -32 is taken once per sub-block, from x's sums."""
+    m = x.shape[0]
+    groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
+    sums = _sub_block_sums(x, blocks, 16)
+    signed = w.view(np.int8)
+    acc = np.empty(lanes, np.float32)
+    parts = np.empty((4, lanes), np.float32)
+    d = np.empty(lanes, np.float32)
+    for g in range(groups):
+        for i in range(m):
+            acc[:] = 0
+            for b in range(blocks):
+                _lane_scales(half, w, g, b, 208, d)
+                for h in range(2):
+                    for s in range(2):
+                        parts[:] = 0
+                        for at in range(s * 16, s * 16 + 16):  # value `at` of each 32-value chunk
+                            base = b * 256 + h * 128 + at
+                            x0, x1, x2, x3 = x[i, base], x[i, base + 32], x[i, base + 64], x[i, base + 96]
+                            qa, qb = w[g, b, 64 * h + at], w[g, b, 64 * h + 32 + at]
+                            qh = w[g, b, 128 + 32 * h + at]
+                            for lane in range(lanes):
+                                a, e, c = np.float32(qa[lane]), np.float32(qb[lane]), np.float32(qh[lane])
+                                a_top, e_top = np.floor(a * SIXTEENTH), np.floor(e * SIXTEENTH)
+                                c2, c4, c6 = np.floor(c * QUARTER), np.floor(c * SIXTEENTH), np.floor(c * SIXTY_FOURTH)
+                                # c's bit pairs: c - 4 c2, c2 - 4 c4, c4 - 4 c6, c6 (each 0-3)
+                                q0 = a - SIXTEEN * a_top + SIXTEEN * (c - FOUR * c2)  # float32 constants: an
+                                q1 = e - SIXTEEN * e_top + SIXTEEN * (c2 - FOUR * c4)  # int would make these
+                                q2 = a_top + SIXTEEN * (c4 - FOUR * c6)  # float64, 2.5x slower
+                                q3 = e_top + SIXTEEN * c6
+                                parts[0, lane] += q0 * x0
+                                parts[1, lane] += q1 * x1
+                                parts[2, lane] += q2 * x2
+                                parts[3, lane] += q3 * x3
+                        for k in range(4):
+                            sub = h * 8 + 2 * k + s
+                            total = np.float32(32) * sums[i, b, sub]
+                            for lane in range(lanes):
+                                acc[lane] += (
+                                    d[lane] * np.float32(signed[g, b, 192 + sub, lane]) * (parts[k, lane] - total)
+                                )
             out[i, g * lanes : (g + 1) * lanes] = acc
 
 

@@ -35,9 +35,49 @@ def values(xp, w, fmt: QuantFormat):
         out = _scale(xp, w, 0) * (_nibbles(xp, w[..., 2:]) - 8.0)
     elif fmt.name == "q4_1":
         out = _scale(xp, w, 0) * _nibbles(xp, w[..., 4:]) + _scale(xp, w, 2)
+    elif fmt.name == "q4_k":
+        out = _q4_k(xp, w)
+    elif fmt.name == "q6_k":
+        out = _q6_k(xp, w)
     else:
         raise ShapeError(f"no dequantization for {fmt.name}")
     return out.reshape(w.shape[0], w.shape[1] * fmt.block)
+
+
+def k4_scales(xp, s):
+    """Q4_K's 12 scale bytes (..., 12) -> the 8 sub-blocks' six-bit scales and minimums (..., 8):
+    bytes 0-3 hold scales 0-3 in their low six bits, bytes 4-7 minimums 0-3; scales and
+    minimums 4-7 take their low four bits from bytes 8-11 (low and high halves) and their top two
+    from the top bits of bytes 0-3 and 4-7."""
+    low, mid, top = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scales = xp.concatenate([low & 63, (top & 15) | ((low >> 6) << 4)], axis=-1)
+    mins = xp.concatenate([mid & 63, (top >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return scales.astype(xp.float32), mins.astype(xp.float32)
+
+
+def _q4_k(xp, w):
+    """Sub-block s holds values [32 s, 32 s + 32): 64-value chunk c keeps sub-block 2c in the low
+    halves of quant bytes [16 + 32c, 48 + 32c) and sub-block 2c + 1 in their high halves."""
+    rows, blocks = w.shape[:2]
+    scales, mins = k4_scales(xp, w[..., 4:16])
+    qs = w[..., 16:144].reshape(rows, blocks, 4, 1, 32)
+    q = xp.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, blocks, 8, 32).astype(xp.float32)
+    d, dmin = _scale(xp, w, 0) * scales, _scale(xp, w, 2) * mins
+    return d[..., None] * q - dmin[..., None]
+
+
+def _q6_k(xp, w):
+    """In half h of a block (128 values), 32-value chunk k takes its low four bits from bytes
+    [64h, 64h + 64) of ql (the low halves for k = 0, 1, the high halves for k = 2, 3, byte
+    32 (k % 2) + l for value l) and its top two from bits 2k, 2k + 1 of qh byte 32h + l."""
+    rows, blocks = w.shape[:2]
+    ql = w[..., 0:128].reshape(rows, blocks, 2, 1, 64)
+    low = xp.concatenate([ql & 15, ql >> 4], axis=3).reshape(rows, blocks, 2, 4, 32)
+    qh = w[..., 128:192].reshape(rows, blocks, 2, 1, 32)
+    top = xp.concatenate([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=3)
+    q = (low | (top << 4)).astype(xp.float32) - 32
+    d = _scale(xp, w, 208) * xp.ascontiguousarray(w[..., 192:208]).view(xp.int8).astype(xp.float32)
+    return d[..., None] * q.reshape(rows, blocks, 16, 16)
 
 
 def dequantize(xp, w, fmt: QuantFormat):
