@@ -99,13 +99,14 @@ def q4_lanes(x, w, half, with_min, out):
             acc[:] = 0
             for b in range(blocks):
                 part[:] = 0
-                for j in range(16):
-                    lo = x[i, b * 32 + j]
+                for j in range(0, 16, 2):  # two quant bytes a pass: half the loads and stores of part
+                    lo, lo2 = x[i, b * 32 + j], x[i, b * 32 + j + 1]
                     hi = x[i, b * 32 + 16 + j] - np.float32(16) * lo
-                    q = w[g, b, q0 + j]
+                    hi2 = x[i, b * 32 + 17 + j] - np.float32(16) * lo2
+                    q, q2 = w[g, b, q0 + j], w[g, b, q0 + j + 1]
                     for lane in range(lanes):
-                        v = np.float32(q[lane])
-                        part[lane] += v * lo + np.floor(v * SIXTEENTH) * hi
+                        v, v2 = np.float32(q[lane]), np.float32(q2[lane])
+                        part[lane] += v * lo + np.floor(v * SIXTEENTH) * hi + v2 * lo2 + np.floor(v2 * SIXTEENTH) * hi2
                 _lane_scales(half, w, g, b, 0, d)
                 if with_min:
                     _lane_scales(half, w, g, b, 2, offset)
@@ -131,11 +132,11 @@ def q8_0_lanes(x, w, signed, half, out):
             acc[:] = 0
             for b in range(blocks):
                 part[:] = 0
-                for j in range(32):
-                    v = x[i, b * 32 + j]
-                    q = signed[g, b, 2 + j]
+                for j in range(0, 32, 2):  # two quant bytes a pass: half the loads and stores of part
+                    v, v2 = x[i, b * 32 + j], x[i, b * 32 + j + 1]
+                    q, q2 = signed[g, b, 2 + j], signed[g, b, 3 + j]
                     for lane in range(lanes):
-                        part[lane] += np.float32(q[lane]) * v
+                        part[lane] += np.float32(q[lane]) * v + np.float32(q2[lane]) * v2
                 _lane_scales(half, w, g, b, 0, d)
                 for lane in range(lanes):
                     acc[lane] += d[lane] * part[lane]
