@@ -385,7 +385,7 @@ def options(ap) -> None:
         nargs="+",
         choices=("f32", "native"),
         default=["f32", "native"],
-        help="rows per weight kind: float32, or Q4_0/Q4_1/Q8_0 kept in the file's blocks",
+        help="rows per weight kind: float32, or the types split_state/quant.py knows kept in the file's blocks",
     )
 
 

@@ -204,6 +204,9 @@ def dequantize_blocks(w: np.ndarray, name: str) -> np.ndarray:
                 out[r, b] = _q6_k_block(block)
                 continue
             d = _half(block, 0)
+            if name in ("q5_0", "q5_1"):
+                out[r, b] = _q5_block(block, name == "q5_1")
+                continue
             if name == "q8_0":
                 out[r, b] = d * np.frombuffer(block[2:34], np.int8)
                 continue
@@ -219,6 +222,21 @@ def dequantize_blocks(w: np.ndarray, name: str) -> np.ndarray:
 
 def _half(block: bytes, at: int) -> float:
     return float(np.frombuffer(block[at : at + 2], "<f2")[0])
+
+
+def _q5_block(block: bytes, with_min: bool) -> list[float]:
+    """d (and m for q5_1), a little-endian 32-bit word of fifth bits, 16 bytes of nibbles."""
+    d, m = _half(block, 0), (_half(block, 2) if with_min else 0.0)
+    at = 4 if with_min else 2
+    high = int.from_bytes(block[at : at + 4], "little")
+    values = [0.0] * 32
+    for j, byte in enumerate(block[at + 4 : at + 20]):
+        x0 = (byte & 0x0F) | (((high >> j) << 4) & 0x10)
+        x1 = (byte >> 4) | ((high >> (j + 12)) & 0x10)
+        if not with_min:
+            x0, x1 = x0 - 16, x1 - 16
+        values[j], values[j + 16] = x0 * d + m, x1 * d + m
+    return values
 
 
 def _q4_k_block(block: bytes) -> list[float]:

@@ -32,9 +32,11 @@ class QuantFormat:
     factors: tuple[int, ...] = (0,)  # where the block's float16 factors (d, m or dmin) begin
 
 
-# ggml's legacy formats, each block a float16 scale (and for q4_1 a float16 minimum) then the
-# quants: q4_0 value = d * (nibble - 8); q4_1 value = d * nibble + m; q8_0 value = d * int8.
-# Nibble j of a block's 16 bytes: the low half of byte j is value j, the high half value j + 16.
+# ggml's legacy formats, each block a float16 scale (and for q4_1, q5_1 a float16 minimum) then
+# the quants: q4_0 value = d * (nibble - 8); q4_1 value = d * nibble + m; q8_0 value = d * int8;
+# q5_0 value = d * (q - 16), q5_1 value = d * q + m, q = nibble + 16 * bit j of a little-endian
+# 32-bit word before the nibbles. Nibble j of a block's 16 bytes: the low half of byte j is
+# value j, the high half value j + 16.
 # ggml's K-quants, 256-value super-blocks of 16 or 32-value sub-blocks: q4_k value = d * scale *
 # nibble - dmin * min (float16 d and dmin, then 8 six-bit scales and minimums in 12 bytes, then
 # 128 bytes of nibbles); q6_k value = d * scale * (q - 32) (128 bytes of q's low four bits, 64 of
@@ -43,6 +45,8 @@ FORMATS = {
     "q4_0": QuantFormat("q4_0", 32, 18),
     "q4_1": QuantFormat("q4_1", 32, 20, (0, 2)),
     "q8_0": QuantFormat("q8_0", 32, 34),
+    "q5_0": QuantFormat("q5_0", 32, 22),
+    "q5_1": QuantFormat("q5_1", 32, 24, (0, 2)),
     "q4_k": QuantFormat("q4_k", 256, 144, (0, 2)),
     "q6_k": QuantFormat("q6_k", 256, 210, (208,)),
 }

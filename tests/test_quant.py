@@ -139,10 +139,10 @@ def quantized_model(cfg: LlamaConfig, formats: dict[str, str]):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_the_decoder_on_quantized_weights_equals_the_reference_on_their_values(sim, n):
-    """Every matrix kept in blocks (q4_1 layers, a q8_0 tied embedding and head as in SmolLM2's
-    file, q4_0 for the attention output), on 1-5 devices: splits of the FFN on block boundaries,
+    """Every matrix kept in blocks (q4_1 and q5 layers, a q8_0 tied embedding and head as in
+    SmolLM2's file, q4_0 for the attention output), on 1-5 devices: splits of the FFN on block boundaries,
     uneven over 3 and 5 devices, and devices holding no KV head."""
-    formats = {"wq": "q4_1", "wk": "q4_1", "wv": "q8_0", "wo": "q4_0", "w_gate": "q4_1", "w_up": "q4_1"}
+    formats = {"wq": "q4_1", "wk": "q5_0", "wv": "q8_0", "wo": "q4_0", "w_gate": "q5_1", "w_up": "q5_1"}
     source, values = quantized_model(CFG, formats | {"w_down": "q4_1", "embed": "q8_0"})
     ctx, prompt = 12, np.array([[3, 17, 5, 29]])
     reference = ReferenceDecoder(CFG, values, ctx)

@@ -82,7 +82,7 @@ def _halves() -> np.ndarray:
     return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
-KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_lanes's codes (K-quants: NumPy)
+KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_lanes's codes (the others: NumPy)
 
 
 def qmatmul(xp, inputs, params, out=None):
@@ -108,8 +108,8 @@ def qmatmul(xp, inputs, params, out=None):
         _loops().q4_k_lanes(x, w, _halves(), flat)
     elif fmt == "q6_k":
         _loops().q6_k_lanes(x, w, _halves(), flat)
-    else:
-        _loops().q4_lanes(x, w, _halves(), fmt == "q4_1", flat)
+    else:  # q4_0, q4_1, q5_0, q5_1
+        _loops().nibble_lanes(x, w, _halves(), fmt in ("q4_1", "q5_1"), fmt.startswith("q5"), flat)
     return out
 
 

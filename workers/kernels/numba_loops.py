@@ -67,6 +67,8 @@ warm()
 # lo * x_lo + hi * x_hi = q * x_lo + floor(q / 16) * (x_hi - 16 * x_lo), exact in the quants.
 
 fast = numba.njit(cache=True, nogil=True, fastmath=True)
+inline = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")  # helpers of the hot loops: as
+# separate functions they cost the Q4_1 layers 13 % (measured)
 SIXTEENTH = np.float32(0.0625)
 QUARTER, SIXTY_FOURTH = np.float32(0.25), np.float32(1 / 64)
 FOUR, SIXTEEN = np.float32(4), np.float32(16)
@@ -79,46 +81,89 @@ def _lane_scales(half, w, g, b, at, out):
 
 
 @fast
-def q4_lanes(x, w, half, with_min, out):
-    """q4_1 (with_min: d * nibble + m) or q4_0 (d * (nibble - 8)); nibble j of a block: the low
-    half of quant byte j is value j, the high half value j + 16."""
-    m, width = x.shape
+def nibble_lanes(x, w, half, with_min, fifth, out):
+    """q4_1 (with_min: d * nibble + m), q4_0 (d * (nibble - 8)) and, with a `fifth` bit per value
+    (q = nibble + 16 * bit j of the 32-bit word after the factors for value j), q5_1 (d * q + m)
+    and q5_0 (d * (q - 16)). Nibble j of a block: the low half of quant byte j is value j, the
+    high half value j + 16."""
+    m = x.shape[0]
     groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
-    q0 = 4 if with_min else 2
-    sums = np.zeros((m, blocks), np.float32)  # each block's sum of x, for m and the - 8
-    for i in range(m):
-        for b in range(blocks):
-            for j in range(32):
-                sums[i, b] += x[i, b * 32 + j]
+    word = 4 if with_min else 2  # where the fifth bits' word begins
+    first = word + 4 if fifth else word  # the first quant byte
+    unsigned = np.float32(16.0 if fifth else 8.0)  # what q_0 formats subtract
+    sums = _sub_block_sums(x, blocks, 32, 32)  # for m and the subtraction
     acc = np.empty(lanes, np.float32)
     part = np.empty(lanes, np.float32)
+    high = np.empty(lanes, np.float32)
+    rest = np.empty(lanes, np.float32)
     d = np.empty(lanes, np.float32)
     offset = np.empty(lanes, np.float32)
     for g in range(groups):
         for i in range(m):
             acc[:] = 0
             for b in range(blocks):
-                part[:] = 0
-                for j in range(0, 16, 2):  # two quant bytes a pass: half the loads and stores of part
-                    lo, lo2 = x[i, b * 32 + j], x[i, b * 32 + j + 1]
-                    hi = x[i, b * 32 + 16 + j] - np.float32(16) * lo
-                    hi2 = x[i, b * 32 + 17 + j] - np.float32(16) * lo2
-                    q, q2 = w[g, b, q0 + j], w[g, b, q0 + j + 1]
+                _nibble_sums(x, w, g, b, i, first, part)
+                if fifth:
+                    _fifth_bit_sums(x, w, g, b, i, word, rest, high)
                     for lane in range(lanes):
-                        v, v2 = np.float32(q[lane]), np.float32(q2[lane])
-                        part[lane] += v * lo + np.floor(v * SIXTEENTH) * hi + v2 * lo2 + np.floor(v2 * SIXTEENTH) * hi2
+                        part[lane] += SIXTEEN * high[lane]
                 _lane_scales(half, w, g, b, 0, d)
                 if with_min:
                     _lane_scales(half, w, g, b, 2, offset)
                 else:
-                    offset[:] = np.float32(-8.0) * d
-                total = sums[i, b]
+                    offset[:] = -unsigned * d
+                total = sums[i, b, 0]
                 for lane in range(lanes):
                     acc[lane] += d[lane] * part[lane] + offset[lane] * total
             out[i, g * lanes : (g + 1) * lanes] = acc
 
 
-# q8_0 has its own loop, though its shape repeats q4_lanes': one loop with the format as a
+@inline
+def _fifth_bit_sums(x, w, g, b, i, word, rest, high):
+    """high[lane] = the sum of bit j * x over block b's 32 values, bit j of the little-endian
+    word at byte `word`: a byte at a time (byte k: values 8k to 8k + 7), halved in floats bit by
+    bit (numba's integer shifts would widen to 64-bit lanes)."""
+    high[:] = 0
+    for k in range(4):
+        byte = w[g, b, word + k]
+        for lane in range(rest.shape[0]):
+            rest[lane] = np.float32(byte[lane])
+        for bit in range(8):
+            v = x[i, b * 32 + 8 * k + bit]
+            for lane in range(rest.shape[0]):
+                shifted = np.floor(rest[lane] * np.float32(0.5))
+                high[lane] += (rest[lane] - np.float32(2) * shifted) * v
+                rest[lane] = shifted
+
+
+@inline
+def _nibble_sums(x, w, g, b, i, first, part):
+    """part[lane] = the sum of nibble j * x over block b's 32 values, the quant bytes from `first`.
+    Two bytes a pass: half the loads and stores of part."""
+    part[:] = 0
+    for j in range(0, 16, 2):
+        lo, lo2 = x[i, b * 32 + j], x[i, b * 32 + j + 1]
+        hi = x[i, b * 32 + 16 + j] - np.float32(16) * lo
+        hi2 = x[i, b * 32 + 17 + j] - np.float32(16) * lo2
+        q, q2 = w[g, b, first + j], w[g, b, first + j + 1]
+        for lane in range(part.shape[0]):
+            v, v2 = np.float32(q[lane]), np.float32(q2[lane])
+            part[lane] += v * lo + np.floor(v * SIXTEENTH) * hi + v2 * lo2 + np.floor(v2 * SIXTEENTH) * hi2
+
+
+@fast
+def _sub_block_sums(x, blocks, block, size):
+    """Each `size`-value sub-block's sum of x (m, blocks * block): (m, blocks, block // size)."""
+    sums = np.zeros((x.shape[0], blocks, block // size), np.float32)
+    for i in range(x.shape[0]):
+        for b in range(blocks):
+            for s in range(block // size):
+                for j in range(size):
+                    sums[i, b, s] += x[i, b * block + s * size + j]
+    return sums
+
+
+# q8_0 has its own loop, though its shape repeats nibble_lanes': one loop with the format as a
 # runtime branch per block ran 2.2x slower. `signed`: w viewed as int8, for the quants.
 @fast
 def q8_0_lanes(x, w, signed, half, out):
@@ -146,18 +191,6 @@ def q8_0_lanes(x, w, signed, half, out):
 # K-quants: 256-value blocks of 8 or 16 sub-blocks, each with its own scale (workers/kernels/quant.py
 # spells out the orders). Per sub-block the loops keep partial sums per lane and scale them once.
 @fast
-def _sub_block_sums(x, blocks, size):
-    """Each `size`-value sub-block's sum of x (m, blocks * 256): (m, blocks, 256 // size)."""
-    sums = np.zeros((x.shape[0], blocks, 256 // size), np.float32)
-    for i in range(x.shape[0]):
-        for b in range(blocks):
-            for s in range(256 // size):
-                for j in range(size):
-                    sums[i, b, s] += x[i, b * 256 + s * size + j]
-    return sums
-
-
-@fast
 def _k4_lane_scales(w, g, b, scales, mins):
     """Q4_K's 6-bit scales and minimums of the 8 sub-blocks, bytes 4-15, per lane: (8, lanes)."""
     for lane in range(scales.shape[1]):
@@ -179,7 +212,7 @@ def q4_k_lanes(x, w, half, out):
     holds sub-block 2c in the low halves of quant bytes 16 + 32c ... + 32, 2c + 1 in the high."""
     m = x.shape[0]
     groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
-    sums = _sub_block_sums(x, blocks, 32)
+    sums = _sub_block_sums(x, blocks, 256, 32)
     acc = np.empty(lanes, np.float32)
     whole = np.empty(lanes, np.float32)  # sum of q * x_low
     tops = np.empty(lanes, np.float32)  # of floor(q / 16) * x_high
@@ -227,7 +260,7 @@ def q6_k_lanes(x, w, half, out):
     at, at + 32, at + 64, at + 96. The -32 is taken once per sub-block, from x's sums."""
     m = x.shape[0]
     groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
-    sums = _sub_block_sums(x, blocks, 16)
+    sums = _sub_block_sums(x, blocks, 256, 16)
     signed = w.view(np.int8)
     acc = np.empty(lanes, np.float32)
     parts = np.empty((4, lanes), np.float32)

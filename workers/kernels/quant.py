@@ -35,6 +35,8 @@ def values(xp, w, fmt: QuantFormat):
         out = _scale(xp, w, 0) * (_nibbles(xp, w[..., 2:]) - 8.0)
     elif fmt.name == "q4_1":
         out = _scale(xp, w, 0) * _nibbles(xp, w[..., 4:]) + _scale(xp, w, 2)
+    elif fmt.name in ("q5_0", "q5_1"):
+        out = _q5(xp, w, fmt.name == "q5_1")
     elif fmt.name == "q4_k":
         out = _q4_k(xp, w)
     elif fmt.name == "q6_k":
@@ -42,6 +44,17 @@ def values(xp, w, fmt: QuantFormat):
     else:
         raise ShapeError(f"no dequantization for {fmt.name}")
     return out.reshape(w.shape[0], w.shape[1] * fmt.block)
+
+
+def _q5(xp, w, with_min: bool):
+    """The 32 fifth bits: bit j of the little-endian word after the factors belongs to value j."""
+    at = 4 if with_min else 2
+    word = w[..., at : at + 4]
+    bits = (word[..., None] >> xp.arange(8, dtype=xp.uint8)) & 1  # (rows, blocks, byte, bit)
+    q = _nibbles(xp, w[..., at + 4 :]) + 16 * bits.reshape(w.shape[:2] + (32,)).astype(xp.float32)
+    if with_min:
+        return _scale(xp, w, 0) * q + _scale(xp, w, 2)
+    return _scale(xp, w, 0) * (q - 16.0)
 
 
 def k4_scales(xp, s):
