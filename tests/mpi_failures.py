@@ -6,6 +6,7 @@ abort:    rank 0 waits in the native all-reduce; rank 1's run fails (comm.abort)
           return with rank 1's error within a second or so, not wait forever.
 deadline: rank 0 waits for data rank 1 never sends: WorkerLost at its deadline; rank 1, blocked
           in an all-reduce rank 0 never joins, returns once rank 0 revokes the communicator.
+SCENARIO-bound: the same, the all-reduce bound once as a program step binds it (bound_all_reduce).
 """
 
 import json
@@ -21,7 +22,8 @@ from mpi4py import MPI  # noqa: E402
 from transport.deadline import Deadline  # noqa: E402
 from workers.mpi import standalone  # noqa: E402
 
-prefix, scenario = sys.argv[1], sys.argv[2]
+prefix, scenario = sys.argv[1], sys.argv[2].removesuffix("-bound")
+bound = sys.argv[2].endswith("-bound")
 rank = MPI.COMM_WORLD.Get_rank()
 with standalone(MPI.COMM_WORLD) as comm:
     time.sleep(0.2)  # the ZeroMQ pushes connect
@@ -33,6 +35,8 @@ with standalone(MPI.COMM_WORLD) as comm:
             comm.abort(5, "ValueError", "planted failure")
         elif scenario == "deadline" and rank == 0:
             comm.receive(1, 5, 3, Deadline(0.5), (4,), np.dtype(np.float32), lambda at, fragment: None)
+        elif bound:
+            comm.bound_all_reduce(np.dtype(np.float32), (1024,))(np.ones(1024, np.float32), 5, 0, Deadline(5.0))
         else:
             comm.all_reduce(np.ones(1024, np.float32), 5)
         seen["error"] = ""

@@ -103,9 +103,10 @@ def test_generate_under_mpiexec_gives_the_default_paths_tokens(tmp_path):
 
 
 @needs_mpi
+@pytest.mark.parametrize("bound", ["", "-bound"])
 @pytest.mark.parametrize("scenario", ["abort", "deadline"])
-def test_a_failed_rank_frees_the_ranks_waiting_in_mpi(scenario, tmp_path):
-    run = mpiexec(2, "tests/mpi_failures.py", str(tmp_path / "seen"), scenario, timeout=60)
+def test_a_failed_rank_frees_the_ranks_waiting_in_mpi(scenario, bound, tmp_path):
+    run = mpiexec(2, "tests/mpi_failures.py", str(tmp_path / "seen"), scenario + bound, timeout=60)
     assert run.returncode == 0, run.stderr[-3000:]
     waiter, failed = (json.loads((tmp_path / f"seen-{r}.json").read_text()) for r in (0, 1))
     if scenario == "abort":  # rank 1 failed; rank 0 was blocked in Allreduce

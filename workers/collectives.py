@@ -35,6 +35,10 @@ class Collectives:
         """The redistribution of one request, its algorithm looked up now: a program step binds
         it once (the lookup hashes the request's states, a few microseconds a call)."""
         engine, algorithm = self.engine, select(r)
+        bound = getattr(engine, "bound", None)
+        fast = bound(algorithm, r) if bound is not None else None
+        if fast is not None:  # the engine's own path for this algorithm, bound once
+            return fast
 
         def run(local: Any, run: int, step: int, deadline: Deadline) -> Any:
             engine.check_usable()
