@@ -93,6 +93,9 @@ def quantized_blocks(rng: np.random.Generator, shape: tuple[int, ...]) -> np.nda
     """Random interleaved ggml blocks (groups, blocks, block bytes, lanes): random bytes under
     finite float16 factors (scales, minimums), where the block's format keeps them."""
     groups, blocks, size, lanes = shape
+    if size == 2:  # bf16 values: float16 bits of values in [-1, 1] are finite read as bfloat16 too
+        halves = rng.uniform(-1, 1, (groups, lanes, blocks, 1)).astype("<f2")
+        return np.ascontiguousarray(halves.view(np.uint8).transpose(0, 2, 3, 1))
     fmt = next(f for f in FORMATS.values() if f.block_bytes == size)
     w = rng.integers(0, 256, size=(groups, lanes, blocks, size), dtype=np.uint8)
     top = 0.1 if fmt.block == 32 else 1e-3  # K-quants multiply d by six- or eight-bit scales

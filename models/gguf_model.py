@@ -249,10 +249,11 @@ class GGUFModel:
         fmt = FORMATS.get(t.tensor_type.name.lower())
         if fmt is None or t.data.ndim != 2:
             return self.weight(name)
-        rows, row_bytes = t.data.shape
+        data = t.data.view(np.uint8)  # the file's bytes (F16 reads as float16)
+        rows, row_bytes = data.shape
         if row_bytes % fmt.block_bytes:
             raise ModelError(f"{self.path.name}: tensor {t.name} ({fmt.name}) has rows of {row_bytes} bytes")
-        return QuantizedWeight(fmt.name, t.data.reshape(rows, row_bytes // fmt.block_bytes, fmt.block_bytes))
+        return QuantizedWeight(fmt.name, data.reshape(rows, row_bytes // fmt.block_bytes, fmt.block_bytes))
 
     def widened(self) -> list[str]:
         """The types of this file's matrices that `native` widens to float32 (not F32 itself)."""

@@ -152,7 +152,7 @@ class QuantizedWeight:
         rows = self.blocks.shape[0]
         split = isinstance(state, Split)
         extents = [e for seg in state.segments for e in seg] if split and state.axis == rows_axis else []
-        lanes = lanes_for([rows, *extents])
+        lanes = lanes_for([rows, *extents], quant_format(self.format).lanes)
         array = interleave(self.blocks, lanes)
         if not split:
             return array, state

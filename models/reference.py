@@ -192,6 +192,9 @@ def dequantize_blocks(w: np.ndarray, name: str) -> np.ndarray:
     d * nibble + m, where byte j of the quants holds value j in its low and value j + 16 in its
     high four bits; q4_k and q6_k below."""
     rows, blocks, _ = w.shape
+    if name == "bf16":  # the top 16 bits of a float32
+        halves = np.frombuffer(w.tobytes(), "<u2").astype(np.uint32) << np.uint32(16)
+        return halves.view(np.float32).astype(np.float64).reshape(rows, blocks)
     per_block = 256 if name in ("q4_k", "q6_k") else 32
     out = np.zeros((rows, blocks, per_block))
     for r in range(rows):

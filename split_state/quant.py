@@ -30,6 +30,7 @@ class QuantFormat:
     block: int  # values per block
     block_bytes: int  # bytes per block
     factors: tuple[int, ...] = (0,)  # where the block's float16 factors (d, m or dmin) begin
+    lanes: int = 64  # the most rows the workers interleave (MAX_LANES)
 
 
 # ggml's legacy formats, each block a float16 scale (and for q4_1, q5_1 a float16 minimum) then
@@ -49,15 +50,19 @@ FORMATS = {
     "q5_1": QuantFormat("q5_1", 32, 24, (0, 2)),
     "q4_k": QuantFormat("q4_k", 256, 144, (0, 2)),
     "q6_k": QuantFormat("q6_k", 256, 210, (208,)),
+    # bfloat16, a value a "block": rows stay whole (one lane), widened a tile of rows at a time by
+    # NumPy (a shift) for BLAS. F16 is not kept: neither NumPy nor numba widens float16 with
+    # vector instructions here, and a 576 x 1536 product took 2-7x float32's (bench/README.md)
+    "bf16": QuantFormat("bf16", 1, 2, (), 1),
 }
 
 
 MAX_LANES = 64  # rows interleaved at most: 64 float32 accumulators, four AVX-512 registers
 
 
-def lanes_for(extents) -> int:
-    """The most lanes (a power of two up to MAX_LANES) that divide every row extent."""
-    lanes = MAX_LANES
+def lanes_for(extents, most: int = MAX_LANES) -> int:
+    """The most lanes (a power of two up to `most`) that divide every row extent."""
+    lanes = most
     while lanes > 1 and any(e % lanes for e in extents):
         lanes //= 2
     return lanes

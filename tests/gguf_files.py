@@ -41,11 +41,12 @@ TINY = {"hidden": 8, "heads": 2, "kv_heads": 1, "ffn": 12, "layers": 1, "vocab":
 
 
 def tiny_llama(
-    target: Path, meta: dict | None = None, shapes: dict | None = None, truncate: int = 0, float16: tuple = ()
+    target: Path, meta: dict | None = None, shapes: dict | None = None, truncate: int = 0, dtypes: dict | None = None
 ) -> Path:
     """A small llama-architecture GGUF file (random float32 weights, TINY's sizes): `meta`
     overrides sizes in the metadata, `shapes` a tensor's shape (ggml order), `truncate` cuts
-    that many bytes off the end of the file, `float16` names tensors written as F16."""
+    that many bytes off the end of the file, `dtypes` the NumPy dtype or ggml type a tensor is
+    written in."""
     import gguf
     import numpy as np
 
@@ -66,8 +67,12 @@ def tiny_llama(
     tensors.update(shapes or {})
     rng = np.random.default_rng(0)
     for name, shape in tensors.items():  # ggml order in, NumPy order written
-        dtype = np.float16 if name in float16 else np.float32
-        writer.add_tensor(name, rng.standard_normal(tuple(reversed(shape))).astype(dtype))
+        values = rng.standard_normal(tuple(reversed(shape))).astype(np.float32)
+        dtype = (dtypes or {}).get(name, np.float32)
+        if isinstance(dtype, gguf.GGMLQuantizationType):  # quantized by gguf, written as its bytes
+            writer.add_tensor(name, gguf.quants.quantize(values, dtype), raw_dtype=dtype)
+        else:
+            writer.add_tensor(name, values.astype(dtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -26,7 +26,8 @@ def quantized(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
         raw = k_blocks(np.random.default_rng(values.shape[1]), values.shape[0], values.shape[1], name)
     else:
         raw = gguf.quants.quantize(values.astype(np.float32), TYPES[name])
-    blocks = raw.reshape(values.shape[0], -1, FORMATS[name].block_bytes)
+    raw = np.ascontiguousarray(raw)
+    blocks = raw.view(np.uint8).reshape(values.shape[0], -1, FORMATS[name].block_bytes)
     return blocks, gguf.quants.dequantize(raw.reshape(values.shape[0], -1), TYPES[name]).astype(np.float64)
 
 
@@ -162,10 +163,10 @@ K_CFG = LlamaConfig(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=40
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_the_decoder_on_k_quant_weights_equals_the_reference_on_their_values(sim, n):
     """Q4_K and Q6_K mixed with the legacy types as a Q4_K_M file mixes them (a Q6_K tied
-    embedding and head). w_down splits its inputs on 256-value blocks: the FFN goes 256 / 256 to
+    embedding and head), and a bf16 wv. w_down splits its inputs on 256-value blocks: the FFN goes 256 / 256 to
     2 devices and 256 / 256 / 0 to 3. wo stays q4_0: its inputs (whole heads, 128 values a
     device on 2) do not fall on 256-value blocks."""
-    formats = {"wq": "q4_k", "wk": "q6_k", "wv": "q8_0", "wo": "q4_0", "w_gate": "q4_k", "w_up": "q4_k"}
+    formats = {"wq": "q4_k", "wk": "q6_k", "wv": "bf16", "wo": "q4_0", "w_gate": "q4_k", "w_up": "q4_k"}
     source, values = quantized_model(K_CFG, formats | {"w_down": "q6_k", "embed": "q6_k"})
     ctx, prompt = 8, np.array([[3, 17, 5]])
     reference = ReferenceDecoder(K_CFG, values, ctx)

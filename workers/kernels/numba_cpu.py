@@ -82,6 +82,7 @@ def _halves() -> np.ndarray:
     return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
 
 
+WIDENED = ("bf16",)  # NumPy widens tiles of its rows for BLAS at every size (a shift): no loop beats it
 KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_lanes's codes (the others: NumPy)
 
 
@@ -94,12 +95,12 @@ def qmatmul(xp, inputs, params, out=None):
     width = xb.shape[-2] * xb.shape[-1] if xb.ndim >= 2 else 0
     rows = xb.size // max(1, width)
     out = xp.empty(xb.shape[:-2] + (groups, lanes), np.float32) if out is None else out
+    fmt = params["format"]
     usable = xp is np and rows > 0 and w.size and _plain(xb, out) and w.flags.c_contiguous
-    if not usable:
+    if not usable or fmt in WIDENED:
         return quant.qmatmul(xp, inputs, params, out)
     x = xb.reshape(rows, width)
     flat = out.reshape(rows, groups * lanes)
-    fmt = params["format"]
     if rows > MAX_LOOP_ROWS:
         _tiled(x, w, fmt, flat)
     elif fmt == "q8_0":

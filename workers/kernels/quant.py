@@ -35,6 +35,8 @@ def values(xp, w, fmt: QuantFormat):
         out = _scale(xp, w, 0) * (_nibbles(xp, w[..., 2:]) - 8.0)
     elif fmt.name == "q4_1":
         out = _scale(xp, w, 0) * _nibbles(xp, w[..., 4:]) + _scale(xp, w, 2)
+    elif fmt.name == "bf16":  # the top half of a float32
+        out = (xp.ascontiguousarray(w).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
     elif fmt.name in ("q5_0", "q5_1"):
         out = _q5(xp, w, fmt.name == "q5_1")
     elif fmt.name == "q4_k":
