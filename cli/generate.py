@@ -272,9 +272,9 @@ def add(sub) -> None:
         "--weights",
         choices=("native", "f32"),  # models.generate.WEIGHTS, without importing the models here
         default="native",
-        help="native: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K and BF16 matrices stay in the file's blocks on the "
-        "workers (a fifth of the memory and about twice the decode speed of float32 here), other types float32; "
-        "f32: every weight float32 (logits equal to the float32 reference's)",
+        help="native: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and BF16 matrices stay in the file's blocks "
+        "on the workers (a fifth of the memory and about twice the decode speed of float32 here), other types "
+        "float32; f32: every weight float32 (logits equal to the float32 reference's)",
     )
     p.add_argument(
         "--json", default="", help="write prompts, token ids, text, finish reason and timings here; - : JSON lines"

@@ -195,13 +195,13 @@ def dequantize_blocks(w: np.ndarray, name: str) -> np.ndarray:
     if name == "bf16":  # the top 16 bits of a float32
         halves = np.frombuffer(w.tobytes(), "<u2").astype(np.uint32) << np.uint32(16)
         return halves.view(np.float32).astype(np.float64).reshape(rows, blocks)
-    per_block = 256 if name in ("q4_k", "q6_k") else 32
+    per_block = 256 if name in ("q4_k", "q5_k", "q6_k") else 32
     out = np.zeros((rows, blocks, per_block))
     for r in range(rows):
         for b in range(blocks):
             block = bytes(w[r, b])
-            if name == "q4_k":
-                out[r, b] = _q4_k_block(block)
+            if name in ("q4_k", "q5_k"):
+                out[r, b] = _q4_k_block(block, fifth=name == "q5_k")
                 continue
             if name == "q6_k":
                 out[r, b] = _q6_k_block(block)
@@ -242,9 +242,11 @@ def _q5_block(block: bytes, with_min: bool) -> list[float]:
     return values
 
 
-def _q4_k_block(block: bytes) -> list[float]:
-    """d, dmin (float16), 12 bytes of six-bit scales and minimums, 128 bytes of nibbles."""
-    d, dmin, scales, q = _half(block, 0), _half(block, 2), block[4:16], block[16:144]
+def _q4_k_block(block: bytes, fifth: bool = False) -> list[float]:
+    """d, dmin (float16), 12 bytes of six-bit scales and minimums, (q5_k: 32 bytes qh of fifth
+    bits,) 128 bytes of nibbles: ggml's dequantize_row_q4_K and _q5_K."""
+    d, dmin, scales = _half(block, 0), _half(block, 2), block[4:16]
+    qh, q = (block[16:48], block[48:176]) if fifth else (bytes(32), block[16:144])
 
     def scale_min(j: int) -> tuple[int, int]:  # ggml's get_scale_min_k4
         if j < 4:
@@ -255,8 +257,9 @@ def _q4_k_block(block: bytes) -> list[float]:
     for chunk in range(4):  # 64 values: the low nibbles of 32 bytes, then their high nibbles
         (sc1, m1), (sc2, m2) = scale_min(2 * chunk), scale_min(2 * chunk + 1)
         quants = q[32 * chunk : 32 * chunk + 32]
-        values += [d * sc1 * (byte & 0xF) - dmin * m1 for byte in quants]
-        values += [d * sc2 * (byte >> 4) - dmin * m2 for byte in quants]
+        u1, u2 = 1 << (2 * chunk), 2 << (2 * chunk)
+        values += [d * sc1 * ((byte & 0xF) + (16 if qh[j] & u1 else 0)) - dmin * m1 for j, byte in enumerate(quants)]
+        values += [d * sc2 * ((byte >> 4) + (16 if qh[j] & u2 else 0)) - dmin * m2 for j, byte in enumerate(quants)]
     return values
 
 

@@ -40,7 +40,8 @@ class QuantFormat:
 # value j, the high half value j + 16.
 # ggml's K-quants, 256-value super-blocks of 16 or 32-value sub-blocks: q4_k value = d * scale *
 # nibble - dmin * min (float16 d and dmin, then 8 six-bit scales and minimums in 12 bytes, then
-# 128 bytes of nibbles); q6_k value = d * scale * (q - 32) (128 bytes of q's low four bits, 64 of
+# 128 bytes of nibbles); q5_k the same with a fifth bit per value (32 bytes before the nibbles);
+# q6_k value = d * scale * (q - 32) (128 bytes of q's low four bits, 64 of
 # its top two, 16 int8 scales, then float16 d). workers/kernels/quant.py spells out the orders.
 FORMATS = {
     "q4_0": QuantFormat("q4_0", 32, 18),
@@ -49,6 +50,7 @@ FORMATS = {
     "q5_0": QuantFormat("q5_0", 32, 22),
     "q5_1": QuantFormat("q5_1", 32, 24, (0, 2)),
     "q4_k": QuantFormat("q4_k", 256, 144, (0, 2)),
+    "q5_k": QuantFormat("q5_k", 256, 176, (0, 2)),
     "q6_k": QuantFormat("q6_k", 256, 210, (208,)),
     # bfloat16, a value a "block": rows stay whole (one lane), widened a tile of rows at a time by
     # NumPy (a shift) for BLAS. F16 is not kept: neither NumPy nor numba widens float16 with

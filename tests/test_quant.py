@@ -15,7 +15,7 @@ from workers.kernels import kernels_for, numba_cpu, quant
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.timeout(120)
 TYPES = {name: getattr(gguf.GGMLQuantizationType, name.upper()) for name in FORMATS}
-K_QUANTS = ("q4_k", "q6_k")  # gguf dequantizes them but cannot quantize: random blocks instead
+K_QUANTS = ("q4_k", "q5_k", "q6_k")  # gguf dequantizes them but cannot quantize: random blocks instead
 
 
 def quantized(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -36,7 +36,7 @@ def k_blocks(rng: np.random.Generator, rows: int, cols: int, name: str) -> np.nd
     factors, small enough that values stay under about 1 (q4_k: d, dmin; q6_k: d)."""
     fmt = FORMATS[name]
     w = rng.integers(0, 256, (rows, cols // fmt.block, fmt.block_bytes), dtype=np.uint8)
-    top = 2e-4 if name == "q4_k" else 4e-5
+    top = 4e-5 if name == "q6_k" else 2e-4
     for at in fmt.factors:
         w[..., at : at + 2] = rng.uniform(top / 4, top, w.shape[:2] + (1,)).astype("<f2").view(np.uint8)
     return w.reshape(rows, -1)
@@ -162,11 +162,11 @@ K_CFG = LlamaConfig(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=40
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_the_decoder_on_k_quant_weights_equals_the_reference_on_their_values(sim, n):
-    """Q4_K and Q6_K mixed with the legacy types as a Q4_K_M file mixes them (a Q6_K tied
-    embedding and head), and a bf16 wv. w_down splits its inputs on 256-value blocks: the FFN goes 256 / 256 to
-    2 devices and 256 / 256 / 0 to 3. wo stays q4_0: its inputs (whole heads, 128 values a
-    device on 2) do not fall on 256-value blocks."""
-    formats = {"wq": "q4_k", "wk": "q6_k", "wv": "bf16", "wo": "q4_0", "w_gate": "q4_k", "w_up": "q4_k"}
+    """Q4_K, Q5_K and Q6_K mixed with the legacy types as Q4_K_M / Q5_K_M files mix them (a
+    Q6_K tied embedding and head), and a bf16 wv. w_down splits its inputs on 256-value blocks:
+    the FFN goes 256 / 256 to 2 devices and 256 / 256 / 0 to 3. wo stays q4_0: its inputs
+    (whole heads, 128 values a device on 2) do not fall on 256-value blocks."""
+    formats = {"wq": "q4_k", "wk": "q6_k", "wv": "bf16", "wo": "q4_0", "w_gate": "q5_k", "w_up": "q5_k"}
     source, values = quantized_model(K_CFG, formats | {"w_down": "q6_k", "embed": "q6_k"})
     ctx, prompt = 8, np.array([[3, 17, 5]])
     reference = ReferenceDecoder(K_CFG, values, ctx)

@@ -105,8 +105,8 @@ def qmatmul(xp, inputs, params, out=None):
         _tiled(x, w, fmt, flat)
     elif fmt == "q8_0":
         _loops().q8_0_lanes(x, w, w.view(np.int8), _halves(), flat)
-    elif fmt == "q4_k":
-        _loops().q4_k_lanes(x, w, _halves(), flat)
+    elif fmt in ("q4_k", "q5_k"):
+        _loops().k_nibble_lanes(x, w, _halves(), fmt == "q5_k", flat)
     elif fmt == "q6_k":
         _loops().q6_k_lanes(x, w, _halves(), flat)
     else:  # q4_0, q4_1, q5_0, q5_1

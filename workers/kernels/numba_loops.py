@@ -125,15 +125,24 @@ def _fifth_bit_sums(x, w, g, b, i, word, rest, high):
     bit (numba's integer shifts would widen to 64-bit lanes)."""
     high[:] = 0
     for k in range(4):
-        byte = w[g, b, word + k]
-        for lane in range(rest.shape[0]):
-            rest[lane] = np.float32(byte[lane])
+        _widen(w[g, b, word + k], rest)
         for bit in range(8):
-            v = x[i, b * 32 + 8 * k + bit]
-            for lane in range(rest.shape[0]):
-                shifted = np.floor(rest[lane] * np.float32(0.5))
-                high[lane] += (rest[lane] - np.float32(2) * shifted) * v
-                rest[lane] = shifted
+            _lowest_bit_times(rest, x[i, b * 32 + 8 * k + bit], high)
+
+
+@inline
+def _widen(byte, rest):
+    for lane in range(rest.shape[0]):
+        rest[lane] = np.float32(byte[lane])
+
+
+@inline
+def _lowest_bit_times(rest, v, into):
+    """into[lane] += the lowest bit of rest[lane] * v, and that bit shifted out of rest."""
+    for lane in range(rest.shape[0]):
+        shifted = np.floor(rest[lane] * np.float32(0.5))
+        into[lane] += (rest[lane] - np.float32(2) * shifted) * v
+        rest[lane] = shifted
 
 
 @inline
@@ -207,16 +216,20 @@ def _k4_lane_scales(w, g, b, scales, mins):
 
 
 @fast
-def q4_k_lanes(x, w, half, out):
+def k_nibble_lanes(x, w, half, fifth, out):
     """Q4_K: value = d * scale * nibble - dmin * min per 32-value sub-block; 64-value chunk c
-    holds sub-block 2c in the low halves of quant bytes 16 + 32c ... + 32, 2c + 1 in the high."""
+    holds sub-block 2c in the low halves of its 32 quant bytes, 2c + 1 in the high. Q5_K
+    (`fifth`) adds 16 * bit s of byte j of the 32 bytes before the quants to value 32s + j."""
     m = x.shape[0]
     groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
+    first = 48 if fifth else 16  # the first quant byte
     sums = _sub_block_sums(x, blocks, 256, 32)
     acc = np.empty(lanes, np.float32)
     whole = np.empty(lanes, np.float32)  # sum of q * x_low
     tops = np.empty(lanes, np.float32)  # of floor(q / 16) * x_high
     cross = np.empty(lanes, np.float32)  # of floor(q / 16) * x_low
+    high = np.zeros((8, lanes), np.float32)  # of the fifth bits * x, per sub-block (0 for Q4_K)
+    rest = np.empty(lanes, np.float32)
     d = np.empty(lanes, np.float32)
     dmin = np.empty(lanes, np.float32)
     scales = np.empty((8, lanes), np.float32)
@@ -228,6 +241,8 @@ def q4_k_lanes(x, w, half, out):
                 _lane_scales(half, w, g, b, 0, d)
                 _lane_scales(half, w, g, b, 2, dmin)
                 _k4_lane_scales(w, g, b, scales, mins)
+                if fifth:
+                    _k_fifth_bit_sums(x, w, g, b, i, rest, high)
                 for c in range(4):
                     whole[:] = 0
                     tops[:] = 0
@@ -236,7 +251,7 @@ def q4_k_lanes(x, w, half, out):
                     for j in range(32):
                         lo = x[i, base + j]
                         hi = x[i, base + 32 + j]
-                        q = w[g, b, 16 + c * 32 + j]
+                        q = w[g, b, first + c * 32 + j]
                         for lane in range(lanes):
                             v = np.float32(q[lane])
                             top = np.floor(v * SIXTEENTH)
@@ -245,10 +260,21 @@ def q4_k_lanes(x, w, half, out):
                             cross[lane] += top * lo
                     s0, s1 = sums[i, b, 2 * c], sums[i, b, 2 * c + 1]
                     for lane in range(lanes):
-                        low_part = whole[lane] - np.float32(16) * cross[lane]
-                        acc[lane] += d[lane] * (scales[2 * c, lane] * low_part + scales[2 * c + 1, lane] * tops[lane])
+                        low_part = whole[lane] - SIXTEEN * cross[lane] + SIXTEEN * high[2 * c, lane]
+                        high_part = tops[lane] + SIXTEEN * high[2 * c + 1, lane]
+                        acc[lane] += d[lane] * (scales[2 * c, lane] * low_part + scales[2 * c + 1, lane] * high_part)
                         acc[lane] -= dmin[lane] * (mins[2 * c, lane] * s0 + mins[2 * c + 1, lane] * s1)
             out[i, g * lanes : (g + 1) * lanes] = acc
+
+
+@inline
+def _k_fifth_bit_sums(x, w, g, b, i, rest, high):
+    """high[s, lane] = the sum over j of bit s of Q5_K's byte 16 + j, times x at value 32s + j."""
+    high[:] = 0
+    for j in range(32):
+        _widen(w[g, b, 16 + j], rest)
+        for s in range(8):
+            _lowest_bit_times(rest, x[i, b * 256 + 32 * s + j], high[s])
 
 
 @fast

@@ -39,8 +39,8 @@ def values(xp, w, fmt: QuantFormat):
         out = (xp.ascontiguousarray(w).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
     elif fmt.name in ("q5_0", "q5_1"):
         out = _q5(xp, w, fmt.name == "q5_1")
-    elif fmt.name == "q4_k":
-        out = _q4_k(xp, w)
+    elif fmt.name in ("q4_k", "q5_k"):
+        out = _k_nibbles(xp, w, fmt.name == "q5_k")
     elif fmt.name == "q6_k":
         out = _q6_k(xp, w)
     else:
@@ -70,13 +70,18 @@ def k4_scales(xp, s):
     return scales.astype(xp.float32), mins.astype(xp.float32)
 
 
-def _q4_k(xp, w):
-    """Sub-block s holds values [32 s, 32 s + 32): 64-value chunk c keeps sub-block 2c in the low
-    halves of quant bytes [16 + 32c, 48 + 32c) and sub-block 2c + 1 in their high halves."""
+def _k_nibbles(xp, w, fifth: bool):
+    """Q4_K, and Q5_K (`fifth`): sub-block s holds values [32 s, 32 s + 32); 64-value chunk c
+    keeps sub-block 2c in the low halves of its 32 quant bytes and 2c + 1 in their high halves.
+    Q5_K's 32 bytes before the quants add 16 * bit s of byte j to value 32 s + j."""
     rows, blocks = w.shape[:2]
     scales, mins = k4_scales(xp, w[..., 4:16])
-    qs = w[..., 16:144].reshape(rows, blocks, 4, 1, 32)
+    first = 48 if fifth else 16
+    qs = w[..., first : first + 128].reshape(rows, blocks, 4, 1, 32)
     q = xp.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, blocks, 8, 32).astype(xp.float32)
+    if fifth:
+        bits = (w[..., None, 16:48] >> xp.arange(8, dtype=xp.uint8)[:, None]) & 1  # (rows, blocks, s, j)
+        q = q + 16 * bits.astype(xp.float32)
     d, dmin = _scale(xp, w, 0) * scales, _scale(xp, w, 2) * mins
     return d[..., None] * q - dmin[..., None]
 
