@@ -159,7 +159,7 @@ class QuantizedWeight:
         if extents:
             return array, Split(0, tuple(tuple(e // lanes for e in seg) for seg in state.segments))
         block = quant_format(self.format).block
-        if any(e % block for e in (e for seg in state.segments for e in seg)):
+        if any(e % block for seg in state.segments for e in seg):
             raise ShapeError(
                 f"{name}: a {self.format} weight splits its inputs on {block}-value blocks, and "
                 f"{state.segments} over {n} devices does not fall on them"

@@ -8,8 +8,9 @@ blocks, block_bytes, lanes), byte p of block b of row g * lanes + l at [g, b, p,
 file's size; what changes is that one byte of `lanes` consecutive rows lies contiguous, so a
 kernel's innermost loop runs over rows with one value of x for all of them and vectorizes with
 no remainder (llama.cpp interleaves its CPU weights for the same reason). Measured on SmolLM2's
-30 Q4_1 layers, one AVX-512 core, one token: 64 lanes took 2.5x less time than the layout with
-byte p of every block of a row contiguous, whose inner loop ran over a row's 18 blocks.
+30 Q4_1 layers and Q8_0 head, one AVX-512 core, one token: 14.5 ms with 64 lanes against 31.0 ms
+for the layout it replaced (byte p of every block of a row contiguous, an inner loop over a
+row's 18 blocks).
 
 Split states of such a weight are over the interleaved array: a split of axis 0 splits whole
 groups of `lanes` rows, a split of axis 1 the values on block boundaries. `lanes_for` picks the
@@ -72,11 +73,12 @@ def lanes_for(extents, most: int = MAX_LANES) -> int:
 
 def interleave(blocks, lanes: int):
     """The file's (rows, blocks, block_bytes) as the workers' (rows / lanes, blocks, block_bytes,
-    lanes): a copy."""
+    lanes): a view (of a contiguous array), made contiguous where each device's slice is sent,
+    so the coordinator never holds a second copy of a weight."""
     rows, count, size = blocks.shape
     if rows % lanes:
         raise ShapeError(f"{rows} rows do not interleave by {lanes}")
-    return blocks.reshape(rows // lanes, lanes, count, size).transpose(0, 2, 3, 1).copy()
+    return blocks.reshape(rows // lanes, lanes, count, size).transpose(0, 2, 3, 1)
 
 
 def file_order(w):
