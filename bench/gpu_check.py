@@ -2,14 +2,15 @@
 
     python bench/gpu_check.py [--quick] [--json PATH]
 
-Runs, each on the CUDA backend with several workers sharing GPU 0 (shared memory between them):
+Runs, each on the CUDA backend with several workers sharing GPU 0 (CUDA IPC between them, the
+default there; the sweep also through shared memory):
 1. the CuPy tests: the API check against the installed CuPy, the stand-in suites, and the tests
    that skip without a GPU (the backend's stream ordering on a real device, NCCL, two workers
    on one GPU);
 2. `launch.py demo --backend cuda`;
 3. `launch.py generate --backend cuda`, whose tokens must equal `--backend cpu`'s;
-4. the all-reduce sweep (bench/collectives.py) and the tensor-parallel MLP (bench/tp_matmul.py)
-   against one CuPy process.
+4. the all-reduce sweep (bench/collectives.py) over the shm and the ipc planes, and the
+   tensor-parallel MLP (bench/tp_matmul.py) against one CuPy process.
 Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
 exits 1; a failed check exits 2.
 """
@@ -37,6 +38,7 @@ CUPY_TESTS = [
     "tests/test_graphs.py",
     "tests/test_cuda_backend.py",
     "tests/test_nccl.py",
+    "tests/test_ipc.py",
     "tests/test_workers.py",
 ]
 
@@ -76,7 +78,7 @@ def run(quick: bool, workers: int = 2) -> dict:
     def record(name: str, ok: bool, detail: str, seconds: float, **figures) -> None:
         checks.append({"check": name, "ok": ok, "detail": detail, "seconds": seconds, **figures})
 
-    tests = [sys.executable, "-m", "pytest", "-q", *CUPY_TESTS, "-k", "cuda or cupy or graph"]
+    tests = [sys.executable, "-m", "pytest", "-q", *CUPY_TESTS, "-k", "cuda or cupy or graph or ipc"]
     ok, detail, seconds = _command(tests, 1800)
     record("CuPy tests", ok, detail, seconds)
     devices = ",".join(["0"] * workers)
@@ -91,12 +93,21 @@ def run(quick: bool, workers: int = 2) -> dict:
     same = ok_gpu and ok_cpu and on_gpu == on_cpu
     said = detail if not ok_gpu else f"{len(on_gpu)} tokens"
     record("generate: cuda tokens == cpu tokens", same, said, time.perf_counter() - start)
-    start = time.perf_counter()
-    try:
-        sweep = collectives.run(quick, [workers], backend="cuda", data_plane="shm")
-        record("all-reduce sweep (shm)", True, f"{len(sweep)} sizes", time.perf_counter() - start, rows=sweep)
-    except Exception as exc:  # noqa: BLE001 - reported in the table, the other checks still run
-        record("all-reduce sweep (shm)", False, repr(exc)[:200], time.perf_counter() - start)
+    sweeps = {}
+    for plane in ("shm", "ipc"):  # through host memory, and GPU to GPU (the goal: ipc >= 20x shm at 64 MiB)
+        start = time.perf_counter()
+        try:
+            sweeps[plane] = collectives.run(quick, [workers], backend="cuda", data_plane=plane)
+            said = f"{len(sweeps[plane])} sizes"
+            if plane == "ipc" and "shm" in sweeps:
+                largest = (
+                    sweeps["shm"][-1]["bytes"],
+                    sweeps["shm"][-1]["all_reduce_us"] / sweeps["ipc"][-1]["all_reduce_us"],
+                )
+                said += f"; at {largest[0] >> 20} MiB {largest[1]:.1f}x the shm plane"
+            record(f"all-reduce sweep ({plane})", True, said, time.perf_counter() - start, rows=sweeps[plane])
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the other checks still run
+            record(f"all-reduce sweep ({plane})", False, repr(exc)[:200], time.perf_counter() - start)
     start = time.perf_counter()
     try:
         mlp = tp_matmul.run(quick, workers, "cuda")

@@ -50,8 +50,8 @@ def add_cluster_options(ap: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", *planes.names()],
         help="between workers: shared memory on one host (ZeroMQ across hosts), ZeroMQ only, NCCL "
-        "(CuPy workers on distinct GPUs), MPI (under mpiexec/srun); auto: NCCL where it applies, MPI "
-        "under an MPI launcher, else shared memory",
+        "(CuPy workers on distinct GPUs), CUDA IPC (CuPy workers on one host), MPI (under mpiexec/srun); "
+        "auto: NCCL where it applies, then CUDA IPC, MPI under an MPI launcher, else shared memory",
     )
 
 

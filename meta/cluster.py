@@ -61,8 +61,9 @@ class ClusterConfig:
     blas_threads: int = 1
     memory_budget: int = 0
     # between workers: a plane of workers/planes/ that every worker can join ("shm" shared memory
-    # on one host, ZeroMQ across hosts; "zmq"; "nccl" for CuPy workers on distinct GPUs; "mpi" for
-    # workers that are an MPI job's ranks), or "auto": nccl where it applies, then mpi, else shm
+    # on one host, ZeroMQ across hosts; "zmq"; "nccl" for CuPy workers on distinct GPUs; "ipc" for
+    # CuPy workers on this host; "mpi" for workers that are an MPI job's ranks), or "auto": nccl
+    # where it applies, then ipc, then mpi, else shm
     data_plane: str = "auto"
     # "auto": CPU workers spawned here each on their own cores when they go round once; "off"
     bind: str = "auto"
@@ -132,6 +133,10 @@ class ProcessCluster:
                 },
                 config.start_timeout,
             )
+            failed = sorted((r, m) for r, m in replies.items() if isinstance(m, p.Error))
+            if failed:  # the worker's own words, typed: not an attribute error on its reply
+                rank, error = failed[0]
+                raise TransportError(f"worker {rank} could not join the {plane} data plane: {error.message}")
             self.data_planes = [replies[r].info for r in range(self.world_size)]
             self._formed = True
         except BaseException:
@@ -142,9 +147,9 @@ class ProcessCluster:
 
     def _data_plane(self) -> str:
         """The plane the workers say they can all join: NCCL for CuPy workers each on its own GPU
-        (one host, spawned here) when every one has NCCL; MPI for the workers of an MPI job's
-        ranks; else shared memory (ZeroMQ where it cannot be shared). The coordinator decides
-        from their Hellos, not from its own imports."""
+        (one host, spawned here) when every one has NCCL, else CUDA IPC for CuPy workers spawned
+        here; MPI for the workers of an MPI job's ranks; else shared memory (ZeroMQ where it
+        cannot be shared). The coordinator decides from their Hellos, not from its own imports."""
         config = self.config
         lacking = lambda plane: [h.rank for h in self.devices if plane not in h.planes]  # noqa: E731
         if config.data_plane != "auto":
@@ -159,6 +164,8 @@ class ProcessCluster:
         distinct = len(set(devices)) == self.world_size
         if config.backend == "cuda" and config.spawn and self.world_size > 1 and distinct and not lacking("nccl"):
             return "nccl"
+        if config.backend == "cuda" and config.spawn and self.world_size > 1 and not lacking("ipc"):
+            return "ipc"  # GPU to GPU on this host, shared GPUs included
         if self.world_size > 1 and not lacking("mpi"):  # workers that are an MPI job's ranks
             return "mpi"
         return "shm"

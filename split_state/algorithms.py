@@ -51,7 +51,7 @@ MPI_REDUCIBLE = frozenset(
     {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32", "float64"}
 )  # dtypes MPI_Allreduce sums with MPI_SUM (MPI has no 16-bit floats)
 # the data planes with an all-reduce of their own (workers/planes/), and the dtypes it sums
-NATIVE_ALL_REDUCE = {"nccl": NCCL_REDUCIBLE, "mpi": MPI_REDUCIBLE}
+NATIVE_ALL_REDUCE = {"nccl": NCCL_REDUCIBLE, "mpi": MPI_REDUCIBLE, "ipc": NCCL_REDUCIBLE}
 # the planes with an all-gather and a reduce-scatter of their own over one contiguous block per
 # device (engine.all_gather, engine.reduce_scatter; the reduce-scatter sums NATIVE_ALL_REDUCE's dtypes)
 NATIVE_BLOCKS = frozenset({"mpi"})
@@ -256,8 +256,8 @@ def _flat_request(r: Request, dst: State) -> Request:
 
 
 class NativeAllReduce(Algorithm):
-    """The data plane's own all-reduce (NCCL's ring on the device, MPI's Allreduce): the same
-    bits on every rank."""
+    """The data plane's own all-reduce (NCCL's ring on the device, MPI's Allreduce, CUDA IPC's
+    one or two shots): the same bits on every rank."""
 
     name = "native_all_reduce"
 

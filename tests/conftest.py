@@ -85,7 +85,14 @@ def cuda_nccl2():
 
 @pytest.fixture(scope="module")
 def cuda3():
+    """Three workers sharing the stand-in's device 0: their collectives go through CUDA IPC."""
     yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env())
+
+
+@pytest.fixture(scope="module")
+def cuda3_shm():
+    """As cuda3, with the collectives staged through host memory (the shm plane)."""
+    yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env(), data_plane="shm")
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ ROOTS = {
     "self.xp": lambda: cupy,
     "cupy": lambda: cupy,
     "self.cupy": lambda: cupy,
+    "self.runtime": lambda: cupy.cuda.runtime,  # workers/ipc.py's IPC calls
     "cupyx": lambda: __import__("cupyx"),
 }
 # the CUDA backend's own attributes
@@ -44,7 +45,13 @@ BACKEND_ROOTS = {
     "array": lambda: cupy.ndarray,  # to_host's device array
 }
 BACKEND = "workers/backends/cuda.py"
-CUPY_FILES = ("workers/backends/cuda.py", "workers/nccl.py", "workers/graphs.py", "bench/tp_matmul.py")
+CUPY_FILES = (
+    "workers/backends/cuda.py",
+    "workers/nccl.py",
+    "workers/ipc.py",
+    "workers/graphs.py",
+    "bench/tp_matmul.py",
+)
 NOT_ARRAY_METHODS = set(dir(dict)) | set(dir(list)) | set(dir(str)) | set(dir(set))
 KERNEL_FILES = [s for s in SOURCES if s.startswith("workers/kernels/")] + [
     "workers/collectives.py",

@@ -156,3 +156,58 @@ def test_the_cuda_backend_orders_host_copies_after_the_compute_stream(monkeypatc
     monkeypatch.setattr(rt.Stream, "wait_event", lambda self, event: None)  # the planted bug
     with pytest.raises(rt.RaceError):
         backend.to_host(backend.xp.sqrt(x * x))
+
+
+def _ipc_reader(handles: list[bytes], wait: bool, conn) -> None:
+    """Another process: open the writer's memory and event, read when told the record is issued."""
+    from tests.cupy_standin import MODULES
+
+    cupy = MODULES["cupy"]
+    runtime = cupy.cuda.runtime
+    ptr = runtime.ipcOpenMemHandle(handles[0], runtime.cudaIpcMemLazyEnablePeerAccess)
+    event = runtime.ipcOpenEventHandle(handles[1])
+    conn.send("opened")
+    conn.recv()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        if wait:
+            runtime.streamWaitEvent(stream.ptr, event, 0)
+        memory = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, 16, None), 0)
+        conn.send(cupy.ndarray((4,), np.float32, memptr=memory).copy().get())
+    runtime.eventDestroy(event)
+    runtime.ipcCloseMemHandle(ptr)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wait", [True, False])
+def test_another_process_reads_ipc_memory_right_only_after_waiting_for_the_writers_event(wait):
+    """CUDA IPC: a peer process that reads an allocation without waiting for the writer's
+    interprocess event reads it before the write lands (garbage here), every time."""
+    import multiprocessing
+
+    runtime = cp.cuda.runtime
+    ptr = runtime.malloc(16)
+    event = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+    handles = [runtime.ipcGetMemHandle(ptr), runtime.ipcGetEventHandle(event.ptr)]
+    ours, theirs = multiprocessing.Pipe()
+    reader = multiprocessing.get_context("spawn").Process(target=_ipc_reader, args=(handles, wait, theirs))
+    reader.start()
+    try:
+        assert ours.poll(30) and ours.recv() == "opened"
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            memory = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(ptr, 16, None), 0)
+            cp.ndarray((4,), np.float32, memptr=memory)[...] = cp.arange(1, 5, dtype=cp.float32)
+            event.record(stream)
+        ours.send("recorded")
+        assert ours.poll(30)
+        got = ours.recv()
+        if wait:
+            np.testing.assert_array_equal(got, [1, 2, 3, 4])
+        else:
+            assert np.isnan(got).all()  # the stand-in's fresh memory: 0xFF bytes
+        stream.synchronize()
+    finally:
+        reader.join(30)
+        reader.kill()
+        runtime.free(ptr)

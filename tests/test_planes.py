@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_every_plane_module_declares_itself():
-    assert planes.names() == ("mpi", "nccl", "shm", "zmq")
+    assert planes.names() == ("ipc", "mpi", "nccl", "shm", "zmq")
     for name in planes.names():
         plane = planes.plane(name)
         assert plane.name == name and plane.hosts in ("one", "many") and set(plane.kinds) <= {"cpu", "gpu"}
@@ -27,6 +27,7 @@ def test_a_cpu_worker_can_join_shared_memory_and_zeromq_not_nccl():
     shared = ["shm"] if platform.machine() in ("x86_64", "AMD64") else []
     assert planes.joinable_planes("cpu") == [*shared, "zmq"]
     assert "cuda backend" in planes.plane("nccl").joinable("cpu")
+    assert "cuda backend" in planes.plane("ipc").joinable("cpu")
 
 
 def test_only_a_worker_started_by_an_mpi_jobs_rank_can_join_mpi(monkeypatch):

@@ -254,7 +254,7 @@ class Hello:
 class Configure:
     world_size: int
     peers: list[str]  # data endpoints by rank
-    collective: str  # data plane: "shm" (shared memory with peers on this host), "zmq" or "nccl"
+    collective: str  # data plane: a name of workers/planes/ ("shm", "zmq", "nccl", "mpi", "ipc")
     nccl_id: bytes = b""
     memory_budget: int = 0  # bytes; 0 keeps the worker's default
     session: str = ""  # names this cluster's shared-memory files

@@ -9,8 +9,9 @@ without a GPU, with CuPy's ordering rules enforced (tests/cupy_standin/runtime.p
 What it models: streams (each a thread running its work later, in order), events, the current
 stream, stream capture into graphs and their replay, the device memory pool (stream-ordered
 reuse of freed blocks, a limit), pinned host memory, host-synchronous calls (forbidden while
-capturing), the race detector, and NCCL communicators between processes (nccl.py). What it
-does not: kernel launch configuration, device memory shared across processes (CUDA IPC).
+capturing), the race detector, NCCL communicators between processes (nccl.py), and CUDA IPC:
+device memory and events shared between processes (ipc.py). What it does not: kernel launch
+configuration.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.cupy_standin import array as arr
+from tests.cupy_standin import ipc
 from tests.cupy_standin import nccl as standin_nccl
 from tests.cupy_standin import runtime as rt
 
@@ -106,12 +108,19 @@ def modules() -> dict[str, types.ModuleType]:
     runtime.getDeviceProperties = _device_properties
     runtime.deviceSynchronize = rt.device_synchronize
     runtime.streamCaptureModeRelaxed = 2
+    runtime.malloc, runtime.free = ipc.malloc, ipc.free
+    runtime.ipcGetMemHandle, runtime.ipcOpenMemHandle = ipc.ipc_get_mem_handle, ipc.ipc_open_mem_handle
+    runtime.ipcCloseMemHandle = ipc.ipc_close_mem_handle
+    runtime.ipcGetEventHandle, runtime.ipcOpenEventHandle = ipc.ipc_get_event_handle, ipc.ipc_open_event_handle
+    runtime.streamWaitEvent, runtime.eventDestroy = ipc.stream_wait_event, ipc.event_destroy
+    runtime.cudaIpcMemLazyEnablePeerAccess = 1
     memory = types.ModuleType("cupy.cuda.memory")
     memory.OutOfMemoryError = rt.OutOfMemoryError
     memory.MemoryPool = rt.MemoryPool
     cuda = types.ModuleType("cupy.cuda")
     cuda.runtime, cuda.memory, cuda.nccl = runtime, memory, standin_nccl
     cuda.Stream, cuda.Event, cuda.Graph, cuda.Device = rt.Stream, rt.Event, rt.Graph, Device
+    cuda.UnownedMemory, cuda.MemoryPointer = arr.UnownedMemory, arr.MemoryPointer
     cuda.MemoryPool, cuda.PinnedMemoryPool = rt.MemoryPool, rt.PinnedMemoryPool
     cuda.get_current_stream = rt.get_current_stream
     cuda.set_pinned_memory_allocator = lambda allocator=None: None

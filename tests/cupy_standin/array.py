@@ -28,7 +28,12 @@ class ndarray:  # noqa: N801 - CuPy's name
     __array_priority__ = 100
 
     def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
-        made = _empty(shape if isinstance(shape, tuple) else (shape,), dtype)
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        if memptr is not None:  # an array over given device memory (CuPy's MemoryPointer)
+            view = rt.array_at(memptr.ptr, prod(shape), dtype).reshape(shape)
+            self._a, self._mem, self.base = view, memptr.mem, None
+            return
+        made = _empty(shape, dtype)
         self._a, self._mem, self.base = made._a, made._mem, None
 
     # -- what an array is ---------------------------------------------------------------------------
@@ -187,6 +192,20 @@ class ndarray:  # noqa: N801 - CuPy's name
 class _Pointer:
     def __init__(self, ptr: int, mem):
         self.ptr, self.mem = ptr, mem
+
+
+class UnownedMemory:
+    """cupy.cuda.UnownedMemory: device memory allocated elsewhere (`owner` keeps it alive)."""
+
+    def __init__(self, ptr: int, size: int, owner, device_id=None):
+        self.ptr, self.size, self.owner = int(ptr), int(size), owner
+
+
+class MemoryPointer:
+    """cupy.cuda.MemoryPointer: `offset` bytes into `mem`."""
+
+    def __init__(self, mem, offset: int):
+        self.mem, self.ptr = mem, mem.ptr + int(offset)
 
 
 class _Device:

@@ -84,16 +84,9 @@ def _issue_group(stream_ptr: int, calls: list) -> None:
         for array, peer in recvs:
             array[...] = np.frombuffer(comm._receive(peer, array.nbytes), array.dtype).reshape(array.shape)
 
-    _stream(stream_ptr).issue(
+    rt.stream_at(stream_ptr).issue(
         run, reads=[a for a, _ in sends], writes=[a for a, _ in recvs], what=f"NCCL group of rank {comm.rank}"
     )
-
-
-def _stream(ptr: int) -> rt.Stream:
-    for stream in list(rt._STREAMS):
-        if stream.ptr == ptr:
-            return stream
-    raise NcclError(f"no stream with pointer {ptr}")
 
 
 class NcclCommunicator:
@@ -181,7 +174,7 @@ class NcclCommunicator:
                 total = (total + parts[r]).astype(dtype)
             recv[...] = total
 
-        _stream(stream).issue(run, reads=[send], writes=[recv], what=f"ncclAllReduce of rank {self.rank}")
+        rt.stream_at(stream).issue(run, reads=[send], writes=[recv], what=f"ncclAllReduce of rank {self.rank}")
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self._point(stream, "send", rt.array_at(sendbuf, count, np.dtype(DTYPES[datatype])), peer)

@@ -139,6 +139,15 @@ class Event:
         self._done.set()  # an event never recorded counts as complete, as in CUDA
         self.clock: dict[int, int] = {}
         self.stream: Stream | None = None
+        self.ptr = next(_ids)
+        self.shared = None  # an interprocess event's counters (tests/cupy_standin/ipc.py)
+        if interprocess:
+            if not disable_timing:
+                raise CUDARuntimeError("cudaErrorInvalidValue", "an interprocess event must disable timing")
+            from tests.cupy_standin.ipc import SharedEventState
+
+            self.shared = SharedEventState()
+        _EVENTS[self.ptr] = self
 
     def record(self, stream: Stream | None = None) -> None:
         stream = stream or get_current_stream()
@@ -161,6 +170,17 @@ class Event:
 class _Work:
     run: Callable[[], None]
     what: str
+    late: bool = False  # it writes memory other processes read (CUDA IPC): run it late
+
+
+# Device memory other processes map (tests/cupy_standin/ipc.py), start -> end. Work writing it
+# runs IPC_DELAY_S late, so a reader in another process that does not wait for the writer's
+# event reads it before the write, every time.
+SHARED: dict[int, int] = {}
+
+
+def _writes_shared(writes) -> bool:
+    return any(start < end and lo < end and start < hi for lo, hi in writes for start, end in list(SHARED.items()))
 
 
 @dataclass
@@ -174,6 +194,7 @@ class _Captured:
 _local = threading.local()
 _ids = iter(range(1, 1 << 62))
 _STREAMS: weakref.WeakSet = weakref.WeakSet()  # every stream made (synchronize-all, NCCL's lookup by pointer)
+_EVENTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # every event made, by pointer
 
 
 class Stream:
@@ -195,6 +216,7 @@ class Stream:
         self._thread.start()
         self._delay = _setting("DELAY_S", 0.0005)
         self._delay_odds = _setting("DELAY_ODDS", 0.05)
+        self._ipc_delay = _setting("IPC_DELAY_S", 0.002)
         _STREAMS.add(self)
 
     def _loop(self) -> None:
@@ -202,6 +224,8 @@ class Stream:
             work: _Work = self._queue.get()
             if random.random() < self._delay_odds:  # late, so an unordered reader sees it missing
                 time.sleep(random.uniform(0, self._delay))
+            if work.late:
+                time.sleep(self._ipc_delay)
             if self._failure is not None and not isinstance(work.run, _Marker):
                 self._completed += 1
                 continue  # a failed stream runs nothing more, as a sticky CUDA error
@@ -225,7 +249,7 @@ class Stream:
                 self._capture.append(_Captured(run, reads, writes, what))
                 return
             DETECTOR.issue(self, reads, writes, what)
-            self._put(_Work(run, what))
+            self._put(_Work(run, what, bool(SHARED) and _writes_shared(writes)))
 
     def _record(self, event: Event) -> None:
         with _lock:
@@ -236,7 +260,10 @@ class Stream:
             event.stream = self
             event.clock = dict(DETECTOR.clocks.setdefault(self.id, {}))
             _merge(event.clock, DETECTOR.host)
-            self._put(_Work(_Marker(done), "record"))
+            marker = _Marker(done)
+            if event.shared is not None:  # other processes see the record run
+                marker = _Marker(done, event.shared, event.shared.issue_record())
+            self._put(_Work(marker, "record"))
 
     def record(self, event: Event | None = None) -> Event:
         event = event or Event()
@@ -321,16 +348,34 @@ class Stream:
 
 
 class _Marker:
-    """Work that only says the stream got this far (it runs even after a failure)."""
+    """Work that only says the stream got this far (it runs even after a failure); for an
+    interprocess event, also to the other processes (`shared`: its counters)."""
 
-    def __init__(self, done: threading.Event):
-        self.done = done
+    def __init__(self, done: threading.Event, shared=None, generation: int = 0):
+        self.done, self.shared, self.generation = done, shared, generation
 
     def __call__(self) -> None:
         self.done.set()
+        if self.shared is not None:
+            self.shared.ran(self.generation)
 
 
 Stream.null = Stream(null=True)
+
+
+def stream_at(ptr: int) -> Stream:
+    """The stream a library given its pointer means."""
+    for stream in list(_STREAMS):
+        if stream.ptr == ptr:
+            return stream
+    raise CUDARuntimeError("cudaErrorInvalidResourceHandle", f"no stream with pointer {ptr}")
+
+
+def event_at(ptr: int) -> Event:
+    event = _EVENTS.get(ptr)
+    if event is None:
+        raise CUDARuntimeError("cudaErrorInvalidResourceHandle", f"no event with pointer {ptr}")
+    return event
 
 
 def get_current_stream() -> Stream:
@@ -362,7 +407,7 @@ class Graph:
                     stream._capture.append(w)
                     continue
                 DETECTOR.issue(stream, w.reads, w.writes, f"{w.what} (graph)")
-                stream._put(_Work(w.run, w.what))
+                stream._put(_Work(w.run, w.what, bool(SHARED) and _writes_shared(w.writes)))
         self.launches += 1
 
 

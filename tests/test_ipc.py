@@ -1,0 +1,46 @@
+"""The CUDA IPC plane (workers/ipc.py) on the CuPy stand-in, three workers sharing device 0:
+all-reduces above the one-shot size take two shots, tensors above a buffer half go in pieces,
+and phases whose sends do not fit a half go through host memory; every result has the bits of
+the rank-order sum or the host reference. (The small cases, every transition on this plane, are
+tests/test_collectives.py's `cuda3` rows; the decode and LLM suites run on it as `cuda2`.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from split_state import MIRRORED, PARTIAL, Split, apply_reference
+from split_state.scatter import check_identical
+from tests.test_collectives import assert_bitwise, rank_order_sum, run_transition
+from workers import ipc
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_the_cuda_workers_sharing_a_device_chose_the_ipc_plane(cuda3):
+    assert {d["data_plane"] for d in cuda3.cluster.data_planes} == {"ipc"}
+
+
+@pytest.mark.parametrize(
+    "elements",
+    [
+        ipc.ONE_SHOT_BYTES // 4 + 5,  # two shots, uneven chunks
+        ipc.REGION_BYTES // 4 * 2 + 7,  # two whole halves' pieces and a remainder
+    ],
+)
+def test_large_all_reduces_take_two_shots_in_pieces_and_give_the_rank_order_sum(cuda3, elements):
+    n = cuda3.n
+    x = np.zeros((elements,), np.float32)
+    program = 10 + elements % 89
+    locals_, got = run_transition(cuda3.cluster.call_all, n, x, PARTIAL, MIRRORED, program=program, run=program)
+    assert_bitwise(got, [rank_order_sum(locals_)] * n)
+    check_identical(got)
+
+
+def test_a_phase_whose_sends_do_not_fit_a_half_goes_through_host_memory(cuda3):
+    n = cuda3.n
+    share = ipc.REGION_BYTES // 4 // (n - 1) + 64  # each rank sends its share to n - 1 peers: over a half
+    x = np.random.default_rng(3).standard_normal((n * share,)).astype(np.float32)
+    src = Split.even(0, x.shape[0], n)
+    locals_, got = run_transition(cuda3.cluster.call_all, n, x, src, MIRRORED, program=200, run=200)
+    assert_bitwise(got, apply_reference(locals_, src, MIRRORED))
