@@ -12,9 +12,11 @@ captured decode step replayed by the coordinator token by token, its median step
 workers, and the breakdown from as many steps with every kernel timed (the table shows both, so
 what profiling costs is visible). The reference stays up in its own process for the whole row,
 and the two alternate, --rounds rounds of a prefill and of decoding each, so a busy neighbour
-slows both alike; the figures are the rounds' medians. --contexts: decode at the same positions
-with the KV cache preallocated to each length. --rss-tokens: resident memory of the coordinator
-and the workers over that many decode tokens.
+slows both alike; the figures are the rounds' medians. Where llama-cpp-python is installed
+(`pip install llama-cpp-python`, which builds llama.cpp), llama.cpp itself runs on the same file
+with N threads after each worker count's rows, and a table compares its decode with ours.
+--contexts: decode at the same positions with the KV cache preallocated to each length.
+--rss-tokens: resident memory of the coordinator and the workers over that many decode tokens.
 """
 
 from __future__ import annotations
@@ -73,6 +75,48 @@ def reference_child(path: str, length: int, steps: int, requests, replies) -> No
             token = int(np.argmax(ref.forward(np.array([[token]]), np.array([[pos]]))[0, -1]))
             times.append(time.perf_counter() - start)
         replies.put(float(np.median(times)))
+
+
+def llama_cpp_child(path: str, length: int, steps: int, threads: int, requests, replies) -> None:
+    """llama.cpp itself (llama-cpp-python), on the same GGUF file with `threads` threads,
+    answering as reference_child: ("prefill",) the seconds of the prompt's prefill, ("decode",)
+    the median seconds of a greedy decode step over `steps` steps after it."""
+    from llama_cpp import Llama
+
+    from models.gguf_model import GGUFModel
+
+    tokens = [int(t) for t in prompt_ids(GGUFModel(path), length)[0]]  # the file's vocabulary: the same ids
+    llm = Llama(
+        model_path=path,
+        n_ctx=length + steps + 8,
+        n_batch=length,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    vocabulary = llm.n_vocab()
+    while (request := requests.get()) is not None:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(tokens)
+        prefill = time.perf_counter() - start
+        if request[0] == "prefill":
+            replies.put(prefill)
+            continue
+        times = []
+        for _ in range(steps):
+            # the last token's logits as llama.cpp left them (llm.scores holds them only with logits_all)
+            token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocabulary,))))
+            start = time.perf_counter()
+            llm.eval([token])
+            times.append(time.perf_counter() - start)
+        replies.put(float(np.median(times)))
+
+
+def have_llama_cpp() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def ours(
@@ -257,12 +301,26 @@ def run(
                         n, kind, length, ours(path, n, length, steps, weights=kind, reference=reference, rounds=rounds)
                     )
                 )
+        if have_llama_cpp():  # the goal of quantized decode: llama.cpp on the same file and threads
+            llama = llama_cpp(path, length, steps, n, rounds)
+            for row in rows[-len(weights) :]:
+                row |= {f"llama_cpp_{k}": v for k, v in llama.items()}
+                row["vs_llama_cpp"] = row["ours_decode_tok_s"] / llama["decode_tok_s"]
     results = {"model": Path(path).name, "rows": rows}
     if contexts:
         results["contexts"] = long_context(path, tuple(contexts), 32, steps)  # 32: a short prompt fits every cache
     if rss_tokens:
         results["memory"] = resident_memory(path, max(counts), rss_tokens)
     return results
+
+
+def llama_cpp(path: str, length: int, steps: int, threads: int, rounds: int) -> dict:
+    """llama.cpp's prefill and decode tokens per second on `threads` threads: medians of `rounds`
+    rounds, right after our rows of as many workers (not interleaved with them)."""
+    with ThreadedChild(llama_cpp_child, (path, length, steps, threads), 1) as child:
+        prefill = [child.ask("prefill") for _ in range(rounds)]
+        decode = [child.ask("decode") for _ in range(rounds)]
+    return {"prefill_tok_s": length / float(np.median(prefill)), "decode_tok_s": 1 / float(np.median(decode))}
 
 
 def _row(n: int, weights: str, length: int, mine: dict) -> dict:
@@ -353,6 +411,14 @@ def show(results: dict | None) -> None:
         " token), whose median step ms follows, untimed on the workers; profiled: every kernel timed, for the"
         " breakdown after it"
     )
+    if "vs_llama_cpp" in results["rows"][0]:
+        rows = [
+            [r["workers"], r["weights"], r["llama_cpp_prefill_tok_s"], r["llama_cpp_decode_tok_s"]]
+            + [r["ours_decode_tok_s"], r["vs_llama_cpp"]]
+            for r in results["rows"]
+        ]
+        cols = ["workers", "weights", "llama.cpp prefill tok/s", "llama.cpp decode tok/s", "ours decode", "ratio"]
+        print(table("llama.cpp (llama-cpp-python) on the same file, N threads", cols, rows))
     if "contexts" in results:
         rows = [[r["ctx"], r["decode_tok_s"], r["vs_first"]] for r in results["contexts"]]
         print(
