@@ -51,7 +51,7 @@ def add_cluster_options(ap: argparse.ArgumentParser) -> None:
         choices=["auto", *planes.names()],
         help="between workers: shared memory on one host (ZeroMQ across hosts), ZeroMQ only, NCCL "
         "(CuPy workers on distinct GPUs), CUDA IPC (CuPy workers on one host), MPI (under mpiexec/srun); "
-        "auto: NCCL where it applies, then CUDA IPC, MPI under an MPI launcher, else shared memory",
+        "auto: NCCL where it applies, MPI under an MPI launcher, else shared memory",
     )
 
 

@@ -63,7 +63,7 @@ class ClusterConfig:
     # between workers: a plane of workers/planes/ that every worker can join ("shm" shared memory
     # on one host, ZeroMQ across hosts; "zmq"; "nccl" for CuPy workers on distinct GPUs; "ipc" for
     # CuPy workers on this host; "mpi" for workers that are an MPI job's ranks), or "auto": nccl
-    # where it applies, then ipc, then mpi, else shm
+    # where it applies, then mpi, else shm
     data_plane: str = "auto"
     # "auto": CPU workers spawned here each on their own cores when they go round once; "off"
     bind: str = "auto"
@@ -147,9 +147,10 @@ class ProcessCluster:
 
     def _data_plane(self) -> str:
         """The plane the workers say they can all join: NCCL for CuPy workers each on its own GPU
-        (one host, spawned here) when every one has NCCL, else CUDA IPC for CuPy workers spawned
-        here; MPI for the workers of an MPI job's ranks; else shared memory (ZeroMQ where it
-        cannot be shared). The coordinator decides from their Hellos, not from its own imports."""
+        (one host, spawned here) when every one has NCCL; MPI for the workers of an MPI job's
+        ranks; else shared memory (ZeroMQ where it cannot be shared). CUDA IPC is asked for by
+        name: after a failed run it must be restarted, shared memory need not. The coordinator
+        decides from their Hellos, not from its own imports."""
         config = self.config
         lacking = lambda plane: [h.rank for h in self.devices if plane not in h.planes]  # noqa: E731
         if config.data_plane != "auto":
@@ -164,8 +165,6 @@ class ProcessCluster:
         distinct = len(set(devices)) == self.world_size
         if config.backend == "cuda" and config.spawn and self.world_size > 1 and distinct and not lacking("nccl"):
             return "nccl"
-        if config.backend == "cuda" and config.spawn and self.world_size > 1 and not lacking("ipc"):
-            return "ipc"  # GPU to GPU on this host, shared GPUs included
         if self.world_size > 1 and not lacking("mpi"):  # workers that are an MPI job's ranks
             return "mpi"
         return "shm"

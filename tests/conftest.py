@@ -72,8 +72,9 @@ def _standin_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cuda2():
-    """Two workers on the CUDA backend, on the asynchronous CuPy stand-in, sharing device 0."""
-    yield from _process_device(2, backend="cuda", devices=(0, 0), env=_standin_env())
+    """Two workers on the CUDA backend, on the asynchronous CuPy stand-in, sharing device 0;
+    their collectives go through CUDA IPC."""
+    yield from _process_device(2, backend="cuda", devices=(0, 0), env=_standin_env(), data_plane="ipc")
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +87,13 @@ def cuda_nccl2():
 @pytest.fixture(scope="module")
 def cuda3():
     """Three workers sharing the stand-in's device 0: their collectives go through CUDA IPC."""
-    yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env())
+    yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env(), data_plane="ipc")
 
 
 @pytest.fixture(scope="module")
 def cuda3_shm():
-    """As cuda3, with the collectives staged through host memory (the shm plane)."""
-    yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env(), data_plane="shm")
+    """As cuda3, with the collectives staged through host memory (the shm plane, auto's choice)."""
+    yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env())
 
 
 @pytest.fixture(scope="module")

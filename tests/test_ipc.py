@@ -17,7 +17,7 @@ from workers import ipc
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_the_cuda_workers_sharing_a_device_chose_the_ipc_plane(cuda3):
+def test_the_cuda_workers_sharing_a_device_joined_the_ipc_plane(cuda3):
     assert {d["data_plane"] for d in cuda3.cluster.data_planes} == {"ipc"}
 
 

@@ -22,6 +22,10 @@ algorithms' phases (exchange, reduce) run the same way when every rank's sends f
 and through host memory otherwise. Sums are in rank order with the first two added in one pass,
 as workers.collectives.HostEngine adds, so every rank gets the same bits as the shm plane gives.
 
+Every rank must count the same operations. A failed one (a lost or aborting peer) leaves the
+counts apart, so the plane then refuses work with a typed error until the cluster restarts, as
+NCCL's after an abort; that is why `auto` keeps the shm plane and this one is asked for by name.
+
 `IpcDevice` is the only code that speaks CUDA's IPC API; the rest works on arrays.
 """
 
