@@ -194,7 +194,7 @@ def local_share_s(m: int, k: int, n: int, workers: int, steps: int) -> float:
     return numpy_baseline(cases, steps, 1)["share"]
 
 
-def run(quick: bool, workers: int, backend: str = "cpu") -> dict:
+def run(quick: bool, workers: int, backend: str = "cpu", data_plane: str = "auto") -> dict:
     k, n = (1024, 2752) if quick else (4096, 11008)
     cases = {
         "a_matmul_col_split": (k, k, k, "matmul"),
@@ -203,7 +203,9 @@ def run(quick: bool, workers: int, backend: str = "cpu") -> dict:
     }
     steps = 3 if quick else 5
     base = numpy_baseline(cases, steps, workers, backend)
-    config = ClusterConfig(workers=workers, blas_threads=1, backend=backend, devices=(0,) * workers)
+    config = ClusterConfig(
+        workers=workers, blas_threads=1, backend=backend, devices=(0,) * workers, data_plane=data_plane
+    )
     with MetaDevice(ProcessCluster(config)) as dev:
         measured = ours(dev, cases, steps)
         rt = round_trip_us()

@@ -63,6 +63,15 @@ def procs3_zmq():
     yield from _process_device(3, data_plane="zmq")
 
 
+IPC_REGION_MIB = 1  # the IPC plane's halves in the stand-in fixtures: small /dev/shm files, many pieces
+
+
+def _ipc_env() -> dict[str, str]:
+    from workers.ipc import REGION_ENV
+
+    return {**_standin_env(), REGION_ENV: str(IPC_REGION_MIB)}
+
+
 def _standin_env() -> dict[str, str]:
     """A worker's environment where `import cupy` gives tests/cupy_standin (no GPU needed)."""
     from tests.cupy_standin import SHIM
@@ -74,7 +83,7 @@ def _standin_env() -> dict[str, str]:
 def cuda2():
     """Two workers on the CUDA backend, on the asynchronous CuPy stand-in, sharing device 0;
     their collectives go through CUDA IPC."""
-    yield from _process_device(2, backend="cuda", devices=(0, 0), env=_standin_env(), data_plane="ipc")
+    yield from _process_device(2, backend="cuda", devices=(0, 0), env=_ipc_env(), data_plane="ipc")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +96,7 @@ def cuda_nccl2():
 @pytest.fixture(scope="module")
 def cuda3():
     """Three workers sharing the stand-in's device 0: their collectives go through CUDA IPC."""
-    yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env(), data_plane="ipc")
+    yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_ipc_env(), data_plane="ipc")
 
 
 @pytest.fixture(scope="module")

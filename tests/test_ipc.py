@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 
 from split_state import MIRRORED, PARTIAL, Split, apply_reference
+from split_state.errors import TransportError
 from split_state.scatter import check_identical
+from tests.conftest import IPC_REGION_MIB
 from tests.test_collectives import assert_bitwise, rank_order_sum, run_transition
 from workers import ipc
+
+HALF = IPC_REGION_MIB << 20  # the bytes of a half in the cuda3 fixture's workers
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,7 +29,7 @@ def test_the_cuda_workers_sharing_a_device_joined_the_ipc_plane(cuda3):
     "elements",
     [
         ipc.ONE_SHOT_BYTES // 4 + 5,  # two shots, uneven chunks
-        ipc.REGION_BYTES // 4 * 2 + 7,  # two whole halves' pieces and a remainder
+        HALF // 4 * 2 + 7,  # two whole halves' pieces and a remainder
     ],
 )
 def test_large_all_reduces_take_two_shots_in_pieces_and_give_the_rank_order_sum(cuda3, elements):
@@ -39,8 +43,17 @@ def test_large_all_reduces_take_two_shots_in_pieces_and_give_the_rank_order_sum(
 
 def test_a_phase_whose_sends_do_not_fit_a_half_goes_through_host_memory(cuda3):
     n = cuda3.n
-    share = ipc.REGION_BYTES // 4 // (n - 1) + 64  # each rank sends its share to n - 1 peers: over a half
+    share = HALF // 4 // (n - 1) + 64  # each rank sends its share to n - 1 peers: over a half
     x = np.random.default_rng(3).standard_normal((n * share,)).astype(np.float32)
     src = Split.even(0, x.shape[0], n)
     locals_, got = run_transition(cuda3.cluster.call_all, n, x, src, MIRRORED, program=200, run=200)
     assert_bitwise(got, apply_reference(locals_, src, MIRRORED))
+
+
+@pytest.mark.parametrize("text", ["0", "-4", "eight", "1.5"])
+def test_a_half_size_that_is_not_a_whole_positive_mib_count_is_refused_by_name(monkeypatch, text):
+    monkeypatch.setenv(ipc.REGION_ENV, text)
+    with pytest.raises(TransportError, match=f"{ipc.REGION_ENV}={text!r}"):
+        ipc.region_mib()
+    monkeypatch.setenv(ipc.REGION_ENV, "3")
+    assert ipc.region_mib() == 3

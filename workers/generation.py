@@ -151,7 +151,9 @@ def run_generation(
             cancel = _stop_flag(comm, run, executor.collective_timeout) and not finished
         if finished or cancel:
             break
-        tokens[:count, 0] = chosen  # the program reads these arrays again: written in place
+        # the program reads these arrays again: written in place, from a host array moved to the
+        # device explicitly (CuPy takes only a scalar or a device array on assignment)
+        tokens[:count, 0] = backend.to_device(np.asarray(chosen, tokens.dtype))
         positions[:count, 0] += 1
     return p.Ok({"steps": steps, "cancelled": cancel, **timings})
 

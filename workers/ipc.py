@@ -17,7 +17,7 @@ owner rewrites it, and nothing waits on the host but for the peers' 8-byte messa
 
 The all-reduce is one shot for small tensors (each rank reads every peer's whole tensor and sums
 in rank order) and two shots for larger ones (each rank sums its chunk from every peer and
-shares it; every rank then gathers the chunks), in pieces of the buffer's size. The other
+shares it; every rank then gathers the chunks), in pieces of a half's size (REGION_ENV). The other
 algorithms' phases (exchange, reduce) run the same way when every rank's sends fit a half,
 and through host memory otherwise. Sums are in rank order with the first two added in one pass,
 as workers.collectives.HostEngine adds, so every rank gets the same bits as the shm plane gives.
@@ -31,6 +31,7 @@ NCCL's after an abort; that is why `auto` keeps the shm plane and this one is as
 
 from __future__ import annotations
 
+import os
 from math import prod
 from typing import Any
 
@@ -44,7 +45,11 @@ from transport.deadline import Deadline
 from workers.collectives import HostEngine
 from workers.comm import HostComm
 
-REGION_BYTES = 8 << 20  # per half and round: a rank's buffer is four of these
+# a half's bytes per round (a rank's buffer is four), in MiB: the piece an all-reduce moves per
+# two signal rounds. 32 MiB: on an H100 a 64 MiB all-reduce took 3.4 ms in 8 MiB pieces, almost
+# all of it the signals' latency; tests ask for less to keep the stand-in's /dev/shm files small
+REGION_ENV = "META_TP_IPC_REGION_MIB"
+DEFAULT_REGION_MIB = 32
 ONE_SHOT_BYTES = 256 << 10  # up to this size every rank reads every peer's whole tensor
 ALIGN = 256  # offsets of the boxes a rank shares, in bytes (CUDA's allocation alignment)
 ROUND_TAG = 1 << 28  # the second round of an operation: no program has that many steps
@@ -53,14 +58,23 @@ HANDLE_BYTES = 64
 MAX_VIEWS = 4096
 
 
+def region_mib() -> int:
+    """The half's size this worker's environment asks for (REGION_ENV), in MiB."""
+    text = os.environ.get(REGION_ENV, str(DEFAULT_REGION_MIB))
+    if not text.isdigit() or int(text) < 1:
+        raise TransportError(f"{REGION_ENV}={text!r}: give a whole number of MiB, 1 or more")
+    return int(text)
+
+
 class IpcDevice:
     """This rank's shared buffer and events, and the peers' as opened here: the thin layer over
     cupy.cuda.runtime's IPC calls. The buffer is two halves of two regions (round 0: what the
     rank shares; round 1: the chunk it reduced), one event per half and round."""
 
-    def __init__(self, region_bytes: int = REGION_BYTES):
+    def __init__(self):
         import cupy
 
+        region_bytes = region_mib() << 20
         self.cupy, self.runtime = cupy, cupy.cuda.runtime
         self.region_bytes = region_bytes
         self.own = self.runtime.malloc(4 * region_bytes)

@@ -160,8 +160,10 @@ class ndarray:  # noqa: N801 - CuPy's name
         return _defer("getitem", lambda a, i: a[i], (self, _IndexBox(index)), {})
 
     def __setitem__(self, index, value) -> None:
-        if isinstance(value, np.ndarray) and value.ndim:
-            raise TypeError("Unsupported type <class 'numpy.ndarray'>")
+        if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim):
+            # as CuPy: what is not a device array is a scalar to fill with (a list becomes a
+            # NumPy array first); host data goes to the device explicitly
+            raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
         target = self[index] if _basic(index) else self
         if _basic(index):
             _issue_write(target, lambda t, v: np.copyto(t, v), value, "setitem")
