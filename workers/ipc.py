@@ -31,6 +31,7 @@ NCCL's after an abort; that is why `auto` keeps the shm plane and this one is as
 
 from __future__ import annotations
 
+import itertools
 import os
 from math import prod
 from typing import Any
@@ -74,10 +75,9 @@ class IpcDevice:
     def __init__(self):
         import cupy
 
-        region_bytes = region_mib() << 20
         self.cupy, self.runtime = cupy, cupy.cuda.runtime
-        self.region_bytes = region_bytes
-        self.own = self.runtime.malloc(4 * region_bytes)
+        self.region_bytes = region_mib() << 20
+        self.own = self.runtime.malloc(4 * self.region_bytes)
         self.events = [cupy.cuda.Event(block=False, disable_timing=True, interprocess=True) for _ in range(4)]
         self.bases: dict[int, int] = {}  # peer -> its buffer's address here
         self.peer_events: dict[int, list[int]] = {}
@@ -103,7 +103,7 @@ class IpcDevice:
         if got is None:
             if len(self.views) >= MAX_VIEWS:
                 self.views.clear()
-            base = self.own if rank not in self.bases else self.bases[rank]
+            base = self.bases.get(rank, self.own)
             nbytes = prod(shape) * np.dtype(dtype).itemsize
             ptr = base + (2 * half + region) * self.region_bytes + offset
             memory = self.cupy.cuda.UnownedMemory(ptr, nbytes, self)
@@ -234,12 +234,20 @@ class IpcEngine:
             self._guarded(shots, part, target, tag)
         return out
 
-    def _one_shot(self, part: Any, target: Any, tag: Tag) -> None:
+    def _share(self, boxes: list[tuple[int, Any]], tag: Tag) -> tuple[int, int]:
+        """Steps 1-3 of an operation: write each (offset, array) into this rank's next half,
+        record, signal, and make the stream wait for every peer's record. (seq, half)."""
         comm, device = self.comm, self.comm.device
         seq, half = comm.begin()
-        device.view(self.rank, half, 0, 0, part.shape, part.dtype)[...] = part
+        for offset, box in boxes:
+            device.view(self.rank, half, 0, offset, box.shape, box.dtype)[...] = box
         comm.share(seq, half, 0, tag)
         comm.await_peers(seq, half, 0, tag)
+        return seq, half
+
+    def _one_shot(self, part: Any, target: Any, tag: Tag) -> None:
+        device = self.comm.device
+        _, half = self._share([(0, part)], tag)
         views = [
             part if r == self.rank else device.view(r, half, 0, 0, part.shape, part.dtype) for r in range(self.size)
         ]
@@ -247,12 +255,8 @@ class IpcEngine:
 
     def _two_shot(self, part: Any, target: Any, tag: Tag) -> None:
         comm, device, xp, dtype = self.comm, self.comm.device, self.xp, part.dtype
-        seq, half = comm.begin()
-        device.view(self.rank, half, 0, 0, part.shape, dtype)[...] = part
-        comm.share(seq, half, 0, tag)
-        comm.await_peers(seq, half, 0, tag)
-        chunks = flat_split(part.size, self.size).segments[0]
-        starts = np.concatenate([[0], np.cumsum(chunks)]).astype(int).tolist()
+        seq, half = self._share([(0, part)], tag)
+        starts = [0, *itertools.accumulate(flat_split(part.size, self.size).segments[0])]
         lo, hi = starts[self.rank], starts[self.rank + 1]
         shape, offset = (hi - lo,), lo * part.itemsize
         mine = [
@@ -283,28 +287,21 @@ class IpcEngine:
 
         return phase.derived(("ipc", itemsize), make)
 
-    def _publish(self, local: Any, phase: Phase, tag: Tag):
-        """Steps 1-3 for a phase's sends; the layout, half and box shapes the reads need."""
-        comm, device, rank = self.comm, self.comm.device, self.rank
-        layout = self._layout(phase, local.itemsize)
-        seq, half = comm.begin()
-        for t in phase.share(self.size, rank).sends:
-            box = local[t.src_box]
-            device.view(rank, half, 0, layout[id(t)], box.shape, local.dtype)[...] = box
-        comm.share(seq, half, 0, tag)
-        comm.await_peers(seq, half, 0, tag)
-        return layout, half
+    def _publish(self, local: Any, phase: Phase, layout: dict[int, int], tag: Tag) -> int:
+        """Steps 1-3 for a phase's sends, at their places in the layout; the half."""
+        return self._share([(layout[id(t)], local[t.src_box]) for t in phase.share(self.size, self.rank).sends], tag)[1]
 
     def _received(self, t, layout, half: int, shape: tuple[int, ...], dtype) -> Any:
         return self.comm.device.view(t.src, half, 0, layout[id(t)], box_shape(t.dst_box, shape), dtype)
 
     def exchange(self, local: Any, phase: Phase, tag: Tag) -> Any:
-        if self._layout(phase, local.itemsize) is None:
+        layout = self._layout(phase, local.itemsize)
+        if layout is None:
             return self.host.exchange(local, phase, tag)
-        return self._guarded(self._exchange, local, phase, tag)
+        return self._guarded(self._exchange, local, phase, layout, tag)
 
-    def _exchange(self, local: Any, phase: Phase, tag: Tag) -> Any:
-        layout, half = self._publish(local, phase, tag)
+    def _exchange(self, local: Any, phase: Phase, layout: dict[int, int], tag: Tag) -> Any:
+        half = self._publish(local, phase, layout, tag)
         share = phase.share(self.size, self.rank)
         out = self.xp.empty(share.out_shape, dtype=local.dtype)
         for t in share.receives:
@@ -315,12 +312,13 @@ class IpcEngine:
         return out
 
     def reduce(self, local: Any, phase: Phase, tag: Tag) -> Any:
-        if self._layout(phase, local.itemsize) is None:
+        layout = self._layout(phase, local.itemsize)
+        if layout is None:
             return self.host.reduce(local, phase, tag)
-        return self._guarded(self._reduce, local, phase, tag)
+        return self._guarded(self._reduce, local, phase, layout, tag)
 
-    def _reduce(self, local: Any, phase: Phase, tag: Tag) -> Any:
-        layout, half = self._publish(local, phase, tag)
+    def _reduce(self, local: Any, phase: Phase, layout: dict[int, int], tag: Tag) -> Any:
+        half = self._publish(local, phase, layout, tag)
         share = phase.share(self.size, self.rank)
         out = self.xp.empty(share.out_shape, dtype=local.dtype)
         for box, group in share.owned:
@@ -330,12 +328,7 @@ class IpcEngine:
                 else self._received(t, layout, half, share.out_shape, local.dtype)
                 for t in group
             ]
-            if self.size == 1:
-                out[box] = parts[0]
-                continue
-            total = self.xp.empty(parts[0].shape, dtype=local.dtype)
-            _sum_in_rank_order(self.xp, parts, total)
-            out[box] = total
+            _sum_in_rank_order(self.xp, parts, out[box])  # a plane of one worker is never IPC: two parts or more
         return out
 
 

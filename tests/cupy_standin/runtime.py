@@ -180,7 +180,9 @@ SHARED: dict[int, int] = {}
 
 
 def _writes_shared(writes) -> bool:
-    return any(start < end and lo < end and start < hi for lo, hi in writes for start, end in list(SHARED.items()))
+    if not SHARED:  # the common case: no IPC memory in this process
+        return False
+    return any(lo < end and start < hi for lo, hi in writes for start, end in list(SHARED.items()))
 
 
 @dataclass
@@ -249,7 +251,7 @@ class Stream:
                 self._capture.append(_Captured(run, reads, writes, what))
                 return
             DETECTOR.issue(self, reads, writes, what)
-            self._put(_Work(run, what, bool(SHARED) and _writes_shared(writes)))
+            self._put(_Work(run, what, _writes_shared(writes)))
 
     def _record(self, event: Event) -> None:
         with _lock:
@@ -407,7 +409,7 @@ class Graph:
                     stream._capture.append(w)
                     continue
                 DETECTOR.issue(stream, w.reads, w.writes, f"{w.what} (graph)")
-                stream._put(_Work(w.run, w.what, bool(SHARED) and _writes_shared(w.writes)))
+                stream._put(_Work(w.run, w.what, _writes_shared(w.writes)))
         self.launches += 1
 
 
