@@ -47,8 +47,9 @@ from workers.collectives import HostEngine
 from workers.comm import HostComm
 
 # a half's bytes per round (a rank's buffer is four), in MiB: the piece an all-reduce moves per
-# two signal rounds. 32 MiB: on an H100 a 64 MiB all-reduce took 3.4 ms in 8 MiB pieces, almost
-# all of it the signals' latency; tests ask for less to keep the stand-in's /dev/shm files small
+# two signal rounds. 32 MiB: on an H100 a 64 MiB all-reduce took 3.4 ms in 8 MiB pieces and
+# 0.36-0.82 ms in 32 MiB ones (the rounds cost more than the bytes); tests ask for less to keep
+# the stand-in's /dev/shm files small
 REGION_ENV = "META_TP_IPC_REGION_MIB"
 DEFAULT_REGION_MIB = 32
 ONE_SHOT_BYTES = 256 << 10  # up to this size every rank reads every peer's whole tensor
