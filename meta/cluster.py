@@ -496,6 +496,7 @@ class ProcessCluster:
             return
         self.closed = True
         lost = self.lost.rank if self.lost is not None else None
+        told = False  # workers not told to stop (still starting, say) get no grace to stop by themselves
         if getattr(self, "devices", None):
             # the socket is another thread's while it reads between calls or (closing from a signal
             # handler or another thread) makes a call; then the workers go by terminate below
@@ -504,6 +505,7 @@ class ProcessCluster:
                     for rank, route in self.routes.items():
                         if rank != lost:
                             send(self.control, p.Shutdown(), 0, route=route)
+                    told = True
                 except MetaError:
                     pass
                 finally:
@@ -511,7 +513,7 @@ class ProcessCluster:
         for proc in self.processes:
             if lost is not None and proc.pid == self.pids.get(lost) and proc.poll() is None:
                 proc.kill()  # dead or stopped: nothing to wait for
-        end = time.monotonic() + grace
+        end = time.monotonic() + (grace if told else 0.0)
         for proc in self.processes:
             try:
                 proc.wait(max(0.05, end - time.monotonic()))
@@ -537,7 +539,9 @@ class ProcessCluster:
             if sock is not None:
                 sock.close(0)
         self.security.close()
-        self.context.term()
+        # destroy, not term: term waits for every socket of the context to close, and a Ctrl-C that
+        # lands between making a socket and keeping it leaves one only the traceback holds
+        self.context.destroy(linger=0)
         if self.ipc is not None:
             self.ipc.close()
         if self._key_dir is not None:

@@ -180,3 +180,34 @@ def test_a_starved_worker_leaves_the_coordinators_sockets_alone(fresh_cluster):
     for proc in cluster.processes:
         proc.wait(10)  # each watchdog gives up on the coordinator and exits
     assert os.path.isdir(ipc_dir), "a worker removed the living coordinator's socket directory"
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_between_making_a_socket_and_keeping_it_still_ends_the_start(monkeypatch):
+    """Ctrl-C can land anywhere, also after a data socket is made and before the cluster holds it
+    (the traceback keeps it open): closing must still end, not wait in ZeroMQ's context shutdown
+    for a socket nobody will close (seen as a `launch.py demo` that never answered a Ctrl-C)."""
+    import meta.cluster as cluster_module
+    from meta.cluster import ClusterConfig, ProcessCluster
+
+    made = {}
+
+    def push_then_interrupted(*args, **kwargs):
+        made["socket"] = push(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cluster_module, "push", push_then_interrupted)
+    outcome = {}
+
+    def start() -> None:
+        try:
+            ProcessCluster(ClusterConfig(workers=1))
+        except BaseException as exc:  # noqa: BLE001 - the outcome is the test's to judge
+            outcome["raised"] = exc
+
+    starter = threading.Thread(target=start, daemon=True)  # a hang stays in this thread
+    starter.start()
+    starter.join(30)
+    assert not starter.is_alive(), "the cluster's close waited for a socket nobody closes"
+    assert isinstance(outcome.get("raised"), KeyboardInterrupt), outcome
+    assert made["socket"].closed

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             handshake.close()
         control.close(0)
         security.close()
-        context.term()
+        context.destroy(linger=0)  # also a socket an exception left unclosed: term would wait for it
     if server.refused:
         print(f"worker {args.rank}: exiting, {server.refused}", file=sys.stderr, flush=True)
         return 2

@@ -374,7 +374,7 @@ def standalone(world) -> Iterator[MpiComm]:
     finally:
         comm.close()
         inbox.close(0)
-        context.term()
+        context.destroy(linger=0)  # also a socket an exception left unclosed: term would wait for it
         world.Barrier()
         if directory is not None:
             directory.close()
