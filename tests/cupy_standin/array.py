@@ -532,7 +532,9 @@ def full_like(a, fill_value, dtype=None, order="K", subok=None, shape=None):
 
 def ascontiguousarray(a, dtype=None):
     a = asarray(a)
-    if a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
+    # as NumPy's and CuPy's, a 0-d array comes back with shape (1,) (seen on an H100: a full
+    # reduction read back through it had shape (1,), where the stand-in had kept ())
+    if a.ndim and a.flags.c_contiguous and (dtype is None or np.dtype(dtype) == a.dtype):
         return a
     return _defer("ascontiguousarray", lambda x: np.ascontiguousarray(x, dtype=dtype), (a,), {})
 

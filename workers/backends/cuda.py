@@ -63,13 +63,14 @@ class Backend:
         return self.xp.asarray(array)  # on the compute stream, after the kernels before it
 
     def to_host(self, array: Any) -> np.ndarray:
+        shape = array.shape  # ascontiguousarray turns a 0-d array into shape (1,), as NumPy's does
         array = self.xp.ascontiguousarray(array)  # a box of a larger tensor: packed on the compute stream
         ready = self.compute.record()  # everything issued so far, the producer of `array` included
         self.copy.wait_event(ready)
         out = self._empty_pinned(array.shape, dtype=array.dtype)
         array.get(out=out, stream=self.copy)
         self.copy.synchronize()
-        return out
+        return out.reshape(shape)
 
     def synchronize(self) -> None:
         self.compute.synchronize()

@@ -403,7 +403,7 @@ def _copy_of(view: Callable) -> Callable:
     def kernel(xp, inputs, params, out=None):
         v = view(inputs[0], params)
         if out is None:
-            return xp.ascontiguousarray(v)
+            return xp.ascontiguousarray(v).reshape(v.shape)  # a 0-d view would come back as shape (1,)
         xp.copyto(out, v)
         return out
 
