@@ -6,7 +6,8 @@ Runs, each on the CUDA backend with several workers sharing GPU 0 (CUDA IPC betw
 default there; the sweep also through shared memory):
 1. the CuPy tests: the API check against the installed CuPy, the stand-in suites, and the tests
    that skip without a GPU (the backend's stream ordering on a real device, NCCL, two workers
-   on one GPU);
+   on one GPU); then the CUDA-backend rows of the op, transition, decode, generation, LLM and
+   IPC suites with their workers on the GPU instead of the stand-in;
 2. `launch.py demo --backend cuda`;
 3. `launch.py generate --backend cuda`, whose tokens must equal `--backend cpu`'s (the packaged
    SmolLM2, or `--model GGUF`);
@@ -19,6 +20,7 @@ exits 1; a failed check exits 2.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,6 +44,19 @@ CUPY_TESTS = [
     "tests/test_ipc.py",
     "tests/test_workers.py",
 ]
+# set for the test run below: tests/conftest.py then starts the CUDA-backend fixtures' workers
+# on the installed CuPy and the real GPU 0 instead of the stand-in
+ON_GPU_ENV = "META_TP_TESTS_ON_GPU"
+# the suites whose CUDA-backend rows (the cuda2 / cuda3 fixtures) run again with their workers
+# on the real GPU instead of the stand-in (tests/conftest.py ON_GPU_ENV)
+ON_GPU_TESTS = [
+    "tests/test_ipc.py",
+    "tests/test_collectives.py",
+    "tests/test_meta.py",
+    "tests/test_decode.py",
+    "tests/test_generation.py",
+    "tests/test_llm.py",
+]
 
 
 def gpus() -> int:
@@ -49,10 +64,11 @@ def gpus() -> int:
     return backend.device_count if backend is not None else 0
 
 
-def _command(args: list[str], timeout: float) -> tuple[bool, str, float]:
+def _command(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[bool, str, float]:
     start = time.perf_counter()
     try:
-        done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        environ = {**os.environ, **(env or {})}
+        done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=environ)
     except subprocess.TimeoutExpired:
         return False, f"no answer within {timeout:.0f} s", time.perf_counter() - start
     tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
@@ -84,6 +100,9 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> d
         command = [sys.executable, "-m", "pytest", "-q", *CUPY_TESTS, "-k", "cuda or cupy or graph or ipc"]
         ok, detail, seconds = _command(command, 1800)
         record("CuPy tests", ok, detail, seconds)
+        command = [sys.executable, "-m", "pytest", "-q", *ON_GPU_TESTS, "-k", "cuda or ipc"]
+        ok, detail, seconds = _command(command, 1800, {ON_GPU_ENV: "1"})
+        record("CUDA-backend suites, workers on the GPU", ok, detail, seconds)
     devices = ",".join(["0"] * workers)
     ok, detail, seconds = _command(
         [sys.executable, "launch.py", "demo", "--backend", "cuda", "--workers", str(workers), "--devices", devices], 600

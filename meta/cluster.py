@@ -63,7 +63,7 @@ class ClusterConfig:
     # between workers: a plane of workers/planes/ that every worker can join ("shm" shared memory
     # on one host, ZeroMQ across hosts; "zmq"; "nccl" for CuPy workers on distinct GPUs; "ipc" for
     # CuPy workers on this host; "mpi" for workers that are an MPI job's ranks), or "auto": nccl
-    # where it applies, then mpi, else shm
+    # where it applies, then ipc (CuPy workers spawned here on one GPU), then mpi, else shm
     data_plane: str = "auto"
     # "auto": CPU workers spawned here each on their own cores when they go round once; "off"
     bind: str = "auto"
@@ -148,9 +148,9 @@ class ProcessCluster:
     def _data_plane(self) -> str:
         """The plane the workers say they can all join: NCCL for CuPy workers each on its own GPU
         (one host, spawned here) when every one has NCCL; MPI for the workers of an MPI job's
-        ranks; else shared memory (ZeroMQ where it cannot be shared). CUDA IPC is asked for by
-        name: after a failed run it must be restarted, shared memory need not. The coordinator
-        decides from their Hellos, not from its own imports."""
+        ranks; CUDA IPC for CuPy workers spawned here sharing one GPU (NCCL refuses that); else
+        shared memory (ZeroMQ where it cannot be shared). The coordinator decides from their
+        Hellos, not from its own imports."""
         config = self.config
         lacking = lambda plane: [h.rank for h in self.devices if plane not in h.planes]  # noqa: E731
         if config.data_plane != "auto":
@@ -161,10 +161,16 @@ class ProcessCluster:
                     "with NCCL >= 2.7; mpi needs workers started by the ranks of an MPI job, with mpi4py)"
                 )
             return config.data_plane
-        devices = config.devices or tuple(range(self.world_size))
+        # the GPUs the workers say they run on (without --devices, rank r takes GPU r modulo the count)
+        said = tuple(h.device_index for h in self.devices)
+        devices = said if min(said, default=-1) >= 0 else config.devices or tuple(range(self.world_size))
         distinct = len(set(devices)) == self.world_size
         if config.backend == "cuda" and config.spawn and self.world_size > 1 and distinct and not lacking("nccl"):
             return "nccl"
+        every_one_here = config.spawn and config.local_workers < 0
+        one_gpu = len(set(devices)) == 1  # across GPUs CUDA IPC would need peer access between them
+        if config.backend == "cuda" and every_one_here and self.world_size > 1 and one_gpu and not lacking("ipc"):
+            return "ipc"
         if self.world_size > 1 and not lacking("mpi"):  # workers that are an MPI job's ranks
             return "mpi"
         return "shm"

@@ -450,8 +450,19 @@ class MetaDevice:
             self.clock.round_trip_s += time.perf_counter() - start
         failures = {d: r for d, r in replies.items() if isinstance(r, p.Error)}
         if failures:
+            if any(isinstance(m, (p.RunProgram, p.Generate)) for m in messages.values()):
+                self._resync()
             raise _exception(failures)
         return replies
+
+    def _resync(self) -> None:
+        """After a failed run every worker brings its data plane back to the state all share
+        (the CUDA IPC plane's operation counts differ when one rank failed before a collective
+        that its peers began). If that fails too, the next run says so; the run's own error is
+        the one raised."""
+        message = p.Resync(next(self._run_ids))  # one run id for all: it tags their exchange
+        with contextlib.suppress(errors.MetaError):
+            self.cluster.call_all({d: message for d in range(self.n)})
 
     # -- lifetime -------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import os
 import pytest
 from hypothesis import settings
 
+from bench.gpu_check import ON_GPU_ENV  # "1": the CUDA fixtures' workers on the real GPU
 from meta import ClusterConfig, MetaDevice, ProcessCluster
 from meta.cluster import alive
 from workers.simulator import SimulatedCluster
@@ -72,11 +73,16 @@ def _ipc_env() -> dict[str, str]:
     return {**_standin_env(), REGION_ENV: str(IPC_REGION_MIB)}
 
 
+def _on_gpu() -> bool:
+    return os.environ.get(ON_GPU_ENV, "") == "1"
+
+
 def _standin_env() -> dict[str, str]:
-    """A worker's environment where `import cupy` gives tests/cupy_standin (no GPU needed)."""
+    """A worker's environment where `import cupy` gives tests/cupy_standin (no GPU needed), or
+    the real CuPy under ON_GPU_ENV."""
     from tests.cupy_standin import SHIM
 
-    return {"PYTHONPATH": SHIM}
+    return {} if _on_gpu() else {"PYTHONPATH": SHIM}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +96,12 @@ def cuda2():
 def cuda_nccl2():
     """Two workers on the stand-in's two devices: their collectives go through NCCL (the
     stand-in's communicator between the processes)."""
+    if _on_gpu():
+        from meta.backends import local_backends
+
+        cuda = local_backends().get("cuda")
+        if cuda is None or cuda.device_count < 2:
+            pytest.skip("the NCCL plane needs two GPUs")
     yield from _process_device(2, backend="cuda", devices=(0, 1), env={**_standin_env(), "CUPY_STANDIN_DEVICES": "2"})
 
 
@@ -101,8 +113,8 @@ def cuda3():
 
 @pytest.fixture(scope="module")
 def cuda3_shm():
-    """As cuda3, with the collectives staged through host memory (the shm plane, auto's choice)."""
-    yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env())
+    """As cuda3, with the collectives staged through host memory (the shm plane)."""
+    yield from _process_device(3, backend="cuda", devices=(0, 0, 0), env=_standin_env(), data_plane="shm")
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,18 @@ tests/test_collectives.py's `cuda3` rows; the decode and LLM suites run on it as
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
+from meta import MetaDevice
 from split_state import MIRRORED, PARTIAL, Split, apply_reference
-from split_state.errors import TransportError
+from split_state.errors import MetaError, TransportError
 from split_state.scatter import check_identical
-from tests.conftest import IPC_REGION_MIB
+from tests.conftest import IPC_REGION_MIB, _ipc_env
 from tests.test_collectives import assert_bitwise, rank_order_sum, run_transition
+from transport import protocol as p
 from workers import ipc
 
 HALF = IPC_REGION_MIB << 20  # the bytes of a half in the cuda3 fixture's workers
@@ -57,3 +61,26 @@ def test_a_half_size_that_is_not_a_whole_positive_mib_count_is_refused_by_name(m
         ipc.region_mib()
     monkeypatch.setenv(ipc.REGION_ENV, "3")
     assert ipc.region_mib() == 3
+
+
+def test_a_run_that_failed_on_one_rank_before_a_collective_leaves_the_plane_usable(fresh_cluster):
+    """Worker 1 lacks an input, so it fails before the all-reduce its peers begin: their
+    operation counts then differ from its own. The failure reaches the peers at once (not at
+    their collective deadline), the coordinator resyncs the plane, and the next runs on the same
+    workers give NumPy's result (integers: every summation order gives the same bits)."""
+    dev = MetaDevice(fresh_cluster(3, backend="cuda", devices=(0, 0, 0), env=_ipc_env(), data_plane="ipc"))
+    rng = np.random.default_rng(7)
+    a_host = rng.integers(-4, 5, (4, 6)).astype(np.float32)
+    b_host = rng.integers(-4, 5, (6, 5)).astype(np.float32)
+    a = dev.tensor(a_host, Split.even(1, 6, 3))
+    b = dev.tensor(b_host, Split.even(0, 6, 3))
+    assert np.array_equal((a @ b).redistribute(MIRRORED).numpy(), a_host @ b_host)  # a working plane
+    dev.cluster.call_all({1: p.Free([b.node.tensor])})  # worker 1 alone loses its slice of b
+    start = time.monotonic()
+    with pytest.raises(MetaError, match="worker 1"):
+        (a @ b).redistribute(MIRRORED).numpy()
+    assert time.monotonic() - start < 10, "the peers waited out their collective deadline"
+    for seed in range(3):  # more than one operation: both halves of the buffers in use again
+        b2_host = np.random.default_rng(seed).integers(-4, 5, (6, 5)).astype(np.float32)
+        b2 = dev.tensor(b2_host, Split.even(0, 6, 3))
+        assert np.array_equal((a @ b2).redistribute(MIRRORED).numpy(), a_host @ b2_host)

@@ -181,8 +181,9 @@ def test_a_peer_abort_ends_an_nccl_wait_at_once(nccl_comm):
 def test_data_plane_choice_follows_what_the_workers_say_they_can_join():
     from transport import protocol as p
 
-    def choose(planes=(("shm", "zmq"), ("shm", "zmq")), **config):
-        hellos = [p.Hello(r, 1, "x", "", 0, 0, "", list(joins)) for r, joins in enumerate(planes)]
+    def choose(planes=(("shm", "zmq"), ("shm", "zmq")), on=None, **config):
+        on = on or [-1] * len(planes)  # the GPU each worker says it runs on
+        hellos = [p.Hello(r, 1, "x", "", 0, 0, "", list(joins), on[r]) for r, joins in enumerate(planes)]
         cluster = SimpleNamespace(config=ClusterConfig(**config), world_size=len(planes), devices=hellos)
         return ProcessCluster._data_plane(cluster)
 
@@ -194,7 +195,14 @@ def test_data_plane_choice_follows_what_the_workers_say_they_can_join():
     assert choose((nccl[0], ("shm", "zmq")), backend="cuda", devices=(0, 1)) == "shm"  # rank 1 has no NCCL
     ipc = (("ipc", "shm", "zmq", "nccl"), ("ipc", "shm", "zmq", "nccl"))  # CuPy workers on this host
     assert choose(ipc, backend="cuda", devices=(0, 1)) == "nccl"
-    assert choose(ipc, backend="cuda", devices=(0, 0)) == "shm"  # ipc only by name: it does not outlive a failed run
+    assert choose(ipc, backend="cuda", devices=(0, 0)) == "ipc"  # one GPU shared: NCCL refuses, IPC serves
+    assert choose(ipc, backend="cuda", devices=(0, 0), local_workers=1) == "shm"  # the rest join from elsewhere
+    assert choose((*ipc, ipc[0]), backend="cuda", devices=(0, 0, 1)) == "shm"  # no peer access assumed
+    assert choose((ipc[0], ("shm", "zmq")), backend="cuda", devices=(0, 0)) == "shm"  # rank 1 cannot join it
+    assert choose(ipc, backend="cpu") == "shm"
+    # without --devices the workers take GPUs round the ones there are: what they say counts
+    assert choose(ipc, on=(0, 0), backend="cuda") == "ipc"  # one GPU on this host
+    assert choose(ipc, on=(0, 1), backend="cuda") == "nccl"
     assert choose(ipc, backend="cuda", devices=(0, 0), data_plane="ipc") == "ipc"
     mpi = (("shm", "zmq", "mpi"), ("zmq", "mpi"))  # the ranks of an MPI job, maybe on two hosts
     assert choose(mpi) == "mpi"

@@ -101,6 +101,7 @@ def test_cupy_backend_runs_kernels_and_transfers():
 @pytest.mark.skipif(CudaBackend.device_count() == 0, reason="needs CuPy and a CUDA device")
 def test_two_cuda_workers_sharing_one_gpu(fresh_cluster):
     dev = MetaDevice(fresh_cluster(2, backend="cuda", devices=(0, 0)))
+    assert {d["data_plane"] for d in dev.cluster.data_planes} == {"ipc"}, "auto's choice for one shared GPU"
     x = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
     w = np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32)
     y = (dev.tensor(x, Split.even(1, 64, 2)) @ dev.tensor(w, Split.even(0, 64, 2))).redistribute(MIRRORED)

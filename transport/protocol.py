@@ -170,6 +170,7 @@ class MsgType(enum.IntEnum):
     TOKENS = 18
     CANCEL = 19
     NCCL_ID = 20
+    RESYNC = 21
 
 
 # -- program steps ------------------------------------------------------------------------------
@@ -246,6 +247,7 @@ class Hello:
     memory_free: int
     data_endpoint: str
     planes: list[str] = dataclasses.field(default_factory=list)  # the data planes it can join (workers/planes/)
+    device_index: int = -1  # the GPU it runs on (-1: no GPU): workers sharing one are told apart from these
     KIND: ClassVar[MsgType]
 
 
@@ -373,6 +375,17 @@ class NcclId:
     KIND: ClassVar[MsgType]
 
 
+@_message(MsgType.RESYNC)
+@dataclass(frozen=True)
+class Resync:
+    """After a run failed on some worker, to every worker: bring the data plane back to one
+    state on every rank (the CUDA IPC plane's operation counts, which a failed operation leaves
+    apart), its traffic tagged with the fresh run id `run`. Ok once this worker's plane is usable."""
+
+    run: int
+    KIND: ClassVar[MsgType]
+
+
 @_message(MsgType.TENSOR)
 @dataclass(frozen=True)
 class Tensor:
@@ -454,6 +467,7 @@ Message = (
     | Tokens
     | Cancel
     | NcclId
+    | Resync
     | Tensor
     | Ok
     | Error

@@ -160,6 +160,11 @@ class Inbox:
         """How this worker has reached each peer so far."""
         return {str(dst): self.plane for dst in range(self.size) if dst != self.rank}
 
+    def resync(self, run: int, deadline: Deadline) -> None:
+        """After a failed run (transport.protocol.Resync): bring this plane back to the state
+        every rank shares. Nothing to do where a run's traffic is told apart by its run id alone;
+        a plane that counts operations across runs (workers/ipc.py) agrees on the count here."""
+
     def forget_aborts(self) -> None:
         """A new run starts clean: an abort of every run (-1) woke the workers of the run it
         interrupted; after that the coordinator has marked the cluster lost, so a stale or forged

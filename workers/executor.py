@@ -3,6 +3,8 @@ arena, run with their collectives."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from split_state.errors import OutOfMemory, ProtocolError
@@ -65,6 +67,15 @@ class Executor:
             "replays": sum(s.replays for s in found),
         }
 
+    @contextlib.contextmanager
+    def _telling_peers(self, run: int) -> Iterator[None]:
+        """A failure here ends run `run` on every peer at once (an Abort), not at their deadline."""
+        try:
+            yield
+        except Exception as exc:
+            self.comm.abort(run, type(exc).__name__, str(exc))
+            raise
+
     def unload(self, program: int) -> None:
         if self.programs.pop(program, None) is not None:
             self.arena.resize(max([c.arena_bytes for c in self.programs.values()], default=0))
@@ -92,31 +103,31 @@ class Executor:
     ) -> dict[str, Any]:
         """Run `program`; `filled`: input_slots() of the same inputs, when they are still the
         stored arrays (a generation's steps, which write their fed tensors in place)."""
+        # a request for a program this worker never loaded is not a run of the cluster's (its
+        # run id may be a later real run's): refused here without aborting that run on the peers
         compiled = self.programs.get(program)
         if compiled is None:
             raise ProtocolError(f"program {program} is not loaded on this worker")
         if self.collectives is None:
             raise ProtocolError("worker is not configured: no peers yet")
-        if compiled.bound_to != (self.arena.generation, id(self.collectives)):
-            compiled.bind(self.arena, self.collectives, self.backend, self.collective_timeout)
-        slots = list(filled) if filled is not None else self.input_slots(program, inputs)
         store = self.store
-        store.reserve(compiled.fresh_bytes, lambda: compiled.describe_peak() + " (results and collectives)")
+        with self._telling_peers(run):  # else they would wait for this worker until their deadline
+            if compiled.bound_to != (self.arena.generation, id(self.collectives)):
+                compiled.bind(self.arena, self.collectives, self.backend, self.collective_timeout)
+            slots = list(filled) if filled is not None else self.input_slots(program, inputs)
+            store.reserve(compiled.fresh_bytes, lambda: compiled.describe_peak() + " (results and collectives)")
         waited = self.comm.waited
         try:
-            undeclared = any(slot not in compiled.outputs for slot, _ in outputs)  # declared ones are never renamed
-            timings = compiled.run(slots, run, self.backend, profile, keep=undeclared)
-            results = []
-            for slot, tensor in outputs:
-                slot = compiled.renamed.get(slot, slot)
-                value = slots[slot]
-                if slot in compiled.arena_slots:  # not declared at load: the next run overwrites it
-                    value = value.copy()
-                results.append((tensor, value))
-        except BaseException as exc:
-            if isinstance(exc, Exception):
-                self.comm.abort(run, type(exc).__name__, str(exc))
-            raise
+            with self._telling_peers(run):
+                undeclared = any(slot not in compiled.outputs for slot, _ in outputs)  # declared ones are never renamed
+                timings = compiled.run(slots, run, self.backend, profile, keep=undeclared)
+                results = []
+                for slot, tensor in outputs:
+                    slot = compiled.renamed.get(slot, slot)
+                    value = slots[slot]
+                    if slot in compiled.arena_slots:  # not declared at load: the next run overwrites it
+                        value = value.copy()
+                    results.append((tensor, value))
         finally:
             store.release(compiled.fresh_bytes)
         timings["wait_s"] = self.comm.waited - waited  # part of comm_s spent blocked on peers

@@ -22,9 +22,12 @@ algorithms' phases (exchange, reduce) run the same way when every rank's sends f
 and through host memory otherwise. Sums are in rank order with the first two added in one pass,
 as workers.collectives.HostEngine adds, so every rank gets the same bits as the shm plane gives.
 
-Every rank must count the same operations. A failed one (a lost or aborting peer) leaves the
-counts apart, so the plane then refuses work with a typed error until the cluster restarts, as
-NCCL's after an abort; that is why `auto` keeps the shm plane and this one is asked for by name.
+Every rank must count the same operations. A failed one (a peer that failed before an
+operation its peers began) leaves the counts apart; the plane then refuses work with a typed
+error until the coordinator resyncs it, which it does after every failed run
+(transport.protocol.Resync, `IpcComm.resync`): each rank drains its stream, then all take the
+largest count. So a failed run costs the cluster nothing, and `auto` picks this plane for CuPy
+workers spawned on one host that share one GPU.
 
 `IpcDevice` is the only code that speaks CUDA's IPC API; the rest works on arrays.
 """
@@ -119,8 +122,12 @@ class IpcDevice:
         stream = self.cupy.cuda.get_current_stream().ptr
         self.runtime.streamWaitEvent(stream, self.peer_events[peer][2 * half + region], 0)
 
+    def drain(self) -> None:
+        """Wait until this rank's stream has done its work: nothing of ours reads a peer's buffer."""
+        self.cupy.cuda.get_current_stream().synchronize()
+
     def close(self) -> None:
-        self.cupy.cuda.get_current_stream().synchronize()  # nothing of ours still reads a peer's buffer
+        self.drain()
         self.views.clear()
         for peer, base in self.bases.items():
             self.runtime.ipcCloseMemHandle(base)
@@ -173,7 +180,10 @@ class IpcComm(HostComm):
 
     def check_usable(self) -> None:
         if self.broken:
-            raise TransportError(f"worker {self.rank}: the IPC plane failed ({self.broken}); restart the cluster")
+            raise TransportError(
+                f"worker {self.rank}: the IPC plane failed ({self.broken}) and was not brought back "
+                "(the coordinator resyncs it after a failed run); restart the cluster"
+            )
 
     def begin(self) -> tuple[int, int]:
         """The next operation's number and the half it uses."""
@@ -196,6 +206,19 @@ class IpcComm(HostComm):
                 raise TransportError(f"worker {self.rank}: worker {peer} is at IPC operation {got}, this one at {seq}")
             self.device.wait(peer, half, region)
         self.flush(tag.run, tag.deadline)
+
+    def resync(self, run: int, deadline: Deadline) -> None:
+        """After a failed run (which leaves the ranks' operation counts apart): each rank lets
+        its stream finish, then sends its count; every rank takes the largest. A rank's count
+        leaves only once its stream is done, so when every peer's has come no half is being
+        read anywhere, and any number is safe to go on from, as long as all take the same."""
+        self.device.drain()
+        mine = np.array([self.seq], np.int64)
+        for peer in self.others:
+            self.send(peer, run, 0, mine)
+        counts = [int(self._read_array(peer, run, 0, deadline, (1,), np.int64)[0]) for peer in self.others]
+        self.flush(run, deadline)
+        self.seq, self.broken = max([self.seq, *counts]), ""
 
     def close(self) -> None:
         try:

@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 info.memory_free,
                 data_ep,
                 planes.joinable_planes(info.backend),
+                info.index if info.kind == "gpu" else -1,
             ),
         )
         pending: collections.deque = collections.deque()  # requests that came during a Generate

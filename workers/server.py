@@ -16,6 +16,7 @@ from split_state.dtypes import dtype_from_name
 from split_state.errors import ProtocolError, SplitError
 from split_state.layout import local_shape
 from transport import protocol as p
+from transport.deadline import Deadline
 from workers.executor import Executor
 from workers.generation import run_generation
 from workers.store import TensorStore
@@ -105,6 +106,13 @@ class WorkerServer:
         self.runs += 1
         return run_generation(self, m, self.emit, self.cancelled)
 
+    def _on_resync(self, m: p.Resync) -> p.Message:
+        self._require_configured()
+        comm = self.executor.comm
+        comm.forget_aborts()  # the failed run's aborts are not this exchange's
+        comm.resync(m.run, Deadline(self.executor.collective_timeout))
+        return p.Ok()
+
     def _on_nccl_id(self, m: p.NcclId) -> p.Message:
         from workers.nccl import make_unique_id
 
@@ -191,6 +199,7 @@ HANDLERS: dict[type, Callable[[WorkerServer, p.Message], p.Message]] = {
     p.Unload: WorkerServer._on_unload,
     p.Stats: WorkerServer._on_stats,
     p.NcclId: WorkerServer._on_nccl_id,
+    p.Resync: WorkerServer._on_resync,
     p.Heartbeat: WorkerServer._on_heartbeat,
     p.Shutdown: WorkerServer._on_shutdown,
     p.Error: WorkerServer._on_refused,
