@@ -249,8 +249,21 @@ def _softmax_masked(xp, inputs, params, out=None):
 
 def rope_angles(xp, positions, head_dim: int, base: float):
     """(..., tokens, head_dim / 2) rotation angles: position * base^(-2i / head_dim), in float64."""
-    inv = np.power(float(base), -np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    return positions.astype(xp.float64)[..., None] * xp.asarray(inv)
+    return positions.astype(xp.float64)[..., None] * _inverse_frequencies(xp, head_dim, float(base))
+
+
+_FREQUENCIES: dict[tuple, object] = {}
+
+
+def _inverse_frequencies(xp, head_dim: int, base: float):
+    """base^(-2i / head_dim), computed on the host (the same bits on every backend) and moved
+    to the device once: a copy from host memory each call cannot be captured in a device graph,
+    so every rope ran eagerly, about 10 kernel launches 20 times per token."""
+    key = (xp.__name__, head_dim, base)
+    inv = _FREQUENCIES.get(key)
+    if inv is None:
+        inv = _FREQUENCIES[key] = xp.asarray(np.power(base, -np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    return inv
 
 
 @functools.lru_cache(maxsize=16)
@@ -286,7 +299,7 @@ def _rope(xp, inputs, params, out=None):
     return target if target is out else emit(target, out, x.dtype)
 
 
-def _set_rows(xp, inputs, params, out=None):
+def _set_rows(xp, inputs, params, out=None, memo=None):
     """dst[..., ids, ...] = value along `axis`, in place; returns dst. `spans` are the global row
     ranges this device holds (start, stop, local start); rows elsewhere are another device's."""
     dst, ids, value = inputs
@@ -296,16 +309,32 @@ def _set_rows(xp, inputs, params, out=None):
         pairs = [(j, j) for j in range(ids.shape[0])]
     if xp is np and ids.size <= FEW_ROWS and ids.ndim in (1, 2):
         return _set_few_rows(dst, ids, value, rows, params["axis"], params["spans"], pairs)
+    # every layer writes its caches at the same ids: on a GPU, reading their range is a wait for
+    # the device, so the first set_rows of a run reads it and the others take it from the memo
+    key = ("ids range", id(ids))
+    known = memo.get(key) if memo is not None else None
+    held = ids
     ids = ids.astype(xp.int64, copy=False)
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= rows):
-        raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{int(ids.min())}, {int(ids.max())}]")
+    if known is not None:
+        bounds = known[0]
+    else:
+        bounds = tuple(int(v) for v in xp.stack([ids.min(), ids.max()]).tolist()) if ids.size else (0, -1)
+        if memo is not None:
+            memo[key] = (bounds, held)  # holding the ids: their id is not reused this run
+    lo, hi = bounds
+    if ids.size and (lo < 0 or hi >= rows):
+        raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{lo}, {hi}]")
     axis = params["axis"]
     if ids.ndim == 2:  # one row list per batch element (axis 0)
         for j, b in pairs:
-            _write_rows(xp, dst[b], ids[j], value[j], axis - 1, params["spans"])
+            _write_rows(xp, dst[b], ids[j], value[j], axis - 1, params["spans"], bounds)
     else:
-        _write_rows(xp, dst, ids, value, axis, params["spans"])
+        _write_rows(xp, dst, ids, value, axis, params["spans"], bounds)
     return dst
+
+
+_set_rows.memo = True  # the ids' range, read once per run (workers/program.py clears the memo)
+_set_rows.eager = True  # it reads the ids on the host: never inside a device graph
 
 
 FEW_ROWS = 16  # a decode step writes one row per sequence: plain indexing beats masks there
@@ -330,9 +359,17 @@ def _set_few_rows(dst, ids, value, rows: int, axis: int, spans, pairs):
     return dst
 
 
-def _write_rows(xp, dst, ids, value, axis: int, spans) -> None:
+def _write_rows(xp, dst, ids, value, axis: int, spans, bounds: tuple[int, int]) -> None:
+    """The rows of `ids` that fall in each span, written; `bounds` (lowest, highest id of all the
+    ids written, a superset of these) spare the masks where a span holds all or none of them."""
     before = (slice(None),) * axis
+    lo, hi = bounds
     for start, stop, local in spans:
+        if hi < start or lo >= stop:
+            continue  # none of them here
+        if start <= lo and hi < stop:  # all of them here: no mask, nothing read on the host
+            dst[before + (ids - start + local,)] = value.astype(dst.dtype, copy=False)
+            continue
         mask = (ids >= start) & (ids < stop)
         if bool(mask.any()):
             dst[before + (ids[mask] - start + local,)] = value[before + (mask,)].astype(dst.dtype, copy=False)
