@@ -524,7 +524,8 @@ def _exception(failures: dict[int, p.Error]) -> MetaError:
     """The root cause among the workers' errors (peers that merely aborted come last)."""
     ranked = sorted(failures.items(), key=lambda kv: (kv[1].origin >= 0, kv[0]))
     rank, err = ranked[0]
-    text = f"worker {rank}: {err.message}"
+    said = f"worker {rank}: "  # many of a worker's errors already name it so
+    text = err.message if err.message.startswith(said) else said + err.message
     if len(failures) > 1:
         text += f" (workers {sorted(failures)} failed)"
     cls = _TYPED.get(err.kind)

@@ -211,3 +211,15 @@ def test_ctrl_c_between_making_a_socket_and_keeping_it_still_ends_the_start(monk
     assert not starter.is_alive(), "the cluster's close waited for a socket nobody closes"
     assert isinstance(outcome.get("raised"), KeyboardInterrupt), outcome
     assert made["socket"].closed
+
+
+def test_a_workers_error_names_it_once():
+    """The coordinator says which worker failed; a worker's own text often already does."""
+    from meta.device import _exception
+
+    named = _exception({1: p.Error("ShapeError", "worker 1: the IPC plane failed (x)")})
+    unnamed = _exception({1: p.Error("ShapeError", "ids must lie in [0, 4)")})
+    assert str(named) == "worker 1: the IPC plane failed (x)"
+    assert str(unnamed) == "worker 1: ids must lie in [0, 4)"
+    other = _exception({2: p.Error("ShapeError", "worker 1: no data from worker 1")})
+    assert str(other) == "worker 2: worker 1: no data from worker 1"  # another worker's words stay
