@@ -47,8 +47,9 @@ def prompt_ids(model, length: int) -> np.ndarray:
 
 def reference_child(path: str, length: int, steps: int, requests, replies) -> None:
     """The NumPy reference in a process whose BLAS thread count was fixed at spawn, answering
-    ("prefill",): the seconds of the prompt's prefill, and ("decode",): the median seconds of a
-    greedy decode step over `steps` steps after it (the same positions every time)."""
+    ("ready",): None once loaded, ("prefill",): the seconds of the prompt's prefill, and
+    ("decode",): the median seconds of a greedy decode step over `steps` steps after it (the
+    same positions every time)."""
     from models.gguf_model import GGUFModel
     from models.llama import ReferenceDecoder
 
@@ -63,6 +64,9 @@ def reference_child(path: str, length: int, steps: int, requests, replies) -> No
     tokens = prompt_ids(model, length)
     first = 0
     while (request := requests.get()) is not None:
+        if request[0] == "ready":
+            replies.put(None)
+            continue
         if request[0] == "prefill":
             start = time.perf_counter()
             logits = ref.forward(tokens, np.arange(length)[None], last=[length - 1])  # as ours: the last token's head
@@ -295,6 +299,8 @@ def run(
     rows = []
     for n in counts:
         with ThreadedChild(reference_child, (path, length, steps), n) as reference:
+            # loaded before ours starts: its loading would slow our first prompt on a small machine
+            reference.ask("ready")
             for kind in weights:
                 rows.append(
                     _row(

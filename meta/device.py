@@ -383,9 +383,10 @@ class MetaDevice:
         """Run captured decode `step` up to `steps` times on the workers, which feed each step's
         chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
         (tokens, positions), its first two outputs the candidates (values, indices) of
-        Tensor.top_k. `on_tokens(step, tokens)` gets each step's tokens as they come; False
-        cancels after the step under way (as Ctrl-C does). Returns rank 0's account (steps run,
-        cancelled, times)."""
+        Tensor.top_k. `on_tokens(step, tokens)` gets each step's tokens as they come (the
+        workers gather steps for up to `sampling["report_s"]` seconds, workers/generation.py);
+        False cancels after the step under way (as Ctrl-C does), and the steps reported with it
+        are not shown. Returns rank 0's account (steps run, cancelled, times)."""
         if len(step.examples) != 2 or None in step.feed_slots:
             raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
         inputs, fed, out_ids, fresh = self._bind(step, (tokens, positions))
@@ -409,7 +410,7 @@ class MetaDevice:
         )
         try:
             replies = self._call(
-                {d: message for d in range(self.n)}, on_message=lambda rank, m: on_tokens(m.step, list(m.tokens))
+                {d: message for d in range(self.n)}, on_message=lambda rank, m: _each_step(m, on_tokens)
             )
         finally:
             self._released.extend([*fed, *fresh])  # freed with the next message that runs
@@ -496,6 +497,14 @@ class Step:
         if len(arrays) != len(self.examples):
             raise ShapeError(f"captured step takes {len(self.examples)} feeds, got {len(arrays)}")
         return self.dev._replay(self, arrays)
+
+
+def _each_step(report: p.Tokens, on_tokens: Callable[[int, list[int]], bool]) -> bool:
+    """A report's steps to `on_tokens` in order, until one returns False."""
+    for k, chosen in enumerate(report.tokens):
+        if not on_tokens(report.step + k, list(chosen)):
+            return False
+    return True
 
 
 def _pack_feeds(arrays: dict[int, np.ndarray]) -> tuple[list[p.Feed], np.ndarray]:

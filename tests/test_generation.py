@@ -64,7 +64,7 @@ def coordinator_loop(dev, step, values, indices, temperature, top_p, seed):
     return out
 
 
-def worker_loop(dev, step, values, indices, temperature, top_p, seed, stop=(), on=None, steps=STEPS):
+def worker_loop(dev, step, values, indices, temperature, top_p, seed, stop=(), on=None, steps=STEPS, report_s=None):
     rng = np.random.default_rng(seed)
     tokens = [sample(values[b, 0], indices[b, 0], temperature, top_p, rng) for b in range(2)]
     out = [tokens]
@@ -75,6 +75,8 @@ def worker_loop(dev, step, values, indices, temperature, top_p, seed, stop=(), o
 
     settings = {"rule": Rule(temperature, top_p=top_p).as_wire(), "rng": generator_state(rng), "stop": list(stop)}
     settings["done"] = [False, False]
+    if report_s is not None:
+        settings["report_s"] = report_s
     info = dev.generate(
         step, np.array([[t] for t in tokens], np.int32), np.array([[5], [5]], np.int32), steps, settings, on_tokens
     )
@@ -126,16 +128,40 @@ def test_a_cancel_stops_within_a_token_and_the_workers_stay_usable(procs2, how):
     steps = LONG  # the workers must still be generating when the coordinator reads token 2
     if how == "interrupt":
         with pytest.raises(KeyboardInterrupt):
-            worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on, steps=steps)
+            worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on, steps=steps, report_s=0)
         assert seen == [0, 1, 2]  # nothing is shown after Ctrl-C
     else:
-        out, info = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on, steps=steps)
+        # every step reported on its own: the Cancel leaves while the workers still generate
+        out, info = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on, steps=steps, report_s=0)
         # the workers stop at the first step after the Cancel reached rank 0; reports of steps
         # already under way are not shown
         assert info["cancelled"] and info["steps"] < steps and len(out) == 4
     _, step, v, i = start(dev)  # usable: the same generation again, to the end
     out, info = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0)
     assert info["steps"] == STEPS and len(out) == STEPS + 1
+
+
+def test_steps_gathered_into_few_reports_are_each_shown_in_order(procs2, monkeypatch):
+    import meta.device
+
+    reports = []
+    each_step = meta.device._each_step
+    monkeypatch.setattr(meta.device, "_each_step", lambda m, on: reports.append(len(m.tokens)) or each_step(m, on))
+    dev = procs2
+    _, step, v, i = start(dev)
+    one_by_one, _ = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=0)
+    assert reports == [1] * STEPS
+    reports.clear()
+    _, step, v, i = start(dev)
+    gathered, info = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=60)
+    assert reports == [1, STEPS - 1]  # the first step at once, the rest when the generation ended
+    assert gathered == one_by_one and info["steps"] == STEPS
+
+    # refused in the middle of a report: the steps after it are not shown
+    seen = []
+    _, step, v, i = start(dev)
+    out, _ = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=60, on=lambda k, t: seen.append(k) or k < 2)
+    assert seen == [0, 1, 2] and out == one_by_one[:4]
 
 
 def test_a_worker_lost_during_generation_is_a_typed_error_within_seconds(fresh_cluster):

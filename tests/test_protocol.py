@@ -54,7 +54,7 @@ EXAMPLES = [
         indices=13,
         sampling={"temperature": 0.7, "top_p": 0.9, "rng": ("123", "45", "0", "0"), "stop": (2,), "done": (False,)},
     ),
-    p.Tokens(step=3, tokens=[17, 4]),
+    p.Tokens(step=3, tokens=[[17, 4], [2, 9]]),
     p.Cancel(),
     p.NcclId(),
     p.Resync(run=12),

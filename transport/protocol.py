@@ -330,8 +330,9 @@ class Generate:
     (inputs and outputs as in RunProgram), read the candidate pairs it stored as `values` and
     `indices`, and choose every sequence's next token the same way on every rank (`sampling`:
     temperature, top_p, the generator's state `rng`, `stop` token ids, `done` flags per
-    sequence). Rank 0 reports each step's tokens as a Tokens message under the request's id and
-    stops at a Cancel; every rank stops at the same step."""
+    sequence; `report_s`, optional: the least seconds between two reports). Rank 0 reports the
+    chosen tokens in Tokens messages under the request's id and stops at a Cancel; every rank
+    stops at the same step."""
 
     program: int
     run: int
@@ -351,10 +352,12 @@ class Generate:
 @_message(MsgType.TOKENS)
 @dataclass(frozen=True)
 class Tokens:
-    """One step of a Generate: the token chosen for every sequence (from rank 0, as it comes)."""
+    """Steps `step`, `step + 1`, ... of a Generate: for each, the token chosen for every sequence
+    (from rank 0; the first step at once, later ones gathered for a short while, see
+    workers/generation.py)."""
 
     step: int
-    tokens: list[int]
+    tokens: list[list[int]]
     KIND: ClassVar[MsgType]
 
 
