@@ -182,6 +182,7 @@ def _down_block(source: Source, cfg: LlamaConfig) -> int:
 
 
 PREFILL_STEPS = 16  # captured prefill steps a model keeps (one per padded length, pool, logits, slot)
+PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
 
 
 def padded_length(tokens: int, room: int) -> int:
@@ -333,7 +334,14 @@ class TensorParallelLlama:
         key on the coordinator) instead of planning each length anew. The padding writes the
         caches past each prompt, where nothing reads before a later step writes them: a query
         sees positions up to its own (the mask), and decoding writes a position before it
-        reads it."""
+        reads it.
+
+        Long prompts go in chunks of PREFILL_CHUNK tokens (as llama.cpp's micro-batches), each
+        reading what the ones before it cached, while every prompt goes past the chunk: so the
+        steps of any prompt length come from a few padded lengths (16 to 128), all planned
+        once, and a step's buffers (its attention scores above all) stay the size of a chunk.
+        The last step holds every prompt's last token. A slot's prompt attends to itself
+        only, so it goes in one step."""
         rows_fed = self.batch if slot is None else 1
         longest = max((len(p) for p in prompts), default=0)
         if not 1 <= len(prompts) <= rows_fed or not longest or start < 0 or start + longest > self.ctx:
@@ -343,6 +351,17 @@ class TensorParallelLlama:
             )
         if slot is not None and (start or not 0 <= slot < self.batch):
             raise ShapeError(f"prefill of slot {slot} from {start}: a slot starts at 0, in rows 0..{self.batch - 1}")
+        shortest = min(len(p) for p in prompts)
+        ahead = 0 if slot is not None else max(0, shortest - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # in whole chunks
+        for at in range(0, ahead, PREFILL_CHUNK):
+            self._prefill_step([p[at : at + PREFILL_CHUNK] for p in prompts], start + at, pool, logits, None)
+        return self._prefill_step([p[ahead:] for p in prompts], start + ahead, pool, logits, slot)
+
+    def _prefill_step(
+        self, prompts: Sequence[Sequence[int]], start: int, pool: int, logits: bool, slot: int | None
+    ) -> list[Tensor]:
+        rows_fed = self.batch if slot is None else 1
+        longest = max(len(p) for p in prompts)
         t = padded_length(longest, self.ctx - start)
         tokens = np.zeros((rows_fed, t), np.int32)
         rows = np.zeros(rows_fed, np.int32)  # each row's last token in the flattened (rows * t)

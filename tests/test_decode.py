@@ -437,6 +437,41 @@ def test_padded_prefills_replay_one_plan_and_equal_the_reference(sim, n):
         net.prefill([[1] * 8], 33, pool=4)
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_long_prompts_go_in_chunks_that_equal_the_reference(sim, n, monkeypatch):
+    """With 16-token chunks: prompts of 37 and 45 tokens go as two 16-token steps and one padded
+    to 16 holding both last tokens; prompts of 20 and 60 as one chunk and a last step of 44;
+    a continuation of 30 tokens from position 45 in chunks too. Every logit equals the reference
+    run on the whole prompt, decoding after it too, and a single prompt of any length needs
+    steps of 16 tokens or fewer only."""
+    import models.llama
+
+    monkeypatch.setattr(models.llama, "PREFILL_CHUNK", 16)
+    weights = random_weights(GQA_CFG, seed=23)
+    ctx, rng = 96, np.random.default_rng(5)
+    net = TensorParallelLlama(sim(n), GQA_CFG, weights.__getitem__, ctx, batch=2)
+
+    def check(prompts, start, refs):
+        logits = net.prefill(prompts, start, pool=4, logits=True)[2].numpy()[:, 0]
+        for b, prompt in enumerate(prompts):
+            want = refs[b].forward(np.array([prompt]), np.arange(start, start + len(prompt))[None])[0, -1]
+            np.testing.assert_allclose(logits[b], want, rtol=2e-4, atol=2e-4)
+
+    refs = [ReferenceDecoder(GQA_CFG, weights, ctx) for _ in range(2)]
+    check([list(rng.integers(0, 72, 37)), list(rng.integers(0, 72, 45))], 0, refs)
+    assert {key[0] for key in net._prefills} == {16}
+    tokens, at = np.array([[7], [50]], np.int32), np.array([[37], [45]], np.int32)
+    logits = net.step(tokens, at).numpy()  # decoding reads what every chunk cached
+    for b in range(2):
+        want = refs[b].forward(tokens[b : b + 1], at[b : b + 1])[0, -1]
+        np.testing.assert_allclose(logits[b, 0], want, rtol=2e-4, atol=2e-4)
+    check([list(rng.integers(0, 72, 30))], 38, refs)  # row 0 goes on, from its 38 cached tokens
+    assert {key[0] for key in net._prefills} == {16}
+    refs = [ReferenceDecoder(GQA_CFG, weights, ctx) for _ in range(2)]
+    check([list(rng.integers(0, 72, 20)), list(rng.integers(0, 72, 60))], 0, refs)
+    assert max(key[0] for key in net._prefills) == 48  # the last step holds both last tokens: 4 and 44
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_padded_prefills_into_slots_leave_the_other_rows_and_equal_the_reference(sim, n):
     """A server's slots through captured, padded prefills: a prompt into slot 1, then prompts of
