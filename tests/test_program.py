@@ -11,7 +11,7 @@ from meta import MetaDevice, apply
 from split_state import MIRRORED, OPS, PARTIAL, OutOfMemory, Split
 from split_state.ops import OpSpec, _infer_unary_float, _unary_rule
 from tests.test_memory import affine_chain
-from transport.protocol import MoveStep
+from transport.protocol import MoveStep, Unload
 from workers.arena import aligned
 from workers.simulator import SimulatedCluster
 
@@ -257,3 +257,30 @@ def test_per_run_buffers_go_back_after_their_last_read():
         np.testing.assert_array_equal(slots[slot], np.full(shape, 8.0, np.float32))
     # the probe reads the last all-reduce's result: the two before it are gone, unless kept
     assert alive_at_probe == [1, 1, 3]
+
+
+def test_a_worker_process_keeps_loaded_programs_out_of_the_collectors_passes_until_unloaded(sim):
+    """workers/main.py sets freeze_programs: a load freezes what is alive (the program's objects
+    stay out of the garbage collector's full passes), an unload gives everything back to it, and
+    the unloaded program is freed."""
+    import gc
+    import weakref
+
+    dev = sim(1)
+    dev.max_plans = 1
+    executor = dev.cluster.servers[0].executor
+    executor.freeze_programs = True
+    x = dev.tensor(np.ones(64, np.float32))
+    try:
+        gc.unfreeze()
+        dev.run((x.exp() + x.tanh()).sum(axis=0))
+        assert gc.get_freeze_count() > 0
+        loaded = [weakref.ref(c) for c in executor.programs.values()]
+        dev.run((x * 3.0).sum(axis=0))  # evicts and unloads the first, then freezes again
+        gc.collect()
+        assert [ref() for ref in loaded] == [None]
+        dev.cluster.servers[0].handle(Unload(list(executor.programs)))
+        assert gc.get_freeze_count() == 0 and not executor.programs
+    finally:
+        executor.freeze_programs = False
+        gc.unfreeze()

@@ -4,6 +4,7 @@ arena, run with their collectives."""
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,11 @@ class Executor:
         self.programs: dict[int, CompiledProgram] = {}
         self.collectives: Collectives | None = None
         self.comm = None
+        # a worker process sets this: a loaded program's thousands of objects live until it is
+        # unloaded, and leaving them to the garbage collector's full passes cost a load 30-50 ms
+        # whenever one came due (measured on SmolLM2's prefill steps). Frozen after a load, they
+        # are unfrozen at an unload, so the next full pass collects what was unloaded
+        self.freeze_programs = False
 
     def prepare_kernels(self) -> None:
         """Compile every kernel that compiles (numba loops) ahead of the first program using it."""
@@ -57,6 +63,8 @@ class Executor:
             )
         self.arena.resize(max([compiled.arena_bytes] + [c.arena_bytes for c in others]))
         self.programs[program] = compiled
+        if self.freeze_programs:
+            gc.freeze()
 
     def graph_counts(self) -> dict[str, int]:
         """Device graphs of the loaded programs: segments, captures and replays so far."""
@@ -78,6 +86,8 @@ class Executor:
 
     def unload(self, program: int) -> None:
         if self.programs.pop(program, None) is not None:
+            if self.freeze_programs:
+                gc.unfreeze()
             self.arena.resize(max([c.arena_bytes for c in self.programs.values()], default=0))
 
     def input_slots(self, program: int, inputs: list[list[int]]) -> list:

@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return comms[0]
 
     server = WorkerServer(args.rank, backend, connect, args.collective_timeout)
+    server.executor.freeze_programs = True  # this process is the worker's alone
     # kernels that compile (numba) get ready while the coordinator connects and places weights
     threading.Thread(target=server.executor.prepare_kernels, daemon=True, name="prepare-kernels").start()
     info = backend.info()
