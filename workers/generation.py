@@ -4,11 +4,11 @@ Each step runs the captured decode program, reads the candidate (value, index) p
 Mirrored (bitwise identical on every rank), and chooses each sequence's next token with the same
 seeded generator on every rank, so all ranks feed back the same tokens with no message between
 them. Rank 0 reports the tokens to the coordinator (`Reports`: the first at once, later ones
-gathered for REPORT_SECONDS). Only the decision to stop early (a Cancel seen by rank 0) must be shared: rank 0 sends it
-to its peers over the data plane after every step, a one-byte message that the peers read one
-step later. So no rank waits for it (the step between has all-reduces that bring its sender's
-data after it), and a cancel stops every rank after the step following the one that saw it:
-within a token, as a cancel on one worker does.
+gathered for REPORT_SECONDS). Only the decision to stop early (a Cancel seen by rank 0) must be
+shared: rank 0 sends it to its peers over the data plane after every step, a one-byte message
+that the peers read one step later. So no rank waits for it (the step between has all-reduces
+that bring its sender's data after it), and a cancel stops every rank after the step following
+the one that saw it: within a token, as a cancel on one worker does.
 """
 
 from __future__ import annotations
@@ -154,16 +154,15 @@ def run_generation(
             if cancel or finished:  # a cancel decided a step ago: the peers learn of it after this step
                 break
             cancel = cancelled()
-            if not peers:
-                if cancel:
-                    report.send()
-                    break
-            else:
-                # the word for the step after this one, under its run id (the inbox keeps the
-                # next run's messages): a peer reads it after that step, by when it has long
-                # arrived, so no rank waits on it
-                for d in peers:
-                    comm.send(d, run + 1, STOP_TAG, np.array([cancel], np.int8))
+            if cancel and not peers:  # nobody to tell: stop now
+                report.send()
+                break
+            # the word for the step after this one, under its run id (the inbox keeps the next
+            # run's messages): a peer reads it after that step, by when it has long arrived, so
+            # no rank waits on it
+            for d in peers:
+                comm.send(d, run + 1, STOP_TAG, np.array([cancel], np.int8))
+            if peers:
                 comm.flush(run, Deadline(executor.collective_timeout))
         else:
             if step:  # rank 0's word after the step before
