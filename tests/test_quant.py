@@ -81,6 +81,23 @@ def test_products_with_quantized_weights_match_the_dequantized_product(name, row
         )
 
 
+@pytest.mark.skipif(not numba_cpu.AVAILABLE, reason="needs numba")
+def test_the_loops_read_every_float16_factor_as_numpy_widens_it():
+    """The loops widen a block's float16 factors in the vector unit (or through a table where
+    the CPU cannot): all 65,536 bit patterns, subnormals, infinities and NaNs among them, against
+    NumPy's float16 -> float32, bit for bit (NaN as NaN)."""
+    from workers.kernels import numba_loops
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    w = np.stack([bits & 0xFF, bits >> 8]).astype(np.uint8).reshape(1, 1, 2, 1 << 16)  # little-endian bytes
+    got = np.empty(1 << 16, np.float32)
+    numba_loops._lane_scales(numba_cpu._halves(), w, 0, 0, 0, got)
+    expected = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_the_cuda_backends_kernels_on_the_cupy_standin_match_the_dequantized_product(name, monkeypatch):
     """The CUDA backend has no loops of its own: qmatmul dequantizes tiles of row groups for
