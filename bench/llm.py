@@ -160,7 +160,7 @@ def ours(
             for _ in range(steps):
                 start = time.perf_counter()
                 dev.clock.reset()
-                out, *_ = decode(token, np.array([[pos]], np.int32))
+                out, *_ = decode(token, np.array([[pos]], np.int32), read=(0,))
                 token = out.numpy().astype(np.int32)
                 walls[profile].append(time.perf_counter() - start)
                 pos += 1

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 import numpy as np
@@ -223,7 +223,9 @@ class MetaDevice:
         node = t.node
         if node.tensor in self._feeds:
             return self._feeds[node.tensor].copy()
-        if node.state == MIRRORED and not self.check_mirrored:  # any one copy will do
+        if node.host is not None:  # read back with the run that made it
+            return node.host.copy()
+        if self._one_copy(node.state):
             return np.array(self._call({0: p.Get(node.tensor)})[0].array, copy=True)
         replies = self._call({d: p.Get(node.tensor) for d in range(self.n)})
         locals_ = [np.asarray(replies[d].array) for d in range(self.n)]
@@ -291,31 +293,58 @@ class MetaDevice:
                 self._resident(node, tensor, state)
             else:  # the destination's storage, under its id: it lives as long as either handle
                 node.tensor, node.state, node.alias = tensor, state, root
+                root.host = None  # written in place: a value read before is out of date
             node.op, node.inputs = "", ()  # resident now: the recipe (and its inputs) can go
         return compiled, leaves, roots
 
-    def _execute(self, compiled: CompiledPlan, inputs: list[int], out_ids: list[int], fed: dict, fresh) -> None:
+    def _execute(
+        self,
+        compiled: CompiledPlan,
+        inputs: list[int],
+        out_ids: list[int],
+        fed: dict,
+        fresh,
+        read: Sequence[int] = (),
+    ) -> dict[int, np.ndarray]:
         """One RunProgram on every worker: `inputs` by slot, results stored as `out_ids`. If the
         run outlives its deadline, its `fresh` outputs are released with the next run (a worker
-        serves in order: by then it has stored them)."""
+        serves in order: by then it has stored them). `read`: indices of outputs whose global
+        values come back in the run's replies (no Get of their own): returned by tensor id."""
         released, self._released[:] = list(self._released), []
-        feeds, data = _pack_feeds(fed)
+        feeds, data = p.pack_arrays(fed)
         message = p.RunProgram(
             compiled.program,
             next(self._run_ids),
-            [[i, tensor] for i, tensor in enumerate(inputs)],
-            [[v, t] for v, t in zip(compiled.plan.outputs, out_ids)],
+            _slot_pairs(range(len(inputs)), inputs),
+            _slot_pairs(compiled.plan.outputs, out_ids),
             released,
             feeds,
             data,
             int(self.profile),
         )
+        states = {out_ids[j]: compiled.plan.out_states[j] for j in read}
+        asked = {d: [t for t, state in states.items() if d == 0 or not self._one_copy(state)] for d in range(self.n)}
         try:
-            replies = self._call({d: message for d in range(self.n)})
+            replies = self._call({d: replace(message, read=asked[d]) if asked[d] else message for d in range(self.n)})
         except errors.DeadlineExceeded:
             self._released.extend(fresh)
             raise
         self.last_timings = {d: dict(r.info) for d, r in replies.items()}
+        if not states:
+            return {}
+        got = {d: {v.tensor: p.unpack_array(v, r.data) for v in r.values} for d, r in replies.items() if asked[d]}
+        values = {}
+        for t, state in states.items():
+            if self._one_copy(state):
+                values[t] = got[0][t]
+            else:
+                values[t] = gather([got[d][t] for d in range(self.n)], state, check_mirrored=self.check_mirrored)
+        return values
+
+    def _one_copy(self, state: State) -> bool:
+        """Whether any one worker's copy is the value: the only one's, or a Mirrored one's
+        (unless mirrored copies are checked)."""
+        return self.n == 1 or (state == MIRRORED and not self.check_mirrored)
 
     @serialized
     def capture(self, build: Callable[..., Sequence[Tensor]], *values: np.ndarray) -> tuple[Step, list[Tensor]]:
@@ -333,12 +362,11 @@ class MetaDevice:
         step = Step(self, compiled, leaves, [slots.get(f.node.tensor) for f in feeds], values, roots)
         return step, outputs
 
-    @serialized
     def _bind(self, step: Step, arrays: Sequence[np.ndarray]):
         """A run of captured `step` with new feed values: its input tensor ids (fresh ids for
         the fed ones), the fed arrays by id, its output ids (in-place results keep their
         tensor's), and which of those are new."""
-        inputs = [leaf.tensor for leaf in step.leaves]
+        inputs = list(step.leaf_ids)
         fed: dict[int, np.ndarray] = {}
         for slot, example, array in zip(step.feed_slots, step.examples, arrays):
             array = np.asarray(array)
@@ -350,24 +378,33 @@ class MetaDevice:
             if slot is not None:
                 inputs[slot] = next(self._tensor_ids)
                 fed[inputs[slot]] = array
-        out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in step.roots]
-        fresh = [t for root, t in zip(step.roots, out_ids) if root is None]
-        return inputs, fed, out_ids, fresh
+        out_ids = list(step.root_ids)
+        for j in step.made:
+            out_ids[j] = next(self._tensor_ids)
+        return inputs, fed, out_ids, [out_ids[j] for j in step.made]
 
-    def _replay(self, step: Step, arrays: Sequence[np.ndarray]) -> list[Tensor]:
+    @serialized
+    def _replay(self, step: Step, arrays: Sequence[np.ndarray], read: Sequence[int]) -> list[Tensor]:
+        for j in read:
+            if not (type(j) is int and 0 <= j < len(step.roots)) or step.roots[j] is not None:
+                raise ShapeError(
+                    f"captured step: cannot read output {j!r} with the run; read outputs 0..{len(step.roots) - 1} "
+                    "that the step makes anew (one written in place, a cache, reads with .numpy())"
+                )
         inputs, fed, out_ids, fresh = self._bind(step, arrays)
         try:
-            self._execute(step.compiled, inputs, out_ids, fed, fresh)
+            values = self._execute(step.compiled, inputs, out_ids, fed, fresh, read)
         finally:
             self._released.extend(fed)  # fed values are single-use
-        out = []
-        for root, tensor, state, (shape, dtype) in zip(step.roots, out_ids, step.compiled.plan.out_states, step.outs):
-            node = Node("", (), {}, shape, dtype)
-            if root is None:
-                self._resident(node, tensor, state)
-            else:
-                node.tensor, node.state, node.alias = tensor, state, root
-            out.append(Tensor(self, node))
+        out = list(step.written)  # in-place results: the same handles every run
+        for j in step.made:
+            shape, dtype = step.outs[j]
+            node = self._resident(Node("", (), {}, shape, dtype), out_ids[j], step.compiled.plan.out_states[j])
+            node.host = values.get(out_ids[j])
+            out[j] = Tensor(self, node)
+        for root in step.roots:
+            if root is not None:
+                root.host = None  # written in place: a value read before is out of date
         return out
 
     @serialized
@@ -392,14 +429,14 @@ class MetaDevice:
         inputs, fed, out_ids, fresh = self._bind(step, (tokens, positions))
         run = next(self._run_ids)
         self._run_ids = itertools.count(run + steps + 1)  # one run id per step, none reused
-        feeds, data = _pack_feeds(fed)
+        feeds, data = p.pack_arrays(fed)
         token_id, position_id = (inputs[slot] for slot in step.feed_slots)
         message = p.Generate(
             step.compiled.program,
             run,
             steps,
-            [[i, tensor] for i, tensor in enumerate(inputs)],
-            [[v, t] for v, t in zip(step.compiled.plan.outputs, out_ids)],
+            _slot_pairs(range(len(inputs)), inputs),
+            _slot_pairs(step.compiled.plan.outputs, out_ids),
             token_id,
             position_id,
             out_ids[0],
@@ -490,13 +527,25 @@ class Step:
         self.feed_slots, self.examples, self.roots = feed_slots, [np.asarray(e) for e in examples], roots
         plan = compiled.plan
         self.outs = [(plan.shapes[v], plan.dtypes[v]) for v in plan.outputs]
+        # what every run binds alike, worked out once: ~300 inputs of a decode step
+        self.leaf_ids = [leaf.tensor for leaf in self.leaves]
+        self.root_ids = [root.tensor if root is not None else None for root in roots]
+        self.made = [j for j, root in enumerate(roots) if root is None]  # outputs each run makes anew
+        self.written: list[Tensor | None] = [None] * len(roots)  # the in-place ones' handles
+        for j, root in enumerate(roots):
+            if root is not None:
+                node = Node("", (), {}, *self.outs[j])
+                node.tensor, node.state, node.alias = root.tensor, plan.out_states[j], root
+                self.written[j] = Tensor(dev, node)
         dev._pinned.add(compiled.program)
         weakref.finalize(self, dev._pinned.discard, compiled.program)
 
-    def __call__(self, *arrays: np.ndarray) -> list[Tensor]:
+    def __call__(self, *arrays: np.ndarray, read: Sequence[int] = ()) -> list[Tensor]:
+        """The outputs of a run with these feed values; those at indices `read` come back with
+        the run, so reading them (.numpy()) needs no round trip of its own."""
         if len(arrays) != len(self.examples):
             raise ShapeError(f"captured step takes {len(self.examples)} feeds, got {len(arrays)}")
-        return self.dev._replay(self, arrays)
+        return self.dev._replay(self, arrays, tuple(read))
 
 
 def _each_step(report: p.Tokens, on_tokens: Callable[[int, list[int]], bool]) -> bool:
@@ -507,16 +556,12 @@ def _each_step(report: p.Tokens, on_tokens: Callable[[int, list[int]], bool]) ->
     return True
 
 
-def _pack_feeds(arrays: dict[int, np.ndarray]) -> tuple[list[p.Feed], np.ndarray]:
-    """Feeds and their bytes in one buffer, each at a 64-byte aligned offset."""
-    feeds, at = [], 0
-    for tensor, array in arrays.items():
-        feeds.append(p.Feed(tensor, dtype_name(array.dtype), tuple(array.shape), at))
-        at += -(-array.nbytes // 64) * 64
-    data = np.zeros(at, np.uint8)
-    for feed, array in zip(feeds, arrays.values()):
-        data[feed.offset : feed.offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return feeds, data
+def _slot_pairs(slots: Sequence[int], tensors: Sequence[int]) -> np.ndarray:
+    """[slot, tensor id] pairs as the wire carries them (transport.protocol.SlotPairs)."""
+    pairs = np.empty((len(tensors), 2), np.int64)
+    pairs[:, 0] = slots
+    pairs[:, 1] = tensors
+    return pairs
 
 
 def _written(node: Node) -> Node | None:

@@ -27,6 +27,7 @@ class Node:
     state: State | None = None
     finalizer: Any = None  # releases the storage when the node is garbage collected
     alias: Node | None = None  # an in-place write's result: the resident node whose storage it is
+    host: Any = None  # its global value, when the run that made it read it back (Step's `read`)
 
     @property
     def resident(self) -> bool:

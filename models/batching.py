@@ -218,7 +218,7 @@ class ContinuousBatcher:
             build = lambda logits: list(logits.top_k(POOL))  # noqa: E731
             self._decode, (values, indices, *_) = self.net.capture_decode(tokens, positions, build=build)
         else:
-            values, indices, *_ = self._decode(tokens, positions)
+            values, indices, *_ = self._decode(tokens, positions, read=(0, 1))  # back with the run
         v, i = values.numpy(), indices.numpy()
         self.counters.decode_steps += 1
         self.counters.decode_seconds += time.perf_counter() - start

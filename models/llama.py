@@ -378,8 +378,8 @@ class TensorParallelLlama:
                 return [*out.top_k(pool), *([out] if logits else []), *self.caches()]
 
             step, outputs = self.dev.capture(graph, tokens, positions, rows)
-        else:
-            outputs = step(tokens, positions, rows)
+        else:  # the candidates (and logits) come back with the run: reading them sends nothing
+            outputs = step(tokens, positions, rows, read=range(3 if logits else 2))
         self._prefills[key] = step  # now the latest: past PREFILL_STEPS the oldest goes
         if len(self._prefills) > PREFILL_STEPS:
             self._prefills.pop(next(iter(self._prefills)))

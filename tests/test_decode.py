@@ -3,6 +3,8 @@ mixed dtypes, one plan for every decode step, and a bounded plan cache."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -534,3 +536,87 @@ def test_a_captured_step_survives_a_plan_cache_overflow(sim):
     assert [s["programs"] for s in dev.stats().values()] <= [max(loaded) + 2] * 2
     (again,) = step(np.float32(0.25))
     np.testing.assert_allclose(again.numpy(), np.exp(np.arange(6) * 0.25), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("check_mirrored", [True, False])
+def test_outputs_read_with_a_replayed_run_need_no_round_trip_and_equal_numpy(sim, n, check_mirrored):
+    """Step(..., read=...) brings those outputs back in the run's replies: Mirrored from rank 0
+    only (from every rank when copies are checked), Split (uneven) and Partial from every
+    rank, gathered; reading them then sends nothing. Outputs not asked for are read as before."""
+    dev = sim(n, check_mirrored=check_mirrored)
+    rows = [5] + [0] * (n - 1)  # uneven: everything on rank 0
+    x = dev.tensor(np.arange(15, dtype=np.float32).reshape(3, 5), Split(1, (tuple(rows),)))
+    w = dev.tensor(np.arange(10, dtype=np.float32).reshape(5, 2) / 10, Split.even(0, 5, n))
+
+    def graph(f):
+        y = x * f
+        return [y, (y @ w).redistribute(MIRRORED), y @ w, y.exp()]  # split, mirrored, partial, split
+
+    step, _ = dev.capture(graph, np.float32(2.0))
+    calls, sent = dev.cluster.call_all, []
+
+    def spy(messages, *a, **k):
+        sent.append(messages)
+        return calls(messages, *a, **k)
+
+    dev.cluster.call_all = spy
+    y, mirrored, partial, exp = step(np.float32(0.5), read=(0, 1, 2))
+    (run,) = sent
+    asked = {d: m.read for d, m in run.items()}
+    assert all(isinstance(m, p.RunProgram) for m in run.values())
+    if n > 1:
+        assert all(mirrored.node.tensor in asked[d] for d in range(n)) == check_mirrored
+        assert all(y.node.tensor in asked[d] and partial.node.tensor in asked[d] for d in range(n))
+    assert all(exp.node.tensor not in asked[d] for d in range(n))
+    host = np.arange(15, dtype=np.float32).reshape(3, 5) * 0.5
+    product = host @ (np.arange(10, dtype=np.float32).reshape(5, 2) / 10)
+    np.testing.assert_array_equal(y.numpy(), host)
+    np.testing.assert_allclose(mirrored.numpy(), product, rtol=1e-6)
+    np.testing.assert_allclose(partial.numpy(), product, rtol=1e-6)
+    assert len(sent) == 1, "read with the run: no Get"
+    np.testing.assert_allclose(exp.numpy(), np.exp(host), rtol=1e-6)
+    assert len(sent) > 1 and isinstance(next(iter(sent[1].values())), p.Get)
+
+
+def test_a_value_read_with_a_run_is_not_served_after_an_in_place_write(sim):
+    dev = sim(2)
+    x = dev.tensor(np.arange(6, dtype=np.float32).reshape(3, 2), Split.even(0, 3, 2))
+    step, _ = dev.capture(lambda f: [x * f], np.float32(1.0))
+    (y,) = step(np.float32(2.0), read=(0,))
+    np.testing.assert_array_equal(y.numpy(), np.arange(6).reshape(3, 2) * 2.0)
+    dev.run(y.set_rows(dev.tensor(np.array([1], np.int32)), dev.tensor(np.full((1, 2), -1, np.float32)), axis=0))
+    np.testing.assert_array_equal(y.numpy(), [[0, 2], [-1, -1], [8, 10]])  # the handle sees the write
+
+
+def test_reading_an_output_written_in_place_or_out_of_range_with_the_run_is_refused(sim):
+    dev = sim(2)
+    cache = dev.tensor(np.zeros((4, 2), np.float32), Split.even(0, 4, 2))
+    ones = dev.tensor(np.ones((1, 2), np.float32))
+
+    def graph(ids):
+        written = cache.set_rows(ids, ones, axis=0)
+        return [written * 2.0, written]
+
+    step, _ = dev.capture(graph, np.array([0], np.int32))
+    for bad in (1, 2, -1, "0"):
+        with pytest.raises(ShapeError, match="cannot read output"):
+            step(np.array([1], np.int32), read=(bad,))
+    doubled, written = step(np.array([2], np.int32), read=(0,))
+    np.testing.assert_array_equal(doubled.numpy(), [[2, 2], [0, 0], [2, 2], [0, 0]])
+    np.testing.assert_array_equal(written.numpy(), [[1, 1], [0, 0], [1, 1], [0, 0]])
+
+
+def test_a_run_reading_a_tensor_it_does_not_make_is_refused_and_the_step_still_runs(sim):
+    dev = sim(2)
+    x = dev.tensor(np.arange(4, dtype=np.float32), Split.even(0, 4, 2))
+    step, _ = dev.capture(lambda f: [x * f], np.float32(1.0))
+    calls, sent = dev.cluster.call_all, []
+    dev.cluster.call_all = lambda messages, *a, **k: sent.append(messages) or calls(messages, *a, **k)
+    step(np.float32(2.0), read=(0,))
+    dev.cluster.call_all = calls
+    bad = {d: dataclasses.replace(m, run=m.run + 100, release=[], read=[10**9]) for d, m in sent[0].items()}
+    replies = calls(bad)
+    assert all(isinstance(r, p.Error) and "not all among its outputs" in r.message for r in replies.values())
+    (y,) = step(np.float32(3.0), read=(0,))
+    np.testing.assert_array_equal(y.numpy(), np.arange(4) * 3.0)

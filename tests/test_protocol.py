@@ -41,7 +41,8 @@ EXAMPLES = [
         ],
         outputs=[4],
     ),
-    p.RunProgram(program=5, run=3, inputs=[[0, 10], [1, 11]], outputs=[[4, 12]], profile=1),
+    p.RunProgram(program=5, run=3, inputs=[[0, 10], [1, 11]], outputs=[[4, 12]], profile=1, read=[12]),
+    p.Ran(info={"compute_s": 0.5}, values=[p.Feed(12, "int64", (1, 2), 0)], data=np.arange(16, dtype=np.uint8)),
     p.Generate(
         program=5,
         run=9,
@@ -96,6 +97,26 @@ def test_feeds_travel_with_a_run():
     h["f"]["feeds"] = [[3, "int32", [1, 2], -1]]
     with pytest.raises(ProtocolError, match="negative offset"):
         p.decode([msgpack.packb(h), *bad[1:]])
+
+
+def test_slot_pairs_travel_as_whole_int64_pairs():
+    """A run's [slot, tensor] pairs, given as lists or as an (n, 2) array, arrive as lists of the
+    same ints (past 32 bits too); a field that is not whole pairs, or holds more pairs than the
+    item limit, is a ProtocolError naming it."""
+    pairs = [[0, 10], [1, 2**40 + 3], [7, -1]]
+    as_array = p.RunProgram(1, 2, np.array(pairs, np.int64), np.zeros((0, 2), np.int64))
+    got = round_trip(as_array)
+    assert got.inputs == pairs and got.outputs == []
+    assert all(type(x) is int for pair in got.inputs for x in pair)
+    with pytest.raises(ValueError, match="slot pairs"):
+        p.encode(p.RunProgram(1, 2, [[0, 1, 2]], []))
+    frames = p.encode(p.RunProgram(1, 2, pairs, []))
+    h = msgpack.unpackb(bytes(frames[0]))
+    h["f"]["inputs"] = h["f"]["inputs"][:-3]
+    with pytest.raises(ProtocolError, match="'inputs'.*not whole"):
+        p.decode([msgpack.packb(h), *frames[1:]])
+    many = p.RunProgram(1, 2, [[i, i] for i in range(20)], [])
+    assert _decodes(many, max_items=20) and not _decodes(many, max_items=19)
 
 
 def test_non_contiguous_arrays_are_made_contiguous():

@@ -171,12 +171,17 @@ class MsgType(enum.IntEnum):
     CANCEL = 19
     NCCL_ID = 20
     RESYNC = 21
+    RAN = 22
 
 
 # -- program steps ------------------------------------------------------------------------------
 
 Shape = tuple[int, ...]
 Params = dict[str, Any]
+# [slot, tensor id] pairs of a run: one bin of little-endian int64s on the wire, not a msgpack
+# array of arrays (a decode step binds ~300 inputs: per-item packing and checks cost ~0.5 ms a
+# token). Given as a list of pairs or an (n, 2) integer array; decoded as a list of pairs.
+SlotPairs = typing.NewType("SlotPairs", list)
 
 
 @dataclass(frozen=True)
@@ -210,13 +215,35 @@ class FreeStep:
 
 @dataclass(frozen=True)
 class Feed:
-    """A small Mirrored input carried by a RunProgram: bytes [offset, offset + size) of its
-    feed_data, stored as tensor `tensor` before the program runs (no round trip of its own)."""
+    """A small array carried inside a message's byte buffer: bytes [offset, offset + size) of
+    it. A RunProgram's feeds are Mirrored inputs stored as tensor `tensor` before the program
+    runs; a Ran's are the values of tensors read back with the run (no round trip of their own)."""
 
     tensor: int
     dtype: str
     shape: Shape
     offset: int
+
+
+def pack_arrays(arrays: dict[int, np.ndarray]) -> tuple[list[Feed], np.ndarray]:
+    """Arrays by tensor id as Feeds and their bytes in one buffer, each at a 64-byte aligned offset."""
+    feeds, at = [], 0
+    for tensor, array in arrays.items():
+        feeds.append(Feed(tensor, dtype_name(array.dtype), tuple(array.shape), at))
+        at += -(-array.nbytes // 64) * 64
+    data = np.zeros(at, np.uint8)
+    for feed, array in zip(feeds, arrays.values()):
+        data[feed.offset : feed.offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return feeds, data
+
+
+def unpack_array(feed: Feed, data: np.ndarray) -> np.ndarray:
+    """A copy of `feed`'s array out of `data`, or ProtocolError if it reaches past the buffer."""
+    dtype = dtype_from_name(feed.dtype)
+    count = prod(feed.shape)
+    if feed.offset + count * dtype.itemsize > data.nbytes:
+        raise ProtocolError(f"array of tensor {feed.tensor} reaches past the {data.nbytes} bytes sent with it")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=feed.offset).reshape(feed.shape).copy()
 
 
 Step = OpStep | MoveStep | FreeStep
@@ -312,12 +339,13 @@ class Unload:
 class RunProgram:
     program: int
     run: int  # a fresh id per run: tags its collective traffic so stale data is never mixed in
-    inputs: list[list[int]]  # [slot, tensor id] pairs read from the store
-    outputs: list[list[int]]  # [slot, tensor id] pairs written to the store
+    inputs: SlotPairs  # [slot, tensor id] pairs read from the store
+    outputs: SlotPairs  # [slot, tensor id] pairs written to the store
     release: list[int] = field(default_factory=list)  # tensors whose handles are gone: free first
     feeds: list[Feed] = field(default_factory=list)
     feed_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), compare=False)
     profile: int = 0  # 1: time every step (compute_s); off, a step runs with no timer around it
+    read: list[int] = field(default_factory=list)  # tensors whose local values come back in a Ran reply
     KIND: ClassVar[MsgType]
 
 
@@ -337,8 +365,8 @@ class Generate:
     program: int
     run: int
     steps: int
-    inputs: list[list[int]]
-    outputs: list[list[int]]
+    inputs: SlotPairs
+    outputs: SlotPairs
     tokens: int
     positions: int
     values: int
@@ -401,6 +429,18 @@ class Tensor:
 @dataclass(frozen=True)
 class Ok:
     info: Params = field(default_factory=dict)
+    KIND: ClassVar[MsgType]
+
+
+@_message(MsgType.RAN)
+@dataclass(frozen=True)
+class Ran:
+    """The reply to a RunProgram that reads tensors back: the run's account (`info`, as an Ok's)
+    and this worker's local values of the tensors it was asked for, each a Feed into `data`."""
+
+    info: Params
+    values: list[Feed]
+    data: np.ndarray = field(compare=False)
     KIND: ClassVar[MsgType]
 
 
@@ -517,6 +557,24 @@ def _list(item: Decoder) -> Decoder:
         return [item(x, name, limits) for x in v]
 
     return check
+
+
+def _encode_pairs(v: Any) -> bytes:
+    pairs = np.asarray(v, dtype="<i8")
+    if pairs.size == 0:
+        return b""
+    if pairs.ndim != 2 or pairs.shape[1] != 2:
+        raise ValueError(f"slot pairs must be [slot, tensor] pairs, got shape {pairs.shape}")
+    return pairs.tobytes()
+
+
+def _pairs(v: Any, name: str, limits: Limits) -> list[list[int]]:
+    raw = _bytes(v, name, limits)
+    if len(raw) % 16:
+        _fail(f"field {name!r}: {len(raw)} bytes are not whole [slot, tensor] int64 pairs")
+    if len(raw) // 16 > limits.max_items:
+        _fail(f"field {name!r}: {len(raw) // 16} pairs exceed the limit of {limits.max_items}")
+    return np.frombuffer(raw, "<i8").reshape(-1, 2).tolist()
 
 
 def _shape(v: Any, name: str, limits: Limits) -> Shape:
@@ -637,6 +695,7 @@ _CODECS: dict[Any, tuple[Callable[[Any], Any], Decoder]] = {
     list[int]: (lambda v: [int(x) for x in v], _list(_int)),
     list[str]: (list, _list(_str)),
     list[list[int]]: (lambda v: [[int(x) for x in p] for p in v], _list(_list(_int))),
+    SlotPairs: (_encode_pairs, _pairs),
     list[Step]: (lambda v: [_encode_step(s) for s in v], _list(_step)),
     list[Feed]: (lambda v: [[f.tensor, f.dtype, list(f.shape), f.offset] for f in v], _list(_feed)),
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from split_state.errors import OutOfMemory, ProtocolError
@@ -110,9 +110,11 @@ class Executor:
         outputs: list[list[int]],
         profile: bool = False,
         filled: list | None = None,
+        read: Sequence[int] = (),
     ) -> dict[str, Any]:
         """Run `program`; `filled`: input_slots() of the same inputs, when they are still the
-        stored arrays (a generation's steps, which write their fed tensors in place)."""
+        stored arrays (a generation's steps, which write their fed tensors in place); `read`:
+        output tensors the caller will read back, checked to be outputs before anything runs."""
         # a request for a program this worker never loaded is not a run of the cluster's (its
         # run id may be a later real run's): refused here without aborting that run on the peers
         compiled = self.programs.get(program)
@@ -122,6 +124,8 @@ class Executor:
             raise ProtocolError("worker is not configured: no peers yet")
         store = self.store
         with self._telling_peers(run):  # else they would wait for this worker until their deadline
+            if read and not set(read) <= {tensor for _, tensor in outputs}:
+                raise ProtocolError(f"run {run} reads tensors {sorted(set(read))}, not all among its outputs")
             if compiled.bound_to != (self.arena.generation, id(self.collectives)):
                 compiled.bind(self.arena, self.collectives, self.backend, self.collective_timeout)
             slots = list(filled) if filled is not None else self.input_slots(program, inputs)

@@ -8,11 +8,9 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
-from math import prod
 
 import numpy as np
 
-from split_state.dtypes import dtype_from_name
 from split_state.errors import ProtocolError, SplitError
 from split_state.layout import local_shape
 from transport import protocol as p
@@ -92,17 +90,21 @@ class WorkerServer:
         for tensor in m.release:
             self.store.free(tensor)
         for feed in m.feeds:
-            self.store.put(feed.tensor, self.backend.to_device(_feed_array(feed, m.feed_data)))
+            self.store.put(feed.tensor, self.backend.to_device(p.unpack_array(feed, m.feed_data)))
         self.runs += 1
-        timings = self.executor.run(m.program, m.run, m.inputs, m.outputs, bool(m.profile))
-        timings["handled_s"] = time.perf_counter() - start  # the program plus releases, feeds, storing
-        return p.Ok(timings)
+        timings = self.executor.run(m.program, m.run, m.inputs, m.outputs, bool(m.profile), read=m.read)
+        if not m.read:
+            timings["handled_s"] = time.perf_counter() - start  # the program plus releases, feeds, storing
+            return p.Ok(timings)
+        values, data = p.pack_arrays({t: self.backend.to_host(self.store.get(t)) for t in m.read})
+        timings["handled_s"] = time.perf_counter() - start  # and the values read back
+        return p.Ran(timings, values, data)
 
     def _on_generate(self, m: p.Generate) -> p.Message:
         self._require_configured()
         self.executor.comm.forget_aborts()
         for feed in m.feeds:
-            self.store.put(feed.tensor, self.backend.to_device(_feed_array(feed, m.feed_data)))
+            self.store.put(feed.tensor, self.backend.to_device(p.unpack_array(feed, m.feed_data)))
         self.runs += 1
         return run_generation(self, m, self.emit, self.cancelled)
 
@@ -176,14 +178,6 @@ def _peak_rss_kib() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def _feed_array(feed: p.Feed, data: np.ndarray) -> np.ndarray:
-    dtype = dtype_from_name(feed.dtype)
-    count = prod(feed.shape)
-    if feed.offset + count * dtype.itemsize > data.nbytes:
-        raise ProtocolError(f"feed of tensor {feed.tensor} reaches past the {data.nbytes} bytes sent with it")
-    return np.frombuffer(data, dtype=dtype, count=count, offset=feed.offset).reshape(feed.shape).copy()
 
 
 # The messages a worker serves on its control socket, and the handler of each.
