@@ -413,9 +413,9 @@ def show(results: dict | None) -> None:
         "  decode ours: generation driven by the workers (one Generate, each token fed back on the workers);"
         " outside ms: of each of its tokens, the time outside the program (choosing, reporting, the stop flag);"
         " replayed:"
-        " tok/s of the coordinator replaying the captured step token by token (a round trip and a read-back per"
-        " token), whose median step ms follows, untimed on the workers; profiled: every kernel timed, for the"
-        " breakdown after it"
+        " tok/s of the coordinator replaying the captured step token by token (one round trip per token, the"
+        " token read back with it), whose median step ms follows, untimed on the workers; profiled: every kernel"
+        " timed, for the breakdown after it"
     )
     if "vs_llama_cpp" in results["rows"][0]:
         rows = [
