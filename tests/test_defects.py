@@ -85,3 +85,24 @@ def test_using_a_freed_tensor_says_so(sim):
         x.numpy()
     with pytest.raises(FreedTensor, match="was freed"):
         (x * 2.0).numpy()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_view_read_before_an_in_place_write_keeps_its_value(sim, n):
+    """A transpose, reshape or slice of a tensor is a value: written in place later (a cache
+    row), the tensor changes, the view already made does not. The workers once kept such a
+    result as a view of the tensor's memory, which the write then changed."""
+    dev = sim(n)
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    x = dev.tensor(a, Split.even(1, 6, n))
+    views = {"transpose": x.T, "reshape": x.reshape(6, 4), "slice": x[1:3]}
+    for view in views.values():
+        view.numpy()  # run: each is stored on the workers now
+    ids, row = dev.tensor(np.array([1], np.int32)), dev.tensor(np.full((1, 6), -1, np.float32))
+    written = x.set_rows(ids, row, axis=0)
+    expect = a.copy()
+    expect[1] = -1
+    np.testing.assert_array_equal(written.numpy(), expect)
+    np.testing.assert_array_equal(views["transpose"].numpy(), a.T)
+    np.testing.assert_array_equal(views["reshape"].numpy(), a.reshape(6, 4))
+    np.testing.assert_array_equal(views["slice"].numpy(), a[1:3])

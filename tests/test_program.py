@@ -90,6 +90,17 @@ def test_views_of_arena_buffers_are_made_at_bind_and_see_every_runs_values(sim):
     assert len(program.calls) == len(program.placed) - 2
 
 
+def test_a_slice_is_read_where_it_lies(sim):
+    """A slice (the first rows of a batched cache) takes no buffer: the next step reads the
+    sliced rows in place, and only its own result takes arena memory."""
+    dev = sim(2)
+    x_host = np.linspace(-1, 1, 4 * SIZE, dtype=np.float32).reshape(4, SIZE)
+    x = dev.tensor(x_host, Split.even(1, SIZE, 2))
+    got = (x[1:3].exp() * 2.0).numpy()
+    np.testing.assert_allclose(got, np.exp(x_host[1:3].astype(np.float64)) * 2.0, rtol=1e-6)
+    assert arena_bytes(dev) == [aligned(SIZE * 4)] * 2  # exp's (2, SIZE / 2) only; no copy of the rows
+
+
 def test_the_arena_is_shared_by_programs_and_shrinks_when_they_go(sim):
     dev = sim(1)
     dev.max_plans = 1

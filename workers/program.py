@@ -127,7 +127,7 @@ class CompiledProgram:
             )
             if out is not None:
                 fixed[step.output] = out
-            if step.op in VIEW_OPS and step.inputs[0] in fixed:
+            if step.op in VIEW_OPS and placed.out == "alias" and step.inputs[0] in fixed:
                 source = fixed[step.inputs[0]]
                 view = self.kernels[step.op](xp, (source,), step.params, None)
                 if xp.may_share_memory(view, source):  # a view, not a copy made now (which has a base too)
@@ -316,7 +316,10 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
     for j, step in enumerate(steps):
         for slot in reads(step):
             last_read[slot] = j
-        aliases = isinstance(step, p.OpStep) and (step.op in VIEW_OPS or (step.op in OPS and OPS[step.op].inplace))
+        # a view that is a result gets its own copy: a later in-place write into what it views (a
+        # cache, a weight) must not change a value already handed out
+        view = isinstance(step, p.OpStep) and step.op in VIEW_OPS and step.output not in outputs
+        aliases = view or (isinstance(step, p.OpStep) and step.op in OPS and OPS[step.op].inplace)
         root[step.output] = root.get(step.inputs[0], step.inputs[0]) if aliases else step.output
     # a buffer lives until the last read of anything that aliases it; results and what a
     # collective sends get buffers of their own

@@ -430,17 +430,14 @@ def _top_k_combine(xp, inputs, params, out=None):
     return emit(_best(xp, c[..., 0], c[..., 1], params["k"]), out)
 
 
-def _reshape(xp, inputs, params, out=None):
-    return xp.reshape(inputs[0], tuple(params["shape"]))
-
-
-def _copy_of(view: Callable) -> Callable:
-    """A kernel that materialises a view of its input (transpose, slice) contiguously."""
+def _view_kernel(view: Callable) -> Callable:
+    """A kernel of a VIEW_OPS op: the view of its input; copied into `out` when one is given (a
+    program's result, which must not share memory with what a later in-place write changes)."""
 
     def kernel(xp, inputs, params, out=None):
-        v = view(inputs[0], params)
+        v = view(xp, inputs[0], params)
         if out is None:
-            return xp.ascontiguousarray(v).reshape(v.shape)  # a 0-d view would come back as shape (1,)
+            return v
         xp.copyto(out, v)
         return out
 
@@ -457,8 +454,9 @@ def _relu(xp, inputs, params, out=None):
 
 
 # Ops whose kernel returns a view of its first input where the layout allows (a reshape of a
-# transposed view copies): no buffer of their own. Kernels read views of any strides.
-VIEW_OPS = frozenset({"reshape", "transpose"})
+# transposed view copies): no buffer of their own. Kernels read views of any strides. A slice is
+# one: a decode step over the first rows of a batched cache reads them where they lie.
+VIEW_OPS = frozenset({"reshape", "transpose", "slice"})
 # Ops whose kernel may write over an input of the output's shape (one elementwise ufunc call):
 # the memory plan gives them the buffer of an input that dies with them (ggml-alloc's in-place
 # reuse), so a chain of residual adds and scalings keeps one buffer.
@@ -484,10 +482,10 @@ KERNELS: dict[str, Callable] = {
     "layer_norm": _layer_norm,
     "sum": _sum,
     "mean": _mean,
-    "reshape": _reshape,
-    "transpose": lambda xp, inputs, params, out=None: xp.transpose(inputs[0], tuple(params["axes"])),
+    "reshape": _view_kernel(lambda xp, x, p: xp.reshape(x, tuple(p["shape"]))),
+    "transpose": _view_kernel(lambda xp, x, p: xp.transpose(x, tuple(p["axes"]))),
     "concat": _concat,
-    "slice": _copy_of(lambda x, p: x[(slice(None),) * p["axis"] + (slice(p["start"], p["stop"]),)]),
+    "slice": _view_kernel(lambda xp, x, p: x[(slice(None),) * p["axis"] + (slice(p["start"], p["stop"]),)]),
     "get_rows": _get_rows,
     "sqrt": _unary_float(lambda xp, x: xp.sqrt(x)),
     "rsqrt": _unary_float(lambda xp, x: 1.0 / xp.sqrt(x)),
