@@ -279,6 +279,8 @@ def build_app(batcher, model_id: str, api_key: str = "", chat_template=None):
             ),
             "# TYPE meta_tp_decode_steps_total counter",
             f"meta_tp_decode_steps_total {c.decode_steps}",
+            "# TYPE meta_tp_decode_rows_total counter",
+            f"meta_tp_decode_rows_total {c.decode_rows}",
             "# TYPE meta_tp_decode_seconds_total counter",
             f"meta_tp_decode_seconds_total {c.decode_seconds:.6f}",
         ]

@@ -6,14 +6,16 @@ llama-server run them).
     for event in ticket.stream(): ...        # Token(...), then one Finished(...)
 
 The caches hold `slots` sequences (batch rows). One thread owns the device: between two decode
-steps it admits queued jobs into free slots (each prompt prefilled into its own row with
-`prefill(..., slot=...)`, the other rows untouched; prompts padded to a few lengths, each a
-captured step), then runs one captured decode step (one plan) for the
-whole batch, each row at its own position, and hands each active slot its next token. A slot
-whose job finished, was cancelled or whose client left is free for the next job at once. Rows
-without a job decode a dummy token at position 0 of their own row, which the next prompt placed
-there overwrites. A row's tokens do not depend on the other rows: a greedy job gives the same
-tokens alone and in a full batch.
+steps it admits queued jobs into the lowest free slots (each prompt prefilled into its own row
+with `prefill(..., slot=...)`, the other rows untouched; prompts padded to a few lengths, each a
+captured step), then runs one captured decode step for the first rows up to the highest busy
+slot, rounded up to a power of two (1, 2, 4, ... slots: as vLLM pads a batch to its captured
+sizes), each row at its own position, and hands each active slot its next token. One request
+alone thus costs a one-row step, not a step of every slot. A slot whose job finished, was
+cancelled or whose client left is free for the next job at once. Rows without a job decode a
+dummy token at position 0 of their own row, which the next prompt placed there overwrites. A
+row's tokens do not depend on the other rows: a greedy job gives the same tokens alone and in a
+full batch.
 
 Every job draws from its own generator (its seed), so a sampled job is reproducible too. The
 decode step proposes POOL candidates per row; a job's top_k cuts them further.
@@ -106,6 +108,7 @@ class Counters:
     generated_tokens: int = 0
     first_token_seconds: list[float] = field(default_factory=list)  # the last 1000
     decode_steps: int = 0
+    decode_rows: int = 0  # summed over the steps: the rows each decoded (busy slots and padding)
     decode_seconds: float = 0.0
 
 
@@ -129,7 +132,7 @@ class ContinuousBatcher:
         self.lost: str = ""  # why the cluster can no longer serve, once it cannot
         self._wake = threading.Condition()
         self._stopping = False
-        self._decode = None  # the captured decode step, made at the first one
+        self._decodes: dict[int, object] = {}  # rows -> the captured decode step of the first rows
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
 
     # -- the requests' side -------------------------------------------------------------------------
@@ -208,25 +211,33 @@ class ContinuousBatcher:
     def _step(self) -> None:
         if not self.active():
             return
-        rows = len(self.slots)
+        rows = self._rows()
         tokens, positions = np.zeros((rows, 1), np.int32), np.zeros((rows, 1), np.int32)
-        for index, slot in enumerate(self.slots):
+        for index, slot in enumerate(self.slots[:rows]):
             if slot is not None:
                 tokens[index, 0], positions[index, 0] = slot.tokens[-1], slot.position
         start = time.perf_counter()
-        if self._decode is None:
+        decode = self._decodes.get(rows)
+        if decode is None:
             build = lambda logits: list(logits.top_k(POOL))  # noqa: E731
-            self._decode, (values, indices, *_) = self.net.capture_decode(tokens, positions, build=build)
+            self._decodes[rows], (values, indices, *_) = self.net.capture_decode(tokens, positions, build=build)
         else:
-            values, indices, *_ = self._decode(tokens, positions, read=(0, 1))  # back with the run
+            values, indices, *_ = decode(tokens, positions, read=(0, 1))  # back with the run
         v, i = values.numpy(), indices.numpy()
         self.counters.decode_steps += 1
+        self.counters.decode_rows += rows
         self.counters.decode_seconds += time.perf_counter() - start
-        for index, slot in enumerate(self.slots):
+        for index, slot in enumerate(self.slots[:rows]):
             if slot is not None:
                 slot.position += 1
                 pool = slot.ticket.job.sampling.pool
                 self._take(index, v[index, 0, :pool], i[index, 0, :pool])
+
+    def _rows(self) -> int:
+        """The rows the next decode step runs: up to the highest busy slot, rounded up to a power
+        of two (at most every slot), so a handful of captured steps serve every mix of slots."""
+        highest = max(index for index, slot in enumerate(self.slots) if slot is not None)
+        return min(len(self.slots), 1 << highest.bit_length())
 
     def _take(self, index: int, values: np.ndarray, indices: np.ndarray) -> None:
         """Slot `index`'s next token from its candidates, handed to its job; the slot is freed

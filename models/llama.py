@@ -304,7 +304,8 @@ class TensorParallelLlama:
 
     def step(self, tokens, positions, last: Sequence[int] | Tensor | None = None) -> Tensor:
         """Logits (batch, tokens, vocab), split by vocabulary; caches written at `positions`.
-        tokens, positions: (batch, tokens) host arrays, or fed tensors (see capture_decode).
+        tokens, positions: (batch, tokens) host arrays, or fed tensors (see capture_decode);
+        fewer rows than the caches' batch are its first rows.
         `last`: one token index per row; the logits are then (batch, 1, vocab), of those tokens
         only (a prefill needs no others: the head is a fifth of a SmolLM2 prompt's work). A fed
         tensor `last` holds those tokens' rows of the flattened (batch * tokens) instead."""
@@ -406,10 +407,13 @@ class TensorParallelLlama:
     def _layers(self, x: Tensor, pos: Tensor, mask: Tensor, slot: int | None = None) -> Tensor:
         """Every layer over x (batch, tokens, hidden), writing the caches at `pos`. Attention reads
         the caches (masked), or with `slot`, writes batch row `slot` only and reads the new keys
-        and values themselves (a prompt starting a sequence)."""
+        and values themselves (a prompt starting a sequence). Fewer rows than the caches hold
+        are their first rows (a server's busy slots): written and read there, the others left
+        as they are, and nothing is computed for them."""
         cfg, hd = self.cfg, self.cfg.head_dim
         batch, t = x.shape[:2]
-        at = {} if slot is None else {"batch_start": slot}
+        first_rows = slot is None and batch < self.batch
+        at = {"batch_start": slot} if slot is not None else {"batch_start": 0} if first_rows else {}
         new_k, new_v = [], []
         for i in range(cfg.layers):
             p = f"l{i}."
@@ -423,6 +427,8 @@ class TensorParallelLlama:
             new_k.append(cache_k)
             new_v.append(cache_v)
             keys, values, seen = (k, v, t) if slot is not None else (cache_k, cache_v, self.ctx)
+            if first_rows:  # views of the rows in use: the workers copy nothing
+                keys, values = cache_k[:batch], cache_v[:batch]
             qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
             keys = keys.reshape(batch, cfg.kv_heads, 1, hd, seen)
             scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, seen)
@@ -454,9 +460,10 @@ class TensorParallelLlama:
         return self._mm(x, "output")
 
     def capture_decode(self, tokens: np.ndarray, positions: np.ndarray, build=None):
-        """Run one decode step (tokens, positions: (batch, 1)) and capture it: returns (step, its
-        outputs). `step(tokens, positions)` replays it; outputs are [build's results, *caches],
-        by default [next-token ids (batch, 1) int64, *caches]."""
+        """Run one decode step (tokens, positions: (rows, 1), rows up to the caches' batch: the
+        first rows) and capture it: returns (step, its outputs). `step(tokens, positions)`
+        replays it; outputs are [build's results, *caches], by default [next-token ids (rows,
+        1) int64, *caches]."""
         build = build or (lambda logits: [logits.argmax()])
 
         def graph(t: Tensor, p: Tensor) -> list[Tensor]:

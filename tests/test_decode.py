@@ -620,3 +620,37 @@ def test_a_run_reading_a_tensor_it_does_not_make_is_refused_and_the_step_still_r
     assert all(isinstance(r, p.Error) and "not all among its outputs" in r.message for r in replies.values())
     (y,) = step(np.float32(3.0), read=(0,))
     np.testing.assert_array_equal(y.numpy(), np.arange(4) * 3.0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_step_over_the_first_rows_decodes_them_alone_and_leaves_the_rest(sim, n):
+    """A server decodes its busy slots only: a step of 2 rows over caches of 4 equals the
+    reference for those 2 sequences, and the sequence in row 3, not stepped meanwhile, decodes
+    afterwards as if nothing had happened."""
+    weights = random_weights(GQA_CFG, seed=13)
+    ctx, prompts = 16, {0: [9, 2, 66], 1: [3, 70, 15, 8], 3: [41, 5]}
+    dev = sim(n)
+    net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx, batch=4)
+    refs = {slot: ReferenceDecoder(GQA_CFG, weights, ctx) for slot in prompts}
+    for slot, prompt in prompts.items():
+        net.prefill([prompt], 0, pool=1, slot=slot)
+        refs[slot].forward(np.array([prompt]), np.arange(len(prompt))[None])
+    at = {slot: len(prompt) for slot, prompt in prompts.items()}
+
+    def check(rows, tokens):
+        t = np.array([[tokens[s]] if s in tokens else [0] for s in range(rows)], np.int32)
+        p = np.array([[at[s]] if s in tokens else [0] for s in range(rows)], np.int32)
+        logits = net.step(t, p).numpy()
+        assert logits.shape == (rows, 1, GQA_CFG.vocab)
+        for slot in tokens:
+            want = refs[slot].forward(t[slot : slot + 1], p[slot : slot + 1])[0, -1]
+            np.testing.assert_allclose(logits[slot, 0], want, rtol=2e-4, atol=2e-4)
+            at[slot] += 1
+
+    before = net.k[0].numpy()
+    check(2, {0: 11, 1: 60})
+    check(2, {0: 7, 1: 2})
+    after = net.k[0].numpy()
+    np.testing.assert_array_equal(after[2:], before[2:])  # rows past the step's: not written
+    assert not after[2].any()
+    check(4, {0: 33, 1: 5, 3: 19})  # row 3 kept its prompt through the 2-row steps

@@ -111,6 +111,21 @@ def test_a_greedy_completion_is_the_references_text(server, client, model):
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 6)
 
 
+def _metric(url: str, name: str) -> float:
+    lines = httpx.get(url + "/metrics", timeout=5).text.splitlines()
+    return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
+
+
+def test_a_request_alone_decodes_its_row_only(server, client):
+    """One request costs steps of one row, not of every slot (SLOTS rows)."""
+    url = server[1]
+    steps, rows = _metric(url, "meta_tp_decode_steps_total"), _metric(url, "meta_tp_decode_rows_total")
+    client.completions.create(model="", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    steps = _metric(url, "meta_tp_decode_steps_total") - steps
+    assert steps == 5  # the first token comes with the prompt
+    assert _metric(url, "meta_tp_decode_rows_total") - rows == steps
+
+
 def test_concurrent_requests_each_get_the_tokens_they_get_alone(server, client):
     def ask(prompt: str) -> str:
         return client.completions.create(model="", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
