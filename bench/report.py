@@ -107,21 +107,32 @@ def in_process_with_threads(target, args: tuple, threads: int, timeout: float = 
     return result
 
 
+# OpenBLAS's threads (and llama.cpp's) spin after a parallel call, 2**28 cycles by default
+# (OPENBLAS_THREAD_TIMEOUT): about 0.1 s here. Measured on 2 cores: a 2-worker prefill timed right
+# after the 2-thread reference's took 260 ms, 231 ms after a 0.3 s pause, its workers waiting on
+# each other at the all-reduces of the first layers while a spinning thread held a core. A
+# comparison gives that time back before the next side runs (ours spin 50 us, then sleep).
+SETTLE_S = 0.3
+
+
 class ThreadedChild:
     """A spawned process whose BLAS uses `threads` threads, kept up to answer requests:
     `target(*args, requests, replies)` answers each request until it reads None. A benchmark
     alternates with it round by round, so a busy neighbour slows both sides alike."""
 
-    def __init__(self, target, args: tuple, threads: int, timeout: float = 1800):
+    def __init__(self, target, args: tuple, threads: int, timeout: float = 1800, settle: float = SETTLE_S):
         ctx = mp.get_context("spawn")
-        self.requests, self.replies, self.timeout = ctx.Queue(), ctx.Queue(), timeout
+        self.requests, self.replies, self.timeout, self.settle = ctx.Queue(), ctx.Queue(), timeout, settle
         with _blas_threads(threads):
             self.proc = ctx.Process(target=target, args=(*args, self.requests, self.replies))
             self.proc.start()
 
     def ask(self, *request):
+        """The child's answer, once its threads have settled (`settle` seconds after it)."""
         self.requests.put(request)
-        return self.replies.get(timeout=self.timeout)
+        reply = self.replies.get(timeout=self.timeout)
+        time.sleep(self.settle)
+        return reply
 
     def close(self) -> None:
         self.requests.put(None)
