@@ -228,6 +228,82 @@ def test_host_comm_waits_end_with_typed_errors(comm_pair):
         a.flush(3, Deadline(0.3))
 
 
+# -- postboxes: small all-reduces read where they lie ----------------------------------------------
+
+
+def both_all_reduce(comms, steps, run=7, seconds=5.0):
+    """Each comm (in its own thread) runs the bound all-reduces `steps`: (step, its addends one
+    per rank, shape). Returns every comm's results, in step order."""
+    results, errors = [[] for _ in comms], []
+
+    def rank_loop(rank, comm_):
+        try:
+            for step, parts, shape in steps:
+                dtype = parts[0].dtype
+                bound = comm_.bound_all_reduce(dtype, shape)
+                results[rank].append(bound(parts[rank], run, step, Deadline(seconds)))
+        except Exception as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_loop, args=(r, c)) for r, c in enumerate(comms)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int32"])
+def test_postbox_all_reduces_give_every_rank_the_sum_in_rank_order(comm_pair, dtype):
+    make, _ = comm_pair
+    comms = [make(0), make(1)]
+    rng = np.random.default_rng(3)
+    shapes = [(576,), (3, 5), (), (0,), (16, 1024)]  # 2.3 KiB, small, a scalar, empty, a full 64 KiB slot
+    steps = [
+        (k + 1, [(rng.standard_normal(shape) * 10).astype(dtype) for _ in range(2)], shape)
+        for k, shape in enumerate(shapes * 2)
+    ]
+    results = both_all_reduce(comms, steps)
+    for k, (_, (a, b), shape) in enumerate(steps):
+        expected = (a.astype(np.float64) + b.astype(np.float64)).astype(dtype)  # one rounding of the exact sum
+        for got in (results[0][k], results[1][k]):
+            assert got.shape == shape and got.dtype == np.dtype(dtype)
+            assert np.array_equal(got.reshape(-1).view(np.uint8), expected.reshape(-1).view(np.uint8))
+
+
+def test_consecutive_posts_alternate_slots_whichever_step_makes_them(comm_pair):
+    """A worker's posts take turns over its two slots across all its bound all-reduces: two steps
+    bound apart must not both write the first slot (the second would overwrite the first while a
+    peer may still read it)."""
+    make, _ = comm_pair
+    comms = [make(0), make(1)]
+    ones = [np.ones(4, np.float32), np.ones(4, np.float32)]
+    both_all_reduce(comms, [(1, ones, (4,)), (2, ones, (4,))], run=9)
+    for rank, c in enumerate(comms):
+        box = c.own.postbox(rank)
+        assert sorted([box.find(shm.post_stamp(9, 1)), box.find(shm.post_stamp(9, 2))]) == [0, 1]
+
+
+def test_postboxes_are_for_small_tensors_on_this_host(comm_pair):
+    make, _ = comm_pair
+    a, _ = make(0), make(1)
+    assert a.bound_all_reduce(np.dtype(np.float32), (shm.POST_BYTES // 4 + 1,)) is None  # the rings carry it
+    with pytest.raises(ProtocolError, match="do not fit a stamp"):
+        shm.post_stamp(1, 1 << 24)
+
+
+def test_a_postbox_wait_ends_with_worker_lost_at_its_deadline(comm_pair):
+    make, _ = comm_pair
+    a, _ = make(0), make(1)
+    bound = a.bound_all_reduce(np.dtype(np.float32), (4,))
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match="no data from worker 1") as lost:
+        bound(np.ones(4, np.float32), 3, 1, Deadline(0.3))  # worker 1 never posts
+    assert lost.value.rank == 1 and time.monotonic() - start < 2
+
+
 # -- sleeping and waking: waits that give the core away -------------------------------------------
 
 

@@ -380,8 +380,62 @@ class RingReader:
         self.ring.words[TAIL] = self.tail
 
 
+POST_BYTES = 64 << 10  # the largest small all-reduce contribution a postbox slot holds
+# two slots fit the smallest ring area (ring_capacity is at least 256 KiB)
+_POSTED = 1 << 63  # set in every stamp: a zeroed slot matches none
+_STEP_BITS = 24
+
+
+def post_stamp(run: int, step: int) -> int:
+    """The stamp of one contribution: its run and program step in one 8-byte word."""
+    if not (0 <= step < 1 << _STEP_BITS and 0 <= run < 1 << (63 - _STEP_BITS)):
+        raise ProtocolError(f"postbox: run {run}, step {step} do not fit a stamp")
+    return _POSTED | run << _STEP_BITS | step
+
+
+class Postbox:
+    """A worker's contributions to small all-reduces, where its peers read them in place: two
+    slots, each a stamp line and POST_BYTES of data, in its inbox file's own ring area (a ring
+    nobody writes: no worker sends to itself). The owner writes a contribution, then its stamp
+    (one aligned 8-byte store publishes it, as a ring's head publishes a record); a peer waits
+    until a slot holds the stamp it wants and reads the data where it lies. The owner writes a
+    slot again two posts later: by then it has read every peer's next post, and each peer posts
+    that only after it has read this one, so nothing is overwritten while a peer reads it."""
+
+    SLOTS = 2
+
+    def __init__(self, buffer: mmap.mmap, offset: int):
+        self.buffer, self.offset, self.stride = buffer, offset, LINE + POST_BYTES
+        words = memoryview(buffer)
+        self.stamps = [words[offset + k * self.stride : offset + k * self.stride + 8].cast("Q") for k in range(2)]
+        words.release()
+
+    def array(self, slot: int, dtype: np.dtype, size: int) -> np.ndarray:
+        """Slot `slot`'s data as `size` elements of `dtype` (a view of the shared memory)."""
+        if size * dtype.itemsize > POST_BYTES:
+            raise ProtocolError(f"postbox: {size} x {dtype} is more than a slot's {POST_BYTES} bytes")
+        return np.frombuffer(self.buffer, dtype, size, self.offset + slot * self.stride + LINE)
+
+    def publish(self, slot: int, stamp: int) -> None:
+        self.stamps[slot][0] = stamp
+
+    def find(self, stamp: int) -> int:
+        """The slot holding `stamp`, or -1 while none does."""
+        stamps = self.stamps
+        return 0 if stamps[0][0] == stamp else 1 if stamps[1][0] == stamp else -1
+
+    def holds(self, slot: int, stamp: int) -> bool:
+        return self.stamps[slot][0] == stamp
+
+    def release(self) -> None:
+        for word in self.stamps:
+            word.release()
+        self.stamps = []
+
+
 class InboxFile:
-    """A worker's shared-memory inbox: one ring per source rank (its own stays unused)."""
+    """A worker's shared-memory inbox: one ring per source rank; the area of its own rank's ring,
+    which nobody writes, is its Postbox."""
 
     def __init__(self, path: Path, buffer: mmap.mmap, world_size: int, capacity: int, owner: bool):
         self.path, self.buffer, self.world_size, self.capacity, self.owner = path, buffer, world_size, capacity, owner
@@ -392,6 +446,13 @@ class InboxFile:
         self._bell_address = ctypes.c_void_p(np.frombuffer(buffer, np.uint32, 1, SHM_BELL_OFFSET).ctypes.data)
         stride = CONTROL + capacity
         self.rings = [Ring(buffer, FILE_HEADER + src * stride, capacity) for src in range(world_size)]
+        self._postbox: Postbox | None = None
+
+    def postbox(self, owner: int) -> Postbox:
+        """The owner's postbox (`owner` is the file's rank; a peer maps it to read what it posts)."""
+        if self._postbox is None:
+            self._postbox = Postbox(self.buffer, FILE_HEADER + owner * (CONTROL + self.capacity))
+        return self._postbox
 
     @classmethod
     def create(cls, path: Path, world_size: int, capacity: int) -> InboxFile:
@@ -465,6 +526,9 @@ class InboxFile:
     def close(self) -> None:
         for ring in self.rings:
             ring.release()
+        if self._postbox is not None:
+            self._postbox.release()
+            self._postbox = None
         self.waiting.release()
         self.bell.release()
         self.rings = []

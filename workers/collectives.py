@@ -14,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from split_state.algorithms import Phase, Request, Tag, select
-from split_state.dtypes import dtype_name
+import numpy as np
+
+from split_state.algorithms import DirectAllReduce, Phase, Request, Tag, select
+from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.states import State
 from split_state.transitions import Transfer
 from transport.deadline import Deadline
@@ -63,6 +65,14 @@ class HostEngine:
 
     def check_usable(self) -> None:
         pass
+
+    def bound(self, algorithm, r: Request):
+        """The plane's own direct all-reduce for one request, where it has one (the shared-memory
+        postboxes: workers.comm.HostComm.bound_all_reduce) and the data is on the host."""
+        make = getattr(self.comm, "bound_all_reduce", None)
+        if make is None or algorithm.name != DirectAllReduce.name or self.xp is not np:
+            return None
+        return make(dtype_from_name(r.dtype), r.shape)
 
     def _send_mine(self, local: Any, sends: Sequence[Transfer], tag: Tag) -> None:
         for t in sends:
