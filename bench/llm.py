@@ -117,6 +117,9 @@ def llama_cpp_child(path: str, length: int, steps: int, threads: int, requests, 
         replies.put(float(np.median(times)))
 
 
+RSS_CTX = 1024  # the caches' positions in the main rows: the peak RSS column is then #27's condition
+
+
 def have_llama_cpp() -> bool:
     import importlib.util
 
@@ -144,7 +147,8 @@ def ours(
     model = GGUFModel(path)
     source = model.native if weights == "native" else model.weight
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
-        net = TensorParallelLlama(dev, model.config, source, ctx or length + (6 + 4 * rounds) * steps + 8)
+        needed = length + (6 + 4 * rounds) * steps + 8
+        net = TensorParallelLlama(dev, model.config, source, ctx or max(RSS_CTX, needed))
         tokens = [list(prompt_ids(model, length)[0])]
         start = time.perf_counter()
         _, best = net.prefill(tokens, 0, pool=1)  # as generate prefills: the candidates travel
@@ -404,6 +408,10 @@ def show(results: dict | None) -> None:
     ]
     title = f"{results['model']}: {results['rows'][0]['prompt_tokens']}-token prefill and greedy decode, "
     print(table(title + "N workers (1 BLAS thread each) vs NumPy reference with N threads", cols, rows))
+    print(
+        f"  stored and peak RSS: the busiest worker's, its KV caches preallocated to {RSS_CTX} positions"
+        " (the quantized weights' target: the file's size / N + 200 MiB)"
+    )
     print(
         "  prefill ours: the first prompt (graph, plan, program load and first run included); again: a second"
         " prompt of the same length, its captured step replayed; numpy and again: medians of"
