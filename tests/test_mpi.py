@@ -191,6 +191,26 @@ def test_workers_of_other_ranks_find_the_coordinator_in_the_job_directory():
     )
 
 
+def test_a_bound_all_reduces_small_results_take_turns_and_are_never_handed_out_while_held():
+    import numpy as np
+
+    from workers.mpi import ResultPair
+
+    pair = ResultPair(np.dtype(np.float32), 4)
+    first = pair.take()
+    second = pair.take()  # the first is still held (a program slot): the other one
+    assert first is not second and {id(first), id(second)} == {id(a) for a in pair.arrays}
+    view = second.reshape(2, 2)  # a stored tensor's view of the second
+    del second
+    third = pair.take()  # both held: a new array
+    assert all(not np.shares_memory(third, a) for a in pair.arrays)
+    held = id(first)
+    del first
+    assert id(pair.take()) == held  # dropped: handed out again
+    del view
+    assert {id(pair.take()), id(pair.take())} <= {id(a) for a in pair.arrays}
+
+
 def test_all_reduce_results_are_recycled_only_once_nothing_holds_them():
     import numpy as np
 

@@ -173,14 +173,18 @@ class MpiComm(ZmqComm):
         step calls a collective: (local, run, step, deadline)."""
         kind = self._sum_types.get(dtype) or self._sum_type(dtype)
         size, one_axis = prod(shape), len(shape) == 1
-        take, allreduce, total = self._results.take, self.world.Allreduce, self.MPI.SUM
+        allreduce, total = self.world.Allreduce, self.MPI.SUM
         error = self.MPI.Exception
+        # results of a few KiB (a decode step's) from two arrays of their own, handed out in
+        # turn: a fresh array each call cost 0.9 us of the 4 KiB all-reduce's 5.4 (raw: 3.7)
+        take = ResultPair(dtype, size).take if size * dtype.itemsize < ResultBuffers.MIN_BYTES else None
+        pool = self._results.take
 
         def run(local: np.ndarray, run: int, step: int, deadline) -> np.ndarray:
             if self.broken:
                 self.check_usable()
             flat = local if local.flags.c_contiguous else np.ascontiguousarray(local)
-            out = take(dtype, size)
+            out = take() if take is not None else pool(dtype, size)
             try:
                 allreduce([flat, kind], [out, kind], total)
             except error as exc:
@@ -320,6 +324,22 @@ class Packing:
         for t in receives:
             received[t.src] += prod(box_shape(t.dst_box, phase.shape)) * itemsize
         return cls(sends, receives, tuple(t for t in share.receives if t.src == rank), tuple(sent), tuple(received))
+
+
+class ResultPair:
+    """Two arrays of one dtype and size for a bound collective's results, handed out in turn
+    when nothing but the pair refers to one (CPython's reference count: a result that a program
+    slot, a stored tensor or a view of it still holds is never written over); a new array when
+    both are held."""
+
+    def __init__(self, dtype: np.dtype, size: int):
+        self.arrays = (np.empty(size, dtype), np.empty(size, dtype))
+
+    def take(self) -> np.ndarray:
+        for array in self.arrays:
+            if sys.getrefcount(array) == 3:  # the pair's, this loop's and the call's argument
+                return array
+        return np.empty_like(self.arrays[0])
 
 
 class ResultBuffers:
