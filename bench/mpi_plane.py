@@ -4,9 +4,10 @@
     mpiexec -n 2 python bench/mpi_plane.py ...        # the same; without mpiexec it starts one
 
 Ours: a worker's whole collective path for Partial -> Mirrored of a float32 vector, as a program
-step runs it (`Collectives.run`: the algorithm table, the MPI engine, the comm of workers/mpi.py,
-a fresh result array and a deadline per call) on the ranks of the job. Raw: `MPI.COMM_WORLD.Allreduce(a, b)` on the
-same arrays. Rounds alternate ours and raw; each size reports the median of its rounds, a round
+step runs it (bound once by `Collectives.prepared`: the MPI engine, the comm of workers/mpi.py,
+recycled result buffers, each result dropped after the call as a program drops it after its
+last reader, a deadline per call) on the ranks of the job. Raw: `MPI.COMM_WORLD.Allreduce(a, b)`
+on the same arrays. Rounds alternate ours and raw; each size reports the median of its rounds, a round
 being the mean of `reps` calls after a barrier.
 """
 
@@ -62,13 +63,17 @@ def measure(args) -> dict:
                 start = time.perf_counter()
                 for _ in range(reps):
                     run += 1
-                    got = all_reduce(local, run, 0, Deadline(60.0))
+                    # the result is dropped, as a program drops it after its last reader (holding
+                    # it would make the next call take another of the recycled buffers)
+                    all_reduce(local, run, 0, Deadline(60.0))
                 ours.append((time.perf_counter() - start) / reps)
                 world.Barrier()
                 start = time.perf_counter()
                 for _ in range(reps):
                     world.Allreduce(local, out)
                 raw.append((time.perf_counter() - start) / reps)
+            run += 1
+            got = all_reduce(local, run, 0, Deadline(60.0))
             if not np.array_equal(got, out):
                 raise AssertionError(f"{human_bytes(nbytes)}: our all-reduce differs from mpi4py's")
             ours_ms = float(np.median(ours)) * 1e3
