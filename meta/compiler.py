@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from meta.planner import Plan
-from split_state.layout import local_shape
+from split_state.algorithms import cached_local_shape
 from split_state.ops import localize
 from transport import protocol as p
 
@@ -37,7 +35,11 @@ def _localize(plan: Plan, step: p.OpStep, n: int, d: int) -> p.OpStep:
     in_shapes = tuple(plan.shapes[v] for v in step.inputs)
     out_state = plan.states[step.output]
     params = localize(step.op, step.params, in_states, in_shapes, out_state, step.shape, n, d)
-    return replace(step, params=params, shape=local_shape(out_state, step.shape, n, d))
+    # built directly (dataclasses.replace inspects the fields on every call): a prefill's plan
+    # has ~1,400 op steps per device
+    return p.OpStep(
+        step.op, step.inputs, step.output, params, cached_local_shape(out_state, tuple(step.shape), n, d), step.dtype
+    )
 
 
 def structural_key(leaves, order, outputs) -> tuple:
