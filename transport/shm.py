@@ -402,12 +402,13 @@ class Postbox:
     slot again two posts later: by then it has read every peer's next post, and each peer posts
     that only after it has read this one, so nothing is overwritten while a peer reads it."""
 
-    SLOTS = 2
+    SLOTS = 2  # `find` looks at both by hand: it runs in every spin of a wait
 
     def __init__(self, buffer: mmap.mmap, offset: int):
         self.buffer, self.offset, self.stride = buffer, offset, LINE + POST_BYTES
         words = memoryview(buffer)
-        self.stamps = [words[offset + k * self.stride : offset + k * self.stride + 8].cast("Q") for k in range(2)]
+        at = [offset + k * self.stride for k in range(self.SLOTS)]
+        self.stamps = [words[a : a + 8].cast("Q") for a in at]
         words.release()
 
     def array(self, slot: int, dtype: np.dtype, size: int) -> np.ndarray:
