@@ -233,9 +233,10 @@ class TensorParallelLlama:
             if progress is not None:
                 progress(i + 1, cfg.layers)
         cache = Split(1, self.kv.segments)  # split by KV heads
-        # K is kept as (batch, kv heads, hd, ctx), so scores need no transposed copy of it per
-        # step; V as (batch, kv heads, ctx, hd)
-        self.k = [self._zeros((batch, cfg.kv_heads, hd, ctx), cache) for _ in range(cfg.layers)]
+        # K and V as (batch, kv heads, ctx, hd): a position's key is one contiguous row, written
+        # in one piece, and the used positions are one contiguous block per head (read in half
+        # the time of the first n columns of (hd, ctx), 64 strided runs at 256 positions)
+        self.k = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache) for _ in range(cfg.layers)]
         self.v = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache) for _ in range(cfg.layers)]
         self._prefills: dict[tuple, object] = {}  # (padded length, pool, logits, slot) -> captured step
         self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, 1, 1, 1, ctx))
@@ -421,8 +422,8 @@ class TensorParallelLlama:
             q = self._mm(h, p + "wq").reshape(batch, t, cfg.heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
             k = self._mm(h, p + "wk").reshape(batch, t, cfg.kv_heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
             v = self._mm(h, p + "wv").reshape(batch, t, cfg.kv_heads, hd)
-            k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # (b, kv, hd, t), (b, kv, t, hd)
-            cache_k = self.k[i].set_rows(pos, k, axis=3, **at)  # in place, (b, kv, hd, ctx)
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, kv, t, hd)
+            cache_k = self.k[i].set_rows(pos, k, axis=2, **at)  # in place, (b, kv, ctx, hd)
             cache_v = self.v[i].set_rows(pos, v, axis=2, **at)  # in place, (b, kv, ctx, hd)
             new_k.append(cache_k)
             new_v.append(cache_v)
@@ -430,7 +431,7 @@ class TensorParallelLlama:
             if first_rows:  # views of the rows in use: the workers copy nothing
                 keys, values = cache_k[:batch], cache_v[:batch]
             qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
-            keys = keys.reshape(batch, cfg.kv_heads, 1, hd, seen)
+            keys = keys.reshape(batch, cfg.kv_heads, 1, seen, hd).transpose(0, 1, 2, 4, 3)  # a view
             scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, seen)
             attn = scores @ values.reshape(batch, cfg.kv_heads, 1, seen, hd)  # (b, kv, g, t, hd)
             merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)

@@ -57,6 +57,93 @@ def test_attention_reads_the_used_cache_and_equals_the_whole_softmax(ctx, positi
     np.testing.assert_allclose(got, attention_oracle(q, k, mask, v, 0.3), rtol=1e-5, atol=1e-6)
 
 
+def key_row_case(batch, tokens, ctx, last_positions):
+    """The decoder's layout: keys cached as rows (b, kv, ctx, hd), handed to attention as a
+    transposed view (b, kv, 1, hd, ctx); a causal mask per sequence (b, 1, 1, t, ctx) whose
+    token j of sequence s sees positions up to last_positions[s] - (tokens - 1 - j); what lies
+    past the used positions is NaN and must not matter."""
+    kv, g, hd = 2, 3, 8
+    q = f32(batch, tokens, kv * g, hd).reshape(batch, tokens, kv, g, hd).transpose(0, 2, 3, 1, 4)  # a view, as decoded
+    key_rows, v = f32(batch, kv, 1, ctx, hd), f32(batch, kv, 1, ctx, hd)
+    mask = np.full((batch, 1, 1, tokens, ctx), -np.inf, np.float32)
+    for s, last in enumerate(last_positions):
+        for j in range(tokens):
+            mask[s, 0, 0, j, : last - (tokens - 1 - j) + 1] = 0.0
+    unused = used_positions(np, mask, KV_BUCKET)
+    key_rows[..., unused:, :], v[..., unused:, :] = np.nan, np.nan
+    expected = attention_oracle(
+        q, np.nan_to_num(key_rows).swapaxes(-1, -2), mask, np.nan_to_num(v), 0.3
+    )  # the oracle sums every position: zeros past the used ones
+    return (q, key_rows.swapaxes(-1, -2), mask, v), expected
+
+
+def attention_kernels():
+    kernels = {"numpy": FUSED_KERNELS["attention"]}
+    from workers.kernels import numba_cpu
+
+    if numba_cpu.AVAILABLE:
+        kernels["numba softmax"] = numba_cpu.OVERRIDES["attention"]
+    return kernels
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "numba softmax"])
+@pytest.mark.parametrize(
+    "batch, tokens, ctx, last_positions",
+    [(1, 1, 40, [39]), (1, 1, 700, [300]), (2, 1, 1024, [5, 700]), (2, 3, 600, [2, 550]), (1, 4, 64, [3])],
+)
+def test_attention_over_cached_key_rows_equals_the_whole_softmax(kernel, batch, tokens, ctx, last_positions):
+    kernels = attention_kernels()
+    if kernel not in kernels:
+        pytest.skip("numba is not installed")
+    inputs, expected = key_row_case(batch, tokens, ctx, last_positions)
+    q = inputs[0]
+    out = np.empty(q.shape, np.float32)
+    scratch = np.empty((2,) + q.shape[:-1] + (ctx,), np.float32)
+    got = kernels[kernel](np, inputs, {"scale": 0.3, "bucket": KV_BUCKET}, out, scratch=scratch, memo={})
+    assert got is out
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_numba_softmax_gives_masked_positions_exactly_zero_weight():
+    from workers.kernels import numba_cpu
+
+    if not numba_cpu.AVAILABLE:
+        pytest.skip("numba is not installed")
+    n, rows, group = 300, 6, 3  # two tokens per group member
+    scores = f32(2, 2, n, rows) * 20  # key-major, wide enough to reach exp's far ends
+    mask = np.zeros((2, 1, 1, 2, n + 7), np.float32)
+    mask[0, ..., 0, 100:] = -np.inf
+    mask[1, ..., 1, 3:] = -np.inf
+    out = np.empty((2, 2, rows, n), np.float32)
+    numba_cpu._softmax_columns(np, scores, mask, group, 0.5, out)
+    x = scores.swapaxes(-1, -2).astype(np.float64).reshape(2, 2, group, 2, n) * 0.5 + mask[..., :n]
+    expected = ref.softmax(x, -1).reshape(2, 2, rows, n)
+    np.testing.assert_allclose(out, expected, rtol=2e-6, atol=1e-9)
+    assert np.array_equal(out == 0, expected == 0)  # a masked position weighs nothing, not ~1e-38
+    assert (out[0, :, 0::2, 100:] == 0).all() and (out[1, :, 1::2, 3:] == 0).all()
+
+
+def test_the_vectorised_exponential_is_within_three_ulp_and_zero_below_its_range():
+    from workers.kernels import numba_cpu
+
+    if not numba_cpu.AVAILABLE:
+        pytest.skip("numba is not installed")
+    from workers.kernels.numba_loops import _exp, exact_limits
+
+    @exact_limits
+    def each(x, out):
+        for i in range(x.size):
+            out[i] = _exp(x[i])
+
+    x = np.concatenate([np.linspace(-87, 88, 200_001, dtype=np.float32), [-87.5, -1e4, -np.inf, 0.0]])
+    got = np.empty_like(x)
+    each(x, got)
+    want = np.exp(x.astype(np.float64))
+    inside = x >= -87
+    np.testing.assert_allclose(got[inside], want[inside], rtol=3 * np.finfo(np.float32).eps, atol=0)
+    assert (got[~inside] == 0).all() and got[-1] == 1.0
+
+
 def test_used_positions_round_up_to_the_bucket_and_never_pass_the_cache():
     def mask(ctx, open_columns):
         m = np.full((2, 1, 1, 1, ctx), -np.inf, np.float32)

@@ -391,18 +391,24 @@ def _top_k_candidates(xp, inputs, params, out=None):
     if len(spans) == 1:
         start, length, local = spans[0]
         v = x[..., local : local + length]
-        index = xp.arange(start, start + length, dtype=xp.float64)
     else:
         v = xp.concatenate([x[..., loc : loc + n] for _, n, loc in spans], axis=-1)
-        index = xp.concatenate([xp.arange(s, s + n, dtype=xp.float64) for s, n, _ in spans])
     k = min(k, v.shape[-1])
-    if k == 1 and not bool(xp.isnan(v).any()):  # greedy: one pass, argmax keeps the first of ties
+    if k == 1:  # greedy: one pass; argmax keeps the first of ties, and finds a NaN if there is one
         best = xp.argmax(v, axis=-1)
-        out[..., 0, 0] = xp.take_along_axis(v, best[..., None], -1)[..., 0]
-        out[..., 0, 1] = index[best]
-        return out
+        top = xp.take_along_axis(v, best[..., None], -1)[..., 0]
+        if not bool(xp.isnan(top).any()):
+            out[..., 0, 0] = top
+            out[..., 0, 1] = best + start if len(spans) == 1 else _global_index(xp, spans)[best]
+            return out
+    index = _global_index(xp, spans)
     out[..., :k, :] = _best(xp, v.astype(xp.float64), xp.broadcast_to(index, v.shape), k)
     return out
+
+
+def _global_index(xp, spans):
+    """The global index of each value of the spans' values concatenated, as float64."""
+    return xp.concatenate([xp.arange(s, s + n, dtype=xp.float64) for s, n, _ in spans])
 
 
 def _best(xp, values, index, k: int):

@@ -132,7 +132,8 @@ def _match_attention(view: ProgramView, i: int) -> Fusion | None:
     q, k = view.steps[qk].inputs
     mask, v = view.steps[soft].inputs[1], pv.inputs[1]
     params = {"scale": view.steps[soft].params["scale"], "bucket": KV_BUCKET}
-    return Fusion((q, k, mask, v), params, (qk, soft), scratch=tuple(view.steps[qk].shape))
+    # scratch: the scores twice over, key-major and query-major (see attention_with)
+    return Fusion((q, k, mask, v), params, (qk, soft), scratch=(2, *view.steps[qk].shape))
 
 
 def used_positions(xp, mask, bucket: int) -> int:
@@ -146,35 +147,83 @@ def used_positions(xp, mask, bucket: int) -> int:
     return min(ctx, -(-last // bucket) * bucket)
 
 
-def _attention(xp, inputs, params, out=None, scratch=None, memo=None):
-    """softmax(q @ k * scale + mask) @ v, reading only the first n cached positions (n from the
-    mask, see used_positions): one plan serves every position, and a short sequence in a long
-    context reads what it uses, not the whole preallocated cache. Every position past n is -inf
-    in the mask, so it weighs exactly 0; the sums run over n terms instead of the whole context,
-    which may change the last bit of a result (the unfused program sums the zeros too). Its
-    shapes follow the data, so a device graph must never capture it (`eager`)."""
-    q, k, mask, v = inputs
-    # every layer reads the same mask: the first one of a run finds n (`memo`: the run's)
-    key = ("used positions", id(mask), params["bucket"])
-    n = memo.get(key) if memo is not None else None
-    if n is None:
-        n = used_positions(xp, mask, params["bucket"])
-        if memo is not None:
-            memo[key] = n
-    lead = q.shape[:-1]
-    if scratch is None:
-        scores = xp.empty(lead + (n,), xp.float32)
-    else:
-        scores = scratch.reshape(-1)[: prod(lead) * n].reshape(lead + (n,))
-    xp.matmul(q, k[..., :n], out=scores)
-    softmax_masked_into(xp, scores, mask[..., :n], params["scale"], -1, scores)
-    if out is None:
-        return xp.matmul(scores, v[..., :n, :])
-    return xp.matmul(scores, v[..., :n, :], out=out)
+def softmax_rows_of_columns(xp, scores, mask, group: int, scale: float, out):
+    """out (..., group * tokens, n) = softmax(scores * scale + mask) over n for key-major scores
+    (..., n, group * tokens), the mask (..., tokens, >= n) broadcast over the group (as over
+    (..., group, tokens, n)). The CPU backend overrides it with one numba pass
+    (workers/kernels/numba_cpu.py)."""
+    n, rows = scores.shape[-2:]
+    out[...] = scores.swapaxes(-1, -2)
+    grouped = out.reshape(out.shape[:-2] + (group, rows // group, n))
+    softmax_masked_into(xp, grouped, mask[..., :n], scale, -1, grouped)
+    return out
 
 
-_attention.memo = True  # takes the run's memo (workers/program.py clears it every run)
-_attention.eager = True  # n comes from the data: never inside a device graph
+def attention_with(softmax_columns: Callable) -> Callable:
+    """The attention kernel, its softmax over key-major scores `softmax_columns` (with
+    softmax_rows_of_columns's signature)."""
+
+    def attention(xp, inputs, params, out=None, scratch=None, memo=None):
+        """softmax(q @ k * scale + mask) @ v, reading only the first n cached positions (n from
+        the mask, see used_positions): one plan serves every position, and a short sequence in
+        a long context reads what it uses, not the whole preallocated cache. Every position
+        past n is -inf in the mask, so it weighs exactly 0; the sums run over n terms instead of
+        the whole context, which may change the last bit of a result (the unfused program sums
+        the zeros too). Its shapes follow the data, so a device graph must never capture it
+        (`eager`). With GQA's layout over a cache of key rows (the decoder's), each KV head's
+        keys are read once, as one contiguous block: scores = keys @ queries^T, key-major (the
+        fast BLAS product for a few queries: 9 against 30 us a SmolLM2 layer at 256 positions),
+        then the softmax turns them query-major for the product with the values."""
+        q, k, mask, v = inputs
+        # every layer reads the same mask: the first one of a run finds n (`memo`: the run's)
+        key = ("used positions", id(mask), params["bucket"])
+        n = memo.get(key) if memo is not None else None
+        if n is None:
+            n = used_positions(xp, mask, params["bucket"])
+            if memo is not None:
+                memo[key] = n
+        lead = q.shape[:-1]
+        size = prod(lead) * n
+        if scratch is None:
+            scratch = xp.empty(2 * size, xp.float32)
+        stacked = _stacked(q, k, v)
+        if stacked is not None and out is not None and out.flags.c_contiguous:
+            rows, key_rows, values = stacked
+            count = rows.shape[-2]
+            by_key = scratch.reshape(-1)[:size].reshape(rows.shape[:-2] + (n, count))
+            xp.matmul(key_rows[..., :n, :], rows.swapaxes(-1, -2), out=by_key)
+            weights = scratch.reshape(-1)[size : 2 * size].reshape(rows.shape[:-2] + (count, n))
+            softmax_columns(xp, by_key, mask, q.shape[-3], params["scale"], weights)
+            xp.matmul(weights, values[..., :n, :], out=out.reshape(rows.shape))
+            return out
+        scores = scratch.reshape(-1)[:size].reshape(lead + (n,))
+        xp.matmul(q, k[..., :n], out=scores)
+        softmax_masked_into(xp, scores, mask[..., :n], params["scale"], -1, scores)
+        if out is None:
+            return xp.matmul(scores, v[..., :n, :])
+        return xp.matmul(scores, v[..., :n, :], out=out)
+
+    attention.memo = True  # takes the run's memo (workers/program.py clears it every run)
+    attention.eager = True  # n comes from the data: never inside a device graph
+    return attention
+
+
+def _stacked(q, k, v):
+    """GQA's layout over key rows: q (..., group, tokens, d) against k (..., 1, d, ctx), a
+    transposed view of (..., 1, ctx, d) rows, and v (..., 1, ctx, d), shared by the group. Gives
+    q as (..., group * tokens, d) rows, the key rows (..., ctx, d) and v (..., ctx, d); None for
+    other layouts."""
+    lead = q.shape[:-3]
+    if q.ndim < 4 or k.ndim != q.ndim or v.ndim != q.ndim or k.shape[-3] != 1 or v.shape[-3] != 1:
+        return None
+    if k.shape[:-3] != lead or v.shape[:-3] != lead or k.strides[-2] != k.itemsize:
+        return None
+    rows = q.reshape(lead + (q.shape[-3] * q.shape[-2], q.shape[-1]))  # a view for one token
+    key_rows = k.reshape(k.shape[:-3] + k.shape[-2:]).swapaxes(-1, -2)
+    return rows, key_rows, v.reshape(v.shape[:-3] + v.shape[-2:])
+
+
+_attention = attention_with(softmax_rows_of_columns)
 
 
 @dataclass(frozen=True)

@@ -396,3 +396,72 @@ def dequantize_lanes(w, start, half, kind, out):
                         top = np.floor(v * SIXTEENTH)
                         low[lane] = d[lane] * (v - np.float32(16) * top) + offset[lane]
                         high[lane] = d[lane] * top + offset[lane]
+
+
+# -- attention's softmax over key-major scores --------------------------------------------------
+# fastmath without its no-NaN and no-infinity promises: masked scores are -inf, and LLVM may
+# drop the comparisons that keep them out of the exponential under those promises
+exact_limits = numba.njit(cache=True, nogil=True, fastmath={"contract", "reassoc", "nsz", "arcp"})
+inline_exact_limits = numba.njit(
+    cache=True, nogil=True, fastmath={"contract", "reassoc", "nsz", "arcp"}, inline="always"
+)
+LOG2E, HALF = np.float32(1.4426950408889634), np.float32(0.5)
+LN2_HIGH, LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)  # ln 2, split for exact k * ln 2
+LOWEST, HIGHEST = np.float32(-87.0), np.float32(88.0)
+
+
+@intrinsic
+def _float_from_bits(typingctx, bits):
+    """The float32 whose bits are int32 `bits`."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return numba.types.float32(numba.types.int32), codegen
+
+
+@inline_exact_limits
+def _exp(x):
+    """e**x for float32 x <= 88, within 2 ulp: 2**k * e**r with |r| <= ln(2) / 2, e**r by its
+    Taylor polynomial to r**7 (truncation below 1e-8), 2**k written into the exponent bits; 0
+    below -87 (where e**x is subnormal) and for -inf. A loop of these vectorizes, where
+    numba's math.exp is a call per value (LLVM has no vector exp without Intel's SVML)."""
+    c = min(max(x, LOWEST), HIGHEST)
+    k = np.floor(c * LOG2E + HALF)
+    r = c - k * LN2_HIGH - k * LN2_LOW
+    p = np.float32(1 / 5040) * r + np.float32(1 / 720)
+    p = p * r + np.float32(1 / 120)
+    p = p * r + np.float32(1 / 24)
+    p = p * r + np.float32(1 / 6)
+    p = p * r + HALF
+    p = p * r + np.float32(1)
+    p = p * r + np.float32(1)
+    e = p * _float_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))
+    return e if x >= LOWEST else np.float32(0)
+
+
+@exact_limits
+def softmax_columns(scores, mask, group, scale, out):
+    """out[b, h, r, :n] = softmax(scores[b, h, :n, r] * scale + mask[b or 0, r % tokens, :n])
+    for key-major scores (B, H, n, group * tokens) and a mask (1 or B, tokens, >= n); out
+    (B, H, group * tokens, n)."""
+    heads, n, rows = scores.shape[1], scores.shape[2], scores.shape[3]
+    tokens = rows // group
+    for b in range(scores.shape[0]):
+        mb = b if mask.shape[0] > 1 else 0
+        for h in range(heads):
+            for r in range(rows):
+                row, m_row = out[b, h, r], mask[mb, r % tokens]
+                top = np.float32(-np.inf)
+                for j in range(n):
+                    v = scores[b, h, j, r] * scale + m_row[j]
+                    row[j] = v
+                    top = max(top, v)
+                total = np.float32(0)
+                for j in range(n):
+                    e = _exp(row[j] - top)
+                    row[j] = e
+                    total += e
+                inverse = np.float32(1) / total
+                for j in range(n):
+                    row[j] *= inverse
