@@ -1,6 +1,9 @@
 """Memory accounting on the workers: intermediates count against the budget, dead ones are freed
 as the program goes, and every byte reserved during a run is given back."""
 
+import os
+import time
+
 import numpy as np
 import pytest
 
@@ -109,3 +112,62 @@ def test_a_workers_peak_memory_is_its_own_not_its_coordinators(fresh_cluster):
     (stats,) = MetaDevice(cluster).stats().values()
     assert 0 < stats["max_rss_kib"] < 400 << 10, stats["max_rss_kib"]
     assert stats["max_rss_kib"] >= stats["rss_kib"] > 0
+
+
+def resident_compiler_code_kib(pid: int | str = "self") -> int | None:
+    """Resident KiB of libllvmlite's executable mappings in process `pid` (from its smaps); None
+    while the process has not loaded the library (numba not imported yet)."""
+    total, inside, mapped = 0, False, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header
+                inside = fields[1] == "r-xp" and len(fields) > 5 and "libllvmlite" in fields[5]
+                mapped = mapped or inside
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total if mapped else None
+
+
+def numba_kernels():
+    from workers.kernels import numba_cpu
+
+    if not numba_cpu.AVAILABLE or not os.path.exists("/proc/self/smaps"):
+        pytest.skip("needs numba and Linux's /proc")
+    return numba_cpu
+
+
+def test_prepared_kernels_run_without_the_compilers_code_resident():
+    """After prepare, LLVM's machine code (~50 MiB) is not resident, and the loaded loops still
+    give the formula's values: nothing they run lives in those pages."""
+    numba_cpu = numba_kernels()
+    numba_cpu.prepare()  # once per process: conftest's session start ran it already
+    numba_cpu.release_compiler_code()  # anything the tests compiled since, dropped again
+    assert 0 <= resident_compiler_code_kib() < 1024, resident_compiler_code_kib()
+    x, w = np.random.default_rng(0).standard_normal((2, 3, 64)).astype(np.float32), np.full(64, 0.5, np.float32)
+    got = numba_cpu.OVERRIDES["rms_norm_mul"](np, (x, w), {"axis": 2, "eps": 1e-5})
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(got, x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * 0.5, rtol=2e-6)
+    assert resident_compiler_code_kib() < 1024  # running the loops read none of it back
+
+
+def test_a_worker_hands_back_the_compilers_code_and_runs_without_it(fresh_cluster):
+    """A worker prepares its numba loops in the background as it starts, then drops LLVM's code
+    pages; running the loops after that reads none of them back."""
+    numba_kernels()
+    cluster = fresh_cluster(1)
+    (pid,) = cluster.pids.values()
+    dev = MetaDevice(cluster)
+    x = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    expected = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * 2.0
+    weight = dev.tensor(np.full(32, 2.0, np.float32))
+    deadline = time.monotonic() + 60
+    # numba not imported yet (None), or preparing (tens of MiB; a cold numba cache compiles)
+    while (resident := resident_compiler_code_kib(pid)) is None or resident >= 1024:
+        assert time.monotonic() < deadline, f"LLVM's code still resident: {resident} KiB"
+        time.sleep(0.05)
+    for _ in range(2):
+        got = (dev.tensor(x).rms_norm(axis=-1, eps=1e-5) * weight).numpy()  # fused: a numba loop
+        np.testing.assert_allclose(got, expected, rtol=2e-6)
+    assert resident_compiler_code_kib(pid) < 1024, resident_compiler_code_kib(pid)

@@ -11,9 +11,10 @@ five passes and a transposed copy (11 against 22 us a SmolLM2 layer at 256 posit
 
 `OVERRIDES` maps op and pattern names to kernels with the shared kernels' signature; each falls
 back to the shared NumPy kernel for layouts it does not handle (not float32, not contiguous).
-Each has `prepare()`, called when a program that uses it is loaded: numba is imported and the
-loops compiled then, not during a run. Without numba installed OVERRIDES is empty and the NumPy
-kernels run everywhere.
+Each has `prepare()`: numba imported and every loop loaded (compiled the first time on a
+machine), then LLVM's code pages handed back. A worker calls it on its start, in the background;
+a program that uses the kernels waits for it at load, so nothing compiles during a run. Without
+numba installed OVERRIDES is empty and the NumPy kernels run everywhere.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import threading
 
 import numpy as np
 
@@ -150,8 +152,72 @@ def _softmax_columns(xp, scores, mask, group: int, scale: float, out):
 
 attention = fused.attention_with(_softmax_columns)
 
+
+def prepare() -> None:
+    """Every loop loaded (compiled the first time on a machine, from numba's cache after), for
+    the argument types the kernels pass, by running each kernel once on small arrays of every
+    layout it takes; then LLVM's code pages handed back (`release_compiler_code`). Runs once
+    per process, on a worker's start (workers/main.py), before its weights arrive: the worker's
+    peak resident set is then what it holds, not that plus the compiler's code. A program
+    loaded meanwhile waits for it."""
+    with _PREPARING:
+        if not _PREPARED:
+            _warm()
+            _PREPARED.append(True)
+
+
+_PREPARING, _PREPARED = threading.Lock(), []
+
+
+def _warm() -> None:
+    _loops()
+    for name, fmt in FORMATS.items():
+        if name in WIDENED:
+            continue
+        w = np.zeros((2, 64 // fmt.block or 1, fmt.block_bytes, 8), np.uint8)  # 2 groups of 8 lanes
+        width = w.shape[1] * fmt.block
+        for rows in (1, MAX_LOOP_ROWS + 1):  # the decode loops; prefill's tiles
+            x = np.ones((rows, 1, width), np.float32)
+            qmatmul(np, (x, w), {"format": name}, np.empty((rows, 2, 8), np.float32))
+        if name in KINDS:  # a tile of some groups (columns of the tile: strided) and of all of them
+            tile = np.empty((width, 16), np.float32)
+            _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile[:, :8])
+            _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile)
+    for tokens in (1, 2):
+        q = np.ones((1, 2, 3, tokens, 8), np.float32)
+        keys = np.ones((1, 2, 1, 4, 8), np.float32).swapaxes(-1, -2)  # key rows, as the decoder caches them
+        v, mask = np.ones((1, 2, 1, 4, 8), np.float32), np.zeros((1, 1, 1, tokens, 4), np.float32)
+        attention(np, (q, keys, mask, v), {"scale": 0.5, "bucket": 256}, np.empty(q.shape, np.float32), memo={})
+    release_compiler_code()
+
+
+MADV_DONTNEED = 4
+
+
+def release_compiler_code() -> None:
+    """Drop this process's resident pages of LLVM's machine code (libllvmlite's executable
+    mappings): once the loops are loaded, nothing runs it until a loop for new argument types
+    compiles, which reads the pages back from the library file. 50 MiB of a decoding worker's
+    resident set (SmolLM2, Q4_1), a fifth of it. Only code: never written, its pages are the
+    file's, so dropping them loses nothing (the library's data pages, relocated in place, are
+    left alone). Linux only; elsewhere, or if the kernel refuses, nothing happens."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        with open("/proc/self/maps") as maps:
+            spans = [line.split() for line in maps]
+    except (OSError, AttributeError):
+        return
+    for fields in spans:
+        if len(fields) > 5 and fields[1] == "r-xp" and "libllvmlite" in fields[5]:
+            start, stop = (int(a, 16) for a in fields[0].split("-"))
+            libc.madvise(start, stop - start, MADV_DONTNEED)
+
+
 for kernel in (rms_norm_mul, rope, qmatmul, attention):
-    kernel.prepare = _loops
+    kernel.prepare = prepare
 
 OVERRIDES = (
     {"rms_norm_mul": rms_norm_mul, "rope": rope, "qmatmul": qmatmul, "attention": attention} if AVAILABLE else {}
