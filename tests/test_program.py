@@ -90,6 +90,29 @@ def test_views_of_arena_buffers_are_made_at_bind_and_see_every_runs_values(sim):
     assert len(program.calls) == len(program.placed) - 2
 
 
+def test_views_of_a_cache_written_in_place_see_every_runs_writes(sim):
+    """A view of a cache that set_rows writes in place (the decoder's keys) is kept from one run
+    to the next while the cache is the same array; it sees each run's writes, another cache gets
+    its own view, and a reshape that copies (of a transposed view) is made every run."""
+    dev = sim(1)
+    hosts = [np.zeros((6, 4), np.float32), np.full((6, 4), -1.0, np.float32)]
+    caches = [dev.tensor(h.copy()) for h in hosts]
+    for k in range(6):
+        which = k % 3 == 2  # the second cache now and then, through the same program
+        row = np.full((1, 4), k + 1.0, np.float32)
+        written = caches[which].set_rows(dev.tensor(np.array([k], np.int32)), dev.tensor(row), axis=0)
+        viewed = written.reshape(4, 6) * 2.0  # a view of the cache
+        copied = written.transpose(1, 0).reshape(2, 12) + 1.0  # a transposed view, then a copy
+        dev.run(viewed, copied)
+        hosts[which][k] = k + 1.0
+        np.testing.assert_array_equal(viewed.numpy(), hosts[which].reshape(4, 6) * 2.0)
+        np.testing.assert_array_equal(copied.numpy(), hosts[which].T.reshape(2, 12) + 1.0)
+    assert len(dev.plans) == 1
+    (program,) = dev.cluster.servers[0].executor.programs.values()
+    kept = [c for c in program.calls if c.__qualname__.startswith("_view_call")]
+    assert len(kept) == 3  # the cache's three view steps (the copying reshape keeps nothing it makes)
+
+
 def test_a_slice_is_read_where_it_lies(sim):
     """A slice (the first rows of a batched cache) takes no buffer: the next step reads the
     sliced rows in place, and only its own result takes arena memory."""
