@@ -3,7 +3,7 @@ workers against the single-process NumPy reference decoder with as many BLAS thr
 same run, with each decode step's time split into compute, collectives, executor and dispatch.
 
     python bench/llm.py [--quick] [--json results/llm.json] [--workers 1 2 4] [--rounds 3]
-                        [--contexts 256 8192] [--rss-tokens 2000]
+                        [--contexts 256 8192] [--rss-tokens 2000] [--cache-position 2048]
 
 Prefill: one 128-token prompt (32 with --quick) in one step, as generation prefills (a captured
 step per padded length); "first" plans and loads it, "again" replays it. Decode: greedy,
@@ -17,6 +17,8 @@ slows both alike; the figures are the rounds' medians. Where llama-cpp-python is
 with N threads after each worker count's rows, and a table compares its decode with ours.
 --contexts: decode at the same positions with the KV cache preallocated to each length.
 --rss-tokens: resident memory of the coordinator and the workers over that many decode tokens.
+--cache-position: decode after a prompt that long, float32 against float16 KV caches (and
+llama.cpp, whose cache is float16), 1 worker.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ TEXT = (
 
 def prompt_ids(model, length: int) -> np.ndarray:
     ids = model.tokenizer.encode(TEXT)
+    ids = ids * (length // len(ids) + 1)  # a long prompt: the text again
     return np.array([ids[:length]], np.int64)
 
 
@@ -229,6 +232,29 @@ def worker_driven(dev, net, token: np.ndarray, pos: int):
     return run
 
 
+def cache_types_at(path: str, position: int, steps: int) -> list[dict]:
+    """Decode tokens/s after a `position`-token prompt, 1 worker, Q4_1 weights kept, with float32
+    and with float16 KV caches, and llama.cpp (whose cache is float16) on the same file and
+    prompt with 1 thread: where attention reads more of the cache than of the weights."""
+    from models.gguf_model import GGUFModel
+    from models.llama import TensorParallelLlama
+
+    model = GGUFModel(path)
+    rows = []
+    for types in (("f32", "f32"), ("f16", "f16")):
+        with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=1))) as dev:
+            net = TensorParallelLlama(dev, model.config, model.native, position + 8 * steps, cache_types=types)
+            _, best = net.prefill([list(prompt_ids(model, position)[0])], 0, pool=1)
+            token = best.numpy().astype(np.int32).reshape(1, 1)
+            driven = worker_driven(dev, net, token, position)
+            step_s = float(np.median([driven(2 * steps)[0] for _ in range(2)]))
+        rows.append({"cache": "/".join(types), "position": position, "decode_tok_s": 1 / step_s})
+    if have_llama_cpp():
+        llama = llama_cpp(path, position, steps, 1, 1)
+        rows.append({"cache": "llama.cpp (f16)", "position": position, "decode_tok_s": llama["decode_tok_s"]})
+    return rows
+
+
 def long_context(path: str, contexts: tuple[int, ...], length: int, steps: int) -> list[dict]:
     """Decode at the same positions with caches preallocated to each context (one worker)."""
     rows = []
@@ -291,6 +317,7 @@ def run(
     rss_tokens: int,
     weights: tuple[str, ...] = ("f32",),
     rounds: int = 3,
+    cache_position: int = 0,
 ) -> dict | None:
     from models.gguf_model import ModelMissing, default_model_path
 
@@ -317,6 +344,8 @@ def run(
                 row |= {f"llama_cpp_{k}": v for k, v in llama.items()}
                 row["vs_llama_cpp"] = row["ours_decode_tok_s"] / llama["decode_tok_s"]
     results = {"model": Path(path).name, "rows": rows}
+    if cache_position:
+        results["cache_types"] = cache_types_at(path, cache_position, steps)
     if contexts:
         results["contexts"] = long_context(path, tuple(contexts), 32, steps)  # 32: a short prompt fits every cache
     if rss_tokens:
@@ -433,6 +462,10 @@ def show(results: dict | None) -> None:
         ]
         cols = ["workers", "weights", "llama.cpp prefill tok/s", "llama.cpp decode tok/s", "ours decode", "ratio"]
         print(table("llama.cpp (llama-cpp-python) on the same file, N threads", cols, rows))
+    if "cache_types" in results:
+        rows = [[r["cache"], r["position"], r["decode_tok_s"]] for r in results["cache_types"]]
+        title = "decode after a long prompt, 1 worker (Q4_1 kept) / llama.cpp 1 thread, by KV cache type"
+        print(table(title, ["cache K/V", "position", "tok/s"], rows))
     if "contexts" in results:
         rows = [[r["ctx"], r["decode_tok_s"], r["vs_first"]] for r in results["contexts"]]
         print(
@@ -450,7 +483,9 @@ def show(results: dict | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     def measure(args):
         rounds = 1 if args.quick else args.rounds
-        return run(args.quick, args.workers, args.contexts, args.rss_tokens, tuple(args.weights), rounds)
+        return run(
+            args.quick, args.workers, args.contexts, args.rss_tokens, tuple(args.weights), rounds, args.cache_position
+        )
 
     return cli(__doc__, "llm", measure, show, argv, options)
 
@@ -460,6 +495,12 @@ def options(ap) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds with the reference (1 with --quick)")
     ap.add_argument("--contexts", type=int, nargs="*", default=[256, 8192], help="decode rows per cache length")
     ap.add_argument("--rss-tokens", type=int, default=0, help="decode this many tokens watching resident memory")
+    ap.add_argument(
+        "--cache-position",
+        type=int,
+        default=2048,
+        help="decode after a prompt this long with float32 and float16 KV caches (0: skip)",
+    )
     ap.add_argument(
         "--weights",
         nargs="+",

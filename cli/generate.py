@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cli.display import progress, widening_notice
-from cli.options import add_cluster_options, open_cluster
+from cli.options import add_cache_type_options, add_cluster_options, open_cluster
 
 EXIT = "/exit"
 
@@ -62,6 +62,7 @@ def generate(args: argparse.Namespace) -> int:
             batch=max(1, len(prompts)),
             progress=lambda i, n: progress(i, n, "placing layers", start),
             weights=args.weights,
+            cache_types=(args.cache_type_k, args.cache_type_v),
         )
         if interactive:
             return converse(llm, args, sampling)
@@ -276,6 +277,7 @@ def add(sub) -> None:
         "on the workers (a fifth of the memory and about twice the decode speed of float32 here), other types "
         "float32; f32: every weight float32 (logits equal to the float32 reference's)",
     )
+    add_cache_type_options(p)
     p.add_argument(
         "--json", default="", help="write prompts, token ids, text, finish reason and timings here; - : JSON lines"
     )

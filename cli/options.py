@@ -55,6 +55,20 @@ def add_cluster_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cache_type_options(ap: argparse.ArgumentParser) -> None:
+    """llama.cpp's -ctk / -ctv: the KV cache's element types (generate and serve)."""
+    for short, which in (("-ctk", "k"), ("-ctv", "v")):
+        ap.add_argument(
+            short,
+            f"--cache-type-{which}",
+            choices=("f32", "f16"),  # models.llama.CACHE_TYPES, without importing the models here
+            default="f32",
+            help=f"element type of the KV cache's {'keys' if which == 'k' else 'values'} (llama.cpp's flag): f16 "
+            "halves the cache and what a decode step reads of it (llama.cpp's default); f32 keeps the logits equal "
+            "to the float32 reference's (default: %(default)s)",
+        )
+
+
 def check_cluster_options(args: argparse.Namespace) -> None:
     """The cluster options' values, checked before anything slow starts."""
     for name, value in (("--liveness", args.liveness), ("--start-timeout", args.start_timeout)):

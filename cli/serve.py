@@ -21,7 +21,7 @@ import sys
 import time
 
 from cli.display import widening_notice
-from cli.options import add_cluster_options, open_cluster
+from cli.options import add_cache_type_options, add_cluster_options, open_cluster
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -305,7 +305,14 @@ def serve(args: argparse.Namespace) -> int:
     model_id = args.model_id or model.path.stem
     widening_notice(model, args.weights)
     with open_cluster(args) as dev:
-        batcher = ContinuousBatcher(dev, model, slots=args.max_slots, ctx=args.ctx, weights=args.weights).start()
+        batcher = ContinuousBatcher(
+            dev,
+            model,
+            slots=args.max_slots,
+            ctx=args.ctx,
+            weights=args.weights,
+            cache_types=(args.cache_type_k, args.cache_type_v),
+        ).start()
         try:
             app = build_app(batcher, model_id, args.api_key, model.chat_template)
             config = uvicorn.Config(
@@ -354,5 +361,6 @@ def add(sub) -> None:
     p.add_argument(
         "--weights", choices=("native", "f32"), default="native", help="as for generate (default: %(default)s)"
     )
+    add_cache_type_options(p)
     add_cluster_options(p)
     p.set_defaults(fn=serve)

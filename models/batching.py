@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meta.device import MetaDevice
-from models.generate import POOL, WEIGHTS, Sampling, check_fits, stop_string_at
+from models.generate import POOL, WEIGHTS, Sampling, check_cache_types, check_fits, stop_string_at
 from models.gguf_model import GGUFModel, ModelError
 from models.llama import TensorParallelLlama
 from split_state.errors import MetaError, WorkerLost
@@ -113,17 +113,26 @@ class Counters:
 
 
 class ContinuousBatcher:
-    def __init__(self, dev: MetaDevice, model: GGUFModel, slots: int = 8, ctx: int = 2048, weights: str = "native"):
+    def __init__(
+        self,
+        dev: MetaDevice,
+        model: GGUFModel,
+        slots: int = 8,
+        ctx: int = 2048,
+        weights: str = "native",
+        cache_types: tuple[str, str] = ("f32", "f32"),
+    ):
         if slots < 1:
             raise ModelError(f"--max-slots {slots}: at least one")
         if ctx > model.context_length:
             raise ModelError(f"--ctx {ctx} exceeds the model's context length {model.context_length}")
         if weights not in WEIGHTS:
             raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
+        check_cache_types(cache_types)
         self.dev, self.model, self.ctx = dev, model, ctx
-        check_fits(dev, model, weights, ctx, slots)
+        check_fits(dev, model, weights, ctx, slots, cache_types)
         source = model.native if weights == "native" else model.weight
-        self.net = TensorParallelLlama(dev, model.config, source, ctx, batch=slots)
+        self.net = TensorParallelLlama(dev, model.config, source, ctx, batch=slots, cache_types=tuple(cache_types))
         self.tokenizer = model.tokenizer
         self.stop_ids = frozenset(model.end_of_generation)
         self.slots: list[_Slot | None] = [None] * slots

@@ -25,7 +25,7 @@ import numpy as np
 
 from meta.device import MetaDevice
 from models.gguf_model import GGUFModel, ModelError
-from models.llama import TensorParallelLlama
+from models.llama import CACHE_TYPES, TensorParallelLlama
 from workers.generation import Rule, choose, generator_state
 
 POOL = 256  # candidates per sequence a sampled step considers
@@ -210,7 +210,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def check_fits(dev: MetaDevice, model: GGUFModel, weights: str, ctx: int, batch: int) -> None:
+def check_fits(
+    dev: MetaDevice, model: GGUFModel, weights: str, ctx: int, batch: int, cache_types: tuple[str, str] = ("f32", "f32")
+) -> None:
     """Refuse, before any weight moves, a model that cannot fit the workers' memory budgets:
     each worker holds at least its share of the weights (1/N of them) and the KV cache of its
     whole KV heads (the worker with the most: ceil(kv heads / N)) at `ctx` positions. A model
@@ -218,7 +220,8 @@ def check_fits(dev: MetaDevice, model: GGUFModel, weights: str, ctx: int, batch:
     its working memory: that is the workers' OutOfMemory, as before."""
     cfg, n = model.config, dev.n
     share = model.resident_bytes(weights) / n
-    kv = 2 * cfg.layers * batch * -(-cfg.kv_heads // n) * ctx * cfg.head_dim * 4
+    position = sum(np.dtype(CACHE_TYPES[c]).itemsize for c in cache_types) * cfg.head_dim  # a key and a value
+    kv = cfg.layers * batch * -(-cfg.kv_heads // n) * ctx * position
     budget = min(info["budget"] for info in dev.stats().values())
     if share + kv > budget:
         mib = 1 << 20
@@ -230,6 +233,12 @@ def check_fits(dev: MetaDevice, model: GGUFModel, weights: str, ctx: int, batch:
             + (", --weights native" if weights != "native" else "")
             + " or a smaller --ctx"
         )
+
+
+def check_cache_types(cache_types: Sequence[str]) -> None:
+    for flag, kind in zip(("--cache-type-k", "--cache-type-v"), cache_types):
+        if kind not in CACHE_TYPES:
+            raise ModelError(f"{flag} {kind!r}: one of {', '.join(CACHE_TYPES)}")
 
 
 WEIGHTS = ("native", "f32")  # kept in the file's blocks where the workers compute on them; all float32
@@ -244,14 +253,19 @@ class LLM:
         batch: int = 1,
         progress=None,
         weights: str = "native",
+        cache_types: tuple[str, str] = ("f32", "f32"),
     ):
+        """`cache_types`: the KV caches' element types (K, V), models.llama.CACHE_TYPES's names."""
         check_context(ctx, model.context_length)
         if weights not in WEIGHTS:
             raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
+        check_cache_types(cache_types)
         self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch
-        check_fits(dev, model, weights, ctx, batch)
+        check_fits(dev, model, weights, ctx, batch, cache_types)
         source = model.native if weights == "native" else model.weight
-        self.net = TensorParallelLlama(dev, model.config, source, ctx, batch, progress=progress)
+        self.net = TensorParallelLlama(
+            dev, model.config, source, ctx, batch, progress=progress, cache_types=tuple(cache_types)
+        )
         self.tokenizer = model.tokenizer
         self._decode: dict[int, object] = {}  # captured decode steps by candidate pool size
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill

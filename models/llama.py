@@ -85,15 +85,30 @@ def random_weights(cfg: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict[st
 # -- the single-process NumPy reference ------------------------------------------------------------
 
 
+# the KV cache's element types (llama.cpp's --cache-type-k / -v names): float16 halves what a decode
+# step reads of a long context, its keys and values rounded to float16 as they are written
+CACHE_TYPES = {"f32": np.float32, "f16": np.float16}
+
+
 class ReferenceDecoder:
     """One process, NumPy, float32 arithmetic: a preallocated KV cache per layer written in place,
-    positions per sequence. `forward(tokens, positions)` returns logits (batch, tokens, vocab)."""
+    positions per sequence. `forward(tokens, positions)` returns logits (batch, tokens, vocab).
+    `cache_types` (K, V): the caches' element types (CACHE_TYPES); what they hold is computed in
+    float32 and rounded as it is stored."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict[str, np.ndarray], ctx: int, batch: int = 1):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        weights: dict[str, np.ndarray],
+        ctx: int,
+        batch: int = 1,
+        cache_types: tuple[str, str] = ("f32", "f32"),
+    ):
         self.cfg, self.w, self.ctx = cfg, {k: np.asarray(v, np.float32) for k, v in weights.items()}, ctx
         shape = (batch, cfg.kv_heads, ctx, cfg.head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(cfg.layers)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(cfg.layers)]
+        k_type, v_type = (CACHE_TYPES[c] for c in cache_types)
+        self.k = [np.zeros(shape, k_type) for _ in range(cfg.layers)]
+        self.v = [np.zeros(shape, v_type) for _ in range(cfg.layers)]
 
     def _norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.cfg.eps) * weight
@@ -116,9 +131,10 @@ class ReferenceDecoder:
                 self.v[i][b][:, positions[b]] = v[b].transpose(1, 0, 2)
             q = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
             # a Python float: a NumPy float64 scalar would turn every later value into float64
-            scores = q @ self.k[i][:, :, None].transpose(0, 1, 2, 4, 3) / math.sqrt(hd) + mask[:, None, None]
+            keys, values = self.k[i].astype(np.float32), self.v[i].astype(np.float32)
+            scores = q @ keys[:, :, None].transpose(0, 1, 2, 4, 3) / math.sqrt(hd) + mask[:, None, None]
             scores = np.exp(scores - scores.max(-1, keepdims=True))
-            attn = (scores / scores.sum(-1, keepdims=True)) @ self.v[i][:, :, None]  # (b, kv, g, t, hd)
+            attn = (scores / scores.sum(-1, keepdims=True)) @ values[:, :, None]  # (b, kv, g, t, hd)
             x = x + attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd) @ w[p + "wo"]
             h = self._norm(x, w[p + "ffn_norm"])
             gate, up = h @ w[p + "w_gate"], h @ w[p + "w_up"]
@@ -201,8 +217,22 @@ class TensorParallelLlama:
     """The decoder on a MetaDevice. `step(tokens, positions)` builds one step's graph (lazy) and
     returns the logits handle, split by vocabulary; `pick(logits, k)` the top-k over them."""
 
-    def __init__(self, dev: MetaDevice, cfg: LlamaConfig, source: Source, ctx: int, batch: int = 1, progress=None):
+    def __init__(
+        self,
+        dev: MetaDevice,
+        cfg: LlamaConfig,
+        source: Source,
+        ctx: int,
+        batch: int = 1,
+        progress=None,
+        cache_types: tuple[str, str] = ("f32", "f32"),
+    ):
+        """`cache_types` (K, V): the KV caches' element types, CACHE_TYPES's names."""
         self.dev, self.cfg, self.ctx, self.batch = dev, cfg, ctx, batch
+        unknown = [c for c in cache_types if c not in CACHE_TYPES]
+        if len(cache_types) != 2 or unknown:
+            raise ValueError(f"cache types are two of {', '.join(CACHE_TYPES)} (K, V), got {cache_types}")
+        self.cache_types = tuple(cache_types)
         n, hd = dev.n, cfg.head_dim
         self.kv = Split.even(0, cfg.kv_heads, n)  # whole KV heads per device; some may hold none
         kv_cols = tuple(e * hd for e in self.kv.segments[0])
@@ -236,8 +266,9 @@ class TensorParallelLlama:
         # K and V as (batch, kv heads, ctx, hd): a position's key is one contiguous row, written
         # in one piece, and the used positions are one contiguous block per head (read in half
         # the time of the first n columns of (hd, ctx), 64 strided runs at 256 positions)
-        self.k = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache) for _ in range(cfg.layers)]
-        self.v = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache) for _ in range(cfg.layers)]
+        k_type, v_type = (CACHE_TYPES[c] for c in cache_types)
+        self.k = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache, k_type) for _ in range(cfg.layers)]
+        self.v = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache, v_type) for _ in range(cfg.layers)]
         self._prefills: dict[tuple, object] = {}  # (padded length, pool, logits, slot) -> captured step
         self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, 1, 1, 1, ctx))
         self.zero = dev.tensor(np.float32(0))
@@ -294,10 +325,10 @@ class TensorParallelLlama:
         fmt = self.formats.get(name)
         return x @ self.w[name] if fmt is None else qmatmul(x, self.w[name], fmt)
 
-    def _zeros(self, shape, state) -> Tensor:
+    def _zeros(self, shape, state, dtype=np.float32) -> Tensor:
         n = self.dev.n
         return self.dev.from_generator(
-            shape, np.float32, state, lambda d, pieces: np.zeros(local_shape(state, shape, n, d), np.float32)
+            shape, dtype, state, lambda d, pieces: np.zeros(local_shape(state, shape, n, d), dtype)
         )
 
     def _norm(self, x: Tensor, name: str) -> Tensor:

@@ -352,6 +352,42 @@ def test_llama_with_four_query_heads_per_kv_head_equals_the_reference(sim, n):
     np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=2e-4, atol=2e-4)
 
 
+def check_float16_caches(dev, cache_types):
+    """llama.cpp's --cache-type-k / -v f16: keys and values rounded to float16 as they are
+    cached, attention in float32. Prefilled, then decoded one token at a time, against the
+    reference with the same caches; the float32 reference differs by more than the tolerance,
+    so a cache that stayed float32 (or a rounding in the wrong place) fails."""
+    weights = {k: v * (4.0 if k.endswith(("wk", "wv")) else 1.0) for k, v in random_weights(GQA_CFG, seed=5).items()}
+    ctx, prompt = 24, [3, 70, 15, 8, 41, 9, 2]
+    ref_dec = ReferenceDecoder(GQA_CFG, weights, ctx, cache_types=cache_types)
+    exact = ReferenceDecoder(GQA_CFG, weights, ctx)
+    net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx, cache_types=cache_types)
+    got = [net.prefill([prompt], 0, pool=1, logits=True)[2].numpy()[0, 0]]
+    expected = [ref_dec.forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1]]
+    far = [exact.forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1]]
+    for pos, token in zip(range(len(prompt), ctx), (11, 60, 2, 33, 5, 17)):
+        t, p = np.array([[token]], np.int32), np.array([[pos]], np.int32)
+        got.append(net.step(t, p).numpy()[0, 0])
+        expected.append(ref_dec.forward(t, p)[0, -1])
+        far.append(exact.forward(t, p)[0, -1])
+    np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=0, atol=2e-5)  # measured: under 3e-6
+    assert np.abs(np.stack(far) - np.stack(expected)).max() > 1e-4  # float16 caches move them 2-4e-4 here
+    k_type, v_type = net.k[0].dtype, net.v[0].dtype
+    assert (str(k_type), str(v_type)) == tuple({"f16": "float16", "f32": "float32"}[c] for c in cache_types)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("cache_types", [("f16", "f16"), ("f16", "f32"), ("f32", "f16")])
+def test_float16_caches_equal_the_reference_that_rounds_what_it_caches(sim, n, cache_types):
+    check_float16_caches(sim(n), cache_types)
+
+
+def test_float16_caches_on_the_cuda_backend(cuda2):
+    """The same on the CUDA backend (the CuPy stand-in without a GPU): its products widen the
+    float16 rows themselves."""
+    check_float16_caches(cuda2, ("f16", "f16"))
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_a_prefill_of_the_last_tokens_only_gives_their_rows_of_the_whole_logits(sim, n):
     """step(last=...) computes the head for one token per row: those rows of the reference's

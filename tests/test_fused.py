@@ -57,23 +57,23 @@ def test_attention_reads_the_used_cache_and_equals_the_whole_softmax(ctx, positi
     np.testing.assert_allclose(got, attention_oracle(q, k, mask, v, 0.3), rtol=1e-5, atol=1e-6)
 
 
-def key_row_case(batch, tokens, ctx, last_positions):
+def key_row_case(batch, tokens, ctx, last_positions, cached=np.float32):
     """The decoder's layout: keys cached as rows (b, kv, ctx, hd), handed to attention as a
     transposed view (b, kv, 1, hd, ctx); a causal mask per sequence (b, 1, 1, t, ctx) whose
     token j of sequence s sees positions up to last_positions[s] - (tokens - 1 - j); what lies
     past the used positions is NaN and must not matter."""
     kv, g, hd = 2, 3, 8
     q = f32(batch, tokens, kv * g, hd).reshape(batch, tokens, kv, g, hd).transpose(0, 2, 3, 1, 4)  # a view, as decoded
-    key_rows, v = f32(batch, kv, 1, ctx, hd), f32(batch, kv, 1, ctx, hd)
+    key_rows, v = f32(batch, kv, 1, ctx, hd).astype(cached), f32(batch, kv, 1, ctx, hd).astype(cached)
     mask = np.full((batch, 1, 1, tokens, ctx), -np.inf, np.float32)
     for s, last in enumerate(last_positions):
         for j in range(tokens):
             mask[s, 0, 0, j, : last - (tokens - 1 - j) + 1] = 0.0
     unused = used_positions(np, mask, KV_BUCKET)
     key_rows[..., unused:, :], v[..., unused:, :] = np.nan, np.nan
-    expected = attention_oracle(
-        q, np.nan_to_num(key_rows).swapaxes(-1, -2), mask, np.nan_to_num(v), 0.3
-    )  # the oracle sums every position: zeros past the used ones
+    expected = attention_oracle(  # the oracle sums every position: zeros past the used ones
+        q, np.nan_to_num(key_rows).astype(np.float64).swapaxes(-1, -2), mask, np.nan_to_num(v).astype(np.float64), 0.3
+    )
     return (q, key_rows.swapaxes(-1, -2), mask, v), expected
 
 
@@ -86,16 +86,20 @@ def attention_kernels():
     return kernels
 
 
+@pytest.mark.parametrize("cached", [np.float32, np.float16])
 @pytest.mark.parametrize("kernel", ["numpy", "numba softmax"])
 @pytest.mark.parametrize(
     "batch, tokens, ctx, last_positions",
     [(1, 1, 40, [39]), (1, 1, 700, [300]), (2, 1, 1024, [5, 700]), (2, 3, 600, [2, 550]), (1, 4, 64, [3])],
 )
-def test_attention_over_cached_key_rows_equals_the_whole_softmax(kernel, batch, tokens, ctx, last_positions):
+def test_attention_over_cached_key_rows_equals_the_whole_softmax(kernel, batch, tokens, ctx, last_positions, cached):
+    """float16 caches (llama.cpp's --cache-type-k / -v f16): against the oracle on the float16
+    values, each widened exactly; a few query rows take the numba loops over the bits, more
+    (4 tokens: 12 rows) the widened rows and BLAS."""
     kernels = attention_kernels()
     if kernel not in kernels:
         pytest.skip("numba is not installed")
-    inputs, expected = key_row_case(batch, tokens, ctx, last_positions)
+    inputs, expected = key_row_case(batch, tokens, ctx, last_positions, cached)
     q = inputs[0]
     out = np.empty(q.shape, np.float32)
     scratch = np.empty((2,) + q.shape[:-1] + (ctx,), np.float32)

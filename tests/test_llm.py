@@ -374,6 +374,11 @@ def test_a_model_that_cannot_fit_says_so_before_any_weight_moves(model, fresh_cl
         )
         with pytest.raises(ModelError, match=wanted.replace("-", r"\-")):
             LLM(dev, model, ctx=256, weights="f32")
+        halved = f"{kv / 2 / 2**20:.0f} MiB of KV cache at --ctx 256"  # float16 keys and values: 2 bytes each
+        with pytest.raises(ModelError, match=halved):
+            LLM(dev, model, ctx=256, weights="f32", cache_types=("f16", "f16"))
+        with pytest.raises(ModelError, match="--cache-type-v 'q8_0': one of f32, f16"):
+            LLM(dev, model, ctx=256, cache_types=("f16", "q8_0"))
         assert [info["used"] for info in dev.stats().values()] == [0, 0]  # no weight was placed
         llm = LLM(dev, model, ctx=256, weights="native")
         assert "Paris" in llm.generate(["The capital of France is"], max_new_tokens=4)[0].text

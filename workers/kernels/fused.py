@@ -159,9 +159,23 @@ def softmax_rows_of_columns(xp, scores, mask, group: int, scale: float, out):
     return out
 
 
-def attention_with(softmax_columns: Callable) -> Callable:
-    """The attention kernel, its softmax over key-major scores `softmax_columns` (with
-    softmax_rows_of_columns's signature)."""
+def scores_by_key(xp, key_rows, rows, n: int, out):
+    """out (..., n, rows) = the first n key rows (..., ctx, d) times the query rows (..., rows, d),
+    transposed: the attention's scores, key-major. float16 keys are widened by the product."""
+    return xp.matmul(key_rows[..., :n, :], rows.swapaxes(-1, -2), out=out)
+
+
+def weighted_values(xp, weights, values, n: int, out):
+    """out (..., rows, d) = weights (..., rows, n) times the first n value rows (..., ctx, d)."""
+    return xp.matmul(weights, values[..., :n, :], out=out)
+
+
+def attention_with(
+    softmax_columns: Callable, score_keys: Callable = scores_by_key, weigh_values: Callable = weighted_values
+) -> Callable:
+    """The attention kernel: its softmax over key-major scores `softmax_columns` (with
+    softmax_rows_of_columns's signature), its products `score_keys` and `weigh_values` (with
+    scores_by_key's and weighted_values's)."""
 
     def attention(xp, inputs, params, out=None, scratch=None, memo=None):
         """softmax(q @ k * scale + mask) @ v, reading only the first n cached positions (n from
@@ -191,10 +205,10 @@ def attention_with(softmax_columns: Callable) -> Callable:
             rows, key_rows, values = stacked
             count = rows.shape[-2]
             by_key = scratch.reshape(-1)[:size].reshape(rows.shape[:-2] + (n, count))
-            xp.matmul(key_rows[..., :n, :], rows.swapaxes(-1, -2), out=by_key)
+            score_keys(xp, key_rows, rows, n, by_key)
             weights = scratch.reshape(-1)[size : 2 * size].reshape(rows.shape[:-2] + (count, n))
             softmax_columns(xp, by_key, mask, q.shape[-3], params["scale"], weights)
-            xp.matmul(weights, values[..., :n, :], out=out.reshape(rows.shape))
+            weigh_values(xp, weights, values, n, out.reshape(rows.shape))
             return out
         scores = scratch.reshape(-1)[:size].reshape(lead + (n,))
         xp.matmul(q, k[..., :n], out=scores)

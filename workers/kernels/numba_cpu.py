@@ -150,7 +150,41 @@ def _softmax_columns(xp, scores, mask, group: int, scale: float, out):
     return out
 
 
-attention = fused.attention_with(_softmax_columns)
+_FLOAT16 = np.dtype(np.float16)
+
+
+def _half_rows(key_rows, out) -> bool:
+    """Whether the loops over float16 rows serve: host float16 (B, H, ctx, d) rows in order."""
+    return key_rows.dtype is _FLOAT16 and key_rows.ndim == 4 and key_rows.flags.c_contiguous and _plain(out)
+
+
+def _widened(rows, n: int):
+    """The first n float16 rows of rows (B, H, ctx, d) as float32, for a BLAS product."""
+    wide = np.empty(rows.shape[:2] + (n, rows.shape[3]), np.float32)
+    _loops().widen_half_rows(rows.view(np.uint16), n, _halves(), wide)
+    return wide
+
+
+def _scores_by_key(xp, key_rows, rows, n: int, out):
+    if xp is not np or not _half_rows(key_rows, out) or rows.ndim != 4:
+        return fused.scores_by_key(xp, key_rows, rows, n, out)
+    if rows.shape[2] > MAX_LOOP_ROWS:  # prefill: widen once, then BLAS
+        return np.matmul(_widened(key_rows, n), rows.swapaxes(-1, -2), out=out)
+    query = np.ascontiguousarray(rows, np.float32)
+    _loops().half_key_scores(key_rows.view(np.uint16), query, n, _halves(), out)
+    return out
+
+
+def _weighted_values(xp, weights, values, n: int, out):
+    if xp is not np or not _half_rows(values, out) or not _plain(weights) or weights.ndim != 4:
+        return fused.weighted_values(xp, weights, values, n, out)
+    if weights.shape[2] > MAX_LOOP_ROWS:
+        return np.matmul(weights, _widened(values, n), out=out)
+    _loops().half_weighted_values(weights, values.view(np.uint16), n, _halves(), out)
+    return out
+
+
+attention = fused.attention_with(_softmax_columns, _scores_by_key, _weighted_values)
 
 
 def prepare() -> None:
@@ -183,10 +217,10 @@ def _warm() -> None:
             tile = np.empty((width, 16), np.float32)
             _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile[:, :8])
             _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile)
-    for tokens in (1, 2):
+    for tokens, cached in ((1, np.float32), (2, np.float32), (1, np.float16), (MAX_LOOP_ROWS, np.float16)):
         q = np.ones((1, 2, 3, tokens, 8), np.float32)
-        keys = np.ones((1, 2, 1, 4, 8), np.float32).swapaxes(-1, -2)  # key rows, as the decoder caches them
-        v, mask = np.ones((1, 2, 1, 4, 8), np.float32), np.zeros((1, 1, 1, tokens, 4), np.float32)
+        keys = np.ones((1, 2, 1, 4, 8), cached).swapaxes(-1, -2)  # key rows, as the decoder caches them
+        v, mask = np.ones((1, 2, 1, 4, 8), cached), np.zeros((1, 1, 1, tokens, 4), np.float32)
         attention(np, (q, keys, mask, v), {"scale": 0.5, "bucket": 256}, np.empty(q.shape, np.float32), memo={})
     release_compiler_code()
 

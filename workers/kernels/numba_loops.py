@@ -465,3 +465,56 @@ def softmax_columns(scores, mask, group, scale, out):
                 inverse = np.float32(1) / total
                 for j in range(n):
                     row[j] *= inverse
+
+
+# -- attention over float16 caches (llama.cpp's --cache-type-k / -v f16) --------------------------
+# The cached rows are float16 bits (uint16), widened in the vector unit as they are read: a decode
+# step reads half the bytes of a float32 cache. A few query rows (decode) take these loops; more
+# (prefill) widen the used rows once and go to BLAS (numba_cpu.py).
+
+
+@inline
+def _half_value(bits, half):
+    return _widen_half(bits) if NATIVE_HALVES else half[bits]
+
+
+@fast
+def half_key_scores(keys, rows, n, half, out):
+    """out[b, h, j, r] = key row j (float16 bits, keys (B, H, ctx, d)) . query row r (rows
+    (B, H, R, d) float32), for j < n: the attention's scores, key-major."""
+    count, width = rows.shape[2], rows.shape[3]
+    for b in range(out.shape[0]):
+        for h in range(out.shape[1]):
+            for j in range(n):
+                for r in range(count):
+                    acc = np.float32(0)
+                    for i in range(width):
+                        acc += _half_value(np.int32(keys[b, h, j, i]), half) * rows[b, h, r, i]
+                    out[b, h, j, r] = acc
+
+
+@fast
+def half_weighted_values(weights, values, n, half, out):
+    """out[b, h, r] = sum over j < n of weights[b, h, r, j] * value row j (float16 bits, values
+    (B, H, ctx, d))."""
+    width = out.shape[3]
+    acc = np.empty(width, np.float32)
+    for b in range(out.shape[0]):
+        for h in range(out.shape[1]):
+            for r in range(out.shape[2]):
+                acc[:] = np.float32(0)
+                for j in range(n):
+                    w = weights[b, h, r, j]
+                    for i in range(width):
+                        acc[i] += w * _half_value(np.int32(values[b, h, j, i]), half)
+                out[b, h, r, :] = acc
+
+
+@fast
+def widen_half_rows(bits, n, half, out):
+    """out[b, h, j] = row j of bits (float16 bits, (B, H, ctx, d)) as float32, for j < n."""
+    for b in range(out.shape[0]):
+        for h in range(out.shape[1]):
+            for j in range(n):
+                for i in range(out.shape[3]):
+                    out[b, h, j, i] = _half_value(np.int32(bits[b, h, j, i]), half)
