@@ -4,6 +4,9 @@ shared by every loaded program, profiling on request, and what adding an op take
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -111,6 +114,12 @@ def test_views_of_a_cache_written_in_place_see_every_runs_writes(sim):
     (program,) = dev.cluster.servers[0].executor.programs.values()
     kept = [c for c in program.calls if c.__qualname__.startswith("_view_call")]
     assert len(kept) == 3  # the cache's three view steps (the copying reshape keeps nothing it makes)
+    # a freed cache is not kept alive by the views the program kept of it (the last run's cache)
+    store = dev.cluster.servers[0].store
+    held = weakref.ref(store.tensors[caches[which].node.tensor])
+    dev.free(caches[which])
+    gc.collect()
+    assert held() is None
 
 
 def test_a_slice_is_read_where_it_lies(sim):

@@ -90,6 +90,14 @@ class Executor:
                 gc.unfreeze()
             self.arena.resize(max([c.arena_bytes for c in self.programs.values()], default=0))
 
+    def free(self, tensor: int) -> None:
+        """Free a stored tensor, and any view a program kept of it (workers/program.py)."""
+        array = self.store.tensors.get(tensor)
+        self.store.free(tensor)
+        if array is not None:
+            for compiled in self.programs.values():
+                compiled.forget(array)
+
     def input_slots(self, program: int, inputs: list[list[int]]) -> list:
         """The program's slot list with its inputs filled from the store."""
         compiled = self.programs.get(program)

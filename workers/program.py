@@ -94,6 +94,7 @@ class CompiledProgram:
         arena_steps = [pl for pl in self.placed if pl.out == "arena"]
         self.biggest = max(arena_steps, key=lambda pl: _nbytes(pl.step), default=None)
         self.calls: list[Callable] = []
+        self.kept_views: list[list] = []  # [source, view] of each view of an input kept across runs
         self.bound_to: tuple[int, int] | None = None  # (arena generation, collectives id)
         self.checked = False
         self.memo: dict = {}
@@ -116,6 +117,7 @@ class CompiledProgram:
         # call per run: a decode step has ~8 per layer
         fixed: dict[int, Any] = {}
         preset: list[tuple[int, Any]] = []
+        kept: list[list] = []  # the views of inputs kept from run to run: [source, view] each
         for placed in self.placed:
             step = placed.step
             if isinstance(step, p.MoveStep):
@@ -137,7 +139,9 @@ class CompiledProgram:
                     preset.append((step.output, view))
                     continue
             if step.op in VIEW_OPS and placed.out == "alias" and step.inputs[0] in self.on_inputs:
-                bound.append((placed, _view_call(self.kernels[step.op], xp, step), None))
+                last: list = [None, None]
+                kept.append(last)
+                bound.append((placed, _view_call(self.kernels[step.op], xp, step, last), None))
                 continue
             scratch = None
             if placed.scratch is not None:
@@ -156,6 +160,7 @@ class CompiledProgram:
         if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
             calls = graphs.piecewise(dropping, backend, backend.capture_pool(), self.kernels)
         self.bound, self.dropping, self.calls, self.preset, self.arena = bound, dropping, calls, preset, arena
+        self.kept_views = kept
         self.keeping_calls = [call for _, call, _ in bound]
         self.bound_to = (arena.generation, id(collectives))
         self.checked = False
@@ -175,6 +180,12 @@ class CompiledProgram:
             self.comm_s += time.perf_counter() - start
 
         return call
+
+    def forget(self, array) -> None:
+        """Drop the views kept of `array` (the store has freed it)."""
+        for last in self.kept_views:
+            if last[0] is array:
+                last[:] = (None, None)
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -254,15 +265,14 @@ def _nbytes(step) -> int:
     return prod(step.shape) * dtype_from_name(step.dtype).itemsize
 
 
-def _view_call(kernel, xp, step: p.OpStep) -> Callable:
+def _view_call(kernel, xp, step: p.OpStep, last: list) -> Callable:
     """A view op's step on an input or what aliases one (the keys of a KV cache that set_rows
     wrote in place): the same array every run of a generation, so its view is made again only
     when the source is another array than the last run's (~90 calls of ~2 us a decode step). A
     view that turns out a copy (a reshape of a transposed view) is never kept: it would not see
-    the next writes. The last source stays referenced until the next run or the program's
-    unload, as the store holds it anyway while the program runs on it."""
+    the next writes. `last` holds [the source, its view]; CompiledProgram.forget drops it when
+    the store frees the source, so a kept view never keeps a freed cache in memory."""
     params, o, (a,) = step.params, step.output, step.inputs
-    last: list = [None, None]  # the source, its view
 
     def call(slots):
         source = slots[a]

@@ -71,7 +71,7 @@ class WorkerServer:
 
     def _on_free(self, m: p.Free) -> p.Message:
         for tensor in m.tensors:
-            self.store.free(tensor)
+            self.executor.free(tensor)
         return p.Ok()
 
     def _on_load_program(self, m: p.LoadProgram) -> p.Message:
@@ -88,7 +88,7 @@ class WorkerServer:
         self._require_configured()
         self.executor.comm.forget_aborts()
         for tensor in m.release:
-            self.store.free(tensor)
+            self.executor.free(tensor)
         for feed in m.feeds:
             self.store.put(feed.tensor, self.backend.to_device(p.unpack_array(feed, m.feed_data)))
         self.runs += 1
