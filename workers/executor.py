@@ -90,13 +90,18 @@ class Executor:
                 gc.unfreeze()
             self.arena.resize(max([c.arena_bytes for c in self.programs.values()], default=0))
 
-    def free(self, tensor: int) -> None:
-        """Free a stored tensor, and any view a program kept of it (workers/program.py)."""
-        array = self.store.tensors.get(tensor)
-        self.store.free(tensor)
-        if array is not None:
+    def free(self, tensors) -> None:
+        """Free stored tensors, and any view a program kept of them (workers/program.py): one
+        pass over the kept views for all of them (a replayed step frees a few every run)."""
+        freed = {}
+        for tensor in tensors:
+            array = self.store.tensors.get(tensor)
+            self.store.free(tensor)
+            if array is not None:
+                freed[id(array)] = array  # held until the pass is done: the ids stay theirs
+        if freed:
             for compiled in self.programs.values():
-                compiled.forget(array)
+                compiled.forget(freed)
 
     def input_slots(self, program: int, inputs: list[list[int]]) -> list:
         """The program's slot list with its inputs filled from the store."""

@@ -181,10 +181,10 @@ class CompiledProgram:
 
         return call
 
-    def forget(self, array) -> None:
-        """Drop the views kept of `array` (the store has freed it)."""
+    def forget(self, freed: dict) -> None:
+        """Drop the views kept of the arrays in `freed` (id -> array: the store has freed them)."""
         for last in self.kept_views:
-            if last[0] is array:
+            if id(last[0]) in freed:
                 last[:] = (None, None)
 
     # -- running ----------------------------------------------------------------------------------

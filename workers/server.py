@@ -70,8 +70,7 @@ class WorkerServer:
         return p.Tensor(m.tensor, self.backend.to_host(self.store.get(m.tensor)))
 
     def _on_free(self, m: p.Free) -> p.Message:
-        for tensor in m.tensors:
-            self.executor.free(tensor)
+        self.executor.free(m.tensors)
         return p.Ok()
 
     def _on_load_program(self, m: p.LoadProgram) -> p.Message:
@@ -87,8 +86,7 @@ class WorkerServer:
         start = time.perf_counter()
         self._require_configured()
         self.executor.comm.forget_aborts()
-        for tensor in m.release:
-            self.executor.free(tensor)
+        self.executor.free(m.release)
         for feed in m.feeds:
             self.store.put(feed.tensor, self.backend.to_device(p.unpack_array(feed, m.feed_data)))
         self.runs += 1

@@ -186,7 +186,8 @@ def attention_with(
         the zeros too). Its shapes follow the data, so a device graph must never capture it
         (`eager`). With GQA's layout over a cache of key rows (the decoder's), each KV head's
         keys are read once, as one contiguous block: scores = keys @ queries^T, key-major (the
-        fast BLAS product for a few queries: 9 against 30 us a SmolLM2 layer at 256 positions),
+        fast BLAS product for a few queries: 9 against 13 us for a SmolLM2 layer's 3 heads at 256
+        positions, 31 against 58 at 768),
         then the softmax turns them query-major for the product with the values."""
         q, k, mask, v = inputs
         # every layer reads the same mask: the first one of a run finds n (`memo`: the run's)
