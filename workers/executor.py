@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from split_state.errors import OutOfMemory, ProtocolError
@@ -122,12 +122,26 @@ class Executor:
         inputs: list[list[int]],
         outputs: list[list[int]],
         profile: bool = False,
-        filled: list | None = None,
         read: Sequence[int] = (),
     ) -> dict[str, Any]:
-        """Run `program`; `filled`: input_slots() of the same inputs, when they are still the
-        stored arrays (a generation's steps, which write their fed tensors in place); `read`:
-        output tensors the caller will read back, checked to be outputs before anything runs."""
+        """Run `program` once; `read`: output tensors the caller will read back, checked to be
+        outputs before anything runs."""
+        return self.repeated(program, run, inputs, outputs, profile, read)(run)
+
+    def repeated(
+        self,
+        program: int,
+        first_run: int,
+        inputs: list[list[int]],
+        outputs: list[list[int]],
+        profile: bool = False,
+        read: Sequence[int] = (),
+    ) -> Callable[[int], dict[str, Any]]:
+        """A function running `program` under a given run id, as often as the caller likes over
+        the same stored inputs (a generation's steps write their fed tensors in place):
+        checked and bound once, from `first_run` on. What stays the same from run to
+        run is worked out once: the outputs a run writes in place (a decode step's ~60 KV
+        caches of its 62) are known after the first and not looked at again, ~70 us a token."""
         # a request for a program this worker never loaded is not a run of the cluster's (its
         # run id may be a later real run's): refused here without aborting that run on the peers
         compiled = self.programs.get(program)
@@ -135,31 +149,45 @@ class Executor:
             raise ProtocolError(f"program {program} is not loaded on this worker")
         if self.collectives is None:
             raise ProtocolError("worker is not configured: no peers yet")
-        store = self.store
-        with self._telling_peers(run):  # else they would wait for this worker until their deadline
+        store, backend, comm = self.store, self.backend, self.comm
+        with self._telling_peers(first_run):  # else they would wait for this worker until their deadline
             if read and not set(read) <= {tensor for _, tensor in outputs}:
-                raise ProtocolError(f"run {run} reads tensors {sorted(set(read))}, not all among its outputs")
+                raise ProtocolError(f"run {first_run} reads tensors {sorted(set(read))}, not all among its outputs")
             if compiled.bound_to != (self.arena.generation, id(self.collectives)):
                 compiled.bind(self.arena, self.collectives, self.backend, self.collective_timeout)
-            slots = list(filled) if filled is not None else self.input_slots(program, inputs)
-            store.reserve(compiled.fresh_bytes, lambda: compiled.describe_peak() + " (results and collectives)")
-        waited = self.comm.waited
-        try:
-            with self._telling_peers(run):
-                undeclared = any(slot not in compiled.outputs for slot, _ in outputs)  # declared ones are never renamed
-                timings = compiled.run(slots, run, self.backend, profile, keep=undeclared)
-                results = []
-                for slot, tensor in outputs:
-                    slot = compiled.renamed.get(slot, slot)
-                    value = slots[slot]
-                    if slot in compiled.arena_slots:  # not declared at load: the next run overwrites it
-                        value = value.copy()
-                    results.append((tensor, value))
-        finally:
-            store.release(compiled.fresh_bytes)
-        timings["wait_s"] = self.comm.waited - waited  # part of comm_s spent blocked on peers
+            filled = self.input_slots(program, inputs)
+        fresh = compiled.fresh_bytes
+
+        def peak() -> str:
+            return compiled.describe_peak() + " (results and collectives)"
+
+        undeclared = any(slot not in compiled.outputs for slot, _ in outputs)  # declared ones are never renamed
+        # (tensor, slot, whether the value lies in the arena: the next run overwrites it)
+        made = [(t, s, s in compiled.arena_slots) for t, s in ((t, compiled.renamed.get(s, s)) for s, t in outputs)]
         stored = store.tensors
-        for tensor, value in results:
-            if stored.get(tensor) is not value:  # in-place results (a KV cache) are stored already
-                store.put(tensor, value)
-        return timings
+
+        def step(run: int) -> dict[str, Any]:
+            waited = comm.waited
+            slots = list(filled)
+            try:
+                store.reserve(fresh, peak)  # what the run makes, until the results are stored
+                try:
+                    timings = compiled.run(slots, run, backend, profile, keep=undeclared)
+                    results = [(t, slots[s].copy() if copy else slots[s]) for t, s, copy in made]
+                finally:
+                    store.release(fresh)
+            except Exception as exc:  # the peers end this run at once, not at their deadline
+                comm.abort(run, type(exc).__name__, str(exc))
+                raise
+            timings["wait_s"] = comm.waited - waited  # part of comm_s spent blocked on peers
+            in_place = []
+            for (tensor, value), kept in zip(results, made):
+                if stored.get(tensor) is value:  # in-place results (a KV cache) are stored already
+                    in_place.append(kept)
+                else:
+                    store.put(tensor, value)
+            if in_place:  # the same arrays at every run: input_slots() are the same arrays
+                made[:] = [m for m in made if m not in in_place]
+            return timings
+
+        return step

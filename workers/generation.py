@@ -134,11 +134,11 @@ def run_generation(
     timings = {"program_s": 0.0, "comm_s": 0.0}
     steps = 0
     cancel = False
-    filled = executor.input_slots(m.program, m.inputs)  # the same arrays every step
     report = Reports(emit, interval)
+    run_step = executor.repeated(m.program, m.run, m.inputs, m.outputs)  # checked and bound once
     for step in range(m.steps):
         run = m.run + step
-        t = executor.run(m.program, run, m.inputs, m.outputs, filled=filled)
+        t = run_step(run)
         timings["program_s"] += t["program_s"]
         timings["comm_s"] += t["comm_s"]
         values = backend.to_host(store.get(m.values))
