@@ -65,6 +65,8 @@ def generate(args: argparse.Namespace) -> int:
             cache_types=(args.cache_type_k, args.cache_type_v),
         )
         if interactive:
+            if not args.no_warmup:  # a one-shot run would only move the same work before its prompt
+                llm.warm_up(sampling)
             return converse(llm, args, sampling)
         out = _one_batch(llm, args, prompts, new, sampling, chat)
     if args.json and args.json != "-":
@@ -254,6 +256,11 @@ def add(sub) -> None:
     p.add_argument("-sys", "--system", default="", help="a system message (implies --chat)")
     p.add_argument(
         "-i", "--interactive", action="store_true", help="a conversation read from the input (default on a terminal)"
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="in a conversation, skip loading every prompt length's step at start (the first reply then plans its own)",
     )
     p.add_argument(
         "--ignore-eos",

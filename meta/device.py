@@ -260,6 +260,29 @@ class MetaDevice:
         self._run_nodes([t.node for t in tensors if not t.node.resident])
 
     def _run_nodes(self, outputs: list[Node]) -> tuple[CompiledPlan, list[Node], list[Node | None]] | None:
+        planned = self._planned(outputs)
+        if planned is None:
+            return None
+        compiled, leaves, outputs = planned
+        roots = [_written(node) for node in outputs]  # in-place writes keep their destination's id
+        out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in roots]
+        fed = {leaf.tensor: self._feeds[leaf.tensor] for leaf in leaves if leaf.tensor in self._feeds}
+        fresh = [t for root, t in zip(roots, out_ids) if root is None]
+        self._execute(compiled, [leaf.tensor for leaf in leaves], out_ids, fed, fresh)
+        for tensor in fed:  # on the workers now
+            del self._feeds[tensor]
+        for node, root, tensor, state in zip(outputs, roots, out_ids, compiled.plan.out_states):
+            if root is None:
+                self._resident(node, tensor, state)
+            else:  # the destination's storage, under its id: it lives as long as either handle
+                node.tensor, node.state, node.alias = tensor, state, root
+                root.host = None  # written in place: a value read before is out of date
+            node.op, node.inputs = "", ()  # resident now: the recipe (and its inputs) can go
+        return compiled, leaves, roots
+
+    def _planned(self, outputs: list[Node]) -> tuple[CompiledPlan, list[Node], list[Node]] | None:
+        """The compiled (loaded) plan computing `outputs` (cached by structure), its leaves, and
+        the outputs without repeats; None when there is nothing to compute."""
         outputs = list({id(n): n for n in outputs}.values())
         if not outputs:
             return None
@@ -281,21 +304,7 @@ class MetaDevice:
         self.last_plan = compiled.plan
         if self.debug:
             print("\n".join(compiled.plan.trace), file=self.trace_to)
-        roots = [_written(node) for node in outputs]  # in-place writes keep their destination's id
-        out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in roots]
-        fed = {leaf.tensor: self._feeds[leaf.tensor] for leaf in leaves if leaf.tensor in self._feeds}
-        fresh = [t for root, t in zip(roots, out_ids) if root is None]
-        self._execute(compiled, [leaf.tensor for leaf in leaves], out_ids, fed, fresh)
-        for tensor in fed:  # on the workers now
-            del self._feeds[tensor]
-        for node, root, tensor, state in zip(outputs, roots, out_ids, compiled.plan.out_states):
-            if root is None:
-                self._resident(node, tensor, state)
-            else:  # the destination's storage, under its id: it lives as long as either handle
-                node.tensor, node.state, node.alias = tensor, state, root
-                root.host = None  # written in place: a value read before is out of date
-            node.op, node.inputs = "", ()  # resident now: the recipe (and its inputs) can go
-        return compiled, leaves, roots
+        return compiled, leaves, outputs
 
     def _execute(
         self,
@@ -361,6 +370,27 @@ class MetaDevice:
         slots = {leaf.tensor: i for i, leaf in enumerate(leaves)}
         step = Step(self, compiled, leaves, [slots.get(f.node.tensor) for f in feeds], values, roots)
         return step, outputs
+
+    @serialized
+    def prepare(self, build: Callable[..., Sequence[Tensor]], *values: np.ndarray) -> Step:
+        """The Step capture() would return, planned, compiled and loaded on every worker, but
+        not run: nothing is computed or written, and the graph `build` made is dropped (handles
+        it changed, a model's caches, are the caller's to put back). Its first call runs it,
+        as any later one: what llama.cpp's warm-up run and vLLM's start-up capture save the
+        first request (~50 ms of a SmolLM2 prefill step's planning and loading)."""
+        feeds = [self.feed(v) for v in values]
+        try:
+            outputs = list(build(*feeds))
+            planned = self._planned([t.node for t in outputs])
+        finally:
+            for f in feeds:  # nothing runs: they are not sent
+                self._feeds.pop(f.node.tensor, None)
+        if planned is None:
+            raise ShapeError("prepare: the graph has nothing to compute")
+        compiled, leaves, nodes = planned
+        slots = {leaf.tensor: i for i, leaf in enumerate(leaves)}
+        roots = [_written(node) for node in nodes]
+        return Step(self, compiled, leaves, [slots.get(f.node.tensor) for f in feeds], values, roots)
 
     def _bind(self, step: Step, arrays: Sequence[np.ndarray]):
         """A run of captured `step` with new feed values: its input tensor ids (fresh ids for

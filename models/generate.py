@@ -271,6 +271,18 @@ class LLM:
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill
         self._cached: list[int] = []  # the tokens batch row 0's caches hold at positions 0..
 
+    def warm_up(self, sampling: Sampling = Sampling()) -> int:
+        """Load, without running, the steps generating under `sampling` will run: the prefill
+        step of every padded prompt length (a long prompt's chunks included) and the decode
+        step, so the first prompt is as fast as a later one (llama.cpp's warm-up at load; about
+        0.5 s for SmolLM2 here). Returns how many steps were loaded."""
+        loaded = self.net.warm_up(sampling.pool)
+        pool = sampling.pool
+        if pool not in self._decode:
+            self._decode[pool] = self.net.prepare_decode(self.batch, build=lambda logits: list(logits.top_k(pool)))
+            loaded += 1
+        return loaded
+
     def prompt_ids(self, prompt: Prompt, chat: bool, system: str = "") -> list[int]:
         return self.tokenizer.encode(prompt_text(self.model, prompt, chat, system))
 

@@ -405,22 +405,55 @@ class TensorParallelLlama:
         key = (t, pool, logits, slot)
         step = self._prefills.pop(key, None)
         if step is None:
-
-            def graph(ids: Tensor, pos: Tensor, last: Tensor) -> list[Tensor]:
-                out = self.step(ids, pos, last=last) if slot is None else self._slot_step(ids, pos, last, slot)
-                return [*out.top_k(pool), *([out] if logits else []), *self.caches()]
-
-            step, outputs = self.dev.capture(graph, tokens, positions, rows)
+            step, outputs = self.dev.capture(self._prefill_graph(pool, logits, slot), tokens, positions, rows)
         else:  # the candidates (and logits) come back with the run: reading them sends nothing
             outputs = step(tokens, positions, rows, read=range(3 if logits else 2))
-        self._prefills[key] = step  # now the latest: past PREFILL_STEPS the oldest goes
-        if len(self._prefills) > PREFILL_STEPS:
-            self._prefills.pop(next(iter(self._prefills)))
+        self._keep_prefill(key, step)
         # the next graph starts from the caches as this step left them, not from an earlier
         # graph's writes not run yet (those would run again, over what this step wrote)
         layers = self.cfg.layers
         self.k, self.v = outputs[-2 * layers : -layers], outputs[-layers:]
         return outputs[: 3 if logits else 2]
+
+    def _prefill_graph(self, pool: int, logits: bool, slot: int | None):
+        def graph(ids: Tensor, pos: Tensor, last: Tensor) -> list[Tensor]:
+            out = self.step(ids, pos, last=last) if slot is None else self._slot_step(ids, pos, last, slot)
+            return [*out.top_k(pool), *([out] if logits else []), *self.caches()]
+
+        return graph
+
+    def _keep_prefill(self, key: tuple, step) -> None:
+        self._prefills[key] = step  # now the latest: past PREFILL_STEPS the oldest goes
+        if len(self._prefills) > PREFILL_STEPS:
+            self._prefills.pop(next(iter(self._prefills)))
+
+    def warm_up(self, pool: int, lengths: Sequence[int] | None = None) -> int:
+        """Plan, compile and load the prefill steps of prompts of `lengths` tokens (by default
+        every padded length up to a chunk: any prompt's steps) from position 0, for `pool`
+        candidates, without running them, as llama.cpp's warm-up run does at load: the first
+        prompt then runs as fast as a later one. Returns how many steps were loaded."""
+        lengths = range(1, PREFILL_CHUNK + 1) if lengths is None else lengths
+        padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
+        loaded = 0
+        for t in padded[-PREFILL_STEPS:]:
+            key = (t, pool, False, None)
+            if key in self._prefills:
+                continue
+            rows = np.arange(self.batch, dtype=np.int32) * t + t - 1
+            positions = np.tile(np.arange(t, dtype=np.int32), (self.batch, 1))
+            graph = self._prefill_graph(pool, False, None)
+            self._keep_prefill(key, self._prepared(graph, (self.batch, t), positions, rows))
+            loaded += 1
+        return loaded
+
+    def _prepared(self, graph, shape: tuple[int, int], positions: np.ndarray, *more: np.ndarray):
+        """dev.prepare() of `graph` fed (tokens of `shape`, positions, *more): the caches'
+        handles are put back, as nothing ran."""
+        k, v = self.k, self.v
+        try:
+            return self.dev.prepare(graph, np.zeros(shape, np.int32), positions, *more)
+        finally:
+            self.k, self.v = k, v
 
     def _slot_step(self, ids: Tensor, pos: Tensor, rows: Tensor, slot: int) -> Tensor:
         """Logits (1, 1, vocab) of `rows` of ids (1, t), a new sequence in batch row `slot`: its
@@ -496,12 +529,20 @@ class TensorParallelLlama:
         first rows) and capture it: returns (step, its outputs). `step(tokens, positions)`
         replays it; outputs are [build's results, *caches], by default [next-token ids (rows,
         1) int64, *caches]."""
+        graph = self._decode_graph(build)
+        return self.dev.capture(graph, np.asarray(tokens, np.int32), np.asarray(positions, np.int32))
+
+    def prepare_decode(self, rows: int, build=None):
+        """The step capture_decode() captures for `rows` rows, loaded but not run (warm_up)."""
+        return self._prepared(self._decode_graph(build), (rows, 1), np.zeros((rows, 1), np.int32))
+
+    def _decode_graph(self, build):
         build = build or (lambda logits: [logits.argmax()])
 
         def graph(t: Tensor, p: Tensor) -> list[Tensor]:
             return [*build(self.step(t, p)), *self.caches()]
 
-        return self.dev.capture(graph, np.asarray(tokens, np.int32), np.asarray(positions, np.int32))
+        return graph
 
     def caches(self) -> list[Tensor]:
         """The written caches of the last step: run them with its outputs."""

@@ -476,6 +476,40 @@ def test_padded_prefills_replay_one_plan_and_equal_the_reference(sim, n):
         net.prefill([[1] * 8], 33, pool=4)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_warmed_up_steps_run_nothing_until_called_then_plan_nothing_and_equal_the_reference(sim, n):
+    """warm_up loads the prefill step of every padded length within a 40-position context (16,
+    32 and 40) and prepare_decode the decode step, without running them: the caches keep their
+    handles and stay zero. The prompts and decoding after it plan nothing, and their
+    candidates equal the reference's."""
+    weights = random_weights(GQA_CFG, seed=25)
+    ctx, rng = 40, np.random.default_rng(7)
+    dev = sim(n)
+    net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx, batch=2)
+    caches = net.caches()
+    assert net.warm_up(pool=4) == 3
+    assert {key[0] for key in net._prefills} == {16, 32, 40}
+    decode = net.prepare_decode(2, build=lambda logits: list(logits.top_k(4)))
+    assert all(a is b for a, b in zip(net.caches(), caches, strict=True))
+    assert not any(np.any(c.numpy()) for c in caches)  # nothing ran
+    plans = len(dev.plans)
+    refs = [ReferenceDecoder(GQA_CFG, weights, ctx) for _ in range(2)]
+
+    def best(logits):
+        return np.argsort(-logits, kind="stable")[:4]
+
+    prompts = [list(rng.integers(0, 72, 20)), list(rng.integers(0, 72, 7))]  # padded to 32
+    indices = net.prefill(prompts, 0, pool=4)[1].numpy()
+    for b, prompt in enumerate(prompts):
+        want = refs[b].forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1]
+        np.testing.assert_array_equal(indices[b, 0], best(want))
+    tokens, at = np.array([[7], [50]], np.int32), np.array([[20], [7]], np.int32)
+    indices = decode(tokens, at)[1].numpy()
+    for b in range(2):
+        np.testing.assert_array_equal(indices[b, 0], best(refs[b].forward(tokens[b : b + 1], at[b : b + 1])[0, -1]))
+    assert len(dev.plans) == plans
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_long_prompts_go_in_chunks_that_equal_the_reference(sim, n, monkeypatch):
     """With 16-token chunks: prompts of 37 and 45 tokens go as two 16-token steps and one padded

@@ -247,6 +247,24 @@ def test_native_weights_give_the_float32_paths_tokens(model):
     np.testing.assert_allclose(runs["native"][1], runs["f32"][1], atol=2e-3, rtol=0)
 
 
+def test_a_warmed_up_model_plans_nothing_for_its_first_prompt_and_gives_the_reference_tokens(model, reference_run):
+    """LLM.warm_up loads the prefill steps of every prompt length up to the context and the
+    greedy decode step (5 in a 64-position context); the first generation after it plans
+    nothing and gives the NumPy reference's tokens."""
+    from models.generate import LLM
+
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        llm = LLM(dev, model, ctx=CTX, weights="f32")
+        assert llm.warm_up() == 5  # prompts padded to 16, 32, 48 and 64 tokens, and decoding
+        plans = len(dev.plans)
+        (got,) = llm.generate([PROMPT], STEPS + 1, stop_at_eos=False)
+        assert len(dev.plans) == plans
+    finally:
+        dev.close()
+    assert got.tokens == reference_run[1]
+
+
 def test_a_repeat_penalty_gives_the_tokens_of_the_reference_with_the_penalty_by_hand(model, weights, reference_run):
     """Greedy with llama.cpp's repeat penalty over the last 8 tokens (the prompt's included), the
     workers choosing the later tokens themselves: equal to the NumPy reference's whole logits,
