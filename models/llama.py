@@ -435,7 +435,7 @@ class TensorParallelLlama:
         lengths = range(1, PREFILL_CHUNK + 1) if lengths is None else lengths
         padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
         loaded = 0
-        for t in padded[-PREFILL_STEPS:]:
+        for t in reversed(padded[-PREFILL_STEPS:]):  # the longest first: it sizes the arena the others bind to
             key = (t, pool, False, None)
             if key in self._prefills:
                 continue

@@ -62,6 +62,8 @@ class Executor:
                 f"{store.budget}-byte budget; free tensors, raise the budget or run smaller steps"
             )
         self.arena.resize(max([compiled.arena_bytes] + [c.arena_bytes for c in others]))
+        if self.collectives is not None:  # bound now, not at its first run (a warm-up loads ahead)
+            compiled.bind(self.arena, self.collectives, self.backend, self.collective_timeout)
         self.programs[program] = compiled
         if self.freeze_programs:
             gc.freeze()
