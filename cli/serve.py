@@ -312,7 +312,10 @@ def serve(args: argparse.Namespace) -> int:
             ctx=args.ctx,
             weights=args.weights,
             cache_types=(args.cache_type_k, args.cache_type_v),
-        ).start()
+        )
+        if not args.no_warmup:
+            batcher.warm_up()
+        batcher.start()
         try:
             app = build_app(batcher, model_id, args.api_key, model.chat_template)
             config = uvicorn.Config(
@@ -351,6 +354,11 @@ def add(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     p.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default: %(default)s)")
     p.add_argument("--ctx", type=int, default=2048, help="KV cache length per slot (default: %(default)s)")
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip loading a lone request's prefill steps and the decode steps at start (the first requests plan them)",
+    )
     p.add_argument("--api-key", default="", help="require 'Authorization: Bearer KEY' (default: none)")
     p.add_argument(
         "--grace",

@@ -146,6 +146,24 @@ class ContinuousBatcher:
 
     # -- the requests' side -------------------------------------------------------------------------
 
+    def warm_up(self) -> int:
+        """Load, without running, the steps a lone request runs (it takes the lowest free slot,
+        0): slot 0's prefill step of every padded prompt length up to a chunk, and the decode
+        steps of 1, 2, 4, ... rows, so the first requests plan nothing (as vLLM captures its
+        batch sizes at start). Before start(): the batcher's thread owns the device after it.
+        Returns how many steps were loaded."""
+        if self._thread.is_alive():
+            raise RuntimeError("warm_up() goes before start(): the batcher's thread owns the device")
+        loaded = self.net.warm_up(POOL, slot=0)
+        rows = 1
+        while True:
+            if rows not in self._decodes:
+                self._decodes[rows] = self.net.prepare_decode(rows, build=_candidates)
+                loaded += 1
+            if rows >= len(self.slots):
+                return loaded
+            rows = min(len(self.slots), rows * 2)
+
     def start(self) -> ContinuousBatcher:
         self._thread.start()
         return self
@@ -212,10 +230,13 @@ class ContinuousBatcher:
                 self._finish(index, ticket, "cancelled")
                 continue
             job = ticket.job
-            values, indices = self.net.prefill([list(job.prompt)], 0, job.sampling.pool, slot=index)
+            # POOL candidates whatever the job's sampling, cut to its pool here (as a decode step's
+            # are): one prefill step per slot and length serves every request
+            values, indices = self.net.prefill([list(job.prompt)], 0, POOL, slot=index)
             self.counters.prompt_tokens += len(job.prompt)
             self.slots[index] = _Slot(ticket, np.random.default_rng(job.sampling.seed), len(job.prompt))
-            self._take(index, values.numpy()[0, 0], indices.numpy()[0, 0])
+            pool = job.sampling.pool
+            self._take(index, values.numpy()[0, 0, :pool], indices.numpy()[0, 0, :pool])
 
     def _step(self) -> None:
         if not self.active():
@@ -228,8 +249,7 @@ class ContinuousBatcher:
         start = time.perf_counter()
         decode = self._decodes.get(rows)
         if decode is None:
-            build = lambda logits: list(logits.top_k(POOL))  # noqa: E731
-            self._decodes[rows], (values, indices, *_) = self.net.capture_decode(tokens, positions, build=build)
+            self._decodes[rows], (values, indices, *_) = self.net.capture_decode(tokens, positions, build=_candidates)
         else:
             values, indices, *_ = decode(tokens, positions, read=(0, 1))  # back with the run
         v, i = values.numpy(), indices.numpy()
@@ -276,3 +296,8 @@ class ContinuousBatcher:
         self.slots[index] = None
         self.counters.finished[reason] += 1
         ticket.events.put(Finished(reason))
+
+
+def _candidates(logits) -> list:
+    """What a decode step returns: every row's POOL best (values, indices)."""
+    return list(logits.top_k(POOL))

@@ -427,22 +427,24 @@ class TensorParallelLlama:
         if len(self._prefills) > PREFILL_STEPS:
             self._prefills.pop(next(iter(self._prefills)))
 
-    def warm_up(self, pool: int, lengths: Sequence[int] | None = None) -> int:
+    def warm_up(self, pool: int, lengths: Sequence[int] | None = None, slot: int | None = None) -> int:
         """Plan, compile and load the prefill steps of prompts of `lengths` tokens (by default
         every padded length up to a chunk: any prompt's steps) from position 0, for `pool`
-        candidates, without running them, as llama.cpp's warm-up run does at load: the first
-        prompt then runs as fast as a later one. Returns how many steps were loaded."""
+        candidates (with `slot`: a new sequence's prompt in that batch row, as a server admits
+        one), without running them, as llama.cpp's warm-up run does at load: the first prompt
+        then runs as fast as a later one. Returns how many steps were loaded."""
         lengths = range(1, PREFILL_CHUNK + 1) if lengths is None else lengths
         padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
+        rows_fed = self.batch if slot is None else 1
         loaded = 0
         for t in reversed(padded[-PREFILL_STEPS:]):  # the longest first: it sizes the arena the others bind to
-            key = (t, pool, False, None)
+            key = (t, pool, False, slot)
             if key in self._prefills:
                 continue
-            rows = np.arange(self.batch, dtype=np.int32) * t + t - 1
-            positions = np.tile(np.arange(t, dtype=np.int32), (self.batch, 1))
-            graph = self._prefill_graph(pool, False, None)
-            self._keep_prefill(key, self._prepared(graph, (self.batch, t), positions, rows))
+            rows = np.arange(rows_fed, dtype=np.int32) * t + t - 1
+            positions = np.tile(np.arange(t, dtype=np.int32), (rows_fed, 1))
+            graph = self._prefill_graph(pool, False, slot)
+            self._keep_prefill(key, self._prepared(graph, (rows_fed, t), positions, rows))
             loaded += 1
         return loaded
 

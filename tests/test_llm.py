@@ -265,6 +265,37 @@ def test_a_warmed_up_model_plans_nothing_for_its_first_prompt_and_gives_the_refe
     assert got.tokens == reference_run[1]
 
 
+def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_reference_tokens(model, reference_run):
+    """ContinuousBatcher.warm_up loads slot 0's prefill steps (a 64-position context: 16, 32, 48,
+    64 tokens) and the decode steps of 1, 2 and 3 rows (3 slots); a lone greedy request after
+    it plans nothing and gets the NumPy reference's tokens, and a sampled one (another pool)
+    replays the same prefill step."""
+    from models.batching import ContinuousBatcher, Finished, Job, Token
+    from models.generate import Sampling
+
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        batcher = ContinuousBatcher(dev, model, slots=3, ctx=CTX, weights="f32")
+        assert batcher.warm_up() == 4 + 3
+        plans = len(dev.plans)
+        batcher.start()
+        try:
+            events = {}
+            for sampling in (Sampling(), Sampling(temperature=0.8, top_k=5, seed=3)):
+                job = Job(tuple(PROMPT_IDS), STEPS + 1, sampling, stop_at_eos=False)
+                events[sampling.temperature] = list(batcher.submit(job).stream())
+            with pytest.raises(RuntimeError, match="before start"):
+                batcher.warm_up()
+        finally:
+            batcher.stop()
+        assert len(dev.plans) == plans
+    finally:
+        dev.close()
+    greedy = events[0.0]
+    assert [e.token for e in greedy if isinstance(e, Token)] == reference_run[1]
+    assert greedy[-1] == Finished("length") and events[0.8][-1] == Finished("length")
+
+
 def test_a_repeat_penalty_gives_the_tokens_of_the_reference_with_the_penalty_by_hand(model, weights, reference_run):
     """Greedy with llama.cpp's repeat penalty over the last 8 tokens (the prompt's included), the
     workers choosing the later tokens themselves: equal to the NumPy reference's whole logits,
