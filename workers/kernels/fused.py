@@ -22,7 +22,9 @@ import numpy as np
 from transport import protocol as p
 from workers.kernels.basic import rms_norm_into, silu_into, softmax_masked_into
 
-KV_BUCKET = 256  # cached positions are read in multiples of this (llama.cpp pads n_kv to 256)
+# cached positions are read in multiples of this, as llama.cpp pads n_kv (32; 256 for its flash-attention
+# kernels, which need it): a 128-token prompt's first chunk reads 128 positions, not 256
+KV_BUCKET = 32
 
 
 @dataclass(frozen=True)
