@@ -446,6 +446,10 @@ class TensorParallelLlama:
             graph = self._prefill_graph(pool, False, slot)
             self._keep_prefill(key, self._prepared(graph, (rows_fed, t), positions, rows))
             loaded += 1
+        for t in padded[-PREFILL_STEPS:]:  # the longest (a long prompt's chunks) the last to go
+            key = (t, pool, False, slot)
+            if key in self._prefills:
+                self._prefills[key] = self._prefills.pop(key)
         return loaded
 
     def _prepared(self, graph, shape: tuple[int, int], positions: np.ndarray, *more: np.ndarray):

@@ -488,7 +488,7 @@ def test_warmed_up_steps_run_nothing_until_called_then_plan_nothing_and_equal_th
     net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx, batch=2)
     caches = net.caches()
     assert net.warm_up(pool=4) == 3
-    assert {key[0] for key in net._prefills} == {16, 32, 40}
+    assert [key[0] for key in net._prefills] == [16, 32, 40]  # the longest (the chunks') the last evicted
     decode = net.prepare_decode(2, build=lambda logits: list(logits.top_k(4)))
     assert all(a is b for a, b in zip(net.caches(), caches, strict=True))
     assert not any(np.any(c.numpy()) for c in caches)  # nothing ran
