@@ -16,6 +16,12 @@ if sys.argv[1:] == ["--backends"]:
 
 bind_from_env()  # first: before anything starts a thread
 
+import faulthandler  # noqa: E402
+
+# a crash in native code (NumPy, BLAS, numba, ZeroMQ) prints every thread's Python stack to
+# stderr (the worker's log) instead of ending the process without a word
+faulthandler.enable()
+
 from workers.main import main  # noqa: E402
 
 sys.exit(main())
