@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meta.device import MetaDevice
-from models.generate import POOL, WEIGHTS, Sampling, check_cache_types, check_fits, stop_string_at
+from models.generate import POOL, WEIGHTS, Sampling, candidates, check_cache_types, check_fits, stop_string_at
 from models.gguf_model import GGUFModel, ModelError
 from models.llama import TensorParallelLlama
 from split_state.errors import MetaError, WorkerLost
@@ -158,7 +158,7 @@ class ContinuousBatcher:
         rows = 1
         while True:
             if rows not in self._decodes:
-                self._decodes[rows] = self.net.prepare_decode(rows, build=_candidates)
+                self._decodes[rows] = self.net.prepare_decode(rows, build=candidates(POOL))
                 loaded += 1
             if rows >= len(self.slots):
                 return loaded
@@ -249,7 +249,8 @@ class ContinuousBatcher:
         start = time.perf_counter()
         decode = self._decodes.get(rows)
         if decode is None:
-            self._decodes[rows], (values, indices, *_) = self.net.capture_decode(tokens, positions, build=_candidates)
+            build = candidates(POOL)
+            self._decodes[rows], (values, indices, *_) = self.net.capture_decode(tokens, positions, build=build)
         else:
             values, indices, *_ = decode(tokens, positions, read=(0, 1))  # back with the run
         v, i = values.numpy(), indices.numpy()
@@ -296,8 +297,3 @@ class ContinuousBatcher:
         self.slots[index] = None
         self.counters.finished[reason] += 1
         ticket.events.put(Finished(reason))
-
-
-def _candidates(logits) -> list:
-    """What a decode step returns: every row's POOL best (values, indices)."""
-    return list(logits.top_k(POOL))

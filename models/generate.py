@@ -279,7 +279,7 @@ class LLM:
         loaded = self.net.warm_up(sampling.pool)
         pool = sampling.pool
         if pool not in self._decode:
-            self._decode[pool] = self.net.prepare_decode(self.batch, build=lambda logits: list(logits.top_k(pool)))
+            self._decode[pool] = self.net.prepare_decode(self.batch, build=candidates(pool))
             loaded += 1
         return loaded
 
@@ -417,12 +417,17 @@ class LLM:
         p[: len(tokens), 0] = positions
         step = self._decode.get(pool)
         if step is None:
-            step, (values, indices, *_) = self.net.capture_decode(t, p, build=lambda logits: list(logits.top_k(pool)))
+            step, (values, indices, *_) = self.net.capture_decode(t, p, build=candidates(pool))
             self._decode[pool] = step
         else:
             values, indices, *_ = step(t, p)
         v, i = values.numpy(), indices.numpy()
         return [(v[b, 0], i[b, 0]) for b in range(len(tokens))]
+
+
+def candidates(pool: int) -> Callable:
+    """A decode step's results: every row's `pool` best (values, indices)."""
+    return lambda logits: list(logits.top_k(pool))
 
 
 def _shown(prompt: Prompt) -> str:

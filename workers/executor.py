@@ -171,25 +171,22 @@ class Executor:
         def step(run: int) -> dict[str, Any]:
             waited = comm.waited
             slots = list(filled)
-            try:
+            with self._telling_peers(run):
                 store.reserve(fresh, peak)  # what the run makes, until the results are stored
                 try:
                     timings = compiled.run(slots, run, backend, profile, keep=undeclared)
                     results = [(t, slots[s].copy() if copy else slots[s]) for t, s, copy in made]
                 finally:
                     store.release(fresh)
-            except Exception as exc:  # the peers end this run at once, not at their deadline
-                comm.abort(run, type(exc).__name__, str(exc))
-                raise
             timings["wait_s"] = comm.waited - waited  # part of comm_s spent blocked on peers
-            in_place = []
-            for (tensor, value), kept in zip(results, made):
-                if stored.get(tensor) is value:  # in-place results (a KV cache) are stored already
-                    in_place.append(kept)
-                else:
+            stays = []
+            for (tensor, value), output in zip(results, made):
+                # an in-place result (a KV cache) is stored already, and is the same array at
+                # every run (the input slots are): not looked at again
+                if stored.get(tensor) is not value:
                     store.put(tensor, value)
-            if in_place:  # the same arrays at every run: input_slots() are the same arrays
-                made[:] = [m for m in made if m not in in_place]
+                    stays.append(output)
+            made[:] = stays
             return timings
 
         return step
