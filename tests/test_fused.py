@@ -51,7 +51,7 @@ def test_attention_reads_the_used_cache_and_equals_the_whole_softmax(ctx, positi
     unused = used_positions(np, mask, KV_BUCKET)
     k[..., unused:], v[..., unused:, :] = np.nan, np.nan
     out = np.empty((b, kv, g, t, hd), np.float32)
-    scratch = np.empty((b, kv, g, t, ctx), np.float32)
+    scratch = np.empty(2 * b * kv * g * t * ctx + q.size, np.float32)
     got = FUSED_KERNELS["attention"](np, (q, k, mask, v), {"scale": 0.3, "bucket": KV_BUCKET}, out, scratch=scratch)
     k[..., unused:], v[..., unused:, :] = 0, 0
     np.testing.assert_allclose(got, attention_oracle(q, k, mask, v, 0.3), rtol=1e-5, atol=1e-6)
@@ -102,9 +102,45 @@ def test_attention_over_cached_key_rows_equals_the_whole_softmax(kernel, batch, 
     inputs, expected = key_row_case(batch, tokens, ctx, last_positions, cached)
     q = inputs[0]
     out = np.empty(q.shape, np.float32)
-    scratch = np.empty((2,) + q.shape[:-1] + (ctx,), np.float32)
+    scratch = np.empty(2 * q[..., 0].size * ctx + q.size, np.float32)  # as a program sizes it
     got = kernels[kernel](np, inputs, {"scale": 0.3, "bucket": KV_BUCKET}, out, scratch=scratch, memo={})
     assert got is out
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "numba softmax"])
+def test_a_prefills_attention_copies_its_query_rows_into_the_scratch_not_into_new_memory(kernel):
+    """Several tokens' queries are a transposed view: their rows are copied once per layer
+    into the scratch a program gives the kernel, never into memory of their own: the kernel
+    allocates no more for them (what numpy allocates, tracemalloc sees) than for the same
+    queries laid out as rows already. Without room in the scratch it still works, on a copy."""
+    import tracemalloc
+
+    kernels = attention_kernels()
+    if kernel not in kernels:
+        pytest.skip("numba is not installed")
+    inputs, expected = key_row_case(1, 64, 96, [90])
+    q = inputs[0]
+    out = np.empty(q.shape, np.float32)
+    params = {"scale": 0.3, "bucket": KV_BUCKET}
+
+    def allocated(queries) -> int:
+        scratch = np.empty(2 * q[..., 0].size * 96 + q.size, np.float32)  # as a program sizes it
+        kernels[kernel](np, (queries, *inputs[1:]), params, out, scratch=scratch, memo={})  # numba loaded
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            kernels[kernel](np, (queries, *inputs[1:]), params, out, scratch=scratch, memo={})
+            return tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+
+    as_rows = allocated(np.ascontiguousarray(q))  # merging (group, tokens) is a view of it
+    transposed = allocated(q)
+    assert transposed - as_rows < q.nbytes // 2, f"{transposed} bytes against {as_rows}: the rows are {q.nbytes}"
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    small = np.empty(2 * q[..., 0].size * 96, np.float32)  # the scores only
+    got = kernels[kernel](np, inputs, params, out, scratch=small, memo={})
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 

@@ -214,7 +214,8 @@ def test_a_result_is_never_a_view_of_memory_a_later_step_reuses(sim):
 
 def test_a_reshape_that_copies_a_transposed_buffer_runs_every_run(sim):
     """A transpose of an arena buffer is a view made at bind; a reshape of that view must copy
-    (its layout is not contiguous), so it cannot be made once at bind: it runs every run."""
+    (its layout is not contiguous), so it cannot be made once at bind: it runs every run, and
+    copies into a buffer of its own in the arena (workers/layouts.py), not into new memory."""
     dev = sim(1)
     outs = []
     for k in range(3):
@@ -227,6 +228,8 @@ def test_a_reshape_that_copies_a_transposed_buffer_runs_every_run(sim):
     (program,) = dev.cluster.servers[0].executor.programs.values()
     assert [op for op, _ in ((pl.step.op, pl) for pl in program.placed)].count("transpose") == 1
     assert len(program.preset) == 1  # the transpose; the reshape is a call
+    assert [pl.out for pl in program.placed if pl.step.op == "reshape"] == ["arena"]
+    assert arena_bytes(dev) == [2 * aligned(24 * 4)]  # the product, the reshape's copy (the sum: a result)
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -39,6 +39,9 @@ class Arena:
             return
         self.memory = self.xp.empty(0, self.xp.uint8)  # the old memory goes before the new comes
         self.memory = self.xp.empty(nbytes, self.xp.uint8)
+        # written once now, at load: a fresh allocation's pages are mapped at their first write,
+        # which would otherwise fall in the first run (a warmed-up model's first prompt)
+        self.memory.fill(0)
         self.store.arena = nbytes
         self.generation += 1
 

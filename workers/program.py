@@ -35,7 +35,7 @@ from split_state.layout import local_shape
 from split_state.ops import OPS
 from transport import protocol as p
 from transport.deadline import Deadline
-from workers import graphs
+from workers import graphs, layouts
 from workers.arena import Arena, aligned
 from workers.kernels import OVERWRITES_INPUT, VIEW_OPS
 from workers.kernels.fused import PATTERNS, Pattern, fuse, reads, scratch_bytes
@@ -350,14 +350,23 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
     steps = [s for s, _, _ in fused]
     last_read: dict[int, int] = {}
     root: dict[int, int] = {}
+    known: dict[int, layouts.Layout] = {}  # the layouts of what this program computes, and views of it
     for j, step in enumerate(steps):
         for slot in reads(step):
             last_read[slot] = j
         # a view that is a result gets its own copy: a later in-place write into what it views (a
-        # cache, a weight) must not change a value already handed out
+        # cache, a weight) must not change a value already handed out; so does a reshape that
+        # cannot be a view of its input (workers/layouts.py): a buffer of its own in the arena
         view = isinstance(step, p.OpStep) and step.op in VIEW_OPS and step.output not in outputs
+        layout = _view_layout(step, known.get(step.inputs[0])) if view else None
+        view = view and not (step.op == "reshape" and step.inputs[0] in known and layout is None)
         aliases = view or (isinstance(step, p.OpStep) and step.op in OPS and OPS[step.op].inplace)
         root[step.output] = root.get(step.inputs[0], step.inputs[0]) if aliases else step.output
+        if isinstance(step, p.OpStep):  # (a collective's result: not known)
+            if not aliases:
+                known[step.output] = layouts.contiguous(step.shape)
+            elif layout is not None or step.inputs[0] in known and not view:  # in place: the input's
+                known[step.output] = layout or known[step.inputs[0]]
     # a buffer lives until the last read of anything that aliases it; results and what a
     # collective sends get buffers of their own
     end = len(steps)
@@ -413,6 +422,20 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
     on_inputs = frozenset(slot for slot, r in root.items() if r not in root) | frozenset(last_read.keys() - root.keys())
     dead_after = {out: tuple(slots) for out, slots in dead.items()}
     return placed, allocator.peak, fresh_bytes, arena_slots, dead_after, on_inputs
+
+
+def _view_layout(step: p.OpStep, source: layouts.Layout | None) -> layouts.Layout | None:
+    """The layout of view step `step` of an input laid out as `source` (None: not known), or
+    None when not known or, for a reshape, when it must copy."""
+    shape = tuple(step.shape)
+    if source is None or prod(source[0]) != prod(shape) and step.op != "slice":
+        return None
+    if step.op == "transpose":
+        got = layouts.transposed(source, step.params["axes"])
+        return got if got[0] == shape else None
+    if step.op == "slice":
+        return (shape, source[1]) if len(shape) == len(source[0]) else None
+    return layouts.reshaped(source, shape) if step.op == "reshape" else None
 
 
 def _dying_input(step: p.OpStep, j: int, death: dict, own: dict, size: int) -> int | None:

@@ -450,6 +450,17 @@ def _view_kernel(view: Callable) -> Callable:
     return kernel
 
 
+def _reshape(xp, inputs, params, out=None):
+    """A view where the layout allows; with `out` (a result's buffer, or the arena's for a
+    reshape that must copy: workers/layouts.py), the values copied straight into it: `out` is
+    contiguous, so its reshape to the input's shape is a view, and C order is reshape's."""
+    (x,) = inputs
+    if out is None:
+        return xp.reshape(x, tuple(params["shape"]))
+    xp.copyto(out.reshape(x.shape), x)
+    return out
+
+
 def _concat(xp, inputs, params, out=None):
     return xp.concatenate(list(inputs), axis=params["axis"], out=out)
 
@@ -488,7 +499,7 @@ KERNELS: dict[str, Callable] = {
     "layer_norm": _layer_norm,
     "sum": _sum,
     "mean": _mean,
-    "reshape": _view_kernel(lambda xp, x, p: xp.reshape(x, tuple(p["shape"]))),
+    "reshape": _reshape,
     "transpose": _view_kernel(lambda xp, x, p: xp.transpose(x, tuple(p["axes"]))),
     "concat": _concat,
     "slice": _view_kernel(lambda xp, x, p: x[(slice(None),) * p["axis"] + (slice(p["start"], p["stop"]),)]),

@@ -134,8 +134,10 @@ def _match_attention(view: ProgramView, i: int) -> Fusion | None:
     q, k = view.steps[qk].inputs
     mask, v = view.steps[soft].inputs[1], pv.inputs[1]
     params = {"scale": view.steps[soft].params["scale"], "bucket": KV_BUCKET}
-    # scratch: the scores twice over, key-major and query-major (see attention_with)
-    return Fusion((q, k, mask, v), params, (qk, soft), scratch=(2, *view.steps[qk].shape))
+    # scratch: the scores twice over, key-major and query-major, and room for the query rows
+    # (the output's size; see attention_with)
+    scores = prod(view.steps[qk].shape)
+    return Fusion((q, k, mask, v), params, (qk, soft), scratch=(2 * scores + prod(pv.shape),))
 
 
 def used_positions(xp, mask, bucket: int) -> int:
@@ -202,8 +204,9 @@ def attention_with(
         lead = q.shape[:-1]
         size = prod(lead) * n
         if scratch is None:
-            scratch = xp.empty(2 * size, xp.float32)
-        stacked = _stacked(q, k, v)
+            scratch = xp.empty(2 * size + q.size, xp.float32)
+        room = scratch.reshape(-1)[2 * size : 2 * size + q.size] if scratch.size >= 2 * size + q.size else None
+        stacked = _stacked(q, k, v, room)
         if stacked is not None and out is not None and out.flags.c_contiguous:
             rows, key_rows, values = stacked
             count = rows.shape[-2]
@@ -225,17 +228,27 @@ def attention_with(
     return attention
 
 
-def _stacked(q, k, v):
+def _stacked(q, k, v, room):
     """GQA's layout over key rows: q (..., group, tokens, d) against k (..., 1, d, ctx), a
     transposed view of (..., 1, ctx, d) rows, and v (..., 1, ctx, d), shared by the group. Gives
     q as (..., group * tokens, d) rows, the key rows (..., ctx, d) and v (..., ctx, d); None for
-    other layouts."""
+    other layouts. The rows are a view of q for one token; for several (a prefill's queries, a
+    transposed view) they are copied into `room` (q.size values of the arena's scratch, or
+    None: a copy of their own), where
+    a reshape would allocate them every layer of every run (and fault in fresh pages on the
+    first run: 2,000 of them in a 128-token SmolLM2 prefill)."""
     lead = q.shape[:-3]
     if q.ndim < 4 or k.ndim != q.ndim or v.ndim != q.ndim or k.shape[-3] != 1 or v.shape[-3] != 1:
         return None
     if k.shape[:-3] != lead or v.shape[:-3] != lead or k.strides[-2] != k.itemsize:
         return None
-    rows = q.reshape(lead + (q.shape[-3] * q.shape[-2], q.shape[-1]))  # a view for one token
+    shape = lead + (q.shape[-3] * q.shape[-2], q.shape[-1])
+    if room is None or q.shape[-2] == 1 or q.shape[-3] == 1 or q.strides[-3] == q.shape[-2] * q.strides[-2]:
+        rows = q.reshape(shape)  # the group and token axes merge in place: a view (else a copy)
+    else:
+        rows = room.reshape(q.shape)
+        rows[...] = q
+        rows = rows.reshape(shape)
     key_rows = k.reshape(k.shape[:-3] + k.shape[-2:]).swapaxes(-1, -2)
     return rows, key_rows, v.reshape(v.shape[:-3] + v.shape[-2:])
 
