@@ -210,25 +210,31 @@ def ours(
         }
 
 
-def warmed_first(path: str, workers: int, length: int, weights: str, reference=None) -> dict:
+def warmed_first(path: str, workers: int, length: int, weights: str, reference=None, rounds: int = 1) -> dict:
     """A model loaded anew and warmed up (TensorParallelLlama.warm_up: every padded prompt
     length's prefill step loaded, not run, as `generate -i` does at start): the warm-up's
-    seconds, then its first prompt's, right after the reference's prefill when given."""
+    seconds, then its first prompt's, right after the reference's prefill when given. Medians
+    of `rounds` models loaded one after the other: a single first prompt against a single
+    reference prefill varied by 10 % from run to run on a busy 2-core machine."""
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
 
     model = GGUFModel(path)
     source = model.native if weights == "native" else model.weight
-    with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
-        net = TensorParallelLlama(dev, model.config, source, RSS_CTX)
-        tokens = [list(prompt_ids(model, length)[0])]
-        start = time.perf_counter()
-        net.warm_up(pool=1)
-        warm_up = time.perf_counter() - start
-        ref = reference.ask("prefill") if reference is not None else None
-        start = time.perf_counter()
-        net.prefill(tokens, 0, pool=1)[1].numpy()
-        return {"warm_up_s": warm_up, "warmed_prefill_s": time.perf_counter() - start, "warmed_reference_s": ref}
+    tokens = [list(prompt_ids(model, length)[0])]
+    seen: dict[str, list] = {"warm_up_s": [], "warmed_prefill_s": [], "warmed_reference_s": []}
+    for _ in range(rounds):
+        with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
+            net = TensorParallelLlama(dev, model.config, source, RSS_CTX)
+            start = time.perf_counter()
+            net.warm_up(pool=1)
+            seen["warm_up_s"].append(time.perf_counter() - start)
+            if reference is not None:
+                seen["warmed_reference_s"].append(reference.ask("prefill"))
+            start = time.perf_counter()
+            net.prefill(tokens, 0, pool=1)[1].numpy()
+            seen["warmed_prefill_s"].append(time.perf_counter() - start)
+    return {k: float(np.median(v)) if v else None for k, v in seen.items()}
 
 
 def worker_driven(dev, net, token: np.ndarray, pos: int):
@@ -355,7 +361,7 @@ def run(
             reference.ask("ready")
             for kind in weights:
                 mine = ours(path, n, length, steps, weights=kind, reference=reference, rounds=rounds)
-                mine |= warmed_first(path, n, length, kind, reference)
+                mine |= warmed_first(path, n, length, kind, reference, rounds)
                 rows.append(_row(n, kind, length, mine))
         if have_llama_cpp():  # the goal of quantized decode: llama.cpp on the same file and threads
             llama = llama_cpp(path, length, steps, n, rounds)
@@ -472,9 +478,9 @@ def show(results: dict | None) -> None:
     print(
         "  prefill ours: the first prompt (graph, plan, program load and first run included); warmed: the first"
         " prompt of a model loaded anew and warmed up (every prompt length's step loaded, not run; warm-up s:"
-        " its time, at load), against the reference's prefill just before it; again: a second"
-        " prompt of the same length, its captured step replayed; numpy and again: medians of"
-        f" {results['rows'][0]['rounds']} alternating rounds"
+        " its time, at load), against the reference's prefill just before it, medians of as many models"
+        " as rounds; again: a second prompt of the same length, its captured step replayed; numpy and"
+        f" again: medians of {results['rows'][0]['rounds']} alternating rounds"
     )
     print(
         "  decode ours: generation driven by the workers (one Generate, each token fed back on the workers);"
