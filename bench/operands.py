@@ -158,6 +158,8 @@ def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ..
             start = int(rng.integers(0, dst[0]))
             ids = (dst[0] - start - int(rng.integers(0, dst[0] - start)), tokens)
             value = (ids[0],) + dst[1:axis] + (tokens,) + dst[axis + 1 :]
+            if rng.random() < 0.5:  # fed when the step runs (random_operands draws it)
+                return [dst, ids, value, ()], [f32, "int32", f32, "int32"], params
             params["batch_start"] = start
         return [dst, ids, value], [f32, "int32", f32], params
     if name == "top_k_combine":
@@ -178,6 +180,8 @@ def random_operands(rng: np.random.Generator, name: str, shapes, dtypes, params:
             rows = shapes[0][params["axis"]]
             lists = [rng.permutation(rows)[: s[-1]] for _ in range(s[0] if len(s) == 2 else 1)]
             out.append(np.array(lists if len(s) == 2 else lists[0], dtype=dtype_from_name(t)).reshape(s))
+        elif name == "set_rows" and i == 3:  # a fed batch start: the sequences fit after it
+            out.append(np.array(rng.integers(0, shapes[0][0] - shapes[1][0] + 1), dtype=dtype_from_name(t)))
         elif name == "rope" and i == 1:
             out.append(rng.integers(0, 4096, size=s).astype(dtype_from_name(t)))
         elif name == "top_k_combine":

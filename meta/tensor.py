@@ -176,11 +176,14 @@ class Tensor:
         (..., tokens): mode "normal" rotates adjacent pairs (ggml), "neox" the two halves."""
         return apply("rope", self, positions, base=base, mode=mode)
 
-    def set_rows(self, ids: Tensor, value: Tensor, axis: int = 0, batch_start: int | None = None) -> Tensor:
+    def set_rows(self, ids: Tensor, value: Tensor, axis: int = 0, batch_start: int | Tensor | None = None) -> Tensor:
         """Write `value` into rows `ids` along `axis`, in place (ggml's SET_ROWS): the result is
         this tensor's own storage, under its own id, and reading either handle after the run sees
         the write. ids: (tokens,), or (batch, tokens) with one row list per index of axis 0,
-        for the indices from `batch_start` on (one sequence of a batched cache, say)."""
+        for the indices from `batch_start` on (one sequence of a batched cache, say): an int,
+        or a 0-d integer tensor, read when the step runs (a fed slot: one plan for every one)."""
+        if isinstance(batch_start, Tensor):
+            return apply("set_rows", self, ids, value, batch_start, axis=axis)
         extra = {} if batch_start is None else {"batch_start": batch_start}
         return apply("set_rows", self, ids, value, axis=axis, **extra)
 

@@ -8,9 +8,10 @@ llama-server run them).
 The caches hold `slots` sequences (batch rows). One thread owns the device: between two decode
 steps it admits queued jobs into the lowest free slots (each prompt prefilled into its own row
 with `prefill(..., slot=...)`, the other rows untouched; prompts padded to a few lengths, each a
-captured step), then runs one captured decode step for the first rows up to the highest busy
-slot, rounded up to a power of two (1, 2, 4, ... slots: as vLLM pads a batch to its captured
-sizes), each row at its own position, and hands each active slot its next token. One request
+captured step serving every slot, the slot fed to it), then runs one captured decode step for
+the first rows up to the highest busy slot, rounded up to a power of two (1, 2, 4, ... slots:
+as vLLM pads a batch to its captured sizes), each row at its own position, and hands each
+active slot its next token. One request
 alone thus costs a one-row step, not a step of every slot. A slot whose job finished, was
 cancelled or whose client left is free for the next job at once. Rows without a job decode a
 dummy token at position 0 of their own row, which the next prompt placed there overwrites. A
@@ -147,9 +148,9 @@ class ContinuousBatcher:
     # -- the requests' side -------------------------------------------------------------------------
 
     def warm_up(self) -> int:
-        """Load, without running, the steps a lone request runs (it takes the lowest free slot,
-        0): slot 0's prefill step of every padded prompt length up to a chunk, and the decode
-        steps of 1, 2, 4, ... rows, so the first requests plan nothing (as vLLM captures its
+        """Load, without running, the steps requests run: the slots' prefill step of every
+        padded prompt length up to a chunk (the slot is fed: one step serves them all), and the
+        decode steps of 1, 2, 4, ... rows, so the first requests plan nothing (as vLLM captures its
         batch sizes at start). Before start(): the batcher's thread owns the device after it.
         Returns how many steps were loaded."""
         if self._thread.is_alive():

@@ -197,7 +197,7 @@ def _down_block(source: Source, cfg: LlamaConfig) -> int:
     return max(blocks, default=32)
 
 
-PREFILL_STEPS = 16  # captured prefill steps a model keeps (one per padded length, pool, logits, slot)
+PREFILL_STEPS = 16  # captured prefill steps a model keeps (one per padded length, pool, logits, slot or not)
 PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
 
 
@@ -269,7 +269,9 @@ class TensorParallelLlama:
         k_type, v_type = (CACHE_TYPES[c] for c in cache_types)
         self.k = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache, k_type) for _ in range(cfg.layers)]
         self.v = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache, v_type) for _ in range(cfg.layers)]
-        self._prefills: dict[tuple, object] = {}  # (padded length, pool, logits, slot) -> captured step
+        # (padded length, pool, logits, for a slot) -> captured step; a slot is fed, so one step
+        # serves every slot of a server (8 slots x 8 lengths were 64 steps for 16 kept)
+        self._prefills: dict[tuple, object] = {}
         self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, 1, 1, 1, ctx))
         self.zero = dev.tensor(np.float32(0))
         self.minus_inf = dev.tensor(np.float32(-np.inf))
@@ -402,12 +404,13 @@ class TensorParallelLlama:
             tokens[b, : len(prompt)] = prompt
             rows[b] = b * t + max(len(prompt), 1) - 1
         positions = np.tile(np.arange(start, start + t, dtype=np.int32), (rows_fed, 1))
-        key = (t, pool, logits, slot)
+        feeds = (tokens, positions, rows) + (() if slot is None else (np.int32(slot),))
+        key = (t, pool, logits, slot is not None)
         step = self._prefills.pop(key, None)
         if step is None:
-            step, outputs = self.dev.capture(self._prefill_graph(pool, logits, slot), tokens, positions, rows)
+            step, outputs = self.dev.capture(self._prefill_graph(pool, logits, slot is not None), *feeds)
         else:  # the candidates (and logits) come back with the run: reading them sends nothing
-            outputs = step(tokens, positions, rows, read=range(3 if logits else 2))
+            outputs = step(*feeds, read=range(3 if logits else 2))
         self._keep_prefill(key, step)
         # the next graph starts from the caches as this step left them, not from an earlier
         # graph's writes not run yet (those would run again, over what this step wrote)
@@ -415,9 +418,11 @@ class TensorParallelLlama:
         self.k, self.v = outputs[-2 * layers : -layers], outputs[-layers:]
         return outputs[: 3 if logits else 2]
 
-    def _prefill_graph(self, pool: int, logits: bool, slot: int | None):
-        def graph(ids: Tensor, pos: Tensor, last: Tensor) -> list[Tensor]:
-            out = self.step(ids, pos, last=last) if slot is None else self._slot_step(ids, pos, last, slot)
+    def _prefill_graph(self, pool: int, logits: bool, slotted: bool):
+        """The prefill graph of (ids, positions, last rows), and with `slotted` the slot, fed."""
+
+        def graph(ids: Tensor, pos: Tensor, last: Tensor, *slot: Tensor) -> list[Tensor]:
+            out = self._slot_step(ids, pos, last, slot[0]) if slotted else self.step(ids, pos, last=last)
             return [*out.top_k(pool), *([out] if logits else []), *self.caches()]
 
         return graph
@@ -430,24 +435,26 @@ class TensorParallelLlama:
     def warm_up(self, pool: int, lengths: Sequence[int] | None = None, slot: int | None = None) -> int:
         """Plan, compile and load the prefill steps of prompts of `lengths` tokens (by default
         every padded length up to a chunk: any prompt's steps) from position 0, for `pool`
-        candidates (with `slot`: a new sequence's prompt in that batch row, as a server admits
-        one), without running them, as llama.cpp's warm-up run does at load: the first prompt
-        then runs as fast as a later one. Returns how many steps were loaded."""
+        candidates (with `slot`: a new sequence's prompt in a batch row, as a server admits one;
+        the row is fed, so the steps serve every slot), without running them, as llama.cpp's
+        warm-up run does at load: the first prompt then runs as fast as a later one. Returns
+        how many steps were loaded."""
         lengths = range(1, PREFILL_CHUNK + 1) if lengths is None else lengths
         padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
         rows_fed = self.batch if slot is None else 1
         loaded = 0
+        slotted = () if slot is None else (np.int32(slot),)
         for t in reversed(padded[-PREFILL_STEPS:]):  # the longest first: it sizes the arena the others bind to
-            key = (t, pool, False, slot)
+            key = (t, pool, False, slot is not None)
             if key in self._prefills:
                 continue
             rows = np.arange(rows_fed, dtype=np.int32) * t + t - 1
             positions = np.tile(np.arange(t, dtype=np.int32), (rows_fed, 1))
-            graph = self._prefill_graph(pool, False, slot)
-            self._keep_prefill(key, self._prepared(graph, (rows_fed, t), positions, rows))
+            graph = self._prefill_graph(pool, False, slot is not None)
+            self._keep_prefill(key, self._prepared(graph, (rows_fed, t), positions, rows, *slotted))
             loaded += 1
         for t in padded[-PREFILL_STEPS:]:  # the longest (a long prompt's chunks) the last to go
-            key = (t, pool, False, slot)
+            key = (t, pool, False, slot is not None)
             if key in self._prefills:
                 self._prefills[key] = self._prefills.pop(key)
         return loaded
@@ -461,8 +468,9 @@ class TensorParallelLlama:
         finally:
             self.k, self.v = k, v
 
-    def _slot_step(self, ids: Tensor, pos: Tensor, rows: Tensor, slot: int) -> Tensor:
-        """Logits (1, 1, vocab) of `rows` of ids (1, t), a new sequence in batch row `slot`: its
+    def _slot_step(self, ids: Tensor, pos: Tensor, rows: Tensor, slot: Tensor) -> Tensor:
+        """Logits (1, 1, vocab) of `rows` of ids (1, t), a new sequence in batch row `slot` (a fed
+        0-d integer): its
         caches are written at `pos`, the other rows are left as they are, and the prompt attends
         to itself (nothing cached before it is read)."""
         t = ids.shape[1]
@@ -475,7 +483,7 @@ class TensorParallelLlama:
         fmt = self.formats.get("embed")
         return get_rows(self.w["embed"], ids) if fmt is None else qget_rows(self.w["embed"], ids, fmt)
 
-    def _layers(self, x: Tensor, pos: Tensor, mask: Tensor, slot: int | None = None) -> Tensor:
+    def _layers(self, x: Tensor, pos: Tensor, mask: Tensor, slot: Tensor | None = None) -> Tensor:
         """Every layer over x (batch, tokens, hidden), writing the caches at `pos`. Attention reads
         the caches (masked), or with `slot`, writes batch row `slot` only and reads the new keys
         and values themselves (a prompt starting a sequence). Fewer rows than the caches hold

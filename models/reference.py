@@ -123,14 +123,14 @@ def rope(x: np.ndarray, positions: np.ndarray, base: float, mode: str) -> np.nda
 
 
 def _set_rows(inputs, params):
-    dst, ids, value = inputs
+    dst, ids, value = inputs[:3]
     out = dst.copy()
     axis = params["axis"]
     if ids.ndim == 1:
         for j, row in enumerate(ids.tolist()):
             _put(out, axis, row, np.take(value, j, axis=axis))
     else:
-        start = params.get("batch_start", 0)
+        start = int(inputs[3]) if len(inputs) == 4 else params.get("batch_start", 0)
         for b in range(ids.shape[0]):
             for j, row in enumerate(ids[b].tolist()):
                 _put(out[start + b], axis - 1, row, np.take(value[b], j, axis=axis - 1))

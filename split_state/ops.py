@@ -476,14 +476,23 @@ def _rope_labels(shapes, params, out_shape):
 
 
 def _infer_set_rows(shapes, dtypes, params):
-    dst, ids, value = (tuple(s) for s in shapes)
+    if len(shapes) not in (3, 4):
+        raise ShapeError(f"set_rows: takes a destination, ids, a value and maybe a batch start, got {len(shapes)}")
+    dst, ids, value = (tuple(s) for s in shapes[:3])
     axis = _axis(params.get("axis", 0), len(dst), "set_rows")
     if dtypes[1] not in INDEX_NAMES:
         raise ShapeError(f"set_rows: row ids must be integers, got {dtypes[1]}")
     if len(ids) == 2 and axis == 0:
         raise ShapeError("set_rows: per-batch ids (batch, tokens) need the rows on an axis after the batch axis 0")
-    # batch_start given: the ids' rows are batch indices batch_start, batch_start + 1, ... only
-    some = "batch_start" in params
+    # batch_start given: the ids' rows are batch indices batch_start, batch_start + 1, ... only;
+    # a fourth operand (a 0-d integer) gives it when the step runs (a server's slot), so one
+    # plan serves every slot: checked against the destination then
+    fed = len(shapes) == 4
+    if fed and (tuple(shapes[3]) != () or dtypes[3] not in INDEX_NAMES or "batch_start" in params):
+        raise ShapeError(
+            f"set_rows: a fed batch start is a 0-d integer, instead of batch_start; got {tuple(shapes[3])} {dtypes[3]}"
+        )
+    some = "batch_start" in params or fed
     start = params.get("batch_start", 0)
     if not isinstance(start, int) or isinstance(start, bool) or start < 0:
         raise ShapeError(f"set_rows: batch_start must be an integer >= 0, got {start!r}")
@@ -504,7 +513,8 @@ def _infer_set_rows(shapes, dtypes, params):
         )
     if (dtypes[0] in FLOAT_NAMES) != (dtypes[2] in FLOAT_NAMES):
         raise ShapeError(f"set_rows: cannot write {dtypes[2]} into {dtypes[0]}")
-    return dst, dtypes[0], {"axis": axis, "rows": dst[axis]} | ({"batch_start": start} if some else {})
+    batch = {"batch_fed": True} if fed else {"batch_start": start} if some else {}
+    return dst, dtypes[0], {"axis": axis, "rows": dst[axis]} | batch
 
 
 def _set_rows_rule(states, shapes, params, out_shape):
@@ -513,14 +523,15 @@ def _set_rows_rule(states, shapes, params, out_shape):
     device writes the rows it holds; Partial: each device writes its addend of the value."""
     dst, axis = states[0], params["axis"]
     batched = len(shapes[1]) == 2
-    if "batch_start" in params and isinstance(dst, Split) and dst.axis == 0:
-        return [Signature((dst, MIRRORED, MIRRORED), dst)]  # each device writes the batch indices it holds
+    start = (MIRRORED,) * (len(states) - 3)  # a fed batch start: every device reads it whole
+    if ("batch_start" in params or "batch_fed" in params) and isinstance(dst, Split) and dst.axis == 0:
+        return [Signature((dst, MIRRORED, MIRRORED, *start), dst)]  # each device writes the batch indices it holds
     if isinstance(dst, Split) and dst.axis != axis:
         ids = dst.with_axis(0) if batched and dst.axis == 0 else MIRRORED
-        return [Signature((dst, ids, dst), dst)]
+        return [Signature((dst, ids, dst, *start), dst)]
     if isinstance(dst, Split) or dst == MIRRORED:
-        return [Signature((dst, MIRRORED, MIRRORED), dst)]
-    return [Signature((PARTIAL, MIRRORED, PARTIAL), PARTIAL)]
+        return [Signature((dst, MIRRORED, MIRRORED, *start), dst)]
+    return [Signature((PARTIAL, MIRRORED, PARTIAL, *start), PARTIAL)]
 
 
 def _localize_set_rows(params, in_states, in_shapes, out_state, out_shape, n, d):
@@ -529,18 +540,24 @@ def _localize_set_rows(params, in_states, in_shapes, out_state, out_shape, n, d)
         spans = [(p.global_start, p.global_stop, p.local_start) for p in pieces(dst, in_shapes[0], n, d)]
     else:
         spans = [(0, params["rows"], 0)]
-    if "batch_start" not in params:
+    if "batch_start" not in params and "batch_fed" not in params:
         return dict(params, spans=spans)
-    # (row of the ids, local batch index) for each row this device writes
-    start, count = params["batch_start"], in_shapes[1][0]
-    held = pieces(dst, in_shapes[0], n, d) if isinstance(dst, Split) and dst.axis == 0 else None
-    pairs = [
-        (j, start + j if held is None else p.local_start + start + j - p.global_start)
-        for j in range(count)
-        for p in ([None] if held is None else held)
-        if p is None or p.global_start <= start + j < p.global_stop
-    ]
+    batch = in_shapes[0][0]
+    if isinstance(dst, Split) and dst.axis == 0:
+        held = [(p.global_start, p.global_stop, p.local_start) for p in pieces(dst, in_shapes[0], n, d)]
+    else:
+        held = [(0, batch, 0)]
+    if "batch_fed" in params:  # the kernel pairs them with the start it is fed (batch_pairs)
+        return dict(params, spans=spans, held=held, batch=batch)
+    pairs = batch_pairs(params["batch_start"], in_shapes[1][0], held)
     return {k: v for k, v in params.items() if k != "batch_start"} | {"spans": spans, "batches": pairs}
+
+
+def batch_pairs(start: int, count: int, held) -> list[tuple[int, int]]:
+    """set_rows from batch index `start` on: (row of the ids, local batch index) for each of
+    the `count` rows of ids that falls in a batch span this device holds, `held` as (global
+    start, global stop, local start)."""
+    return [(j, local + start + j - lo) for j in range(count) for lo, hi, local in held if lo <= start + j < hi]
 
 
 def _infer_top_k_candidates(shapes, dtypes, params):
@@ -684,7 +701,7 @@ OPS: dict[str, OpSpec] = {
     "where": OpSpec("where", 3, _infer_where, _binary_rule(((M, P, P),))),
     "softmax_ext": OpSpec("softmax_ext", 2, _infer_softmax_ext, _labels_rule(_softmax_ext_labels)),
     "rope": OpSpec("rope", 2, _infer_rope, _labels_rule(_rope_labels)),
-    "set_rows": OpSpec("set_rows", 3, _infer_set_rows, _set_rows_rule, _localize_set_rows, inplace=True),
+    "set_rows": OpSpec("set_rows", None, _infer_set_rows, _set_rows_rule, _localize_set_rows, inplace=True),
     "top_k_candidates": OpSpec(
         "top_k_candidates",
         1,

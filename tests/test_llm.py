@@ -266,10 +266,11 @@ def test_a_warmed_up_model_plans_nothing_for_its_first_prompt_and_gives_the_refe
 
 
 def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_reference_tokens(model, reference_run):
-    """ContinuousBatcher.warm_up loads slot 0's prefill steps (a 64-position context: 16, 32, 48,
-    64 tokens) and the decode steps of 1, 2 and 3 rows (3 slots); a lone greedy request after
-    it plans nothing and gets the NumPy reference's tokens, and a sampled one (another pool)
-    replays the same prefill step."""
+    """ContinuousBatcher.warm_up loads the slots' prefill steps (a 64-position context: 16, 32,
+    48, 64 tokens) and the decode steps of 1, 2 and 3 rows (3 slots); a lone greedy request after
+    it plans nothing and gets the NumPy reference's tokens, a sampled one (another pool)
+    replays the same prefill step, and three requests at once (slots 0, 1 and 2: the slot is
+    fed to the same steps) plan nothing either and each get the reference's tokens."""
     from models.batching import ContinuousBatcher, Finished, Job, Token
     from models.generate import Sampling
 
@@ -284,6 +285,9 @@ def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_refe
             for sampling in (Sampling(), Sampling(temperature=0.8, top_k=5, seed=3)):
                 job = Job(tuple(PROMPT_IDS), STEPS + 1, sampling, stop_at_eos=False)
                 events[sampling.temperature] = list(batcher.submit(job).stream())
+            greedy = Job(tuple(PROMPT_IDS), STEPS + 1, Sampling(), stop_at_eos=False)
+            tickets = [batcher.submit(greedy) for _ in range(3)]
+            together = [[e.token for e in t.stream() if isinstance(e, Token)] for t in tickets]
             with pytest.raises(RuntimeError, match="before start"):
                 batcher.warm_up()
         finally:
@@ -293,6 +297,7 @@ def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_refe
         dev.close()
     greedy = events[0.0]
     assert [e.token for e in greedy if isinstance(e, Token)] == reference_run[1]
+    assert together == [reference_run[1]] * 3
     assert greedy[-1] == Finished("length") and events[0.8][-1] == Finished("length")
 
 

@@ -169,3 +169,30 @@ def test_every_input_state_of_every_op_on_three_devices(name, first_seed, sim):
         got = apply(name, *handles, **params).numpy()  # what the planner picks, on simulated workers
         assert_matches(got, expected, f"{name} {[str(s) for s in states]}")
         dev.free(*handles)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("split_on", ["heads", "batch"])
+def test_set_rows_from_a_fed_batch_start_writes_that_sequence_under_one_plan(sim, n, split_on):
+    """A server's slot as a fed 0-d tensor (set_rows' fourth operand): every start writes its
+    own batch row under one plan, on a cache split by heads (the decoder's) or by batch rows;
+    a start the sequences do not fit after is refused by name. The expected cache is written
+    here row by row."""
+    from split_state.errors import MetaError
+
+    dev = sim(n)
+    batch, heads, ctx, hd = 4, 3, 6, 2
+    state = Split.even(1, heads, n) if split_on == "heads" else Split.even(0, batch, n)
+    expected = np.zeros((batch, heads, ctx, hd), np.float32)
+    cache = dev.tensor(expected.copy(), state)
+    rng = np.random.default_rng(n)
+    for start in (2, 0, 3, 1):
+        ids = np.array([[start % ctx, (start + 2) % ctx]], np.int32)  # (1 sequence, 2 positions)
+        value = rng.standard_normal((1, heads, 2, hd)).astype(np.float32)
+        cache = cache.set_rows(dev.feed(ids), dev.feed(value), axis=2, batch_start=dev.feed(np.int32(start)))
+        for j, position in enumerate(ids[0]):
+            expected[start, :, position, :] = value[0, :, j, :]
+        np.testing.assert_array_equal(cache.numpy(), expected)
+    assert len(dev.plans) == 1
+    with pytest.raises(MetaError, match="from batch index 4 do not fit a batch of 4"):
+        cache.set_rows(dev.feed(ids), dev.feed(value), axis=2, batch_start=dev.feed(np.int32(4))).numpy()

@@ -20,6 +20,7 @@ import numpy as np
 
 from split_state.dtypes import dtype_from_name
 from split_state.errors import ShapeError
+from split_state.ops import batch_pairs
 
 LOW_PRECISION = frozenset({"float16", "bfloat16"})
 
@@ -302,9 +303,12 @@ def _rope(xp, inputs, params, out=None):
 def _set_rows(xp, inputs, params, out=None, memo=None):
     """dst[..., ids, ...] = value along `axis`, in place; returns dst. `spans` are the global row
     ranges this device holds (start, stop, local start); rows elsewhere are another device's."""
-    dst, ids, value = inputs
-    # (row of the ids, local batch index) for each sequence written: given when only some are
+    dst, ids, value = inputs[:3]
+    # (row of the ids, local batch index) for each sequence written: given when only some are,
+    # or made from a fed batch start (one plan for every slot of a server)
     rows, pairs = params["rows"], params.get("batches")
+    if len(inputs) == 4:
+        pairs = _fed_pairs(inputs[3], ids, params)
     if ids.ndim == 2 and pairs is None:
         pairs = [(j, j) for j in range(ids.shape[0])]
     if xp is np and ids.size <= FEW_ROWS and ids.ndim in (1, 2):
@@ -338,6 +342,15 @@ _set_rows.eager = True  # it reads the ids on the host: never inside a device gr
 
 
 FEW_ROWS = 16  # a decode step writes one row per sequence: plain indexing beats masks there
+
+
+def _fed_pairs(start, ids, params) -> list[tuple[int, int]]:
+    start = int(start)  # a 0-d array (on a GPU, read back: set_rows is eager)
+    if not 0 <= start <= params["batch"] - ids.shape[0]:
+        raise ShapeError(
+            f"set_rows: {ids.shape[0]} sequences from batch index {start} do not fit a batch of {params['batch']}"
+        )
+    return batch_pairs(start, ids.shape[0], params["held"])
 
 
 def _set_few_rows(dst, ids, value, rows: int, axis: int, spans, pairs):
