@@ -470,9 +470,8 @@ class TensorParallelLlama:
 
     def _slot_step(self, ids: Tensor, pos: Tensor, rows: Tensor, slot: Tensor) -> Tensor:
         """Logits (1, 1, vocab) of `rows` of ids (1, t), a new sequence in batch row `slot` (a fed
-        0-d integer): its
-        caches are written at `pos`, the other rows are left as they are, and the prompt attends
-        to itself (nothing cached before it is read)."""
+        0-d integer): its caches are written at `pos`, the other rows are left as they are, and
+        the prompt attends to itself (nothing cached before it is read)."""
         t = ids.shape[1]
         keep = self.positions_ctx[:, :, :, :, :t] <= pos.reshape(1, 1, 1, t, 1)  # causal: (1, 1, 1, t, t)
         x = self._layers(self._embed(ids), pos, where(keep, self.zero, self.minus_inf), slot)
