@@ -155,7 +155,7 @@ class ContinuousBatcher:
         Returns how many steps were loaded."""
         if self._thread.is_alive():
             raise RuntimeError("warm_up() goes before start(): the batcher's thread owns the device")
-        loaded = self.net.warm_up(POOL, slot=0)
+        loaded = self.net.warm_up(POOL, slots=True)
         rows = 1
         while True:
             if rows not in self._decodes:

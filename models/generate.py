@@ -276,8 +276,8 @@ class LLM:
         step of every padded prompt length (a long prompt's chunks included) and the decode
         step, so the first prompt is as fast as a later one (llama.cpp's warm-up at load; about
         0.5 s for SmolLM2 here). Returns how many steps were loaded."""
-        loaded = self.net.warm_up(sampling.pool)
         pool = sampling.pool
+        loaded = self.net.warm_up(pool)
         if pool not in self._decode:
             self._decode[pool] = self.net.prepare_decode(self.batch, build=candidates(pool))
             loaded += 1

@@ -432,29 +432,29 @@ class TensorParallelLlama:
         if len(self._prefills) > PREFILL_STEPS:
             self._prefills.pop(next(iter(self._prefills)))
 
-    def warm_up(self, pool: int, lengths: Sequence[int] | None = None, slot: int | None = None) -> int:
+    def warm_up(self, pool: int, lengths: Sequence[int] | None = None, slots: bool = False) -> int:
         """Plan, compile and load the prefill steps of prompts of `lengths` tokens (by default
         every padded length up to a chunk: any prompt's steps) from position 0, for `pool`
-        candidates (with `slot`: a new sequence's prompt in a batch row, as a server admits one;
-        the row is fed, so the steps serve every slot), without running them, as llama.cpp's
+        candidates (with `slots`: the steps of a new sequence's prompt in a batch row fed to
+        them, as a server admits one into any slot), without running them, as llama.cpp's
         warm-up run does at load: the first prompt then runs as fast as a later one. Returns
         how many steps were loaded."""
         lengths = range(1, PREFILL_CHUNK + 1) if lengths is None else lengths
         padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
-        rows_fed = self.batch if slot is None else 1
+        rows_fed = 1 if slots else self.batch
         loaded = 0
-        slotted = () if slot is None else (np.int32(slot),)
+        slot = (np.int32(0),) if slots else ()  # any row: it is fed
         for t in reversed(padded[-PREFILL_STEPS:]):  # the longest first: it sizes the arena the others bind to
-            key = (t, pool, False, slot is not None)
+            key = (t, pool, False, slots)
             if key in self._prefills:
                 continue
             rows = np.arange(rows_fed, dtype=np.int32) * t + t - 1
             positions = np.tile(np.arange(t, dtype=np.int32), (rows_fed, 1))
-            graph = self._prefill_graph(pool, False, slot is not None)
-            self._keep_prefill(key, self._prepared(graph, (rows_fed, t), positions, rows, *slotted))
+            graph = self._prefill_graph(pool, False, slots)
+            self._keep_prefill(key, self._prepared(graph, (rows_fed, t), positions, rows, *slot))
             loaded += 1
         for t in padded[-PREFILL_STEPS:]:  # the longest (a long prompt's chunks) the last to go
-            key = (t, pool, False, slot is not None)
+            key = (t, pool, False, slots)
             if key in self._prefills:
                 self._prefills[key] = self._prefills.pop(key)
         return loaded

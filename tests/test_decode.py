@@ -508,7 +508,7 @@ def test_warmed_up_steps_run_nothing_until_called_then_plan_nothing_and_equal_th
     for b in range(2):
         np.testing.assert_array_equal(indices[b, 0], best(refs[b].forward(tokens[b : b + 1], at[b : b + 1])[0, -1]))
     assert len(dev.plans) == plans
-    assert net.warm_up(pool=4, lengths=[5], slot=1) == 1  # a server's slot: its row only
+    assert net.warm_up(pool=4, lengths=[5], slots=True) == 1  # a server's slots: one step, the row fed
     plans = len(dev.plans)
     refs[1] = ReferenceDecoder(GQA_CFG, weights, ctx)
     prompt = list(rng.integers(0, 72, 5))

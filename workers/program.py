@@ -358,15 +358,21 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
         # cache, a weight) must not change a value already handed out; so does a reshape that
         # cannot be a view of its input (workers/layouts.py): a buffer of its own in the arena
         view = isinstance(step, p.OpStep) and step.op in VIEW_OPS and step.output not in outputs
-        layout = _view_layout(step, known.get(step.inputs[0])) if view else None
-        view = view and not (step.op == "reshape" and step.inputs[0] in known and layout is None)
+        source = known.get(step.inputs[0]) if view else None
+        layout = _view_layout(step, source) if source is not None else None
+        if source is not None and layout is None and step.op == "reshape":
+            view = False  # NumPy would copy: into the arena instead
         aliases = view or (isinstance(step, p.OpStep) and step.op in OPS and OPS[step.op].inplace)
         root[step.output] = root.get(step.inputs[0], step.inputs[0]) if aliases else step.output
-        if isinstance(step, p.OpStep):  # (a collective's result: not known)
-            if not aliases:
-                known[step.output] = layouts.contiguous(step.shape)
-            elif layout is not None or step.inputs[0] in known and not view:  # in place: the input's
-                known[step.output] = layout or known[step.inputs[0]]
+        if not isinstance(step, p.OpStep):
+            continue  # a collective's result: its layout is not known
+        if not aliases:  # a buffer of its own
+            known[step.output] = layouts.contiguous(step.shape)
+        elif view:
+            if layout is not None:
+                known[step.output] = layout
+        elif step.inputs[0] in known:  # written in place: its destination's layout
+            known[step.output] = known[step.inputs[0]]
     # a buffer lives until the last read of anything that aliases it; results and what a
     # collective sends get buffers of their own
     end = len(steps)
@@ -424,11 +430,11 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
     return placed, allocator.peak, fresh_bytes, arena_slots, dead_after, on_inputs
 
 
-def _view_layout(step: p.OpStep, source: layouts.Layout | None) -> layouts.Layout | None:
-    """The layout of view step `step` of an input laid out as `source` (None: not known), or
-    None when not known or, for a reshape, when it must copy."""
+def _view_layout(step: p.OpStep, source: layouts.Layout) -> layouts.Layout | None:
+    """The layout of view step `step` of an input laid out as `source`, or None when it cannot
+    be told or, for a reshape, when it must copy."""
     shape = tuple(step.shape)
-    if source is None or prod(source[0]) != prod(shape) and step.op != "slice":
+    if step.op != "slice" and prod(source[0]) != prod(shape):
         return None
     if step.op == "transpose":
         got = layouts.transposed(source, step.params["axes"])

@@ -205,8 +205,7 @@ def attention_with(
         size = prod(lead) * n
         if scratch is None:
             scratch = xp.empty(2 * size + q.size, xp.float32)
-        room = scratch.reshape(-1)[2 * size : 2 * size + q.size] if scratch.size >= 2 * size + q.size else None
-        stacked = _stacked(q, k, v, room)
+        stacked = _stacked(q, k, v, scratch, 2 * size)
         if stacked is not None and out is not None and out.flags.c_contiguous:
             rows, key_rows, values = stacked
             count = rows.shape[-2]
@@ -228,25 +227,26 @@ def attention_with(
     return attention
 
 
-def _stacked(q, k, v, room):
+def _stacked(q, k, v, scratch, at: int):
     """GQA's layout over key rows: q (..., group, tokens, d) against k (..., 1, d, ctx), a
     transposed view of (..., 1, ctx, d) rows, and v (..., 1, ctx, d), shared by the group. Gives
     q as (..., group * tokens, d) rows, the key rows (..., ctx, d) and v (..., ctx, d); None for
     other layouts. The rows are a view of q for one token; for several (a prefill's queries, a
-    transposed view) they are copied into `room` (q.size values of the arena's scratch, or
-    None: a copy of their own), where
-    a reshape would allocate them every layer of every run (and fault in fresh pages on the
-    first run: 2,000 of them in a 128-token SmolLM2 prefill)."""
+    transposed view) they are copied into the scratch from `at` on when it has room (the
+    program sizes it so), where a reshape would allocate them every layer of every run (and
+    fault in fresh pages on the first run: 2,000 of them in a 128-token SmolLM2 prefill)."""
     lead = q.shape[:-3]
     if q.ndim < 4 or k.ndim != q.ndim or v.ndim != q.ndim or k.shape[-3] != 1 or v.shape[-3] != 1:
         return None
     if k.shape[:-3] != lead or v.shape[:-3] != lead or k.strides[-2] != k.itemsize:
         return None
     shape = lead + (q.shape[-3] * q.shape[-2], q.shape[-1])
-    if room is None or q.shape[-2] == 1 or q.shape[-3] == 1 or q.strides[-3] == q.shape[-2] * q.strides[-2]:
-        rows = q.reshape(shape)  # the group and token axes merge in place: a view (else a copy)
+    # the group and token axes merge in place (a view) when either is 1 or they are contiguous
+    merges = q.shape[-2] == 1 or q.shape[-3] == 1 or q.strides[-3] == q.shape[-2] * q.strides[-2]
+    if merges or scratch.size < at + q.size:
+        rows = q.reshape(shape)  # a view, or (no room) a copy of its own
     else:
-        rows = room.reshape(q.shape)
+        rows = scratch.reshape(-1)[at : at + q.size].reshape(q.shape)
         rows[...] = q
         rows = rows.reshape(shape)
     key_rows = k.reshape(k.shape[:-3] + k.shape[-2:]).swapaxes(-1, -2)
