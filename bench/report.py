@@ -8,6 +8,8 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,11 +102,36 @@ def in_process_with_threads(target, args: tuple, threads: int, timeout: float = 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with _blas_threads(threads):
-        proc = ctx.Process(target=target, args=(*args, out))
+        proc = ctx.Process(target=target, args=(*args, out), name=target.__name__)
         proc.start()
-    result = out.get(timeout=timeout)
-    proc.join(30)
+    try:
+        result = _reply(out, proc, timeout)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
     return result
+
+
+class ChildFailed(RuntimeError):
+    """A benchmark's child process died, or outlived its deadline, before it answered."""
+
+
+def _reply(replies, proc, timeout: float):
+    """The next reply of child `proc`, or ChildFailed as soon as it is dead (a crash in a library
+    it runs, SIGILL from a build for another CPU, kills it without a word) or after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return replies.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            if not proc.is_alive() and replies.empty():
+                code = proc.exitcode
+                how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"status {code}"
+                raise ChildFailed(f"child {proc.name} died with {how} before it answered") from None
+            if time.monotonic() >= deadline:
+                raise ChildFailed(f"child {proc.name} did not answer within {timeout:.0f} s") from None
 
 
 # OpenBLAS's threads (and llama.cpp's) spin after a parallel call, 2**28 cycles by default
@@ -124,13 +151,13 @@ class ThreadedChild:
         ctx = mp.get_context("spawn")
         self.requests, self.replies, self.timeout, self.settle = ctx.Queue(), ctx.Queue(), timeout, settle
         with _blas_threads(threads):
-            self.proc = ctx.Process(target=target, args=(*args, self.requests, self.replies))
+            self.proc = ctx.Process(target=target, args=(*args, self.requests, self.replies), name=target.__name__)
             self.proc.start()
 
     def ask(self, *request):
         """The child's answer, once its threads have settled (`settle` seconds after it)."""
         self.requests.put(request)
-        reply = self.replies.get(timeout=self.timeout)
+        reply = _reply(self.replies, self.proc, self.timeout)
         time.sleep(self.settle)
         return reply
 

@@ -95,3 +95,28 @@ def test_the_gpu_check_without_a_gpu_says_so_in_one_line_and_fails():
     assert done.returncode == 1 and done.stdout == ""
     said = "gpu_check: no CUDA GPU was found (the cuda backend sees no device here)"
     assert done.stderr.strip().splitlines() == [said]
+
+
+def dies_without_a_word(requests, replies) -> None:
+    """A benchmark child that dies as a crashing library kills it (no reply, no exception)."""
+    import os
+    import signal
+
+    requests.get()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_benchmark_child_that_dies_is_reported_at_once_not_waited_for():
+    """A child that dies before it answers (llama-cpp-python built for another CPU dies of
+    SIGILL at its first step) ends the question within seconds, naming how it died, instead of
+    holding the benchmark until the child's 30-minute deadline."""
+    import time
+
+    from bench.report import ChildFailed, ThreadedChild
+
+    with ThreadedChild(dies_without_a_word, (), 1, timeout=45, settle=0) as child:
+        start = time.monotonic()
+        with pytest.raises(ChildFailed, match="dies_without_a_word.*SIGKILL"):
+            child.ask("prefill")
+        assert time.monotonic() - start < 10
