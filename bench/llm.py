@@ -6,7 +6,8 @@ same run, with each decode step's time split into compute, collectives, executor
                         [--contexts 256 8192] [--rss-tokens 2000] [--cache-position 2048]
 
 Prefill: one 128-token prompt (32 with --quick) in one step, as generation prefills (a captured
-step per padded length); "first" plans and loads it, "again" replays it. Decode: greedy,
+step per padded length); "first" plans and loads it (the median of --rounds models loaded anew),
+"warmed" comes after a warm-up at load, "again" replays it. Decode: greedy,
 generation driven by the workers (one Generate, each token fed back on the workers); then the
 captured decode step replayed by the coordinator token by token, its median step untimed on the
 workers, and the breakdown from as many steps with every kernel timed (the table shows both, so
@@ -32,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import ThreadedChild, cli, table  # noqa: E402
+from bench.report import ChildFailed, ThreadedChild, cli, table  # noqa: E402
 from bench.tp_matmul import breakdown  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
@@ -210,11 +211,12 @@ def ours(
         }
 
 
-def warmed_first(path: str, workers: int, length: int, weights: str, reference=None, rounds: int = 1) -> dict:
-    """A model loaded anew and warmed up (TensorParallelLlama.warm_up: every padded prompt
-    length's prefill step loaded, not run, as `generate -i` does at start): the warm-up's
-    seconds, then its first prompt's, right after the reference's prefill when given. Medians
-    of `rounds` models loaded one after the other: a single first prompt against a single
+def fresh_models(path: str, workers: int, length: int, weights: str, reference=None, rounds: int = 1) -> dict:
+    """First prompts of models loaded anew, each right after the reference's prefill when given:
+    `rounds` models prefilling at once (the prompt's step planned, compiled and loaded then:
+    "first"), and `rounds` more warmed up first (TensorParallelLlama.warm_up: every padded prompt
+    length's prefill step loaded, not run, as `generate -i` does at start; the warm-up's seconds
+    too: "warmed"). Medians, alternating the two kinds: a single first prompt against a single
     reference prefill varied by 10 % from run to run on a busy 2-core machine."""
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
@@ -222,18 +224,21 @@ def warmed_first(path: str, workers: int, length: int, weights: str, reference=N
     model = GGUFModel(path)
     source = model.native if weights == "native" else model.weight
     tokens = [list(prompt_ids(model, length)[0])]
-    seen: dict[str, list] = {"warm_up_s": [], "warmed_prefill_s": [], "warmed_reference_s": []}
-    for _ in range(rounds):
+    seen: dict[str, list] = {k: [] for k in ("warm_up_s", "warmed_prefill_s", "warmed_reference_s")}
+    seen |= {"first_prefill_s": [], "first_reference_s": []}
+    for warmed in [False, True] * rounds:
+        kind = "warmed" if warmed else "first"
         with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
             net = TensorParallelLlama(dev, model.config, source, RSS_CTX)
-            start = time.perf_counter()
-            net.warm_up(pool=1)
-            seen["warm_up_s"].append(time.perf_counter() - start)
+            if warmed:
+                start = time.perf_counter()
+                net.warm_up(pool=1)
+                seen["warm_up_s"].append(time.perf_counter() - start)
             if reference is not None:
-                seen["warmed_reference_s"].append(reference.ask("prefill"))
+                seen[f"{kind}_reference_s"].append(reference.ask("prefill"))
             start = time.perf_counter()
             net.prefill(tokens, 0, pool=1)[1].numpy()
-            seen["warmed_prefill_s"].append(time.perf_counter() - start)
+            seen[f"{kind}_prefill_s"].append(time.perf_counter() - start)
     return {k: float(np.median(v)) if v else None for k, v in seen.items()}
 
 
@@ -276,8 +281,7 @@ def cache_types_at(path: str, position: int, steps: int) -> list[dict]:
             driven = worker_driven(dev, net, token, position)
             step_s = float(np.median([driven(2 * steps)[0] for _ in range(2)]))
         rows.append({"cache": "/".join(types), "position": position, "decode_tok_s": 1 / step_s})
-    if have_llama_cpp():
-        llama = llama_cpp(path, position, steps, 1, 1)
+    if have_llama_cpp() and (llama := llama_cpp(path, position, steps, 1, 1)):
         rows.append({"cache": "llama.cpp (f16)", "position": position, "decode_tok_s": llama["decode_tok_s"]})
     return rows
 
@@ -361,11 +365,11 @@ def run(
             reference.ask("ready")
             for kind in weights:
                 mine = ours(path, n, length, steps, weights=kind, reference=reference, rounds=rounds)
-                mine |= warmed_first(path, n, length, kind, reference, rounds)
+                mine |= fresh_models(path, n, length, kind, reference, rounds)
                 rows.append(_row(n, kind, length, mine))
         if have_llama_cpp():  # the goal of quantized decode: llama.cpp on the same file and threads
             llama = llama_cpp(path, length, steps, n, rounds)
-            for row in rows[-len(weights) :]:
+            for row in rows[-len(weights) :] if llama else ():
                 row |= {f"llama_cpp_{k}": v for k, v in llama.items()}
                 row["vs_llama_cpp"] = row["ours_decode_tok_s"] / llama["decode_tok_s"]
     results = {"model": Path(path).name, "rows": rows}
@@ -378,12 +382,18 @@ def run(
     return results
 
 
-def llama_cpp(path: str, length: int, steps: int, threads: int, rounds: int) -> dict:
+def llama_cpp(path: str, length: int, steps: int, threads: int, rounds: int) -> dict | None:
     """llama.cpp's prefill and decode tokens per second on `threads` threads: medians of `rounds`
-    rounds, right after our rows of as many workers (not interleaved with them)."""
-    with ThreadedChild(llama_cpp_child, (path, length, steps, threads), 1) as child:
-        prefill = [child.ask("prefill") for _ in range(rounds)]
-        decode = [child.ask("decode") for _ in range(rounds)]
+    rounds, right after our rows of as many workers (not interleaved with them). None, said on
+    stderr, when its child fails (a llama-cpp-python build that does not run on this CPU dies of
+    SIGILL at its first step): our rows stand without it."""
+    try:
+        with ThreadedChild(llama_cpp_child, (path, length, steps, threads), 1) as child:
+            prefill = [child.ask("prefill") for _ in range(rounds)]
+            decode = [child.ask("decode") for _ in range(rounds)]
+    except ChildFailed as exc:
+        print(f"llama.cpp skipped: {exc}", file=sys.stderr)
+        return None
     return {"prefill_tok_s": length / float(np.median(prefill)), "decode_tok_s": 1 / float(np.median(decode))}
 
 
@@ -398,13 +408,13 @@ def _row(n: int, weights: str, length: int, mine: dict) -> dict:
         "peak_rss_mib": mine["peak_rss_mib"],
         "prompt_tokens": length,
         "numpy_prefill_tok_s": length / base["prefill_s"],
-        "ours_prefill_tok_s": length / mine["prefill_s"],
+        "ours_prefill_tok_s": length / mine["first_prefill_s"],
         "numpy_decode_tok_s": 1 / base["decode_step_s"],
         "ours_decode_tok_s": 1 / mine["driven_step_s"],
         "decode_ratio": base["decode_step_s"] / mine["driven_step_s"],
         "replayed_decode_tok_s": 1 / mine["decode_step_s"],
         "driven_outside_program_ms": mine["driven_outside_program_s"] * 1e3,
-        "prefill_ratio": base["prefill_s"] / mine["prefill_s"],
+        "prefill_ratio": (mine["first_reference_s"] or base["prefill_s"]) / mine["first_prefill_s"],
         "warm_up_s": mine["warm_up_s"],
         "ours_prefill_warmed_tok_s": length / mine["warmed_prefill_s"],
         "prefill_warmed_ratio": (mine["warmed_reference_s"] or base["prefill_s"]) / mine["warmed_prefill_s"],
@@ -476,11 +486,11 @@ def show(results: dict | None) -> None:
         " (the quantized weights' target: the file's size / N + 200 MiB)"
     )
     print(
-        "  prefill ours: the first prompt (graph, plan, program load and first run included); warmed: the first"
-        " prompt of a model loaded anew and warmed up (every prompt length's step loaded, not run; warm-up s:"
-        " its time, at load), against the reference's prefill just before it, medians of as many models"
-        " as rounds; again: a second prompt of the same length, its captured step replayed; numpy and"
-        f" again: medians of {results['rows'][0]['rounds']} alternating rounds"
+        "  prefill ours: the first prompt of a model loaded anew (graph, plan, program load and first run"
+        " included); warmed: the first prompt of a model loaded anew and warmed up (every prompt length's step"
+        " loaded, not run; warm-up s: its time, at load); both against the reference's prefill just before"
+        " it, medians of as many models of each kind as rounds; again: a second prompt of the same length, its"
+        f" captured step replayed; numpy and again: medians of {results['rows'][0]['rounds']} alternating rounds"
     )
     print(
         "  decode ours: generation driven by the workers (one Generate, each token fed back on the workers);"
@@ -490,11 +500,12 @@ def show(results: dict | None) -> None:
         " token read back with it), whose median step ms follows, untimed on the workers; profiled: every kernel"
         " timed, for the breakdown after it"
     )
-    if "vs_llama_cpp" in results["rows"][0]:
+    if any("vs_llama_cpp" in r for r in results["rows"]):
         rows = [
             [r["workers"], r["weights"], r["llama_cpp_prefill_tok_s"], r["llama_cpp_decode_tok_s"]]
             + [r["ours_decode_tok_s"], r["vs_llama_cpp"]]
             for r in results["rows"]
+            if "vs_llama_cpp" in r
         ]
         cols = ["workers", "weights", "llama.cpp prefill tok/s", "llama.cpp decode tok/s", "ours decode", "ratio"]
         print(table("llama.cpp (llama-cpp-python) on the same file, N threads", cols, rows))

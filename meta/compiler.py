@@ -22,24 +22,30 @@ def compile_plan(plan: Plan, n: int) -> list[list[p.Step]]:
     for d in range(n):
         steps: list[p.Step] = []
         for i, step in enumerate(plan.steps):
-            steps.append(_localize(plan, step, n, d) if isinstance(step, p.OpStep) else step)
+            if isinstance(step, p.OpStep):
+                choice = plan.choices.get(i)
+                local = _local(plan, step, n, d) if choice is None else choice.local.get(d)
+                if local is None:
+                    local = choice.local[d] = _local(plan, step, n, d)
+                params, shape = local
+                if params is not step.params or shape != step.shape:  # else the plan's step is this device's
+                    # built directly (dataclasses.replace inspects the fields on every call)
+                    step = p.OpStep(step.op, step.inputs, step.output, params, shape, step.dtype)
+            steps.append(step)
             if i in dies_at:
                 steps.append(p.FreeStep(tuple(sorted(dies_at[i]))))
         programs.append(steps)
     return programs
 
 
-def _localize(plan: Plan, step: p.OpStep, n: int, d: int) -> p.OpStep:
-    """Device d's version of an op step: its local output shape and localised parameters."""
+def _local(plan: Plan, step: p.OpStep, n: int, d: int) -> tuple[dict, tuple[int, ...]]:
+    """Device d's parameters and output shape of an op step (the step's own parameters object
+    where localising changes nothing)."""
     in_states = tuple(plan.states[v] for v in step.inputs)
     in_shapes = tuple(plan.shapes[v] for v in step.inputs)
     out_state = plan.states[step.output]
     params = localize(step.op, step.params, in_states, in_shapes, out_state, step.shape, n, d)
-    # built directly (dataclasses.replace inspects the fields on every call): a prefill's plan
-    # has ~1,400 op steps per device
-    return p.OpStep(
-        step.op, step.inputs, step.output, params, cached_local_shape(out_state, tuple(step.shape), n, d), step.dtype
-    )
+    return params, cached_local_shape(out_state, tuple(step.shape), n, d)
 
 
 def structural_key(leaves, order, outputs) -> tuple:
@@ -48,14 +54,6 @@ def structural_key(leaves, order, outputs) -> tuple:
     parts: list[tuple] = [("in", leaf.shape, leaf.dtype, leaf.state) for leaf in leaves]
     for j, node in enumerate(order):
         index[node.id] = len(leaves) + j
-        parts.append((node.op, tuple(index[c.id] for c in node.inputs), _hashable(node.params), node.shape, node.dtype))
+        parts.append((node.op, tuple(index[c.id] for c in node.inputs), node.params_key, node.shape, node.dtype))
     parts.append(("out", tuple(index[o.id] for o in outputs)))
     return tuple(parts)
-
-
-def _hashable(value):
-    if isinstance(value, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_hashable(v) for v in value)
-    return value

@@ -28,6 +28,14 @@ class Node:
     finalizer: Any = None  # releases the storage when the node is garbage collected
     alias: Node | None = None  # an in-place write's result: the resident node whose storage it is
     host: Any = None  # its global value, when the run that made it read it back (Step's `read`)
+    # frozen(params), worked out once: the plan cache's key and the planner's choices both need it
+    frozen_params: Any = field(default=None, repr=False)
+
+    @property
+    def params_key(self) -> tuple:
+        if self.frozen_params is None:
+            self.frozen_params = frozen(self.params)
+        return self.frozen_params
 
     @property
     def resident(self) -> bool:
@@ -62,3 +70,13 @@ def topo_order(outputs: list[Node]) -> tuple[list[Node], list[Node]]:
             if child.id not in seen:
                 stack.append((child, False))
     return leaves, order
+
+
+def frozen(value):
+    """Parameters as a key: dicts sorted, sequences as tuples, and each plain value tagged with
+    its type (1, 1.0 and True are equal keys otherwise, and would share a plan or a choice)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(frozen(v) for v in value)
+    return type(value).__name__, value

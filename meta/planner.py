@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meta.graph import MOVE, Node
+from meta.graph import MOVE, Node, frozen
 from split_state.dtypes import dtype_from_name
 from split_state.ops import signatures
 from split_state.rules import Signature, choose
@@ -41,6 +41,7 @@ class Plan:
     n: int
     labels: dict[int, str] = field(default_factory=dict)  # op values, for traces and errors
     names: dict[int, str] = field(default_factory=dict)  # every value's, for traces
+    choices: dict[int, Choice] = field(default_factory=dict)  # op step index -> its choice (compile_plan)
 
     @property
     def trace(self) -> list[str]:
@@ -72,35 +73,43 @@ class Plan:
         return sum(1 for c in self.collectives() if c is kind)
 
 
-_CHOSEN: dict[tuple, Signature] = {}  # a decoder repeats each layer's choices: 30 layers, one pick each
+@dataclass(eq=False)
+class Choice:
+    """What planning an op over inputs in given states, shapes and dtypes gives: the signature
+    `choose` picks, one parameters object for every step it stands for, and (filled by the
+    compiler) each device's localised parameters and output shape. A pure function of those,
+    so remembered: a decoder's 30 layers repeat each choice, which is then picked, localised
+    and encoded once instead of 30 times."""
+
+    sig: Signature
+    params: dict
+    local: dict[int, tuple[dict, tuple[int, ...]]] = field(default_factory=dict)  # device -> (params, shape)
+
+
+_CHOSEN: dict[tuple, Choice] = {}
 _CHOSEN_LIMIT = 16384
 
 
-def _signature(op: str, params: dict, shape, states: tuple, shapes: tuple, dtypes: tuple, n: int, plane: str):
-    """The signature `choose` picks for an op over inputs in these states, shapes and dtypes
-    (a pure function of them, so remembered)."""
-    key = (op, _frozen(params), tuple(shape), states, shapes, dtypes, n, plane)
+def _choice(
+    op: str, params: dict, shape, states: tuple, shapes: tuple, dtypes: tuple, n: int, plane: str, params_key=None
+) -> Choice:
+    """The Choice for an op over inputs in these states, shapes and dtypes (a fresh one, not
+    remembered, when a parameter cannot be part of a key). `params_key`: frozen(params), when
+    known."""
+    key = (op, frozen(params) if params_key is None else params_key, tuple(shape), states, shapes, dtypes, n, plane)
     try:
-        sig = _CHOSEN.get(key)
+        choice = _CHOSEN.get(key)
     except TypeError:  # a parameter that cannot be a key: choose afresh
-        key = sig = None
-    if sig is None:
+        key = choice = None
+    if choice is None:
         sigs = signatures(op, list(states), list(shapes), params, shape)
         itemsizes = [dtype_from_name(d).itemsize for d in dtypes]
-        sig, _ = choose(sigs, states, shapes, itemsizes, n, dtypes, plane)
+        choice = Choice(choose(sigs, states, shapes, itemsizes, n, dtypes, plane)[0], params)
         if key is not None:
             if len(_CHOSEN) >= _CHOSEN_LIMIT:
                 _CHOSEN.clear()
-            _CHOSEN[key] = sig
-    return sig
-
-
-def _frozen(value):
-    if isinstance(value, dict):
-        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    return type(value).__name__, value  # 1, 1.0 and True are equal keys otherwise
+            _CHOSEN[key] = choice
+    return choice
 
 
 def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, plane: str = "") -> Plan:
@@ -112,6 +121,7 @@ def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, pla
     events: list[tuple] = []
     labels: dict[int, str] = {}
     moved: dict[tuple[int, State], int] = {}
+    choices: dict[int, Choice] = {}  # op step index -> its choice
     counter = len(leaves)
 
     def move(v: int, dst: State) -> int:
@@ -136,16 +146,21 @@ def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, pla
         shapes = [meta[v][0] for v in ins]
         current = [state[v] for v in ins]
         dtypes = [meta[v][1] for v in ins]
-        sig = _signature(node.op, node.params, node.shape, tuple(current), tuple(shapes), tuple(dtypes), n, plane)
+        choice = _choice(
+            node.op, node.params, node.shape, tuple(current), tuple(shapes), tuple(dtypes), n, plane, node.params_key
+        )
+        sig = choice.sig
         ins = [move(v, s) for v, s in zip(ins, sig.inputs)]
         out = counter
         counter += 1
         label = node.name or f"{node.op}#{out}"
-        steps.append(p.OpStep(node.op, tuple(ins), out, node.params, node.shape, node.dtype))
+        # the choice's parameters (equal to the node's): one object for the steps it stands for
+        steps.append(p.OpStep(node.op, tuple(ins), out, choice.params, node.shape, node.dtype))
+        choices[len(steps) - 1] = choice
         state[out], meta[out], names[out], labels[out] = sig.output, (node.shape, node.dtype), label, label
         value[node.id] = out
         events.append((out, tuple(ins), node.op))
     outs = [value[o.id] for o in outputs]
     shapes_of = {v: shape for v, (shape, _) in meta.items()}
     dtypes_of = {v: dtype for v, (_, dtype) in meta.items()}
-    return Plan(len(leaves), steps, outs, state, shapes_of, dtypes_of, events, n, labels, names)
+    return Plan(len(leaves), steps, outs, state, shapes_of, dtypes_of, events, n, labels, names, choices)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from meta import MetaDevice, apply, get_rows
 from models.reference import gelu_tanh
 from split_state import MIRRORED, PARTIAL, Collective, Split
+from split_state.errors import ShapeError
 from tests.op_cases import CHECKED_OPS, assert_matches, draw_case
 from tests.strategies import state_for
 from workers.simulator import SimulatedCluster
@@ -51,7 +52,7 @@ def test_every_op_on_worker_processes(name, devname, data, request):
 def test_the_planners_remembered_choice_is_the_one_made_afresh(name, data, n):
     """The planner remembers each op's signature by what it depends on (a decoder repeats every
     layer's choices); after many other draws, a remembered choice is still the fresh one."""
-    from meta.planner import _signature
+    from meta.planner import _choice
     from split_state.dtypes import dtype_from_name
     from split_state.ops import infer, signatures
     from split_state.rules import choose
@@ -71,8 +72,84 @@ def test_the_planners_remembered_choice_is_the_one_made_afresh(name, data, n):
         dtypes,
         plane,
     )
-    assert _signature(name, params, out_shape, states, shapes, dtypes, n, plane) == fresh
-    assert _signature(name, params, out_shape, states, shapes, dtypes, n, plane) == fresh  # remembered
+    assert _choice(name, params, out_shape, states, shapes, dtypes, n, plane).sig == fresh
+    assert _choice(name, params, out_shape, states, shapes, dtypes, n, plane).sig == fresh  # remembered
+
+
+@pytest.mark.parametrize("name", CHECKED_OPS)
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_a_remembered_inference_is_the_one_made_afresh(name, data):
+    """Recording an op remembers what `infer` said for its parameters, input shapes and dtypes
+    (a decoder's layers ask the same); recorded twice, among other draws, it is what `infer`
+    says afresh."""
+    from split_state.ops import infer
+
+    arrays, params, _, _ = draw_case(data, name)
+    dev = MetaDevice(SimulatedCluster(1))
+    try:
+        inputs = [dev.tensor(a) for a in arrays]
+        shape, dtype, canon = infer(name, [a.shape for a in arrays], [str(a.dtype) for a in arrays], params)
+        for _ in range(2):
+            node = apply(name, *inputs, **params).node
+            assert (node.shape, node.dtype, node.params) == (tuple(shape), dtype, canon)
+    finally:
+        dev.close()
+
+
+def test_inferences_differ_by_dtype_and_by_the_type_of_a_parameter(sim):
+    """What makes two recordings share an inference: equal parameters of the same types, input
+    shapes and dtypes; an int32 input, or an axis 1.0 or True where 1 was, is another question."""
+    dev = sim(1)
+    f, i = dev.tensor(np.ones((2, 3), np.float32)), dev.tensor(np.ones((2, 3), np.int32))
+    assert (f + f).node.dtype == "float32" and (i + i).node.dtype == "int32"
+    assert (f + f).node.dtype == "float32"
+    assert f.sum(axis=1).shape == (2,)
+    for wrong in (1.0, True):  # equal to 1 in Python, and refused afresh: refused after 1 was taken too
+        with pytest.raises(ShapeError, match="out of range"):
+            apply("sum", f, axis=wrong)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_each_devices_program_is_its_plan_localised_afresh(sim, n):
+    """The compiler works out each remembered choice's parameters and shape once per device
+    (a decoder's layers share them): every step of every device's program is still what
+    localising that step of the plan afresh gives, for two layers of uneven splits, an in-place
+    write and a top-k, over two compilations."""
+    from meta.compiler import compile_plan
+    from meta.graph import topo_order
+    from meta.planner import plan
+    from split_state.layout import local_shape
+    from split_state.ops import localize
+    from transport.protocol import OpStep
+
+    dev = sim(n)
+    cols = Split(1, ((5, 0, 3) if n == 3 else (8,),))
+    x = dev.tensor(np.ones((2, 6), np.float32))
+    cache = dev.tensor(np.zeros((4, 8), np.float32), Split(1, cols.segments))
+    for layer in range(2):
+        w = dev.tensor(np.ones((6, 8), np.float32), cols)
+        h = (x @ w).relu()
+        cache = cache.set_rows(dev.feed(np.array([layer, layer + 1], np.int32)), h, axis=0)
+        x = (h @ dev.tensor(np.ones((8, 6), np.float32), Split(0, cols.segments))).relu()
+    outputs = [t.node for t in (*x.top_k(2), cache)]
+    leaves, order = topo_order(outputs)
+    planned = plan(leaves, order, outputs, n)
+    for _ in range(2):
+        programs = compile_plan(planned, n)
+        for d, program in enumerate(programs):
+            ops = [s for s in program if isinstance(s, OpStep)]
+            glob = [s for s in planned.steps if isinstance(s, OpStep)]
+            assert len(ops) == len(glob)
+            for mine, step in zip(ops, glob):
+                in_states = tuple(planned.states[v] for v in step.inputs)
+                in_shapes = tuple(planned.shapes[v] for v in step.inputs)
+                out_state = planned.states[step.output]
+                params = localize(step.op, step.params, in_states, in_shapes, out_state, step.shape, n, d)
+                assert mine.params == params, (d, step.op)
+                assert tuple(mine.shape) == local_shape(out_state, tuple(step.shape), n, d), (d, step.op)
+                same = (mine.op, mine.inputs, mine.output, mine.dtype)
+                assert same == (step.op, step.inputs, step.output, step.dtype)
 
 
 # -- worked examples: tensor-parallel MLP and attention -----------------------------------------

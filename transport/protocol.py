@@ -626,9 +626,17 @@ def _thaw(v: Any) -> Any:
     return v
 
 
-def _encode_step(step: Step) -> list:
+def _encode_steps(steps: Sequence[Step]) -> list:
+    thawed: dict[int, Any] = {}  # id -> thawed parameters: a decoder's layers share their steps' objects
+    return [_encode_step(s, thawed) for s in steps]
+
+
+def _encode_step(step: Step, thawed: dict[int, Any]) -> list:
     if isinstance(step, OpStep):
-        return ["op", step.op, list(step.inputs), step.output, _thaw(step.params), list(step.shape), step.dtype]
+        params = thawed.get(id(step.params))
+        if params is None:
+            params = thawed[id(step.params)] = _thaw(step.params)
+        return ["op", step.op, list(step.inputs), step.output, params, list(step.shape), step.dtype]
     if isinstance(step, MoveStep):
         s, d = encode_state(step.src), encode_state(step.dst)
         return ["move", step.input, step.output, s, d, list(step.shape), step.dtype]
@@ -696,7 +704,7 @@ _CODECS: dict[Any, tuple[Callable[[Any], Any], Decoder]] = {
     list[str]: (list, _list(_str)),
     list[list[int]]: (lambda v: [[int(x) for x in p] for p in v], _list(_list(_int))),
     SlotPairs: (_encode_pairs, _pairs),
-    list[Step]: (lambda v: [_encode_step(s) for s in v], _list(_step)),
+    list[Step]: (_encode_steps, _list(_step)),
     list[Feed]: (lambda v: [[f.tensor, f.dtype, list(f.shape), f.offset] for f in v], _list(_feed)),
 }
 _ARRAY = np.ndarray
