@@ -266,3 +266,25 @@ def test_the_frame_count_limit_holds_at_the_limit_and_refuses_one_past_it():
     assert np.array_equal(p.decode(frames(3), limits)[0].array, array)
     with pytest.raises(ProtocolError, match="bad frame count 4"):
         p.decode(frames(4), limits)
+
+
+def test_a_programs_parameters_travel_once_and_a_step_naming_others_is_refused():
+    """A program's op steps name their parameters by index in a table holding each parameters
+    object once (a decoder's layers share them); a step naming an index the table lacks
+    (negative, or one past it) is a ProtocolError, not another step's parameters."""
+    shared = {"axis": 1, "spans": ((0, 3, 0),)}
+    steps = [
+        p.OpStep("add", (0, 1), 2, shared, (4,), "float32"),
+        p.OpStep("add", (2, 1), 3, shared, (4,), "float32"),
+        p.OpStep("mul", (3, 3), 4, {"axis": 0, "spans": ((0, 3, 0),)}, (4,), "float32"),
+    ]
+    frames = p.encode(p.LoadProgram(program=1, steps=steps, outputs=[4]))
+    header = msgpack.unpackb(bytes(frames[0]))
+    table, encoded = header["f"]["steps"]
+    assert table == [{"axis": 1, "spans": [[0, 3, 0]]}, {"axis": 0, "spans": [[0, 3, 0]]}]
+    assert [s[4] for s in encoded] == [0, 0, 1]
+    assert p.decode(frames)[0].steps == steps
+    for bad in (-1, 2, 7):
+        encoded[2][4] = bad
+        with pytest.raises(ProtocolError, match=f"names parameters {bad} of 2"):
+            p.decode([msgpack.packb(header), *frames[1:]])

@@ -60,13 +60,15 @@ MALFORMED = {
     "oversized header": [msgpack.packb({"v": 1, "pad": "x" * (2 << 20)})],
     "integer map keys": [msgpack.packb({1: 2})],
     "bad split state": [header(p.MsgType.PUT, dict(PUT_FIELDS, state=["S", 0, [[1.5]]]), [["float32", [2], 1]]), F32x2],
-    "malformed program step": [header(p.MsgType.LOAD_PROGRAM, {"program": 1, "steps": [["op", "add"]], "outputs": []})],
+    "malformed program step": [
+        header(p.MsgType.LOAD_PROGRAM, {"program": 1, "steps": [[], [["op", "add"]]], "outputs": []})
+    ],
     "deeply nested params": [
         header(
             p.MsgType.LOAD_PROGRAM,
             {
                 "program": 1,
-                "steps": [["op", "add", [0], 1, {"x": [[[[[[[[[[[1]]]]]]]]]]]}, [1], "float32"]],
+                "steps": [[{"x": [[[[[[[[[[[1]]]]]]]]]]]}], [["op", "add", [0], 1, 0, [1], "float32"]]],
                 "outputs": [],
             },
         )

@@ -31,7 +31,7 @@ from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
 from split_state.states import State, decode_state, encode_state
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 5: a program's parameters travel once, in a table its steps index
 
 
 @dataclass(frozen=True)
@@ -627,20 +627,32 @@ def _thaw(v: Any) -> Any:
 
 
 def _encode_steps(steps: Sequence[Step]) -> list:
-    thawed: dict[int, Any] = {}  # id -> thawed parameters: a decoder's layers share their steps' objects
-    return [_encode_step(s, thawed) for s in steps]
+    """[parameters, steps]: an op step names its parameters by their index in the first list,
+    which holds each parameters object once. A decoder's layers share them (a SmolLM2 prefill
+    program's ~1,070 op steps have ~60), so a worker checks each once, not once a step."""
+    table: list = []
+    index: dict[int, int] = {}  # id of a parameters object -> its place in the table
+    encoded = []
+    for step in steps:
+        if isinstance(step, OpStep):
+            at = index.get(id(step.params))
+            if at is None:
+                at = index[id(step.params)] = len(table)
+                table.append(_thaw(step.params))
+            encoded.append(["op", step.op, list(step.inputs), step.output, at, list(step.shape), step.dtype])
+        elif isinstance(step, MoveStep):
+            s, d = encode_state(step.src), encode_state(step.dst)
+            encoded.append(["move", step.input, step.output, s, d, list(step.shape), step.dtype])
+        else:
+            encoded.append(["free", list(step.slots)])
+    return [table, encoded]
 
 
-def _encode_step(step: Step, thawed: dict[int, Any]) -> list:
-    if isinstance(step, OpStep):
-        params = thawed.get(id(step.params))
-        if params is None:
-            params = thawed[id(step.params)] = _thaw(step.params)
-        return ["op", step.op, list(step.inputs), step.output, params, list(step.shape), step.dtype]
-    if isinstance(step, MoveStep):
-        s, d = encode_state(step.src), encode_state(step.dst)
-        return ["move", step.input, step.output, s, d, list(step.shape), step.dtype]
-    return ["free", list(step.slots)]
+def _steps(v: Any, name: str, limits: Limits) -> list[Step]:
+    if not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, list) for x in v):
+        _fail(f"field {name!r} must be [parameters, steps], two lists")
+    table = [_params(x, f"{name} parameters", limits) for x in v[0]]
+    return [_step(x, name, limits, table) for x in v[1]]
 
 
 def _feed(v: Any, name: str, limits: Limits) -> Feed:
@@ -665,16 +677,20 @@ def _dtype_field(v: Any, name: str, limits: Limits) -> str:
     return v
 
 
-def _step(v: Any, name: str, limits: Limits) -> Step:
+def _step(v: Any, name: str, limits: Limits, params: list[Params]) -> Step:
+    """One step; an op step's parameters are `params[i]` for the index i it holds."""
     if not isinstance(v, list) or not v:
         _fail(f"{name}: a step must be a non-empty list")
     tag, rest = v[0], v[1:]
     if tag == "op" and len(rest) == 6:
+        at = _int(rest[3], "params", limits)
+        if not 0 <= at < len(params):
+            _fail(f"{name}: an op step names parameters {at} of {len(params)}")
         return OpStep(
             _str(rest[0], "op", limits),
             tuple(_list(_int)(rest[1], "inputs", limits)),
             _int(rest[2], "output", limits),
-            _params(rest[3], "params", limits),
+            params[at],
             _shape(rest[4], "shape", limits),
             _dtype_field(rest[5], "dtype", limits),
         )
@@ -704,7 +720,7 @@ _CODECS: dict[Any, tuple[Callable[[Any], Any], Decoder]] = {
     list[str]: (list, _list(_str)),
     list[list[int]]: (lambda v: [[int(x) for x in p] for p in v], _list(_list(_int))),
     SlotPairs: (_encode_pairs, _pairs),
-    list[Step]: (_encode_steps, _list(_step)),
+    list[Step]: (_encode_steps, _steps),
     list[Feed]: (lambda v: [[f.tensor, f.dtype, list(f.shape), f.offset] for f in v], _list(_feed)),
 }
 _ARRAY = np.ndarray
