@@ -1,6 +1,6 @@
 """Single-device NumPy references for every op of the table: the oracle.
 
-Written apart from split_state.kernels on purpose, so that a test comparing the two checks what
+Written apart from workers/kernels on purpose, so that a test comparing the two checks what
 the kernels compute and not only how ops are distributed: floats are computed in float64 and
 rounded once to the result's dtype, GELU's erf comes from another formula than the kernels', softmax and the norms are
 the textbook formulas. Tests, the demo and the stress run compare against these.

@@ -15,7 +15,7 @@ A backend module `workers/backends/NAME.py` defines a class `Backend` that provi
     to_host(array) -> host array    # a host copy, ordered after every kernel already issued
     synchronize()                   # wait for every kernel issued on this worker's device
 
-Kernels (split_state.kernels) use only NumPy-API calls on `xp`: elementwise ufuncs, matmul,
+Kernels (workers/kernels) use only NumPy-API calls on `xp`: elementwise ufuncs, matmul,
 reductions with `axis`/`keepdims`, `astype`, `reshape`/`transpose`/`concatenate`, basic and
 boolean indexing, `zeros`/`empty`. Adding a backend is one file here plus tests; every command's
 choices come from `names()`.
