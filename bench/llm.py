@@ -136,14 +136,13 @@ def ours(
     workers: int,
     length: int,
     steps: int,
-    ctx: int | None = None,
     weights: str = "f32",
     reference=None,
     rounds: int = 1,
 ) -> dict:
-    """Prefill twice (the first plans and loads its step, the second replays it), greedy decode
-    through the captured step replayed by the coordinator, untimed on the workers, then as many
-    steps with every kernel timed (profiling) for the breakdown; then `rounds` rounds of a
+    """Prefill (a first prompt is timed by fresh_models), greedy decode through the captured step
+    replayed by the coordinator, untimed on the workers, then as many steps with every kernel
+    timed (profiling) for the breakdown; then `rounds` rounds of a
     prefill and of worker-driven decode, each right after the same on `reference` (a
     ThreadedChild running reference_child) when given. Medians of the rounds."""
     from models.gguf_model import GGUFModel
@@ -153,12 +152,10 @@ def ours(
     source = model.native if weights == "native" else model.weight
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
         needed = length + (6 + 4 * rounds) * steps + 8
-        net = TensorParallelLlama(dev, model.config, source, ctx or max(RSS_CTX, needed))
+        net = TensorParallelLlama(dev, model.config, source, max(RSS_CTX, needed))
         tokens = [list(prompt_ids(model, length)[0])]
-        start = time.perf_counter()
         _, best = net.prefill(tokens, 0, pool=1)  # as generate prefills: the candidates travel
         first = best.numpy().astype(np.int32).reshape(1, 1)
-        prefill = time.perf_counter() - start
         decode, (out, *_) = net.capture_decode(first, np.array([[length]]))
         token = out.numpy().astype(np.int32)
         pos = length + 1
@@ -199,7 +196,6 @@ def ours(
             "stored_mib": max(st["used"] for st in stats) / 2**20,
             "peak_rss_mib": max(st["max_rss_kib"] for st in stats) / 1024,
             "rounds": len(timed["driven"]),
-            "prefill_s": prefill,
             "prefill_again_s": medians["prefill_again"],
             "reference_prefill_s": medians["ref_prefill"],
             "reference_decode_step_s": medians["ref_decode"],

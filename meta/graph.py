@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from meta.memo import frozen
 from split_state.states import State
 
 MOVE = "redistribute"  # pseudo-op: the user asked for a state; the planner inserts the move
@@ -70,13 +71,3 @@ def topo_order(outputs: list[Node]) -> tuple[list[Node], list[Node]]:
             if child.id not in seen:
                 stack.append((child, False))
     return leaves, order
-
-
-def frozen(value):
-    """Parameters as a key: dicts sorted, sequences as tuples, and each plain value tagged with
-    its type (1, 1.0 and True are equal keys otherwise, and would share a plan or a choice)."""
-    if isinstance(value, dict):
-        return tuple(sorted((k, frozen(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(frozen(v) for v in value)
-    return type(value).__name__, value

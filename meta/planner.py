@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meta.graph import MOVE, Node, frozen
+from meta.graph import MOVE, Node
+from meta.memo import Memo, frozen
 from split_state.dtypes import dtype_from_name
 from split_state.ops import signatures
 from split_state.rules import Signature, choose
@@ -86,30 +87,22 @@ class Choice:
     local: dict[int, tuple[dict, tuple[int, ...]]] = field(default_factory=dict)  # device -> (params, shape)
 
 
-_CHOSEN: dict[tuple, Choice] = {}
-_CHOSEN_LIMIT = 16384
+_CHOSEN = Memo(16384)
 
 
 def _choice(
     op: str, params: dict, shape, states: tuple, shapes: tuple, dtypes: tuple, n: int, plane: str, params_key=None
 ) -> Choice:
-    """The Choice for an op over inputs in these states, shapes and dtypes (a fresh one, not
-    remembered, when a parameter cannot be part of a key). `params_key`: frozen(params), when
-    known."""
-    key = (op, frozen(params) if params_key is None else params_key, tuple(shape), states, shapes, dtypes, n, plane)
-    try:
-        choice = _CHOSEN.get(key)
-    except TypeError:  # a parameter that cannot be a key: choose afresh
-        key = choice = None
-    if choice is None:
+    """The Choice for an op over inputs in these states, shapes and dtypes. `params_key`:
+    frozen(params), when known."""
+
+    def work() -> Choice:
         sigs = signatures(op, list(states), list(shapes), params, shape)
         itemsizes = [dtype_from_name(d).itemsize for d in dtypes]
-        choice = Choice(choose(sigs, states, shapes, itemsizes, n, dtypes, plane)[0], params)
-        if key is not None:
-            if len(_CHOSEN) >= _CHOSEN_LIMIT:
-                _CHOSEN.clear()
-            _CHOSEN[key] = choice
-    return choice
+        return Choice(choose(sigs, states, shapes, itemsizes, n, dtypes, plane)[0], params)
+
+    key = (op, frozen(params) if params_key is None else params_key, tuple(shape), states, shapes, dtypes, n, plane)
+    return _CHOSEN.get(key, work)
 
 
 def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, plane: str = "") -> Plan:

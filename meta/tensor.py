@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from meta.graph import MOVE, Node, frozen
+from meta.graph import MOVE, Node
+from meta.memo import Memo, frozen
 from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import ShapeError
 from split_state.ops import infer
@@ -239,27 +240,19 @@ def _make(
 # form): what `infer` says is a pure function of those, and a decoder's layers ask it the same
 # questions (a SmolLM2 prefill graph: ~1,000 ops, ~40 distinct); its canonical parameters are
 # then one object for all the nodes that share them, which nothing changes
-_INFERRED: dict[tuple, tuple] = {}
-_INFERRED_LIMIT = 4096
+_INFERRED = Memo(4096)
 
 
 def apply(op: str, *inputs: Tensor, name: str = "", **params: Any) -> Tensor:
     """Record op `op` on `inputs`; shapes and parameters are checked now, nothing runs yet."""
     shapes = tuple(t.shape for t in inputs)
     dtypes = tuple(t.node.dtype for t in inputs)
-    key = (op, frozen(params), shapes, dtypes)
-    try:
-        known = _INFERRED.get(key)
-    except TypeError:  # a parameter that cannot be a key: inferred afresh every time
-        key = known = None
-    if known is None:
+
+    def work() -> tuple:
         shape, dtype, canon = infer(op, shapes, dtypes, params)
-        known = (tuple(shape), dtype, canon, frozen(canon))
-        if key is not None:
-            if len(_INFERRED) >= _INFERRED_LIMIT:
-                _INFERRED.clear()
-            _INFERRED[key] = known
-    shape, dtype, canon, canon_key = known
+        return tuple(shape), dtype, canon, frozen(canon)
+
+    shape, dtype, canon, canon_key = _INFERRED.get((op, frozen(params), shapes, dtypes), work)
     return _make(op, inputs, canon, shape, dtype, name, canon_key)
 
 
