@@ -103,7 +103,7 @@ def ours(dev: MetaDevice, kind: str, nbytes: int, reps: int, trials: int) -> flo
     handle = dev.tensor(x, src)
     steps: list = []
     for k in range(reps):
-        steps += [p.MoveStep(0, k + 1, src, MIRRORED, shape, "float32"), p.FreeStep((k + 1,))]
+        steps.append(p.MoveStep(0, k + 1, src, MIRRORED, shape, "float32"))
     program = 10_000 + hash((kind, nbytes)) % 10_000
     dev.cluster.call_all({d: p.LoadProgram(program, steps) for d in range(n)})
     best = []

@@ -1,4 +1,5 @@
-"""Plans become one program per worker: local shapes, localised parameters, frees after last use."""
+"""Plans become one program per worker: local shapes and localised parameters. When a value dies
+is the worker's to find (workers/program.py plans its arena by liveness), so nothing says it."""
 
 from __future__ import annotations
 
@@ -9,15 +10,6 @@ from transport import protocol as p
 
 
 def compile_plan(plan: Plan, n: int) -> list[list[p.Step]]:
-    last_use: dict[int, int] = {}
-    for i, step in enumerate(plan.steps):
-        for v in step.inputs if isinstance(step, p.OpStep) else (step.input,):
-            last_use[v] = i
-    keep = set(plan.outputs) | set(range(plan.n_inputs))  # outputs stay; inputs belong to the store
-    dies_at: dict[int, list[int]] = {}
-    for v, at in last_use.items():
-        if v not in keep:
-            dies_at.setdefault(at, []).append(v)
     programs: list[list[p.Step]] = []
     for d in range(n):
         steps: list[p.Step] = []
@@ -32,8 +24,6 @@ def compile_plan(plan: Plan, n: int) -> list[list[p.Step]]:
                     # built directly (dataclasses.replace inspects the fields on every call)
                     step = p.OpStep(step.op, step.inputs, step.output, params, shape, step.dtype)
             steps.append(step)
-            if i in dies_at:
-                steps.append(p.FreeStep(tuple(sorted(dies_at[i]))))
         programs.append(steps)
     return programs
 

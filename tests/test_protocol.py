@@ -1,3 +1,5 @@
+import re
+
 import msgpack
 import numpy as np
 import pytest
@@ -37,7 +39,6 @@ EXAMPLES = [
             p.OpStep("matmul", (0, 1), 2, {"spans": ((0, 3, 0),), "eps": 1e-5, "name": "x"}, (4, 2), "float32"),
             p.MoveStep(2, 3, PARTIAL, Split(0, ((2, 2),)), (4, 2), "float32"),
             p.MoveStep(3, 4, Split(0, ((2, 2),)), MIRRORED, (4, 2), "bfloat16"),
-            p.FreeStep((2, 3)),
         ],
         outputs=[4],
     ),
@@ -288,3 +289,26 @@ def test_a_programs_parameters_travel_once_and_a_step_naming_others_is_refused()
         encoded[2][4] = bad
         with pytest.raises(ProtocolError, match=f"names parameters {bad} of 2"):
             p.decode([msgpack.packb(header), *frames[1:]])
+
+
+@pytest.mark.parametrize(
+    "field, at, bad, says",
+    [
+        ("inputs", 1, [0, True], "'inputs' must be an int, got bool"),
+        ("inputs", 1, [0, 1.0], "'inputs' must be an int, got float"),
+        ("inputs", 1, "01", "'inputs' must be a list"),
+        ("shape", 4, [4, -1], "'shape' has a negative dimension"),
+        ("shape", 4, [4, "2"], "'shape' must be an int, got str"),
+        ("dtype", 5, "float80", "'dtype'"),
+    ],
+)
+def test_a_malformed_field_of_one_step_is_named(field, at, bad, says):
+    """Each op step's lists are checked as a whole in the usual case (workers/program.py decodes
+    ~1,000 steps a program): a bool, float or string among them, or a negative dimension, is
+    still a ProtocolError that names the field."""
+    steps = [p.OpStep("add", (0, 1), 2, {}, (4, 2), "float32"), p.OpStep("add", (2, 1), 3, {}, (4, 2), "float32")]
+    frames = p.encode(p.LoadProgram(program=1, steps=steps, outputs=[3]))
+    header = msgpack.unpackb(bytes(frames[0]))
+    header["f"]["steps"][1][1][1 + at] = bad
+    with pytest.raises(ProtocolError, match=re.escape(says)):
+        p.decode([msgpack.packb(header), *frames[1:]])

@@ -27,11 +27,11 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from split_state.dtypes import dtype_from_name, dtype_name
+from split_state.dtypes import DTYPES, dtype_from_name, dtype_name
 from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
 from split_state.states import State, decode_state, encode_state
 
-PROTOCOL_VERSION = 5  # 5: a program's parameters travel once, in a table its steps index
+PROTOCOL_VERSION = 6  # 6: no free steps (a worker plans its memory by liveness itself); 5: parameters in a table
 
 
 @dataclass(frozen=True)
@@ -209,11 +209,6 @@ class MoveStep:
 
 
 @dataclass(frozen=True)
-class FreeStep:
-    slots: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class Feed:
     """A small array carried inside a message's byte buffer: bytes [offset, offset + size) of
     it. A RunProgram's feeds are Mirrored inputs stored as tensor `tensor` before the program
@@ -246,7 +241,7 @@ def unpack_array(feed: Feed, data: np.ndarray) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype, count=count, offset=feed.offset).reshape(feed.shape).copy()
 
 
-Step = OpStep | MoveStep | FreeStep
+Step = OpStep | MoveStep
 
 
 # -- messages -----------------------------------------------------------------------------------
@@ -577,9 +572,20 @@ def _pairs(v: Any, name: str, limits: Limits) -> list[list[int]]:
     return np.frombuffer(raw, "<i8").reshape(-1, 2).tolist()
 
 
+def _ints(v: Any, name: str, limits: Limits) -> list[int]:
+    """A list of ints (no bools): the types checked at once in C, as a program's ~1,000 steps
+    each hold two such lists; item by item only to name what is wrong."""
+    if type(v) is list and set(map(type, v)) <= _INT:
+        return v
+    return _list(_int)(v, name, limits)
+
+
+_INT = {int}
+
+
 def _shape(v: Any, name: str, limits: Limits) -> Shape:
-    dims = _list(_int)(v, name, limits)
-    if any(d < 0 for d in dims):
+    dims = _ints(v, name, limits)
+    if dims and min(dims) < 0:
         _fail(f"field {name!r} has a negative dimension: {dims}")
     return tuple(dims)
 
@@ -640,11 +646,9 @@ def _encode_steps(steps: Sequence[Step]) -> list:
                 at = index[id(step.params)] = len(table)
                 table.append(_thaw(step.params))
             encoded.append(["op", step.op, list(step.inputs), step.output, at, list(step.shape), step.dtype])
-        elif isinstance(step, MoveStep):
+        else:
             s, d = encode_state(step.src), encode_state(step.dst)
             encoded.append(["move", step.input, step.output, s, d, list(step.shape), step.dtype])
-        else:
-            encoded.append(["free", list(step.slots)])
     return [table, encoded]
 
 
@@ -670,6 +674,8 @@ def _feed(v: Any, name: str, limits: Limits) -> Feed:
 
 
 def _dtype_field(v: Any, name: str, limits: Limits) -> str:
+    if type(v) is str and v in DTYPES:
+        return v
     try:
         dtype_from_name(v)
     except UnsupportedDtype as exc:
@@ -688,7 +694,7 @@ def _step(v: Any, name: str, limits: Limits, params: list[Params]) -> Step:
             _fail(f"{name}: an op step names parameters {at} of {len(params)}")
         return OpStep(
             _str(rest[0], "op", limits),
-            tuple(_list(_int)(rest[1], "inputs", limits)),
+            tuple(_ints(rest[1], "inputs", limits)),
             _int(rest[2], "output", limits),
             params[at],
             _shape(rest[4], "shape", limits),
@@ -703,8 +709,6 @@ def _step(v: Any, name: str, limits: Limits, params: list[Params]) -> Step:
             _shape(rest[4], "shape", limits),
             _dtype_field(rest[5], "dtype", limits),
         )
-    if tag == "free" and len(rest) == 1:
-        return FreeStep(tuple(_list(_int)(rest[0], "slots", limits)))
     _fail(f"{name}: malformed step {str(v)[:80]}")
 
 

@@ -75,7 +75,7 @@ class CompiledProgram:
             prepare = getattr(kernels.get(step.op), "prepare", None) if isinstance(step, p.OpStep) else None
             if prepare is not None:
                 prepare()
-        live = [(s, i) for i, s in enumerate(steps) if not isinstance(s, p.FreeStep)]
+        live = [(s, i) for i, s in enumerate(steps)]
         # slot -> the slot it stands for, where a redistribution that moves nothing was dropped
         self.renamed: dict[int, int] = {}
         if world is not None:
