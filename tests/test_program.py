@@ -45,6 +45,19 @@ def test_an_op_that_cannot_overwrite_its_input_takes_a_second_buffer(sim):
     assert arena_bytes(dev) == [2 * aligned(SIZE * 4)]
 
 
+def test_an_elementwise_op_does_not_overwrite_an_input_read_after_it(sim):
+    """An add may write over its input's buffer only when nothing reads that input later: here
+    the product is read again by the last step, so the sum takes a buffer of its own."""
+    dev = sim(1)
+    x_host = np.linspace(-1, 1, SIZE, dtype=np.float32)
+    x = dev.tensor(x_host)
+    product = x * 3.0  # in the arena, read by both steps below
+    total = (product + 1.0) * product
+    tripled = x_host * np.float32(3)
+    np.testing.assert_array_equal(total.numpy(), (tripled + np.float32(1)) * tripled)  # float32, in order
+    assert arena_bytes(dev) == [2 * aligned(SIZE * 4)]
+
+
 def test_results_outlive_the_run_that_made_them(sim):
     """The second run of a plan reuses the arena: results of the first stay as they were."""
     dev = sim(2)

@@ -196,3 +196,36 @@ def test_set_rows_from_a_fed_batch_start_writes_that_sequence_under_one_plan(sim
     assert len(dev.plans) == 1
     with pytest.raises(MetaError, match="from batch index 4 do not fit a batch of 4"):
         cache.set_rows(dev.feed(ids), dev.feed(value), axis=2, batch_start=dev.feed(np.int32(4))).numpy()
+
+
+@pytest.mark.parametrize(
+    "state",
+    [Split(0, ((32, 32, 32),)), Split(0, ((16, 16, 16), (16, 16, 16))), Split(0, ((40, 0, 56),))],
+    ids=["three", "two segments", "an empty device"],
+)
+def test_many_rows_written_up_to_a_devices_first_row_land_on_that_device(sim, state):
+    """set_rows of more rows than a decode step writes (the masked path) on a tensor split along
+    the written axis: every run of ids ends exactly on some device's first global row, the row
+    that belongs to the next device (or the next segment), and each lands where NumPy's
+    assignment puts it."""
+    dev = sim(3)
+    rows, width = 96, 3
+    table = np.arange(rows * width, dtype=np.float32).reshape(rows, width)
+    boundaries = sorted({start for start, *_ in _global_starts(state)} - {0})
+    for end in boundaries:
+        ids = np.arange(end - 16, end + 1, dtype=np.int32)  # 17 rows, the last on the next device
+        value = -np.arange(ids.size * width, dtype=np.float32).reshape(ids.size, width) - 1
+        expected = table.copy()
+        expected[ids] = value
+        x = dev.tensor(table, state)
+        got = x.set_rows(dev.tensor(ids), dev.tensor(value), axis=0).numpy()
+        np.testing.assert_array_equal(got, expected, err_msg=f"ids {ids[0]}..{ids[-1]}")
+
+
+def _global_starts(state: Split):
+    """(global start, device) of every chunk of `state`, segment by segment."""
+    at = 0
+    for segment in state.segments:
+        for device, extent in enumerate(segment):
+            yield at, device
+            at += extent
