@@ -4,6 +4,7 @@ mixed dtypes, one plan for every decode step, and a bounded plan cache."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -600,6 +601,21 @@ def test_a_cache_write_past_the_context_is_an_error(sim):
     step, _ = net.capture_decode(np.array([[1]]), np.array([[7]]))  # the last position: fine
     with pytest.raises(ShapeError, match=r"ids must lie in \[0, 8\), got \[8, 8\]"):
         step(np.array([[1]], np.int32), np.array([[8]], np.int32))
+
+
+@pytest.mark.parametrize(
+    "fed, says", [(np.float64(0.5), "got () float64"), (np.array([0.5], np.float32), "got (1,) float32")]
+)
+def test_a_captured_step_refuses_a_feed_of_another_dtype_or_shape_and_stays_usable(sim, fed, says):
+    """Its program was planned and compiled for the captured feeds' dtype and shape: another is
+    refused by name before anything is sent, and the step replays as before afterwards."""
+    dev = sim(2)
+    x = dev.tensor(np.arange(6, dtype=np.float32))
+    step, _ = dev.capture(lambda f: [x * f], np.float32(2.0))
+    with pytest.raises(ShapeError, match=re.escape(f"a feed of () float32 {says}")):
+        step(fed)
+    (again,) = step(np.float32(3.0))
+    np.testing.assert_array_equal(again.numpy(), np.arange(6, dtype=np.float32) * np.float32(3))
 
 
 def test_a_captured_step_survives_a_plan_cache_overflow(sim):
