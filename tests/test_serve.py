@@ -178,6 +178,14 @@ def test_a_sampled_request_is_reproducible_by_its_seed(server, client):
         ({}, {"prompt": "x", "model": "gpt-9"}, 404, "invalid_request_error", "does not exist"),
         ({}, {"prompt": "x", "temperature": "hot"}, 400, "invalid_request_error", "'temperature'"),
         ({}, {"prompt": 5}, 400, "invalid_request_error", "'prompt'"),
+        ({}, {"prompt": "x", "temperature": True}, 400, "invalid_request_error", "'temperature' must be a number"),
+        ({}, {"prompt": "x", "temperature": float("nan")}, 400, "invalid_request_error", "'temperature' must lie in"),
+        ({}, {"prompt": "x", "top_p": float("inf")}, 400, "invalid_request_error", "'top_p' must lie in"),
+        ({}, {"prompt": "x", "top_p": 1.5}, 400, "invalid_request_error", "'top_p' must lie in [0.0, 1.0]"),
+        ({}, {"prompt": "x", "top_k": 2.5}, 400, "invalid_request_error", "'top_k' must be a number, got 2.5"),
+        ({}, {"prompt": "x", "max_tokens": 0}, 400, "invalid_request_error", "'max_tokens' must lie in"),
+        ({}, {"prompt": "x", "stop": [""]}, 400, "invalid_request_error", "'stop' must be a non-empty string"),
+        ({}, {"prompt": "x", "ignore_eos": "yes"}, 400, "invalid_request_error", "'ignore_eos' must be true or false"),
     ],
 )
 def test_bad_requests_get_openai_error_bodies(server, headers, body, status, kind, says):
