@@ -104,6 +104,7 @@ CASES = {
     "zero heads": (dict(meta={"heads": 0}), "heads is 0 in the metadata"),
     "hidden not divisible by heads": (dict(meta={"heads": 3, "kv_heads": 1}), "8 is not divisible by the 3"),
     "heads not divisible by KV heads": (dict(meta={"heads": 4, "kv_heads": 3}), "4 attention heads are not divisible"),
+    "an odd head size": (dict(meta={"heads": 8, "kv_heads": 1}), "head size 1 is odd; rope rotates pairs"),
     "a tensor of the wrong shape": (dict(shapes={"blk.0.attn_k.weight": (8, 6)}), "attn_k.weight has shape [8, 6]"),
     "a truncated file": (dict(truncate=100), "truncated"),
 }
