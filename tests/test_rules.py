@@ -211,7 +211,7 @@ def test_many_rows_written_up_to_a_devices_first_row_land_on_that_device(sim, st
     dev = sim(3)
     rows, width = 96, 3
     table = np.arange(rows * width, dtype=np.float32).reshape(rows, width)
-    boundaries = sorted({start for start, *_ in _global_starts(state)} - {0})
+    boundaries = sorted(set(_chunk_starts(state)) - {0})
     for end in boundaries:
         ids = np.arange(end - 16, end + 1, dtype=np.int32)  # 17 rows, the last on the next device
         value = -np.arange(ids.size * width, dtype=np.float32).reshape(ids.size, width) - 1
@@ -222,10 +222,10 @@ def test_many_rows_written_up_to_a_devices_first_row_land_on_that_device(sim, st
         np.testing.assert_array_equal(got, expected, err_msg=f"ids {ids[0]}..{ids[-1]}")
 
 
-def _global_starts(state: Split):
-    """(global start, device) of every chunk of `state`, segment by segment."""
+def _chunk_starts(state: Split):
+    """The global first row of every device's chunk of every segment of `state`."""
     at = 0
     for segment in state.segments:
-        for device, extent in enumerate(segment):
-            yield at, device
+        for extent in segment:
+            yield at
             at += extent

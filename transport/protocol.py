@@ -572,15 +572,15 @@ def _pairs(v: Any, name: str, limits: Limits) -> list[list[int]]:
     return np.frombuffer(raw, "<i8").reshape(-1, 2).tolist()
 
 
+_INT = {int}
+
+
 def _ints(v: Any, name: str, limits: Limits) -> list[int]:
     """A list of ints (no bools): the types checked at once in C, as a program's ~1,000 steps
     each hold two such lists; item by item only to name what is wrong."""
     if type(v) is list and set(map(type, v)) <= _INT:
         return v
     return _list(_int)(v, name, limits)
-
-
-_INT = {int}
 
 
 def _shape(v: Any, name: str, limits: Limits) -> Shape:
