@@ -215,9 +215,12 @@ def test_a_stop_string_ends_the_text_before_it_and_the_stream_never_shows_it(mod
 
     from cli.generate import _Stream
 
-    class Letters:  # token i is the i-th letter: decoding is joining
+    class Letters:  # token i is the i-th letter of `text`: decoding is joining
+        def __init__(self, text: str = "ab\nUser:xy"):
+            self.text = text
+
         def decode(self, ids, skip_special=False):
-            return "".join("ab\nUser:xy"[i] for i in ids)
+            return "".join(self.text[i] for i in ids)
 
     stream = _Stream(Letters(), stop=["\nUser:"])
     for token in range(len("ab\nUser:xy")):
@@ -227,6 +230,11 @@ def test_a_stop_string_ends_the_text_before_it_and_the_stream_never_shows_it(mod
     for token in range(4):  # "ab\nU": the generation ends there
         stream(0, token)
     assert capsys.readouterr().out == "ab" and stream.finish("ab\nU") == "\nU"  # the rest, once final
+    # "ab\n\n" ends with two beginnings of the stop string, "\n" and "\n\n": the longer is held
+    stream = _Stream(Letters("ab\n\nUser:xy"), stop=["\n\nUser:"])
+    for token in range(len("ab\n\nUser:xy")):
+        stream(0, token)
+    assert capsys.readouterr().out == "ab"
 
 
 def test_native_weights_give_the_float32_paths_tokens(model):
