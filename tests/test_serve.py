@@ -111,6 +111,20 @@ def test_a_greedy_completion_is_the_references_text(server, client, model):
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 6)
 
 
+def test_a_request_past_the_context_ends_there_and_the_server_goes_on(server, client, model):
+    """max_tokens beyond what the context holds: the completion ends with "length" when its next
+    token has no cache position left (CTX - prompt + 1 tokens: the last is never fed back), and
+    the next request is served as usual."""
+    ids = model.tokenizer.encode(PROMPTS[2])
+    out = client.completions.create(
+        model="", prompt=ids, max_tokens=4 * CTX, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), CTX - len(ids) + 1)
+    again = client.completions.create(model="", prompt=ids, max_tokens=3, temperature=0)
+    assert again.usage.completion_tokens == 3 and out.choices[0].text.startswith(again.choices[0].text)
+
+
 def _metric(url: str, name: str) -> float:
     lines = httpx.get(url + "/metrics", timeout=5).text.splitlines()
     return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
