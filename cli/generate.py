@@ -46,8 +46,9 @@ def generate(args: argparse.Namespace) -> int:
     model.check()
     check_context(args.ctx, model.context_length)
     chat = args.chat or bool(args.system) or interactive
-    if interactive:  # the template must render before the workers start
+    if interactive:  # the template must render and the tokenizer load before the workers start
         prompt_text(model, [{"role": "user", "content": "hello"}], True, args.system)
+        model.tokenizer  # noqa: B018 - built now: a file whose text it cannot split is refused here
     else:
         new = 32 if args.max_new_tokens is None else args.max_new_tokens
         lengths = [len(model.tokenizer.encode(prompt_text(model, p, chat, args.system))) for p in prompts]

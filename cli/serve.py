@@ -302,6 +302,8 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     model = GGUFModel(args.model or None)
+    model.check()  # a file that cannot be served is refused before any worker starts
+    model.tokenizer  # noqa: B018 - built now, for the same reason
     model_id = args.model_id or model.path.stem
     widening_notice(model, args.weights)
     with open_cluster(args) as dev:

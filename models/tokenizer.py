@@ -2,9 +2,14 @@
 
 Control tokens written in a prompt's text (`<|im_start|>`, `<|im_end|>`) are parsed as the single
 tokens they are, as the reference tokenizers do. No BOS token is added unless the file says
-`tokenizer.ggml.add_bos_token`. Pre-tokenizers by `tokenizer.ggml.pre`: "smollm" splits digits
-one by one before the GPT-2 byte-level split (as SmolLM's tokenizer.json does); other gpt2-model
-files get the plain GPT-2 split.
+`tokenizer.ggml.add_bos_token`.
+
+The text is split before BPE as llama.cpp splits it for the file's `tokenizer.ggml.pre`
+(src/llama-vocab.cpp): SmolLM's family splits digits one by one, then by the GPT-2 pattern; the
+GPT-2 family by that pattern alone; a file that names none ("default") by llama.cpp's default
+patterns in turn. Any other pre-tokenizer (Llama 3's "llama-bpe" groups digits by three and
+merges otherwise, Qwen2's, DeepSeek's) is refused by name: its tokens would differ from
+llama.cpp's in numbers, contractions and punctuation, silently.
 """
 
 from __future__ import annotations
@@ -13,7 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 CONTROL = 3  # llama.cpp's token type for control tokens
-SINGLE_DIGIT_PRE = frozenset({"smollm", "llama3", "llama-bpe", "qwen2", "deepseek-llm"})
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# tokenizer.ggml.pre -> the patterns llama.cpp splits by, in turn (each match and each stretch
+# between matches a piece of its own); "digits" for SmolLM's family, whose first pattern is \p{N}
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", GPT2_PATTERN, r"\p{N}+", "[0-9][0-9][0-9]"),
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo"), (GPT2_PATTERN,)),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), ("digits", GPT2_PATTERN)
+    ),
+}
 
 
 @dataclass
@@ -35,13 +49,7 @@ class Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in model.meta("tokenizer.ggml.merges")]
         bpe = tk.models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
         backend = tk.Tokenizer(bpe)
-        byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if model.meta("tokenizer.ggml.pre", "default") in SINGLE_DIGIT_PRE:
-            backend.pre_tokenizer = tk.pre_tokenizers.Sequence(
-                [tk.pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        else:
-            backend.pre_tokenizer = byte_level
+        backend.pre_tokenizer = _pre_tokenizer(tk, model.meta("tokenizer.ggml.pre", "default"), model.path.name)
         backend.decoder = tk.decoders.ByteLevel()
         control = [
             tk.AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == CONTROL
@@ -56,3 +64,24 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+
+def _pre_tokenizer(tk, pre: str, file: str):
+    """`tokenizers`' pre-tokenizer splitting as llama.cpp does for pre-tokenizer `pre`: each
+    pattern isolates its matches in the pieces the one before left, then the bytes are mapped
+    to the byte-level alphabet the vocabulary is written in."""
+    from models.gguf_model import ModelError
+
+    patterns = PRE_TOKENIZERS.get(pre)
+    if patterns is None:
+        raise ModelError(
+            f"{file}: pre-tokenizer {pre!r} is not supported (its text would split otherwise than llama.cpp "
+            f"splits it); supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    steps = [
+        tk.pre_tokenizers.Digits(individual_digits=True)
+        if pattern == "digits"
+        else tk.pre_tokenizers.Split(tk.Regex(pattern), behavior="isolated")
+        for pattern in patterns
+    ]
+    return tk.pre_tokenizers.Sequence([*steps, tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

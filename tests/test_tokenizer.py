@@ -1,0 +1,66 @@
+"""The text split before BPE, as llama.cpp splits it for the file's `tokenizer.ggml.pre`
+(src/llama-vocab.cpp). Each expected split is worked out by hand from llama.cpp's patterns for
+that pre-tokenizer (each pattern isolating its matches in the pieces the one before left), with
+spaces written as the byte-level alphabet's "Ġ"; the packaged SmolLM2's own ids are checked in
+test_llm.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tokenizers")
+
+from models.gguf_model import ModelError  # noqa: E402
+from models.tokenizer import Tokenizer  # noqa: E402
+
+
+class FakeFile:
+    """What Tokenizer.from_gguf reads of a GGUF file: its metadata."""
+
+    def __init__(self, pre: str | None):
+        self.path = Path("tiny.gguf")
+        self.fields = {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.tokens": ["a", "b", "ab"],
+            "tokenizer.ggml.merges": ["a b"],
+        }
+        if pre is not None:
+            self.fields["tokenizer.ggml.pre"] = pre
+
+    def meta(self, key, default=None):
+        return self.fields.get(key, default)
+
+
+def pieces(pre: str | None, text: str) -> list[str]:
+    backend = Tokenizer.from_gguf(FakeFile(pre)).backend
+    return [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+
+
+@pytest.mark.parametrize(
+    "pre, text, expected",
+    [
+        # SmolLM's family: \p{N} first (every digit alone), then the GPT-2 pattern
+        ("smollm", "I'll pay 12345.", ["I", "'ll", "Ġpay", "Ġ", "1", "2", "3", "4", "5", "."]),
+        ("starcoder", "x 42", ["x", "Ġ", "4", "2"]),
+        # GPT-2's: numbers whole, contractions lower-case only
+        ("gpt-2", "I'LL pay 12345.", ["I", "'", "LL", "Ġpay", "Ġ12345", "."]),
+        # llama.cpp's default (no pre-tokenizer named): punctuation runs, GPT-2, numbers, then
+        # every three digits
+        (None, "Hi, $5 <=> 12345 x", ["Hi", ",", "Ġ", "$", "5", "Ġ", "<=>", "Ġ", "123", "45", "Ġx"]),
+    ],
+)
+def test_the_text_is_split_as_llama_cpp_splits_it_for_the_files_pre_tokenizer(pre, text, expected):
+    assert pieces(pre, text) == expected
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "deepseek-llm", "tekken"])
+def test_a_pre_tokenizer_split_otherwise_is_refused_by_name(pre):
+    """Llama 3's groups digits by three and has its own contractions, Qwen2's and DeepSeek's
+    differ too: taken as GPT-2's their tokens would silently differ from llama.cpp's."""
+    with pytest.raises(
+        ModelError,
+        match=rf"tiny.gguf: pre-tokenizer '{pre}' is not supported.*supported: codeshell, command-r, default",
+    ):
+        Tokenizer.from_gguf(FakeFile(pre))
