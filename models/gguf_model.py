@@ -201,6 +201,7 @@ class GGUFModel:
             raise ModelError(f"{name}: {cfg.heads} attention heads are not divisible by the {cfg.kv_heads} KV heads")
         if cfg.head_dim % 2:
             raise ModelError(f"{name}: head size {cfg.head_dim} is odd; rope rotates pairs")
+        self._check_rope(cfg.head_dim)
         for weight, shape in self.expected_shapes().items():
             got = self._tensor(weight).shape
             if got != shape:
@@ -209,6 +210,24 @@ class GGUFModel:
                     f"(hidden {cfg.hidden}, heads {cfg.heads}, KV heads {cfg.kv_heads}, ffn {cfg.ffn}, "
                     f"vocabulary {cfg.vocab}) needs {list(shape)}"
                 )
+
+    def _check_rope(self, head_dim: int) -> None:
+        """Rope as this decoder applies it: over the whole head, at the file's base frequency,
+        unscaled. A file asking for more (rotating part of each head, scaled positions, Llama
+        3.1's per-frequency factors) is refused: its positions would rotate otherwise than
+        llama.cpp rotates them, and attention at every position but the first would be off, silently."""
+        name = self.path.name
+        rotated = int(self.meta("llama.rope.dimension_count", head_dim))
+        if rotated != head_dim:
+            raise ModelError(f"{name}: rope rotates {rotated} of each head's {head_dim} values; only whole heads are")
+        scaling = str(self.meta("llama.rope.scaling.type", "none"))
+        factor = float(self.meta("llama.rope.scaling.factor", 1.0))
+        if scaling != "none" and factor != 1.0:
+            raise ModelError(f"{name}: rope scaling {scaling!r} by {factor:g} is not supported")
+        if "rope_freqs.weight" in self.tensors:
+            raise ModelError(
+                f"{name}: rope frequency factors (rope_freqs.weight, Llama 3.1's scaling) are not supported"
+            )
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Each weight's shape in ggml order (innermost first) as the configuration implies it."""

@@ -41,12 +41,17 @@ TINY = {"hidden": 8, "heads": 2, "kv_heads": 1, "ffn": 12, "layers": 1, "vocab":
 
 
 def tiny_llama(
-    target: Path, meta: dict | None = None, shapes: dict | None = None, truncate: int = 0, dtypes: dict | None = None
+    target: Path,
+    meta: dict | None = None,
+    shapes: dict | None = None,
+    truncate: int = 0,
+    dtypes: dict | None = None,
+    extra: dict | None = None,
 ) -> Path:
     """A small llama-architecture GGUF file (random float32 weights, TINY's sizes): `meta`
-    overrides sizes in the metadata, `shapes` a tensor's shape (ggml order), `truncate` cuts
-    that many bytes off the end of the file, `dtypes` the NumPy dtype or ggml type a tensor is
-    written in."""
+    overrides sizes in the metadata, `shapes` a tensor's shape (ggml order; a new name adds a
+    tensor), `truncate` cuts that many bytes off the end of the file, `dtypes` the NumPy dtype or
+    ggml type a tensor is written in, `extra` more metadata (an int, float or string each)."""
     import gguf
     import numpy as np
 
@@ -59,6 +64,9 @@ def tiny_llama(
     writer.add_uint32("llama.block_count", size["layers"])
     writer.add_uint32("llama.context_length", 64)
     writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(TINY["vocab"])])
+    for key, value in (extra or {}).items():
+        add = {int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}[type(value)]
+        add(key, value)
     h, kv, f, v = TINY["hidden"], TINY["hidden"] // TINY["heads"] * TINY["kv_heads"], TINY["ffn"], TINY["vocab"]
     tensors = {"token_embd.weight": (h, v), "output_norm.weight": (h,)}
     layer = {"attn_norm": (h,), "ffn_norm": (h,), "attn_q": (h, h), "attn_k": (h, kv), "attn_v": (h, kv)}

@@ -105,6 +105,15 @@ CASES = {
     "hidden not divisible by heads": (dict(meta={"heads": 3, "kv_heads": 1}), "8 is not divisible by the 3"),
     "heads not divisible by KV heads": (dict(meta={"heads": 4, "kv_heads": 3}), "4 attention heads are not divisible"),
     "an odd head size": (dict(meta={"heads": 8, "kv_heads": 1}), "head size 1 is odd; rope rotates pairs"),
+    "rope over part of a head": (
+        dict(extra={"llama.rope.dimension_count": 2}),
+        "rope rotates 2 of each head's 4 values; only whole heads are",
+    ),
+    "scaled rope": (
+        dict(extra={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
+        "rope scaling 'linear' by 4 is not supported",
+    ),
+    "rope frequency factors": (dict(shapes={"rope_freqs.weight": (2,)}), "rope frequency factors (rope_freqs.weight"),
     "a tensor of the wrong shape": (dict(shapes={"blk.0.attn_k.weight": (8, 6)}), "attn_k.weight has shape [8, 6]"),
     "a truncated file": (dict(truncate=100), "truncated"),
 }
