@@ -309,3 +309,40 @@ def test_a_key_holder_cannot_join_as_another_rank(tmp_path, capfd):
             if real.poll() is None:
                 real.kill()
             real.wait()
+
+
+def test_a_stranger_with_its_own_curve_keys_and_the_servers_public_key_is_refused():
+    """Knowing a worker's public key (public keys are not secrets) and speaking CURVE with a key
+    pair of its own does not get a stranger in: the authenticator admits the cluster's keys only.
+    The same socket set up with rank 1's keys is the control that does get through."""
+    from transport.sockets import CurveKeys, IpcDir, Security, pull
+
+    keys, ipc = CurveKeys.generate(), IpcDir()
+    server_ctx, client_ctx = zmq.Context(), zmq.Context()
+    security = Security(server_ctx, keys, rank=0)
+    inbox, endpoint = pull(server_ctx, ipc.endpoint("d0"), security)
+    sockets = [inbox]
+
+    def pusher(public: bytes, secret: bytes) -> zmq.Socket:
+        sock = client_ctx.socket(zmq.PUSH)
+        sock.linger, sock.sndtimeo = 0, 500
+        sock.curve_serverkey = keys.for_rank(0)[0]
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.connect(endpoint)
+        sockets.append(sock)
+        return sock
+
+    try:
+        stranger = pusher(*zmq.curve_keypair())
+        send(stranger, p.Chunk(1, 5, 0, np.zeros(2)))
+        assert not inbox.poll(1000), "a stranger's message arrived"
+        member = pusher(*keys.for_rank(1))
+        send(member, p.Chunk(1, 5, 0, np.ones(2)))
+        assert inbox.poll(5000), "the control message from rank 1's keys did not arrive"
+    finally:
+        for sock in sockets:
+            sock.close(0)
+        security.close()
+        server_ctx.term()
+        client_ctx.term()
+        ipc.close()
