@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
+if sys.path[0] != str(ROOT):  # ahead of bench/, whose transport.py would shadow the package
     sys.path.insert(0, str(ROOT))
 
 from bench.report import cli, table  # noqa: E402

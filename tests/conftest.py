@@ -92,7 +92,9 @@ def _standin_env() -> dict[str, str]:
     the real CuPy under ON_GPU_ENV."""
     from tests.cupy_standin import SHIM
 
-    return {} if _on_gpu() else {"PYTHONPATH": SHIM}
+    # the stand-in first, then whatever path the tests run with (packages installed there)
+    path = os.pathsep.join(p for p in (SHIM, os.environ.get("PYTHONPATH", "")) if p)
+    return {} if _on_gpu() else {"PYTHONPATH": path}
 
 
 @pytest.fixture(scope="module")
