@@ -36,6 +36,20 @@ BIND_MODES = ("auto", "off")
 
 
 OnMessage = Callable[[int, p.Message], bool]  # a report from a worker; False: cancel
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What a call looks at whenever it wakes, besides its messages: reports that come another
+    way (a generation's token board, transport/board.py), every `every_ms` at least."""
+
+    every_ms: int
+    # show: False once the call is cancelled (what comes then is taken, not shown); returns None:
+    # nothing new; True: shown (the workers are making progress); False: refused, cancel
+    look: Callable[[bool], bool | None]
+    cancel: Callable[[], None]  # told when the call sends its Cancels
+
+
 CANCEL_GRACE_S = 30.0  # after Ctrl-C, how long a cancelled request may take to answer
 MAX_WORKERS_PER_CORE = 8  # beyond this a host only thrashes: refused before any worker starts
 
@@ -430,21 +444,26 @@ class ProcessCluster:
     # -- calls ----------------------------------------------------------------------------------
 
     def call_all(
-        self, messages: dict[int, p.Message], timeout: float | None = None, on_message: OnMessage | None = None
+        self,
+        messages: dict[int, p.Message],
+        timeout: float | None = None,
+        on_message: OnMessage | None = None,
+        watch: Watch | None = None,
     ) -> dict[int, p.Message]:
         """Send each worker its message; return every reply, or raise WorkerLost/DeadlineExceeded.
         With `on_message`, reports a worker sends before its reply (Tokens) go to it as they come,
         and each restarts the deadline; when it returns False, or on Ctrl-C, that worker is sent
-        a Cancel and the replies are still awaited, so the workers stay usable."""
+        a Cancel and the replies are still awaited, so the workers stay usable. With `watch`,
+        the same for reports that come another way."""
         if self.lost is not None:
             raise WorkerLost(f"cluster unusable: {self.lost}", rank=self.lost.rank)
         if self.closed:
             raise TransportError("cluster is closed")
         with self._control_lock:
-            return self._call_all(messages, timeout, on_message)
+            return self._call_all(messages, timeout, on_message, watch)
 
     def _call_all(
-        self, messages: dict[int, p.Message], timeout: float | None, on_message: OnMessage | None
+        self, messages: dict[int, p.Message], timeout: float | None, on_message: OnMessage | None, watch: Watch | None
     ) -> dict[int, p.Message]:
         self._check_processes()  # a dead worker is WorkerLost, not an unroutable send
         self._request += 1
@@ -456,13 +475,28 @@ class ProcessCluster:
         replies: dict[int, p.Message] = {}
         interrupted: KeyboardInterrupt | None = None
         cancelled = False
+        poll_ms = POLL_MS if watch is None else max(1, min(POLL_MS, watch.every_ms))
+
+        def cancel(ranks) -> None:
+            for rank in ranks:
+                send(self.control, p.Cancel(), rid, route=self.routes[rank])
+            if watch is not None:
+                watch.cancel()
+
         while len(replies) < len(messages):
             try:
                 self._check_processes()
+                if watch is not None:
+                    seen = watch.look(not cancelled)
+                    if seen is not None:
+                        deadline = Deadline(seconds)
+                    if seen is False and not cancelled:
+                        cancelled = True
+                        cancel(messages)
                 if deadline.expired():
                     missing = sorted(set(messages) - set(replies))
                     raise DeadlineExceeded(f"workers {missing} did not answer within {deadline.seconds:.1f} s")
-                if not self.control.poll(min(POLL_MS, deadline.remaining_ms())):
+                if not self.control.poll(min(poll_ms, deadline.remaining_ms())):
                     continue
                 route, *frames = self.control.recv_multipart(copy=False)
                 try:
@@ -481,15 +515,14 @@ class ProcessCluster:
                     deadline = Deadline(seconds)
                     if not on_message(rank, message):
                         cancelled = True
-                        send(self.control, p.Cancel(), rid, route=route.bytes)
+                        cancel([rank])
                     continue
                 replies[rank] = message
             except KeyboardInterrupt as exc:
-                if on_message is None or interrupted is not None:
+                if (on_message is None and watch is None) or interrupted is not None:
                     raise
                 interrupted, cancelled, deadline = exc, True, Deadline(min(seconds, CANCEL_GRACE_S))
-                for rank in messages:
-                    send(self.control, p.Cancel(), rid, route=self.routes[rank])
+                cancel(messages)
         if interrupted is not None:
             raise interrupted
         return replies

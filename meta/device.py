@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from meta.cluster import Watch
 from meta.compiler import compile_plan, structural_key
 from meta.graph import Node, topo_order
 from meta.planner import Plan, plan
@@ -34,6 +35,8 @@ from split_state.ops import OPS
 from split_state.scatter import extract, gather
 from split_state.states import MIRRORED, State, validate
 from transport import protocol as p
+from transport.board import TokenBoard
+from transport.board import supported as board_supported
 
 Policy = Callable[[str, tuple[int, ...]], State | None]
 
@@ -450,10 +453,11 @@ class MetaDevice:
         """Run captured decode `step` up to `steps` times on the workers, which feed each step's
         chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
         (tokens, positions), its first two outputs the candidates (values, indices) of
-        Tensor.top_k. `on_tokens(step, tokens)` gets each step's tokens as they come (the
-        workers gather steps for up to `sampling["report_s"]` seconds, workers/generation.py);
-        False cancels after the step under way (as Ctrl-C does), and the steps reported with it
-        are not shown. Returns rank 0's account (steps run, cancelled, times)."""
+        Tensor.top_k. `on_tokens(step, tokens)` gets each step's tokens as they come (read
+        from the token board every `sampling["report_s"]` seconds, or from Tokens messages that
+        gather steps for that long: workers/generation.py); False cancels after the step under
+        way (as Ctrl-C does), and the steps reported with it are not shown. Returns rank 0's
+        account (steps run, cancelled, times)."""
         if len(step.examples) != 2 or None in step.feed_slots:
             raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
         inputs, fed, out_ids, fresh = self._bind(step, (tokens, positions))
@@ -461,6 +465,10 @@ class MetaDevice:
         self._run_ids = itertools.count(run + steps + 1)  # one run id per step, none reused
         feeds, data = p.pack_arrays(fed)
         token_id, position_id = (inputs[slot] for slot in step.feed_slots)
+        board = _token_board(len(sampling.get("done", ())), steps)
+        if board is not None:
+            sampling = {**sampling, "board": str(board.path)}
+        shown = _Shown(on_tokens)
         message = p.Generate(
             step.compiled.program,
             run,
@@ -475,12 +483,20 @@ class MetaDevice:
             feeds,
             data,
         )
+        watch = None
+        if board is not None:
+            every_ms = int(1000 * float(sampling.get("report_s", p.REPORT_SECONDS)))
+            watch = Watch(every_ms, lambda show: shown.steps(*board.take(), show=show), board.cancel)
         try:
             replies = self._call(
-                {d: message for d in range(self.n)}, on_message=lambda rank, m: _each_step(m, on_tokens)
+                {d: message for d in range(self.n)}, lambda rank, m: shown.steps(m.step, m.tokens) is not False, watch
             )
+            if board is not None:  # what rank 0 published after the last look: before its reply
+                shown.steps(*board.take())
         finally:
             self._released.extend([*fed, *fresh])  # freed with the next message that runs
+            if board is not None:
+                board.close()
         return dict(replies[0].info)
 
     def _evict(self) -> None:
@@ -507,13 +523,13 @@ class MetaDevice:
             raise
         return CompiledPlan(program, planned)
 
-    def _call(self, messages: dict[int, p.Message], on_message=None) -> dict[int, p.Message]:
+    def _call(self, messages: dict[int, p.Message], on_message=None, watch=None) -> dict[int, p.Message]:
         start = time.perf_counter()
         try:
             if on_message is None:
                 replies = self.cluster.call_all(messages)
             else:
-                replies = self.cluster.call_all(messages, on_message=on_message)
+                replies = self.cluster.call_all(messages, on_message=on_message, watch=watch)
         finally:
             self.clock.round_trip_s += time.perf_counter() - start
         failures = {d: r for d, r in replies.items() if isinstance(r, p.Error)}
@@ -578,12 +594,38 @@ class Step:
         return self.dev._replay(self, arrays, tuple(read))
 
 
-def _each_step(report: p.Tokens, on_tokens: Callable[[int, list[int]], bool]) -> bool:
-    """A report's steps to `on_tokens` in order, until one returns False."""
-    for k, chosen in enumerate(report.tokens):
-        if not on_tokens(report.step + k, list(chosen)):
-            return False
-    return True
+class _Shown:
+    """The steps of a generation as `on_tokens` sees them: each once and in order, whichever
+    way it came (rank 0 sends the first in a Tokens message and puts it on the token board
+    too), none after a refusal."""
+
+    def __init__(self, on_tokens: Callable[[int, list[int]], bool]):
+        self.on_tokens = on_tokens
+        self.next = 0  # the first step not shown yet
+        self.refused = False
+
+    def steps(self, first: int, tokens: Sequence[Sequence[int]], show: bool = True) -> bool | None:
+        """None: nothing new; False: refused (now or before)."""
+        if not tokens:
+            return None
+        for k, chosen in enumerate(tokens, first):
+            if self.refused or not show:
+                break
+            if k >= self.next:
+                self.next = k + 1
+                self.refused = not self.on_tokens(k, list(chosen))
+        return not self.refused
+
+
+def _token_board(per_step: int, steps: int) -> TokenBoard | None:
+    """A board for rank 0's tokens (transport/board.py), or None where shared memory cannot
+    carry them: rank 0 then sends Tokens messages only."""
+    if not board_supported() or per_step < 1 or steps < 1:
+        return None
+    try:
+        return TokenBoard.create(per_step, steps)
+    except errors.TransportError:
+        return None
 
 
 def _slot_pairs(slots: Sequence[int], tensors: Sequence[int]) -> np.ndarray:

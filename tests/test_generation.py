@@ -14,6 +14,7 @@ import pytest
 from meta import MetaDevice
 from models.llama import LlamaConfig, TensorParallelLlama, random_weights
 from split_state import WorkerLost
+from split_state.errors import TransportError
 from workers.generation import Rule, generator_state
 
 pytestmark = pytest.mark.timeout(120)
@@ -141,12 +142,15 @@ def test_a_cancel_stops_within_a_token_and_the_workers_stay_usable(procs2, how):
     assert info["steps"] == STEPS and len(out) == STEPS + 1
 
 
-def test_steps_gathered_into_few_reports_are_each_shown_in_order(procs2, monkeypatch):
+def test_without_a_token_board_steps_gathered_in_few_messages_are_each_shown_in_order(procs2, monkeypatch):
     import meta.device
 
+    monkeypatch.setattr(meta.device, "board_supported", lambda: False)  # as for a rank 0 on another host
     reports = []
-    each_step = meta.device._each_step
-    monkeypatch.setattr(meta.device, "_each_step", lambda m, on: reports.append(len(m.tokens)) or each_step(m, on))
+    steps = meta.device._Shown.steps
+    monkeypatch.setattr(
+        meta.device._Shown, "steps", lambda s, k, t, **kw: reports.append(len(t)) or steps(s, k, t, **kw)
+    )
     dev = procs2
     _, step, v, i = start(dev)
     one_by_one, _ = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=0)
@@ -162,6 +166,52 @@ def test_steps_gathered_into_few_reports_are_each_shown_in_order(procs2, monkeyp
     _, step, v, i = start(dev)
     out, _ = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=60, on=lambda k, t: seen.append(k) or k < 2)
     assert seen == [0, 1, 2] and out == one_by_one[:4]
+
+
+@pytest.mark.parametrize("report_s", [0, 60])
+def test_the_token_board_carries_every_step_each_shown_once_in_order(procs2, monkeypatch, report_s):
+    import meta.device
+
+    dev = procs2
+    _, step, v, i = start(dev)
+    monkeypatch.setattr(meta.device, "board_supported", lambda: False)
+    by_messages, _ = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=report_s)
+    monkeypatch.undo()
+    on_board = []
+    take = meta.device.TokenBoard.take
+
+    def taken(board):
+        first, steps = take(board)
+        on_board.extend(enumerate(steps, first))
+        return first, steps
+
+    monkeypatch.setattr(meta.device.TokenBoard, "take", taken)
+    _, step, v, i = start(dev)
+    out, info = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=report_s)
+    assert out == by_messages and info["steps"] == STEPS
+    assert on_board == list(enumerate(by_messages[1:]))  # every step came on the board, once
+
+    # refused on the board: the steps after it are not shown, the workers stop
+    seen = []
+    _, step, v, i = start(dev)
+    out, info = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=0, on=lambda k, t: seen.append(k) or k < 2)
+    assert seen == [0, 1, 2] and out == by_messages[:4]
+
+
+def test_a_rank_0_that_cannot_map_the_board_reports_in_messages(sim, monkeypatch):
+    from transport.board import TokenBoard
+
+    dev = sim(2)
+    _, step, v, i = start(dev)
+    expected, _ = worker_loop(dev, step, v, i, 0.9, 1.0, seed=5)
+
+    def elsewhere(path, per_step):
+        raise TransportError(f"{path}: a board of host b'other', not this one")
+
+    monkeypatch.setattr(TokenBoard, "attach", elsewhere)
+    _, step, v, i = start(dev)
+    out, info = worker_loop(dev, step, v, i, 0.9, 1.0, seed=5)
+    assert out == expected and info["steps"] == STEPS
 
 
 def test_a_worker_lost_during_generation_is_a_typed_error_within_seconds(fresh_cluster):

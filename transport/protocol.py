@@ -353,9 +353,11 @@ class Generate:
     (inputs and outputs as in RunProgram), read the candidate pairs it stored as `values` and
     `indices`, and choose every sequence's next token the same way on every rank (`sampling`:
     temperature, top_p, the generator's state `rng`, `stop` token ids, `done` flags per
-    sequence; `report_s`, optional: the least seconds between two reports). Rank 0 reports the
-    chosen tokens in Tokens messages under the request's id and stops at a Cancel; every rank
-    stops at the same step."""
+    sequence; `report_s`, optional: the least seconds between two reports; `board`, optional:
+    the path of the coordinator's token board, transport/board.py). Rank 0 reports the chosen
+    tokens on the board where it can map it (and the first step in a Tokens message too), else
+    in Tokens messages under the request's id; it stops at a Cancel (or the board's cancel
+    word); every rank stops at the same step."""
 
     program: int
     run: int
@@ -370,6 +372,11 @@ class Generate:
     feeds: list[Feed] = field(default_factory=list)
     feed_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), compare=False)
     KIND: ClassVar[MsgType]
+
+
+# the least time between two reports of a generation's tokens (Tokens messages) or two looks of
+# the coordinator at its token board (transport/board.py), unless the Generate says (`report_s`)
+REPORT_SECONDS = 0.05
 
 
 @_message(MsgType.TOKENS)

@@ -457,38 +457,17 @@ class InboxFile:
 
     @classmethod
     def create(cls, path: Path, world_size: int, capacity: int) -> InboxFile:
-        """Make and map the file with all its pages reserved now: a full /dev/shm fails here with
-        TransportError, not later with SIGBUS in the middle of a copy."""
+        """Make and map the file (`create_mapped`)."""
         size = FILE_HEADER + world_size * (CONTROL + capacity)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise TransportError(f"cannot create shared-memory inbox {path}: {exc}") from None
-        try:
-            os.posix_fallocate(fd, 0, size)
-            buffer = mmap.mmap(fd, size)
-        except OSError as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise TransportError(f"cannot reserve {size} bytes of shared memory at {path}: {exc}") from None
-        os.close(fd)
+        buffer = create_mapped(path, size, "shared-memory inbox")
         header = _FILE.pack(SHM_FILE_MAGIC, world_size, capacity, os.getpid(), host_id())
         buffer[: len(header)] = header
         return cls(path, buffer, world_size, capacity, owner=True)
 
     @classmethod
     def attach(cls, path: Path, world_size: int) -> InboxFile:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise TransportError(f"cannot open a peer's shared-memory inbox {path}: {exc}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < FILE_HEADER:
-                raise TransportError(f"{path} is not a shared-memory inbox ({size} bytes)")
-            buffer = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        buffer = map_existing(path, FILE_HEADER, "a peer's shared-memory inbox")
+        size = len(buffer)
         magic, world, capacity, _, host = _FILE.unpack_from(buffer)
         if magic != SHM_FILE_MAGIC or world != world_size or size != FILE_HEADER + world * (CONTROL + capacity):
             buffer.close()
@@ -539,6 +518,39 @@ class InboxFile:
             pass
         if self.owner:
             self.path.unlink(missing_ok=True)
+
+
+def create_mapped(path: Path, size: int, what: str) -> mmap.mmap:
+    """A new file of `size` bytes at `path`, mapped, with all its pages reserved now: a full
+    /dev/shm fails here with TransportError, not later with SIGBUS in the middle of a copy."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise TransportError(f"cannot create {what} {path}: {exc}") from None
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise TransportError(f"cannot reserve {size} bytes of shared memory at {path}: {exc}") from None
+    finally:
+        os.close(fd)
+
+
+def map_existing(path: Path | str, least: int, what: str) -> mmap.mmap:
+    """Another process's file mapped whole; TransportError when it is missing or shorter than
+    `least` bytes."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise TransportError(f"cannot open {what} {path}: {exc}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < least:
+            raise TransportError(f"{path} is not {what} ({size} bytes)")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 def remove_session(session: str) -> int:

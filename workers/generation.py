@@ -3,9 +3,12 @@
 Each step runs the captured decode program, reads the candidate (value, index) pairs it left
 Mirrored (bitwise identical on every rank), and chooses each sequence's next token with the same
 seeded generator on every rank, so all ranks feed back the same tokens with no message between
-them. Rank 0 reports the tokens to the coordinator (`Reports`: the first at once, later ones
-gathered for REPORT_SECONDS). Only the decision to stop early (a Cancel seen by rank 0) must be
-shared: rank 0 sends it to its peers over the data plane after every step, a one-byte message
+them. Rank 0 reports the tokens to the coordinator (`Reports`): on the coordinator's token
+board (transport/board.py) where it can map it, each step as it comes with no message, the first
+step also in a Tokens message at once (the coordinator reads the board when it wakes); else in
+Tokens messages, the first at once, later ones gathered for `report_s` seconds (by default
+transport.protocol.REPORT_SECONDS). Only the decision to stop early (a Cancel seen by rank 0)
+must be shared: rank 0 sends it to its peers over the data plane after every step, a one-byte message
 that the peers read one step later. So no rank waits for it (the step between has all-reduces
 that bring its sender's data after it), and a cancel stops every rank after the step following
 the one that saw it: within a token, as a cancel on one worker does.
@@ -22,11 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from split_state.errors import ProtocolError
+from split_state.errors import ProtocolError, TransportError
 from transport import protocol as p
+from transport.board import TokenBoard
 from transport.deadline import Deadline
 
-REPORT_SECONDS = 0.05  # the least time between two reports of tokens to the coordinator, by default
 STOP_TAG = 1 << 30  # the step tag of rank 0's stop flag: no program has that many steps
 
 
@@ -122,7 +125,7 @@ def run_generation(
         rng = restore_generator(sampling["rng"])
         given = sampling.get("recent", [[]] * len(done))
         recent = [collections.deque(map(int, r), maxlen=rule.penalized) for r in given]
-        interval = float(sampling.get("report_s", REPORT_SECONDS))
+        interval = float(sampling.get("report_s", p.REPORT_SECONDS))
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"generate: malformed settings ({exc!r} missing or wrong)") from None
     tokens, positions = store.get(m.tokens), store.get(m.positions)
@@ -134,61 +137,76 @@ def run_generation(
     timings = {"program_s": 0.0, "comm_s": 0.0}
     steps = 0
     cancel = False
-    report = Reports(emit, interval)
     run_step = executor.repeated(m.program, m.run, m.inputs, m.outputs)  # checked and bound once
-    for step in range(m.steps):
-        run = m.run + step
-        t = run_step(run)
-        timings["program_s"] += t["program_s"]
-        timings["comm_s"] += t["comm_s"]
-        values = backend.to_host(store.get(m.values))
-        indices = backend.to_host(store.get(m.indices))
-        chosen = [choose(values[b, 0], indices[b, 0], rule, rng, recent[b]) for b in range(count)]
-        for b, token in enumerate(chosen):
-            done[b] = done[b] or token in stop
-            recent[b].append(token)
-        steps += 1
-        finished = all(done) or step == m.steps - 1
-        if rank == 0:
-            report.add(step, chosen, final=cancel or finished)
-            if cancel or finished:  # a cancel decided a step ago: the peers learn of it after this step
-                break
-            cancel = cancelled()
-            if cancel and not peers:  # nobody to tell: stop now
-                report.send()
-                break
-            # the word for the step after this one, under its run id (the inbox keeps the next
-            # run's messages): a peer reads it after that step, by when it has long arrived, so
-            # no rank waits on it
-            for d in peers:
-                comm.send(d, run + 1, STOP_TAG, np.array([cancel], np.int8))
-            if peers:
-                comm.flush(run, Deadline(executor.collective_timeout))
-        else:
-            if step:  # rank 0's word after the step before
-                cancel = _stop_flag(comm, run, executor.collective_timeout)
-            if finished or cancel:
-                break
-        # the program reads these arrays again: written in place, from a host array moved to the
-        # device explicitly (CuPy takes only a scalar or a device array on assignment)
-        tokens[:count, 0] = backend.to_device(np.asarray(chosen, tokens.dtype))
-        positions[:count, 0] += 1
+    board = _board(sampling.get("board"), count) if rank == 0 else None
+    report = Reports(emit, interval, board, executor.collective_timeout)
+    if board is not None:  # the coordinator writes the board's cancel word when it sends a Cancel
+        cancelled = board.is_cancelled
+    # the program reads these again each step: written in place (a host array moved to the device
+    # explicitly: CuPy takes only a scalar or a device array on assignment)
+    fed_tokens, fed_positions = tokens[:count, 0], positions[:count, 0]
+    try:
+        for step in range(m.steps):
+            run = m.run + step
+            t = run_step(run)
+            timings["program_s"] += t["program_s"]
+            timings["comm_s"] += t["comm_s"]
+            values = backend.to_host(store.get(m.values))
+            indices = backend.to_host(store.get(m.indices))
+            chosen = [choose(values[b, 0], indices[b, 0], rule, rng, recent[b]) for b in range(count)]
+            for b, token in enumerate(chosen):
+                done[b] = done[b] or token in stop
+                recent[b].append(token)
+            steps += 1
+            finished = all(done) or step == m.steps - 1
+            if rank == 0:
+                report.add(step, chosen, final=cancel or finished)
+                if cancel or finished:  # a cancel decided a step ago: the peers learn of it after this step
+                    break
+                cancel = cancelled()
+                if cancel and not peers:  # nobody to tell: stop now
+                    report.send()
+                    break
+                # the word for the step after this one, under its run id (the inbox keeps the next
+                # run's messages): a peer reads it after that step, by when it has long arrived, so
+                # no rank waits on it
+                for d in peers:
+                    comm.send(d, run + 1, STOP_TAG, np.array([cancel], np.int8))
+                if peers:
+                    comm.flush(run, Deadline(executor.collective_timeout))
+            else:
+                if step:  # rank 0's word after the step before
+                    cancel = _stop_flag(comm, run, executor.collective_timeout)
+                if finished or cancel:
+                    break
+            fed_tokens[...] = backend.to_device(np.asarray(chosen, tokens.dtype))
+            fed_positions += 1
+    finally:
+        if board is not None:
+            board.close()
     return p.Ok({"steps": steps, "cancelled": cancel, **timings})
 
 
 class Reports:
-    """Rank 0's Tokens messages: the first step's at once, later steps gathered until
+    """Rank 0's reports of the chosen tokens. On a token board, every step as it comes (a store
+    to shared memory), and the first step also in a Tokens message, so the coordinator shows it
+    at once. Else in Tokens messages: the first step's at once, later steps gathered until
     `interval` seconds have passed since the last message (or the generation ends). A message
-    costs the worker ~0.1-0.2 ms on a 2-core machine (waking ZeroMQ's threads and the
+    costs the worker ~0.1-0.3 ms on a 2-core machine (waking ZeroMQ's threads and the
     coordinator's), a tenth of a decode step there; reports of 20 a second read as smoothly as
     one per token."""
 
-    def __init__(self, emit: Callable[[p.Message], None], interval: float):
-        self.emit, self.interval = emit, interval
+    def __init__(self, emit: Callable[[p.Message], None], interval: float, board: TokenBoard | None, timeout: float):
+        self.emit, self.interval, self.board, self.timeout = emit, interval, board, timeout
         self.first, self.steps = 0, []
         self.sent_at = -math.inf
 
     def add(self, step: int, chosen: list[int], final: bool) -> None:
+        if self.board is not None:
+            self.board.publish(chosen, self.timeout)
+            if step == 0:
+                self.emit(p.Tokens(0, [chosen]))
+            return
         if not self.steps:
             self.first = step
         self.steps.append(chosen)
@@ -200,6 +218,17 @@ class Reports:
             self.emit(p.Tokens(self.first, self.steps))
             self.steps = []
             self.sent_at = time.monotonic()
+
+
+def _board(path, count: int) -> TokenBoard | None:
+    """The coordinator's token board, or None: none offered, or not one this worker can map (its
+    coordinator on another host): then the tokens go in Tokens messages."""
+    if not path:
+        return None
+    try:
+        return TokenBoard.attach(str(path), count)
+    except TransportError:
+        return None
 
 
 def _stop_flag(comm, run: int, timeout: float) -> bool:

@@ -11,6 +11,7 @@ import threading
 
 from split_state.errors import DeadlineExceeded
 from transport import protocol as p
+from transport.deadline import Deadline
 from transport.reply import respond
 from workers.backends import make_backend
 from workers.comm import QueueComm
@@ -53,9 +54,10 @@ class SimulatedCluster:
             self._replies.put((rank, frames))
 
     def call_all(
-        self, messages: dict[int, p.Message], timeout: float | None = None, on_message=None
+        self, messages: dict[int, p.Message], timeout: float | None = None, on_message=None, watch=None
     ) -> dict[int, p.Message]:
-        """As ProcessCluster.call_all, reports (Tokens) to `on_message` included."""
+        """As ProcessCluster.call_all, reports (Tokens) to `on_message` and a `watch` (its
+        meta.cluster.Watch: every_ms, look(show), cancel()) included."""
         timeout = self.call_timeout if timeout is None else timeout
         for event in self._cancel:
             event.clear()
@@ -63,27 +65,44 @@ class SimulatedCluster:
             self._inboxes[rank].put(p.encode(message))
         replies = {}
         interrupted = None
+        wait = timeout if watch is None else min(timeout, max(1, watch.every_ms) / 1000)
+
+        def cancel(ranks) -> None:
+            for r in ranks:
+                self._cancel[r].set()
+            if watch is not None:
+                watch.cancel()
+
+        deadline = Deadline(timeout)
         while len(replies) < len(messages):
             try:
+                if watch is not None:
+                    seen = watch.look(not self._cancel[0].is_set())
+                    if seen is not None:
+                        deadline = Deadline(timeout)
+                    if seen is False and not self._cancel[0].is_set():
+                        cancel(messages)
                 try:
-                    rank, frames = self._replies.get(timeout=timeout)
+                    rank, frames = self._replies.get(timeout=min(wait, deadline.remaining()))
                 except queue.Empty:
+                    if not deadline.expired():
+                        continue
                     missing = sorted(set(messages) - set(replies))
                     raise DeadlineExceeded(f"simulated devices {missing} did not answer within {timeout} s") from None
                 message = p.decode(frames)[0]
                 if rank in replies:
                     continue  # after this device's reply
                 if isinstance(message, p.Tokens) and on_message is not None:
+                    deadline = Deadline(timeout)
                     if not self._cancel[rank].is_set() and not on_message(rank, message):
-                        self._cancel[rank].set()
+                        cancel([rank])
                     continue
                 replies[rank] = message
             except KeyboardInterrupt as exc:
-                if on_message is None or interrupted is not None:
+                if (on_message is None and watch is None) or interrupted is not None:
                     raise
                 interrupted = exc
-                for event in self._cancel:
-                    event.set()
+                cancel(messages)
         if interrupted is not None:
             raise interrupted
         return replies
