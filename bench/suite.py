@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import collectives, decode, llm, peers, report, tp_matmul, transport  # noqa: E402
+from bench import collectives, decode, executor, llm, peers, report, tp_matmul, transport  # noqa: E402
 
 
 def memcpy_GBps(nbytes: int = 64 << 20, reps: int = 10) -> float:  # noqa: N802 - unit in the name
@@ -67,6 +67,8 @@ def run(quick: bool, backend: str) -> dict:
     results["decode"] = decode.run(quick, 2)
     print(f"{step} SmolLM2 generation on {'2' if quick else '1, 2 and 4'} workers ...", file=sys.stderr, flush=True)
     results["llm"] = llm.run(quick, [2] if quick else counts, [] if quick else [256, 8192], 0, rounds=1 if quick else 3)
+    print(f"{step} the executor's own work per SmolLM2 decode token ...", file=sys.stderr, flush=True)
+    results["executor"] = executor.run(quick, [1, 2], 2000)
     print(f"{step} model ...", file=sys.stderr, flush=True)
     results["model"] = model_benchmark(quick)
     return results
@@ -239,6 +241,9 @@ def show(results: dict) -> None:
             ],
         )
     )
+    if results.get("executor"):
+        print()
+        executor.show(results["executor"])
 
 
 def step_breakdowns(results: dict) -> list[tuple[str, dict]]:

@@ -103,7 +103,7 @@ def test_views_of_arena_buffers_are_made_at_bind_and_see_every_runs_values(sim):
     (program,) = dev.cluster.servers[0].executor.programs.values()
     reshapes = [pl for pl in program.placed if pl.step.op == "reshape"]
     assert len(reshapes) == 3 and len(program.preset) == 2  # the two reshapes of products
-    assert len(program.calls) == len(program.placed) - 2
+    assert len(program.bound) == len(program.placed) - 2
 
 
 def test_views_of_a_cache_written_in_place_see_every_runs_writes(sim):
@@ -125,7 +125,7 @@ def test_views_of_a_cache_written_in_place_see_every_runs_writes(sim):
         np.testing.assert_array_equal(copied.numpy(), hosts[which].T.reshape(2, 12) + 1.0)
     assert len(dev.plans) == 1
     (program,) = dev.cluster.servers[0].executor.programs.values()
-    kept = [c for c in program.calls if c.__qualname__.startswith("_view_call")]
+    kept = [c for _, c, _ in program.bound if c.__qualname__.startswith("_view_call")]
     assert len(kept) == 3  # the cache's three view steps (the copying reshape keeps nothing it makes)
     # a freed cache is not kept alive by the views the program kept of it (the last run's cache)
     store = dev.cluster.servers[0].store

@@ -14,8 +14,9 @@ step holding its kernel, parameters, output buffer and collective request; a vie
 buffer (a reshape) is made then, once, and set in its slot each run instead of being called. A
 run then fills the input slots from the store and calls the closures in order: no lookups,
 validation, timers or accounting per step. Profiling (RunProgram.profile) times each step; the
-first run after a bind checks every step's result against the plan. On a backend that captures
-device graphs, the calls between collectives become graph segments (workers/graphs.py).
+first run after a bind checks every step's result against the plan. A binding replayed a few
+times is written out as one function (workers/straight.py); on a backend that captures device
+graphs, the calls between collectives become graph segments instead (workers/graphs.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from split_state.layout import local_shape
 from split_state.ops import OPS
 from transport import protocol as p
 from transport.deadline import Deadline
-from workers import graphs, layouts
+from workers import graphs, layouts, straight
 from workers.arena import Arena, aligned
 from workers.kernels import OVERWRITES_INPUT, VIEW_OPS
 from workers.kernels.fused import PATTERNS, Pattern, fuse, reads, scratch_bytes
@@ -118,10 +119,12 @@ class CompiledProgram:
         fixed: dict[int, Any] = {}
         preset: list[tuple[int, Any]] = []
         kept: list[list] = []  # the views of inputs kept from run to run: [source, view] each
+        lines: list[straight.Line] = []  # what each bound call does, for write_out
         for placed in self.placed:
             step = placed.step
             if isinstance(step, p.MoveStep):
                 bound.append((placed, self._move_call(placed, collectives, collective_timeout), None))
+                lines.append(straight.CallLine(bound[-1][1]))
                 continue
             out = (
                 arena.view(placed.offset, tuple(step.shape), dtype_from_name(step.dtype))
@@ -142,6 +145,7 @@ class CompiledProgram:
                 last: list = [None, None]
                 kept.append(last)
                 bound.append((placed, _view_call(self.kernels[step.op], xp, step, last), None))
+                lines.append(straight.ViewLine(bound[-1][1], step.inputs[0], step.output, last))
                 continue
             scratch = None
             if placed.scratch is not None:
@@ -149,7 +153,13 @@ class CompiledProgram:
                 scratch = arena.view(offset, shape, np.float32)
             kernel = self.kernels[step.op]
             memo = self.memo if getattr(kernel, "memo", False) else None
-            bound.append((placed, _op_call(kernel, xp, step, out, scratch, placed.out == "fresh", memo), out))
+            fresh = placed.out == "fresh"
+            bound.append((placed, _op_call(kernel, xp, step, out, scratch, fresh, memo), out))
+            extra = {"scratch": scratch} if scratch is not None else {}
+            if memo is not None:
+                extra["memo"] = memo
+            shape_dtype = (tuple(step.shape), dtype_from_name(step.dtype)) if fresh else None
+            lines.append(straight.OpLine(kernel, tuple(step.inputs), step.output, step.params, out, extra, shape_dtype))
         # the calls that drop per-run memory after its last read; the plain ones (`keep`) for a run
         # that asks for slots the load did not declare (they must stay until the run ends)
         dropping = []
@@ -157,8 +167,13 @@ class CompiledProgram:
             dead = self.dead.get(placed.step.output)
             dropping.append((placed, _dropping(call, dead) if dead else call, out))
         calls = [call for _, call, _ in dropping]
+        # written out as one function once replayed (workers/straight.py); not where device
+        # graphs replay the kernels
+        self.lines: list | None = [(line, self.dead.get(pl.step.output, ())) for line, (pl, _, _) in zip(lines, bound)]
+        self.replays, self.xp = 0, xp
         if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
             calls = graphs.piecewise(dropping, backend, backend.capture_pool(), self.kernels)
+            self.lines = None
         self.bound, self.dropping, self.calls, self.preset, self.arena = bound, dropping, calls, preset, arena
         self.kept_views = kept
         self.keeping_calls = [call for _, call, _ in bound]
@@ -209,7 +224,13 @@ class CompiledProgram:
                         _check(placed, slots[placed.step.output], out, self.arena.memory)
             self.checked = True
         else:
-            for call in self.keeping_calls if keep else self.calls:
+            calls = self.keeping_calls if keep else self.calls
+            if not keep and self.lines is not None:
+                self.replays += 1
+                if self.replays >= straight.REPLAYS_FIRST:
+                    self.calls = calls = [straight.write_out(self.lines, self.xp, f"program {self.program}")]
+                    self.lines = None
+            for call in calls:
                 call(slots)
         backend.synchronize()
         program = time.perf_counter() - started

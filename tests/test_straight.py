@@ -1,0 +1,92 @@
+"""Straight-line programs (workers/straight.py): a bound program written out as one function
+does what its calls do, line by line (the oracle is NumPy on the same values), and a program
+replayed often runs written out with the same results as its first runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from workers import straight
+from workers.straight import CallLine, OpLine, ViewLine
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def negate(xp, inputs, params, out):
+    assert isinstance(inputs, tuple)  # as the closures pass one or two inputs
+    return xp.negative(inputs[0], out=out)
+
+
+def scaled_difference(xp, inputs, params, out):
+    a, b = inputs
+    return xp.multiply(xp.subtract(a, b, out=out), params["scale"], out=out)
+
+
+def total(xp, inputs, params, out, scratch=None, memo=None):
+    assert isinstance(inputs, list)  # three inputs, or a fresh result: a list
+    memo["runs"] = memo.get("runs", 0) + 1
+    scratch[...] = inputs[0] + inputs[1]
+    return xp.add(scratch, inputs[2], out=out)
+
+
+def test_each_kind_of_line_does_what_its_call_would():
+    a = np.arange(6, dtype=np.float32)
+    b = np.full(6, 2.0, np.float32)
+    cache = np.arange(12, dtype=np.float32)
+    o_neg, o_diff, scratch = np.empty(6, np.float32), np.empty(6, np.float32), np.empty(6, np.float32)
+    memo: dict = {}
+    moved = []
+    last = [None, None]
+    made = []
+
+    def view(s):  # as workers/program.py _view_call: a view of slot 2, kept in `last`
+        made.append(1)
+        last[:] = (s[2], s[2].reshape(3, 4))
+        s[7] = last[1]
+
+    lines = [
+        (OpLine(negate, (0,), 3, {}, o_neg), ()),
+        (OpLine(scaled_difference, (3, 1), 4, {"scale": 3.0}, o_diff), (3,)),  # slot 3 dies here
+        (OpLine(total, (4, 0, 1), 5, {}, None, {"scratch": scratch, "memo": memo}, ((6,), np.float32)), ()),
+        (ViewLine(view, 2, 7, last), ()),
+        (CallLine(lambda s: moved.append(s[5].copy())), (4,)),
+    ]
+    run = straight.write_out(lines, np, "test")
+    results = []
+    for _ in range(2):
+        s = [a, b, cache, None, None, None, None, None]
+        run(s)
+        results.append(s)
+    want_diff = (-a - b) * 3.0
+    for s in results:
+        assert s[3] is None and s[4] is None  # dead after their last reads
+        np.testing.assert_array_equal(s[5], want_diff + a + b)
+        np.testing.assert_array_equal(s[7], cache.reshape(3, 4))
+        np.testing.assert_array_equal(moved[-1], want_diff + a + b)
+    assert results[0][5] is not results[1][5]  # a fresh result each run
+    assert results[1][7] is results[0][7] and len(made) == 1  # the kept view, made once
+    assert memo["runs"] == 2
+    other = np.zeros(12, np.float32)  # another cache: the view is made again, of it
+    s = [a, b, other, None, None, None, None, None]
+    run(s)
+    assert len(made) == 2 and s[7].base is other
+
+
+def test_a_replayed_program_runs_written_out_with_its_first_runs_results(sim):
+    dev = sim(2)
+    x_host = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8)
+    w_host = np.eye(8, dtype=np.float32) * 0.5 + 0.25
+    w = dev.tensor(w_host)
+    seen = []
+    for k in range(straight.REPLAYS_FIRST + 3):
+        x = dev.tensor(x_host + k)
+        y = ((x @ w).reshape(4, 16) * 2.0 + 1.0).exp().sum(axis=1)
+        seen.append(y.numpy())
+        expected = np.exp(((x_host + k) @ w_host).reshape(4, 16) * 2.0 + 1.0).sum(axis=1)
+        np.testing.assert_allclose(seen[-1], expected, rtol=1e-5)
+    assert len(dev.plans) == 1
+    for server in dev.cluster.servers:
+        (program,) = server.executor.programs.values()
+        (call,) = program.calls  # written out: one function
+        assert call.__code__.co_filename == f"<program {program.program}>"
