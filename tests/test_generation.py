@@ -15,6 +15,7 @@ from meta import MetaDevice
 from models.llama import LlamaConfig, TensorParallelLlama, random_weights
 from split_state import WorkerLost
 from split_state.errors import TransportError
+from transport.shm import shm_root
 from workers.generation import Rule, generator_state
 
 pytestmark = pytest.mark.timeout(120)
@@ -186,16 +187,27 @@ def test_the_token_board_carries_every_step_each_shown_once_in_order(procs2, mon
         return first, steps
 
     monkeypatch.setattr(meta.device.TokenBoard, "take", taken)
+    boards = set(shm_root().glob("meta-tp-board-*"))
+    named = []  # whether the board's file had a name as each step was shown
     _, step, v, i = start(dev)
-    out, info = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=report_s)
+    out, info = worker_loop(
+        dev, step, v, i, 0.9, 1.0, seed=3, report_s=report_s, on=lambda k, t: named.append(_board_files(boards)) or True
+    )
     assert out == by_messages and info["steps"] == STEPS
     assert on_board == list(enumerate(by_messages[1:]))  # every step came on the board, once
+    # rank 0 removed the name once it had mapped the file (at the latest before its first step
+    # was shown): a coordinator killed now would leave nothing behind
+    assert not any(named) and not _board_files(boards)
 
     # refused on the board: the steps after it are not shown, the workers stop
     seen = []
     _, step, v, i = start(dev)
     out, info = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=0, on=lambda k, t: seen.append(k) or k < 2)
     assert seen == [0, 1, 2] and out == by_messages[:4]
+
+
+def _board_files(before: set) -> list:
+    return sorted(set(shm_root().glob("meta-tp-board-*")) - before)
 
 
 def test_a_rank_0_that_cannot_map_the_board_reports_in_messages(sim, monkeypatch):

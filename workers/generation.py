@@ -226,9 +226,13 @@ def _board(path, count: int) -> TokenBoard | None:
     if not path:
         return None
     try:
-        return TokenBoard.attach(str(path), count)
+        board = TokenBoard.attach(str(path), count)
     except TransportError:
         return None
+    # both sides have it mapped now: the name goes, so a coordinator killed before its close
+    # leaves no file behind
+    board.path.unlink(missing_ok=True)
+    return board
 
 
 def _stop_flag(comm, run: int, timeout: float) -> bool:
