@@ -79,14 +79,34 @@ def test_a_replayed_program_runs_written_out_with_its_first_runs_results(sim):
     w_host = np.eye(8, dtype=np.float32) * 0.5 + 0.25
     w = dev.tensor(w_host)
     seen = []
-    for k in range(straight.REPLAYS_FIRST + 3):
-        x = dev.tensor(x_host + k)
+    for k in range(straight.WORTH_RUNS + 3):
+        x = dev.tensor(x_host + k / 100)
         y = ((x @ w).reshape(4, 16) * 2.0 + 1.0).exp().sum(axis=1)
         seen.append(y.numpy())
-        expected = np.exp(((x_host + k) @ w_host).reshape(4, 16) * 2.0 + 1.0).sum(axis=1)
+        expected = np.exp(((x_host + k / 100) @ w_host).reshape(4, 16) * 2.0 + 1.0).sum(axis=1)
         np.testing.assert_allclose(seen[-1], expected, rtol=1e-5)
     assert len(dev.plans) == 1
     for server in dev.cluster.servers:
         (program,) = server.executor.programs.values()
         (call,) = program.calls  # written out: one function
         assert call.__code__.co_filename == f"<program {program.program}>"
+
+
+def test_a_generation_announcing_enough_steps_is_written_out_at_once_with_the_same_tokens(sim, monkeypatch):
+    from tests.test_generation import LONG, STEPS, start, worker_loop
+
+    monkeypatch.setattr(straight, "WORTH_RUNS", 30)
+    dev = sim(2)
+
+    def written() -> list[bool]:
+        return [len(p.calls) == 1 for s in dev.cluster.servers for p in s.executor.programs.values()]
+
+    _, step, v, i = start(dev)
+    short, info = worker_loop(dev, step, v, i, 0.9, 1.0, seed=7, steps=STEPS)  # 10 steps: not worth it
+    assert info["steps"] == STEPS and not any(written())
+    _, step, v, i = start(dev)
+    long, info = worker_loop(dev, step, v, i, 0.9, 1.0, seed=7, steps=LONG)  # 58 announced
+    assert info["steps"] == LONG and long[: STEPS + 1] == short
+    decode = [p for s in dev.cluster.servers for p in s.executor.programs.values() if len(p.calls) == 1]
+    assert len(decode) == 2  # the decode program on both devices; the prefill's never
+    assert all(p.replays < 30 for p in decode)  # written out on the steps' announcement, not their count

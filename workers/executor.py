@@ -138,12 +138,15 @@ class Executor:
         outputs: list[list[int]],
         profile: bool = False,
         read: Sequence[int] = (),
+        runs: int = 0,
     ) -> Callable[[int], dict[str, Any]]:
         """A function running `program` under a given run id, as often as the caller likes over
         the same stored inputs (a generation's steps write their fed tensors in place):
         checked and bound once, from `first_run` on. What stays the same from run to
         run is worked out once: the outputs a run writes in place (a decode step's ~60 KV
-        caches of its 62) are known after the first and not looked at again, ~70 us a token."""
+        caches of its 62) are known after the first and not looked at again, ~70 us a token.
+        `runs`: how many times the caller means to run it (a Generate's steps), which counts
+        towards writing the program out as one function (workers/straight.py)."""
         # a request for a program this worker never loaded is not a run of the cluster's (its
         # run id may be a later real run's): refused here without aborting that run on the peers
         compiled = self.programs.get(program)
@@ -157,6 +160,7 @@ class Executor:
                 raise ProtocolError(f"run {first_run} reads tensors {sorted(set(read))}, not all among its outputs")
             if compiled.bound_to != (self.arena.generation, id(self.collectives)):
                 compiled.bind(self.arena, self.collectives, self.backend, self.collective_timeout)
+            compiled.expect(runs)
             filled = self.input_slots(program, inputs)
         fresh = compiled.fresh_bytes
 

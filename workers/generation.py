@@ -137,7 +137,7 @@ def run_generation(
     timings = {"program_s": 0.0, "comm_s": 0.0}
     steps = 0
     cancel = False
-    run_step = executor.repeated(m.program, m.run, m.inputs, m.outputs)  # checked and bound once
+    run_step = executor.repeated(m.program, m.run, m.inputs, m.outputs, runs=m.steps)  # checked and bound once
     board = _board(sampling.get("board"), count) if rank == 0 else None
     report = Reports(emit, interval, board, executor.collective_timeout)
     if board is not None:  # the coordinator writes the board's cancel word when it sends a Cancel

@@ -170,7 +170,7 @@ class CompiledProgram:
         # written out as one function once replayed (workers/straight.py); not where device
         # graphs replay the kernels
         self.lines: list | None = [(line, self.dead.get(pl.step.output, ())) for line, (pl, _, _) in zip(lines, bound)]
-        self.replays, self.xp = 0, xp
+        self.replays, self.expected, self.xp = 0, 0, xp
         if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
             calls = graphs.piecewise(dropping, backend, backend.capture_pool(), self.kernels)
             self.lines = None
@@ -195,6 +195,11 @@ class CompiledProgram:
             self.comm_s += time.perf_counter() - start
 
         return call
+
+    def expect(self, runs: int) -> None:
+        """The caller is about to run this binding `runs` times (a Generate's steps): counted
+        towards writing it out (workers/straight.py) from the next run."""
+        self.expected = runs
 
     def forget(self, freed: dict) -> None:
         """Drop the views kept of the arrays in `freed` (id -> array: the store has freed them)."""
@@ -227,7 +232,7 @@ class CompiledProgram:
             calls = self.keeping_calls if keep else self.calls
             if not keep and self.lines is not None:
                 self.replays += 1
-                if self.replays >= straight.REPLAYS_FIRST:
+                if self.replays + self.expected >= straight.WORTH_RUNS:
                     self.calls = calls = [straight.write_out(self.lines, self.xp, f"program {self.program}")]
                     self.lines = None
             for call in calls:

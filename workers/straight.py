@@ -6,9 +6,11 @@ is ~600 of them, and calling them one after the other cost rank 0 190 us a token
 tuple, the wrapper that drops dead slots). The same steps written out as one function's
 statements (`s[12] = c3(xp, (s[4], s[9]), c4, c5)`; a dead slot `s[4] = None`; a view of a KV
 cache kept from run to run behind an identity test) run in 80 and 115 us. CPython compiles such
-a function at ~30 us a statement (17-30 ms for a decode step), so a binding is written out only
-after `REPLAYS_FIRST` unprofiled runs: a prompt's prefill run once never pays for it, a decode
-step pays once per load.
+a function at 20-30 us a statement (17-30 ms for a decode step) and a run saves ~0.2 us a call,
+so writing out pays for itself after ~150 runs whatever the program's size: a binding is
+written out once its runs done and announced (a Generate says how many steps it will run,
+`CompiledProgram.expect`) reach `WORTH_RUNS`. A prompt's prefill run a few times, or a short
+generation, never pays for it; a long generation pays at its first step, once per load.
 
 A line says what its closure does, nothing more: the closures stay the reference, and what the
 first runs, profiling, the checks, a run that keeps every slot and device graphs use.
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-REPLAYS_FIRST = 3  # unprofiled runs of a binding before it is written out
+WORTH_RUNS = 128  # a binding's unprofiled runs, done and announced, from which it is written out
 
 
 @dataclass(frozen=True)
