@@ -14,9 +14,10 @@ step holding its kernel, parameters, output buffer and collective request; a vie
 buffer (a reshape) is made then, once, and set in its slot each run instead of being called. A
 run then fills the input slots from the store and calls the closures in order: no lookups,
 validation, timers or accounting per step. Profiling (RunProgram.profile) times each step; the
-first run after a bind checks every step's result against the plan. A binding replayed a few
-times is written out as one function (workers/straight.py); on a backend that captures device
-graphs, the calls between collectives become graph segments instead (workers/graphs.py).
+first run after a bind checks every step's result against the plan. A binding run often enough
+to pay for it (its runs, done and announced by a Generate, reach straight.WORTH_RUNS) is written
+out as one function (workers/straight.py); on a backend that captures device graphs, the calls
+between collectives become graph segments instead (workers/graphs.py).
 """
 
 from __future__ import annotations
@@ -167,8 +168,8 @@ class CompiledProgram:
             dead = self.dead.get(placed.step.output)
             dropping.append((placed, _dropping(call, dead) if dead else call, out))
         calls = [call for _, call, _ in dropping]
-        # written out as one function once replayed (workers/straight.py); not where device
-        # graphs replay the kernels
+        # written out as one function once run often enough (workers/straight.py); not where
+        # device graphs replay the kernels
         self.lines: list | None = [(line, self.dead.get(pl.step.output, ())) for line, (pl, _, _) in zip(lines, bound)]
         self.replays, self.expected, self.xp = 0, 0, xp
         if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
