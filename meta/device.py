@@ -609,9 +609,9 @@ class _Shown:
         if not tokens:
             return None
         for k, chosen in enumerate(tokens, first):
-            if self.refused or not show:
+            if not show or self.refused:
                 break
-            if k >= self.next:
+            if k >= self.next:  # else shown already, from the other way
                 self.next = k + 1
                 self.refused = not self.on_tokens(k, list(chosen))
         return not self.refused

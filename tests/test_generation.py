@@ -170,10 +170,11 @@ def test_without_a_token_board_steps_gathered_in_few_messages_are_each_shown_in_
 
 
 @pytest.mark.parametrize("report_s", [0, 60])
-def test_the_token_board_carries_every_step_each_shown_once_in_order(procs2, monkeypatch, report_s):
+@pytest.mark.parametrize("devname", ["procs2", "sim2"])
+def test_the_token_board_carries_every_step_each_shown_once_in_order(devname, monkeypatch, report_s, request):
     import meta.device
 
-    dev = procs2
+    dev = request.getfixturevalue("sim")(2) if devname == "sim2" else request.getfixturevalue(devname)
     _, step, v, i = start(dev)
     monkeypatch.setattr(meta.device, "board_supported", lambda: False)
     by_messages, _ = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=report_s)
@@ -202,8 +203,10 @@ def test_the_token_board_carries_every_step_each_shown_once_in_order(procs2, mon
     # refused on the board: the steps after it are not shown, the workers stop
     seen = []
     _, step, v, i = start(dev)
-    out, info = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=0, on=lambda k, t: seen.append(k) or k < 2)
+    refuse = lambda k, t: seen.append(k) or k < 2  # noqa: E731
+    out, info = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=0, on=refuse, steps=LONG)
     assert seen == [0, 1, 2] and out == by_messages[:4]
+    assert info["cancelled"] and info["steps"] < LONG  # the board's cancel word reached rank 0
 
 
 def _board_files(before: set) -> list:

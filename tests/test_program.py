@@ -316,6 +316,15 @@ def test_per_run_buffers_go_back_after_their_last_read():
         np.testing.assert_array_equal(slots[slot], np.full(shape, 8.0, np.float32))
     # the probe reads the last all-reduce's result: the two before it are gone, unless kept
     assert alive_at_probe == [1, 1, 3]
+    # and so written out as one function (workers/straight.py), once enough runs are announced
+    from workers import straight
+
+    program.expect(straight.WORTH_RUNS)
+    slots = [None] * program.nslots
+    slots[0] = x
+    program.run(slots, 1, backend, profile=False)
+    np.testing.assert_array_equal(slots[slot], np.full(shape, 8.0, np.float32))
+    assert len(program.calls) == 1 and alive_at_probe[-1] == 1
 
 
 def test_a_worker_process_keeps_loaded_programs_out_of_the_collectors_passes_until_unloaded(sim):

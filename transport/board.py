@@ -36,6 +36,7 @@ __all__ = ["TokenBoard", "supported"]
 MAGIC = b"METATPB1"
 HEADER = struct.Struct("<8sQQ64s")  # magic, tokens per step, capacity in steps, host id
 PUBLISHED, TAKEN, CANCEL = 128, 192, 256  # one 8-byte word per cache line, each with one writer
+_TAKEN, _CANCEL = (TAKEN - PUBLISHED) // 8, (CANCEL - PUBLISHED) // 8  # their indices in the words from PUBLISHED
 DATA = 320  # int32 tokens, `per_step` for each step, a ring of `capacity` steps
 MAX_TOKENS = 1 << 16  # the ring's size in tokens at most (256 KiB): the coordinator takes them every report_s
 FULL_WAIT_S = 0.001  # a full ring: rank 0 looks again after this long (the coordinator is behind)
@@ -71,11 +72,11 @@ class TokenBoard:
             return first, []
         steps = [self._tokens[s % self.capacity].tolist() for s in range(first, published)]
         self.taken = published
-        self._words[(TAKEN - PUBLISHED) // 8] = published  # after the copies: rank 0 may now overwrite them
+        self._words[_TAKEN] = published  # after the copies: rank 0 may now overwrite them
         return first, steps
 
     def cancel(self) -> None:
-        self._words[(CANCEL - PUBLISHED) // 8] = 1
+        self._words[_CANCEL] = 1
 
     # -- rank 0 ---------------------------------------------------------------------------------------
 
@@ -103,9 +104,9 @@ class TokenBoard:
         """One step's tokens; waits while the ring is full (the coordinator takes them every
         report_s), for `timeout` seconds at most."""
         at = self._published
-        if at - int(self._words[(TAKEN - PUBLISHED) // 8]) >= self.capacity:
+        if at - int(self._words[_TAKEN]) >= self.capacity:
             deadline = Deadline(timeout)
-            while at - int(self._words[(TAKEN - PUBLISHED) // 8]) >= self.capacity:
+            while at - int(self._words[_TAKEN]) >= self.capacity:
                 if deadline.expired():
                     raise TransportError(f"the coordinator took no tokens from the board for {timeout:.1f} s")
                 time.sleep(FULL_WAIT_S)
@@ -114,7 +115,7 @@ class TokenBoard:
         self._words[0] = at + 1  # after the tokens: publishes them
 
     def is_cancelled(self) -> bool:
-        return bool(self._words[(CANCEL - PUBLISHED) // 8])
+        return bool(self._words[_CANCEL])
 
     def close(self) -> None:
         del self._words, self._tokens  # the views, or the mapping cannot close

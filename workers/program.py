@@ -156,21 +156,24 @@ class CompiledProgram:
             memo = self.memo if getattr(kernel, "memo", False) else None
             fresh = placed.out == "fresh"
             bound.append((placed, _op_call(kernel, xp, step, out, scratch, fresh, memo), out))
-            extra = {"scratch": scratch} if scratch is not None else {}
-            if memo is not None:
-                extra["memo"] = memo
+            extra = None
+            if scratch is not None or memo is not None:
+                extra = {"scratch": scratch} if scratch is not None else {}
+                if memo is not None:
+                    extra["memo"] = memo
             shape_dtype = (tuple(step.shape), dtype_from_name(step.dtype)) if fresh else None
-            lines.append(straight.OpLine(kernel, tuple(step.inputs), step.output, step.params, out, extra, shape_dtype))
+            lines.append(straight.OpLine(kernel, step.inputs, step.output, step.params, out, extra, shape_dtype))
         # the calls that drop per-run memory after its last read; the plain ones (`keep`) for a run
         # that asks for slots the load did not declare (they must stay until the run ends)
         dropping = []
-        for placed, call, out in bound:
-            dead = self.dead.get(placed.step.output)
-            dropping.append((placed, _dropping(call, dead) if dead else call, out))
-        calls = [call for _, call, _ in dropping]
         # written out as one function once run often enough (workers/straight.py); not where
         # device graphs replay the kernels
-        self.lines: list | None = [(line, self.dead.get(pl.step.output, ())) for line, (pl, _, _) in zip(lines, bound)]
+        self.lines: list | None = []
+        for (placed, call, out), line in zip(bound, lines):
+            dead = self.dead.get(placed.step.output, ())
+            dropping.append((placed, _dropping(call, dead) if dead else call, out))
+            self.lines.append((line, dead))
+        calls = [call for _, call, _ in dropping]
         self.replays, self.expected, self.xp = 0, 0, xp
         if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
             calls = graphs.piecewise(dropping, backend, backend.capture_pool(), self.kernels)

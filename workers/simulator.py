@@ -67,7 +67,11 @@ class SimulatedCluster:
         interrupted = None
         wait = timeout if watch is None else min(timeout, max(1, watch.every_ms) / 1000)
 
+        cancelled = False
+
         def cancel(ranks) -> None:
+            nonlocal cancelled
+            cancelled = True
             for r in ranks:
                 self._cancel[r].set()
             if watch is not None:
@@ -77,10 +81,10 @@ class SimulatedCluster:
         while len(replies) < len(messages):
             try:
                 if watch is not None:
-                    seen = watch.look(not self._cancel[0].is_set())
+                    seen = watch.look(not cancelled)
                     if seen is not None:
                         deadline = Deadline(timeout)
-                    if seen is False and not self._cancel[0].is_set():
+                    if seen is False and not cancelled:
                         cancel(messages)
                 try:
                     rank, frames = self._replies.get(timeout=min(wait, deadline.remaining()))
@@ -94,7 +98,7 @@ class SimulatedCluster:
                     continue  # after this device's reply
                 if isinstance(message, p.Tokens) and on_message is not None:
                     deadline = Deadline(timeout)
-                    if not self._cancel[rank].is_set() and not on_message(rank, message):
+                    if not cancelled and not on_message(rank, message):
                         cancel([rank])
                     continue
                 replies[rank] = message

@@ -19,14 +19,16 @@ first runs, profiling, the checks, a run that keeps every slot and device graphs
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 WORTH_RUNS = 128  # a binding's unprofiled runs, done and announced, from which it is written out
 
 
-@dataclass(frozen=True)
-class OpLine:
+# The lines are NamedTuples: every bind makes one a step (~2,000 for a prefill) whether or not
+# the binding is ever written out, and a frozen dataclass costs three times as much to make.
+
+
+class OpLine(NamedTuple):
     """A kernel's call: `s[output] = kernel(xp, inputs, params, out, **extra)`; with `fresh`
     (shape, dtype), `out` is a new array each run."""
 
@@ -39,8 +41,7 @@ class OpLine:
     fresh: tuple | None = None
 
 
-@dataclass(frozen=True)
-class ViewLine:
+class ViewLine(NamedTuple):
     """A view of an input (workers/program.py `_view_call`): `last` holds [the source, its view]
     of the last run; the closure makes it again when the source is another array."""
 
@@ -50,8 +51,7 @@ class ViewLine:
     last: list
 
 
-@dataclass(frozen=True)
-class CallLine:
+class CallLine(NamedTuple):
     """A step kept as its closure (a collective)."""
 
     call: Callable
