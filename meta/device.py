@@ -28,7 +28,7 @@ from meta.graph import Node, topo_order
 from meta.planner import Plan, plan
 from meta.tensor import Tensor
 from split_state import errors
-from split_state.dtypes import dtype_name
+from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import MetaError, RemoteError, ShapeError
 from split_state.layout import Piece, local_shape, pieces
 from split_state.ops import OPS
@@ -183,6 +183,17 @@ class MetaDevice:
         node = self._resident(Node("", (), {}, tuple(array.shape), dtype, name), tensor, MIRRORED)
         return Tensor(self, node)
 
+    def placeholder(self, shape: Sequence[int], dtype: Any, state: State, name: str = "") -> Tensor:
+        """A stand-in for prepare(): a tensor of this shape, dtype and state that holds nothing
+        on the workers. A step prepared over it is called with a real one in its place (the
+        output of another step, say); a run that reads the placeholder itself fails on the
+        workers (the tensor is not stored)."""
+        shape = tuple(int(s) for s in shape)
+        validate(state, shape, self.n, name=name or "placeholder")
+        node = Node("", (), {}, shape, dtype_name(np.dtype(dtype)), name or "placeholder")
+        node.tensor, node.state = next(self._tensor_ids), state  # nothing stored: nothing to release
+        return Tensor(self, node)
+
     def _placement(self, name: str, shape: tuple[int, ...], state: State | None) -> State:
         if state is None and self.policy is not None:
             state = self.policy(name, tuple(shape))
@@ -266,7 +277,8 @@ class MetaDevice:
         planned = self._planned(outputs)
         if planned is None:
             return None
-        compiled, leaves, outputs = planned
+        compiled, leaves, outputs, order = planned
+        writes = _last_writes(order)  # before the outputs lose their recipes
         roots = [_written(node) for node in outputs]  # in-place writes keep their destination's id
         out_ids = [root.tensor if root is not None else next(self._tensor_ids) for root in roots]
         fed = {leaf.tensor: self._feeds[leaf.tensor] for leaf in leaves if leaf.tensor in self._feeds}
@@ -281,11 +293,15 @@ class MetaDevice:
                 node.tensor, node.state, node.alias = tensor, state, root
                 root.host = None  # written in place: a value read before is out of date
             node.op, node.inputs = "", ()  # resident now: the recipe (and its inputs) can go
+        for node, root in writes.items():
+            if not node.resident:  # what its destination holds now: never run again
+                node.tensor, node.state, node.alias, node.op, node.inputs = root.tensor, root.state, root, "", ()
+                root.host = None
         return compiled, leaves, roots
 
-    def _planned(self, outputs: list[Node]) -> tuple[CompiledPlan, list[Node], list[Node]] | None:
-        """The compiled (loaded) plan computing `outputs` (cached by structure), its leaves, and
-        the outputs without repeats; None when there is nothing to compute."""
+    def _planned(self, outputs: list[Node]) -> tuple[CompiledPlan, list[Node], list[Node], list[Node]] | None:
+        """The compiled (loaded) plan computing `outputs` (cached by structure), its leaves, the
+        outputs without repeats and the nodes it computes; None when there is nothing to compute."""
         outputs = list({id(n): n for n in outputs}.values())
         if not outputs:
             return None
@@ -307,7 +323,7 @@ class MetaDevice:
         self.last_plan = compiled.plan
         if self.debug:
             print("\n".join(compiled.plan.trace), file=self.trace_to)
-        return compiled, leaves, outputs
+        return compiled, leaves, outputs, order
 
     def _execute(
         self,
@@ -335,16 +351,27 @@ class MetaDevice:
             int(self.profile),
         )
         states = {out_ids[j]: compiled.plan.out_states[j] for j in read}
-        asked = {d: [t for t, state in states.items() if d == 0 or not self._one_copy(state)] for d in range(self.n)}
         try:
-            replies = self._call({d: replace(message, read=asked[d]) if asked[d] else message for d in range(self.n)})
+            replies = self._call({d: replace(message, read=self._asked(states, d)) for d in range(self.n)})
         except errors.DeadlineExceeded:
             self._released.extend(fresh)
             raise
         self.last_timings = {d: dict(r.info) for d, r in replies.items()}
+        return self._read_back(replies, states)
+
+    def _asked(self, states: dict[int, State], d: int) -> list[int]:
+        """The tensors (of `states`: id -> state) whose values worker d sends back with a run."""
+        return [t for t, state in states.items() if d == 0 or not self._one_copy(state)]
+
+    def _read_back(self, replies: dict[int, p.Message], states: dict[int, State]) -> dict[int, np.ndarray]:
+        """The global values of the tensors read back with a run (`states`: id -> state), by id."""
         if not states:
             return {}
-        got = {d: {v.tensor: p.unpack_array(v, r.data) for v in r.values} for d, r in replies.items() if asked[d]}
+        got = {
+            d: {v.tensor: p.unpack_array(v, r.data) for v in r.values}
+            for d, r in replies.items()
+            if self._asked(states, d)
+        }
         values = {}
         for t, state in states.items():
             if self._one_copy(state):
@@ -359,86 +386,197 @@ class MetaDevice:
         return self.n == 1 or (state == MIRRORED and not self.check_mirrored)
 
     @serialized
-    def capture(self, build: Callable[..., Sequence[Tensor]], *values: np.ndarray) -> tuple[Step, list[Tensor]]:
-        """Run `build(*feeds)` with `values` fed (a real step), and return it as a Step that
-        replays the same compiled program with new values of the same shapes (no graph to build,
-        plan or key on the coordinator; one message per worker), with this run's outputs.
-        In-place writes (a KV cache) go on in place at every replay."""
-        feeds = [self.feed(v) for v in values]
-        outputs = list(build(*feeds))
+    def capture(
+        self, build: Callable[..., Sequence[Tensor]], *values: np.ndarray | Tensor
+    ) -> tuple[Step, list[Tensor]]:
+        """Run `build(*args)` with `values` as its arguments (a real step), and return it as a
+        Step that replays the same compiled program with new values of the same shapes (no
+        graph to build, plan or key on the coordinator; one message per worker), with this
+        run's outputs. A host array is fed (its values travel with the run); a Tensor is passed
+        as it is, and a replay may pass another of the same shape, dtype and state (a decoder
+        layer's step run with each layer's weights and caches). In-place writes (a KV cache) go
+        on in place at every replay, into the tensor passed where the step writes an argument."""
+        args = self._arguments(values)
+        outputs = list(build(*args))
         ran = self._run_nodes([t.node for t in outputs])
         if ran is None:
             raise ShapeError("capture: the graph has nothing to compute")
         compiled, leaves, roots = ran
-        slots = {leaf.tensor: i for i, leaf in enumerate(leaves)}
-        step = Step(self, compiled, leaves, [slots.get(f.node.tensor) for f in feeds], values, roots)
-        return step, outputs
+        return Step(self, compiled, leaves, args, values, roots), outputs
 
     @serialized
-    def prepare(self, build: Callable[..., Sequence[Tensor]], *values: np.ndarray) -> Step:
+    def prepare(self, build: Callable[..., Sequence[Tensor]], *values: np.ndarray | Tensor) -> Step:
         """The Step capture() would return, planned, compiled and loaded on every worker, but
         not run: nothing is computed or written, and the graph `build` made is dropped (handles
         it changed, a model's caches, are the caller's to put back). Its first call runs it,
         as any later one: what llama.cpp's warm-up run and vLLM's start-up capture save the
-        first request (~50 ms of a SmolLM2 prefill step's planning and loading)."""
-        feeds = [self.feed(v) for v in values]
+        first request (~50 ms of a SmolLM2 prefill step's planning and loading). A host array
+        stands for any value of its shape and dtype, fed or passed Mirrored."""
+        args = self._arguments(values)
         try:
-            outputs = list(build(*feeds))
+            outputs = list(build(*args))
             planned = self._planned([t.node for t in outputs])
         finally:
-            for f in feeds:  # nothing runs: they are not sent
-                self._feeds.pop(f.node.tensor, None)
+            for arg, value in zip(args, values):  # nothing runs: they are not sent
+                if not isinstance(value, Tensor):
+                    self._feeds.pop(arg.node.tensor, None)
         if planned is None:
             raise ShapeError("prepare: the graph has nothing to compute")
-        compiled, leaves, nodes = planned
-        slots = {leaf.tensor: i for i, leaf in enumerate(leaves)}
-        roots = [_written(node) for node in nodes]
-        return Step(self, compiled, leaves, [slots.get(f.node.tensor) for f in feeds], values, roots)
+        compiled, leaves, nodes, _ = planned
+        return Step(self, compiled, leaves, args, values, [_written(node) for node in nodes])
 
-    def _bind(self, step: Step, arrays: Sequence[np.ndarray]):
-        """A run of captured `step` with new feed values: its input tensor ids (fresh ids for
-        the fed ones), the fed arrays by id, its output ids (in-place results keep their
-        tensor's), and which of those are new."""
+    def _arguments(self, values: Sequence[np.ndarray | Tensor]) -> list[Tensor]:
+        """A step's arguments: host arrays fed, Tensors resident (computed now if they are not:
+        a step's argument is an input of its program, not part of it)."""
+        self._realize(values)
+        args = []
+        for value in values:
+            if isinstance(value, Tensor):
+                if value.device is not self:
+                    raise ShapeError("a step's argument is a tensor of another device")
+                args.append(value)
+            else:
+                args.append(self.feed(value))
+        return args
+
+    def _realize(self, values: Sequence[Any]) -> None:
+        """Compute the tensors among `values` that are not resident yet, in one run (a model's
+        caches with writes still pending): a step's arguments are its program's inputs."""
+        lazy = [v.node for v in values if isinstance(v, Tensor) and v.node.tensor is None and v.device is self]
+        if lazy:
+            self._run_nodes(lazy)
+
+    def _bind(self, step: Step, values: Sequence[np.ndarray | Tensor]) -> _Bound:
+        """A run of captured `step` with these arguments: its input tensor ids (fresh ids for
+        fed arrays; a Tensor's own), what travels with it, its output ids (in-place results
+        keep their tensor's: the argument's, where the step writes one) and which are new."""
+        if len(values) != len(step.specs):
+            raise ShapeError(f"captured step takes {len(step.specs)} arguments, got {len(values)}")
         inputs = list(step.leaf_ids)
         fed: dict[int, np.ndarray] = {}
-        for slot, example, array in zip(step.feed_slots, step.examples, arrays):
-            array = np.asarray(array)
-            if array.shape != example.shape or array.dtype != example.dtype:
+        sent: dict[int, np.ndarray] = {}
+        passed: dict[int, Tensor] = {}
+        feeds = self._feeds
+        for k, (slot, (shape, dtype, state, name), value) in enumerate(zip(step.feed_slots, step.specs, values)):
+            if isinstance(value, Tensor):
+                node = value.node
+                if value.device is not self or node.tensor is None:
+                    raise ShapeError(f"captured step: argument {k} must be a resident tensor of this device")
+                if node.shape != shape or node.dtype != name or (node.state is not state and node.state != state):
+                    raise ShapeError(
+                        f"captured step: argument {k} was {shape} {dtype} {state}, got {node.shape} {node.dtype} "
+                        f"{node.state}; capture another step for other shapes or states"
+                    )
+                passed[k] = value
+                if slot is not None:
+                    inputs[slot] = node.tensor
+                    if node.tensor in feeds:  # fed by the caller, not sent yet: it goes now
+                        sent[node.tensor] = feeds.pop(node.tensor)
+                continue
+            array = np.asarray(value)
+            if state != MIRRORED:
+                raise ShapeError(f"captured step: argument {k} is a {state} tensor of {shape}; pass one, not an array")
+            if array.shape != shape or array.dtype != dtype:
                 raise ShapeError(
-                    f"captured step: a feed of {example.shape} {example.dtype} got {array.shape} {array.dtype}; "
+                    f"captured step: a feed of {shape} {dtype} got {array.shape} {array.dtype} (argument {k}); "
                     "capture another step for other shapes"
                 )
             if slot is not None:
                 inputs[slot] = next(self._tensor_ids)
                 fed[inputs[slot]] = array
         out_ids = list(step.root_ids)
+        written = list(step.written)
+        for j, k in step.arg_roots.items():
+            if k in passed:  # written in place into the tensor passed
+                out_ids[j], written[j] = passed[k].node.tensor, passed[k]
         for j in step.made:
             out_ids[j] = next(self._tensor_ids)
-        return inputs, fed, out_ids, [out_ids[j] for j in step.made]
+        return _Bound(inputs, fed, sent, out_ids, [out_ids[j] for j in step.made], written)
 
     @serialized
-    def _replay(self, step: Step, arrays: Sequence[np.ndarray], read: Sequence[int]) -> list[Tensor]:
-        for j in read:
-            if not (type(j) is int and 0 <= j < len(step.roots)) or step.roots[j] is not None:
-                raise ShapeError(
-                    f"captured step: cannot read output {j!r} with the run; read outputs 0..{len(step.roots) - 1} "
-                    "that the step makes anew (one written in place, a cache, reads with .numpy())"
-                )
-        inputs, fed, out_ids, fresh = self._bind(step, arrays)
+    def _replay(self, step: Step, values: Sequence[np.ndarray | Tensor], read: Sequence[int]) -> list[Tensor]:
+        _check_reads(step, read)
+        self._realize(values)
+        bound = self._bind(step, values)
         try:
-            values = self._execute(step.compiled, inputs, out_ids, fed, fresh, read)
+            got = self._execute(
+                step.compiled, bound.inputs, bound.out_ids, {**bound.fed, **bound.sent}, bound.fresh, read
+            )
         finally:
-            self._released.extend(fed)  # fed values are single-use
-        out = list(step.written)  # in-place results: the same handles every run
+            self._released.extend(bound.fed)  # fed values are single-use
+        return self._outputs(step, bound, got)
+
+    def _outputs(self, step: Step, bound: _Bound, values: dict[int, np.ndarray]) -> list[Tensor]:
+        """The handles of a run's outputs: the in-place ones' (the same every run, or the
+        argument written), new ones for the rest, with the values read back."""
+        out = list(bound.written)
         for j in step.made:
             shape, dtype = step.outs[j]
-            node = self._resident(Node("", (), {}, shape, dtype), out_ids[j], step.compiled.plan.out_states[j])
-            node.host = values.get(out_ids[j])
+            tensor = bound.out_ids[j]
+            node = self._resident(Node("", (), {}, shape, dtype), tensor, step.compiled.plan.out_states[j])
+            node.host = values.get(tensor)
             out[j] = Tensor(self, node)
-        for root in step.roots:
-            if root is not None:
-                root.host = None  # written in place: a value read before is out of date
+        for handle in bound.written:
+            if handle is not None:
+                handle.node.host = None  # written in place: a value read before is out of date
+                if handle.node.alias is not None:
+                    handle.node.alias.host = None
         return out
+
+    @serialized
+    def chain(
+        self, calls: Sequence[tuple[Step, Sequence[np.ndarray | Tensor]]], read: Sequence[int] = ()
+    ) -> list[list[Tensor]]:
+        """Run captured steps one after another in one message per worker (RunChain): each
+        call is (step, its arguments), and an argument may be an output of an earlier call
+        (Earlier(call, index); its handle exists before anything runs). Returns each call's outputs; those of the
+        last call at indices `read` come back with the chain. What a prefill runs: the
+        embedding, one decoder layer's step per layer with that layer's weights and caches,
+        the head; one layer planned and loaded instead of every layer."""
+        if not calls:
+            raise ShapeError("chain: give one or more (step, arguments) calls")
+        _check_reads(calls[-1][0], read)
+        self._realize([v for _, values in calls for v in values])
+        programs, runs, inputs, outputs = [], [], [], []
+        fed: dict[int, np.ndarray] = {}
+        sent: dict[int, np.ndarray] = {}
+        fresh: list[int] = []
+        results: list[list[Tensor]] = []
+        try:
+            for at, (step, values) in enumerate(calls):
+                values = [_earlier(results, at, v) if isinstance(v, Earlier) else v for v in values]
+                bound = self._bind(step, values)
+                fed.update(bound.fed)
+                sent.update(bound.sent)
+                fresh.extend(bound.fresh)
+                programs.append(step.compiled.program)
+                runs.append(next(self._run_ids))
+                inputs.append(_slot_pairs(range(len(bound.inputs)), bound.inputs))
+                outputs.append(_slot_pairs(step.compiled.plan.outputs, bound.out_ids))
+                results.append(self._outputs(step, bound, {}))
+            last, last_ids = calls[-1][0], outputs[-1][:, 1].tolist()
+            states = {last_ids[j]: last.compiled.plan.out_states[j] for j in read}
+            released, self._released[:] = list(self._released), []
+            feeds, data = p.pack_arrays({**fed, **sent})
+            message = p.RunChain(programs, runs, inputs, outputs, released, feeds, data, int(self.profile))
+            replies = self._call({d: replace(message, read=self._asked(states, d)) for d in range(self.n)})
+        except BaseException:
+            # a chain that failed part way stored some of its results: released with the next
+            # message, and their handles (never handed out) let go of them
+            for step, handles in zip((c[0] for c in calls), results):
+                for j in step.made:
+                    handles[j].node.finalizer.detach()
+                    handles[j].node.tensor = handles[j].node.state = None
+            self._released.extend(fresh)
+            raise
+        finally:
+            self._released.extend(fed)
+        self.last_timings = {d: dict(r.info) for d, r in replies.items()}
+        for tensor, value in self._read_back(replies, states).items():
+            for handle in results[-1]:
+                if handle.node.tensor == tensor:
+                    handle.node.host = value
+        return results
 
     @serialized
     def generate(
@@ -458,9 +596,10 @@ class MetaDevice:
         gather steps for that long: workers/generation.py); False cancels after the step under
         way (as Ctrl-C does), and the steps reported with it are not shown. Returns rank 0's
         account (steps run, cancelled, times)."""
-        if len(step.examples) != 2 or None in step.feed_slots:
+        if len(step.specs) != 2 or None in step.feed_slots:
             raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
-        inputs, fed, out_ids, fresh = self._bind(step, (tokens, positions))
+        bound = self._bind(step, (tokens, positions))
+        inputs, fed, out_ids, fresh = bound.inputs, {**bound.fed, **bound.sent}, bound.out_ids, bound.fresh
         run = next(self._run_ids)
         self._run_ids = itertools.count(run + steps + 1)  # one run id per step, none reused
         feeds, data = p.pack_arrays(fed)
@@ -494,7 +633,7 @@ class MetaDevice:
             if board is not None:  # what rank 0 published after the last look: before its reply
                 shown.steps(*board.take())
         finally:
-            self._released.extend([*fed, *fresh])  # freed with the next message that runs
+            self._released.extend([*bound.fed, *fresh])  # freed with the next message that runs
             if board is not None:
                 board.close()
         return dict(replies[0].info)
@@ -566,17 +705,25 @@ class MetaDevice:
 
 
 class Step:
-    """A captured step (MetaDevice.capture): call it with new feed values, get its outputs."""
+    """A captured step (MetaDevice.capture): call it with new arguments, get its outputs."""
 
-    def __init__(self, dev: MetaDevice, compiled, leaves, feed_slots, examples, roots):
+    def __init__(self, dev: MetaDevice, compiled, leaves, args: Sequence[Tensor], values, roots):
         self.dev, self.compiled, self.leaves = dev, compiled, list(leaves)  # leaves stay alive with it
-        self.feed_slots, self.examples, self.roots = feed_slots, [np.asarray(e) for e in examples], roots
+        slots = {leaf.tensor: i for i, leaf in enumerate(self.leaves)}
+        self.feed_slots = [slots.get(a.node.tensor) for a in args]  # None: an argument the step does not read
+        # each argument's (shape, dtype, state, dtype's name): a replay passes an array fed
+        # (Mirrored) or a tensor of the same
+        self.specs = [(a.node.shape, dtype_from_name(a.node.dtype), a.node.state, a.node.dtype) for a in args]
+        self.roots = roots
         plan = compiled.plan
         self.outs = [(plan.shapes[v], plan.dtypes[v]) for v in plan.outputs]
         # what every run binds alike, worked out once: ~300 inputs of a decode step
         self.leaf_ids = [leaf.tensor for leaf in self.leaves]
         self.root_ids = [root.tensor if root is not None else None for root in roots]
         self.made = [j for j, root in enumerate(roots) if root is None]  # outputs each run makes anew
+        # outputs written in place into a tensor argument: a replay writes the one it passes
+        passed = {a.node.tensor: k for k, (a, v) in enumerate(zip(args, values)) if isinstance(v, Tensor)}
+        self.arg_roots = {j: passed[t] for j, t in enumerate(self.root_ids) if t in passed}
         self.written: list[Tensor | None] = [None] * len(roots)  # the in-place ones' handles
         for j, root in enumerate(roots):
             if root is not None:
@@ -586,12 +733,45 @@ class Step:
         dev._pinned.add(compiled.program)
         weakref.finalize(self, dev._pinned.discard, compiled.program)
 
-    def __call__(self, *arrays: np.ndarray, read: Sequence[int] = ()) -> list[Tensor]:
-        """The outputs of a run with these feed values; those at indices `read` come back with
+    def __call__(self, *values: np.ndarray | Tensor, read: Sequence[int] = ()) -> list[Tensor]:
+        """The outputs of a run with these arguments; those at indices `read` come back with
         the run, so reading them (.numpy()) needs no round trip of its own."""
-        if len(arrays) != len(self.examples):
-            raise ShapeError(f"captured step takes {len(self.examples)} feeds, got {len(arrays)}")
-        return self.dev._replay(self, arrays, tuple(read))
+        return self.dev._replay(self, values, tuple(read))
+
+
+@dataclass(frozen=True)
+class Earlier:
+    """An argument of a call in MetaDevice.chain: output `index` of call `call` before it."""
+
+    call: int
+    index: int
+
+
+@dataclass(frozen=True)
+class _Bound:
+    """A run of a captured step as MetaDevice._bind made it."""
+
+    inputs: list[int]  # tensor id by input slot
+    fed: dict[int, np.ndarray]  # arrays fed to it, by their fresh ids: released after the run
+    sent: dict[int, np.ndarray]  # the caller's fed tensors sent with it: their handles release them
+    out_ids: list[int]
+    fresh: list[int]  # out_ids made anew
+    written: list[Tensor | None]  # the handles of outputs written in place
+
+
+def _earlier(results: list[list[Tensor]], at: int, ref: Earlier) -> Tensor:
+    if not (0 <= ref.call < at and 0 <= ref.index < len(results[ref.call])):
+        raise ShapeError(f"chain: call {at} takes output {ref.index} of call {ref.call}, which it does not follow")
+    return results[ref.call][ref.index]
+
+
+def _check_reads(step: Step, read: Sequence[int]) -> None:
+    for j in read:
+        if not (type(j) is int and 0 <= j < len(step.roots)) or step.roots[j] is not None:
+            raise ShapeError(
+                f"captured step: cannot read output {j!r} with the run; read outputs 0..{len(step.roots) - 1} "
+                "that the step makes anew (one written in place, a cache, reads with .numpy())"
+            )
 
 
 class _Shown:
@@ -634,6 +814,20 @@ def _slot_pairs(slots: Sequence[int], tensors: Sequence[int]) -> np.ndarray:
     pairs[:, 0] = slots
     pairs[:, 1] = tensors
     return pairs
+
+
+def _last_writes(order: list[Node]) -> dict[Node, Node]:
+    """The last in-place write (a chain's outermost) into each resident tensor among the nodes
+    a run computed, and that tensor: after the run its storage holds that node's value. A
+    decode step's cache writes (not outputs of it) were left as recipes, and the next graph
+    over the caches ran them again."""
+    last: dict[int, tuple[Node, Node]] = {}
+    for node in order:
+        if node.op in OPS and OPS[node.op].inplace:
+            root = _written(node)
+            if root is not None:
+                last[id(root)] = (node, root)
+    return dict(last.values())
 
 
 def _written(node: Node) -> Node | None:

@@ -274,8 +274,9 @@ class LLM:
     def warm_up(self, sampling: Sampling = Sampling()) -> int:
         """Load, without running, the steps generating under `sampling` will run: the prefill
         step of every padded prompt length (a long prompt's chunks included) and the decode
-        step, so the first prompt is as fast as a later one (llama.cpp's warm-up at load; about
-        0.5 s for SmolLM2 here). Returns how many steps were loaded."""
+        step, so the first prompt is as fast as a later one (llama.cpp's warm-up at load; a
+        prefill length is three small programs, its embedding, one layer and its head). Returns
+        how many prefill lengths and decode steps were loaded."""
         pool = sampling.pool
         loaded = self.net.warm_up(pool)
         if pool not in self._decode:

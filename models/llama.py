@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meta.device import MetaDevice
+from meta.device import Earlier, MetaDevice, Step
 from meta.tensor import Tensor, get_rows, qget_rows, qmatmul, where
 from models import reference as ref
 from split_state.errors import ShapeError
@@ -197,7 +197,9 @@ def _down_block(source: Source, cfg: LlamaConfig) -> int:
     return max(blocks, default=32)
 
 
-PREFILL_STEPS = 16  # captured prefill steps a model keeps (one per padded length, pool, logits, slot or not)
+# a decoder layer's weights, "l{i}." + each
+LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate_up", "w_down")
+PREFILL_STEPS = 16  # prefill chains a model keeps (one per padded length, pool, logits, slot or not)
 PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
 
 
@@ -208,6 +210,18 @@ def padded_length(tokens: int, room: int) -> int:
     positions has about 4 log2(n / 16) lengths, each planned once."""
     granule = max(16, 1 << max(0, tokens.bit_length() - 3))
     return max(tokens, min(room, -(-tokens // granule) * granule))
+
+
+@dataclass(frozen=True)
+class PrefillChain:
+    """The captured steps a prefill of one padded length runs in one chain (MetaDevice.chain):
+    the embedding, each layer's step (one per kind of layer, shared), the head. One layer is
+    planned and loaded, not thirty: a first prompt's planning and loading is a few
+    milliseconds, not a tenth of its prefill."""
+
+    embed: Step
+    layers: list[Step]
+    head: Step
 
 
 Source = Callable[[str], "np.ndarray | QuantizedWeight"]  # weight name -> the whole weight (a GGUF file, a dict)
@@ -404,31 +418,90 @@ class TensorParallelLlama:
             tokens[b, : len(prompt)] = prompt
             rows[b] = b * t + max(len(prompt), 1) - 1
         positions = np.tile(np.arange(start, start + t, dtype=np.int32), (rows_fed, 1))
-        feeds = (tokens, positions, rows) + (() if slot is None else (np.int32(slot),))
         key = (t, pool, logits, slot is not None)
-        step = self._prefills.pop(key, None)
-        if step is None:
-            step, outputs = self.dev.capture(self._prefill_graph(pool, logits, slot is not None), *feeds)
-        else:  # the candidates (and logits) come back with the run: reading them sends nothing
-            outputs = step(*feeds, read=range(3 if logits else 2))
-        self._keep_prefill(key, step)
-        # the next graph starts from the caches as this step left them, not from an earlier
-        # graph's writes not run yet (those would run again, over what this step wrote)
-        layers = self.cfg.layers
-        self.k, self.v = outputs[-2 * layers : -layers], outputs[-layers:]
-        return outputs[: 3 if logits else 2]
+        chain = self._prefills.pop(key, None) or self._prefill_chain(t, pool, logits, slot is not None)
+        self._keep_prefill(key, chain)
+        dev = self.dev
+        pos = dev.feed(positions)  # one fed tensor that every layer reads
+        fed_slot = () if slot is None else (dev.feed(np.int32(slot)),)
+        calls = [(chain.embed, (tokens, pos))]
+        for i, layer in enumerate(chain.layers):
+            weights, _ = self._layer_weights(i)
+            x = Earlier(len(calls) - 1, 0)  # the last call's x: the embedding's, then each layer's
+            calls.append((layer, (x, pos, Earlier(0, 1), *weights.values(), self.k[i], self.v[i], *fed_slot)))
+        calls.append((chain.head, (Earlier(len(calls) - 1, 0), rows)))
+        # the caches are written in place (the same handles); the candidates (and logits) come
+        # back with the chain: reading them sends nothing
+        return dev.chain(calls, read=range(3 if logits else 2))[-1]
 
-    def _prefill_graph(self, pool: int, logits: bool, slotted: bool):
-        """The prefill graph of (ids, positions, last rows), and with `slotted` the slot, fed."""
+    def _prefill_chain(self, t: int, pool: int, logits: bool, slotted: bool) -> PrefillChain:
+        """The steps of a prefill of `t` tokens a row, planned, compiled and loaded on the
+        workers (not run): the embedding, one step per kind of layer (its weights' shapes,
+        states and formats: every layer of SmolLM2 is one kind), the head."""
+        rows_fed = 1 if slotted else self.batch
+        tokens = np.zeros((rows_fed, t), np.int32)
+        positions = np.tile(np.arange(t, dtype=np.int32), (rows_fed, 1))
+        dev = self.dev
+        embed = dev.prepare(self._embed_graph(slotted), tokens, positions)
+        plan = embed.compiled.plan
+        x, mask = (dev.placeholder(*embed.outs[j], plan.out_states[j]) for j in (0, 1))  # stand for any value
+        slot = (np.int32(0),) if slotted else ()  # any row: it is fed
+        kinds: dict[tuple, Step] = {}
+        layers = []
+        for i in range(self.cfg.layers):
+            weights, formats = self._layer_weights(i)
+            held = [*weights.values(), self.k[i], self.v[i]]
+            kind = (tuple(formats.values()), x.state, *((a.shape, a.node.dtype, a.state) for a in held))
+            if kind not in kinds:
+                kinds[kind] = dev.prepare(self._layer_graph(formats, slotted), x, positions, mask, *held, *slot)
+            layers.append(kinds[kind])
+            state = kinds[kind].compiled.plan.out_states[0]  # the residual's: Partial over 2 or more devices
+            if state != x.state:
+                x = dev.placeholder(x.shape, x.dtype, state)
+        head = dev.prepare(self._head_graph(pool, logits), x, np.zeros(rows_fed, np.int32))
+        return PrefillChain(embed, layers, head)
 
-        def graph(ids: Tensor, pos: Tensor, last: Tensor, *slot: Tensor) -> list[Tensor]:
-            out = self._slot_step(ids, pos, last, slot[0]) if slotted else self.step(ids, pos, last=last)
-            return [*out.top_k(pool), *([out] if logits else []), *self.caches()]
+    def _embed_graph(self, slotted: bool):
+        """(ids, positions) -> [x (rows, tokens, hidden), the attention mask]: a prompt
+        attends to the positions up to its own in the cache, or with `slotted` (a new sequence
+        in a slot) to itself only."""
+
+        def graph(ids: Tensor, pos: Tensor) -> list[Tensor]:
+            batch, t = ids.shape
+            if slotted:
+                keep = self.positions_ctx[:, :, :, :, :t] <= pos.reshape(1, 1, 1, t, 1)  # (1, 1, 1, t, t)
+            else:
+                keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)  # (batch, 1, 1, tokens, ctx)
+            return [self._embed(ids), where(keep, self.zero, self.minus_inf)]
 
         return graph
 
-    def _keep_prefill(self, key: tuple, step) -> None:
-        self._prefills[key] = step  # now the latest: past PREFILL_STEPS the oldest goes
+    def _layer_graph(self, formats: dict[str, str | None], slotted: bool):
+        """(x, positions, mask, *LAYER_WEIGHTS, cache K, cache V[, slot]) -> [x after the layer,
+        the caches written in place]. The residual stays as the planner leaves it between
+        layers (Partial over several devices: each adds its share, one all-reduce before each
+        norm), the same sums in the same order as one program of every layer."""
+        count = len(LAYER_WEIGHTS)
+
+        def graph(x: Tensor, pos: Tensor, mask: Tensor, *rest: Tensor) -> list[Tensor]:
+            weights = dict(zip(LAYER_WEIGHTS, rest[:count]))
+            cache_k, cache_v, *slot = rest[count:]
+            x, cache_k, cache_v = self._layer(weights, formats, x, pos, mask, cache_k, cache_v, *slot)
+            return [x, cache_k, cache_v]
+
+        return graph
+
+    def _head_graph(self, pool: int, logits: bool):
+        """(x, the rows of the last tokens) -> [the top `pool` (values, indices), with `logits` the logits]."""
+
+        def graph(x: Tensor, rows: Tensor) -> list[Tensor]:
+            out = self._head(x, rows)
+            return [*out.top_k(pool), *([out] if logits else [])]
+
+        return graph
+
+    def _keep_prefill(self, key: tuple, chain: PrefillChain) -> None:
+        self._prefills[key] = chain  # now the latest: past PREFILL_STEPS the oldest goes
         if len(self._prefills) > PREFILL_STEPS:
             self._prefills.pop(next(iter(self._prefills)))
 
@@ -438,20 +511,15 @@ class TensorParallelLlama:
         candidates (with `slots`: the steps of a new sequence's prompt in a batch row fed to
         them, as a server admits one into any slot), without running them, as llama.cpp's
         warm-up run does at load: the first prompt then runs as fast as a later one. Returns
-        how many steps were loaded."""
+        how many prefill lengths were loaded."""
         lengths = range(1, PREFILL_CHUNK + 1) if lengths is None else lengths
         padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
-        rows_fed = 1 if slots else self.batch
         loaded = 0
-        slot = (np.int32(0),) if slots else ()  # any row: it is fed
         for t in reversed(padded[-PREFILL_STEPS:]):  # the longest first: it sizes the arena the others bind to
             key = (t, pool, False, slots)
             if key in self._prefills:
                 continue
-            rows = np.arange(rows_fed, dtype=np.int32) * t + t - 1
-            positions = np.tile(np.arange(t, dtype=np.int32), (rows_fed, 1))
-            graph = self._prefill_graph(pool, False, slots)
-            self._keep_prefill(key, self._prepared(graph, (rows_fed, t), positions, rows, *slot))
+            self._keep_prefill(key, self._prefill_chain(t, pool, False, slots))
             loaded += 1
         for t in padded[-PREFILL_STEPS:]:  # the longest (a long prompt's chunks) the last to go
             key = (t, pool, False, slots)
@@ -468,57 +536,74 @@ class TensorParallelLlama:
         finally:
             self.k, self.v = k, v
 
-    def _slot_step(self, ids: Tensor, pos: Tensor, rows: Tensor, slot: Tensor) -> Tensor:
-        """Logits (1, 1, vocab) of `rows` of ids (1, t), a new sequence in batch row `slot` (a fed
-        0-d integer): its caches are written at `pos`, the other rows are left as they are, and
-        the prompt attends to itself (nothing cached before it is read)."""
-        t = ids.shape[1]
-        keep = self.positions_ctx[:, :, :, :, :t] <= pos.reshape(1, 1, 1, t, 1)  # causal: (1, 1, 1, t, t)
-        x = self._layers(self._embed(ids), pos, where(keep, self.zero, self.minus_inf), slot)
-        return self._head(x, rows)
-
     def _embed(self, ids: Tensor) -> Tensor:
         """(batch, tokens, hidden), Partial over the vocabulary split."""
         fmt = self.formats.get("embed")
         return get_rows(self.w["embed"], ids) if fmt is None else qget_rows(self.w["embed"], ids, fmt)
 
     def _layers(self, x: Tensor, pos: Tensor, mask: Tensor, slot: Tensor | None = None) -> Tensor:
-        """Every layer over x (batch, tokens, hidden), writing the caches at `pos`. Attention reads
-        the caches (masked), or with `slot`, writes batch row `slot` only and reads the new keys
-        and values themselves (a prompt starting a sequence). Fewer rows than the caches hold
-        are their first rows (a server's busy slots): written and read there, the others left
-        as they are, and nothing is computed for them."""
+        """Every layer over x (batch, tokens, hidden), writing the caches at `pos` (see _layer)."""
+        new_k, new_v = [], []
+        for i in range(self.cfg.layers):
+            weights, formats = self._layer_weights(i)
+            x, cache_k, cache_v = self._layer(weights, formats, x, pos, mask, self.k[i], self.v[i], slot)
+            new_k.append(cache_k)
+            new_v.append(cache_v)
+        self.k, self.v = new_k, new_v
+        return x
+
+    def _layer_weights(self, i: int) -> tuple[dict[str, Tensor], dict[str, str | None]]:
+        """Layer i's weights and the format of each kept quantized (None: float), by LAYER_WEIGHTS name."""
+        p = f"l{i}."
+        return {n: self.w[p + n] for n in LAYER_WEIGHTS}, {n: self.formats.get(p + n) for n in LAYER_WEIGHTS}
+
+    def _layer(
+        self,
+        w: dict[str, Tensor],
+        formats: dict[str, str | None],
+        x: Tensor,
+        pos: Tensor,
+        mask: Tensor,
+        cache_k: Tensor,
+        cache_v: Tensor,
+        slot: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """One layer over x (batch, tokens, hidden) with weights `w`, writing its caches at `pos`:
+        (x after it, the caches written). Attention reads the caches (masked), or with `slot`,
+        writes batch row `slot` only and reads the new keys and values themselves (a prompt
+        starting a sequence). Fewer rows than the caches hold are their first rows (a server's
+        busy slots): written and read there, the others left as they are, and nothing is
+        computed for them."""
         cfg, hd = self.cfg, self.cfg.head_dim
         batch, t = x.shape[:2]
         first_rows = slot is None and batch < self.batch
         at = {"batch_start": slot} if slot is not None else {"batch_start": 0} if first_rows else {}
-        new_k, new_v = [], []
-        for i in range(cfg.layers):
-            p = f"l{i}."
-            h = self._norm(x, p + "attn_norm")
-            q = self._mm(h, p + "wq").reshape(batch, t, cfg.heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
-            k = self._mm(h, p + "wk").reshape(batch, t, cfg.kv_heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
-            v = self._mm(h, p + "wv").reshape(batch, t, cfg.kv_heads, hd)
-            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, kv, t, hd)
-            cache_k = self.k[i].set_rows(pos, k, axis=2, **at)  # in place, (b, kv, ctx, hd)
-            cache_v = self.v[i].set_rows(pos, v, axis=2, **at)  # in place, (b, kv, ctx, hd)
-            new_k.append(cache_k)
-            new_v.append(cache_v)
-            keys, values, seen = (k, v, t) if slot is not None else (cache_k, cache_v, self.ctx)
-            if first_rows:  # views of the rows in use: the workers copy nothing
-                keys, values = cache_k[:batch], cache_v[:batch]
-            qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
-            keys = keys.reshape(batch, cfg.kv_heads, 1, seen, hd).transpose(0, 1, 2, 4, 3)  # a view
-            scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, seen)
-            attn = scores @ values.reshape(batch, cfg.kv_heads, 1, seen, hd)  # (b, kv, g, t, hd)
-            merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)
-            x = x + self._mm(merged, p + "wo")
-            h = self._norm(x, p + "ffn_norm")
-            gate_up = self._mm(h, p + "w_gate_up")  # two segments: gate | up, both split alike
-            gate, up = gate_up[:, :, : cfg.ffn], gate_up[:, :, cfg.ffn :]
-            x = x + self._mm(gate.silu() * up, p + "w_down")
-        self.k, self.v = new_k, new_v
-        return x
+
+        def mm(a: Tensor, name: str) -> Tensor:
+            fmt = formats[name]
+            return a @ w[name] if fmt is None else qmatmul(a, w[name], fmt)
+
+        h = x.rms_norm(eps=cfg.eps) * w["attn_norm"]
+        q = mm(h, "wq").reshape(batch, t, cfg.heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
+        k = mm(h, "wk").reshape(batch, t, cfg.kv_heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
+        v = mm(h, "wv").reshape(batch, t, cfg.kv_heads, hd)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, kv, t, hd)
+        cache_k = cache_k.set_rows(pos, k, axis=2, **at)  # in place, (b, kv, ctx, hd)
+        cache_v = cache_v.set_rows(pos, v, axis=2, **at)  # in place, (b, kv, ctx, hd)
+        keys, values, seen = (k, v, t) if slot is not None else (cache_k, cache_v, self.ctx)
+        if first_rows:  # views of the rows in use: the workers copy nothing
+            keys, values = cache_k[:batch], cache_v[:batch]
+        qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
+        keys = keys.reshape(batch, cfg.kv_heads, 1, seen, hd).transpose(0, 1, 2, 4, 3)  # a view
+        scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, seen)
+        attn = scores @ values.reshape(batch, cfg.kv_heads, 1, seen, hd)  # (b, kv, g, t, hd)
+        merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)
+        x = x + mm(merged, "wo")
+        h = x.rms_norm(eps=cfg.eps) * w["ffn_norm"]
+        gate_up = mm(h, "w_gate_up")  # two segments: gate | up, both split alike
+        gate, up = gate_up[:, :, : cfg.ffn], gate_up[:, :, cfg.ffn :]
+        x = x + mm(gate.silu() * up, "w_down")
+        return x, cache_k, cache_v
 
     def _head(self, x: Tensor, rows: Tensor | None) -> Tensor:
         """The logits of x (batch, tokens, hidden), split by vocabulary; with `rows` (fed), of

@@ -43,6 +43,15 @@ EXAMPLES = [
         outputs=[4],
     ),
     p.RunProgram(program=5, run=3, inputs=[[0, 10], [1, 11]], outputs=[[4, 12]], profile=1, read=[12]),
+    p.RunChain(
+        programs=[5, 6, 5],
+        runs=[3, 4, 5],
+        inputs=[[[0, 10]], [[0, 12], [1, 11]], []],
+        outputs=[[[4, 12]], [[2, 13]], [[1, 14]]],
+        release=[7],
+        profile=1,
+        read=[14],
+    ),
     p.Ran(info={"compute_s": 0.5}, values=[p.Feed(12, "int64", (1, 2), 0)], data=np.arange(16, dtype=np.uint8)),
     p.Generate(
         program=5,
@@ -118,6 +127,21 @@ def test_slot_pairs_travel_as_whole_int64_pairs():
         p.decode([msgpack.packb(h), *frames[1:]])
     many = p.RunProgram(1, 2, [[i, i] for i in range(20)], [])
     assert _decodes(many, max_items=20) and not _decodes(many, max_items=19)
+
+
+def test_a_chain_of_runs_holds_one_of_each_list_per_run():
+    """A RunChain whose lists differ in length (a run without its outputs) is a ProtocolError
+    naming the counts, not a chain that runs some programs with another's slots."""
+    chain = p.RunChain([1, 2], [5, 6], [[[0, 1]], [[0, 2]]], [[[1, 2]], [[1, 3]]])
+    assert round_trip(chain).inputs == [[[0, 1]], [[0, 2]]]
+    frames = p.encode(chain)
+    h = msgpack.unpackb(bytes(frames[0]))
+    h["f"]["outputs"] = h["f"]["outputs"][:1]
+    with pytest.raises(ProtocolError, match="2 programs has 2 run ids, 2 input and 1 output"):
+        p.decode([msgpack.packb(h), *frames[1:]])
+    h["f"]["outputs"] = [b"\x00" * 8, b""]  # half a pair
+    with pytest.raises(ProtocolError, match="'outputs'.*not whole"):
+        p.decode([msgpack.packb(h), *frames[1:]])
 
 
 def test_non_contiguous_arrays_are_made_contiguous():

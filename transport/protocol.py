@@ -31,7 +31,9 @@ from split_state.dtypes import DTYPES, dtype_from_name, dtype_name
 from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
 from split_state.states import State, decode_state, encode_state
 
-PROTOCOL_VERSION = 6  # 6: no free steps (a worker plans its memory by liveness itself); 5: parameters in a table
+PROTOCOL_VERSION = (
+    7  # 7: RunChain; 6: no free steps (a worker plans its memory by liveness itself); 5: parameters in a table
+)
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,7 @@ class MsgType(enum.IntEnum):
     NCCL_ID = 20
     RESYNC = 21
     RAN = 22
+    RUN_CHAIN = 23
 
 
 # -- program steps ------------------------------------------------------------------------------
@@ -344,6 +347,38 @@ class RunProgram:
     KIND: ClassVar[MsgType]
 
 
+@_message(MsgType.RUN_CHAIN)
+@dataclass(frozen=True)
+class RunChain:
+    """Loaded programs run one after another in one message: run i is program `programs[i]`
+    under run id `runs[i]`, its inputs and outputs as a RunProgram's (`inputs[i]`,
+    `outputs[i]`), so a later run reads what an earlier one stored (a prefill's embedding, then
+    one decoder layer's program once per layer, then the head). The releases and feeds come
+    before the first run, the values `read` after the last; the reply is a RunProgram's (its
+    account summed over the runs). A run that fails ends the chain: the runs after it do not
+    start. A program run again in one chain keeps what its kernels found from the data they
+    read (the positions a mask lets through, the range of the ids written): a chain does not
+    rewrite those in place between its runs."""
+
+    programs: list[int]
+    runs: list[int]
+    inputs: list[SlotPairs]
+    outputs: list[SlotPairs]
+    release: list[int] = field(default_factory=list)
+    feeds: list[Feed] = field(default_factory=list)
+    feed_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), compare=False)
+    profile: int = 0
+    read: list[int] = field(default_factory=list)
+    KIND: ClassVar[MsgType]
+
+    def __post_init__(self) -> None:
+        if not len(self.programs) == len(self.runs) == len(self.inputs) == len(self.outputs):
+            raise ValueError(
+                f"a chain of {len(self.programs)} programs has {len(self.runs)} run ids, {len(self.inputs)} input "
+                f"and {len(self.outputs)} output lists: one of each per run"
+            )
+
+
 @_message(MsgType.GENERATE)
 @dataclass(frozen=True)
 class Generate:
@@ -508,6 +543,7 @@ Message = (
     | LoadProgram
     | Unload
     | RunProgram
+    | RunChain
     | Generate
     | Tokens
     | Cancel
@@ -731,6 +767,7 @@ _CODECS: dict[Any, tuple[Callable[[Any], Any], Decoder]] = {
     list[str]: (list, _list(_str)),
     list[list[int]]: (lambda v: [[int(x) for x in p] for p in v], _list(_ints)),
     SlotPairs: (_encode_pairs, _pairs),
+    list[SlotPairs]: (lambda v: [_encode_pairs(x) for x in v], _list(_pairs)),
     list[Step]: (_encode_steps, _steps),
     list[Feed]: (lambda v: [[f.tensor, f.dtype, list(f.shape), f.offset] for f in v], _list(_feed)),
 }

@@ -125,10 +125,11 @@ class Executor:
         outputs: list[list[int]],
         profile: bool = False,
         read: Sequence[int] = (),
+        same_data: bool = False,
     ) -> dict[str, Any]:
         """Run `program` once; `read`: output tensors the caller will read back, checked to be
-        outputs before anything runs."""
-        return self.repeated(program, run, inputs, outputs, profile, read)(run)
+        outputs before anything runs; `same_data`: see CompiledProgram.run."""
+        return self.repeated(program, run, inputs, outputs, profile, read, same_data=same_data)(run)
 
     def repeated(
         self,
@@ -139,6 +140,7 @@ class Executor:
         profile: bool = False,
         read: Sequence[int] = (),
         runs: int = 0,
+        same_data: bool = False,
     ) -> Callable[[int], dict[str, Any]]:
         """A function running `program` under a given run id, as often as the caller likes over
         the same stored inputs (a generation's steps write their fed tensors in place):
@@ -178,7 +180,7 @@ class Executor:
             with self._telling_peers(run):
                 store.reserve(fresh, peak)  # what the run makes, until the results are stored
                 try:
-                    timings = compiled.run(slots, run, backend, profile, keep=undeclared)
+                    timings = compiled.run(slots, run, backend, profile, keep=undeclared, same_data=same_data)
                     results = [(t, slots[s].copy() if copy else slots[s]) for t, s, copy in made]
                 finally:
                     store.release(fresh)

@@ -213,10 +213,15 @@ class CompiledProgram:
 
     # -- running ----------------------------------------------------------------------------------
 
-    def run(self, slots: list, run: int, backend, profile: bool, keep: bool = False) -> dict[str, float]:
-        """`keep`: every slot stays until the run ends (the run asks for undeclared slots)."""
+    def run(
+        self, slots: list, run: int, backend, profile: bool, keep: bool = False, same_data: bool = False
+    ) -> dict[str, float]:
+        """`keep`: every slot stays until the run ends (the run asks for undeclared slots);
+        `same_data`: the run reads the same positions and mask as this program's run before it
+        (the layers of one chain), so what kernels found from them still holds."""
         self.run_id, self.comm_s = run, 0.0
-        self.memo.clear()  # what kernels found from this run's data (the attention's used positions)
+        if not same_data:
+            self.memo.clear()  # what kernels found from this run's data (the attention's used positions)
         started = time.perf_counter()
         compute = 0.0
         for slot, view in self.preset:

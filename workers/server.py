@@ -83,14 +83,31 @@ class WorkerServer:
         return p.Ok()
 
     def _on_run_program(self, m: p.RunProgram) -> p.Message:
+        return self._run_all(m, [(m.program, m.run, m.inputs, m.outputs)])
+
+    def _on_run_chain(self, m: p.RunChain) -> p.Message:
+        return self._run_all(m, list(zip(m.programs, m.runs, m.inputs, m.outputs)))
+
+    def _run_all(self, m: p.RunProgram | p.RunChain, runs: list[tuple]) -> p.Message:
+        """The runs of a RunProgram (one) or a RunChain in order, after its releases and feeds;
+        the reply carries the account (summed over the runs) and the values read."""
         start = time.perf_counter()
         self._require_configured()
         self.executor.comm.forget_aborts()
         self.executor.free(m.release)
         for feed in m.feeds:
             self.store.put(feed.tensor, self.backend.to_device(p.unpack_array(feed, m.feed_data)))
-        self.runs += 1
-        timings = self.executor.run(m.program, m.run, m.inputs, m.outputs, bool(m.profile), read=m.read)
+        if len(runs) != 1 and not set(m.read) <= {t for *_, outputs in runs for _, t in outputs}:
+            raise ProtocolError(f"chain of runs {m.runs}: it reads tensors {sorted(set(m.read))}, not all its outputs")
+        timings: dict = {}
+        ran: set[int] = set()  # the chain's programs run so far: their next runs read the same data
+        for program, run, inputs, outputs in runs:
+            self.runs += 1
+            read = m.read if len(runs) == 1 else [t for _, t in outputs if t in m.read]
+            again = program in ran
+            ran.add(program)
+            got = self.executor.run(program, run, inputs, outputs, bool(m.profile), read=read, same_data=again)
+            timings = got if not timings else {k: _summed(v, got.get(k)) for k, v in timings.items()}
         if not m.read:
             timings["handled_s"] = time.perf_counter() - start  # the program plus releases, feeds, storing
             return p.Ok(timings)
@@ -155,6 +172,11 @@ class WorkerServer:
             raise ProtocolError(f"worker {self.rank} is not configured yet (no Configure message)")
 
 
+def _summed(a, b):
+    """Two runs' account of one quantity: times add up, anything else is the first run's."""
+    return a + b if type(a) is float and type(b) is float else a
+
+
 def _rss_kib() -> int:
     """This process's resident set now (Linux), 0 where /proc is not there."""
     try:
@@ -186,6 +208,7 @@ HANDLERS: dict[type, Callable[[WorkerServer, p.Message], p.Message]] = {
     p.Free: WorkerServer._on_free,
     p.LoadProgram: WorkerServer._on_load_program,
     p.RunProgram: WorkerServer._on_run_program,
+    p.RunChain: WorkerServer._on_run_chain,
     p.Generate: WorkerServer._on_generate,
     p.Cancel: lambda server, m: p.Ok(),  # came after its Generate ended: nothing to stop
     p.Unload: WorkerServer._on_unload,

@@ -196,11 +196,13 @@ def attention_with(
         q, k, mask, v = inputs
         # every layer reads the same mask: the first one of a run finds n (`memo`: the run's)
         key = ("used positions", id(mask), params["bucket"])
-        n = memo.get(key) if memo is not None else None
-        if n is None:
+        known = memo.get(key) if memo is not None else None
+        if known is not None:
+            n = known[0]
+        else:
             n = used_positions(xp, mask, params["bucket"])
             if memo is not None:
-                memo[key] = n
+                memo[key] = (n, mask)  # holding the mask: its id is not reused while the memo lasts
         lead = q.shape[:-1]
         size = prod(lead) * n
         if scratch is None:
