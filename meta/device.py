@@ -529,10 +529,10 @@ class MetaDevice:
     ) -> list[list[Tensor]]:
         """Run captured steps one after another in one message per worker (RunChain): each
         call is (step, its arguments), and an argument may be an output of an earlier call
-        (Earlier(call, index); its handle exists before anything runs). Returns each call's outputs; those of the
-        last call at indices `read` come back with the chain. What a prefill runs: the
-        embedding, one decoder layer's step per layer with that layer's weights and caches,
-        the head; one layer planned and loaded instead of every layer."""
+        (Earlier(call, index); its handle exists before anything runs). Returns each call's
+        outputs; those of the last call at indices `read` come back with the chain. What a
+        prefill runs: the embedding, one decoder layer's step per layer with that layer's
+        weights and caches, the head; one layer planned and loaded instead of every layer."""
         if not calls:
             raise ShapeError("chain: give one or more (step, arguments) calls")
         _check_reads(calls[-1][0], read)
@@ -556,27 +556,37 @@ class MetaDevice:
                 results.append(self._outputs(step, bound, {}))
             last, last_ids = calls[-1][0], outputs[-1][:, 1].tolist()
             states = {last_ids[j]: last.compiled.plan.out_states[j] for j in read}
-            released, self._released[:] = list(self._released), []
+            released = list(self._released)
             feeds, data = p.pack_arrays({**fed, **sent})
             message = p.RunChain(programs, runs, inputs, outputs, released, feeds, data, int(self.profile))
-            replies = self._call({d: replace(message, read=self._asked(states, d)) for d in range(self.n)})
+            messages = {d: replace(message, read=self._asked(states, d)) for d in range(self.n)}
+            del self._released[: len(released)]  # they go with it
         except BaseException:
-            # a chain that failed part way stored some of its results: released with the next
-            # message, and their handles (never handed out) let go of them
-            for step, handles in zip((c[0] for c in calls), results):
-                for j in step.made:
-                    handles[j].node.finalizer.detach()
-                    handles[j].node.tensor = handles[j].node.state = None
-            self._released.extend(fresh)
+            self._feeds.update(sent)  # nothing left: the caller's fed tensors go with a later run
+            self._discard(calls, results, fresh)
             raise
         finally:
             self._released.extend(fed)
+        try:
+            replies = self._call(messages)
+        except BaseException:
+            self._discard(calls, results, fresh)
+            raise
         self.last_timings = {d: dict(r.info) for d, r in replies.items()}
         for tensor, value in self._read_back(replies, states).items():
             for handle in results[-1]:
                 if handle.node.tensor == tensor:
                     handle.node.host = value
         return results
+
+    def _discard(self, calls, results: list[list[Tensor]], fresh: list[int]) -> None:
+        """The outputs of a chain that failed: a chain that failed part way stored some of
+        them, released with the next message; their handles (never handed out) let go."""
+        for (step, _), handles in zip(calls, results):
+            for j in step.made:
+                handles[j].node.finalizer.detach()
+                handles[j].node.tensor = handles[j].node.state = None
+        self._released.extend(fresh)
 
     @serialized
     def generate(

@@ -81,10 +81,13 @@ def test_a_step_writes_in_place_into_the_cache_it_is_passed(sim, n):
 
 
 def test_an_argument_of_another_shape_dtype_or_state_is_refused_and_nothing_runs(sim):
+    """Refused by name before anything is sent; a tensor the caller fed (dev.feed) for the
+    refused chain still goes with the next run that reads it."""
     dev = sim(2)
     w = dev.tensor(np.ones((6, 8), np.float32), Split(1, ((4, 4),)))
     x = np.ones((3, 6), np.float32)
     step = dev.prepare(lambda h, a: [h @ a], x, w)
+    fed = dev.feed(2 * x)
     before = [s["runs"] for s in dev.stats().values()]
     for bad, says in [
         (
@@ -95,14 +98,14 @@ def test_an_argument_of_another_shape_dtype_or_state_is_refused_and_nothing_runs
         (dev.tensor(np.ones((6, 8), np.float64), Split(1, ((4, 4),))), r"got \(6, 8\) float64"),
     ]:
         with pytest.raises(ShapeError, match=says):
-            dev.chain([(step, (x, w)), (step, (x, bad))])
+            dev.chain([(step, (fed, w)), (step, (x, bad))])
     with pytest.raises(ShapeError, match=r"argument 1 is a S1\[4\|4\] tensor of \(6, 8\); pass one, not an array"):
         step(x, np.ones((6, 8), np.float32))
     with pytest.raises(ShapeError, match="call 0 takes output 0 of call 1"):
         dev.chain([(step, (Earlier(1, 0), w)), (step, (x, w))])
     assert [s["runs"] for s in dev.stats().values()] == before
-    (y,) = step(x, w)  # still usable
-    np.testing.assert_array_equal(y.numpy(), np.full((3, 8), 6, np.float32))
+    (y,) = step(fed, w)  # still usable, and the fed tensor with it
+    np.testing.assert_array_equal(y.numpy(), np.full((3, 8), 12, np.float32))
 
 
 @pytest.mark.parametrize("n", [1, 2])
