@@ -5,9 +5,10 @@ same run, with each decode step's time split into compute, collectives, executor
     python bench/llm.py [--quick] [--json results/llm.json] [--workers 1 2 4] [--rounds 3]
                         [--contexts 256 8192] [--rss-tokens 2000] [--cache-position 2048]
 
-Prefill: one 128-token prompt (32 with --quick) in one step, as generation prefills (a captured
-step per padded length); "first" plans and loads it (the median of --rounds models loaded anew),
-"warmed" comes after a warm-up at load, "again" replays it. Decode: greedy,
+Prefill: one 128-token prompt (32 with --quick) in one chain, as generation prefills (the
+embedding, one layer's step per layer, the head: models/llama.py); "first" plans and loads it
+(the median of --rounds models loaded anew), "warmed" comes after a warm-up at load, "again"
+replays it. Decode: greedy,
 generation driven by the workers (one Generate, each token fed back on the workers); then the
 captured decode step replayed by the coordinator token by token, its median step untimed on the
 workers, and the breakdown from as many steps with every kernel timed (the table shows both, so
@@ -210,9 +211,9 @@ def ours(
 
 def fresh_models(path: str, workers: int, length: int, weights: str, reference=None, rounds: int = 1) -> dict:
     """First prompts of models loaded anew, each right after the reference's prefill when given:
-    `rounds` models prefilling at once (the prompt's step planned, compiled and loaded then:
+    `rounds` models prefilling at once (the prompt's steps planned, compiled and loaded then:
     "first"), and `rounds` more warmed up first (TensorParallelLlama.warm_up: every padded prompt
-    length's prefill step loaded, not run, as `generate -i` does at start; the warm-up's seconds
+    length's prefill steps loaded, not run, as `generate -i` does at start; the warm-up's seconds
     too: "warmed"). Medians, alternating the two kinds: a single first prompt against a single
     reference prefill varied by 10 % from run to run on a busy 2-core machine."""
     from models.gguf_model import GGUFModel
@@ -501,11 +502,12 @@ def show(results: dict | None) -> None:
         " (the quantized weights' target: the file's size / N + 200 MiB)"
     )
     print(
-        "  prefill ours: the first prompt of a model loaded anew (graph, plan, program load and first run"
-        " included); warmed: the first prompt of a model loaded anew and warmed up (every prompt length's step"
-        " loaded, not run; warm-up s: its time, at load); both against the reference's prefill just before"
-        " it, medians of as many models of each kind as rounds; again: a second prompt of the same length, its"
-        f" captured step replayed; numpy and again: medians of {results['rows'][0]['rounds']} alternating rounds"
+        "  prefill ours: the first prompt of a model loaded anew (its embedding's, one layer's and the head's"
+        " graphs, plans, program loads and first chain included); warmed: the first prompt of a model loaded"
+        " anew and warmed up (every prompt length's programs loaded, not run; warm-up s: its time, at load);"
+        " both against the reference's prefill just before it, medians of as many models of each kind as"
+        " rounds; again: a second prompt of the same length, its chain replayed; numpy and again: medians of"
+        f" {results['rows'][0]['rounds']} alternating rounds"
     )
     print(
         "  decode ours: generation driven by the workers (one Generate, each token fed back on the workers);"
