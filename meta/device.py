@@ -525,14 +525,17 @@ class MetaDevice:
 
     @serialized
     def chain(
-        self, calls: Sequence[tuple[Step, Sequence[np.ndarray | Tensor]]], read: Sequence[int] = ()
+        self, calls: Sequence[tuple[Step, Sequence[np.ndarray | Tensor]]], read: Sequence[int] = (), keep: bool = True
     ) -> list[list[Tensor]]:
         """Run captured steps one after another in one message per worker (RunChain): each
         call is (step, its arguments), and an argument may be an output of an earlier call
         (Earlier(call, index); its handle exists before anything runs). Returns each call's
         outputs; those of the last call at indices `read` come back with the chain. What a
         prefill runs: the embedding, one decoder layer's step per layer with that layer's
-        weights and caches, the head; one layer planned and loaded instead of every layer."""
+        weights and caches, the head; one layer planned and loaded instead of every layer.
+        Without `keep`, what the calls before the last make anew is freed on the workers after
+        its last reader in the chain (a prefill's residual between layers: two of them alive
+        at a time, not one per layer), and their handles are freed ones."""
         if not calls:
             raise ShapeError("chain: give one or more (step, arguments) calls")
         _check_reads(calls[-1][0], read)
@@ -542,6 +545,8 @@ class MetaDevice:
         sent: dict[int, np.ndarray] = {}
         fresh: list[int] = []
         results: list[list[Tensor]] = []
+        made_by: dict[int, int] = {}  # a tensor the chain makes -> the call making it
+        last_read: dict[int, int] = {}  # -> the last call reading it
         try:
             for at, (step, values) in enumerate(calls):
                 values = [_earlier(results, at, v) if isinstance(v, Earlier) else v for v in values]
@@ -549,6 +554,10 @@ class MetaDevice:
                 fed.update(bound.fed)
                 sent.update(bound.sent)
                 fresh.extend(bound.fresh)
+                for t in bound.inputs:
+                    if t in made_by:
+                        last_read[t] = at
+                made_by.update(dict.fromkeys(bound.fresh, at))
                 programs.append(step.compiled.program)
                 runs.append(next(self._run_ids))
                 inputs.append(_slot_pairs(range(len(bound.inputs)), bound.inputs))
@@ -558,7 +567,11 @@ class MetaDevice:
             states = {last_ids[j]: last.compiled.plan.out_states[j] for j in read}
             released = list(self._released)
             feeds, data = p.pack_arrays({**fed, **sent})
-            message = p.RunChain(programs, runs, inputs, outputs, released, feeds, data, int(self.profile))
+            frees: list[list[int]] = [[] for _ in calls] if not keep else []
+            dropped = [t for t, at in made_by.items() if at < len(calls) - 1] if not keep else []
+            for t in dropped:
+                frees[last_read.get(t, made_by[t])].append(t)
+            message = p.RunChain(programs, runs, inputs, outputs, released, feeds, data, int(self.profile), frees=frees)
             messages = {d: replace(message, read=self._asked(states, d)) for d in range(self.n)}
             del self._released[: len(released)]  # they go with it
         except BaseException:
@@ -573,6 +586,8 @@ class MetaDevice:
             self._discard(calls, results, fresh)
             raise
         self.last_timings = {d: dict(r.info) for d, r in replies.items()}
+        if dropped:  # freed on the workers: their handles are freed ones
+            self._discard(calls[:-1], results[:-1], [])
         for tensor, value in self._read_back(replies, states).items():
             for handle in results[-1]:
                 if handle.node.tensor == tensor:

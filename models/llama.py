@@ -431,8 +431,9 @@ class TensorParallelLlama:
             calls.append((layer, (x, pos, Earlier(0, 1), *weights.values(), self.k[i], self.v[i], *fed_slot)))
         calls.append((chain.head, (Earlier(len(calls) - 1, 0), rows)))
         # the caches are written in place (the same handles); the candidates (and logits) come
-        # back with the chain: reading them sends nothing
-        return dev.chain(calls, read=range(3 if logits else 2))[-1]
+        # back with the chain: reading them sends nothing; the residual between layers is freed
+        # after the layer that reads it
+        return dev.chain(calls, read=range(3 if logits else 2), keep=False)[-1]
 
     def _prefill_chain(self, t: int, pool: int, logits: bool, slotted: bool) -> PrefillChain:
         """The steps of a prefill of `t` tokens a row, planned, compiled and loaded on the

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from meta.device import Earlier
-from split_state.errors import MetaError, ShapeError
+from split_state.errors import FreedTensor, MetaError, ShapeError
 from split_state.states import MIRRORED, Partial, Split
 
 
@@ -190,3 +190,25 @@ def test_a_prefill_plans_one_layer_and_equals_the_whole_model_program_bit_for_bi
     plans = len(dev.plans)
     chained.prefill([prompt[:7]], 0, pool=2, logits=True)[2].numpy()
     assert len(dev.plans) == plans
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_chain_that_keeps_only_its_last_results_frees_the_others_as_it_goes(sim, n):
+    """keep=False: what the calls before the last made is freed on the workers after its last
+    reader, so the workers hold what they held before plus the last call's result; the earlier
+    handles are freed ones, and the result is NumPy's."""
+    dev = sim(n)
+    w = dev.tensor(np.full((4, 4), 0.5, np.float32))
+    step = dev.prepare(lambda h, a: [h @ a + h], np.ones((2, 4), np.float32), w)
+    dev.collect()
+    held = [s["tensors"] for s in dev.stats().values()]
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    calls = [(step, (x, w))] + [(step, (Earlier(k, 0), w)) for k in range(4)]
+    outs = dev.chain(calls, keep=False)
+    assert [s["tensors"] for s in dev.stats().values()] == [h + 1 for h in held]
+    want = x
+    for _ in range(5):
+        want = want @ np.full((4, 4), 0.5, np.float32) + want
+    np.testing.assert_allclose(outs[-1][0].numpy(), want, rtol=1e-6)
+    with pytest.raises(FreedTensor):
+        outs[1][0].numpy()

@@ -31,9 +31,8 @@ from split_state.dtypes import DTYPES, dtype_from_name, dtype_name
 from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
 from split_state.states import State, decode_state, encode_state
 
-PROTOCOL_VERSION = (
-    7  # 7: RunChain; 6: no free steps (a worker plans its memory by liveness itself); 5: parameters in a table
-)
+# 7: RunChain; 6: no free steps (a worker plans its memory by liveness itself); 5: parameters in a table
+PROTOCOL_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -354,7 +353,8 @@ class RunChain:
     under run id `runs[i]`, its inputs and outputs as a RunProgram's (`inputs[i]`,
     `outputs[i]`), so a later run reads what an earlier one stored (a prefill's embedding, then
     one decoder layer's program once per layer, then the head). The releases and feeds come
-    before the first run, the values `read` after the last; the reply is a RunProgram's (its
+    before the first run, the values `read` after the last, and the tensors in `frees[i]` are
+    freed after run i (what the chain made for its later runs only); the reply is a RunProgram's (its
     account summed over the runs). A run that fails ends the chain: the runs after it do not
     start. A program run again in one chain keeps what its kernels found from the data they
     read (the positions a mask lets through, the range of the ids written): a chain does not
@@ -369,6 +369,7 @@ class RunChain:
     feed_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), compare=False)
     profile: int = 0
     read: list[int] = field(default_factory=list)
+    frees: list[list[int]] = field(default_factory=list)  # none, or for each run the tensors freed after it
     KIND: ClassVar[MsgType]
 
     def __post_init__(self) -> None:
@@ -377,6 +378,8 @@ class RunChain:
                 f"a chain of {len(self.programs)} programs has {len(self.runs)} run ids, {len(self.inputs)} input "
                 f"and {len(self.outputs)} output lists: one of each per run"
             )
+        if self.frees and len(self.frees) != len(self.programs):
+            raise ValueError(f"a chain of {len(self.programs)} programs has {len(self.frees)} lists of tensors to free")
 
 
 @_message(MsgType.GENERATE)

@@ -217,8 +217,9 @@ class CompiledProgram:
         self, slots: list, run: int, backend, profile: bool, keep: bool = False, same_data: bool = False
     ) -> dict[str, float]:
         """`keep`: every slot stays until the run ends (the run asks for undeclared slots);
-        `same_data`: the run reads the same positions and mask as this program's run before it
-        (the layers of one chain), so what kernels found from them still holds."""
+        `same_data`: the run follows this program's last run within one RunChain (a decoder's
+        layers), whose inputs the chain does not rewrite in place: what kernels found from them
+        (the memo, which holds the arrays it is keyed by) still holds."""
         self.run_id, self.comm_s = run, 0.0
         if not same_data:
             self.memo.clear()  # what kernels found from this run's data (the attention's used positions)

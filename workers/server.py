@@ -83,31 +83,35 @@ class WorkerServer:
         return p.Ok()
 
     def _on_run_program(self, m: p.RunProgram) -> p.Message:
-        return self._run_all(m, [(m.program, m.run, m.inputs, m.outputs)])
+        return self._run_all(m, [(m.program, m.run, m.inputs, m.outputs, ())])
 
     def _on_run_chain(self, m: p.RunChain) -> p.Message:
-        return self._run_all(m, list(zip(m.programs, m.runs, m.inputs, m.outputs)))
+        frees = m.frees or [()] * len(m.programs)
+        return self._run_all(m, list(zip(m.programs, m.runs, m.inputs, m.outputs, frees)))
 
     def _run_all(self, m: p.RunProgram | p.RunChain, runs: list[tuple]) -> p.Message:
-        """The runs of a RunProgram (one) or a RunChain in order, after its releases and feeds;
-        the reply carries the account (summed over the runs) and the values read."""
+        """The runs (program, run id, inputs, outputs, tensors freed after it) of a RunProgram
+        (one) or a RunChain in order, after its releases and feeds; the reply carries the
+        account (summed over the runs) and the values read."""
         start = time.perf_counter()
         self._require_configured()
         self.executor.comm.forget_aborts()
         self.executor.free(m.release)
         for feed in m.feeds:
             self.store.put(feed.tensor, self.backend.to_device(p.unpack_array(feed, m.feed_data)))
-        if len(runs) != 1 and not set(m.read) <= {t for *_, outputs in runs for _, t in outputs}:
+        if len(runs) != 1 and not set(m.read) <= {t for run in runs for _, t in run[3]}:
             raise ProtocolError(f"chain of runs {m.runs}: it reads tensors {sorted(set(m.read))}, not all its outputs")
         timings: dict = {}
         ran: set[int] = set()  # the chain's programs run so far: their next runs read the same data
-        for program, run, inputs, outputs in runs:
+        for program, run, inputs, outputs, dropped in runs:
             self.runs += 1
             read = m.read if len(runs) == 1 else [t for _, t in outputs if t in m.read]
             again = program in ran
             ran.add(program)
             got = self.executor.run(program, run, inputs, outputs, bool(m.profile), read=read, same_data=again)
             timings = got if not timings else {k: _summed(v, got.get(k)) for k, v in timings.items()}
+            if dropped:
+                self.executor.free(dropped)
         if not m.read:
             timings["handled_s"] = time.perf_counter() - start  # the program plus releases, feeds, storing
             return p.Ok(timings)
