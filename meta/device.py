@@ -698,7 +698,7 @@ class MetaDevice:
             self.clock.round_trip_s += time.perf_counter() - start
         failures = {d: r for d, r in replies.items() if isinstance(r, p.Error)}
         if failures:
-            if any(isinstance(m, (p.RunProgram, p.Generate)) for m in messages.values()):
+            if any(isinstance(m, (p.RunProgram, p.RunChain, p.Generate)) for m in messages.values()):
                 self._resync()
             raise _exception(failures)
         return replies

@@ -63,6 +63,35 @@ def test_a_half_size_that_is_not_a_whole_positive_mib_count_is_refused_by_name(m
     assert ipc.region_mib() == 3
 
 
+def test_a_chain_that_failed_on_one_rank_part_way_leaves_the_plane_usable(fresh_cluster):
+    """The same through a chain: its second call fails on worker 1 alone (a weight it lacks)
+    after the first call's all-reduce; the coordinator resyncs the plane, and the next chains
+    give NumPy's result."""
+    from meta.device import Earlier
+
+    dev = MetaDevice(fresh_cluster(3, backend="cuda", devices=(0, 0, 0), env=_ipc_env(), data_plane="ipc"))
+    rng = np.random.default_rng(8)
+    x_host = rng.integers(-2, 3, (4, 6)).astype(np.float32)
+    w_hosts = [rng.integers(-2, 3, (6, 6)).astype(np.float32) for _ in range(3)]
+    ws = [dev.tensor(w, Split.even(0, 6, 3)) for w in w_hosts]
+    x = dev.tensor(x_host)
+
+    def layer(h, w):
+        return [(h @ w).redistribute(MIRRORED)]
+
+    step = dev.prepare(layer, x, ws[0])
+
+    def chained(a, b):
+        return dev.chain([(step, (x, a)), (step, (Earlier(0, 0), b))], read=[0])[-1][0].numpy()
+
+    assert np.array_equal(chained(ws[0], ws[1]), x_host @ w_hosts[0] @ w_hosts[1])
+    dev.cluster.call_all({1: p.Free([ws[2].node.tensor])})  # worker 1 alone loses its slice
+    with pytest.raises(MetaError, match="worker 1"):
+        chained(ws[0], ws[2])
+    for a, b in [(0, 1), (1, 0), (1, 1)]:  # more than one operation: both halves of the buffers
+        assert np.array_equal(chained(ws[a], ws[b]), x_host @ w_hosts[a] @ w_hosts[b])
+
+
 def test_a_run_that_failed_on_one_rank_before_a_collective_leaves_the_plane_usable(fresh_cluster):
     """Worker 1 lacks an input, so it fails before the all-reduce its peers begin: their
     operation counts then differ from its own. The failure reaches the peers at once (not at
