@@ -98,6 +98,13 @@ def _standin_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+def cuda1():
+    """One worker on the CUDA backend, on the asynchronous CuPy stand-in: no collectives, so its
+    programs' kernels make the longest device graphs."""
+    yield from _process_device(1, backend="cuda", devices=(0,), env=_standin_env())
+
+
+@pytest.fixture(scope="module")
 def cuda2():
     """Two workers on the CUDA backend, on the asynchronous CuPy stand-in, sharing device 0;
     their collectives go through CUDA IPC."""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from meta import MetaDevice
-from models.llama import LlamaConfig, TensorParallelLlama, random_weights
+from models.llama import LlamaConfig, ReferenceDecoder, TensorParallelLlama, random_weights
 from split_state import WorkerLost
 from split_state.errors import TransportError
 from transport.shm import shm_root
@@ -244,3 +244,53 @@ def test_a_worker_lost_during_generation_is_a_typed_error_within_seconds(fresh_c
     with pytest.raises(WorkerLost, match="worker 1"):
         worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, on=on, steps=LONG)
     assert time.monotonic() - killed["at"] < 5.0
+
+
+# 8 query heads over 2 KV heads, as tests/test_decode.py's GQA_CFG: the decode path as a model runs it
+REF_CFG = LlamaConfig(hidden=64, layers=2, heads=8, kv_heads=2, ffn=48, vocab=72, rope_base=30000.0)
+
+
+@pytest.mark.parametrize("devname", ["procs2", "cuda1", "cuda2", "cuda_nccl2", "cuda3_shm"])
+def test_prepared_decode_replayed_and_driven_gives_the_reference_tokens(devname, request):
+    """The decode path as `generate` runs it (warm-up, a prefill, the prepared decode step
+    replayed by the coordinator, then driven by the workers) against the NumPy reference decoder,
+    step by step. On CUDA a replayed step's kernels run eagerly, are captured, then replay as
+    device graphs, with fed positions and tokens copied into the graphs' buffers: a graph writing
+    memory another one reads (a cache position coming back as a float's bits) shows here."""
+    dev = request.getfixturevalue(devname)
+    weights = random_weights(REF_CFG, seed=31)
+    ctx, pool, prompt = 40, 4, [3, 70, 15, 8, 41]
+    net = TensorParallelLlama(dev, REF_CFG, weights.__getitem__, ctx)
+    net.warm_up(pool)
+    decode = net.prepare_decode(1, build=lambda logits: list(logits.top_k(pool)))
+
+    def prefill_and_reference():
+        ref = ReferenceDecoder(REF_CFG, weights, ctx)
+        want = ref.forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1]
+        got = net.prefill([prompt], 0, pool=pool)[1].numpy()[0, 0]
+        np.testing.assert_array_equal(got, np.argsort(-want, kind="stable")[:pool])
+        return ref, int(got[0])
+
+    ref, token = prefill_and_reference()
+    expected = [token]
+    for pos in range(len(prompt), len(prompt) + STEPS):  # replayed by the coordinator
+        values, indices = (
+            t.numpy()[0, 0] for t in decode(np.array([[token]], np.int32), np.array([[pos]], np.int32))[:2]
+        )
+        want = ref.forward(np.array([[token]]), np.array([[pos]]))[0, -1]
+        np.testing.assert_array_equal(indices, np.argsort(-want, kind="stable")[:pool], err_msg=f"position {pos}")
+        np.testing.assert_allclose(values, np.sort(want)[::-1][:pool], rtol=1e-4, atol=1e-5)
+        token = int(indices[0])
+        expected.append(token)
+    _, token = prefill_and_reference()  # again, from position 0: the workers choose from here on
+    driven = [token]
+    settings = {"rule": Rule().as_wire(), "rng": generator_state(np.random.default_rng(0)), "stop": [], "done": [False]}
+    info = dev.generate(
+        decode,
+        np.array([[token]], np.int32),
+        np.array([[len(prompt)]], np.int32),
+        STEPS,
+        settings,
+        lambda k, chosen: driven.append(chosen[0]) is None,
+    )
+    assert info["steps"] == STEPS and driven == expected

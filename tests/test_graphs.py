@@ -136,3 +136,41 @@ def test_what_a_captured_kernel_allocates_is_never_handed_to_anyone_else(backend
         np.testing.assert_array_equal(program(x), -np.ones((4, 6), np.float32))
     for a in bystanders:
         assert backend.to_host(a).tolist() == np.full((4, 6), 7, np.float32).tolist()
+
+
+def test_a_segment_captured_later_never_gets_memory_another_graph_writes(backend):
+    """A view of a segment's input buffer read after a later graph replays keeps its data. The
+    first segment splits at a kernel that reads on the host, so its first half is captured a run
+    after the second segment was: with one pool for the program, the half's buffer for the input
+    that changes was the block the second graph writes its temporaries into at every replay."""
+
+    def host_reading_scale(xp, inputs, params, out=None):
+        factor = float(abs(inputs[0]).max())  # waits for the device: cannot be captured
+        return xp.multiply(inputs[0], 1 / factor, out=out)
+
+    def copy(xp, inputs, params, out=None):
+        return xp.multiply(inputs[0], 1, out=out)
+
+    def with_temporaries(xp, inputs, params, out=None):
+        return xp.add(xp.exp(inputs[0]) * 0, inputs[0], out=out)  # temporaries of 96 bytes
+
+    def add(xp, inputs, params, out=None):
+        return xp.add(inputs[0], inputs[1], out=out)
+
+    copy.eager = add.eager = True  # never captured: the second segment is one from the start
+    kernels = {**kernels_for(backend), "normalize": host_reading_scale, "copy": copy, "temps": with_temporaries}
+    kernels["eager_add"] = add
+    steps = [
+        p.OpStep("reshape", (X,), 3, {"shape": [24]}, (24,), "float32"),  # a view of the input
+        op("normalize", (3,), 4, (24,)),
+        op("copy", (4,), 5, (24,)),
+        op("temps", (5,), 6, (24,)),
+        op("eager_add", (3, 6), 7, (24,)),  # reads the view after the second graph replayed
+    ]
+    program = Program(backend, steps, kernels)
+    rng = np.random.default_rng(3)
+    for _ in range(6):
+        x = rng.standard_normal((4, 6)).astype(np.float32)  # a new array every run: copied in
+        flat = x.reshape(24)
+        np.testing.assert_allclose(program(backend.to_device(x)), flat + flat / np.abs(flat).max(), rtol=1e-6)
+    assert all(s.replays for s in program.segments())

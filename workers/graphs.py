@@ -15,8 +15,13 @@ A graph replays on the memory it was captured on. So a segment keeps the arrays 
   buffer of the segment before each replay (a few KiB in a decode step);
 - its results lie in the arena (or are views of what it read), the same arrays every run, and
   are set in their slots on replay;
-- what its kernels allocate while captured comes from a pool that only the program's captures
-  use, so nothing else reuses that memory while the graph may still write it.
+- what its kernels allocate while captured, and its buffers, come from a pool of its own: a
+  graph writes its temporaries again at every replay, so no other segment's graph, buffer or
+  result may ever be handed that memory (with one pool per program, a segment captured later
+  was given a block another graph still wrote as a temporary: the cache position a decode step
+  wrote at came back as a float's bits);
+- after the capture its slots hold the inputs again, as after a replay: the kernels outside
+  read what the program gave, never the segment's buffer.
 
 A backend that can capture defines `begin_capture()`, `end_capture() -> graph`,
 `launch(graph)` and `capture_pool()` (workers/backends/cuda.py); others run every call eagerly.
@@ -38,7 +43,7 @@ def can_capture(backend) -> bool:
     return hasattr(backend, "begin_capture")
 
 
-def piecewise(bound: list[tuple[Any, Callable, Any]], backend, pool, kernels: dict) -> list[Callable]:
+def piecewise(bound: list[tuple[Any, Callable, Any]], backend, kernels: dict) -> list[Callable]:
     """The program's calls with every run of capturable steps made one Segment (a kernel marked
     `eager` never is: its shapes follow the data)."""
     pieces: list[Callable] = []
@@ -48,21 +53,22 @@ def piecewise(bound: list[tuple[Any, Callable, Any]], backend, pool, kernels: di
         eager = isinstance(step, p.MoveStep) or placed.out == "fresh" or getattr(kernels[step.op], "eager", False)
         if eager:
             if run:
-                pieces.append(Segment(run, backend, pool))
+                pieces.append(Segment(run, backend))
                 run = []
             pieces.append(call)
         else:
             run.append((step, call))
     if run:
-        pieces.append(Segment(run, backend, pool))
+        pieces.append(Segment(run, backend))
     return pieces
 
 
 class Segment:
     """Consecutive kernels, replayed as one graph once captured (the module docstring says when)."""
 
-    def __init__(self, steps: list[tuple[p.OpStep, Callable]], backend, pool):
-        self.steps, self.backend, self.pool = steps, backend, pool
+    def __init__(self, steps: list[tuple[p.OpStep, Callable]], backend):
+        self.steps, self.backend = steps, backend
+        self.pool: Callable | None = None  # its own, made at its first capture
         written: set[int] = set()
         external: list[int] = []
         for step, _ in steps:
@@ -119,6 +125,8 @@ class Segment:
 
     def _capture(self, slots: list, inputs: tuple) -> None:
         xp = self.backend.xp
+        if self.pool is None:
+            self.pool = self.backend.capture_pool()
         for slot, value in zip(self.external, inputs, strict=True):
             if slot in self.staged:
                 buffer = self.staged[slot]
@@ -146,6 +154,8 @@ class Segment:
         self.captures += 1
         self.held = tuple(None if s in self.staged else a for s, a in zip(self.external, inputs, strict=True))
         self.results = [(slot, slots[slot]) for slot in self.written]
+        for slot, value in zip(self.external, inputs, strict=True):
+            slots[slot] = value
         self.backend.launch(self.graph)
         self.replays += 1
 
@@ -154,10 +164,10 @@ class Segment:
         before, after = self.steps[:at], self.steps[at + 1 :]
         pieces: list[Callable] = []
         if before:
-            pieces.append(Segment(before, self.backend, self.pool))
+            pieces.append(Segment(before, self.backend))
         pieces.append(self.steps[at][1])
         if after:
-            pieces.append(Segment(after, self.backend, self.pool))
+            pieces.append(Segment(after, self.backend))
         self.pieces = pieces
 
 

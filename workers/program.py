@@ -176,7 +176,7 @@ class CompiledProgram:
         calls = [call for _, call, _ in dropping]
         self.replays, self.expected, self.xp = 0, 0, xp
         if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
-            calls = graphs.piecewise(dropping, backend, backend.capture_pool(), self.kernels)
+            calls = graphs.piecewise(dropping, backend, self.kernels)
             self.lines = None
         self.bound, self.dropping, self.calls, self.preset, self.arena = bound, dropping, calls, preset, arena
         self.kept_views = kept
