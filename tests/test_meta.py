@@ -8,11 +8,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.operands import random_case, random_operands
 from meta import MetaDevice, apply, get_rows
-from models.reference import gelu_tanh
+from models.reference import gelu_tanh, reference
 from split_state import MIRRORED, PARTIAL, Collective, Split
 from split_state.errors import ShapeError
-from tests.op_cases import CHECKED_OPS, assert_matches, draw_case
+from split_state.ops import infer
+from tests.op_cases import CHECKED_OPS, assert_matches, draw_case, seeds
 from tests.strategies import state_for
 from workers.simulator import SimulatedCluster
 
@@ -44,6 +46,38 @@ def test_every_op_and_state_on_the_simulator(name, data, n):
 @given(data=st.data())
 def test_every_op_on_worker_processes(name, devname, data, request):
     check_op(request.getfixturevalue(devname), name, data)
+
+
+@pytest.mark.parametrize("name", CHECKED_OPS)
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_every_op_replayed_with_new_operands_equals_numpy_every_run(name, data, cuda2):
+    """Every op in a captured step replayed with new operands of the same shapes and states,
+    against the NumPy reference each run. On CUDA a step's kernels run eagerly, then are captured,
+    then replay as device graphs with the new operands copied in: the op's result is cast to
+    float64 so that it is an intermediate (a program's outputs are its own array each run and
+    never captured), as every op of a decode step is."""
+    seed = data.draw(seeds, label="case seed")
+    rng = np.random.default_rng(seed)
+    shapes, dtypes, params = random_case(rng, name)
+    canon = infer(name, shapes, dtypes, params)[2]
+    states = [data.draw(state_for(shape, cuda2.n)) for shape in shapes]
+
+    def operands():
+        arrays = random_operands(rng, name, shapes, dtypes, params)
+        return [cuda2.tensor(a, s) for a, s in zip(arrays, states)], reference(name, arrays, canon)
+
+    handles, expected = operands()
+    step, (out,) = cuda2.capture(lambda *xs: [apply("cast", apply(name, *xs, **params), dtype="float64")], *handles)
+    for run in range(5):  # the capture's run, then four replays: eager, captured, replayed twice
+        if run:
+            cuda2.free(*handles)
+            handles, expected = operands()
+            (out,) = step(*handles)
+        got = out.numpy()
+        assert got.dtype == np.float64  # its own dtype back below, exactly: every dtype casts up exactly
+        assert_matches(got.astype(expected.dtype), expected, f"{name} {states}, run {run}")
+    cuda2.free(*handles)
 
 
 @pytest.mark.parametrize("name", CHECKED_OPS)
