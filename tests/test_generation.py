@@ -114,8 +114,11 @@ def test_every_sequence_at_a_stop_token_ends_the_loop(sim):
 
 
 @pytest.mark.parametrize("how", ["refuse", "interrupt"])
-def test_a_cancel_stops_within_a_token_and_the_workers_stay_usable(procs2, how):
-    dev = procs2
+@pytest.mark.parametrize("devname", ["procs2", "procs3_zmq"])
+def test_a_cancel_stops_within_a_token_and_the_workers_stay_usable(devname, how, request):
+    """Rank 0 tells its peers of the cancel in their stop words (one host, the shm plane) or in
+    messages (over ZeroMQ, as between hosts): either way every rank stops after the same step."""
+    dev = request.getfixturevalue(devname)
     seen = []
 
     def on(k, chosen):

@@ -148,6 +148,9 @@ SHM_RECORD_PREFIX = struct.Struct("<IIqqq24s")  # magic, ndim, run, step, nbytes
 SHM_WAITING_OFFSET = 2048
 SHM_BELL_OFFSET = 2048 + 64
 SHM_WAITING_ANY = 1 << 63
+# the owner's stop word (uint64, on the line after): rank 0 of a worker-driven generation stores
+# 2 * run + cancel there after each step, for the owner to read after `run` (workers/generation.py)
+SHM_STOP_OFFSET = 2048 + 128
 
 
 class MsgType(enum.IntEnum):

@@ -51,6 +51,7 @@ from transport.protocol import (
     SHM_FILE_MAGIC,
     SHM_RECORD_MAGIC,
     SHM_RECORD_PREFIX,
+    SHM_STOP_OFFSET,
     SHM_WAITING_ANY,
     SHM_WAITING_OFFSET,
 )
@@ -443,6 +444,7 @@ class InboxFile:
         words = memoryview(buffer)
         self.waiting = words[SHM_WAITING_OFFSET : SHM_WAITING_OFFSET + 8].cast("Q")  # the owner's asleep word
         self.bell = words[SHM_BELL_OFFSET : SHM_BELL_OFFSET + 4].cast("I")
+        self.stop = words[SHM_STOP_OFFSET : SHM_STOP_OFFSET + 8].cast("Q")  # see transport.protocol
         words.release()
         self._bell_address = ctypes.c_void_p(np.frombuffer(buffer, np.uint32, 1, SHM_BELL_OFFSET).ctypes.data)
         stride = CONTROL + capacity
@@ -511,6 +513,7 @@ class InboxFile:
             self._postbox = None
         self.waiting.release()
         self.bell.release()
+        self.stop.release()
         self.rings = []
         try:
             self.buffer.close()

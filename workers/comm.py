@@ -107,6 +107,16 @@ class Inbox:
     def flush(self, run: int, deadline: Deadline) -> None:
         """Wait until everything sent has left this worker (a no-op where sends never queue)."""
 
+    def stop_word(self, dst: int):
+        """A uint64 word in `dst`'s memory that this worker may store into and `dst` reads as its
+        `own_stop_word()` (a worker-driven generation's stop flag, workers/generation.py), or
+        None where there is none (another host): then send a message."""
+        return None
+
+    def own_stop_word(self):
+        """The word peers store into with `stop_word(this rank)`, or None."""
+        return None
+
     def recv(self, src: int, run: int, step: int, deadline: Deadline) -> np.ndarray:
         while True:
             chunk = self._stashed(src, run, step)
@@ -352,6 +362,12 @@ class HostComm(ZmqComm):
             if writer.queue:
                 self._backlog.add(dst)
             self._wake(dst)
+
+    def stop_word(self, dst: int):
+        return None if self._writer(dst) is None else self.peer_files[dst].stop
+
+    def own_stop_word(self):
+        return self.own.stop
 
     def _wake(self, peer: int, space: bool = False) -> None:
         """After publishing progress in a ring shared with `peer` (data we sent, or with `space`,
