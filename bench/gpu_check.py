@@ -64,15 +64,26 @@ def gpus() -> int:
     return backend.device_count if backend is not None else 0
 
 
+FAILURE_LINES = 40  # of a failed command's output, kept in the JSON: what failed, and why
+
+
 def _command(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[bool, str, float]:
+    """(ok, the output's last line, seconds); a failed command's output also goes in
+    `_failures` (its FAILED and assertion lines first), for the JSON."""
     start = time.perf_counter()
     try:
         environ = {**os.environ, **(env or {})}
         done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=environ)
     except subprocess.TimeoutExpired:
         return False, f"no answer within {timeout:.0f} s", time.perf_counter() - start
-    tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
-    return done.returncode == 0, tail[0][-200:], time.perf_counter() - start
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    if done.returncode != 0:
+        said = [line for line in lines if line.startswith(("FAILED", "E   ", "ERROR"))]
+        _failures.append({"command": " ".join(args[1:])[:200], "lines": (said or lines)[:FAILURE_LINES]})
+    return done.returncode == 0, (lines[-1:] or [""])[0][-200:], time.perf_counter() - start
+
+
+_failures: list[dict] = []
 
 
 def _generate(backend: str, workers: int, folder: Path, model: str = "") -> tuple[bool, str, list[int]]:
@@ -139,12 +150,17 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> d
             record(name, True, f"ratios {ratios}", time.perf_counter() - start, result=mlp)
         except Exception as exc:  # noqa: BLE001
             record(name, False, repr(exc)[:200], time.perf_counter() - start)
-    return {"workers": workers, "checks": checks, "ok": all(c["ok"] for c in checks)}
+    failures = list(_failures)
+    _failures.clear()
+    return {"workers": workers, "checks": checks, "ok": all(c["ok"] for c in checks), "failures": failures}
 
 
 def show(results: dict) -> None:
     rows = [(c["check"], "ok" if c["ok"] else "FAILED", f"{c['seconds']:.1f}", c["detail"]) for c in results["checks"]]
     print(table(f"GPU check, {results['workers']} workers on GPU 0", ["check", "result", "s", "detail"], rows))
+    for failed in results.get("failures", []):  # what failed and why, not only a count
+        print(f"\n{failed['command']}:")
+        print("\n".join(f"  {line[:300]}" for line in failed["lines"]))
 
 
 def main(argv: list[str] | None = None) -> int:

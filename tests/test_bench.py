@@ -1,5 +1,7 @@
 """The benchmark suite runs end to end in --quick mode and writes its JSON and plots."""
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -95,6 +97,24 @@ def test_the_gpu_check_without_a_gpu_says_so_in_one_line_and_fails():
     assert done.returncode == 1 and done.stdout == ""
     said = "gpu_check: no CUDA GPU was found (the cuda backend sees no device here)"
     assert done.stderr.strip().splitlines() == [said]
+
+
+def test_the_gpu_check_keeps_what_failed_and_why():
+    """A failed check's FAILED and assertion lines go in the JSON and under the table: on a GPU
+    session's machine, gone after it, the count of failures alone says nothing."""
+    from bench import gpu_check
+
+    script = "print('..F'); print('E   AssertionError: refused'); print('FAILED t.py::x - boom'); raise SystemExit(1)"
+    ok, last, _ = gpu_check._command([sys.executable, "-c", script], 60)
+    assert not ok and last == "FAILED t.py::x - boom"
+    ok_too, _, _ = gpu_check._command([sys.executable, "-c", "print('fine')"], 60)
+    results = {"workers": 2, "checks": [{"check": "c", "ok": False, "seconds": 1.0, "detail": last}]}
+    results["failures"], gpu_check._failures[:] = list(gpu_check._failures), []
+    assert ok_too and [f["lines"] for f in results["failures"]] == [["E   AssertionError: refused", last]]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        gpu_check.show(results)
+    assert "  E   AssertionError: refused" in out.getvalue()
 
 
 def dies_without_a_word(requests, replies) -> None:

@@ -117,6 +117,8 @@ def test_a_kernel_that_reads_on_the_host_runs_eagerly_between_two_graphs(backend
         )
     found = program.segments()
     assert [len(s.calls) for s in found] == [2, 3] and all(s.replays for s in found)
+    ((eager_op, why),) = graphs.refusals(program.compiled.calls)  # what the workers' stats report
+    assert eager_op == "normalize" and "cudaErrorStreamCaptureUnsupported" in why, why
 
 
 def test_what_a_captured_kernel_allocates_is_never_handed_to_anyone_else(backend):

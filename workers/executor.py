@@ -68,13 +68,18 @@ class Executor:
         if self.freeze_programs:
             gc.freeze()
 
-    def graph_counts(self) -> dict[str, int]:
-        """Device graphs of the loaded programs: segments, captures and replays so far."""
+    def graph_counts(self) -> dict:
+        """Device graphs of the loaded programs: segments, captures and replays so far, and the
+        steps run eagerly because their capture failed (`eager`: how many; `refused`: each op
+        once, with why)."""
         found = [s for c in self.programs.values() for s in graphs.segments(c.calls)]
+        refused = [r for c in self.programs.values() for r in graphs.refusals(c.calls)]
         return {
             "segments": len(found),
             "captures": sum(s.captures for s in found),
             "replays": sum(s.replays for s in found),
+            "eager": len(refused),
+            "refused": dict(reversed(refused)),  # an op's first reason
         }
 
     @contextlib.contextmanager

@@ -80,6 +80,7 @@ class Segment:
         self.written = tuple(dict.fromkeys(step.output for step, _ in steps))
         self.calls = [call for _, call in steps]
         self.pieces: list[Callable] | None = None  # after a failed capture: the segment split
+        self.refused: tuple[str, str] | None = None  # then: (the op run eagerly, why its capture failed)
         self.graph = None
         self.held: tuple = ()  # the arrays the graph reads in place (None: staged)
         self.staged: dict[int, Any] = {}  # input slot -> the segment's buffer copied into
@@ -142,10 +143,11 @@ class Segment:
                 for call in self.calls:
                     call(slots)
                     done += 1
-        except Exception:  # noqa: BLE001 - a kernel that cannot be captured (or a real error: rerun below)
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot be captured (or a real error: rerun below)
             with contextlib.suppress(Exception):
                 self.backend.end_capture()
             self._split(done)
+            self.refused = (self.steps[done][0].op, f"{type(exc).__name__}: {exc}"[:200])
             for slot, value in zip(self.external, inputs, strict=True):
                 slots[slot] = value
             self(slots)  # eagerly, through the split pieces; a real error raises here
@@ -169,6 +171,17 @@ class Segment:
         if after:
             pieces.append(Segment(after, self.backend))
         self.pieces = pieces
+
+
+def refusals(pieces: list[Callable]) -> list[tuple[str, str]]:
+    """(op, why) of every step among `pieces` whose capture failed, so that it runs eagerly at
+    every run: on a GPU, what keeps a step from replaying as one graph."""
+    found: list[tuple[str, str]] = []
+    for piece in pieces:
+        if isinstance(piece, Segment) and piece.pieces is not None:
+            found += [piece.refused] if piece.refused is not None else []
+            found += refusals(piece.pieces)
+    return found
 
 
 def segments(pieces: list[Callable]) -> list[Segment]:
