@@ -135,6 +135,24 @@ def test_a_host_synchronisation_during_capture_fails_and_invalidates_the_capture
             stream.end_capture()
 
 
+def test_a_floating_point_product_during_capture_is_refused_as_cupy_refuses_cublas():
+    """CuPy 14 raises before calling cuBLAS while the stream captures (cupy/cupy#6290); the
+    capture goes on. Integer products are CuPy's own kernels: captured."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        a, n = cp.ones((2, 3), dtype=cp.float32), cp.ones((2, 3), dtype=cp.int32)
+        stream.synchronize()
+        stream.begin_capture()
+        with pytest.raises(NotImplementedError, match="calling cuBLAS API during stream capture"):
+            cp.matmul(a, a.T)
+        with pytest.raises(NotImplementedError, match="calling cuBLAS API during stream capture"):
+            _ = a @ a.T
+        product = n @ n.T
+        graph = stream.end_capture()
+        graph.launch(stream=stream)
+        assert product.get().tolist() == [[3, 3], [3, 3]]
+
+
 def test_a_freed_block_is_reused_by_the_next_allocation_on_its_stream():
     """As CuPy's pool: what a graph captured in a freed temporary may belong to another array."""
     a = cp.empty(1000, cp.float32)

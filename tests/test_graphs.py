@@ -31,9 +31,10 @@ def op(name, inputs, output, shape, **params):
 
 
 def relu_mlp_steps():
-    """out = relu(x @ w) * 2 + b, with x (4, 8), w (8, 6), b (6,)."""
+    """out = -exp(relu(x * w) * 2 + b), with x and w (4, 6), b (6,): no product (CuPy captures
+    none: test_a_product_runs_eagerly_between_two_graphs)."""
     return [
-        op("matmul", (X, W), 3, (4, 6)),
+        op("mul", (X, W), 3, (4, 6)),
         op("relu", (3,), 4, (4, 6)),
         op("scale", (4,), 5, (4, 6), factor=2.0),
         op("add", (5, B), 6, (4, 6)),
@@ -43,7 +44,7 @@ def relu_mlp_steps():
 
 
 def expected(x, w, b):
-    return -np.exp(np.maximum(x @ w, 0) * 2 + b)
+    return -np.exp(np.maximum(x * w, 0) * 2 + b)
 
 
 class Program:
@@ -71,11 +72,11 @@ class Program:
 
 def test_runs_are_captured_once_and_replayed_with_new_inputs_copied_in(backend):
     rng = np.random.default_rng(0)
-    w, b = rng.standard_normal((8, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    w, b = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
     program = Program(backend, relu_mlp_steps())
     wd, bd = backend.to_device(w), backend.to_device(b)
     for _ in range(6):
-        x = rng.standard_normal((4, 8)).astype(np.float32)  # a new array every run: copied in
+        x = rng.standard_normal((4, 6)).astype(np.float32)  # a new array every run: copied in
         np.testing.assert_allclose(program(backend.to_device(x), wd, bd), expected(x, w, b), rtol=1e-5)
     (segment,) = program.segments()
     assert segment.captures == 1 and segment.replays == 4  # run 1 checks, run 2 learns, run 3 captures
@@ -84,8 +85,8 @@ def test_runs_are_captured_once_and_replayed_with_new_inputs_copied_in(backend):
 
 def test_inputs_that_stay_are_read_in_place_and_a_new_weight_is_captured_again(backend):
     rng = np.random.default_rng(1)
-    x, b = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
-    w1, w2 = (rng.standard_normal((8, 6)).astype(np.float32) for _ in range(2))
+    x, b = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    w1, w2 = (rng.standard_normal((4, 6)).astype(np.float32) for _ in range(2))
     program = Program(backend, relu_mlp_steps())
     xd, bd, wd1, wd2 = (backend.to_device(a) for a in (x, b, w1, w2))
     for _ in range(4):
@@ -107,10 +108,10 @@ def test_a_kernel_that_reads_on_the_host_runs_eagerly_between_two_graphs(backend
     steps[3] = op("scale", (9,), 5, (4, 6), factor=2.0)
     program = Program(backend, steps, kernels)
     rng = np.random.default_rng(2)
-    w, b = rng.standard_normal((8, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    w, b = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
     for _ in range(5):
-        x = rng.standard_normal((4, 8)).astype(np.float32)
-        h = np.maximum(x @ w, 0)
+        x = rng.standard_normal((4, 6)).astype(np.float32)
+        h = np.maximum(x * w, 0)
         want = -np.exp(h / h.max() * 2 + b)
         np.testing.assert_allclose(
             program(backend.to_device(x), backend.to_device(w), backend.to_device(b)), want, rtol=1e-5
@@ -119,6 +120,29 @@ def test_a_kernel_that_reads_on_the_host_runs_eagerly_between_two_graphs(backend
     assert [len(s.calls) for s in found] == [2, 3] and all(s.replays for s in found)
     ((eager_op, why),) = graphs.refusals(program.compiled.calls)  # what the workers' stats report
     assert eager_op == "normalize" and "cudaErrorStreamCaptureUnsupported" in why, why
+
+
+def test_a_product_runs_eagerly_between_two_graphs(backend):
+    """CuPy refuses cuBLAS while a stream captures, so the CUDA backend never puts a product in a
+    graph (backend.uncaptured): the kernels around it are two graphs, nothing is refused."""
+    steps = [
+        op("relu", (X,), 3, (4, 8)),
+        op("matmul", (3, W), 4, (4, 6)),
+        op("exp", (4,), 5, (4, 6)),
+        op("add", (5, B), 6, (4, 6)),
+        op("neg", (6,), 7, (4, 6)),  # the result: its own array each run
+    ]
+    program = Program(backend, steps)
+    rng = np.random.default_rng(4)
+    w, b = rng.standard_normal((8, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    wd, bd = backend.to_device(w), backend.to_device(b)
+    for _ in range(5):
+        x = rng.standard_normal((4, 8)).astype(np.float32)
+        want = -(np.exp(np.maximum(x, 0) @ w) + b)
+        np.testing.assert_allclose(program(backend.to_device(x), wd, bd), want, rtol=1e-5)
+    found = program.segments()
+    assert [len(s.calls) for s in found] == [1, 2] and all(s.replays == 3 for s in found)
+    assert graphs.refusals(program.compiled.calls) == []
 
 
 def test_what_a_captured_kernel_allocates_is_never_handed_to_anyone_else(backend):

@@ -2,8 +2,9 @@
 graphs through CuPy's stream capture), piecewise as vLLM captures a model around its attention.
 
 A program splits into pieces: a collective, a step whose result is a fresh array each run, a
-kernel marked `eager` (the attention over the used cache: how much it reads follows the mask)
-and a kernel that reads device data on the host (found when its capture fails) run eagerly;
+kernel marked `eager` (the attention over the used cache: how much it reads follows the mask),
+an op the backend never captures (`backend.uncaptured`: CuPy's cuBLAS products) and a kernel that
+reads device data on the host (found when its capture fails) run eagerly;
 every run of other kernels between them is a segment. A segment runs eagerly the first time,
 is captured the second and from then on replayed: one launch instead of a call per kernel.
 
@@ -45,12 +46,18 @@ def can_capture(backend) -> bool:
 
 def piecewise(bound: list[tuple[Any, Callable, Any]], backend, kernels: dict) -> list[Callable]:
     """The program's calls with every run of capturable steps made one Segment (a kernel marked
-    `eager` never is: its shapes follow the data)."""
+    `eager` never is: its shapes follow the data; nor an op in `backend.uncaptured`)."""
     pieces: list[Callable] = []
     run: list[tuple[p.OpStep, Callable]] = []
+    never = getattr(backend, "uncaptured", frozenset())
     for placed, call, _ in bound:
         step = placed.step
-        eager = isinstance(step, p.MoveStep) or placed.out == "fresh" or getattr(kernels[step.op], "eager", False)
+        eager = (
+            isinstance(step, p.MoveStep)
+            or placed.out == "fresh"
+            or step.op in never
+            or getattr(kernels[step.op], "eager", False)
+        )
         if eager:
             if run:
                 pieces.append(Segment(run, backend))

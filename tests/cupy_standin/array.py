@@ -21,6 +21,11 @@ from tests.cupy_standin import runtime as rt
 
 # functions whose result's shape depends on the data: CuPy waits for the stream to run them
 DATA_DEPENDENT = frozenset({"nonzero", "flatnonzero", "argwhere", "unique", "extract", "compress"})
+# products CuPy hands to cuBLAS for floating-point operands (integers get a kernel of its own);
+# CuPy refuses any cuBLAS call while the current stream captures (cupy/cupy#6290: its cuBLAS
+# wrappers check the stream before setting it), so a graph can never hold one
+CUBLAS = frozenset({"matmul", "dot", "vdot", "inner", "tensordot", "einsum"})
+CUBLAS_REFUSED = "calling cuBLAS API during stream capture is currently unsupported"
 
 
 class ndarray:  # noqa: N801 - CuPy's name
@@ -401,11 +406,19 @@ def _result_spec(fn, args, kwargs):
         return fn(*_swap(args, _shadow), **_swap(kwargs, _shadow))
 
 
+def _floating(args: tuple) -> bool:
+    found: list[ndarray] = []
+    _walk(args, found)
+    return any(a.dtype.kind in "fc" for a in found)
+
+
 def _defer(name: str, fn, args: tuple, kwargs: dict):
     """Issue fn(*args, **kwargs) on the current stream; the result's arrays are made now."""
     _refuse_host_arrays(args)
     _refuse_host_arrays(list(kwargs.values()))
     stream = rt.get_current_stream()
+    if name in CUBLAS and stream.is_capturing() and _floating(args):
+        raise NotImplementedError(CUBLAS_REFUSED)
     if name in DATA_DEPENDENT or (name == "where" and len(args) == 1):
         rt.forbid_in_capture(f"{name} (its result's size depends on the data) during capture")
         stream.synchronize()

@@ -86,6 +86,12 @@ class Backend:
     def launch(self, graph) -> None:
         graph.launch(stream=self.compute)
 
+    # kernels never captured in a device graph: CuPy hands floating-point products to cuBLAS, and
+    # refuses any cuBLAS call while a stream captures ("calling cuBLAS API during stream capture
+    # is currently unsupported", cupy/cupy#6290), so a segment holding one fails its capture and
+    # splits around it anyway (a product of our own, a kernel CuPy compiles, could be captured)
+    uncaptured = frozenset({"matmul", "qmatmul"})
+
     def capture_pool(self):
         """A context in which allocations come from a pool of their own: what a captured kernel
         allocates is written again at every replay, so nothing outside may reuse it."""
