@@ -253,7 +253,7 @@ def test_a_worker_lost_during_generation_is_a_typed_error_within_seconds(fresh_c
 # the decode step's kernels whose work depends on device data read on the host (the vocabulary's
 # rows to look up, whether the best logit is NaN, the candidates that are valid), so their capture
 # fails and they run eagerly between graphs; any other refused on a GPU is a fault to fix
-READ_ON_HOST = {"get_rows", "top_k_candidates", "top_k_combine"}
+READ_ON_HOST = {"get_rows", "qget_rows", "top_k_candidates", "top_k_combine"}
 REF_CFG = LlamaConfig(hidden=64, layers=2, heads=8, kv_heads=2, ffn=48, vocab=72, rope_base=30000.0)
 
 
@@ -305,3 +305,5 @@ def test_prepared_decode_replayed_and_driven_gives_the_reference_tokens(devname,
         for rank, stats in dev.stats().items():
             graph = stats["graphs"]
             assert graph["replays"] > STEPS and set(graph["refused"]) <= READ_ON_HOST, (rank, graph["refused"])
+            # each captured segment's own pool holds its temporaries: 20-47 KiB here in all
+            assert 0 < graph["pool_bytes"] < 1 << 20, graph["pool_bytes"]

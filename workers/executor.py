@@ -71,7 +71,7 @@ class Executor:
     def graph_counts(self) -> dict:
         """Device graphs of the loaded programs: segments, captures and replays so far, and the
         steps run eagerly because their capture failed (`eager`: how many; `refused`: each op
-        once, with why)."""
+        once, with why), and the bytes the segments' own pools hold (`pool_bytes`)."""
         found = [s for c in self.programs.values() for s in graphs.segments(c.calls)]
         refused = [r for c in self.programs.values() for r in graphs.refusals(c.calls)]
         return {
@@ -80,6 +80,7 @@ class Executor:
             "replays": sum(s.replays for s in found),
             "eager": len(refused),
             "refused": dict(reversed(refused)),  # an op's first reason
+            "pool_bytes": sum(s.pool.total_bytes() for s in found if s.pool is not None),
         }
 
     @contextlib.contextmanager

@@ -92,8 +92,21 @@ class Backend:
     # splits around it anyway (a product of our own, a kernel CuPy compiles, could be captured)
     uncaptured = frozenset({"matmul", "qmatmul"})
 
-    def capture_pool(self):
-        """A context in which allocations come from a pool of their own: what a captured kernel
-        allocates is written again at every replay, so nothing outside may reuse it."""
-        pool = self.xp.cuda.MemoryPool()
-        return lambda: self.xp.cuda.using_allocator(pool.malloc)
+    def capture_pool(self) -> CapturePool:
+        """A pool of its own for one segment's captures: what a captured kernel allocates is
+        written again at every replay, so nothing outside may reuse it."""
+        return CapturePool(self.xp)
+
+
+class CapturePool:
+    """A segment's memory pool (workers/graphs.py): called, a context in which allocations come
+    from it; `total_bytes()`, what it holds (a worker's stats add them up)."""
+
+    def __init__(self, xp):
+        self.xp, self.pool = xp, xp.cuda.MemoryPool()
+
+    def __call__(self):
+        return self.xp.cuda.using_allocator(self.pool.malloc)
+
+    def total_bytes(self) -> int:
+        return int(self.pool.total_bytes())
