@@ -153,6 +153,7 @@ class Segment:
         except Exception as exc:  # noqa: BLE001 - a kernel that cannot be captured (or a real error: rerun below)
             with contextlib.suppress(Exception):
                 self.backend.end_capture()
+            self.pool = None  # what the abandoned capture allocated: no graph will write it
             self._split(done)
             self.refused = (self.steps[done][0].op, f"{type(exc).__name__}: {exc}"[:200])
             for slot, value in zip(self.external, inputs, strict=True):
