@@ -203,6 +203,11 @@ PREFILL_STEPS = 16  # prefill chains a model keeps (one per padded length, pool,
 PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
 
 
+def _product(x: Tensor, weight: Tensor, fmt: str | None) -> Tensor:
+    """x @ weight, on the file's blocks when the weight is kept quantized (`fmt`: its format)."""
+    return x @ weight if fmt is None else qmatmul(x, weight, fmt)
+
+
 def padded_length(tokens: int, room: int) -> int:
     """The length a prompt of `tokens` is padded to, at most `room` (the positions left in the
     cache): a multiple of 16 up to 64, then of a quarter of the power of two below it (80, 96,
@@ -338,8 +343,7 @@ class TensorParallelLlama:
 
     def _mm(self, x: Tensor, name: str) -> Tensor:
         """x @ weight `name`, on its file's blocks when it is kept quantized."""
-        fmt = self.formats.get(name)
-        return x @ self.w[name] if fmt is None else qmatmul(x, self.w[name], fmt)
+        return _product(x, self.w[name], self.formats.get(name))
 
     def _zeros(self, shape, state, dtype=np.float32) -> Tensor:
         n = self.dev.n
@@ -581,8 +585,7 @@ class TensorParallelLlama:
         at = {"batch_start": slot} if slot is not None else {"batch_start": 0} if first_rows else {}
 
         def mm(a: Tensor, name: str) -> Tensor:
-            fmt = formats[name]
-            return a @ w[name] if fmt is None else qmatmul(a, w[name], fmt)
+            return _product(a, w[name], formats[name])
 
         h = x.rms_norm(eps=cfg.eps) * w["attn_norm"]
         q = mm(h, "wq").reshape(batch, t, cfg.heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)

@@ -199,7 +199,8 @@ def run_generation(
             else:
                 if step == 1 or (step and not use_word):  # rank 0's word after the step before
                     cancel, said = _stop_flag(comm, run, executor.collective_timeout)
-                    use_word = use_word or (step == 1 and said and own_word is not None)
+                    if step == 1:
+                        use_word = said and own_word is not None
                 elif step:
                     cancel = _read_word(own_word, run, executor.collective_timeout, rank)
                 if finished or cancel:
