@@ -40,6 +40,7 @@ CUPY_TESTS = [
     "tests/test_cupy_standin.py",
     "tests/test_graphs.py",
     "tests/test_cuda_backend.py",
+    "tests/test_cublas.py",
     "tests/test_nccl.py",
     "tests/test_ipc.py",
     "tests/test_workers.py",

@@ -123,8 +123,9 @@ def test_a_kernel_that_reads_on_the_host_runs_eagerly_between_two_graphs(backend
 
 
 def test_a_product_runs_eagerly_between_two_graphs(backend):
-    """CuPy refuses cuBLAS while a stream captures, so the CUDA backend never puts a product in a
-    graph (backend.uncaptured): the kernels around it are two graphs, nothing is refused."""
+    """CuPy refuses cuBLAS while a stream captures, so a CUDA backend without a cuBLAS handle of
+    its own (the stand-in's) never puts a product in a graph (backend.uncaptured): the kernels
+    around it are two graphs, nothing is refused."""
     steps = [
         op("relu", (X,), 3, (4, 8)),
         op("matmul", (3, W), 4, (4, 6)),

@@ -3,10 +3,11 @@ graphs through CuPy's stream capture), piecewise as vLLM captures a model around
 
 A program splits into pieces: a collective, a step whose result is a fresh array each run, a
 kernel marked `eager` (the attention over the used cache: how much it reads follows the mask),
-an op the backend never captures (`backend.uncaptured`: CuPy's cuBLAS products) and a kernel that
-reads device data on the host (found when its capture fails) run eagerly;
-every run of other kernels between them is a segment. A segment runs eagerly the first time,
-is captured the second and from then on replayed: one launch instead of a call per kernel.
+an op the backend never captures (`backend.uncaptured`: CuPy's cuBLAS products where the CUDA
+backend has no cuBLAS handle of its own) and a kernel that reads device data on the host (found
+when its capture fails) run eagerly; every run of other kernels between them is a segment. A
+segment runs eagerly the first time, is captured the second and from then on replayed: one
+launch instead of a call per kernel.
 
 A graph replays on the memory it was captured on. So a segment keeps the arrays it read:
 - an input that was the same array in the first two runs (a weight, a KV cache, a

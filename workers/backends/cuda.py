@@ -17,7 +17,38 @@ from typing import Any
 
 import numpy as np
 
-from workers.backends import DeviceInfo
+from workers.backends import DeviceInfo, _cublas
+from workers.kernels import basic, quant
+
+# id(array module) -> device index -> its capturable float32 products (workers/backends/_cublas.py),
+# made by the first Backend of the device in this process; none where cuBLAS cannot be opened
+# (CuPy's stand-in, a build without the library). Keyed by the module too: a test process may
+# drive the real CuPy and the stand-in in turn, whose arrays cuBLAS must never be handed.
+_GEMMS: dict[int, dict[int, _cublas.CapturableGemm]] = {}  # by id(): a test's fake module may not hash
+
+
+def _gemm(xp, a, b, out):
+    """a @ b into out through the device's capturable cuBLAS product; None where it cannot."""
+    devices = _GEMMS.get(id(xp))
+    gemm = devices.get(a.device.id) if devices else None
+    return None if gemm is None else gemm(a, b, out)
+
+
+def matmul(xp, inputs, params, out=None):
+    a, b = inputs
+    if id(xp) in _GEMMS and b.ndim == 2:
+        target = xp.empty(a.shape[:-1] + b.shape[1:], a.dtype) if out is None else out
+        if _gemm(xp, a, b, target) is not None:
+            return target
+    return basic.KERNELS["matmul"](xp, inputs, params, out)
+
+
+def _tile_product(xp, x, tile, out) -> None:
+    if _gemm(xp, x, tile, out) is None:
+        quant.tile_product(xp, x, tile, out)
+
+
+KERNELS = {"matmul": matmul, "qmatmul": quant.qmatmul_with(_tile_product)}
 
 
 class Backend:
@@ -52,6 +83,17 @@ class Backend:
         self.compute = cupy.cuda.Stream(non_blocking=True)
         self.compute.use()  # the current stream of this thread: every kernel runs on it
         self.copy = cupy.cuda.Stream(non_blocking=True)
+        gemms = _GEMMS.setdefault(id(cupy), {})  # a gemm holds its module: the id stays its own
+        if index not in gemms:
+            try:
+                gemms[index] = _cublas.CapturableGemm(cupy)
+            except (ImportError, OSError, AttributeError, RuntimeError):
+                pass  # CuPy's own products, never captured
+        # ops never captured in a device graph: with the products of our own cuBLAS handle, none;
+        # without it CuPy hands floating-point products to cuBLAS and refuses any cuBLAS call
+        # while a stream captures ("calling cuBLAS API during stream capture is currently
+        # unsupported", cupy/cupy#6290), so a segment holding one would fail its capture
+        self.uncaptured = frozenset() if index in gemms else frozenset({"matmul", "qmatmul"})
 
     def info(self) -> DeviceInfo:
         free, total = self.xp.cuda.runtime.memGetInfo()
@@ -85,12 +127,6 @@ class Backend:
 
     def launch(self, graph) -> None:
         graph.launch(stream=self.compute)
-
-    # kernels never captured in a device graph: CuPy hands floating-point products to cuBLAS, and
-    # refuses any cuBLAS call while a stream captures ("calling cuBLAS API during stream capture
-    # is currently unsupported", cupy/cupy#6290), so a segment holding one fails its capture and
-    # splits around it anyway (a product of our own, a kernel CuPy compiles, could be captured)
-    uncaptured = frozenset({"matmul", "qmatmul"})
 
     def capture_pool(self) -> CapturePool:
         """A pool of its own for one segment's captures: what a captured kernel allocates is

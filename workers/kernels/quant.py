@@ -9,6 +9,8 @@ workers/kernels/numba_cpu.py. `qget_rows` dequantizes only the rows it looks up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from split_state.errors import ShapeError
 from split_state.quant import FORMATS, QuantFormat, file_order
 from workers.kernels.basic import look_up_rows
@@ -106,22 +108,36 @@ def dequantize(xp, w, fmt: QuantFormat):
     return values(xp, file_order(w), fmt)
 
 
-def qmatmul(xp, inputs, params, out=None):
-    xb, w = inputs
-    fmt = FORMATS[params["format"]]
-    groups, lanes, width = w.shape[0], w.shape[3], w.shape[1] * fmt.block
-    n = groups * lanes
-    out = xp.empty(xb.shape[:-2] + (groups, lanes), xp.float32) if out is None else out
-    if not width or not n or not out.size:
-        out[...] = 0
+def qmatmul_with(product: Callable) -> Callable:
+    """The qmatmul kernel whose tiles' products are `product(xp, x, tile, out)`: out (a column
+    slice of the result) = x @ tile, tile a dequantized (width, rows) transposed view. A backend
+    gives its own (the CUDA backend's can be captured in a device graph)."""
+
+    def qmatmul(xp, inputs, params, out=None):
+        xb, w = inputs
+        fmt = FORMATS[params["format"]]
+        groups, lanes, width = w.shape[0], w.shape[3], w.shape[1] * fmt.block
+        n = groups * lanes
+        out = xp.empty(xb.shape[:-2] + (groups, lanes), xp.float32) if out is None else out
+        if not width or not n or not out.size:
+            out[...] = 0
+            return out
+        x = xb.reshape(-1, width)
+        flat = out.reshape(-1, n)
+        tile = max(1, TILE_BYTES // (4 * width * lanes))  # groups a tile
+        for start in range(0, groups, tile):
+            part = dequantize(xp, w[start : start + tile], fmt)
+            product(xp, x, part.T, flat[:, start * lanes : start * lanes + part.shape[0]])
         return out
-    x = xb.reshape(-1, width)
-    flat = out.reshape(-1, n)
-    tile = max(1, TILE_BYTES // (4 * width * lanes))  # groups a tile
-    for start in range(0, groups, tile):
-        part = dequantize(xp, w[start : start + tile], fmt)
-        flat[:, start * lanes : start * lanes + part.shape[0]] = x @ part.T
-    return out
+
+    return qmatmul
+
+
+def tile_product(xp, x, tile, out) -> None:
+    out[...] = x @ tile
+
+
+qmatmul = qmatmul_with(tile_product)
 
 
 def qget_rows(xp, inputs, params, out=None):
