@@ -7,21 +7,20 @@ same run, with each decode step's time split into compute, collectives, executor
 
 Prefill: one 128-token prompt (32 with --quick) in one chain, as generation prefills (the
 embedding, one layer's step per layer, the head: models/llama.py); "first" plans and loads it
-(the median of --rounds models loaded anew), "warmed" comes after a warm-up at load, "again"
-replays it. Decode: greedy,
-generation driven by the workers (one Generate, each token fed back on the workers); then the
-captured decode step replayed by the coordinator token by token, its median step untimed on the
-workers, and the breakdown from as many steps with every kernel timed (the table shows both, so
-what profiling costs is visible). The reference stays up in its own process for the whole row,
-and the two alternate, --rounds rounds of a prefill and of decoding each, so a busy neighbour
-slows both alike; the figures are the rounds' medians. Where llama-cpp-python is installed
-(`pip install llama-cpp-python`, which builds llama.cpp), llama.cpp itself runs on the same file
-with N threads after each worker count's rows, and a table compares its decode with ours.
---contexts: decode at the same positions with the KV cache preallocated to each length.
---rss-tokens: resident memory of the coordinator and the workers over that many decode tokens.
---cache-position: decode after a prompt that long, float32 against float16 KV caches (and
-llama.cpp, whose cache is float16), 1 worker.
-"""
+(medians over 5 models loaded anew, or --rounds when more; 1 with --quick), "warmed" comes after
+a warm-up at load, "again" replays it. Decode: greedy, generation driven by the workers (one
+Generate, each token fed back on the workers); then the captured decode step replayed by the
+coordinator token by token, its median step untimed on the workers, and the breakdown from as
+many steps with every kernel timed (the table shows both, so what profiling costs is visible).
+The reference stays up in its own process for the whole row, and the two alternate, --rounds
+rounds of a prefill and of decoding each, so a busy neighbour slows both alike; the figures are
+the rounds' medians. Where llama-cpp-python is installed (`pip install llama-cpp-python`, which
+builds llama.cpp), llama.cpp itself runs on the same file with N threads after each worker
+count's rows, and a table compares its decode with ours. --contexts: decode at the same
+positions with the KV cache preallocated to each length. --rss-tokens: resident memory of the
+coordinator and the workers over that many decode tokens. --cache-position: decode after a
+prompt that long, float32 against float16 KV caches (and llama.cpp, whose cache is float16), 1
+worker."""
 
 from __future__ import annotations
 
@@ -123,6 +122,7 @@ def llama_cpp_child(path: str, length: int, steps: int, threads: int, requests, 
         replies.put(float(np.median(times)))
 
 
+FIRST_ROUNDS = 5  # models loaded anew for each kind of first prompt (at least; --rounds when more)
 RSS_CTX = 1024  # the caches' positions in the main rows: the peak RSS column is then #27's condition
 
 
@@ -198,6 +198,7 @@ def ours(
             "peak_rss_mib": max(st["max_rss_kib"] for st in stats) / 1024,
             "rounds": len(timed["driven"]),
             "prefill_again_s": medians["prefill_again"],
+            "again_ratio": paired_ratio(timed["ref_prefill"], timed["prefill_again"]),
             "reference_prefill_s": medians["ref_prefill"],
             "reference_decode_step_s": medians["ref_decode"],
             "driven_step_s": medians["driven"],
@@ -214,8 +215,10 @@ def fresh_models(path: str, workers: int, length: int, weights: str, reference=N
     `rounds` models prefilling at once (the prompt's steps planned, compiled and loaded then:
     "first"), and `rounds` more warmed up first (TensorParallelLlama.warm_up: every padded prompt
     length's prefill steps loaded, not run, as `generate -i` does at start; the warm-up's seconds
-    too: "warmed"). Medians, alternating the two kinds: a single first prompt against a single
-    reference prefill varied by 10 % from run to run on a busy 2-core machine."""
+    too: "warmed"). Medians, alternating the two kinds, and each kind's ratio the median of its
+    pairs' (the reference's prefill over ours right after it): a single pair's ratio varied from
+    0.97 to 1.53 within one run on a busy 2-core VM, and the medians of three pairs had the first
+    prompt on 1 worker 0.79-1.32x from run to run."""
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
 
@@ -237,7 +240,17 @@ def fresh_models(path: str, workers: int, length: int, weights: str, reference=N
             start = time.perf_counter()
             net.prefill(tokens, 0, pool=1)[1].numpy()
             seen[f"{kind}_prefill_s"].append(time.perf_counter() - start)
-    return {k: float(np.median(v)) if v else None for k, v in seen.items()}
+    medians = {k: float(np.median(v)) if v else None for k, v in seen.items()}
+    medians["first_rounds"] = len(seen["first_prefill_s"])
+    for kind in ("first", "warmed"):
+        medians[f"{kind}_ratio"] = paired_ratio(seen[f"{kind}_reference_s"], seen[f"{kind}_prefill_s"])
+    return medians
+
+
+def paired_ratio(reference_s: list[float], ours_s: list[float]) -> float | None:
+    """The median of reference / ours over pairs timed one right after the other (None without a
+    reference): a busy neighbour slows a pair alike, where it may slow one side's median alone."""
+    return float(np.median([r / s for r, s in zip(reference_s, ours_s)])) if reference_s else None
 
 
 def worker_driven(dev, net, token: np.ndarray, pos: int):
@@ -380,7 +393,7 @@ def run(
             reference.ask("ready")
             for kind in weights:
                 mine = ours(path, n, length, steps, weights=kind, reference=reference, rounds=rounds)
-                mine |= fresh_models(path, n, length, kind, reference, rounds)
+                mine |= fresh_models(path, n, length, kind, reference, rounds if quick else max(rounds, FIRST_ROUNDS))
                 rows.append(_row(n, kind, length, mine))
         if have_llama_cpp():  # the goal of quantized decode: llama.cpp on the same file and threads
             llama = llama_cpp(path, length, steps, n, rounds)
@@ -430,12 +443,13 @@ def _row(n: int, weights: str, length: int, mine: dict) -> dict:
         "decode_ratio": base["decode_step_s"] / mine["driven_step_s"],
         "replayed_decode_tok_s": 1 / mine["decode_step_s"],
         "driven_outside_program_ms": mine["driven_outside_program_s"] * 1e3,
-        "prefill_ratio": (mine["first_reference_s"] or base["prefill_s"]) / mine["first_prefill_s"],
+        "first_rounds": mine["first_rounds"],
+        "prefill_ratio": mine["first_ratio"] or base["prefill_s"] / mine["first_prefill_s"],
         "warm_up_s": mine["warm_up_s"],
         "ours_prefill_warmed_tok_s": length / mine["warmed_prefill_s"],
-        "prefill_warmed_ratio": (mine["warmed_reference_s"] or base["prefill_s"]) / mine["warmed_prefill_s"],
+        "prefill_warmed_ratio": mine["warmed_ratio"] or base["prefill_s"] / mine["warmed_prefill_s"],
         "ours_prefill_again_tok_s": length / mine["prefill_again_s"],
-        "prefill_again_ratio": base["prefill_s"] / mine["prefill_again_s"],
+        "prefill_again_ratio": mine["again_ratio"] or base["prefill_s"] / mine["prefill_again_s"],
         "step_ms": mine["decode_step_s"] * 1e3,
         "profiled_step_ms": mine["profiled_step_s"] * 1e3,
         "profiling_cost_ms": (mine["profiled_step_s"] - mine["decode_step_s"]) * 1e3,
@@ -505,9 +519,10 @@ def show(results: dict | None) -> None:
         "  prefill ours: the first prompt of a model loaded anew (its embedding's, one layer's and the head's"
         " graphs, plans, program loads and first chain included); warmed: the first prompt of a model loaded"
         " anew and warmed up (every prompt length's programs loaded, not run; warm-up s: its time, at load);"
-        " both against the reference's prefill just before it, medians of as many models of each kind as"
-        " rounds; again: a second prompt of the same length, its chain replayed; numpy and again: medians of"
-        f" {results['rows'][0]['rounds']} alternating rounds"
+        " both against the reference's prefill just before it, the medians of each pair's ratio over"
+        f" {results['rows'][0]['first_rounds']} models of each kind; again: a second prompt of the same"
+        " length, its chain replayed, the median of its ratio to the reference's prefill just before it"
+        f" over {results['rows'][0]['rounds']} alternating rounds (numpy: their median)"
     )
     print(
         "  decode ours: generation driven by the workers (one Generate, each token fed back on the workers);"

@@ -140,3 +140,14 @@ def test_a_benchmark_child_that_dies_is_reported_at_once_not_waited_for():
         with pytest.raises(ChildFailed, match="dies_without_a_word.*SIGKILL"):
             child.ask("prefill")
         assert time.monotonic() - start < 10
+
+
+def test_a_prefill_ratio_is_the_median_of_its_pairs_ratios():
+    """Each pair: the reference's prefill, then ours right after it. A neighbour that slowed one
+    pair slows both sides of it: the ratio of the medians (1.11 here) mixes sides of different pairs."""
+    from bench.llm import paired_ratio
+
+    reference = [1.0, 2.0, 3.0, 4.0]
+    ours = [0.8, 2.5, 2.0, 5.0]  # ratios 1.25, 0.8, 1.5, 0.8
+    assert paired_ratio(reference, ours) == pytest.approx((0.8 + 1.25) / 2)
+    assert paired_ratio([], []) is None
