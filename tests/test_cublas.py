@@ -94,29 +94,47 @@ def test_operands_cublas_cannot_take_are_left_to_cupy():
 
 def test_a_product_on_another_array_module_never_reaches_a_devices_cublas(monkeypatch):
     """A process that made device 0's cuBLAS handle for one CuPy module (the real one) and then
-    drives CuPy's stand-in (the GPU check runs both in one pytest): the stand-in's products stay
-    its own. Keyed by device alone, cuBLAS was handed the stand-in's host arrays on a GPU and gave
-    rows of garbage."""
+    drives CuPy's stand-in (the GPU check runs both in one pytest): the stand-in's products go to
+    its own handle. Keyed by device alone, cuBLAS was handed the stand-in's host arrays on a GPU
+    and gave rows of garbage."""
     import types
 
     from tests.cupy_standin import install
     from workers.backends import cuda
     from workers.kernels import kernels_for
 
+    install(monkeypatch)
     called = []
     elsewhere = types.ModuleType("cupy_elsewhere")
     monkeypatch.setitem(cuda._GEMMS, id(elsewhere), {0: lambda a, b, out: called.append(1) or out})
-    install(monkeypatch)
     backend = CudaBackend(0)
     rng = np.random.default_rng(3)
     a, b = rand(rng, 4, 8), rand(rng, 8, 6)
     xp = backend.xp
     out = xp.empty((4, 6), xp.float32)
-    kernels = kernels_for(backend)
-    got = kernels["matmul"](xp, [xp.asarray(a), xp.asarray(b)], {}, out)
-    backend.synchronize()
-    assert not called and backend.uncaptured == {"matmul", "qmatmul"}
+    got = kernels_for(backend)["matmul"](xp, [xp.asarray(a), xp.asarray(b)], {}, out)
+    assert not called and not backend.uncaptured  # the stand-in's own handle took it
     np.testing.assert_allclose(backend.to_host(got), expected(a, b), rtol=1e-5, atol=1e-5)
+
+
+def test_the_standin_cublas_refuses_a_leading_dimension_cublas_would(monkeypatch):
+    """The stand-in's libcublas checks what cuBLAS checks: a leading dimension shorter than the
+    rows it strides over is CUBLAS_STATUS_INVALID_VALUE, which the backend raises."""
+    import ctypes
+
+    from tests.cupy_standin import install
+    from tests.cupy_standin.cublas import INVALID_VALUE
+    from workers.backends._cublas import CapturableGemm
+
+    cupy = install(monkeypatch)
+    gemm = CapturableGemm(cupy)
+    a, b, out = cupy.zeros((2, 3), cupy.float32), cupy.zeros((3, 4), cupy.float32), cupy.zeros((2, 4), cupy.float32)
+    status = gemm.lib.cublasSgemm_v2(
+        gemm.handle, OP_N, OP_N, 4, 2, 3, ctypes.byref(gemm.one), ctypes.c_void_p(b.data.ptr), 2,
+        ctypes.c_void_p(a.data.ptr), 3, ctypes.byref(gemm.zero), ctypes.c_void_p(out.data.ptr), 4,
+    )  # fmt: skip
+    assert status == INVALID_VALUE  # b^T (4, 3) stored with ld 2 < 4
+    assert gemm(a, b, out) is out  # the planned call passes the check
 
 
 needs_gpu = pytest.mark.skipif(CudaBackend.device_count() == 0, reason="needs CuPy and a CUDA device")

@@ -31,8 +31,8 @@ def op(name, inputs, output, shape, **params):
 
 
 def relu_mlp_steps():
-    """out = -exp(relu(x * w) * 2 + b), with x and w (4, 6), b (6,): no product (CuPy captures
-    none: test_a_product_runs_eagerly_between_two_graphs)."""
+    """out = -exp(relu(x * w) * 2 + b), with x and w (4, 6), b (6,): no product (products:
+    test_a_product_is_captured_with_the_backends_own_cublas_and_runs_eagerly_without)."""
     return [
         op("mul", (X, W), 3, (4, 6)),
         op("relu", (3,), 4, (4, 6)),
@@ -122,10 +122,16 @@ def test_a_kernel_that_reads_on_the_host_runs_eagerly_between_two_graphs(backend
     assert eager_op == "normalize" and "cudaErrorStreamCaptureUnsupported" in why, why
 
 
-def test_a_product_runs_eagerly_between_two_graphs(backend):
-    """CuPy refuses cuBLAS while a stream captures, so a CUDA backend without a cuBLAS handle of
-    its own (the stand-in's) never puts a product in a graph (backend.uncaptured): the kernels
-    around it are two graphs, nothing is refused."""
+@pytest.mark.parametrize("cublas", [True, False], ids=["own cuBLAS handle", "CuPy's products"])
+def test_a_product_is_captured_with_the_backends_own_cublas_and_runs_eagerly_without(monkeypatch, cublas):
+    """With its own cuBLAS handle (workers/backends/_cublas.py; the stand-in's libcublas here) the
+    CUDA backend's product is captured with the kernels around it: one graph. Without, CuPy's
+    product, which CuPy refuses to capture, runs eagerly (backend.uncaptured) between two graphs.
+    Either way nothing is refused and every run gives NumPy's result."""
+    install(monkeypatch, cublas=cublas)
+    from workers.backends.cuda import Backend
+
+    backend = Backend(0)
     steps = [
         op("relu", (X,), 3, (4, 8)),
         op("matmul", (3, W), 4, (4, 6)),
@@ -142,7 +148,7 @@ def test_a_product_runs_eagerly_between_two_graphs(backend):
         want = -(np.exp(np.maximum(x, 0) @ w) + b)
         np.testing.assert_allclose(program(backend.to_device(x), wd, bd), want, rtol=1e-5)
     found = program.segments()
-    assert [len(s.calls) for s in found] == [1, 2] and all(s.replays == 3 for s in found)
+    assert [len(s.calls) for s in found] == ([4] if cublas else [1, 2]) and all(s.replays == 3 for s in found)
     assert graphs.refusals(program.compiled.calls) == []
 
 

@@ -9,9 +9,10 @@ without a GPU, with CuPy's ordering rules enforced (tests/cupy_standin/runtime.p
 What it models: streams (each a thread running its work later, in order), events, the current
 stream, stream capture into graphs and their replay, the device memory pool (stream-ordered
 reuse of freed blocks, a limit), pinned host memory, host-synchronous calls (forbidden while
-capturing), the race detector, NCCL communicators between processes (nccl.py), and CUDA IPC:
-device memory and events shared between processes (ipc.py). What it does not: kernel launch
-configuration.
+capturing), the race detector, NCCL communicators between processes (nccl.py), CUDA IPC:
+device memory and events shared between processes (ipc.py), and the libcublas the CUDA backend
+calls through ctypes for products a graph can capture (cublas.py: operands read at raw device
+addresses, column-major, on the handle's stream). What it does not: kernel launch configuration.
 """
 
 from __future__ import annotations
@@ -50,13 +51,16 @@ def _device_count() -> int:
 
 
 class Device:
+    """A device; `Device()` the current one. A process drives one stand-in device (its memory is
+    the process's), so `use()` only says which: what its arrays report as their `device`."""
+
     def __init__(self, device=None):
-        self.id = int(device or 0)
+        self.id = rt.current_device[0] if device is None else int(device)
         if not 0 <= self.id < _device_count():
             raise rt.CUDARuntimeError("cudaErrorInvalidDevice", "invalid device ordinal")
 
     def use(self) -> None:
-        pass
+        rt.current_device[0] = self.id
 
     def synchronize(self) -> None:
         rt.device_synchronize()
@@ -151,8 +155,33 @@ MODULES = modules()
 cupy = MODULES["cupy"]
 
 
-def install(monkeypatch) -> types.ModuleType:
-    """The stand-in as `cupy` for one test; returns it."""
+def install(monkeypatch, cublas: bool = True) -> types.ModuleType:
+    """The stand-in as `cupy` for one test; returns it. With `cublas`, the CUDA backend's own
+    products find the stand-in's libcublas (cublas.py), as on a GPU; without, none (the backend
+    leaves products to CuPy, never captured)."""
+    from workers.backends import _cublas, cuda
+
     for name, module in MODULES.items():
         monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(cuda, "_GEMMS", {})  # each test opens its own
+    monkeypatch.setattr(rt, "current_device", [0])
+    monkeypatch.setattr(_cublas, "_library", _standin_cublas if cublas else _no_cublas)
     return cupy
+
+
+def use_standin_cublas() -> None:
+    """In a worker whose `import cupy` gives the stand-in (shim/cupy): the CUDA backend's own
+    products find the stand-in's libcublas, where on a GPU they find CuPy's."""
+    from workers.backends import _cublas
+
+    _cublas._library = _standin_cublas
+
+
+def _standin_cublas(cupy):
+    from tests.cupy_standin.cublas import Library
+
+    return Library()
+
+
+def _no_cublas(cupy):
+    raise OSError("libcublas is not loaded in this process")

@@ -59,7 +59,7 @@ class ndarray:  # noqa: N801 - CuPy's name
 
     @property
     def device(self):
-        return _Device(0)
+        return _Device(rt.current_device[0])  # the process's device (tests/cupy_standin Device)
 
     def __len__(self) -> int:
         if not self.ndim:

@@ -515,6 +515,7 @@ class PinnedMemoryPool:
         pass
 
 
+current_device = [0]  # the device Device.use() chose: a process drives one
 BLOCKS: dict[int, np.ndarray] = {}  # every block a pool holds, by its address
 
 
