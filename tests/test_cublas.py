@@ -119,7 +119,7 @@ def test_a_product_on_another_array_module_never_reaches_a_devices_cublas(monkey
 
 def test_the_standin_cublas_refuses_a_leading_dimension_cublas_would(monkeypatch):
     """The stand-in's libcublas checks what cuBLAS checks: a leading dimension shorter than the
-    rows it strides over is CUBLAS_STATUS_INVALID_VALUE, which the backend raises."""
+    rows it strides over is CUBLAS_STATUS_INVALID_VALUE (the backend raises on any status but 0)."""
     import ctypes
 
     from tests.cupy_standin import install
