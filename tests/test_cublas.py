@@ -106,7 +106,7 @@ def test_a_product_on_another_array_module_never_reaches_a_devices_cublas(monkey
     install(monkeypatch)
     called = []
     elsewhere = types.ModuleType("cupy_elsewhere")
-    monkeypatch.setitem(cuda._GEMMS, id(elsewhere), {0: lambda a, b, out: called.append(1) or out})
+    monkeypatch.setitem(cuda._GEMMS, (id(elsewhere), 0), lambda a, b, out: called.append(1) or out)
     backend = CudaBackend(0)
     rng = np.random.default_rng(3)
     a, b = rand(rng, 4, 8), rand(rng, 8, 6)

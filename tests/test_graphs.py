@@ -31,10 +31,10 @@ def op(name, inputs, output, shape, **params):
 
 
 def relu_mlp_steps():
-    """out = -exp(relu(x * w) * 2 + b), with x and w (4, 6), b (6,): no product (products:
-    test_a_product_is_captured_with_the_backends_own_cublas_and_runs_eagerly_without)."""
+    """out = -exp(relu(x @ w) * 2 + b), with x (4, 8), w (8, 6), b (6,): the product goes to the
+    backend's own cuBLAS handle (the stand-in's libcublas), captured with the rest."""
     return [
-        op("mul", (X, W), 3, (4, 6)),
+        op("matmul", (X, W), 3, (4, 6)),
         op("relu", (3,), 4, (4, 6)),
         op("scale", (4,), 5, (4, 6), factor=2.0),
         op("add", (5, B), 6, (4, 6)),
@@ -44,7 +44,7 @@ def relu_mlp_steps():
 
 
 def expected(x, w, b):
-    return -np.exp(np.maximum(x * w, 0) * 2 + b)
+    return -np.exp(np.maximum(x @ w, 0) * 2 + b)
 
 
 class Program:
@@ -72,11 +72,11 @@ class Program:
 
 def test_runs_are_captured_once_and_replayed_with_new_inputs_copied_in(backend):
     rng = np.random.default_rng(0)
-    w, b = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    w, b = rng.standard_normal((8, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
     program = Program(backend, relu_mlp_steps())
     wd, bd = backend.to_device(w), backend.to_device(b)
     for _ in range(6):
-        x = rng.standard_normal((4, 6)).astype(np.float32)  # a new array every run: copied in
+        x = rng.standard_normal((4, 8)).astype(np.float32)  # a new array every run: copied in
         np.testing.assert_allclose(program(backend.to_device(x), wd, bd), expected(x, w, b), rtol=1e-5)
     (segment,) = program.segments()
     assert segment.captures == 1 and segment.replays == 4  # run 1 checks, run 2 learns, run 3 captures
@@ -85,8 +85,8 @@ def test_runs_are_captured_once_and_replayed_with_new_inputs_copied_in(backend):
 
 def test_inputs_that_stay_are_read_in_place_and_a_new_weight_is_captured_again(backend):
     rng = np.random.default_rng(1)
-    x, b = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
-    w1, w2 = (rng.standard_normal((4, 6)).astype(np.float32) for _ in range(2))
+    x, b = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    w1, w2 = (rng.standard_normal((8, 6)).astype(np.float32) for _ in range(2))
     program = Program(backend, relu_mlp_steps())
     xd, bd, wd1, wd2 = (backend.to_device(a) for a in (x, b, w1, w2))
     for _ in range(4):
@@ -108,10 +108,10 @@ def test_a_kernel_that_reads_on_the_host_runs_eagerly_between_two_graphs(backend
     steps[3] = op("scale", (9,), 5, (4, 6), factor=2.0)
     program = Program(backend, steps, kernels)
     rng = np.random.default_rng(2)
-    w, b = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    w, b = rng.standard_normal((8, 6)).astype(np.float32), rng.standard_normal(6).astype(np.float32)
     for _ in range(5):
-        x = rng.standard_normal((4, 6)).astype(np.float32)
-        h = np.maximum(x * w, 0)
+        x = rng.standard_normal((4, 8)).astype(np.float32)
+        h = np.maximum(x @ w, 0)
         want = -np.exp(h / h.max() * 2 + b)
         np.testing.assert_allclose(
             program(backend.to_device(x), backend.to_device(w), backend.to_device(b)), want, rtol=1e-5

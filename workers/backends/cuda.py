@@ -20,26 +20,27 @@ import numpy as np
 from workers.backends import DeviceInfo, _cublas
 from workers.kernels import basic, quant
 
-# id(array module) -> device index -> its capturable float32 products (workers/backends/_cublas.py),
-# made by the first Backend of the device in this process; none where cuBLAS cannot be opened
-# (CuPy's stand-in, a build without the library). Keyed by the module too: a test process may
-# drive the real CuPy and the stand-in in turn, whose arrays cuBLAS must never be handed.
-_GEMMS: dict[int, dict[int, _cublas.CapturableGemm]] = {}  # by id(): a test's fake module may not hash
+# (id(array module), device index) -> the device's capturable float32 products
+# (workers/backends/_cublas.py), opened by the first Backend of the device in this process;
+# none where cuBLAS cannot be opened (a build without the library). Keyed by the module too: a
+# test process may drive the real CuPy and the stand-in in turn, whose arrays cuBLAS must never
+# be handed (by id(): a test's fake module may not hash; a gemm holds its module, so the id stays
+# its own).
+_GEMMS: dict[tuple[int, int], _cublas.CapturableGemm] = {}
 
 
 def _gemm(xp, a, b, out):
     """a @ b into out through the device's capturable cuBLAS product; None where it cannot."""
-    devices = _GEMMS.get(id(xp))
-    gemm = devices.get(a.device.id) if devices else None
+    gemm = _GEMMS.get((id(xp), a.device.id)) if _GEMMS else None
     return None if gemm is None else gemm(a, b, out)
 
 
 def matmul(xp, inputs, params, out=None):
     a, b = inputs
-    if id(xp) in _GEMMS and b.ndim == 2:
-        target = xp.empty(a.shape[:-1] + b.shape[1:], a.dtype) if out is None else out
-        if _gemm(xp, a, b, target) is not None:
-            return target
+    # a compiled program gives every product its `out` (a fresh result too); a call without one,
+    # never in a device graph, gets CuPy's product
+    if out is not None and _gemm(xp, a, b, out) is not None:
+        return out
     return basic.KERNELS["matmul"](xp, inputs, params, out)
 
 
@@ -83,17 +84,17 @@ class Backend:
         self.compute = cupy.cuda.Stream(non_blocking=True)
         self.compute.use()  # the current stream of this thread: every kernel runs on it
         self.copy = cupy.cuda.Stream(non_blocking=True)
-        gemms = _GEMMS.setdefault(id(cupy), {})  # a gemm holds its module: the id stays its own
-        if index not in gemms:
+        key = (id(cupy), index)
+        if key not in _GEMMS:
             try:
-                gemms[index] = _cublas.CapturableGemm(cupy)
+                _GEMMS[key] = _cublas.CapturableGemm(cupy)
             except (ImportError, OSError, AttributeError, RuntimeError):
                 pass  # CuPy's own products, never captured
         # ops never captured in a device graph: with the products of our own cuBLAS handle, none;
         # without it CuPy hands floating-point products to cuBLAS and refuses any cuBLAS call
         # while a stream captures ("calling cuBLAS API during stream capture is currently
         # unsupported", cupy/cupy#6290), so a segment holding one would fail its capture
-        self.uncaptured = frozenset() if index in gemms else frozenset({"matmul", "qmatmul"})
+        self.uncaptured = frozenset() if key in _GEMMS else frozenset({"matmul", "qmatmul"})
 
     def info(self) -> DeviceInfo:
         free, total = self.xp.cuda.runtime.memGetInfo()
