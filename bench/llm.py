@@ -53,8 +53,8 @@ def prompt_ids(model, length: int) -> np.ndarray:
 def reference_child(path: str, length: int, steps: int, requests, replies) -> None:
     """The NumPy reference in a process whose BLAS thread count was fixed at spawn, answering
     ("ready",): None once loaded, ("prefill",): the seconds of the prompt's prefill, and
-    ("decode",): the median seconds of a greedy decode step over `steps` steps after it (the
-    same positions every time)."""
+    ("decode",): the seconds per token of a greedy decode of `steps` tokens after it (the run's
+    time over its tokens, as ours is timed; the same positions every time)."""
     from models.gguf_model import GGUFModel
     from models.llama import ReferenceDecoder
 
@@ -78,18 +78,16 @@ def reference_child(path: str, length: int, steps: int, requests, replies) -> No
             replies.put(time.perf_counter() - start)
             first = int(np.argmax(logits[0, -1]))
             continue
-        token, times = first, []
+        token, start = first, time.perf_counter()
         for pos in range(length, length + steps):
-            start = time.perf_counter()
             token = int(np.argmax(ref.forward(np.array([[token]]), np.array([[pos]]))[0, -1]))
-            times.append(time.perf_counter() - start)
-        replies.put(float(np.median(times)))
+        replies.put((time.perf_counter() - start) / steps)
 
 
 def llama_cpp_child(path: str, length: int, steps: int, threads: int, requests, replies) -> None:
     """llama.cpp itself (llama-cpp-python), on the same GGUF file with `threads` threads,
     answering as reference_child: ("prefill",) the seconds of the prompt's prefill, ("decode",)
-    the median seconds of a greedy decode step over `steps` steps after it."""
+    the seconds per token of a greedy decode of `steps` tokens after it (choosing included)."""
     from llama_cpp import Llama
 
     from models.gguf_model import GGUFModel
@@ -112,16 +110,17 @@ def llama_cpp_child(path: str, length: int, steps: int, threads: int, requests, 
         if request[0] == "prefill":
             replies.put(prefill)
             continue
-        times = []
+        start = time.perf_counter()
         for _ in range(steps):
             # the last token's logits as llama.cpp left them (llm.scores holds them only with logits_all)
             token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocabulary,))))
-            start = time.perf_counter()
             llm.eval([token])
-            times.append(time.perf_counter() - start)
-        replies.put(float(np.median(times)))
+        replies.put((time.perf_counter() - start) / steps)
 
 
+# prefill pairs (the reference's, then ours replayed) per round: a pair's ratio on 1 worker ranged
+# 0.84-1.37 within one run of nine on a busy 2-core VM, and three pairs' median 0.97-1.09 from run to run
+AGAIN_PAIRS = 3
 FIRST_ROUNDS = 5  # models loaded anew for each kind of first prompt (at least; --rounds when more)
 RSS_CTX = 1024  # the caches' positions in the main rows: the peak RSS column is then #27's condition
 
@@ -143,9 +142,9 @@ def ours(
 ) -> dict:
     """Prefill (a first prompt is timed by fresh_models), greedy decode through the captured step
     replayed by the coordinator, untimed on the workers, then as many steps with every kernel
-    timed (profiling) for the breakdown; then `rounds` rounds of a
-    prefill and of worker-driven decode, each right after the same on `reference` (a
-    ThreadedChild running reference_child) when given. Medians of the rounds."""
+    timed (profiling) for the breakdown; then `rounds` rounds of AGAIN_PAIRS prefills and of
+    worker-driven decode, each right after the same on `reference` (a ThreadedChild running
+    reference_child) when given. Medians, and each ratio the median of its pairs'."""
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
 
@@ -181,11 +180,12 @@ def ours(
         timed = {"ref_prefill": [], "prefill_again": [], "ref_decode": [], "driven": [], "around": []}
         driven = worker_driven(dev, net, token, pos)
         for _ in range(rounds):
-            if reference is not None:
-                timed["ref_prefill"].append(reference.ask("prefill"))
-            start = time.perf_counter()
-            net.prefill(tokens, 0, pool=1)[1].numpy()  # a second prompt of the same length: replayed
-            timed["prefill_again"].append(time.perf_counter() - start)
+            for _ in range(AGAIN_PAIRS):
+                if reference is not None:
+                    timed["ref_prefill"].append(reference.ask("prefill"))
+                start = time.perf_counter()
+                net.prefill(tokens, 0, pool=1)[1].numpy()  # a second prompt of the same length: replayed
+                timed["prefill_again"].append(time.perf_counter() - start)
             if reference is not None:
                 timed["ref_decode"].append(reference.ask("decode"))
             step_s, around_s = driven(4 * steps)
@@ -202,6 +202,8 @@ def ours(
             "reference_prefill_s": medians["ref_prefill"],
             "reference_decode_step_s": medians["ref_decode"],
             "driven_step_s": medians["driven"],
+            "decode_ratio": paired_ratio(timed["ref_decode"], timed["driven"]),
+            "decode_tokens": (steps, 4 * steps),  # the reference's run, ours
             "driven_outside_program_s": medians["around"],
             "decode_step_s": float(np.median(walls[False])),
             "profiled_step_s": float(np.median(walls[True])),
@@ -440,7 +442,8 @@ def _row(n: int, weights: str, length: int, mine: dict) -> dict:
         "ours_prefill_tok_s": length / mine["first_prefill_s"],
         "numpy_decode_tok_s": 1 / base["decode_step_s"],
         "ours_decode_tok_s": 1 / mine["driven_step_s"],
-        "decode_ratio": base["decode_step_s"] / mine["driven_step_s"],
+        "decode_ratio": mine["decode_ratio"] or base["decode_step_s"] / mine["driven_step_s"],
+        "decode_tokens": mine["decode_tokens"],
         "replayed_decode_tok_s": 1 / mine["decode_step_s"],
         "driven_outside_program_ms": mine["driven_outside_program_s"] * 1e3,
         "first_rounds": mine["first_rounds"],
@@ -522,10 +525,13 @@ def show(results: dict | None) -> None:
         " both against the reference's prefill just before it, the medians of each pair's ratio over"
         f" {results['rows'][0]['first_rounds']} models of each kind; again: a second prompt of the same"
         " length, its chain replayed, the median of its ratio to the reference's prefill just before it"
-        f" over {results['rows'][0]['rounds']} alternating rounds (numpy: their median)"
+        f" over {results['rows'][0]['rounds']} alternating rounds of {AGAIN_PAIRS} pairs (numpy: their median)"
     )
+    numpy_tokens, our_tokens = results["rows"][0]["decode_tokens"]
     print(
-        "  decode ours: generation driven by the workers (one Generate, each token fed back on the workers);"
+        f"  decode: tokens over the seconds of a run of them, numpy's {numpy_tokens}, then ours {our_tokens}"
+        " driven by the workers (one Generate, each token fed back on the workers), in each round; the ratio"
+        " the median of the rounds' (numpy's run over ours right after it);"
         " outside ms: of each of its tokens, the time outside the program (choosing, reporting, the stop flag);"
         " replayed:"
         " tok/s of the coordinator replaying the captured step token by token (one round trip per token, the"
