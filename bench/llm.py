@@ -121,6 +121,7 @@ def llama_cpp_child(path: str, length: int, steps: int, threads: int, requests, 
 # prefill pairs (the reference's, then ours replayed) per round: a pair's ratio on 1 worker ranged
 # 0.84-1.37 within one run of nine on a busy 2-core VM, and three pairs' median 0.97-1.09 from run to run
 AGAIN_PAIRS = 3
+CONTEXT_ROUNDS = 8  # rounds of the --contexts rows (at least; ~24 tokens a context each)
 FIRST_ROUNDS = 5  # models loaded anew for each kind of first prompt (at least; --rounds when more)
 RSS_CTX = 1024  # the caches' positions in the main rows: the peak RSS column is then #27's condition
 
@@ -302,8 +303,10 @@ def cache_types_at(path: str, position: int, steps: int) -> list[dict]:
 def long_context(path: str, contexts: tuple[int, ...], length: int, steps: int, rounds: int = 3) -> list[dict]:
     """Decode at the same positions with caches preallocated to each context (one worker, float32
     weights): a model per context, all loaded at once, decoding `steps` tokens driven by the
-    workers in turn for `rounds` rounds (medians). One context after the other, a busy
-    neighbour had made the second row 0.83-0.88x in runs whose rounds in turn gave 1.00x."""
+    workers in turn for `rounds` rounds, every other round in reverse order (medians; each
+    ratio to the first context the median of the rounds' ratios). One context after the other,
+    a busy neighbour had made the second row 0.83-0.88x in runs whose rounds in turn gave 1.00x;
+    the medians of three rounds in turn still gave 0.85-1.06x."""
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
 
@@ -318,13 +321,14 @@ def long_context(path: str, contexts: tuple[int, ...], length: int, steps: int, 
             net = TensorParallelLlama(dev, model.config, model.weight, ctx)
             _, best = net.prefill(tokens, 0, pool=1)
             driven[ctx] = worker_driven(dev, net, best.numpy().astype(np.int32).reshape(1, 1), length)
-        for _ in range(rounds):
-            for ctx in contexts:
+        for r in range(rounds):
+            for ctx in contexts if r % 2 == 0 else contexts[::-1]:
                 times[ctx].append(driven[ctx](steps)[0])
-    rows = [{"ctx": ctx, "decode_tok_s": 1 / float(np.median(times[ctx]))} for ctx in contexts]
-    for row in rows:
-        row["vs_first"] = row["decode_tok_s"] / rows[0]["decode_tok_s"]
-    return rows
+    first = times[contexts[0]]
+    return [
+        {"ctx": ctx, "decode_tok_s": 1 / float(np.median(times[ctx])), "vs_first": paired_ratio(first, times[ctx])}
+        for ctx in contexts
+    ]
 
 
 def resident_memory(path: str, workers: int, tokens: int) -> dict:
@@ -407,7 +411,7 @@ def run(
         results["cache_types"] = cache_types_at(path, cache_position, steps)
     if contexts:
         # 32: a short prompt fits every cache
-        results["contexts"] = long_context(path, tuple(contexts), 32, steps, max(rounds, 2))
+        results["contexts"] = long_context(path, tuple(contexts), 32, steps, max(rounds, CONTEXT_ROUNDS))
     if rss_tokens:
         results["memory"] = resident_memory(path, max(counts), rss_tokens)
     return results
