@@ -313,7 +313,6 @@ def long_context(path: str, contexts: tuple[int, ...], length: int, steps: int, 
     model = GGUFModel(path)
     tokens = [list(prompt_ids(model, length)[0])]
     steps = max(1, min(steps, (min(contexts) - length - 2) // rounds))  # every round's positions fit
-    times: dict[int, list[float]] = {ctx: [] for ctx in contexts}
     with contextlib.ExitStack() as stack:
         driven = {}
         for ctx in contexts:
@@ -321,13 +320,28 @@ def long_context(path: str, contexts: tuple[int, ...], length: int, steps: int, 
             net = TensorParallelLlama(dev, model.config, model.weight, ctx)
             _, best = net.prefill(tokens, 0, pool=1)
             driven[ctx] = worker_driven(dev, net, best.numpy().astype(np.int32).reshape(1, 1), length)
-        for r in range(rounds):
-            for ctx in contexts if r % 2 == 0 else contexts[::-1]:
-                times[ctx].append(driven[ctx](steps)[0])
-    first = times[contexts[0]]
+        times = alternating_rounds(contexts, rounds, lambda ctx: driven[ctx](steps)[0])
+    return context_rows(times)
+
+
+def alternating_rounds(kinds: tuple, rounds: int, timed) -> dict:
+    """{kind: [seconds of each round]}: `timed(kind)` for every kind in each of `rounds` rounds,
+    every other round in reverse order (a neighbour's slow spell then lands on each side alike)."""
+    times: dict = {kind: [] for kind in kinds}
+    for r in range(rounds):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            times[kind].append(timed(kind))
+    return times
+
+
+def context_rows(times: dict[int, list[float]]) -> list[dict]:
+    """The --contexts rows from {ctx: seconds per token of each round}, the first context first:
+    tokens/s (the rounds' median) and the ratio to the first context's (the median of the
+    rounds' ratios: below 1 where a context decodes slower)."""
+    first = next(iter(times.values()))
     return [
-        {"ctx": ctx, "decode_tok_s": 1 / float(np.median(times[ctx])), "vs_first": paired_ratio(first, times[ctx])}
-        for ctx in contexts
+        {"ctx": ctx, "decode_tok_s": 1 / float(np.median(t)), "vs_first": paired_ratio(first, t)}
+        for ctx, t in times.items()
     ]
 
 

@@ -151,3 +151,19 @@ def test_a_prefill_ratio_is_the_median_of_its_pairs_ratios():
     ours = [0.8, 2.5, 2.0, 5.0]  # ratios 1.25, 0.8, 1.5, 0.8
     assert paired_ratio(reference, ours) == pytest.approx((0.8 + 1.25) / 2)
     assert paired_ratio([], []) is None
+
+
+def test_context_rows_alternate_their_order_and_say_a_slower_context_is_slower():
+    """bench/llm.py's --contexts rows: rounds in alternating order, each context's ratio to the
+    first the median of the rounds' ratios of tokens per second (under 1 where it is slower)."""
+    from bench.llm import alternating_rounds, context_rows
+
+    order = []
+    seconds = {256: [0.05, 0.05, 0.10, 0.05], 8192: [0.10, 0.11, 0.20, 0.04]}  # per round, per context
+    times = alternating_rounds((256, 8192), 4, lambda ctx: order.append(ctx) or seconds[ctx][order.count(ctx) - 1])
+    assert order == [256, 8192, 8192, 256, 256, 8192, 8192, 256]
+    first, long = context_rows(times)
+    assert (first["ctx"], first["vs_first"], first["decode_tok_s"]) == (256, 1.0, pytest.approx(20.0))
+    # rounds' ratios of tokens/s: 0.5, 0.4545, 0.5, 1.25; the ratio of the medians would be 0.476
+    assert long["ctx"] == 8192 and long["vs_first"] == pytest.approx(0.5)
+    assert long["decode_tok_s"] == pytest.approx(1 / 0.105)
