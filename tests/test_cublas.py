@@ -137,6 +137,28 @@ def test_the_standin_cublas_refuses_a_leading_dimension_cublas_would(monkeypatch
     assert gemm(a, b, out) is out  # the planned call passes the check
 
 
+def test_the_standin_cublas_with_beta_zero_never_reads_c(monkeypatch):
+    """cuBLAS reads C only when beta is not 0: with beta 0 and no inner extent, C becomes zeros
+    whatever it held (NaN times 0 would stay NaN)."""
+    import ctypes
+
+    from tests.cupy_standin import install
+    from tests.cupy_standin.cublas import Library
+
+    cupy = install(monkeypatch)
+    lib, handle = Library(), ctypes.c_void_p()
+    assert lib.cublasCreate_v2(ctypes.byref(handle)) == 0
+    out = cupy.full((2, 3), np.nan, cupy.float32)
+    assert lib.cublasSetStream_v2(handle, ctypes.c_void_p(cupy.cuda.get_current_stream().ptr)) == 0
+    one, zero, nowhere = ctypes.c_float(1.0), ctypes.c_float(0.0), ctypes.c_void_p(0)
+    status = lib.cublasSgemm_v2(
+        handle, OP_N, OP_N, 3, 2, 0, ctypes.byref(one), nowhere, 3, nowhere, 1, ctypes.byref(zero),
+        ctypes.c_void_p(out.data.ptr), 3,
+    )  # fmt: skip
+    assert status == 0
+    np.testing.assert_array_equal(cupy.asnumpy(out), np.zeros((2, 3), np.float32))
+
+
 needs_gpu = pytest.mark.skipif(CudaBackend.device_count() == 0, reason="needs CuPy and a CUDA device")
 
 

@@ -71,8 +71,12 @@ class Library:
             return SUCCESS
         out = _stored(_value(c), m, n, ldc)
         scale, keep = float(_value(alpha)), float(_value(beta))
-        if not k:  # alpha times an empty sum
-            rt.stream_at(stream).issue(lambda: out.__imul__(np.float32(keep)), writes=[out], what="cublasSgemm")
+        if not k:  # alpha times an empty sum: beta C; with beta 0, zeros, C not read (a NaN there goes)
+
+            def scaled() -> None:
+                out[...] = out * np.float32(keep) if keep else 0
+
+            rt.stream_at(stream).issue(scaled, writes=[out], what="cublasSgemm")
             return SUCCESS
         a_cols, b_cols = (k if transa == OP_N else m), (n if transb == OP_N else k)
         op_a = _stored(_value(a), a_rows, a_cols, lda)
