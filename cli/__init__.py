@@ -5,6 +5,7 @@ an `add(subparsers)` that declares its options; `main` parses and dispatches.
     embed    cli/embed.py    MiniLM sentence embeddings
     generate cli/generate.py text from a llama-family GGUF model
     serve    cli/serve.py    an OpenAI-compatible server with continuous batching
+    synthetic cli/synthetic.py a llama GGUF file of any shape with random weights
     devices, run, bench, stress, keys, worker    cli/tools.py
 """
 
@@ -14,10 +15,10 @@ import argparse
 import sys
 from collections.abc import Mapping
 
-from cli import demo, embed, generate, serve, tools
+from cli import demo, embed, generate, serve, synthetic, tools
 from split_state.errors import MetaError
 
-COMMANDS = (demo, embed, generate, serve, tools)
+COMMANDS = (demo, embed, generate, serve, synthetic, tools)
 
 
 def parser(description: str = "") -> argparse.ArgumentParser:

@@ -1,0 +1,56 @@
+"""`launch.py synthetic OUT.gguf`: a llama-architecture GGUF file of any shape with seeded random
+weights (models/synthetic.py), for benchmarks and checks of models that cannot be downloaded."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from models import synthetic
+
+
+def make(args: argparse.Namespace) -> int:
+    base = synthetic.SHAPES[args.shape]
+    sizes = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "context")}
+    shape = synthetic.Shape(**{k: getattr(base, k) if v is None else v for k, v in sizes.items()})
+    recipe = synthetic.Recipe(shape, args.weights, args.embedding, args.output, args.seed)
+    if args.vocabulary == "none":
+        vocabulary = None
+    elif args.vocabulary:
+        vocabulary = Path(args.vocabulary)
+    else:
+        vocabulary = synthetic.default_vocabulary()
+    if vocabulary is None and shape.vocab is None:
+        raise synthetic.SyntheticError(
+            "no vocabulary to copy (the packaged SmolLM2 is not installed): give --vocabulary FILE.gguf, "
+            "or --vocabulary none with --vocab N for placeholder tokens"
+        )
+    written = synthetic.write(args.out, recipe, vocabulary)
+    print(
+        f"wrote {written.path} ({written.bytes / 2**20:.1f} MiB, {written.seconds:.1f} s): {shape}, "
+        f"weights {recipe.weights}, embedding {recipe.embedding}, head {recipe.output or 'tied'}, "
+        f"seed {recipe.seed}, {written.vocab} tokens from {written.vocabulary_from}"
+    )
+    return 0
+
+
+def add(sub) -> None:
+    p = sub.add_parser("synthetic", help="write a llama GGUF file of any shape with random weights")
+    p.add_argument("out", help="the GGUF file to write")
+    p.add_argument(
+        "--shape", default="tiny", choices=sorted(synthetic.SHAPES), help="sizes to start from (%(default)s)"
+    )
+    for size in ("layers", "hidden", "ffn", "heads", "kv-heads", "vocab", "context"):
+        p.add_argument(f"--{size}", type=int, default=None, help=f"override the shape's {size}")
+    p.add_argument("--weights", default="q4_1", choices=synthetic.WEIGHT_TYPES, help="layer matrices (%(default)s)")
+    p.add_argument("--embedding", default="q8_0", choices=synthetic.WEIGHT_TYPES, help="(default: %(default)s)")
+    p.add_argument(
+        "--output", default=None, choices=synthetic.WEIGHT_TYPES, help="an untied head's type (default: tied)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="the weights' seed (%(default)s)")
+    p.add_argument(
+        "--vocabulary",
+        default="",
+        help="a GGUF file whose tokenizer to copy (default: the packaged SmolLM2; 'none': placeholder tokens)",
+    )
+    p.set_defaults(fn=make)

@@ -1,0 +1,301 @@
+"""Synthetic llama-architecture GGUF files: any shape, seeded random weights in any type the
+workers keep, and a real vocabulary copied from an existing GGUF file.
+
+Real weights of most models cannot be fetched where this runs, and a benchmark or a test of a
+1.7B-shaped model must not carry 1 GB: the file is made where it is used, from a `Recipe` (shape,
+types, seed), and the same recipe makes the same bytes. Its weights are random but of a sane
+size (a layer keeps its activations' scale, so a decode neither overflows nor collapses to one
+token), and quantized blocks are written directly (random quants, each block's float16 factors
+set to a random scale near the target), so a 1 GB file takes seconds and every supported type,
+K-quants included, is written the same way; `gguf.quants.dequantize` is the oracle that reads
+them back in tests.
+
+    python launch.py synthetic out.gguf --shape 1.7b --weights q4_1 --embedding q8_0
+
+The vocabulary (`tokenizer.*` fields: tokens, merges, types, scores, special ids, pre-tokenizer,
+chat template) is copied from `vocabulary` (default: the packaged SmolLM2), so prompts tokenize
+as that file's do; without one the file holds `vocab` placeholder tokens and no tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from models.gguf_file import GGUFFile
+from split_state.errors import MetaError
+from split_state.quant import FORMATS
+
+
+class SyntheticError(MetaError, ValueError):
+    """A recipe that cannot be written: a shape that does not fit its types, an unknown type."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A llama-architecture model's sizes. `vocab` None: the vocabulary source's size."""
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int | None = None
+    context: int = 2048
+
+    def __post_init__(self):
+        for what in ("layers", "hidden", "ffn", "heads", "kv_heads", "context"):
+            value = getattr(self, what)
+            if not isinstance(value, int) or value <= 0:
+                raise SyntheticError(f"synthetic shape: {what} must be a positive integer, not {value!r}")
+        if self.vocab is not None and (not isinstance(self.vocab, int) or self.vocab <= 0):
+            raise SyntheticError(f"synthetic shape: vocab must be a positive integer, not {self.vocab!r}")
+        if self.hidden % self.heads:
+            raise SyntheticError(f"synthetic shape: hidden {self.hidden} is not divisible by {self.heads} heads")
+        if self.heads % self.kv_heads:
+            raise SyntheticError(f"synthetic shape: {self.heads} heads are not divisible by {self.kv_heads} KV heads")
+        if (self.hidden // self.heads) % 2:
+            raise SyntheticError(f"synthetic shape: head size {self.hidden // self.heads} is odd; rope rotates pairs")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def __str__(self) -> str:
+        vocab = "" if self.vocab is None else f", vocab {self.vocab}"
+        return (
+            f"{self.layers} layers, hidden {self.hidden}, ffn {self.ffn}, {self.heads} heads / "
+            f"{self.kv_heads} KV{vocab}"
+        )
+
+
+# shapes people benchmark: SmolLM2's family (its vocabulary is the default source) and a tiny one
+SHAPES = {
+    "tiny": Shape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2),
+    "135m": Shape(layers=30, hidden=576, ffn=1536, heads=9, kv_heads=3),
+    "135m-8": Shape(layers=8, hidden=576, ffn=1536, heads=9, kv_heads=3),
+    "360m": Shape(layers=32, hidden=960, ffn=2560, heads=15, kv_heads=5),
+    "1.7b": Shape(layers=24, hidden=2048, ffn=8192, heads=32, kv_heads=32),
+}
+
+FLOAT_TYPES = ("f32", "f16")
+WEIGHT_TYPES = FLOAT_TYPES + tuple(FORMATS)
+
+# Each quantized format's float16 factors, as multiples of the values' target standard deviation:
+# (d per unit of spread, the second factor as a multiple of d or None). With random quants the
+# spread of a block's values is d times the spread of its quants (uniform 0..15 for 4 bits: 4.6;
+# 0..31: 9.2; int8: 74; K-quants also times a random 6-bit scale, mean 31.5, or q6_k's int8 one),
+# and the second factor (q4_1's m, q4_k's dmin) centres them on zero. The K-quants' random
+# minimums add as much spread again (measured: 1.9x), hence their larger divisors.
+_FACTORS = {
+    "q4_0": (1 / 4.6, None),
+    "q4_1": (1 / 4.6, -7.5),
+    "q5_0": (1 / 9.2, None),
+    "q5_1": (1 / 9.2, -15.5),
+    "q8_0": (1 / 74, None),
+    "q4_k": (1 / (1.9 * 31.5 * 4.6), 7.5),
+    "q5_k": (1 / (1.9 * 31.5 * 9.2), 15.5),
+    "q6_k": (1 / (74 * 18.5), None),
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a synthetic file holds: `weights` the type of every layer matrix, `embedding` the
+    token embedding's (and a tied head's), `output` an untied head's type (None: tied, as
+    SmolLM2), `seed` the random weights'."""
+
+    shape: Shape
+    weights: str = "q4_1"
+    embedding: str = "q8_0"
+    output: str | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        for what in ("weights", "embedding", "output"):
+            kind = getattr(self, what)
+            if kind is not None and kind not in WEIGHT_TYPES:
+                raise SyntheticError(f"synthetic {what} type {kind!r}: choose one of {', '.join(WEIGHT_TYPES)}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise SyntheticError(f"synthetic seed must be a non-negative integer, not {self.seed!r}")
+
+    def tensors(self, vocab: int) -> Iterator[tuple[str, tuple[int, int] | tuple[int], str]]:
+        """(GGUF name, NumPy shape, type) of every tensor, in llama.cpp's order."""
+        s = self.shape
+        kv = s.kv_heads * s.head_dim
+        yield "token_embd.weight", (vocab, s.hidden), self.embedding
+        yield "output_norm.weight", (s.hidden,), "f32"
+        if self.output is not None:
+            yield "output.weight", (vocab, s.hidden), self.output
+        for i in range(s.layers):
+            yield f"blk.{i}.attn_norm.weight", (s.hidden,), "f32"
+            yield f"blk.{i}.attn_q.weight", (s.hidden, s.hidden), self.weights
+            yield f"blk.{i}.attn_k.weight", (kv, s.hidden), self.weights
+            yield f"blk.{i}.attn_v.weight", (kv, s.hidden), self.weights
+            yield f"blk.{i}.attn_output.weight", (s.hidden, s.hidden), self.weights
+            yield f"blk.{i}.ffn_norm.weight", (s.hidden,), "f32"
+            yield f"blk.{i}.ffn_gate.weight", (s.ffn, s.hidden), self.weights
+            yield f"blk.{i}.ffn_up.weight", (s.ffn, s.hidden), self.weights
+            yield f"blk.{i}.ffn_down.weight", (s.hidden, s.ffn), self.weights
+
+    def check(self, vocab: int) -> None:
+        """Every matrix's rows must be whole blocks of its type: said before a byte is written."""
+        for name, shape, kind in self.tensors(vocab):
+            fmt = FORMATS.get(kind)
+            if fmt is not None and shape[-1] % fmt.block:
+                raise SyntheticError(
+                    f"synthetic {name}: rows of {shape[-1]} values are not whole {kind} blocks of {fmt.block}; "
+                    f"choose a shape whose hidden and ffn sizes are multiples of {fmt.block}, or another type"
+                )
+
+
+@dataclass(frozen=True)
+class Written:
+    path: Path
+    bytes: int
+    seconds: float
+    vocab: int
+    vocabulary_from: str  # the file the tokenizer came from, or "placeholder tokens"
+
+
+def default_vocabulary() -> Path | None:
+    """The packaged SmolLM2's file, whose vocabulary the synthetic files take, if installed."""
+    from models.gguf_model import ModelMissing, default_model_path
+
+    try:
+        return default_model_path()
+    except ModelMissing:
+        return None
+
+
+def write(path: str | Path, recipe: Recipe, vocabulary: str | Path | None = None) -> Written:
+    """Write `recipe` as a GGUF file at `path`, the tokenizer copied from `vocabulary` (a GGUF
+    file) or, with none, placeholder tokens (`recipe.shape.vocab` of them)."""
+    import gguf
+
+    start = time.perf_counter()
+    fields, origin = _vocabulary_fields(recipe.shape, vocabulary)
+    vocab = len(fields["tokenizer.ggml.tokens"][0])
+    recipe.check(vocab)
+    s = recipe.shape
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(f"synthetic llama ({s}), {recipe.weights} seed {recipe.seed}")
+    writer.add_uint32("llama.context_length", s.context)
+    writer.add_uint32("llama.embedding_length", s.hidden)
+    writer.add_uint32("llama.block_count", s.layers)
+    writer.add_uint32("llama.feed_forward_length", s.ffn)
+    writer.add_uint32("llama.rope.dimension_count", s.head_dim)
+    writer.add_uint32("llama.attention.head_count", s.heads)
+    writer.add_uint32("llama.attention.head_count_kv", s.kv_heads)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32("llama.rope.freq_base", 10000.0)
+    writer.add_uint32("llama.vocab_size", vocab)
+    for key, (value, kind, sub) in fields.items():
+        writer.add_key_value(key, value, kind, sub_type=sub)
+    plan = list(recipe.tensors(vocab))
+    for name, shape, kind in plan:
+        nbytes, stored, raw = _layout(shape, kind)
+        writer.add_tensor_info(name, stored, np.dtype(np.uint8) if raw else _FLOAT_DTYPE[kind], nbytes, raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for index, (name, shape, kind) in enumerate(plan):
+        # one generator per tensor, seeded by (seed, index): a tensor's values do not depend on
+        # the types of the tensors before it
+        rng = np.random.default_rng([recipe.seed, index])
+        writer.write_tensor_data(_values(rng, name, shape, kind))
+    writer.close()
+    return Written(path, path.stat().st_size, time.perf_counter() - start, vocab, origin)
+
+
+_FLOAT_DTYPE = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
+
+
+def _layout(shape: tuple[int, ...], kind: str):
+    """(bytes, the shape add_tensor_info takes, the ggml type for raw blocks or None)."""
+    import gguf
+
+    if kind in _FLOAT_DTYPE:
+        return math.prod(shape) * _FLOAT_DTYPE[kind].itemsize, shape, None
+    fmt = FORMATS[kind]
+    rows, cols = shape
+    row_bytes = cols // fmt.block * fmt.block_bytes
+    return rows * row_bytes, (rows, row_bytes), gguf.GGMLQuantizationType[kind.upper()]
+
+
+def _values(rng: np.random.Generator, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    if len(shape) == 1:  # a norm's weight: near one
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    # a matrix (out, in): values of spread 1/sqrt(in) keep a product's output at its input's scale.
+    # The embedding's rows (also the tied head's) get the same spread, so each row has norm ~1:
+    # with spread 1 a token's own row dominated the residual stream and the tied head chose the
+    # input token again (greedy repeated one token for ever), a useless decode to compare paths on.
+    spread = 1 / math.sqrt(shape[1])
+    if kind in _FLOAT_DTYPE:
+        return (spread * rng.standard_normal(shape, np.float32)).astype(_FLOAT_DTYPE[kind])
+    if kind == "bf16":  # bfloat16: the top half of float32
+        values = (spread * rng.standard_normal(shape, np.float32)).view(np.uint32)
+        return (values >> 16).astype(np.uint16).view(np.uint8).reshape(shape[0], -1)
+    return _random_blocks(rng, shape, FORMATS[kind], spread)
+
+
+def _random_blocks(rng: np.random.Generator, shape: tuple[int, int], fmt, spread: float) -> np.ndarray:
+    """Random quants, each block's float16 factors a random scale within 1.5x of the target's."""
+    rows, cols = shape
+    blocks = cols // fmt.block
+    data = rng.integers(0, 256, (rows, blocks, fmt.block_bytes), dtype=np.uint8)
+    per_spread, second = _FACTORS[fmt.name]
+    d = (spread * per_spread * rng.uniform(0.5, 1.5, (rows, blocks))).astype(np.float16)
+    data[..., fmt.factors[0] : fmt.factors[0] + 2] = d[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    if len(fmt.factors) > 1:
+        m = (second * d.astype(np.float32)).astype(np.float16)
+        data[..., fmt.factors[1] : fmt.factors[1] + 2] = m[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    return data.reshape(rows, blocks * fmt.block_bytes)
+
+
+def _vocabulary_fields(shape: Shape, vocabulary: str | Path | None):
+    """key -> (value, GGUF value type, element type) of the tokenizer, and where it came from."""
+    from gguf import GGUFValueType as T
+
+    if vocabulary is None:
+        vocab = shape.vocab or 256
+        tokens = [f"<t{i}>" for i in range(vocab)]
+        return {"tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING)}, "placeholder tokens"
+    source = GGUFFile(vocabulary)
+    fields = {}
+    for key, value in source.fields.items():
+        if key.startswith("tokenizer."):
+            fields[key] = _typed(key, value)
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise SyntheticError(f"{vocabulary}: no tokenizer.ggml.tokens to copy a vocabulary from")
+    if shape.vocab is not None and shape.vocab != len(tokens[0]):
+        raise SyntheticError(
+            f"synthetic shape: vocab {shape.vocab}, but {Path(vocabulary).name}'s vocabulary has {len(tokens[0])} "
+            "tokens (leave vocab out to take the file's)"
+        )
+    return fields, str(vocabulary)
+
+
+def _typed(key: str, value):
+    """A field read by GGUFFile as a Python value, with the GGUF type llama.cpp writes it in."""
+    from gguf import GGUFValueType as T
+
+    def kind(v):
+        if isinstance(v, bool):
+            return T.BOOL
+        if isinstance(v, int):
+            return T.INT32 if key.endswith("token_type") else T.UINT32
+        if isinstance(v, float):
+            return T.FLOAT32
+        return T.STRING
+
+    if isinstance(value, list):
+        return value, T.ARRAY, kind(value[0]) if value else T.STRING
+    return value, kind(value), None

@@ -1,0 +1,183 @@
+"""The synthetic-model tool (models/synthetic.py, `launch.py synthetic`): files gguf's own reader
+reads back with the recipe's shapes and types, weights of a sane spread, the same bytes from the
+same recipe, a vocabulary that tokenizes as its source's, one-line refusals before a byte is
+written, and every weight type and GQA ratio decoding on 1-3 devices as the NumPy reference does
+on gguf's own dequantization of the same file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meta import MetaDevice
+from models import synthetic
+from models.gguf_model import GGUFModel
+from models.llama import ReferenceDecoder, TensorParallelLlama
+from workers.simulator import SimulatedCluster
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parent.parent
+gguf = pytest.importorskip("gguf")
+
+# whole blocks of 256 for the K-quants, two KV heads of 64
+SMALL = synthetic.Shape(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=96, context=64)
+LAYER = ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+OURS = dict(zip(LAYER, ("attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")))
+
+
+def gguf_weights(path: Path) -> dict[str, np.ndarray]:
+    """The file's weights as models.llama names them, read and dequantized by gguf alone."""
+    reader = gguf.GGUFReader(str(path))
+    out = {}
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        values = values.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            name = f"l{parts[1]}.{OURS[parts[2]]}"
+        else:
+            name = {"token_embd": "embed", "output_norm": "norm", "output": "output"}[parts[0]]
+        out[name] = np.ascontiguousarray(values.T) if values.ndim == 2 and name != "embed" else values
+    return out
+
+
+def test_gguf_reads_back_the_recipes_shapes_types_and_metadata(tmp_path):
+    recipe = synthetic.Recipe(SMALL, weights="q4_k", embedding="q6_k", output="q8_0", seed=3)
+    written = synthetic.write(tmp_path / "m.gguf", recipe)
+    reader = gguf.GGUFReader(str(written.path))
+    field = lambda key: reader.get_field(key).contents()  # noqa: E731
+    assert field("general.architecture") == "llama"
+    assert (field("llama.block_count"), field("llama.embedding_length"), field("llama.feed_forward_length")) == (
+        2,
+        256,
+        512,
+    )
+    assert (field("llama.attention.head_count"), field("llama.attention.head_count_kv")) == (4, 2)
+    assert len(field("tokenizer.ggml.tokens")) == 96
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["token_embd.weight"] == "Q6_K" and types["output.weight"] == "Q8_0"
+    assert types["blk.1.ffn_down.weight"] == "Q4_K" and types["blk.0.attn_norm.weight"] == "F32"
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}  # ggml order
+    assert shapes["blk.0.attn_k.weight"] == (256, 128) and shapes["blk.0.ffn_down.weight"] == (512, 256)
+    assert len(reader.tensors) == 3 + 2 * 9
+
+
+@pytest.mark.parametrize("kind", synthetic.WEIGHT_TYPES)
+def test_every_type_dequantizes_to_values_of_the_intended_spread(tmp_path, kind):
+    """A matrix (out, in) holds values of spread about 1/sqrt(in), centred: a decode on it neither
+    overflows nor repeats one token (checked on gguf's dequantization, not ours)."""
+    path = synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(SMALL, weights=kind)).path
+    w = gguf_weights(path)["l0.w_up"]  # (in 256, out 512)
+    assert np.isfinite(w).all()
+    spread = float(np.std(w)) * np.sqrt(256)
+    assert 0.7 < spread < 1.4, spread
+    assert abs(float(np.mean(w))) * np.sqrt(256) < 0.15
+
+
+def test_the_same_recipe_writes_the_same_bytes_and_another_seed_others(tmp_path):
+    recipe = synthetic.Recipe(SMALL, weights="q5_1")
+    a = synthetic.write(tmp_path / "a.gguf", recipe).path.read_bytes()
+    b = synthetic.write(tmp_path / "b.gguf", recipe).path.read_bytes()
+    c = synthetic.write(tmp_path / "c.gguf", synthetic.Recipe(SMALL, weights="q5_1", seed=1)).path.read_bytes()
+    assert a == b
+    assert len(a) == len(c) and a != c
+
+
+def test_a_copied_vocabulary_tokenizes_as_its_source(tmp_path, model):
+    shape = synthetic.Shape(layers=1, hidden=64, ffn=128, heads=2, kv_heads=1, context=64)
+    path = synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape), model.path).path
+    copy = GGUFModel(path)
+    copy.check()
+    text = "The capital of France is <|im_start|>user 2024"
+    assert copy.tokenizer.encode(text) == model.tokenizer.encode(text)
+    assert copy.config.vocab == model.config.vocab and copy.eos == model.eos
+    assert copy.chat_template.source == model.chat_template.source
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (dict(shape=synthetic.Shape(layers=1, hidden=96, ffn=96, heads=2, kv_heads=1, vocab=8), weights="q4_k"), "256"),
+        (dict(weights="q9_9"), "q9_9"),
+    ],
+)
+def test_a_recipe_that_cannot_be_written_is_refused_in_one_line_before_any_byte(tmp_path, change, says):
+    target = tmp_path / "m.gguf"
+    with pytest.raises(synthetic.SyntheticError) as caught:
+        synthetic.write(target, synthetic.Recipe(**{"shape": SMALL, **change}))
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+    assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(hidden=30, heads=2, kv_heads=1), dict(hidden=64, heads=4, kv_heads=3), dict(hidden=18, heads=6, kv_heads=3)],
+)
+def test_a_shape_that_cannot_be_a_llama_is_refused(sizes):
+    with pytest.raises(synthetic.SyntheticError):
+        synthetic.Shape(layers=1, ffn=64, **sizes)
+
+
+def test_a_vocabulary_size_other_than_the_sources_is_refused(tmp_path, model):
+    shape = synthetic.Shape(layers=1, hidden=64, ffn=128, heads=2, kv_heads=1, vocab=1000)
+    with pytest.raises(synthetic.SyntheticError, match="49152"):
+        synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape), model.path)
+
+
+def decode_logits(net_or_ref, steps: int) -> np.ndarray:
+    """Logits of a 5-token prompt's last position, then of `steps` decode steps fed fixed tokens
+    (a tiny random model's greedy choice soon repeats one token: fixed ones vary what is read)."""
+    prompt = np.array([[5, 17, 3, 60, 41]])
+    fed = [7, 88, 23, 50, 2, 71, 30, 9][:steps]
+    if isinstance(net_or_ref, ReferenceDecoder):
+        forward = lambda ids, pos: net_or_ref.forward(ids, pos)[0, -1]  # noqa: E731
+    else:
+
+        def forward(ids, pos):
+            logits = net_or_ref.step(ids, pos)
+            net_or_ref.dev.run(logits, *net_or_ref.caches())
+            return logits.numpy()[0, -1]
+
+    out = [forward(prompt, np.arange(5)[None])]
+    for pos, token in enumerate(fed, start=5):
+        out.append(forward(np.array([[token]]), np.array([[pos]])))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize(
+    "kind, kv_heads, n",
+    [(k, 2, 2) for k in synthetic.WEIGHT_TYPES] + [("q4_1", 1, 3), ("q8_0", 4, 3), ("q6_k", 1, 1)],
+)
+def test_every_type_and_gqa_ratio_decodes_as_the_reference_on_gguf_dequantization(tmp_path, kind, kv_heads, n):
+    """Kept in their blocks (native) on n simulated devices, each weight type gives the logits and
+    the argmax of the float32 NumPy reference over gguf's dequantization of the same file."""
+    # heads of 128: two devices' shares of the attention output's inputs are whole K-quant blocks
+    shape = synthetic.Shape(layers=2, hidden=512, ffn=512, heads=4, kv_heads=kv_heads, vocab=96, context=64)
+    path = synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape, weights=kind, output="q8_0")).path
+    model = GGUFModel(path)
+    model.check()
+    expected = decode_logits(ReferenceDecoder(model.config, gguf_weights(path), 32), 6)
+    dev = MetaDevice(SimulatedCluster(n), check_mirrored=True)
+    try:
+        got = decode_logits(TensorParallelLlama(dev, model.config, model.native, 32), 6)
+    finally:
+        dev.close()
+    np.testing.assert_allclose(got, expected, atol=2e-3, rtol=0)
+    assert list(np.argmax(got, -1)) == list(np.argmax(expected, -1))
+
+
+def test_the_command_writes_a_file_generate_reads_and_refuses_a_bad_shape_in_one_line(tmp_path):
+    target = tmp_path / "m.gguf"
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, str(ROOT / "launch.py"), "synthetic", *a], capture_output=True, text=True, timeout=120
+    )
+    done = run(str(target), "--layers", "1", "--vocabulary", "none", "--vocab", "64", "--weights", "q8_0")
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout and GGUFModel(target).config.layers == 1
+    refused = run(str(tmp_path / "bad.gguf"), "--hidden", "100", "--heads", "2", "--kv-heads", "2")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "whole q8_0 blocks" in refused.stderr
+    assert not (tmp_path / "bad.gguf").exists()
