@@ -12,7 +12,13 @@ default there; the sweep also through shared memory):
 3. `launch.py generate --backend cuda`, whose tokens must equal `--backend cpu`'s (the packaged
    SmolLM2, or `--model GGUF`);
 4. the all-reduce sweep (bench/collectives.py) and the tensor-parallel MLP (bench/tp_matmul.py)
-   against one CuPy process, each over the shm and the ipc planes.
+   against one CuPy process, each over the shm and the ipc planes;
+5. the decode table: synthetic files made here by `launch.py synthetic` (SmolLM2-135M's shape cut
+   to 8 layers, and a SmolLM2-1.7B shape, Q4_1 layers, Q8_0 embedding: nothing large travels to
+   the machine), each with float32 and native weights on 1 CUDA worker: decode and prefill tok/s,
+   the percent of the memory-bandwidth bound (the resident weights' bytes a token reads, over the
+   GPU's datasheet bandwidth), device-graph replays per token, and the first tokens against
+   `--backend cpu`'s.
 Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
 exits 1; a failed check exits 2.
 """
@@ -37,6 +43,7 @@ from meta.backends import local_backends  # noqa: E402
 PROMPT = "The capital of France is"
 CUPY_TESTS = [
     "tests/test_cupy_api.py",
+    "tests/test_device_kernels.py",
     "tests/test_cupy_standin.py",
     "tests/test_graphs.py",
     "tests/test_cuda_backend.py",
@@ -100,6 +107,80 @@ def _generate(backend: str, workers: int, folder: Path, model: str = "") -> tupl
     return ok, detail, tokens
 
 
+# the decode table's synthetic files: name -> `launch.py synthetic` options
+DECODE_FILES = {"135m-8": ["--shape", "135m-8"], "1.7b": ["--shape", "1.7b"]}
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, the SXM datasheets'
+LONG_PROMPT = " ".join(["The history of tensor parallelism begins with slices of matrices."] * 12)  # ~130 tokens
+
+
+def _bandwidth() -> float | None:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    return next((bw for key, bw in BANDWIDTH.items() if key in name), None)
+
+
+def _decode_row(path: Path, weights: str, folder: Path, steps: int) -> dict:
+    """One row of the decode table: 1 CUDA worker on `path` with `weights`."""
+    from models.gguf_model import GGUFModel
+
+    common = ["launch.py", "generate", "-m", str(path), "--temp", "0", "--ignore-eos", "--weights", weights]
+    out, stats = folder / f"{path.stem}-{weights}.json", folder / f"{path.stem}-{weights}-stats.json"
+    ok, detail, seconds = _command(
+        [sys.executable, *common, PROMPT, "-n", str(steps), "--ctx", "512", "--backend", "cuda", "--workers", "1",
+         "--json", str(out), "--stats", str(stats)],
+        900,
+    )  # fmt: skip
+    row = {"file": path.stem, "weights": weights, "ok": ok, "detail": detail, "seconds": seconds}
+    if not ok:
+        return row
+    run = json.loads(out.read_text())[0]
+    replays = sum(s["graphs"]["replays"] for s in json.loads(stats.read_text()).values())
+    resident = GGUFModel(path).resident_bytes(weights)
+    bandwidth = _bandwidth()
+    row |= {
+        "decode_tok_s": run["decode_tokens_per_s"],
+        "graphs_per_token": replays / max(1, len(run["tokens"])),
+        "resident_mib": resident / 2**20,
+        "bound_tok_s": bandwidth / resident if bandwidth else None,
+        "tokens": run["tokens"],
+    }
+    row["bound_percent"] = 100 * row["decode_tok_s"] / row["bound_tok_s"] if bandwidth else None
+    long = folder / f"{path.stem}-{weights}-prefill.json"
+    ok, _, _ = _command(
+        [sys.executable, *common, LONG_PROMPT, "-n", "1", "--ctx", "512", "--backend", "cuda", "--workers", "1",
+         "--json", str(long)],
+        900,
+    )  # fmt: skip
+    if ok:
+        prefill = json.loads(long.read_text())[0]
+        row |= {"prefill_tokens": len(prefill["prompt_tokens"]), "prefill_tok_s": prefill["prompt_tokens_per_s"]}
+    cpu = folder / f"{path.stem}-{weights}-cpu.json"
+    compared = min(steps, 32)  # the CPU path's first tokens (it decodes a 1.7B file at a few tokens/s)
+    ok, _, _ = _command(
+        [sys.executable, *common, PROMPT, "-n", str(compared), "--ctx", "512", "--backend", "cpu", "--workers", "4",
+         "--json", str(cpu)],
+        900,
+    )  # fmt: skip
+    row["tokens_equal_cpu"] = ok and json.loads(cpu.read_text())[0]["tokens"] == run["tokens"][:compared]
+    return row
+
+
+def decode_table(quick: bool) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name, options in DECODE_FILES.items():
+            path = Path(folder) / f"synthetic-{name}.gguf"
+            ok, detail, _ = _command([sys.executable, "launch.py", "synthetic", str(path), *options], 600)
+            if not ok:
+                rows.append({"file": path.stem, "weights": "-", "ok": False, "detail": detail, "seconds": 0.0})
+                continue
+            for weights in ("f32", "native"):
+                rows.append(_decode_row(path, weights, Path(folder), 32 if quick else 128))
+    return rows
+
+
 def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> dict:
     from bench import collectives, tp_matmul
 
@@ -151,14 +232,36 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> d
             record(name, True, f"ratios {ratios}", time.perf_counter() - start, result=mlp)
         except Exception as exc:  # noqa: BLE001
             record(name, False, repr(exc)[:200], time.perf_counter() - start)
+    start = time.perf_counter()
+    decode = decode_table(quick)
+    equal = all(r["ok"] and r.get("tokens_equal_cpu") for r in decode)
+    record("decode table: runs, tokens == cpu tokens", equal, f"{len(decode)} rows", time.perf_counter() - start)
     failures = list(_failures)
     _failures.clear()
-    return {"workers": workers, "checks": checks, "ok": all(c["ok"] for c in checks), "failures": failures}
+    return {
+        "workers": workers,
+        "checks": checks,
+        "decode": decode,
+        "ok": all(c["ok"] for c in checks),
+        "failures": failures,
+    }
 
 
 def show(results: dict) -> None:
     rows = [(c["check"], "ok" if c["ok"] else "FAILED", f"{c['seconds']:.1f}", c["detail"]) for c in results["checks"]]
     print(table(f"GPU check, {results['workers']} workers on GPU 0", ["check", "result", "s", "detail"], rows))
+    if results.get("decode"):
+        cols = ["file", "weights", "decode tok/s", "bound tok/s", "% of bound", "graphs/token", "prefill tok/s"]
+        cols += ["tokens == cpu", "resident MiB"]
+        rows = [
+            [r["file"], r["weights"]]
+            + [r.get(k, "-") for k in ("decode_tok_s", "bound_tok_s", "bound_percent", "graphs_per_token")]
+            + [r.get("prefill_tok_s", "-"), r.get("tokens_equal_cpu", "-"), r.get("resident_mib", "-")]
+            for r in results["decode"]
+        ]
+        print(
+            table("decode on 1 CUDA worker (synthetic files, greedy, -n 128; prefill: a ~130-token prompt)", cols, rows)
+        )
     for failed in results.get("failures", []):  # what failed and why, not only a count
         print(f"\n{failed['command']}:")
         print("\n".join(f"  {line[:300]}" for line in failed["lines"]))

@@ -70,6 +70,9 @@ def generate(args: argparse.Namespace) -> int:
                 llm.warm_up(sampling)
             return converse(llm, args, sampling)
         out = _one_batch(llm, args, prompts, new, sampling, chat)
+        if args.stats:  # each worker's counters: device graphs replayed and refused, memory
+            with open(args.stats, "w", encoding="utf-8") as f:
+                json.dump({str(rank): stats for rank, stats in dev.stats().items()}, f, indent=1, default=str)
     if args.json and args.json != "-":
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump([x.as_json() for x in out], f, indent=1)
@@ -288,6 +291,9 @@ def add(sub) -> None:
     add_cache_type_options(p)
     p.add_argument(
         "--json", default="", help="write prompts, token ids, text, finish reason and timings here; - : JSON lines"
+    )
+    p.add_argument(
+        "--stats", default="", help="write each worker's counters (device graphs replayed and refused, memory) here"
     )
     p.add_argument("--logits-out", default="", help="write the last prompt position's logits (.npy)")
     add_cluster_options(p)

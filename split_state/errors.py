@@ -56,6 +56,10 @@ class OutOfMemory(MetaError, MemoryError):
     """An allocation would exceed a worker's memory budget."""
 
 
+class KernelCompileError(MetaError, RuntimeError):
+    """A device kernel of our own did not compile (names the kernel and the compiler's message)."""
+
+
 class RemoteError(MetaError, RuntimeError):
     """An operation failed inside a worker; carries the worker's traceback text."""
 

@@ -67,6 +67,8 @@ def fake_cupy(log: Log):
         cuda=cuda,
         get_default_pinned_memory_pool=lambda: types.SimpleNamespace(malloc=None),
         ascontiguousarray=ascontiguousarray,
+        # the kernels of our own, compiled at start-up (tests/test_device_kernels.py checks them)
+        RawModule=lambda code, options=(): types.SimpleNamespace(get_function=lambda name: None),
     )
     cupyx = types.SimpleNamespace(empty_pinned=lambda shape, dtype: np.empty(shape, dtype))
     return cupy, cupyx, Array

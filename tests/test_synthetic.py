@@ -181,3 +181,29 @@ def test_the_command_writes_a_file_generate_reads_and_refuses_a_bad_shape_in_one
     refused = run(str(tmp_path / "bad.gguf"), "--hidden", "100", "--heads", "2", "--kv-heads", "2")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "whole q8_0 blocks" in refused.stderr
     assert not (tmp_path / "bad.gguf").exists()
+
+
+# steps of a decode whose kernels read device data on the host (tests/test_generation.py's list)
+READ_ON_HOST = {"get_rows", "qget_rows", "top_k_candidates", "top_k_combine"}
+
+
+@pytest.mark.parametrize("devname", ["cuda1", "cuda2"])
+@pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
+def test_native_weights_on_the_cuda_backend_decode_as_the_reference_with_products_in_graphs(
+    tmp_path, kind, devname, request
+):
+    """Quantized weights on CUDA workers (the stand-in, which runs each kernel of our own as its
+    NumPy twin): a decode step's products are workers/kernels/qgemv.py's kernels, replayed in
+    device graphs (no step but the host reads refused), logits those of the reference."""
+    shape = synthetic.Shape(layers=2, hidden=512, ffn=512, heads=4, kv_heads=2, vocab=96, context=64)
+    path = synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape, weights=kind)).path
+    model = GGUFModel(path)
+    expected = decode_logits(ReferenceDecoder(model.config, gguf_weights(path), 32), 6)
+    dev = request.getfixturevalue(devname)
+    net = TensorParallelLlama(dev, model.config, model.native, 32)
+    before = {rank: stats["graphs"]["replays"] for rank, stats in dev.stats().items()}
+    got = decode_logits(net, 6)
+    np.testing.assert_allclose(got, expected, atol=2e-3, rtol=0)
+    for rank, stats in dev.stats().items():
+        graphs = stats["graphs"]
+        assert graphs["replays"] > before[rank] and set(graphs["refused"]) <= READ_ON_HOST, (rank, graphs)

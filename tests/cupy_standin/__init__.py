@@ -12,7 +12,9 @@ reuse of freed blocks, a limit), pinned host memory, host-synchronous calls (for
 capturing), the race detector, NCCL communicators between processes (nccl.py), CUDA IPC:
 device memory and events shared between processes (ipc.py), and the libcublas the CUDA backend
 calls through ctypes for products a graph can capture (cublas.py: operands read at raw device
-addresses, column-major, on the handle's stream). What it does not: kernel launch configuration.
+addresses, column-major, on the handle's stream), and the kernels of our own (kernels.py: each
+runs its NumPy twin). What it does not: what a launch configuration computes (a twin computes
+the whole result whatever grid it is given; the launch is only checked for CUDA's limits).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 
 from tests.cupy_standin import array as arr
 from tests.cupy_standin import ipc
+from tests.cupy_standin import kernels as standin_kernels
 from tests.cupy_standin import nccl as standin_nccl
 from tests.cupy_standin import runtime as rt
 
@@ -135,6 +138,7 @@ def modules() -> dict[str, types.ModuleType]:
     cupy.__version__ = VERSION
     cupy.cuda = cuda
     cupy.ndarray = arr.ndarray
+    cupy.RawModule, cupy.RawKernel = standin_kernels.RawModule, standin_kernels.RawKernel
     cupy.get_default_memory_pool = lambda: rt.DEFAULT_POOL
     cupy.get_default_pinned_memory_pool = lambda: rt.PINNED_POOL
     for name, fn in arr.SPECIAL.items():
@@ -164,6 +168,7 @@ def install(monkeypatch, cublas: bool = True) -> types.ModuleType:
     for name, module in MODULES.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(cuda, "_GEMMS", {})  # each test opens its own
+    monkeypatch.setattr(cuda, "_DEVICE_KERNELS", {})  # and compiles the kernels for the stand-in
     monkeypatch.setattr(rt, "current_device", [0])
     monkeypatch.setattr(_cublas, "_library", _standin_cublas if cublas else _no_cublas)
     return cupy

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from workers.backends import DeviceInfo, _cublas
-from workers.kernels import basic, quant
+from workers.kernels import basic, device, qgemv, quant
 
 # (id(array module), device index) -> the device's capturable float32 products
 # (workers/backends/_cublas.py), opened by the first Backend of the device in this process;
@@ -27,6 +27,11 @@ from workers.kernels import basic, quant
 # be handed (by id(): a test's fake module may not hash; a gemm holds its module, so the id stays
 # its own).
 _GEMMS: dict[tuple[int, int], _cublas.CapturableGemm] = {}
+
+
+# (id(array module), device index) -> the device's kernels of our own (workers/kernels/device.py),
+# compiled by the first Backend of the device in this process
+_DEVICE_KERNELS: dict[tuple[int, int], dict] = {}
 
 
 def _gemm(xp, a, b, out):
@@ -49,7 +54,26 @@ def _tile_product(xp, x, tile, out) -> None:
         quant.tile_product(xp, x, tile, out)
 
 
-KERNELS = {"matmul": matmul, "qmatmul": quant.qmatmul_with(_tile_product)}
+_tiled_qmatmul = quant.qmatmul_with(_tile_product)
+
+
+def qmatmul(xp, inputs, params, out=None):
+    """A few rows of x (decode): one kernel of our own per format reading the blocks where they
+    lie (workers/kernels/qgemv.py), captured in a device graph like any kernel; more rows
+    (prefill): dequantized tiles through cuBLAS."""
+    xb, w = inputs
+    kernels = _DEVICE_KERNELS.get((id(xp), w.device.id)) if _DEVICE_KERNELS else None
+    width = xb.shape[-2] * xb.shape[-1] if xb.ndim >= 2 else 0
+    rows = xb.size // width if width else 0
+    direct = kernels is not None and 0 < rows <= qgemv.MAX_ROWS and w.size and out is not None
+    if not direct or not (out.flags.c_contiguous and w.flags.c_contiguous):
+        return _tiled_qmatmul(xp, inputs, params, out)
+    x = xp.ascontiguousarray(xb.reshape(rows, width))
+    qgemv.launch(xp, kernels, params["format"], x, w, out.reshape(rows, -1))
+    return out
+
+
+KERNELS = {"matmul": matmul, "qmatmul": qmatmul}
 
 
 class Backend:
@@ -95,6 +119,8 @@ class Backend:
         # while a stream captures ("calling cuBLAS API during stream capture is currently
         # unsupported", cupy/cupy#6290), so a segment holding one would fail its capture
         self.uncaptured = frozenset() if key in _GEMMS else frozenset({"matmul", "qmatmul"})
+        if key not in _DEVICE_KERNELS:  # at start-up, before any weight moves: a failure names the kernel
+            _DEVICE_KERNELS[key] = device.compile_all(cupy)
 
     def info(self) -> DeviceInfo:
         free, total = self.xp.cuda.runtime.memGetInfo()

@@ -1,0 +1,85 @@
+"""The CUDA C of our own kernels (workers/kernels/device.py) compiled for the CPU with the host's
+C++ compiler and run thread by thread, so CI checks the kernels' own arithmetic (their block
+layouts, shifts and sums) without a GPU; the stand-in runs their NumPy twins instead, and a GPU
+test holds the compiled kernels to the twins.
+
+The emulation: CUDA's qualifiers defined away, `__shared__` arrays made static (one thread block
+runs at a time), the thread indices globals set before each thread runs. Threads run one after
+another, a block's thread rows (threadIdx.y) from the last to the first and `__syncthreads()`
+doing nothing: so a kernel whose row 0 reads, after its one barrier, what the other rows stored
+before it (a reduction over a block's rows, as qgemv's) computes what it computes on a GPU. A
+kernel with another barrier pattern needs another emulation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+HOST_PRELUDE = r"""
+#include <cstring>
+#include <cmath>
+struct dim3_t { unsigned x, y, z; };
+static dim3_t threadIdx, blockIdx, blockDim, gridDim;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+#define __syncthreads() ((void)0)
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline float half_to_float(unsigned short h) {  /* IEEE binary16 -> binary32 */
+    unsigned int sign = (h >> 15) & 1u, exp = (h >> 10) & 31u, man = h & 1023u;
+    float v;
+    if (exp == 0) v = std::ldexp((float)man, -24);
+    else if (exp == 31) v = man ? NAN : INFINITY;
+    else v = std::ldexp((float)(man | 1024u), (int)exp - 25);
+    return sign ? -v : v;
+}
+"""
+
+LAUNCHER = r"""
+extern "C" void host_NAME(int gx, int gy, int bx, int by, SIGNATURE) {
+    gridDim = {(unsigned)gx, (unsigned)gy, 1u};
+    blockDim = {(unsigned)bx, (unsigned)by, 1u};
+    for (int grid_y = 0; grid_y < gy; ++grid_y)
+        for (int grid_x = 0; grid_x < gx; ++grid_x)
+            for (int thread_y = by - 1; thread_y >= 0; --thread_y)
+                for (int thread_x = 0; thread_x < bx; ++thread_x) {
+                    blockIdx = {(unsigned)grid_x, (unsigned)grid_y, 0u};
+                    threadIdx = {(unsigned)thread_x, (unsigned)thread_y, 0u};
+                    NAME(ARGS);
+                }
+}
+"""
+
+
+def compiler() -> str | None:
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def build(source: str, kernels: dict[str, tuple[str, str]], folder: Path | None = None) -> ctypes.CDLL:
+    """A shared library of `source` (the kernels' module, PRELUDE included) with a launcher
+    `host_NAME(gx, gy, bx, by, *args)` for each name -> (C parameter list, argument names)."""
+    text = HOST_PRELUDE + source
+    for name, (signature, args) in kernels.items():
+        text += LAUNCHER.replace("NAME", name).replace("SIGNATURE", signature).replace("ARGS", args)
+    folder = Path(folder or tempfile.gettempdir())
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    library = folder / f"cuda_on_host_{digest}.so"
+    if not library.exists():
+        src = folder / f"cuda_on_host_{digest}.cpp"
+        src.write_text(text)
+        done = subprocess.run(
+            [compiler(), "-O2", "-shared", "-fPIC", "-std=c++14", "-o", str(library), str(src)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode:
+            raise RuntimeError(f"the kernels did not compile for the host:\n{done.stderr[-3000:]}")
+    return ctypes.CDLL(str(library))

@@ -1,0 +1,223 @@
+"""Kernels of our own for the CUDA backend (workers/kernels/device.py, qgemv.py), checked three
+ways against gguf's dequantization (independent of ours):
+- their CUDA C compiled for the CPU and run thread by thread (tests/cuda_on_host.py): the
+  kernels' own arithmetic, in CI;
+- the CUDA backend's qmatmul on the CuPy stand-in, which runs each kernel's NumPy twin: the
+  launch, its arguments, and a device graph replaying it with new operands;
+- on a GPU, each compiled kernel against its twin (skipped without one).
+Plus: every source compiles with nvcc where it is installed, and a kernel that does not compile
+stops the backend with an error naming it."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from split_state.errors import KernelCompileError
+from split_state.quant import FORMATS, interleave
+from tests import cuda_on_host
+from tests.cupy_standin import install
+from tests.cupy_standin import kernels as standin_kernels
+from workers.kernels import device, qgemv
+
+pytestmark = pytest.mark.timeout(300)
+gguf = pytest.importorskip("gguf")
+
+QGEMV_SIGNATURE = (
+    "const u8* w, const float* x, float* out, int n, int lanes, int blocks, int xrows",
+    "w, x, out, n, lanes, blocks, xrows",
+)
+
+
+def random_blocks(fmt: str, rows: int, blocks: int, seed: int) -> np.ndarray:
+    """(rows, blocks, block_bytes) of random quants with finite float16 factors near 1/16."""
+    f = FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (rows, blocks, f.block_bytes), dtype=np.uint8)
+    for at in f.factors:
+        scale = rng.uniform(-1, 1, (rows, blocks)).astype(np.float16) / np.float16(16)
+        data[..., at : at + 2] = scale[..., None].view(np.uint8).reshape(rows, blocks, 2)
+    if fmt == "bf16":  # finite bfloat16s: the top half of float32s of a modest size
+        bits = rng.standard_normal((rows, blocks)).astype(np.float32).view(np.uint32) >> 16
+        data = bits.astype(np.uint16).view(np.uint8).reshape(rows, blocks, 2)
+    return data
+
+
+def gguf_values(fmt: str, blocks: np.ndarray) -> np.ndarray:
+    """(rows, width) float64 by gguf's dequantization of the file-order blocks."""
+    kind = gguf.GGMLQuantizationType[fmt.upper()]
+    rows = blocks.shape[0]
+    return gguf.quants.dequantize(blocks.reshape(rows, -1), kind).astype(np.float64).reshape(rows, -1)
+
+
+# (format, output rows, lanes, blocks a row, x rows): uneven rows for a 32-row thread block, one
+# lane (the file's order), blocks fewer and more than KSPLIT
+CASES = [(fmt, 40, 8, 3, 1) for fmt in FORMATS] + [
+    ("q4_1", 128, 64, 37, 2),
+    ("q8_0", 7, 1, 5, 3),
+    ("q6_k", 64, 64, 2, 1),
+    ("q5_k", 24, 8, 1, 8),
+]
+
+
+def case_operands(fmt, rows, lanes, blocks, xrows, seed=0):
+    file_blocks = random_blocks(fmt, rows, blocks, seed)
+    w = np.ascontiguousarray(interleave(file_blocks, lanes))
+    x = np.random.default_rng(seed + 1).standard_normal((xrows, blocks * FORMATS[fmt].block)).astype(np.float32)
+    expected = x.astype(np.float64) @ gguf_values(fmt, file_blocks).T
+    return w, x, expected
+
+
+def tolerance(x: np.ndarray, fmt: str, w: np.ndarray) -> float:
+    """float32 sums of `width` terms in another order than float64's: a few ulps of the largest
+    partial sum, bounded by |x| . max|value| times the width."""
+    return 1e-5 * float(np.abs(x).sum(axis=-1).max()) * 64 + 1e-6
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    if cuda_on_host.compiler() is None:
+        pytest.skip("no C++ compiler to build the kernels for the host")
+    names = {qgemv.kernel_name(fmt): QGEMV_SIGNATURE for fmt in FORMATS}
+    return cuda_on_host.build(device.full_source(qgemv.SOURCE), names, tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.mark.parametrize("fmt, rows, lanes, blocks, xrows", CASES)
+def test_the_cuda_c_run_on_the_host_equals_gguf_dequantization(host_kernels, fmt, rows, lanes, blocks, xrows):
+    w, x, expected = case_operands(fmt, rows, lanes, blocks, xrows)
+    out = np.full((xrows, rows), np.nan, np.float32)
+    launch = getattr(host_kernels, f"host_{qgemv.kernel_name(fmt)}")
+    grid = (-(-rows // qgemv.ROWS_PER_BLOCK), xrows)
+    pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    ints = [ctypes.c_int(v) for v in (*grid, qgemv.ROWS_PER_BLOCK, qgemv.KSPLIT)]
+    launch(*ints, pointer(w), pointer(x), pointer(out), *(ctypes.c_int(v) for v in (rows, lanes, blocks, xrows)))
+    np.testing.assert_allclose(out, expected, rtol=0, atol=tolerance(x, fmt, w))
+
+
+@pytest.mark.parametrize("fmt, rows, lanes, blocks, xrows", CASES)
+def test_the_backends_qmatmul_runs_the_kernel_on_the_standin(monkeypatch, fmt, rows, lanes, blocks, xrows):
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    backend = cuda.Backend(0)
+    w, x, expected = case_operands(fmt, rows, lanes, blocks, xrows)
+    launched = []
+    monkeypatch.setattr(qgemv, "launch", _spy(qgemv.launch, launched))
+    xb = cp.asarray(x.reshape(xrows, blocks, FORMATS[fmt].block))
+    out = cp.empty((xrows, rows // lanes, lanes), cp.float32)
+    cuda.KERNELS["qmatmul"](cp, (xb, cp.asarray(w)), {"format": fmt}, out)
+    got = backend.to_host(out).reshape(xrows, rows)
+    assert launched == [fmt]
+    np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance(x, fmt, w))
+
+
+def _spy(fn, seen):
+    def spy(xp, kernels, fmt, *args):
+        seen.append(fmt)
+        return fn(xp, kernels, fmt, *args)
+
+    return spy
+
+
+def test_more_rows_than_the_kernels_take_go_through_dequantized_tiles(monkeypatch):
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    backend = cuda.Backend(0)
+    xrows = qgemv.MAX_ROWS + 1
+    w, x, expected = case_operands("q4_0", 64, 64, 4, xrows)
+    launched = []
+    monkeypatch.setattr(qgemv, "launch", _spy(qgemv.launch, launched))
+    out = cp.empty((xrows, 1, 64), cp.float32)
+    cuda.KERNELS["qmatmul"](cp, (cp.asarray(x.reshape(xrows, 4, 32)), cp.asarray(w)), {"format": "q4_0"}, out)
+    assert launched == []
+    np.testing.assert_allclose(backend.to_host(out).reshape(xrows, 64), expected, atol=tolerance(x, "q4_0", w))
+
+
+def test_a_captured_product_replays_with_new_operands(monkeypatch):
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    backend = cuda.Backend(0)
+    w, x, _ = case_operands("q4_k", 64, 64, 2, 1)
+    w2, x2, expected2 = case_operands("q4_k", 64, 64, 2, 1, seed=5)
+    w_dev, x_dev = cp.asarray(w), cp.asarray(x.reshape(1, 2, 256))
+    out = cp.empty((1, 1, 64), cp.float32)
+    backend.begin_capture()
+    cuda.KERNELS["qmatmul"](cp, (x_dev, w_dev), {"format": "q4_k"}, out)
+    graph = backend.end_capture()
+    w_dev.set(w2)
+    x_dev.set(x2.reshape(1, 2, 256))
+    backend.launch(graph)
+    np.testing.assert_allclose(backend.to_host(out).reshape(1, 64), expected2, atol=tolerance(x2, "q4_k", w2))
+
+
+def test_the_standin_refuses_a_strided_argument_and_a_kernel_it_does_not_know(monkeypatch):
+    cp = install(monkeypatch)
+    module = cp.RawModule(code=device.full_source(qgemv.SOURCE), options=device.OPTIONS)
+    kernel = module.get_function("qgemv_q8_0")
+    w = cp.zeros((2, 1, 34, 8), cp.uint8)
+    x = cp.zeros((1, 64), cp.float32)[:, ::2]  # a strided view
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernel((1, 1), (32, 16), (w, x, cp.zeros(16, cp.float32), np.int32(16), np.int32(8), np.int32(1), np.int32(1)))
+    with pytest.raises(standin_kernels.CompileException, match="qgemv_q9_9"):
+        module.get_function("qgemv_q9_9")
+
+
+def test_a_kernel_that_does_not_compile_stops_the_backend_naming_it(monkeypatch):
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    def refuse(code, options=()):  # as CuPy's NVRTC run refuses a source
+        raise standin_kernels.CompileException('kern.cu(301): error: identifier "acc2" is undefined')
+
+    monkeypatch.setattr(cp, "RawModule", refuse)
+    with pytest.raises(KernelCompileError, match=r"qgemv_q4_0, .*qgemv_bf16 did not compile: .*acc2") as caught:
+        cuda.Backend(0)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_every_kernel_source_compiles_with_nvcc(tmp_path):
+    sources = {k.source for k in device.table().values()}
+    for i, source in enumerate(sorted(sources)):
+        path = tmp_path / f"module{i}.cu"
+        path.write_text(device.full_source(source))
+        done = subprocess.run(
+            ["nvcc", "-ptx", "-arch=sm_80", *device.OPTIONS, "-o", str(tmp_path / "out.ptx"), str(path)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "warning" not in done.stderr.lower(), done.stderr[-3000:]
+
+
+def _real_gpu() -> bool:
+    try:
+        import cupy
+
+        return hasattr(cupy.cuda, "Stream") and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _real_gpu(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("fmt, rows, lanes, blocks, xrows", CASES)
+def test_on_a_gpu_each_kernel_equals_its_twin(fmt, rows, lanes, blocks, xrows):
+    import cupy
+
+    kernels = device.compile_all(cupy)
+    w, x, expected = case_operands(fmt, rows, lanes, blocks, xrows)
+    out = cupy.full((xrows, rows), np.nan, cupy.float32)
+    qgemv.launch(cupy, kernels, fmt, cupy.asarray(x), cupy.asarray(w), out)
+    twin_out = np.full(xrows * rows, np.nan, np.float32)
+    qgemv.qgemv_twin(fmt)(w.reshape(-1), x.reshape(-1), twin_out, rows, lanes, blocks, xrows)
+    got = cupy.asnumpy(out)
+    np.testing.assert_allclose(got, twin_out.reshape(xrows, rows), rtol=0, atol=tolerance(x, fmt, w))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance(x, fmt, w))
