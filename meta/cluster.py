@@ -388,7 +388,13 @@ class ProcessCluster:
                     message, _ = p.decode(frames)
                 except (ProtocolError, zmq.ZMQError):
                     continue
-                if isinstance(message, p.Heartbeat) and self.security.sender(frames[0]) in (None, message.rank):
+                # only the cluster's own ranks (their Hello accepted) are watched: a refused
+                # worker's or a stranger's beats must never make a rank that then goes silent
+                if (
+                    isinstance(message, p.Heartbeat)
+                    and self.security.sender(frames[0]) in (None, message.rank)
+                    and message.rank in self.routes
+                ):
                     with self._lock:
                         self.liveness.heard(message.rank)
             self._read_while_idle()

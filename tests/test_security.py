@@ -188,6 +188,30 @@ def test_forged_heartbeats_do_not_hide_a_stopped_worker(fresh_cluster):
         ctx.term()
 
 
+def test_a_strangers_heartbeats_for_a_rank_the_cluster_lacks_never_stop_it(fresh_cluster):
+    """On an insecure coordinator anyone can send a Heartbeat: one naming rank 99 (or a refused
+    worker's mistyped rank) must not be watched, or its silence after it would be taken for a
+    lost worker and end a healthy job."""
+    import time
+
+    from transport.sockets import Security, push
+
+    cluster = fresh_cluster(2, host="127.0.0.1", insecure=True, liveness=1.0)
+    dev = MetaDevice(cluster)
+    ctx = zmq.Context()
+    security = Security(ctx, None)
+    stranger = push(ctx, cluster.beat_in_endpoint, security)
+    try:
+        for rank in (99, 7, -1):
+            send(stranger, p.Heartbeat(rank))
+        time.sleep(2.5)  # past the liveness window of the ranks a stranger named
+        assert np.array_equal(dev.tensor(np.arange(4, dtype=np.float32), MIRRORED).numpy(), np.arange(4))
+    finally:
+        stranger.close(0)
+        security.close()
+        ctx.term()
+
+
 def _worker(endpoint: str, rank: int) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "launch.py"), "worker", "--connect", endpoint, "--rank", str(rank)]
     return subprocess.Popen([*cmd, "--backend", "cpu", "--insecure"], stderr=subprocess.PIPE, text=True)
