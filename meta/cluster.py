@@ -433,6 +433,25 @@ class ProcessCluster:
             )
             self._lose(rank, text, WorkerTimeout)
 
+    def health(self) -> str:
+        """Why the cluster cannot serve ("" while it can), read without a call and without
+        side effects (a server's /health asks it from another thread than the calls'): a
+        worker lost before, a local worker that exited, one silent past its liveness window."""
+        if self.lost is not None:
+            return str(self.lost)
+        if self.closed:
+            return "the cluster is closed"
+        for rank, proc in enumerate(self.processes):
+            code = proc.poll()
+            if code is not None:
+                return f"worker {rank} (pid {proc.pid}) exited with code {code}"
+        with self._lock:
+            silent = [(r, self.liveness.silent_for(r)) for r in self.liveness.lost()]
+        if silent:
+            rank, seconds = silent[0]
+            return f"worker {rank} silent for {seconds:.1f} s (liveness window {self.config.liveness} s)"
+        return ""
+
     def _lose(self, rank: int, text: str, kind: type[WorkerLost] = WorkerLost) -> None:
         self.lost = kind(text, rank=rank)
         self.abort_peers(rank, text)

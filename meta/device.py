@@ -715,6 +715,12 @@ class MetaDevice:
     # -- lifetime -------------------------------------------------------------------------------
 
     @serialized
+    def health(self) -> str:
+        """Why the cluster cannot serve ("" while it can), asked without a call (see
+        ProcessCluster.health); an in-process simulator always can."""
+        check = getattr(self.cluster, "health", None)
+        return check() if check is not None else ""
+
     def stats(self) -> dict[int, dict]:
         self.collect()
         return {d: dict(r.info) for d, r in self._call({d: p.Stats() for d in range(self.n)}).items()}

@@ -37,7 +37,7 @@ from meta.device import MetaDevice
 from models.generate import POOL, WEIGHTS, Sampling, candidates, check_cache_types, check_fits, stop_string_at
 from models.gguf_model import GGUFModel, ModelError
 from models.llama import TensorParallelLlama
-from split_state.errors import MetaError, WorkerLost
+from split_state.errors import ConsistencyError, MetaError, TransportError, WorkerLost
 from workers.generation import choose
 
 TOKEN_SECONDS = 120.0  # a job waiting longer than this for its next token gives up (no hang)
@@ -75,6 +75,13 @@ class Ticket:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def next(self, wait: float) -> Token | Finished | None:
+        """The next event, or None when none came within `wait` seconds (the job goes on)."""
+        try:
+            return self.events.get(timeout=wait)
+        except queue.Empty:
+            return None
 
     def stream(self, timeout: float = TOKEN_SECONDS) -> Iterator[Token | Finished]:
         """The events as they come, ending with the Finished one; a silence longer than
@@ -178,6 +185,10 @@ class ContinuousBatcher:
             raise ModelError(f"max_tokens {job.max_tokens}: at least 1")
         if len(job.prompt) >= self.ctx:
             raise ModelError(f"a prompt of {len(job.prompt)} tokens does not fit the context of {self.ctx} tokens")
+        vocab = self.model.config.vocab
+        bad = next((t for t in job.prompt if type(t) is not int or not 0 <= t < vocab), None)
+        if bad is not None:  # refused here: on the workers it would fail the prefill of a slot
+            raise ModelError(f"token id {bad!r} is not in the vocabulary [0, {vocab})")
         ticket = Ticket(job)
         with self._wake:
             self.waiting.append(ticket)
@@ -188,12 +199,21 @@ class ContinuousBatcher:
     def active(self) -> int:
         return sum(s is not None for s in self.slots)
 
+    def lose(self, why: str) -> None:
+        """The cluster can no longer serve (a server's health check found it): every job waiting
+        or running is told at once, later ones are refused."""
+        with self._wake:
+            self.lost = self.lost or why
+            self._stopping = True
+            self._wake.notify()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel what waits or runs and stop the loop (the cluster stays open)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # never started: nothing to wait for
+            self._thread.join(timeout)
 
     # -- the device's side ----------------------------------------------------------------------
 
@@ -207,7 +227,8 @@ class ContinuousBatcher:
                         break
                 self._admit()
                 self._step()
-        except MetaError as exc:  # the cluster failed: every job is told, later ones refused
+        except Exception as exc:  # noqa: BLE001 - the cluster failed, or this loop did: every job is told,
+            # later ones refused (a request's own error never comes here: _admit and _take fail that job alone)
             self.lost = f"{type(exc).__name__}: {exc}"
         finally:
             reason = ("error", self.lost) if self.lost else ("cancelled", "the server is stopping")
@@ -233,7 +254,14 @@ class ContinuousBatcher:
             job = ticket.job
             # POOL candidates whatever the job's sampling, cut to its pool here (as a decode step's
             # are): one prefill step per slot and length serves every request
-            values, indices = self.net.prefill([list(job.prompt)], 0, POOL, slot=index)
+            try:
+                values, indices = self.net.prefill([list(job.prompt)], 0, POOL, slot=index)
+            except (TransportError, ConsistencyError) as exc:  # the cluster's failure: the job is told now
+                ticket.events.put(Finished("error", f"{type(exc).__name__}: {exc}"))
+                raise
+            except MetaError as exc:  # this prompt's own failure (a worker refused it): this job alone
+                self._finish(index, ticket, "error", f"{type(exc).__name__}: {exc}")
+                continue
             self.counters.prompt_tokens += len(job.prompt)
             self.slots[index] = _Slot(ticket, np.random.default_rng(job.sampling.seed), len(job.prompt))
             pool = job.sampling.pool
@@ -280,7 +308,11 @@ class ContinuousBatcher:
             return
         s, n = job.sampling, job.sampling.penalized
         recent = [*job.prompt[-n:], *slot.tokens[-n:]][-n:] if n else ()
-        token = choose(values, indices, s.rule, slot.rng, recent)
+        try:
+            token = choose(values, indices, s.rule, slot.rng, recent)
+        except (ValueError, FloatingPointError) as exc:  # this job's sampling failed (its logits): it alone ends
+            self._finish(index, ticket, "error", f"sampling failed: {exc}")
+            return
         slot.tokens.append(token)
         if ticket.first_token_s is None:
             ticket.first_token_s = time.perf_counter() - ticket.submitted
@@ -294,7 +326,7 @@ class ContinuousBatcher:
         elif len(slot.tokens) >= job.max_tokens or slot.position >= self.ctx:  # no room to feed it back
             self._finish(index, ticket, "length")
 
-    def _finish(self, index: int, ticket: Ticket, reason: str) -> None:
+    def _finish(self, index: int, ticket: Ticket, reason: str, error: str = "") -> None:
         self.slots[index] = None
         self.counters.finished[reason] += 1
-        ticket.events.put(Finished(reason))
+        ticket.events.put(Finished(reason, error))

@@ -26,7 +26,7 @@ import numpy as np
 from meta.device import MetaDevice
 from models.gguf_model import GGUFModel, ModelError
 from models.llama import CACHE_TYPES, TensorParallelLlama
-from workers.generation import Rule, choose, generator_state
+from workers.generation import TEMPERATURE_FLOOR, Rule, choose, generator_state
 
 POOL = 256  # candidates per sequence a sampled step considers
 
@@ -69,7 +69,7 @@ class Sampling:
     def pool(self) -> int:
         """Candidates per sequence the workers propose: enough that the penalty, lowering at most
         `penalized` of them, still leaves the best top_k others among them."""
-        want = 1 if self.temperature == 0 else (self.top_k or POOL)
+        want = 1 if self.temperature < TEMPERATURE_FLOOR else (self.top_k or POOL)
         return min(want + self.penalized, POOL)
 
 
@@ -146,8 +146,29 @@ class TextStream:
 
 
 def _pending(text: str, stop: Sequence[str]) -> int:
-    """The length of the longest end of `text` that begins one of `stop`."""
-    return max((n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    """The length of the longest end of `text` that begins one of `stop` (shorter than it):
+    linear in the stop strings' lengths (one pass of Knuth-Morris-Pratt's automaton over the
+    last len(s) - 1 characters), where trying every prefix took time quadratic in them."""
+    return max((_longest_end_beginning(text[-(len(s) - 1) :], s) for s in stop if len(s) > 1), default=0)
+
+
+def _longest_end_beginning(tail: str, s: str) -> int:
+    """The longest k with tail[-k:] == s[:k] (tail shorter than s, so k < len(s))."""
+    fail = [0] * len(s)  # fail[i]: the longest proper border of s[: i + 1]
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    matched = 0
+    for c in tail:
+        while matched and (matched == len(s) or c != s[matched]):
+            matched = fail[matched - 1]
+        if c == s[matched]:
+            matched += 1
+    return matched
 
 
 Prompt = str | Sequence[Mapping[str, str]]  # text, or a conversation: [{"role": ..., "content": ...}]

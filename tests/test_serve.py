@@ -6,6 +6,7 @@ the SIGTERM test is the last and stops it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -58,24 +59,27 @@ def _alive(pids) -> list[int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def server(model):
+def start_server(*options: str) -> tuple[subprocess.Popen, str]:
+    """`launch.py serve` with 2 workers on a free port, once /health answers 200."""
     port = _free_port()
-    cmd = [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", "2", "--port", str(port)]
-    cmd += ["--max-slots", str(SLOTS), "--ctx", str(CTX), "--api-key", KEY, "--grace", "3"]
+    cmd = [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", "2", "--port", str(port), *options]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail("the server did not come up within 90 s")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    proc, url = start_server("--max-slots", str(SLOTS), "--ctx", str(CTX), "--api-key", KEY, "--grace", "3")
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            pytest.fail("the server did not come up within 90 s")
         yield proc, url
     finally:
         if proc.poll() is None:
@@ -111,18 +115,40 @@ def test_a_greedy_completion_is_the_references_text(server, client, model):
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 6)
 
 
-def test_a_request_past_the_context_ends_there_and_the_server_goes_on(server, client, model):
-    """max_tokens beyond what the context holds: the completion ends with "length" when its next
-    token has no cache position left (CTX - prompt + 1 tokens: the last is never fed back), and
-    the next request is served as usual."""
+def test_max_tokens_past_the_context_is_refused_and_chat_defaults_to_the_rest_of_it(server, client, model):
+    """As OpenAI's and vLLM's servers: max_tokens the context cannot hold is a 400 naming the room
+    left; a chat request without max_tokens may use all of it (the completion ends with "length"
+    when its next token has no cache position left: CTX - prompt + 1 tokens, the last never fed
+    back); the next request is served as usual."""
     ids = model.tokenizer.encode(PROMPTS[2])
+    with pytest.raises(openai.BadRequestError, match="leave room for"):
+        client.completions.create(model="", prompt=ids, max_tokens=4 * CTX, temperature=0)
+    most = CTX - len(ids) + 1
     out = client.completions.create(
-        model="", prompt=ids, max_tokens=4 * CTX, temperature=0, extra_body={"ignore_eos": True}
+        model="", prompt=ids, max_tokens=most, temperature=0, extra_body={"ignore_eos": True}
     )
     assert out.choices[0].finish_reason == "length"
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), CTX - len(ids) + 1)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), most)
+    assert out.usage.total_tokens == len(ids) + most
+    chat = client.chat.completions.create(
+        model="", messages=[{"role": "user", "content": "Count on."}], temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert chat.choices[0].finish_reason == "length" and chat.usage.total_tokens == CTX + 1
     again = client.completions.create(model="", prompt=ids, max_tokens=3, temperature=0)
     assert again.usage.completion_tokens == 3 and out.choices[0].text.startswith(again.choices[0].text)
+
+
+def test_max_completion_tokens_wins_over_max_tokens(server, client):
+    out = client.completions.create(
+        model="", prompt=PROMPTS[0], temperature=0, max_tokens=7, extra_body={"max_completion_tokens": 2}
+    )
+    assert out.usage.completion_tokens == 2
+
+
+def test_a_temperature_below_the_floor_is_greedy(server, client):
+    greedy = client.completions.create(model="", prompt=PROMPTS[1], max_tokens=5, temperature=0)
+    tiny = client.completions.create(model="", prompt=PROMPTS[1], max_tokens=5, temperature=1e-320)
+    assert tiny.choices[0].text == greedy.choices[0].text
 
 
 def _metric(url: str, name: str) -> float:
@@ -200,6 +226,30 @@ def test_a_sampled_request_is_reproducible_by_its_seed(server, client):
         ({}, {"prompt": "x", "max_tokens": 0}, 400, "invalid_request_error", "'max_tokens' must lie in"),
         ({}, {"prompt": "x", "stop": [""]}, 400, "invalid_request_error", "'stop' must be a non-empty string"),
         ({}, {"prompt": "x", "ignore_eos": "yes"}, 400, "invalid_request_error", "'ignore_eos' must be true or false"),
+        ({}, {"prompt": [504, -1]}, 400, "invalid_request_error", "token id -1 is not in the vocabulary"),
+        ({}, {"prompt": [49152]}, 400, "invalid_request_error", "token id 49152 is not in the vocabulary"),
+        ({}, {"prompt": [2**31]}, 400, "invalid_request_error", "token id 2147483648"),
+        ({}, {"prompt": [1.5]}, 400, "invalid_request_error", "'prompt' must be"),
+        ({}, {"prompt": "x", "max_tokens": 10**400}, 400, "invalid_request_error", "but max_tokens is 1000"),
+        ({}, {"prompt": "x", "temperature": 10**400}, 400, "invalid_request_error", "'temperature' must lie in"),
+        ({}, {"prompt": "x", "top_k": 10**400}, 400, "invalid_request_error", "'top_k' must lie in"),
+        ({}, {"prompt": "x", "seed": -1}, 400, "invalid_request_error", "'seed' must lie in"),
+        ({}, {"prompt": "x", "min_p": 1.0}, 400, "invalid_request_error", "'min_p' must lie in"),
+        ({}, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_request_error", "at most 4"),
+        ({}, {"prompt": "x", "logprobs": 3}, 400, "invalid_request_error", "'logprobs' is not supported"),
+        ({}, {"prompt": "x", "presence_penalty": 1}, 400, "invalid_request_error", "'presence_penalty' is not"),
+        ({}, {"prompt": "x", "tools": [{}]}, 400, "invalid_request_error", "'tools' is not supported"),
+        ({}, {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "invalid_request_error", "'response_"),
+        ({}, {"prompt": "x", "stream": "yes"}, 400, "invalid_request_error", "'stream' must be true or false"),
+        ({}, b'{"prompt": "a\\udc80b"}', 400, "invalid_request_error", "lone surrogate"),
+        ({}, b"[" * 30_000 + b"]" * 30_000, 400, "invalid_request_error", "nested too deeply"),
+        (
+            {"Authorization": "Bearer k\u00e9y".encode()},
+            {"prompt": "x"},
+            401,
+            "authentication_error",
+            "invalid API key",
+        ),
     ],
 )
 def test_bad_requests_get_openai_error_bodies(server, headers, body, status, kind, says):
@@ -211,8 +261,107 @@ def test_bad_requests_get_openai_error_bodies(server, headers, body, status, kin
     assert error["type"] == kind and says in error["message"]
 
 
+def test_chat_content_must_be_text(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    reply = httpx.post(server[1] + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert reply.status_code == 400 and "text content" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "method, path, status",
+    [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405), ("POST", "/health", 405)],
+)
+def test_unknown_paths_and_methods_get_openai_error_bodies(server, method, path, status):
+    reply = httpx.request(method, server[1] + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert reply.status_code == status and reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_one_model_is_listed_and_answered_by_its_id(server, client):
+    (listed,) = client.models.list().data
+    assert client.models.retrieve(listed.id).id == listed.id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
+def test_metrics_have_help_and_the_summary_its_sum_and_count(server, client):
+    client.completions.create(model="", prompt=PROMPTS[0], max_tokens=1, temperature=0)
+    text = httpx.get(server[1] + "/metrics", timeout=5).text
+    names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    helped = {line.split()[2] for line in text.splitlines() if line.startswith("# HELP")}
+    assert names == helped and "meta_tp_time_to_first_token_seconds" in names
+    assert float(text.split("meta_tp_time_to_first_token_seconds_count ")[1].split()[0]) >= 1
+
+
+def test_a_huge_prompt_is_refused_fast_and_health_answers_throughout(server, client):
+    """10 MB of text: refused in under a second, before it is tokenized (no context could hold
+    it), /health answering within 100 ms meanwhile, and the workers live on."""
+    url, headers = server[1], {"Authorization": f"Bearer {KEY}"}
+    slowest = []
+    done = threading.Event()
+
+    def watch_health() -> None:
+        with httpx.Client(timeout=5) as polling:  # one connection: its latency is the server's
+            while not done.is_set():
+                start = time.monotonic()
+                assert polling.get(url + "/health").status_code == 200
+                slowest.append(time.monotonic() - start)
+
+    huge = json.dumps({"prompt": "word " * 2_000_000}).encode()  # encoded first: the watcher's GIL is its own
+    watcher = threading.Thread(target=watch_health)
+    watcher.start()
+    try:
+        start = time.monotonic()
+        reply = httpx.post(url + "/v1/completions", content=huge, headers=headers, timeout=30)
+        took = time.monotonic() - start
+        for stop in (["x" * 300_000], ["ab"] * 2):  # a long stop string: refused at once
+            start = time.monotonic()
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "x", "stop": stop}, headers=headers)
+            assert stop[0] == "ab" or (refused.status_code == 400 and time.monotonic() - start < 0.5)
+    finally:
+        done.set()
+        watcher.join(10)
+    assert reply.status_code == 400 and "could hold" in reply.json()["error"]["message"], reply.text[:300]
+    assert took < 1.0, took
+    assert max(slowest) < 0.1, max(slowest)
+    out = client.completions.create(model="", prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens == 2
+
+
+def test_a_bad_token_id_fails_that_request_alone(server, client):
+    """A token id the vocabulary lacks used to fail on the workers and take the cluster with it."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for ids in ([504, -1], [49152], [2**31], [2**64]):
+        reply = httpx.post(server[1] + "/v1/completions", json={"prompt": ids}, headers=headers, timeout=30)
+        assert reply.status_code == 400, reply.text
+    assert httpx.get(server[1] + "/health", timeout=5).status_code == 200
+    out = client.completions.create(model="", prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens == 2
+
+
+def _cancelled(url: str) -> int:
+    key = 'meta_tp_requests_finished_total{reason="cancelled"} '
+    return next((int(line.split()[-1]) for line in httpx.get(url + "/metrics").text.splitlines() if key in line), 0)
+
+
+def test_an_abandoned_non_streaming_request_frees_its_slot(server):
+    """A client that gives up on a non-streamed completion: its job is cancelled within a token
+    (it used to run to its end, holding the slot)."""
+    url, headers = server[1], {"Authorization": f"Bearer {KEY}"}
+    cancelled = _cancelled(url)
+    body = {"prompt": PROMPTS[2], "max_tokens": 90, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=0.3)
+    deadline = time.monotonic() + 5
+    while _cancelled(url) == cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _cancelled(url) == cancelled + 1
+    assert httpx.get(url + "/health", timeout=5).json()["active"] == 0
+
+
 def test_a_client_leaving_mid_stream_frees_its_slot(server):
     url, headers = server[1], {"Authorization": f"Bearer {KEY}"}
+    cancelled = _cancelled(url)
     body = {"prompt": PROMPTS[2], "max_tokens": 80, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=30) as reply:
         lines = reply.iter_lines()
@@ -223,15 +372,33 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server):
     while httpx.get(url + "/health", timeout=5).json()["active"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert httpx.get(url + "/health", timeout=5).json()["active"] == 0
-    metrics = httpx.get(url + "/metrics", timeout=5).text
-    assert 'meta_tp_requests_finished_total{reason="cancelled"} 1' in metrics
+    assert _cancelled(url) == cancelled + 1
+
+
+def _shared_files_of(pids) -> set[str]:
+    """The meta-tp files in /dev/shm that these processes map or hold open: what this server
+    made, whatever other meta-tp processes on the machine made."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                found |= {line.split()[-1] for line in f if "/dev/shm/meta-tp-" in line}
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/meta-tp-"):
+                        found.add(target)
+        except (FileNotFoundError, PermissionError):
+            pass
+    return {os.path.basename(path.removesuffix(" (deleted)")) for path in found if not path.endswith("(deleted)")}
 
 
 def test_sigterm_exits_0_leaving_no_worker_or_shared_memory(server):
     proc, url = server
     workers = _children(proc.pid)
     assert len(workers) == 2
-    before = {f for f in os.listdir("/dev/shm") if f.startswith("meta-tp-")}
+    before = _shared_files_of([proc.pid, *workers])
+    assert before, "the server's processes map no shared-memory file: the check below would see nothing"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0, proc.stderr.read()
     deadline = time.monotonic() + 5
@@ -240,3 +407,37 @@ def test_sigterm_exits_0_leaving_no_worker_or_shared_memory(server):
     assert _alive(workers) == [], "orphaned workers"
     left = {f for f in os.listdir("/dev/shm") if f.startswith("meta-tp-")}
     assert not left & before, f"shared memory left behind: {sorted(left & before)}"
+
+
+def test_a_lost_worker_fails_the_waiting_request_turns_health_503_and_exits_non_zero(model):
+    """A worker SIGKILLed under a running non-streamed request: that request gets a 503 OpenAI
+    body (not a 200 with finish_reason "error"), /health says so, and the server exits with code 3
+    within 10 s (for a supervisor to restart it) leaving no worker behind."""
+    proc, url = start_server("--max-slots", "1", "--ctx", str(CTX), "--no-warmup", "--liveness", "2")
+    try:
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        replies = {}
+        body = {"prompt": PROMPTS[0], "max_tokens": CTX - 8, "temperature": 0, "ignore_eos": True}
+
+        def ask() -> None:
+            replies["long"] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        time.sleep(0.5)
+        os.kill(workers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        asking.join(30)
+        reply = replies["long"]
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error", reply.text[:300]
+        assert proc.wait(10) == 3, proc.stderr.read()
+        assert time.monotonic() - killed < 10
+        deadline = time.monotonic() + 5
+        while _alive(workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _alive(workers) == [], "orphaned workers"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)

@@ -36,6 +36,9 @@ from transport.deadline import Deadline
 
 STOP_TAG = 1 << 30  # the step tag of rank 0's stop flag: no program has that many steps
 WORD_SPIN = 1000  # reads of the stop word before a peer waits between reads (it is there at once)
+# a temperature below this is greedy (as vLLM's _SAMPLING_EPS): dividing by 1e-320 gives inf,
+# then inf - inf NaN probabilities
+TEMPERATURE_FLOOR = 1e-5
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ def choose(values: np.ndarray, indices: np.ndarray, rule: Rule, rng, recent: Seq
         values, indices = values[order], indices[order]
     if rule.top_k:
         values, indices = values[: rule.top_k], indices[: rule.top_k]
-    if rule.temperature == 0:
+    if rule.temperature < TEMPERATURE_FLOOR:
         return int(indices[0])
     keep = values.astype(np.float64) / rule.temperature
     probs = np.exp(keep - keep.max())

@@ -1,0 +1,460 @@
+"""The OpenAI-compatible HTTP application over a ContinuousBatcher (models/batching.py); the
+command that serves it is cli/serve.py.
+
+Endpoints: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST
+/v1/chat/completions (streaming with server-sent events ending in `data: [DONE]`, or not), GET
+/metrics (Prometheus text).
+
+Every request is checked whole before it is queued, so no request can take the server down:
+numbers with Python's integers (no overflow) and finite floats within their ranges, token ids
+within the vocabulary, text without lone surrogates, at most 4 stop strings of bounded length,
+a body of at most MAX_BODY_BYTES, a prompt no longer in bytes than the context could hold
+(before it is tokenized, which then runs off the event loop), max_tokens within what the context
+leaves (chat's default: all of it; completions': 16, as OpenAI's, or less where less is left),
+and the fields this server does not implement (logprobs, tools, penalties, ...) refused rather
+than ignored. Every error is OpenAI's JSON body: 400 malformed, 401 wrong key, 404 unknown model
+or path, 405 wrong method, 413 too large, 503 once the cluster cannot serve, 500 (never seen in
+the tests) for a fault of ours. A client that leaves frees its slot within a token, streamed or
+not.
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request)
+import asyncio
+import json
+import math
+import secrets
+import time
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_BODY_BYTES = 16 << 20  # a body larger is refused unread (413)
+LARGE_BODY = 1 << 16  # a body at least this large is parsed on a thread
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 1024
+EVENT_POLL_SECONDS = 0.25  # how often a waiting request looks whether its client left
+# fields of OpenAI's API this server does not implement, with the values that ask for nothing
+UNSUPPORTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+
+class RequestError(Exception):
+    """A request the server refuses: its HTTP status and OpenAI error type."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+def error_body(exc: RequestError) -> dict:
+    return {"error": {"message": str(exc), "type": exc.kind, "param": exc.param, "code": None}}
+
+
+def number(body: dict, name: str, default, kind=float, low=None, high=None):
+    """Field `name` of `body` as `kind`, within [low, high]; integers compared as Python's (a
+    literal of 400 digits is out of range, not an overflow)."""
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(400, f"'{name}' must be a number, got {_shown(value)}", param=name)
+    if kind is int and isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise RequestError(400, f"'{name}' must be a number, got {_shown(value)} (an integer)", param=name)
+        value = int(value)
+    if kind is float:
+        if isinstance(value, int) and abs(value) > 2**1000:  # float() would overflow
+            raise RequestError(400, f"'{name}' must lie in [{low}, {high}], got {_shown(value)}", param=name)
+        value = float(value)
+        if not math.isfinite(value):
+            raise RequestError(400, f"'{name}' must lie in [{low}, {high}], got {value!r}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise RequestError(400, f"'{name}' must lie in [{low}, {high}], got {_shown(value)}", param=name)
+    return value
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
+
+
+def checked_text(text: str, param: str) -> str:
+    if text.isascii():  # fast for the common case, and no copy
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(400, f"'{param}' holds a lone surrogate (not UTF-8 text)", param=param) from None
+    return text
+
+
+def stop_strings(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(400, "'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise RequestError(
+            400, f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters", param="stop"
+        )
+    return tuple(checked_text(s, "stop") for s in stop)
+
+
+def refuse_unsupported(body: dict) -> None:
+    for name, harmless in UNSUPPORTED.items():
+        if body.get(name) not in harmless:
+            raise RequestError(400, f"'{name}' is not supported by this server", param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise RequestError(400, "'response_format' is not supported by this server (only {'type': 'text'})")
+
+
+def job_from(body: dict, prompt_ids: list[int], default_seed: int, room: int, chat: bool, vocab: int):
+    """The batcher's Job for an OpenAI request body (completions or chat); `room`: the tokens the
+    context leaves after the prompt."""
+    from models.batching import Job
+    from models.generate import Sampling
+
+    if number(body, "n", 1, int) != 1:
+        raise RequestError(400, "only n = 1 is supported", param="n")
+    refuse_unsupported(body)
+    sampling = Sampling(
+        temperature=number(body, "temperature", 1.0, float, 0.0, 2.0),
+        top_k=number(body, "top_k", 0, int, 0, vocab),
+        top_p=number(body, "top_p", 1.0, float, 0.0, 1.0) or 1.0,
+        seed=number(body, "seed", default_seed, int, 0, 2**63 - 1),
+        min_p=number(body, "min_p", 0.0, float, 0.0, 0.99),  # vLLM's and llama-server's extension
+        repeat_penalty=number(body, "repetition_penalty", 1.0, float, 0.01, 10.0),  # vLLM's name for it
+    )
+    # the newer name wins, as in OpenAI's API
+    asked = body.get("max_completion_tokens")
+    name = "max_completion_tokens" if asked is not None else "max_tokens"
+    asked = body.get(name)
+    if asked is None:
+        max_tokens = room if chat else min(DEFAULT_MAX_TOKENS, room)
+    else:
+        max_tokens = number(body, name, None, int, 1)
+        if max_tokens > room:
+            raise RequestError(
+                400,
+                f"the context holds {len(prompt_ids) + room - 1} tokens; {len(prompt_ids)} in the prompt leave room "
+                f"for {room}, but {name} is {_shown(max_tokens)}",
+                param=name,
+            )
+    ignore_eos = body.get("ignore_eos", False)  # llama-server's extension: go on past end-of-generation
+    if not isinstance(ignore_eos, bool):
+        raise RequestError(400, "'ignore_eos' must be true or false", param="ignore_eos")
+    return Job(tuple(prompt_ids), max_tokens, sampling, stop_strings(body), stop_at_eos=not ignore_eos)
+
+
+def build_app(batcher, model_id: str, api_key: str = "", chat_template=None, health=lambda: ""):
+    """The FastAPI application over a started ContinuousBatcher; `health()` says why the
+    cluster cannot serve ("" while it can), asked without a call to the workers."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    from models.batching import TOKEN_SECONDS, Finished, Token
+    from models.generate import TextStream
+    from split_state.errors import MetaError, WorkerLost
+
+    app = FastAPI(title="meta-tp", docs_url=None, redoc_url=None, openapi_url=None)
+    tokenizer = batcher.tokenizer
+    vocab = batcher.model.config.vocab
+    tokens = batcher.model.meta("tokenizer.ggml.tokens")
+    # a token covers at most this many bytes of text: a longer text cannot fit the context
+    most_bytes = max(1, max((len(t.encode("utf-8", "surrogatepass")) for t in tokens), default=1))
+    started = time.time()
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError):
+        return JSONResponse(error_body(exc), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(RequestError(exc.status_code, str(exc.detail), kind)), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def fault(request: Request, exc: Exception):
+        failed = RequestError(500, f"internal error: {type(exc).__name__}", "server_error")
+        return JSONResponse(error_body(failed), status_code=500)
+
+    def why_down() -> str:
+        return batcher.lost or health()
+
+    def check_key(request: Request) -> None:
+        if not api_key:
+            return
+        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        if not secrets.compare_digest(given, f"Bearer {api_key}".encode()):
+            raise RequestError(401, "invalid API key: send 'Authorization: Bearer KEY'", "authentication_error")
+
+    # a body longer than this holds more text than the context could (each token at most
+    # most_bytes bytes, each byte at most 6 characters of JSON, plus the other fields): it is
+    # refused before it is parsed (parsing 10 MB holds the event loop for 100 ms)
+    too_long = min(MAX_BODY_BYTES, 6 * batcher.ctx * most_bytes + (64 << 10))
+
+    def body_too_large(size: int) -> RequestError:
+        if size > MAX_BODY_BYTES:
+            return RequestError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
+        return RequestError(400, f"the prompt is longer than a context of {batcher.ctx} tokens could hold")
+
+    async def read_body(request: Request) -> dict:
+        check_key(request)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > too_long:
+            raise body_too_large(int(declared))
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > too_long:
+                raise body_too_large(len(raw))
+        try:  # a large body is parsed off the event loop: /health answers meanwhile
+            body = json.loads(bytes(raw)) if len(raw) < LARGE_BODY else await asyncio.to_thread(json.loads, bytes(raw))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RequestError(400, f"the body is not JSON: {_shown(str(exc))}") from None
+        except RecursionError:
+            raise RequestError(400, "the body is not JSON this server reads: nested too deeply") from None
+        if not isinstance(body, dict):
+            raise RequestError(400, "the body must be a JSON object")
+        if body.get("model") not in (None, "", model_id):
+            raise RequestError(
+                404, f"the model '{_shown(body['model'])}' does not exist; this server has '{model_id}'", param="model"
+            )
+        if why_down():
+            raise RequestError(503, f"the cluster cannot serve: {why_down()}", "server_error")
+        return body
+
+    async def encode(text: str, param: str) -> list[int]:
+        checked_text(text, param)
+        if len(text) > batcher.ctx * most_bytes:  # at least one byte a character: too long for any context
+            raise RequestError(
+                400, f"'{param}' is longer than a context of {batcher.ctx} tokens could hold", param=param
+            )
+        if len(text.encode("utf-8")) > batcher.ctx * most_bytes:
+            raise RequestError(
+                400, f"'{param}' is longer than a context of {batcher.ctx} tokens could hold", param=param
+            )
+        return await asyncio.to_thread(tokenizer.encode, text)  # off the event loop: /health answers meanwhile
+
+    def submit(job):
+        try:
+            return batcher.submit(job)
+        except WorkerLost as exc:
+            raise RequestError(503, str(exc), "server_error") from None
+        except MetaError as exc:
+            raise RequestError(400, str(exc)) from None
+
+    async def events(ticket, request: Request):
+        """The ticket's events, waited for off the event loop; a client that left cancels it
+        (its slot is free before the next token)."""
+        silent, looked = 0.0, time.monotonic()
+        while True:
+            event = await asyncio.to_thread(ticket.next, EVENT_POLL_SECONDS)
+            if time.monotonic() - looked >= EVENT_POLL_SECONDS:  # tokens or not, now and then
+                looked = time.monotonic()
+                if await request.is_disconnected():
+                    ticket.cancel()
+                    return
+            if event is None:
+                silent += EVENT_POLL_SECONDS
+                if silent >= TOKEN_SECONDS:
+                    ticket.cancel()
+                    yield Finished("error", f"no token within {TOKEN_SECONDS:.0f} s")
+                    return
+                continue
+            silent = 0.0
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    async def respond(request: Request, body: dict, prompt_ids: list[int], chat: bool):
+        room = batcher.ctx - len(prompt_ids) + 1  # the last token is never fed back
+        if room < 1:
+            raise RequestError(
+                400, f"a prompt of {len(prompt_ids)} tokens does not fit the context of {batcher.ctx} tokens"
+            )
+        job = job_from(body, prompt_ids, secrets.randbelow(2**31), room, chat, vocab)
+        streamed = body.get("stream", False)
+        if not isinstance(streamed, bool):
+            raise RequestError(400, "'stream' must be true or false", param="stream")
+        ticket = submit(job)
+        kind = ("chat.completion.chunk" if streamed else "chat.completion") if chat else "text_completion"
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created = int(time.time())
+        text = TextStream(tokenizer, False, job.stop_strings)
+
+        def usage() -> dict:
+            n = len(text.tokens)
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
+
+        def choice(piece: str, finish: str | None, whole: bool) -> dict:
+            if not chat:
+                return {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+            key = "message" if whole else "delta"
+            content = {"role": "assistant", "content": piece} if whole else {"content": piece} if piece else {}
+            return {"index": 0, key: content, "finish_reason": finish}
+
+        def envelope(choices: list, **extra) -> dict:
+            return {"id": rid, "object": kind, "created": created, "model": model_id, "choices": choices} | extra
+
+        if not streamed:
+            try:
+                finished = None
+                async for event in events(ticket, request):
+                    if isinstance(event, Token):
+                        text.push(event.token)
+                    else:
+                        finished = event
+            finally:
+                ticket.cancel()  # a client gone before the end frees the slot
+            if finished is None:  # the client left: nobody to answer
+                return JSONResponse({}, status_code=499)
+            if finished.reason == "error":
+                raise RequestError(503, f"generation failed: {finished.error}", "server_error")
+            result = envelope([choice(text.final_text(), finished.reason, True)], usage=usage())
+            return JSONResponse(result)
+
+        async def sse():
+            try:
+                if chat:
+                    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield f"data: {json.dumps(envelope([first]))}\n\n"
+                async for event in events(ticket, request):
+                    if isinstance(event, Token):
+                        piece = text.push(event.token)
+                        if piece:
+                            yield f"data: {json.dumps(envelope([choice(piece, None, False)]))}\n\n"
+                        continue
+                    if event.reason == "error":
+                        failed = RequestError(503, f"generation failed: {event.error}", "server_error")
+                        yield f"data: {json.dumps(error_body(failed))}\n\n"
+                        return
+                    rest = text.finish()
+                    last = envelope([choice(rest, event.reason, False)], usage=usage())
+                    yield f"data: {json.dumps(last)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                ticket.cancel()  # the client left (or the stream ended): the slot is freed
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.get("/health")
+    async def health_check():
+        why = why_down()
+        if why:
+            return JSONResponse({"status": "error", "error": why}, status_code=503)
+        return {"status": "ok", "slots": len(batcher.slots), "active": batcher.active()}
+
+    def model_card() -> dict:
+        return {"id": model_id, "object": "model", "created": int(started), "owned_by": "meta-tp"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str, request: Request):
+        check_key(request)
+        if name != model_id:
+            raise RequestError(404, f"the model '{_shown(name)}' does not exist; this server has '{model_id}'")
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(400, f"token id {_shown(bad)} is not in the vocabulary [0, {vocab})", param="prompt")
+            ids = prompt
+        elif isinstance(prompt, str):
+            ids = await encode(prompt, "prompt")
+        else:
+            raise RequestError(400, "'prompt' must be a string (or one string, or a list of token ids)", param="prompt")
+        return await respond(request, body, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request)
+        messages = body.get("messages")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        ):
+            raise RequestError(
+                400,
+                "'messages' must be a non-empty list of {role, content} objects with text content",
+                param="messages",
+            )
+        for m in messages:
+            checked_text(m["role"], "messages")
+            checked_text(m["content"], "messages")
+        if sum(len(m["content"].encode("utf-8")) for m in messages) > batcher.ctx * most_bytes:
+            raise RequestError(400, f"'messages' are longer than a context of {batcher.ctx} tokens could hold")
+        if chat_template is None:
+            raise RequestError(400, "this model has no chat template: use /v1/completions")
+        from models.gguf_model import TemplateError
+
+        try:
+            text = await asyncio.to_thread(
+                chat_template.render, [{"role": m["role"], "content": m["content"]} for m in messages]
+            )
+        except TemplateError as exc:
+            raise RequestError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+        return await respond(request, body, await encode(text, "messages"), chat=True)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(metrics_text(batcher), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def metrics_text(batcher) -> str:
+    """Prometheus' text format: each metric with its HELP and TYPE."""
+    c = batcher.counters
+    ttft = sorted(c.first_token_seconds)
+    plain = [  # (name, type, help, value)
+        ("requests_total", "counter", "Requests submitted.", c.requests),
+        ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", c.prompt_tokens),
+        ("generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens),
+        ("active_slots", "gauge", "Slots decoding a request.", batcher.active()),
+        ("slots", "gauge", "Slots in all.", len(batcher.slots)),
+        ("queue_depth", "gauge", "Requests waiting for a slot.", len(batcher.waiting)),
+        ("decode_steps_total", "counter", "Decode steps run.", c.decode_steps),
+        ("decode_rows_total", "counter", "Rows the decode steps ran (busy slots and padding).", c.decode_rows),
+        ("decode_seconds_total", "counter", "Seconds the decode steps took.", f"{c.decode_seconds:.6f}"),
+    ]
+    lines = []
+    for name, kind, help_text, value in plain:
+        lines += [f"# HELP meta_tp_{name} {help_text}", f"# TYPE meta_tp_{name} {kind}", f"meta_tp_{name} {value}"]
+    name = "meta_tp_requests_finished_total"
+    lines += [f"# HELP {name} Requests finished, by reason.", f"# TYPE {name} counter"]
+    lines += [f'{name}{{reason="{r}"}} {n}' for r, n in sorted(c.finished.items())]
+    name = "meta_tp_time_to_first_token_seconds"
+    lines += [
+        f"# HELP {name} Seconds to the first token (the last 1000 requests).",
+        f"# TYPE {name} summary",
+    ]
+    lines += [f'{name}{{quantile="{q}"}} {ttft[int(q * (len(ttft) - 1))]:.6f}' for q in (0.5, 0.9, 0.99) if ttft]
+    lines += [f"{name}_sum {sum(ttft):.6f}", f"{name}_count {len(ttft)}"]
+    return "\n".join(lines) + "\n"
