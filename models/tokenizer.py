@@ -41,22 +41,34 @@ class Tokenizer:
         from models.gguf_model import ModelError, _require
 
         tk = _require("tokenizers")
-        kind = model.meta("tokenizer.ggml.model")
+        kind = model.meta_str("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ModelError(f"{model.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is)")
-        tokens = list(model.meta("tokenizer.ggml.tokens"))
-        types = list(model.meta("tokenizer.ggml.token_type", [1] * len(tokens)))
-        merges = [tuple(m.split(" ", 1)) for m in model.meta("tokenizer.ggml.merges")]
-        bpe = tk.models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+        tokens = list(model.vocabulary)
+        types = list(model.token_types) or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in model.meta_list("tokenizer.ggml.merges", str)]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        for pair in merges:  # tokenizers panics (a BaseException) on a merge it cannot place
+            if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+                raise ModelError(
+                    f"{model.path.name}: merge {' '.join(pair)[:60]!r} in tokenizer.ggml.merges is not two tokens "
+                    "of the vocabulary whose join is one too"
+                )
+        try:
+            bpe = tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
+        except Exception as exc:
+            raise ModelError(f"{model.path.name}: the vocabulary and merges do not make a BPE model: {exc}") from None
         backend = tk.Tokenizer(bpe)
-        backend.pre_tokenizer = _pre_tokenizer(tk, model.meta("tokenizer.ggml.pre", "default"), model.path.name)
+        backend.pre_tokenizer = _pre_tokenizer(tk, model.meta_str("tokenizer.ggml.pre", "default"), model.path.name)
         backend.decoder = tk.decoders.ByteLevel()
         control = [
             tk.AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == CONTROL
         ]
         backend.add_special_tokens(control)
-        add_bos = bool(model.meta("tokenizer.ggml.add_bos_token", False))
-        return cls(backend, add_bos, int(model.meta("tokenizer.ggml.bos_token_id", -1)))
+        add_bos = model.meta("tokenizer.ggml.add_bos_token", False)
+        if type(add_bos) is not bool:
+            raise ModelError(f"{model.path.name}: metadata 'tokenizer.ggml.add_bos_token' must be true or false")
+        return cls(backend, add_bos, model.token_id("tokenizer.ggml.bos_token_id"))
 
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids

@@ -6,20 +6,22 @@ test_llm.py."""
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("tokenizers")
 
-from models.gguf_model import ModelError  # noqa: E402
+from models.gguf_model import GGUFModel, ModelError  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 
 
-class FakeFile:
-    """What Tokenizer.from_gguf reads of a GGUF file: its metadata."""
+class FakeFile(GGUFModel):
+    """What Tokenizer.from_gguf reads of a GGUF file: its metadata (read by GGUFModel's own
+    typed accessors), no tensors."""
 
-    def __init__(self, pre: str | None):
+    def __init__(self, pre: str | None):  # no file to open
         self.path = Path("tiny.gguf")
         self.fields = {
             "tokenizer.ggml.model": "gpt2",
@@ -28,9 +30,7 @@ class FakeFile:
         }
         if pre is not None:
             self.fields["tokenizer.ggml.pre"] = pre
-
-    def meta(self, key, default=None):
-        return self.fields.get(key, default)
+        self.file = types.SimpleNamespace(fields=self.fields)
 
 
 def pieces(pre: str | None, text: str) -> list[str]:
