@@ -96,31 +96,28 @@ class ChatTemplate:
     """A chat template from a model file. The file is untrusted input: a template is Jinja code,
     and an unsandboxed environment lets it reach Python internals (`cycler.__init__.__globals__`)
     and run commands (llama-cpp-python's CVE-2024-34359). It is rendered in Jinja's immutable
-    sandbox, as transformers does: no unsafe attributes, no mutation of the values passed in."""
+    sandbox, as transformers does (no unsafe attributes, no mutation of the values passed in),
+    in a child process under a time and a memory limit (models/template_sandbox.py): a template
+    that loops for minutes or asks for gigabytes is a one-line TemplateError too."""
 
     source: str
     origin: str = "the chat template"  # names the file in errors
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        jinja2 = _require("jinja2")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        _require("jinja2")
+        from models.template_sandbox import RenderFailed, renderer
 
-        env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
-        env.globals["raise_exception"] = _raise_template_exception
         try:
-            return env.from_string(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt)
-        except jinja2.exceptions.SecurityError as exc:
-            raise TemplateError(
-                f"{self.origin}: the chat template tried an unsafe operation and was stopped ({_one_line(exc)}); "
-                "the file may be malicious: do not use --chat with it"
-            ) from None
-        except (jinja2.exceptions.TemplateError, TypeError, ValueError) as exc:
+            return renderer().render(self.source, messages, add_generation_prompt)
+        except RenderFailed as exc:
+            if exc.kind == "unsafe":
+                raise TemplateError(
+                    f"{self.origin}: the chat template tried an unsafe operation and was stopped "
+                    f"({_one_line(exc)}); the file may be malicious: do not use --chat with it"
+                ) from None
+            if exc.kind == "limit":
+                raise TemplateError(f"{self.origin}: the chat template was stopped: {_one_line(exc)}") from None
             raise TemplateError(f"{self.origin}: the chat template cannot be rendered: {_one_line(exc)}") from None
-
-
-def _raise_template_exception(message: str):
-    # templates of Hugging Face models call raise_exception("...") to refuse a conversation
-    raise ValueError(f"the template refused the messages: {message}")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -79,3 +79,47 @@ def test_generate_with_a_malicious_gguf_fails_in_one_line_and_runs_nothing(packa
     assert len(lines) == 1 and str(evil) in lines[0] and "unsafe operation" in lines[0], out.stderr
     assert "workers started" not in out.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "source, says",
+    [
+        ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "longer than"),
+        ("{{ (9 + 9) ** (10 ** 9) }}", "longer than"),
+        ("{{ lipsum(n=2000000) }}", "longer than"),
+        ("{{ 'x' * 2000000000 }}", "memory"),
+        ("{{ '{:>1500000000}'.format('x') }}", "memory"),
+        ("{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", "recursed"),
+        ("{{ range(10 ** 9) | list }}", ""),
+        ("{{ 1 // 0 }}", "ZeroDivisionError"),
+    ],
+)
+def test_a_template_that_runs_too_long_or_too_large_is_stopped_in_one_line(source, says):
+    """Each ends within the time limit and the child's memory limit, as a one-line TemplateError;
+    the next template renders as usual (a child killed at its time limit is started again)."""
+    import time
+
+    from models.template_sandbox import TIME_LIMIT
+
+    start = time.monotonic()
+    with pytest.raises(TemplateError) as caught:
+        ChatTemplate(source, "heavy.gguf").render([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < TIME_LIMIT + 1.5
+    assert "\n" not in str(caught.value) and says in str(caught.value) and "heavy.gguf" in str(caught.value)
+    assert ChatTemplate("{{ messages[0]['content'] }}").render([{"role": "user", "content": "ok"}]) == "ok"
+
+
+def test_serve_answers_a_runaway_template_with_400(tmp_path):
+    """The server's chat endpoint turns a stopped template into an OpenAI 400 (not a 500, not a
+    hung request): checked on the app with a batcher that never runs."""
+    import types
+
+    from fastapi.testclient import TestClient
+
+    from models.openai_server import build_app
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(vocab=10), meta=lambda key: ["a", "b"])
+    batcher = types.SimpleNamespace(tokenizer=None, model=model, ctx=64, lost="", slots=[None], active=lambda: 0)
+    app = build_app(batcher, "m", chat_template=ChatTemplate("{{ 'x' * 2000000000 }}", "heavy.gguf"))
+    reply = TestClient(app).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert reply.status_code == 400 and "memory" in reply.json()["error"]["message"]
