@@ -139,3 +139,24 @@ def test_lose_tells_every_waiting_request_at_once(batcher):
 def test_submit_refuses_what_cannot_run(batcher, job, says):
     with pytest.raises(ModelError, match=says):
         batcher.submit(job)
+
+
+def test_the_repeat_penalty_window_takes_the_prompts_end_with_the_tokens(batcher, monkeypatch):
+    """A slot's penalized tokens are the last repeat_last_n of its prompt and its tokens
+    together, as llama.cpp's and the CLI's are (worked out here from the job)."""
+    import models.batching as batching
+
+    windows = []
+    real = batching.choose
+
+    def choose(values, indices, rule, rng, recent=()):
+        windows.append(list(recent))
+        return real(values, indices, rule, rng, recent)
+
+    monkeypatch.setattr(batching, "choose", choose)
+    batcher.start()
+    job = Job(PROMPT, 4, Sampling(repeat_penalty=1.3, repeat_last_n=7), stop_at_eos=False)
+    tokens = [e.token for e in events_of(batcher.submit(job)) if isinstance(e, Token)]
+    assert len(windows) == 4
+    for step, window in enumerate(windows):
+        assert window == [*PROMPT, *tokens[:step]][-7:]

@@ -126,6 +126,20 @@ def test_set_rows_with_bad_ids_fails_and_leaves_the_cache_intact(sim):
         cache.set_rows(dev.tensor(np.array([1], np.int32)), dev.tensor(np.ones((2, 4), np.float32)))
 
 
+@pytest.mark.parametrize("bad", [40, 41, -1])
+def test_set_rows_of_many_ids_checks_each_bound_and_leaves_the_cache_intact(sim, bad):
+    """More ids than the few-rows path takes (a prefill's writes go the masked way): an id equal
+    to the row count, past it or negative is refused there too."""
+    dev = sim(2)
+    cache_host = np.arange(160, dtype=np.float32).reshape(40, 4)
+    cache = dev.tensor(cache_host, Split.even(0, 40, 2))
+    ids = np.arange(20, dtype=np.int32)  # past FEW_ROWS
+    ids[-1] = bad
+    with pytest.raises(ShapeError, match=r"ids must lie in \[0, 40\)"):
+        cache.set_rows(dev.tensor(ids), dev.tensor(np.ones((20, 4), np.float32))).numpy()
+    np.testing.assert_array_equal(cache.numpy(), cache_host)
+
+
 def test_batched_rows_each_prompt_at_its_own_position(sim):
     dev = sim(3)
     cache = dev.tensor(np.zeros((2, 3, 8, 4), np.float32), Split.even(1, 3, 3))  # (batch, heads, ctx, dim)

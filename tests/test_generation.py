@@ -113,6 +113,35 @@ def test_every_sequence_at_a_stop_token_ends_the_loop(sim):
     assert len(out) == last + 1 and info["steps"] == last
 
 
+def test_a_sequence_that_stopped_stays_stopped_and_the_loop_waits_for_every_sequence(sim):
+    """Two sequences meeting their stop tokens at different steps: the loop ends after the later
+    one (not at the first: any is not all), and the earlier one's later tokens, not stop tokens,
+    do not make it unfinished again."""
+    dev = sim(2)
+    _, step, v, i = start(dev)
+    greedy, _ = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0)
+
+    def first_hits(stops):
+        return [next((k for k, t in enumerate(greedy) if t[b] in stops), None) for b in range(2)]
+
+    # sequence 0 stops at step k0, sequence 1 later at k1, and sequence 0's token at k1 is no stop
+    # token (so a sequence made unfinished again would keep the loop going)
+    pairs = [(k0, k1) for k0 in range(1, len(greedy)) for k1 in range(k0 + 2, len(greedy) - 1)]
+    found = [
+        (k0, k1)
+        for k0, k1 in pairs
+        if first_hits({greedy[k0][0], greedy[k1][1]}) == [k0, k1]
+        and greedy[k1][0] not in {greedy[k0][0], greedy[k1][1]}
+    ]
+    assert found, "no such pair of stop tokens in this greedy run"
+    stops = {greedy[found[0][0]][0], greedy[found[0][1]][1]}
+    hits = first_hits(stops)
+    _, step, v, i = start(dev)
+    out, info = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0, stop=sorted(stops))
+    assert len(out) == max(hits) + 1 and info["steps"] == max(hits)
+    assert out == greedy[: len(out)]
+
+
 @pytest.mark.parametrize("how", ["refuse", "interrupt"])
 @pytest.mark.parametrize("devname", ["procs2", "procs3_zmq"])
 def test_a_cancel_stops_within_a_token_and_the_workers_stay_usable(devname, how, request):

@@ -377,3 +377,18 @@ def test_a_lost_worker_is_reported_at_once_and_every_process_is_gone_soon_after(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.mark.parametrize(
+    "option, value", [("liveness", 0.0), ("liveness", float("nan")), ("start_timeout", 0.0), ("workers", 0)]
+)
+def test_cluster_options_that_cannot_work_are_refused_before_anything_starts(option, value):
+    import argparse
+
+    from cli.options import check_cluster_options
+    from split_state.errors import MetaError
+
+    args = argparse.Namespace(liveness=5.0, start_timeout=60.0, workers=2)
+    setattr(args, option, value)
+    with pytest.raises(MetaError, match="--" + option.replace("_", "-")):
+        check_cluster_options(args)
