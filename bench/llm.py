@@ -4,6 +4,7 @@ same run, with each decode step's time split into compute, collectives, executor
 
     python bench/llm.py [--quick] [--json results/llm.json] [--workers 1 2 4] [--rounds 3]
                         [--contexts 256 8192] [--rss-tokens 2000] [--cache-position 2048]
+                        [--model FILE.gguf | --synthetic 1.7b]
 
 Prefill: one 128-token prompt (32 with --quick) in one chain, as generation prefills (the
 embedding, one layer's step per layer, the head: models/llama.py); "first" plans and loads it
@@ -389,6 +390,29 @@ def _rss_kib() -> int:
         return int(f.read().split()[1]) * (os.sysconf("SC_PAGE_SIZE") // 1024)
 
 
+def model_path(model: str = "", synthetic: str = "", folder: str = "results") -> str | None:
+    """The GGUF file to measure: `model`, or a synthetic file of shape `synthetic` (Q4_1 layers,
+    Q8_0 embedding, SmolLM2's vocabulary; made once into `folder` and reused), or the packaged
+    SmolLM2; None (said on stderr) where none is to be had."""
+    from models import synthetic as synth
+    from models.gguf_model import ModelMissing, default_model_path
+
+    if model:
+        return model
+    try:
+        if synthetic:
+            target = Path(folder) / f"synthetic-{synthetic}-q4_1.gguf"
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                made = synth.write(target, synth.Recipe(synth.SHAPES[synthetic]), default_model_path())
+                print(f"made {target} ({made.bytes / 2**20:.0f} MiB in {made.seconds:.1f} s)", file=sys.stderr)
+            return str(target)
+        return str(default_model_path())
+    except ModelMissing as exc:
+        print(f"llm benchmark skipped: {exc}", file=sys.stderr)
+        return None
+
+
 def run(
     quick: bool,
     counts: list[int],
@@ -397,13 +421,10 @@ def run(
     weights: tuple[str, ...] = ("f32",),
     rounds: int = 3,
     cache_position: int = 0,
+    path: str | None = None,
 ) -> dict | None:
-    from models.gguf_model import ModelMissing, default_model_path
-
-    try:
-        path = str(default_model_path())
-    except ModelMissing as exc:
-        print(f"llm benchmark skipped: {exc}", file=sys.stderr)
+    path = path or model_path()
+    if path is None:
         return None
     length, steps = (32, 8) if quick else (128, 24)
     rows = []
@@ -586,14 +607,33 @@ def show(results: dict | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     def measure(args):
         rounds = 1 if args.quick else args.rounds
+        path = model_path(args.model, args.synthetic)
+        if path is None:
+            return None
         return run(
-            args.quick, args.workers, args.contexts, args.rss_tokens, tuple(args.weights), rounds, args.cache_position
+            args.quick,
+            args.workers,
+            args.contexts,
+            args.rss_tokens,
+            tuple(args.weights),
+            rounds,
+            args.cache_position,
+            path,
         )
 
     return cli(__doc__, "llm", measure, show, argv, options)
 
 
 def options(ap) -> None:
+    from models.synthetic import SHAPES
+
+    ap.add_argument("--model", default="", help="a GGUF file (default: the packaged SmolLM2)")
+    ap.add_argument(
+        "--synthetic",
+        default="",
+        choices=["", *SHAPES],
+        help="a synthetic file of this shape instead (Q4_1 layers; made once under results/)",
+    )
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds with the reference (1 with --quick)")
     ap.add_argument("--contexts", type=int, nargs="*", default=[256, 8192], help="decode rows per cache length")

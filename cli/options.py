@@ -32,6 +32,13 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 def add_cluster_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workers", type=int, default=None, help="worker processes (default: one per GPU, else 2)")
     ap.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of each CPU worker, for BLAS and the quantized loops (llama.cpp's -t; default: cores // workers)",
+    )
+    ap.add_argument(
         "--backend", default="auto", choices=["auto", *backends.names()], help="auto: cuda where a GPU is, else cpu"
     )
     ap.add_argument("--devices", default="", help="device indices, one worker each, e.g. 0,2,3")
@@ -76,6 +83,16 @@ def check_cluster_options(args: argparse.Namespace) -> None:
             raise MetaError(f"{name} {value}: give a positive number of seconds")
     if args.workers is not None and args.workers < 1:
         raise MetaError(f"--workers {args.workers}: give 1 or more")
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads < 1:
+        raise MetaError(f"--threads {threads}: give 1 or more")
+    cores = os.cpu_count() or 1
+    if threads is not None and threads * (args.workers or 2) > cores:
+        print(
+            f"warning: {args.workers or 2} workers of {threads} threads are more than this machine's {cores} cores; "
+            "they will take turns on them",
+            file=sys.stderr,
+        )
 
 
 @contextlib.contextmanager
@@ -84,6 +101,8 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
     other ranks serve as workers (this process then never returns from here normally)."""
     check_cluster_options(args)
     config = {"liveness": args.liveness, "log_dir": args.log_dir, "data_plane": args.data_plane}
+    if getattr(args, "threads", None) is not None:
+        config["blas_threads"] = args.threads
     launcher = detect_launcher(args.environ) if not args.listen else None
     listen = args.listen
     if launcher is not None and launcher.world_size > 1:

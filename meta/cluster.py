@@ -72,7 +72,7 @@ class ClusterConfig:
     start_timeout: float = 60.0
     call_timeout: float = 300.0
     collective_timeout: float = 30.0
-    blas_threads: int = 1
+    blas_threads: int = 1  # each worker's threads (BLAS and the quantized loops): cores // workers by default
     memory_budget: int = 0
     # between workers: a plane of workers/planes/ that every worker can join ("shm" shared memory
     # on one host, ZeroMQ across hosts; "zmq"; "nccl" for CuPy workers on distinct GPUs; "ipc" for
@@ -212,6 +212,7 @@ class ProcessCluster:
             liveness=c.liveness,
             collective_timeout=c.collective_timeout,
             parent_pid=os.getpid(),
+            threads=c.blas_threads,
         )
         return launch.command()
 

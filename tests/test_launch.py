@@ -380,7 +380,8 @@ def test_a_lost_worker_is_reported_at_once_and_every_process_is_gone_soon_after(
 
 
 @pytest.mark.parametrize(
-    "option, value", [("liveness", 0.0), ("liveness", float("nan")), ("start_timeout", 0.0), ("workers", 0)]
+    "option, value",
+    [("liveness", 0.0), ("liveness", float("nan")), ("start_timeout", 0.0), ("workers", 0), ("threads", 0)],
 )
 def test_cluster_options_that_cannot_work_are_refused_before_anything_starts(option, value):
     import argparse
@@ -392,3 +393,11 @@ def test_cluster_options_that_cannot_work_are_refused_before_anything_starts(opt
     setattr(args, option, value)
     with pytest.raises(MetaError, match="--" + option.replace("_", "-")):
         check_cluster_options(args)
+
+
+def test_threads_reach_the_workers_command_line():
+    """-t N: each worker is told its thread count (BLAS and the quantized loops)."""
+    from transport import protocol as p
+
+    launch = p.WorkerLaunch("ipc:///x/c", "ipc:///x/b", "ipc:///x/i", 0, threads=3)
+    assert "--threads" in launch.argv() and p.WorkerLaunch.parse(launch.argv()).threads == 3

@@ -82,6 +82,34 @@ def test_products_with_quantized_weights_match_the_dequantized_product(name, row
 
 
 @pytest.mark.skipif(not numba_cpu.AVAILABLE, reason="needs numba")
+@pytest.mark.parametrize("name", sorted(set(FORMATS) - set(numba_cpu.WIDENED)))
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_decode_loops_on_two_threads_give_one_threads_bits_and_ggufs_product(name, rows):
+    """The row groups split over threads (numba's prange): each group's sums as on one thread,
+    so the bits are the same (a scratch buffer shared between threads, or groups crossed, would
+    not be), and within rounding of gguf's dequantized product."""
+    rng = np.random.default_rng(7)
+    block = FORMATS[name].block
+    width = 8 * block
+    blocks, dequantized = quantized(rng.standard_normal((512, width)), name)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    w = on_workers(blocks, 4)  # 128 groups of 4 lanes: the threads run side by side a while
+    got = {}
+    try:
+        for threads in (1, 2):
+            numba_cpu.set_threads(threads)
+            for _ in range(10):  # a race shows in some runs only
+                out = numba_cpu.qmatmul(np, [x.reshape(rows, 8, block), w], {"format": name}).reshape(rows, 512)
+                np.testing.assert_array_equal(out, got.setdefault(1, out))
+            got[threads] = out
+    finally:
+        numba_cpu.set_threads(1)
+    np.testing.assert_array_equal(got[2], got[1])
+    expected = x.astype(np.float64) @ dequantized.T
+    np.testing.assert_allclose(got[2], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.skipif(not numba_cpu.AVAILABLE, reason="needs numba")
 def test_the_loops_read_every_float16_factor_as_numpy_widens_it():
     """The loops widen a block's float16 factors in the vector unit (or through a table where
     the CPU cannot): all 65,536 bit patterns, subnormals, infinities and NaNs among them, against

@@ -104,6 +104,7 @@ class WorkerLaunch:
     liveness: float = 5.0  # seconds of coordinator silence before exiting
     collective_timeout: float = 30.0
     parent_pid: int = 0  # exit when this process is gone
+    threads: int = 1  # threads the worker's kernels use: BLAS and the quantized decode loops
 
     def command(self) -> list[str]:
         """The command line that starts this worker here. -P: the working directory is not put on

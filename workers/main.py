@@ -39,6 +39,7 @@ from transport.stop_signal import StopSignal
 from workers import planes
 from workers.backends import make_backend, names
 from workers.comm import ZmqComm
+from workers.kernels import numba_cpu
 from workers.planes.shm import SHARED_FILES
 from workers.server import WorkerServer
 
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         _IPC_DIRS.append(os.path.dirname(args.connect[6:]))
     np.seterr(all="ignore")  # as on GPUs: overflow gives inf/nan, never a warning per op
     backend = make_backend(args.backend, args.device, args.rank)
+    numba_cpu.set_threads(args.threads)  # the CPU decode loops' threads (a GPU worker's loops never run)
     context = zmq.Context()
     security = Security(context, CurveKeys.load(args.keys) if args.keys else None, rank=args.rank)
     bind_at, advertise = data_endpoint(args)

@@ -80,6 +80,26 @@ def rope(xp, inputs, params, out=None):
 
 MAX_LOOP_ROWS = 8  # rows of x (tokens) up to which the block loops beat dequantizing tiles for BLAS
 
+# The threads the decode loops split a product's row groups over (numba's prange): the worker's
+# --threads, cores // workers by default, as its BLAS threads (never both at once: prefill's
+# tiles go to BLAS, decode's products to the loops). numba keeps the count per calling thread,
+# so it is set again in each thread that runs a product.
+_THREADS = [1]
+_SET_IN = threading.local()
+
+
+def set_threads(threads: int) -> None:
+    """How many threads this process's decode loops use (workers/main.py, from --threads)."""
+    _THREADS[0] = max(1, int(threads))
+
+
+def _use_threads() -> None:
+    if getattr(_SET_IN, "threads", None) != _THREADS[0]:
+        import numba
+
+        numba.set_num_threads(min(_THREADS[0], numba.config.NUMBA_NUM_THREADS))
+        _SET_IN.threads = _THREADS[0]
+
 
 @functools.cache
 def _halves() -> np.ndarray:
@@ -107,7 +127,9 @@ def qmatmul(xp, inputs, params, out=None):
     flat = out.reshape(rows, groups * lanes)
     if rows > MAX_LOOP_ROWS:
         _tiled(x, w, fmt, flat)
-    elif fmt == "q8_0":
+        return out
+    _use_threads()
+    if fmt == "q8_0":
         _loops().q8_0_lanes(x, w, w.view(np.int8), _halves(), flat)
     elif fmt in ("q4_k", "q5_k"):
         _loops().k_nibble_lanes(x, w, _halves(), fmt == "q5_k", flat)

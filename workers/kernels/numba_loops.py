@@ -71,6 +71,9 @@ warm()
 # lo * x_lo + hi * x_hi = q * x_lo + floor(q / 16) * (x_hi - 16 * x_lo), exact in the quants.
 
 fast = numba.njit(cache=True, nogil=True, fastmath=True)
+# the decode products: their row groups split over the worker's threads (numba.set_num_threads,
+# from workers/kernels/numba_cpu.set_threads), each group's loop as before on its own scratch
+parallel = numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 inline = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")  # helpers of the hot loops: as
 # separate functions they cost the Q4_1 layers 13 % (measured)
 SIXTEENTH = np.float32(0.0625)
@@ -114,7 +117,7 @@ def _lane_scales(half, w, g, b, at, out):
         out[lane] = _widen_half(bits) if NATIVE_HALVES else half[bits]
 
 
-@fast
+@parallel
 def nibble_lanes(x, w, half, with_min, fifth, out):
     """q4_1 (with_min: d * nibble + m), q4_0 (d * (nibble - 8)) and, with a `fifth` bit per value
     (q = nibble + 16 * bit j of the 32-bit word after the factors for value j), q5_1 (d * q + m)
@@ -126,13 +129,13 @@ def nibble_lanes(x, w, half, with_min, fifth, out):
     first = word + 4 if fifth else word  # the first quant byte
     unsigned = np.float32(16.0 if fifth else 8.0)  # what q_0 formats subtract
     sums = _sub_block_sums(x, blocks, 32, 32)  # for m and the subtraction
-    acc = np.empty(lanes, np.float32)
-    part = np.empty(lanes, np.float32)
-    high = np.empty(lanes, np.float32)
-    rest = np.empty(lanes, np.float32)
-    d = np.empty(lanes, np.float32)
-    offset = np.empty(lanes, np.float32)
-    for g in range(groups):
+    for g in numba.prange(groups):  # row groups over the worker's threads
+        acc = np.empty(lanes, np.float32)
+        part = np.empty(lanes, np.float32)
+        high = np.empty(lanes, np.float32)
+        rest = np.empty(lanes, np.float32)
+        d = np.empty(lanes, np.float32)
+        offset = np.empty(lanes, np.float32)
         for i in range(m):
             acc[:] = 0
             for b in range(blocks):
@@ -208,14 +211,14 @@ def _sub_block_sums(x, blocks, block, size):
 
 # q8_0 has its own loop, though its shape repeats nibble_lanes': one loop with the format as a
 # runtime branch per block ran 2.2x slower. `signed`: w viewed as int8, for the quants.
-@fast
+@parallel
 def q8_0_lanes(x, w, signed, half, out):
     m = x.shape[0]
     groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
-    acc = np.empty(lanes, np.float32)
-    part = np.empty(lanes, np.float32)
-    d = np.empty(lanes, np.float32)
-    for g in range(groups):
+    for g in numba.prange(groups):  # row groups over the worker's threads
+        acc = np.empty(lanes, np.float32)
+        part = np.empty(lanes, np.float32)
+        d = np.empty(lanes, np.float32)
         for i in range(m):
             acc[:] = 0
             for b in range(blocks):
@@ -249,7 +252,7 @@ def _k4_lane_scales(w, g, b, scales, mins):
             mins[j + 4, lane] = (top >> 4) | ((mid >> 6) << 4)
 
 
-@fast
+@parallel
 def k_nibble_lanes(x, w, half, fifth, out):
     """Q4_K: value = d * scale * nibble - dmin * min per 32-value sub-block; 64-value chunk c
     holds sub-block 2c in the low halves of its 32 quant bytes, 2c + 1 in the high. Q5_K
@@ -258,17 +261,17 @@ def k_nibble_lanes(x, w, half, fifth, out):
     groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
     first = 48 if fifth else 16  # the first quant byte
     sums = _sub_block_sums(x, blocks, 256, 32)
-    acc = np.empty(lanes, np.float32)
-    whole = np.empty(lanes, np.float32)  # sum of q * x_low
-    tops = np.empty(lanes, np.float32)  # of floor(q / 16) * x_high
-    cross = np.empty(lanes, np.float32)  # of floor(q / 16) * x_low
-    high = np.zeros((8, lanes), np.float32)  # of the fifth bits * x, per sub-block (0 for Q4_K)
-    rest = np.empty(lanes, np.float32)
-    d = np.empty(lanes, np.float32)
-    dmin = np.empty(lanes, np.float32)
-    scales = np.empty((8, lanes), np.float32)
-    mins = np.empty((8, lanes), np.float32)
-    for g in range(groups):
+    for g in numba.prange(groups):  # row groups over the worker's threads
+        acc = np.empty(lanes, np.float32)
+        whole = np.empty(lanes, np.float32)  # sum of q * x_low
+        tops = np.empty(lanes, np.float32)  # of floor(q / 16) * x_high
+        cross = np.empty(lanes, np.float32)  # of floor(q / 16) * x_low
+        high = np.zeros((8, lanes), np.float32)  # of the fifth bits * x, per sub-block (0 for Q4_K)
+        rest = np.empty(lanes, np.float32)
+        d = np.empty(lanes, np.float32)
+        dmin = np.empty(lanes, np.float32)
+        scales = np.empty((8, lanes), np.float32)
+        mins = np.empty((8, lanes), np.float32)
         for i in range(m):
             acc[:] = 0
             for b in range(blocks):
@@ -311,7 +314,7 @@ def _k_fifth_bit_sums(x, w, g, b, i, rest, high):
             _lowest_bit_times(rest, x[i, b * 256 + 32 * s + j], high[s])
 
 
-@fast
+@parallel
 def q6_k_lanes(x, w, half, out):
     """Q6_K: value = d * scale * (q - 32) per 16-value sub-block (int8 scales, bytes 192-207; d
     at 208). q's low 4 bits: ql (bytes 0-127), high 2: qh (128-191). In half h of the block,
@@ -322,10 +325,10 @@ def q6_k_lanes(x, w, half, out):
     groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
     sums = _sub_block_sums(x, blocks, 256, 16)
     signed = w.view(np.int8)
-    acc = np.empty(lanes, np.float32)
-    parts = np.empty((4, lanes), np.float32)
-    d = np.empty(lanes, np.float32)
-    for g in range(groups):
+    for g in numba.prange(groups):  # row groups over the worker's threads
+        acc = np.empty(lanes, np.float32)
+        parts = np.empty((4, lanes), np.float32)
+        d = np.empty(lanes, np.float32)
         for i in range(m):
             acc[:] = 0
             for b in range(blocks):
