@@ -39,6 +39,7 @@ def generate(args: argparse.Namespace) -> int:
         raise ModelError("--interactive reads its messages from the input; give no prompt with it")
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise ModelError(f"--max-new-tokens {args.max_new_tokens}: give 0 or more")
+    check_sampling_flags(args)
     sampling = Sampling(
         args.temperature, args.top_k, args.top_p, args.seed, args.min_p, args.repeat_penalty, args.repeat_last_n
     )
@@ -96,10 +97,32 @@ def gather_prompts(args: argparse.Namespace) -> list[str]:
         except OSError as exc:
             raise ModelError(f"-f {path}: {exc.strerror}") from None
         try:
-            prompts.append(raw.decode("utf-8"))
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ModelError(f"-f {path}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})") from None
+        prompts.append(text[:-1] if text.endswith("\n") else text)  # one trailing newline dropped, as llama.cpp's -f
     return prompts
+
+
+# each sampling flag's range, checked by name before the Sampling is made (its own check would
+# name the dataclass, not the flag)
+SAMPLING_FLAGS = (
+    ("--temp", "temperature", lambda v: v >= 0, "0 or more"),
+    ("--top-k", "top_k", lambda v: v >= 0, "0 or more"),
+    ("--top-p", "top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("--min-p", "min_p", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("--repeat-penalty", "repeat_penalty", lambda v: v > 0, "more than 0"),
+    ("--repeat-last-n", "repeat_last_n", lambda v: v >= 0, "0 or more"),
+)
+
+
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    from models.gguf_model import ModelError
+
+    for flag, name, fits, want in SAMPLING_FLAGS:
+        value = getattr(args, name)
+        if not (value == value and fits(value)):  # NaN fails
+            raise ModelError(f"{flag} {value}: give {want}")
 
 
 def _one_batch(llm, args, prompts: list[str], new: int, sampling, chat: bool):

@@ -121,7 +121,8 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
     if listen and spawn == 0:
         config["spawn"] = False
         print(
-            f"waiting for {args.workers} workers: python launch.py worker --connect {listen} --rank R",
+            f"waiting for {args.workers} workers: python launch.py worker --connect {listen} --rank R"
+            + (f" --keys {args.keys}" if args.keys else " --insecure" if args.insecure else ""),
             file=sys.stderr,
             flush=True,
         )

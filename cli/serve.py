@@ -125,12 +125,14 @@ def check_port(host: str, port: int) -> None:
 
 def add(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
-    p.add_argument("--model", default="", help="a llama-architecture .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("-m", "--model", default="", help="a llama-architecture .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--model-id", default="", help="the model's name in the API (default: the file's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     p.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default: %(default)s)")
-    p.add_argument("--ctx", type=int, default=2048, help="KV cache length per slot (default: %(default)s)")
+    p.add_argument(
+        "-c", "--ctx", "--ctx-size", type=int, default=2048, help="KV cache length per slot (default: %(default)s)"
+    )
     p.add_argument(
         "--no-warmup",
         action="store_true",

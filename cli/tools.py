@@ -48,8 +48,14 @@ def run_script(args: argparse.Namespace) -> int:
 
 
 def keys(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from transport.sockets import CurveKeys
 
+    if Path(args.path).exists() and not args.force:
+        raise MetaError(
+            f"{args.path} exists: give --force to replace it (workers holding the old key would then be refused)"
+        )
     CurveKeys.generate().save(args.path)
     print(f"wrote {args.path} (mode 0600): give it to the coordinator and every worker (--keys {args.path})")
     return 0
@@ -96,6 +102,7 @@ def add(sub) -> None:
     p.set_defaults(fn=stress)
     p = sub.add_parser("keys", help="make a CURVE key file")
     p.add_argument("path", help="where to write the key file")
+    p.add_argument("--force", action="store_true", help="replace an existing key file")
     p.set_defaults(fn=keys)
     p = sub.add_parser("worker", help="join a coordinator as a worker")
     p.add_argument("--connect", required=True, help="coordinator endpoint tcp://HOST:PORT")

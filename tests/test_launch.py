@@ -401,3 +401,47 @@ def test_threads_reach_the_workers_command_line():
 
     launch = p.WorkerLaunch("ipc:///x/c", "ipc:///x/b", "ipc:///x/i", 0, threads=3)
     assert "--threads" in launch.argv() and p.WorkerLaunch.parse(launch.argv()).threads == 3
+
+
+def test_a_prompt_file_loses_one_trailing_newline_as_llama_cpps_does(tmp_path):
+    import argparse
+
+    from cli.generate import gather_prompts
+
+    (tmp_path / "one.txt").write_bytes(b"Hello\n")
+    (tmp_path / "two.txt").write_bytes(b"Hello\n\n")
+    (tmp_path / "none.txt").write_bytes(b"Hello")
+    files = [str(tmp_path / name) for name in ("one.txt", "two.txt", "none.txt")]
+    args = argparse.Namespace(prompts=[], prompt=[], file=files)
+    assert gather_prompts(args) == ["Hello", "Hello\n", "Hello"]
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--temp", "-1"), ("--top-p", "0"), ("--top-p", "1.5"), ("--min-p", "1"), ("--repeat-penalty", "0"),
+     ("--top-k", "-2"), ("--repeat-last-n", "-1"), ("--temp", "nan")],
+)  # fmt: skip
+def test_a_bad_sampling_flag_is_named_in_one_line(flag, value):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "generate", "hi", flag, value, "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    shown = f"{flag} {float(value) if flag not in ('--top-k', '--repeat-last-n') else int(value)}"
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and shown in out.stderr, out.stderr
+    assert "Sampling(" not in out.stderr
+
+
+def test_keys_refuses_to_overwrite_without_force(tmp_path):
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, str(ROOT / "launch.py"), "keys", str(tmp_path / "k"), *a],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run().returncode == 0
+    first = (tmp_path / "k").read_bytes()
+    refused = run()
+    assert refused.returncode == 2 and "--force" in refused.stderr and (tmp_path / "k").read_bytes() == first
+    assert run("--force").returncode == 0 and (tmp_path / "k").read_bytes() != first
