@@ -39,6 +39,7 @@ from transport.board import TokenBoard
 from transport.board import supported as board_supported
 
 Policy = Callable[[str, tuple[int, ...]], State | None]
+PLACE_BYTES = 16 << 20  # slices of one tensor held for one Put message at most (more: sent device by device)
 
 # error kinds a worker reports that map back onto our own exception types
 _TYPED = {
@@ -204,17 +205,23 @@ class MetaDevice:
     def _place(self, name, shape, dtype, state, local) -> Tensor:
         tensor = next(self._tensor_ids)
         messages = {}
-        for d in range(self.n):
-            array = local(d)
-            expected = local_shape(state, shape, self.n, d)
-            if tuple(array.shape) != expected or dtype_name(array.dtype) != dtype:
-                raise errors.SplitError(
-                    f"{name or 'tensor'}: device {d} local array is {array.shape} {array.dtype}, "
-                    f"{state} of {shape} needs {expected} {dtype}"
-                )
-            messages[d] = p.Put(tensor, state, tuple(shape), array)
         try:
-            self._call(messages)
+            for d in range(self.n):
+                array = local(d)
+                expected = local_shape(state, shape, self.n, d)
+                if tuple(array.shape) != expected or dtype_name(array.dtype) != dtype:
+                    raise errors.SplitError(
+                        f"{name or 'tensor'}: device {d} local array is {array.shape} {array.dtype}, "
+                        f"{state} of {shape} needs {expected} {dtype}"
+                    )
+                messages[d] = p.Put(tensor, state, tuple(shape), array)
+                if sum(m.array.nbytes for m in messages.values()) >= PLACE_BYTES:
+                    # a large weight goes a device at a time: its slices never all exist on this
+                    # host at once (one slice, not a whole copy, beside the source)
+                    self._call(messages)
+                    messages = {}
+            if messages:
+                self._call(messages)
         except MetaError:
             with contextlib.suppress(MetaError):  # a lost cluster cannot free; the first error is the news
                 self._free_ids([tensor])  # nothing half-placed stays behind

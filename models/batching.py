@@ -141,6 +141,7 @@ class ContinuousBatcher:
         check_fits(dev, model, weights, ctx, slots, cache_types)
         source = model.native if weights == "native" else model.weight
         self.net = TensorParallelLlama(dev, model.config, source, ctx, batch=slots, cache_types=tuple(cache_types))
+        model.release_pages()  # the workers hold the weights: the coordinator's copy of the file goes
         self.tokenizer = model.tokenizer
         self.stop_ids = frozenset(model.end_of_generation)
         self.slots: list[_Slot | None] = [None] * slots

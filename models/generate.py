@@ -287,6 +287,7 @@ class LLM:
         self.net = TensorParallelLlama(
             dev, model.config, source, ctx, batch, progress=progress, cache_types=tuple(cache_types)
         )
+        model.release_pages()  # the workers hold the weights: the coordinator's copy of the file goes
         self.tokenizer = model.tokenizer
         self._decode: dict[int, object] = {}  # captured decode steps by candidate pool size
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill

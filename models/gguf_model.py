@@ -139,6 +139,7 @@ class GGUFModel:
             raise ModelError(f"{self.path} is not a readable GGUF file: {exc}") from None
         self._gguf = gguf
         self.tensors = self.file.tensors
+        self._handed_out: list = []  # tensors whose pages go back when the next is asked for (see _tensor)
         arch = self.meta("general.architecture")
         if arch != "llama":
             raise ModelError(
@@ -322,7 +323,21 @@ class GGUFModel:
         t = self.tensors.get(self._gguf_name(name))
         if t is None:
             raise ModelError(f"{self.path.name}: tensor {self._gguf_name(name)} (for {name}) is missing")
+        # the weights asked for before this one have been placed on the workers by now (placement
+        # takes one weight at a time): their file pages go back, so the coordinator's memory does
+        # not grow with the model. The last two, not the last alone: a fused weight reads its
+        # first half again after asking for its second (a page read again comes back from the file).
+        for earlier in self._handed_out:
+            if earlier is not t:
+                self.file.release(earlier)
+        self._handed_out = [self._handed_out[-1], t] if self._handed_out else [t]
         return t
+
+    def release_pages(self) -> None:
+        """Every resident page of the file handed back (after placement: the workers hold the
+        weights). A weight read again later is read from the file."""
+        self.file.release()
+        self._handed_out = []
 
     def native(self, name: str) -> np.ndarray | QuantizedWeight:
         """Weight `name` as the workers keep it with `--weights native`: a matrix in a format
