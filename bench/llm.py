@@ -392,8 +392,8 @@ def _rss_kib() -> int:
 
 def model_path(model: str = "", synthetic: str = "", folder: str = "results") -> str | None:
     """The GGUF file to measure: `model`, or a synthetic file of shape `synthetic` (Q4_1 layers,
-    Q8_0 embedding, SmolLM2's vocabulary; made once into `folder` and reused), or the packaged
-    SmolLM2; None (said on stderr) where none is to be had."""
+    Q8_0 embedding, SmolLM2's vocabulary or one made here; made once into `folder` and reused),
+    or the packaged SmolLM2; None (said on stderr) where none is to be had."""
     from models import synthetic as synth
     from models.gguf_model import ModelMissing, default_model_path
 
@@ -404,7 +404,8 @@ def model_path(model: str = "", synthetic: str = "", folder: str = "results") ->
             target = Path(folder) / f"synthetic-{synthetic}-q4_1.gguf"
             if not target.exists():
                 target.parent.mkdir(parents=True, exist_ok=True)
-                made = synth.write(target, synth.Recipe(synth.SHAPES[synthetic]), default_model_path())
+                vocabulary = synth.default_vocabulary() or synth.BYTES
+                made = synth.write(target, synth.Recipe(synth.SHAPES[synthetic]), vocabulary)
                 print(f"made {target} ({made.bytes / 2**20:.0f} MiB in {made.seconds:.1f} s)", file=sys.stderr)
             return str(target)
         return str(default_model_path())

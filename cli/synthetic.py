@@ -16,15 +16,12 @@ def make(args: argparse.Namespace) -> int:
     recipe = synthetic.Recipe(shape, args.weights, args.embedding, args.output, args.seed)
     if args.vocabulary == "none":
         vocabulary = None
+    elif args.vocabulary == synthetic.BYTES:
+        vocabulary = synthetic.BYTES
     elif args.vocabulary:
         vocabulary = Path(args.vocabulary)
-    else:
-        vocabulary = synthetic.default_vocabulary()
-    if vocabulary is None and shape.vocab is None:
-        raise synthetic.SyntheticError(
-            "no vocabulary to copy (the packaged SmolLM2 is not installed): give --vocabulary FILE.gguf, "
-            "or --vocabulary none with --vocab N for placeholder tokens"
-        )
+    else:  # the packaged SmolLM2's, or one made here where it is not installed
+        vocabulary = synthetic.default_vocabulary() or synthetic.BYTES
     written = synthetic.write(args.out, recipe, vocabulary)
     print(
         f"wrote {written.path} ({written.bytes / 2**20:.1f} MiB, {written.seconds:.1f} s): {shape}, "
@@ -51,6 +48,7 @@ def add(sub) -> None:
     p.add_argument(
         "--vocabulary",
         default="",
-        help="a GGUF file whose tokenizer to copy (default: the packaged SmolLM2; 'none': placeholder tokens)",
+        help="a GGUF file whose tokenizer to copy (default: the packaged SmolLM2, else 'bytes': a byte-level "
+        "BPE vocabulary made here; 'none': placeholder tokens, no tokenizer)",
     )
     p.set_defaults(fn=make)

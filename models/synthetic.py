@@ -14,7 +14,8 @@ them back in tests.
 
 The vocabulary (`tokenizer.*` fields: tokens, merges, types, scores, special ids, pre-tokenizer,
 chat template) is copied from `vocabulary` (default: the packaged SmolLM2), so prompts tokenize
-as that file's do; without one the file holds `vocab` placeholder tokens and no tokenizer.
+as that file's do; where none is at hand, a byte-level BPE vocabulary is made (`BYTES`), so
+any text still tokenizes; or the file holds placeholder tokens and no tokenizer.
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ def default_vocabulary() -> Path | None:
 
 def write(path: str | Path, recipe: Recipe, vocabulary: str | Path | None = None) -> Written:
     """Write `recipe` as a GGUF file at `path`, the tokenizer copied from `vocabulary` (a GGUF
-    file) or, with none, placeholder tokens (`recipe.shape.vocab` of them)."""
+    file), made here (`BYTES`: a byte-level BPE vocabulary of `recipe.shape.vocab` tokens), or,
+    with none, placeholder tokens and no tokenizer."""
     import gguf
 
     start = time.perf_counter()
@@ -259,6 +261,48 @@ def _random_blocks(rng: np.random.Generator, shape: tuple[int, int], fmt, spread
     return data.reshape(rows, blocks * fmt.block_bytes)
 
 
+BYTES = "bytes"  # `vocabulary`: a byte-level BPE vocabulary made here (byte_level_vocabulary)
+PLACEHOLDER_VOCAB = 32000  # the size of a made vocabulary when the shape names none
+
+
+def byte_level_vocabulary(size: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary of `size` tokens with no file behind it: GPT-2's 256 byte
+    characters, `size - 257` tokens each the join of two earlier ones (its merge, drawn with
+    `seed` among the shorter tokens so that words of text really merge), and `<|endoftext|>`.
+    `tokenizers` builds a working tokenizer from it, so a synthetic file tokenizes any text where
+    no model's vocabulary can be copied (a GPU machine without the packaged SmolLM2)."""
+    if size < 258:
+        raise SyntheticError(f"a byte-level vocabulary needs at least 258 tokens, not {size}")
+    alphabet = _byte_alphabet()
+    tokens, merges, seen = list(alphabet), [], set(alphabet)
+    rng = np.random.default_rng(seed)
+    # common letters and the space's character first, so short words of text find their merges
+    frequent = [alphabet[b] for b in b" etaoinshrdlucmfwypvbgkjqxz"]
+    while len(tokens) < size - 1:
+        pool = frequent if len(tokens) < 1024 else tokens[: max(512, len(tokens) // 4)]
+        left, right = pool[rng.integers(len(pool))], pool[rng.integers(len(pool))]
+        if left + right not in seen and len(left + right) <= 16:
+            seen.add(left + right)
+            tokens.append(left + right)
+            merges.append(f"{left} {right}")
+            if len(tokens) % 64 == 0:  # the pool grows with what was made
+                frequent = tokens[: min(len(tokens), 2048)]
+    return tokens + ["<|endoftext|>"], merges
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable character for each byte (the alphabet byte-level BPE writes bytes in)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
 def _vocabulary_fields(shape: Shape, vocabulary: str | Path | None):
     """key -> (value, GGUF value type, element type) of the tokenizer, and where it came from."""
     from gguf import GGUFValueType as T
@@ -267,6 +311,18 @@ def _vocabulary_fields(shape: Shape, vocabulary: str | Path | None):
         vocab = shape.vocab or 256
         tokens = [f"<t{i}>" for i in range(vocab)]
         return {"tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING)}, "placeholder tokens"
+    if vocabulary == BYTES:
+        tokens, merges = byte_level_vocabulary(shape.vocab or PLACEHOLDER_VOCAB)
+        types = [1] * (len(tokens) - 1) + [3]  # <|endoftext|>: a control token, the end of generation
+        fields = {
+            "tokenizer.ggml.model": ("gpt2", T.STRING, None),
+            "tokenizer.ggml.pre": ("gpt-2", T.STRING, None),
+            "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+            "tokenizer.ggml.token_type": (types, T.ARRAY, T.INT32),
+            "tokenizer.ggml.merges": (merges, T.ARRAY, T.STRING),
+            "tokenizer.ggml.eos_token_id": (len(tokens) - 1, T.UINT32, None),
+        }
+        return fields, "a byte-level vocabulary made here"
     source = GGUFFile(vocabulary)
     fields = {}
     for key, value in source.fields.items():

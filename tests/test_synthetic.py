@@ -241,3 +241,39 @@ def test_weights_handed_out_one_by_one_do_not_stay_resident(tmp_path):
     assert most <= largest + (1 << 16), (most, largest)
     model.release_pages()
     assert _mapped_resident(path) < 1 << 16
+
+
+def test_a_byte_level_vocabulary_made_here_tokenizes_any_text_and_back(tmp_path):
+    """Where no model's vocabulary is at hand (a GPU machine without the packaged SmolLM2), the
+    tool makes a byte-level BPE one: every token the join of two earlier ones, GPT-2's byte
+    alphabet first, <|endoftext|> last as the end of generation."""
+    shape = synthetic.Shape(layers=1, hidden=64, ffn=128, heads=2, kv_heads=1, vocab=3000)
+    model = GGUFModel(synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape), synthetic.BYTES).path)
+    model.check()
+    tokens = model.vocabulary
+    assert len(tokens) == 3000 and len(set(tokens)) == 3000
+    merges = model.meta("tokenizer.ggml.merges")
+    assert all(
+        a + b in tokens[: tokens.index(a + b)] or tokens.index(a + b) > 255 for a, b in (m.split() for m in merges)
+    )
+    for text in ("The capital of France is", "naïve café, 2024 — 100%!", "\n\t  x"):
+        ids = model.tokenizer.encode(text)
+        assert all(0 <= i < 3000 for i in ids) and model.tokenizer.decode(ids) == text
+    assert len(model.tokenizer.encode("the the the the")) < len("the the the the")  # merges apply
+    assert model.end_of_generation == {2999} and tokens[2999] == "<|endoftext|>"
+
+
+def test_the_command_makes_a_vocabulary_where_no_model_is_installed(tmp_path, monkeypatch):
+    import argparse
+
+    from cli import synthetic as command
+
+    monkeypatch.setattr(synthetic, "default_vocabulary", lambda: None)
+    args = argparse.Namespace(
+        out=str(tmp_path / "m.gguf"), shape="tiny", layers=1, hidden=None, ffn=None, heads=None, kv_heads=None,
+        vocab=1000, context=None, weights="q8_0", embedding="q8_0", output=None, seed=0, vocabulary="",
+    )  # fmt: skip
+    assert command.make(args) == 0
+    assert (
+        GGUFModel(tmp_path / "m.gguf").tokenizer.decode(GGUFModel(tmp_path / "m.gguf").tokenizer.encode("hi")) == "hi"
+    )
