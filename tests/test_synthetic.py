@@ -277,3 +277,45 @@ def test_the_command_makes_a_vocabulary_where_no_model_is_installed(tmp_path, mo
     assert (
         GGUFModel(tmp_path / "m.gguf").tokenizer.decode(GGUFModel(tmp_path / "m.gguf").tokenizer.encode("hi")) == "hi"
     )
+
+
+@pytest.mark.parametrize("types, fits", [(("f32", "f16"), True), (("f16", "f32"), True), (("f32", "f32"), False)])
+def test_the_memory_check_sizes_each_cache_by_its_own_type(tmp_path, types, fits):
+    """Keys and values sized apart (-ctk / -ctv): a budget between one float32 and one float16
+    cache beside two float32 ones admits the first two and refuses the last, worked out by hand."""
+    import types as namespaces
+
+    from models.generate import check_fits
+    from models.gguf_model import ModelError
+
+    shape = synthetic.Shape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=300)
+    model = GGUFModel(synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape, weights="f32"), None).path)
+    ctx, weights = 512, model.resident_bytes("f32")
+    per_position = 2 * 16  # 2 KV heads of 16 values, on 1 worker
+    mixed = 2 * ctx * per_position * (4 + 2)  # 2 layers: float32 keys and float16 values (or the reverse)
+    both = 2 * ctx * per_position * (4 + 4)
+    budget = weights + (mixed + both) // 2
+    dev = namespaces.SimpleNamespace(n=1, stats=lambda: {0: {"budget": budget}})
+    if fits:
+        check_fits(dev, model, "f32", ctx, 1, types)
+    else:
+        with pytest.raises(ModelError, match="cannot fit"):
+            check_fits(dev, model, "f32", ctx, 1, types)
+
+
+def test_a_prompt_the_caches_already_hold_is_prefilled_from_its_last_token(tmp_path):
+    """Conversation reuse never covers the whole prompt: its last token is prefilled again (its
+    logits choose the first new token), so asking the same prompt twice gives the same greedy
+    tokens, and each time the same as a model with nothing cached."""
+    from models.generate import LLM
+
+    shape = synthetic.Shape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=2000)
+    model = GGUFModel(synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape), synthetic.BYTES).path)
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        fresh = LLM(dev, model, ctx=64, weights="f32").generate(["the tea is hot"], 6)[0].tokens
+        llm = LLM(dev, model, ctx=64, weights="f32")
+        runs = [llm.generate(["the tea is hot"], 6, reuse_prefix=True)[0].tokens for _ in range(3)]
+    finally:
+        dev.close()
+    assert runs == [fresh] * 3
