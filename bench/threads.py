@@ -1,0 +1,106 @@
+"""One worker's decode on 1..T threads beside llama.cpp on as many threads, on one GGUF file.
+
+    python bench/threads.py [--quick] [--json PATH] [--threads 1 2] [--rounds 5]
+                            [--model FILE.gguf | --synthetic 1.7b]
+
+The file defaults to a SmolLM2-1.7B-shaped synthetic one (Q4_1 layers, Q8_0 embedding; made once
+under results/). For each thread count, our worker (its quantized loops and BLAS on that many
+threads, `--threads`) and llama.cpp (llama-cpp-python, `n_threads`) stay loaded and decode in
+alternating rounds after the same prompt, greedy, each round a run's time over its tokens (ours
+driven by the worker, as `generate` runs it); the figures are the rounds' medians, the ratio the
+median of each round's pair. Without llama-cpp-python our rows stand alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.llm import have_llama_cpp, llama_cpp_child, model_path, paired_ratio, prompt_ids, worker_driven  # noqa: E402
+from bench.report import ChildFailed, ThreadedChild, cli, table  # noqa: E402
+from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
+
+
+def run(quick: bool, threads: list[int], rounds: int, path: str | None) -> dict | None:
+    from models.gguf_model import GGUFModel
+    from models.llama import TensorParallelLlama
+
+    if path is None:
+        return None
+    length, steps = (16, 8) if quick else (32, 32)
+    model = GGUFModel(path)
+    rows = []
+    for t in threads:
+        with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=t))) as dev:
+            net = TensorParallelLlama(dev, model.config, model.native, length + (rounds + 1) * steps + 8)
+            model.release_pages()
+            _, best = net.prefill([list(prompt_ids(model, length)[0])], 0, pool=1)
+            decode = worker_driven(dev, net, best.numpy().astype(np.int32).reshape(1, 1), length)
+            decode(2)  # captured and warm
+            llama = _llama(path, length, steps, t) if have_llama_cpp() else None
+            ours_s, theirs_s = [], []
+            try:
+                for _ in range(rounds):
+                    ours_s.append(decode(steps)[0])
+                    if llama is not None:
+                        theirs_s.append(llama.ask("decode"))
+            finally:
+                if llama is not None:
+                    llama.close()
+        row = {"threads": t, "ours_decode_tok_s": 1 / float(np.median(ours_s)), "rounds": rounds}
+        if theirs_s:
+            row |= {
+                "llama_cpp_decode_tok_s": 1 / float(np.median(theirs_s)),
+                "vs_llama_cpp": paired_ratio(theirs_s, ours_s),
+            }
+        rows.append(row)
+    one = next((r["ours_decode_tok_s"] for r in rows if r["threads"] == 1), None)
+    for r in rows:
+        r["vs_one_thread"] = r["ours_decode_tok_s"] / one if one else None
+    return {"model": Path(path).name, "steps": steps, "rows": rows}
+
+
+def _llama(path: str, length: int, steps: int, threads: int) -> ThreadedChild | None:
+    try:
+        child = ThreadedChild(llama_cpp_child, (path, length, steps, threads), threads)
+        child.ask("decode")  # loaded and warm
+        return child
+    except ChildFailed as exc:
+        print(f"llama.cpp skipped: {exc}", file=sys.stderr)
+        return None
+
+
+def show(results: dict | None) -> None:
+    if results is None:
+        return
+    cols = ["threads", "ours tok/s", "vs 1 thread", "llama.cpp tok/s", "ours / llama.cpp"]
+    rows = [
+        [r["threads"], r["ours_decode_tok_s"], r["vs_one_thread"], r.get("llama_cpp_decode_tok_s", "-")]
+        + [r.get("vs_llama_cpp", "-")]
+        for r in results["rows"]
+    ]
+    title = f"{results['model']}: greedy decode, 1 worker, {results['steps']} tokens a round, medians of the rounds"
+    print(table(title, cols, rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    def options(ap) -> None:
+        from models.synthetic import SHAPES
+
+        ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+        ap.add_argument("--rounds", type=int, default=5)
+        ap.add_argument("--model", default="", help="a GGUF file (default: a synthetic one of --synthetic's shape)")
+        ap.add_argument("--synthetic", default="1.7b", choices=sorted(SHAPES))
+
+    def measure(args):
+        return run(args.quick, args.threads, 1 if args.quick else args.rounds, model_path(args.model, args.synthetic))
+
+    return cli(__doc__, "threads", measure, show, argv, options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
