@@ -1,0 +1,97 @@
+"""Synthetic llama files checked against llama.cpp's own logits (tests/test_llama_cpp_logits.py).
+
+Each case is a recipe (models/synthetic.py: shape, types, seed, a byte-level vocabulary made from
+nothing), a prompt of token ids and a number of greedy steps. `python tests/llama_cpp_cases.py`
+writes each file, runs llama.cpp on it (llama-cpp-python, float32 KV cache, one thread) over the
+prompt and its own greedy continuation, and stores the tokens and every position's logits in
+tests/data/llama_cpp_logits.npz with the file's SHA-256, so the test (which has no llama.cpp)
+can make the same file again and know it is the same. Run it again when a case or the synthetic
+writer changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data" / "llama_cpp_logits.npz"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    output: str | None  # an untied head's type, None: tied
+    seed: int
+    prompt: tuple[int, ...] = (5, 17, 300, 42, 999, 7, 128, 64)
+    steps: int = 8
+    vocab: int = 1000
+
+    def recipe(self):
+        from models import synthetic
+
+        shape = synthetic.Shape(self.layers, self.hidden, self.ffn, self.heads, self.kv_heads, self.vocab, 128)
+        return synthetic.Recipe(shape, weights="f32", embedding="f32", output=self.output, seed=self.seed)
+
+    def write(self, folder: Path) -> Path:
+        from models import synthetic
+
+        return synthetic.write(folder / f"{self.name}.gguf", self.recipe(), synthetic.BYTES).path
+
+
+CASES = (
+    Case("tied-gqa2", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, output=None, seed=1),
+    Case("untied-gqa4", layers=2, hidden=256, ffn=384, heads=8, kv_heads=2, output="f32", seed=2),
+    Case("mha-3-layers", layers=3, hidden=128, ffn=256, heads=4, kv_heads=4, output=None, seed=3),
+)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def llama_cpp_run(path: Path, case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens: the prompt then llama.cpp's greedy choices, logits (len(tokens) - 1, vocab) of
+    every position but the last), float32 KV cache (llama.cpp's default f16 would round)."""
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=str(path), n_ctx=64, n_batch=64, n_threads=1, logits_all=True, type_k=0, type_v=0, verbose=False
+    )
+    tokens = list(case.prompt)
+    llm.eval(tokens)
+    for _ in range(case.steps):
+        tokens.append(int(np.argmax(llm.scores[len(tokens) - 1])))
+        llm.eval([tokens[-1]])
+    return np.array(tokens, np.int32), np.array(llm.scores[: len(tokens) - 1], np.float32)
+
+
+def main() -> int:
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    stored = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for case in CASES:
+            path = case.write(Path(folder))
+            tokens, logits = llama_cpp_run(path, case)
+            stored |= {f"{case.name}/tokens": tokens, f"{case.name}/logits": logits}
+            stored[f"{case.name}/sha256"] = np.array(sha256(path))
+            print(f"{case.name}: {len(tokens)} tokens, logits {logits.shape}, {path.stat().st_size} bytes")
+    DATA.parent.mkdir(exist_ok=True)
+    np.savez_compressed(DATA, **stored)
+    print(f"wrote {DATA}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
