@@ -4,8 +4,8 @@ Each case is a recipe (models/synthetic.py: shape, types, seed, a byte-level voc
 nothing), a prompt of token ids and a number of greedy steps. `python tests/llama_cpp_cases.py`
 writes each file, runs llama.cpp on it (llama-cpp-python, float32 KV cache, one thread) over the
 prompt and its own greedy continuation, and stores the tokens and every position's logits in
-tests/data/llama_cpp_logits.npz with the file's SHA-256, so the test (which has no llama.cpp)
-can make the same file again and know it is the same. Run it again when a case or the synthetic
+tests/data/llama_cpp_logits.npz with a SHA-256 of the file's weights and sizes, so the test
+(which has no llama.cpp) can make the same file again and know it holds the same model. Run it again when a case or the synthetic
 writer changes.
 """
 
@@ -56,7 +56,18 @@ CASES = (
 
 
 def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """A digest of what decides the logits: each tensor's name, type, shape and bytes, and the
+    model's sizes (not the header's layout, which another version of gguf's writer may change)."""
+    from models.gguf_file import GGUFFile
+
+    f = GGUFFile(path)
+    digest = hashlib.sha256()
+    for key in sorted(k for k in f.fields if k.startswith("llama.")):
+        digest.update(f"{key}={f.fields[key]!r}".encode())
+    for name, t in f.tensors.items():
+        digest.update(f"{name}:{t.tensor_type.name}:{t.shape}".encode())
+        digest.update(np.ascontiguousarray(t.data).tobytes())
+    return digest.hexdigest()
 
 
 def llama_cpp_run(path: Path, case: Case) -> tuple[np.ndarray, np.ndarray]:
