@@ -128,7 +128,9 @@ class GGUFModel:
     """A llama-architecture GGUF file: `config`, `weight(name)` (float32, NumPy layout, one tensor
     dequantized at a time), `tokenizer`, `chat_template`, `eos`."""
 
-    def __init__(self, path: str | Path | None = None):
+    def __init__(self, path: str | Path | None = None, vocabulary_only: bool = False):
+        """`vocabulary_only`: a file read for its tokenizer alone (llama.cpp's ggml-vocab-*.gguf
+        files, of any architecture and no tensors): the architecture and tensor checks skipped."""
         gguf = _require("gguf")
         self.path = Path(path) if path is not None else default_model_path()
         if not self.path.is_file():
@@ -140,11 +142,13 @@ class GGUFModel:
         self._gguf = gguf
         self.tensors = self.file.tensors
         self._handed_out: list = []  # tensors whose pages go back when the next is asked for (see _tensor)
+        if vocabulary_only:
+            return
         arch = self.meta("general.architecture")
         if arch != "llama":
             raise ModelError(
                 f"{self.path.name}: architecture {arch!r} is not supported; this decoder runs llama-architecture "
-                "GGUF files (llama, SmolLM, TinyLlama, Mistral-style models converted as llama)"
+                "GGUF files with a byte-level BPE vocabulary (SmolLM, SmolLM2 and others converted as llama)"
             )
         self._check_types()
 

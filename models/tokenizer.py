@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CONTROL = 3  # llama.cpp's token type for control tokens
+USER_DEFINED = 4  # and for tokens the model's authors added, matched whole in the text
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 # tokenizer.ggml.pre -> the patterns llama.cpp splits by, in turn (each match and each stretch
 # between matches a piece of its own); "digits" for SmolLM's family, whose first pattern is \p{N}
@@ -65,6 +66,10 @@ class Tokenizer:
             tk.AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == CONTROL
         ]
         backend.add_special_tokens(control)
+        # user-defined tokens (GPT-NeoX's runs of spaces, written as raw text in the file) are cut
+        # out of the text whole before it is split, as llama.cpp's tokenizer_st_partition does
+        added = [t for t, kind in zip(tokens, types) if kind == USER_DEFINED]
+        backend.add_tokens([tk.AddedToken(t, special=False, normalized=False) for t in added])
         add_bos = model.meta("tokenizer.ggml.add_bos_token", False)
         if type(add_bos) is not bool:
             raise ModelError(f"{model.path.name}: metadata 'tokenizer.ggml.add_bos_token' must be true or false")
