@@ -6,10 +6,13 @@ tokens they are, as the reference tokenizers do. No BOS token is added unless th
 
 The text is split before BPE as llama.cpp splits it for the file's `tokenizer.ggml.pre`
 (src/llama-vocab.cpp): SmolLM's family splits digits one by one, then by the GPT-2 pattern; the
-GPT-2 family by that pattern alone; a file that names none ("default") by llama.cpp's default
-patterns in turn. Any other pre-tokenizer (Llama 3's "llama-bpe" groups digits by three and
-merges otherwise, Qwen2's, DeepSeek's) is refused by name: its tokens would differ from
-llama.cpp's in numbers, contractions and punctuation, silently.
+GPT-2 family by that pattern alone; Llama 3's (`llama-bpe`) by its own pattern (digits in
+threes), a word that is a whole token skipping the merges; Qwen2's as Llama 3's with digits one by
+one; a file that names none ("default") by llama.cpp's default patterns in turn. Tokens of the
+user-defined type (GPT-NeoX's runs of spaces) are cut out whole first. Any other pre-tokenizer
+(DeepSeek's, Falcon's, ...) is refused by name: its tokens would differ from llama.cpp's in
+numbers, contractions and punctuation, silently. tests/test_llama_cpp_vocab.py holds each
+supported family to llama.cpp's own test vectors.
 """
 
 from __future__ import annotations
@@ -20,10 +23,21 @@ from typing import Any
 CONTROL = 3  # llama.cpp's token type for control tokens
 USER_DEFINED = 4  # and for tokens the model's authors added, matched whole in the text
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# pre-tokenizers whose words that are whole tokens skip the merges (llama.cpp's ignore_merges)
+IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
 # tokenizer.ggml.pre -> the patterns llama.cpp splits by, in turn (each match and each stretch
 # between matches a piece of its own); "digits" for SmolLM's family, whose first pattern is \p{N}
+# Llama 3's (and Qwen2's, digits one by one): contractions in either case, letters with one
+# leading non-letter, digits in threes, punctuation runs with their line ends, line breaks
+LLAMA3_PATTERN = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", GPT2_PATTERN, r"\p{N}+", "[0-9][0-9][0-9]"),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), (LLAMA3_PATTERN,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), (QWEN2_PATTERN,)),
     **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo"), (GPT2_PATTERN,)),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), ("digits", GPT2_PATTERN)
@@ -48,6 +62,7 @@ class Tokenizer:
         tokens = list(model.vocabulary)
         types = list(model.token_types) or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in model.meta_list("tokenizer.ggml.merges", str)]
+        pre = model.meta_str("tokenizer.ggml.pre", "default")
         vocab = {t: i for i, t in enumerate(tokens)}
         for pair in merges:  # tokenizers panics (a BaseException) on a merge it cannot place
             if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
@@ -56,11 +71,11 @@ class Tokenizer:
                     "of the vocabulary whose join is one too"
                 )
         try:
-            bpe = tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
+            bpe = tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in IGNORE_MERGES)
         except Exception as exc:
             raise ModelError(f"{model.path.name}: the vocabulary and merges do not make a BPE model: {exc}") from None
         backend = tk.Tokenizer(bpe)
-        backend.pre_tokenizer = _pre_tokenizer(tk, model.meta_str("tokenizer.ggml.pre", "default"), model.path.name)
+        backend.pre_tokenizer = _pre_tokenizer(tk, pre, model.path.name)
         backend.decoder = tk.decoders.ByteLevel()
         control = [
             tk.AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == CONTROL

@@ -5,8 +5,8 @@ nothing), a prompt of token ids and a number of greedy steps. `python tests/llam
 writes each file, runs llama.cpp on it (llama-cpp-python, float32 KV cache, one thread) over the
 prompt and its own greedy continuation, and stores the tokens and every position's logits in
 tests/data/llama_cpp_logits.npz with a SHA-256 of the file's weights and sizes, so the test
-(which has no llama.cpp) can make the same file again and know it holds the same model. Run it again when a case or the synthetic
-writer changes.
+(which has no llama.cpp) can make the same file again and know it holds the same model. Run it
+again when a case or the synthetic writer changes.
 """
 
 from __future__ import annotations

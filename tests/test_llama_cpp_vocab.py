@@ -1,7 +1,8 @@
 """Our tokenizer against llama.cpp's own test vectors: its vocabulary files of the pre-tokenizers
-we support (tests/data/ggml-vocab-*.gguf, GPT-2's, MPT's with its user-defined runs of spaces,
-StarCoder's) and, for each, every text of its `.inp` tokenized to the ids of its `.out` (as
-llama.cpp's test-tokenizer-0 does: no BOS), and decoded back to the text."""
+we support (tests/data/ggml-vocab-*.gguf: GPT-2's, MPT's with its user-defined runs of spaces,
+StarCoder's, Llama 3's with its whole-word tokens that skip the merges, Qwen2's) and, for each,
+every text of its `.inp` tokenized to the ids of its `.out` (as llama.cpp's test-tokenizer-0
+does: no BOS), and decoded back to the text."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from models.gguf_model import GGUFModel
 
 pytest.importorskip("tokenizers")
 DATA = Path(__file__).resolve().parent / "data"
-VOCABULARIES = ("gpt-2", "mpt", "starcoder")
+VOCABULARIES = ("gpt-2", "mpt", "starcoder", "llama-bpe", "qwen2")
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
