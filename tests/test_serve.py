@@ -441,3 +441,19 @@ def test_a_lost_worker_fails_the_waiting_request_turns_health_503_and_exits_non_
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
+
+
+def test_a_busy_port_is_said_before_any_worker_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", "2", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "[worker" not in out.stderr and time.monotonic() - start < 30
