@@ -40,6 +40,25 @@ static inline float half_to_float(unsigned short h) {  /* IEEE binary16 -> binar
     else v = std::ldexp((float)(man | 1024u), (int)exp - 25);
     return sign ? -v : v;
 }
+static inline unsigned short float_to_half(float f) {  /* IEEE binary32 -> binary16, nearest even */
+    unsigned int x;
+    std::memcpy(&x, &f, 4);
+    unsigned int sign = (x >> 16) & 0x8000u, exp = (x >> 23) & 255u, man = x & 0x7fffffu;
+    if (exp == 255) return (unsigned short)(sign | 0x7c00u | (man ? 0x200u : 0u));
+    int e = (int)exp - 127 + 15;
+    if (e >= 31) return (unsigned short)(sign | 0x7c00u);
+    if (e <= 0) {  /* subnormal or zero: shift the mantissa with its leading one */
+        if (e < -10) return (unsigned short)sign;
+        man |= 0x800000u;
+        unsigned int shift = (unsigned int)(14 - e), half = man >> shift, rest = man & ((1u << shift) - 1u);
+        unsigned int mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1u))) half++;
+        return (unsigned short)(sign | half);
+    }
+    unsigned int half = ((unsigned int)e << 10) | (man >> 13), rest = man & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) half++;  /* may carry into the exponent */
+    return (unsigned short)(sign | half);
+}
 """
 
 LAUNCHER = r"""

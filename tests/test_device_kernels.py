@@ -221,3 +221,83 @@ def test_on_a_gpu_each_kernel_equals_its_twin(fmt, rows, lanes, blocks, xrows):
     got = cupy.asnumpy(out)
     np.testing.assert_allclose(got, twin_out.reshape(xrows, rows), rtol=0, atol=tolerance(x, fmt, w))
     np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance(x, fmt, w))
+
+
+SET_ROWS_SIGNATURE = (
+    "void* dst, const float* value, const int* ids, const int* start, int batches, int heads, int ctx, int dim, "
+    "int rows, int tokens",
+    "(OUT*)dst, value, ids, start, batches, heads, ctx, dim, rows, tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def host_set_rows(tmp_path_factory):
+    from workers.kernels import set_rows
+
+    if cuda_on_host.compiler() is None:
+        pytest.skip("no C++ compiler to build the kernels for the host")
+    names = {}
+    for kind, out in (("f32", "float"), ("f16", "unsigned short")):
+        signature, args = SET_ROWS_SIGNATURE
+        names[f"set_rows_{kind}"] = (signature, args.replace("OUT", out))
+    return cuda_on_host.build(device.full_source(set_rows.SOURCE), names, tmp_path_factory.mktemp("set_rows"))
+
+
+@pytest.mark.parametrize("cache", [np.float32, np.float16])
+@pytest.mark.parametrize("start", [0, 1])
+def test_the_set_rows_cuda_c_writes_each_row_at_its_position_and_skips_the_rest(host_set_rows, cache, start):
+    """Rows of the value at their positions of batch rows start + j, float16 rounded as NumPy
+    rounds (nearest even); positions outside the cache and batch rows past it are not written."""
+    rng = np.random.default_rng(3)
+    batches, heads, ctx, dim, rows, tokens = 3, 2, 10, 5, 2, 3
+    dst = rng.standard_normal((batches, heads, ctx, dim)).astype(cache)
+    value = (rng.standard_normal((rows, heads, tokens, dim)) * 1e3).astype(np.float32)
+    value[0, 0, 0, :3] = [1e-7, 65520.0, -3.0000001]  # a subnormal, one that rounds to inf, a tie
+    ids = np.array([[4, 9, 10], [-1, 0, 7]], np.int32)
+    expected = dst.copy()
+    for j in range(rows):
+        if start + j < batches:
+            for t in range(tokens):
+                if 0 <= ids[j, t] < ctx:
+                    expected[start + j, :, ids[j, t], :] = value[j, :, t, :].astype(cache)
+    kind = "f32" if cache == np.float32 else "f16"
+    launch = getattr(host_set_rows, f"host_set_rows_{kind}")
+    total = rows * heads * tokens * dim
+    pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    first = np.array([start], np.int32)
+    ints = [ctypes.c_int(v) for v in (-(-total // 256), 1, 256, 1)]
+    sizes = [ctypes.c_int(v) for v in (batches, heads, ctx, dim, rows, tokens)]
+    launch(*ints, pointer(dst), pointer(value), pointer(ids), pointer(first), *sizes)
+    np.testing.assert_array_equal(dst.view(np.uint8), expected.view(np.uint8))  # bit for bit, NaN-free
+
+
+def test_a_captured_kv_write_reads_its_positions_on_the_device_at_each_replay(monkeypatch):
+    """On the stand-in: the backend's set_rows, captured, is the kernel (its twin), and each
+    replay writes at the positions the device holds then; run eagerly it is the shared kernel,
+    which refuses a position outside the cache."""
+    from split_state.errors import ShapeError
+    from workers.kernels import set_rows
+
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    backend = cuda.Backend(0)
+    launched = []
+    real = set_rows.launch
+    monkeypatch.setattr(set_rows, "launch", lambda *a: launched.append(1) or real(*a))
+    cache = cp.zeros((1, 2, 8, 4), cp.float32)
+    ids = cp.asarray(np.array([[3]], np.int32))
+    value = cp.asarray(np.ones((1, 2, 1, 4), np.float32))
+    params = {"axis": 2, "spans": [(0, 8, 0)], "rows": 8}
+    backend.begin_capture()
+    cuda.KERNELS["set_rows"](cp, (cache, ids, value), params)
+    graph = backend.end_capture()
+    backend.launch(graph)
+    ids += 1
+    value += 1
+    backend.launch(graph)
+    got = backend.to_host(cache)[0, :, :, 0]
+    assert launched == [1]
+    np.testing.assert_array_equal(got, [[0, 0, 0, 1, 2, 0, 0, 0]] * 2)
+    with pytest.raises(ShapeError, match="ids must lie"):
+        cuda.KERNELS["set_rows"](cp, (cache, cp.asarray(np.array([[8]], np.int32)), value), params)

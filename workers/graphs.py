@@ -35,6 +35,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from split_state.ops import OPS
 from transport import protocol as p
 from workers.kernels.fused import reads
 
@@ -86,6 +87,18 @@ class Segment:
             written.add(step.output)
         self.external = tuple(external)
         self.written = tuple(dict.fromkeys(step.output for step, _ in steps))
+        # inputs a step writes in place (a KV cache's set_rows), each with its first such step: a
+        # graph must write the real array, never a staged copy of it, so where one of them is
+        # another array from run to run (one layer program serving every layer's caches) the
+        # segment splits there and that step runs eagerly
+        self.written_in_place: dict[int, int] = {}
+        root: dict[int, int] = {}
+        for k, (step, _) in enumerate(steps):
+            if isinstance(step, p.OpStep) and step.op in OPS and OPS[step.op].inplace:
+                target = root.get(step.inputs[0], step.inputs[0])
+                if target in self.external:
+                    self.written_in_place.setdefault(target, k)
+                root[step.output] = target
         self.calls = [call for _, call in steps]
         self.pieces: list[Callable] | None = None  # after a failed capture: the segment split
         self.refused: tuple[str, str] | None = None  # then: (the op run eagerly, why its capture failed)
@@ -111,8 +124,15 @@ class Segment:
             # an input read in place changed (a new generation's caches): learn again
             self.graph, self.last_seen, self.sightings = None, (), 0
         if self.last_seen:  # what changed since the last run is copied in from now on
-            changed = zip(self.external, self.last_seen, inputs, strict=True)
-            self.staged.update({s: None for s, before, now in changed if before is not now and s not in self.staged})
+            changed = [
+                s for s, before, now in zip(self.external, self.last_seen, inputs, strict=True) if before is not now
+            ]
+            moved = [self.written_in_place[s] for s in changed if s in self.written_in_place]
+            if moved:  # a destination of an in-place write changes: never staged (see __init__)
+                self._split(min(moved))
+                self(slots)
+                return
+            self.staged.update({s: None for s in changed if s not in self.staged})
         self.last_seen = inputs
         self.sightings += 1
         if self.sightings < WARMUP_SIGHTINGS:

@@ -19,6 +19,7 @@ import numpy as np
 
 from workers.backends import DeviceInfo, _cublas
 from workers.kernels import basic, device, qgemv, quant
+from workers.kernels import set_rows as set_rows_kernel
 
 # (id(array module), device index) -> the device's capturable float32 products
 # (workers/backends/_cublas.py), opened by the first Backend of the device in this process;
@@ -73,7 +74,28 @@ def qmatmul(xp, inputs, params, out=None):
     return out
 
 
-KERNELS = {"matmul": matmul, "qmatmul": qmatmul}
+def set_rows(xp, inputs, params, out=None, memo=None):
+    """KV-cache writes: when a device graph captures them, a kernel of our own reading the
+    positions on the device (workers/kernels/set_rows.py), so the write is in the graph; run
+    eagerly (a step's first run, or another layout), the shared kernel, which checks the
+    positions on the host and raises for one outside the cache."""
+    dst, ids, value = inputs[:3]
+    fed_start = len(inputs) == 4
+    kernels = _DEVICE_KERNELS.get((id(xp), dst.device.id)) if _DEVICE_KERNELS else None
+    if kernels is not None and _capturing(xp) and set_rows_kernel.fits(dst, ids, value, params, fed_start):
+        set_rows_kernel.launch(xp, kernels, dst, ids, value, inputs[3] if fed_start else None)
+        return dst
+    return basic.KERNELS["set_rows"](xp, inputs, params, out, memo=memo)
+
+
+set_rows.memo = True  # and not eager: a capture holds it (the shared kernel is eager)
+
+
+def _capturing(xp) -> bool:
+    return bool(xp.cuda.get_current_stream().is_capturing())
+
+
+KERNELS = {"matmul": matmul, "qmatmul": qmatmul, "set_rows": set_rows}
 
 
 class Backend:

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from split_state.errors import KernelCompileError
 
-MODULES = ("workers.kernels.qgemv",)  # the modules whose DEVICE_KERNELS the CUDA backend compiles
+# the modules whose DEVICE_KERNELS the CUDA backend compiles
+MODULES = ("workers.kernels.qgemv", "workers.kernels.set_rows")
 OPTIONS = ("--std=c++14",)
 
 # float16 bits to float32 by the PTX instruction: no header (cuda_fp16.h) to find, so the same
@@ -43,6 +44,15 @@ __device__ __forceinline__ float half_at(const u8* p, long stride) {
     return f;
 #else
     return half_to_float(bits);
+#endif
+}
+__device__ __forceinline__ unsigned short half_bits(float f) {  /* rounded to nearest even */
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
+    return float_to_half(f);
 #endif
 }
 """
