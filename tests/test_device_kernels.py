@@ -78,12 +78,16 @@ def tolerance(x: np.ndarray, fmt: str, w: np.ndarray) -> float:
     return 1e-5 * float(np.abs(x).sum(axis=-1).max()) * 64 + 1e-6
 
 
-@pytest.fixture(scope="module")
-def host_kernels(tmp_path_factory):
+def host_library(tmp_path_factory, source: str, names: dict):
+    """A module's kernels compiled for the host (tests/cuda_on_host.py), or the test skipped."""
     if cuda_on_host.compiler() is None:
         pytest.skip("no C++ compiler to build the kernels for the host")
-    names = {qgemv.kernel_name(fmt): QGEMV_SIGNATURE for fmt in FORMATS}
-    return cuda_on_host.build(device.full_source(qgemv.SOURCE), names, tmp_path_factory.mktemp("kernels"))
+    return cuda_on_host.build(device.full_source(source), names, tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    return host_library(tmp_path_factory, qgemv.SOURCE, {qgemv.kernel_name(fmt): QGEMV_SIGNATURE for fmt in FORMATS})
 
 
 @pytest.mark.parametrize("fmt, rows, lanes, blocks, xrows", CASES)
@@ -234,13 +238,12 @@ SET_ROWS_SIGNATURE = (
 def host_set_rows(tmp_path_factory):
     from workers.kernels import set_rows
 
-    if cuda_on_host.compiler() is None:
-        pytest.skip("no C++ compiler to build the kernels for the host")
-    names = {}
-    for kind, out in (("f32", "float"), ("f16", "unsigned short")):
-        signature, args = SET_ROWS_SIGNATURE
-        names[f"set_rows_{kind}"] = (signature, args.replace("OUT", out))
-    return cuda_on_host.build(device.full_source(set_rows.SOURCE), names, tmp_path_factory.mktemp("set_rows"))
+    signature, args = SET_ROWS_SIGNATURE
+    names = {
+        f"set_rows_{kind}": (signature, args.replace("OUT", out))
+        for kind, out in (("f32", "float"), ("f16", "unsigned short"))
+    }
+    return host_library(tmp_path_factory, set_rows.SOURCE, names)
 
 
 @pytest.mark.parametrize("cache", [np.float32, np.float16])
@@ -301,3 +304,80 @@ def test_a_captured_kv_write_reads_its_positions_on_the_device_at_each_replay(mo
     np.testing.assert_array_equal(got, [[0, 0, 0, 1, 2, 0, 0, 0]] * 2)
     with pytest.raises(ShapeError, match="ids must lie"):
         cuda.KERNELS["set_rows"](cp, (cache, cp.asarray(np.array([[8]], np.int32)), value), params)
+
+
+ROWS_SIGNATURES = {
+    "rows_f32": (
+        "const float* table, const int* ids, float* out, int count, int width, int start, int stop, int local, "
+        "int held",
+        "table, ids, out, count, width, start, stop, local, held",
+    ),
+    "rows_q8_0": (
+        "const u8* table, const int* ids, float* out, int count, int blocks, int lanes, int start, int stop, "
+        "int local, int held",
+        "table, ids, out, count, blocks, lanes, start, stop, local, held",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def host_rows(tmp_path_factory):
+    from workers.kernels import get_rows
+
+    return host_library(tmp_path_factory, get_rows.SOURCE, ROWS_SIGNATURES)
+
+
+def _host_launch(library, name, *args):
+    pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    arrays, ints = args[:3], args[3:]
+    total = arrays[2].size
+    grid = [ctypes.c_int(v) for v in (-(-total // 256), 1, 256, 1)]
+    getattr(library, f"host_{name}")(*grid, *(pointer(a) for a in arrays), *(ctypes.c_int(int(v)) for v in ints))
+
+
+def test_the_lookup_cuda_c_reads_the_rows_this_device_holds_and_zeros_the_rest(host_rows):
+    """This device holds table rows 100..139 (local rows 0..39); ids elsewhere, or past the
+    table, look up zeros. Q8_0 against gguf's dequantization of the same blocks."""
+    rng = np.random.default_rng(4)
+    ids = np.array([100, 139, 5, 140, 120, -1], np.int32)
+    held = 40
+    table = rng.standard_normal((held, 64)).astype(np.float32)
+    out = np.full((len(ids), 64), np.nan, np.float32)
+    _host_launch(host_rows, "rows_f32", table, ids, out, len(ids), 64, 100, 140, 0, held)
+    expected = np.zeros_like(out)
+    for t, i in enumerate(ids):
+        if 100 <= i < 140:
+            expected[t] = table[i - 100]
+    np.testing.assert_array_equal(out, expected)
+    blocks = random_blocks("q8_0", held, 2, seed=9)
+    values = gguf_values("q8_0", blocks).astype(np.float32)
+    interleaved = np.ascontiguousarray(interleave(blocks, 8))
+    out = np.full((len(ids), 64), np.nan, np.float32)
+    _host_launch(host_rows, "rows_q8_0", interleaved, ids, out, len(ids), 2, 8, 100, 140, 0, held)
+    expected = np.zeros_like(out)
+    for t, i in enumerate(ids):
+        if 100 <= i < 140:
+            expected[t] = values[i - 100]
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_a_captured_lookup_reads_its_ids_on_the_device_at_each_replay(monkeypatch):
+    from split_state.errors import ShapeError
+
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    backend = cuda.Backend(0)
+    table = cp.asarray(np.arange(40, dtype=np.float32).reshape(10, 4))
+    ids = cp.asarray(np.array([[3]], np.int32))
+    out = cp.empty((1, 1, 4), cp.float32)
+    params = {"rows": 10, "spans": [(0, 10, 0)]}
+    backend.begin_capture()
+    cuda.KERNELS["get_rows"](cp, (table, ids), params, out)
+    graph = backend.end_capture()
+    backend.launch(graph)
+    ids += 4
+    backend.launch(graph)
+    np.testing.assert_array_equal(backend.to_host(out).reshape(4), [28, 29, 30, 31])
+    with pytest.raises(ShapeError, match="ids must lie"):  # eagerly: checked on the host
+        cuda.KERNELS["get_rows"](cp, (table, cp.asarray(np.array([[10]], np.int32))), params, out)

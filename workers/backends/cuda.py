@@ -19,6 +19,7 @@ import numpy as np
 
 from workers.backends import DeviceInfo, _cublas
 from workers.kernels import basic, device, qgemv, quant
+from workers.kernels import get_rows as get_rows_kernel
 from workers.kernels import set_rows as set_rows_kernel
 
 # (id(array module), device index) -> the device's capturable float32 products
@@ -91,11 +92,42 @@ def set_rows(xp, inputs, params, out=None, memo=None):
 set_rows.memo = True  # and not eager: a capture holds it (the shared kernel is eager)
 
 
+def get_rows(xp, inputs, params, out=None):
+    """The embedding lookup: when a device graph captures it, a kernel of our own reading the
+    ids on the device (workers/kernels/get_rows.py); run eagerly, the shared kernel, which checks
+    the ids on the host."""
+    table, ids = inputs
+    where = get_rows_kernel.span(params)
+    kernels = _DEVICE_KERNELS.get((id(xp), table.device.id)) if _DEVICE_KERNELS else None
+    plain = table.ndim == 2 and table.dtype == np.float32 and table.flags.c_contiguous
+    if kernels is not None and _capturing(xp) and plain and where is not None and _plain_out(out):
+        get_rows_kernel.launch(xp, kernels, "rows_f32", table, ids, out, (table.shape[1],), where, table.shape[0])
+        return out
+    return basic.KERNELS["get_rows"](xp, inputs, params, out)
+
+
+def qget_rows(xp, inputs, params, out=None):
+    """The lookup in a table kept in Q8_0 blocks, as get_rows; other formats: the shared kernel."""
+    table, ids = inputs
+    where = get_rows_kernel.span(params)
+    kernels = _DEVICE_KERNELS.get((id(xp), table.device.id)) if _DEVICE_KERNELS else None
+    fits = params["format"] == "q8_0" and table.ndim == 4 and table.flags.c_contiguous
+    if kernels is not None and _capturing(xp) and fits and where is not None and _plain_out(out):
+        groups, blocks, _, lanes = table.shape
+        get_rows_kernel.launch(xp, kernels, "rows_q8_0", table, ids, out, (blocks, lanes), where, groups * lanes)
+        return out
+    return quant.KERNELS["qget_rows"](xp, inputs, params, out)
+
+
+def _plain_out(out) -> bool:
+    return out is not None and out.dtype == np.float32 and out.flags.c_contiguous
+
+
 def _capturing(xp) -> bool:
     return bool(xp.cuda.get_current_stream().is_capturing())
 
 
-KERNELS = {"matmul": matmul, "qmatmul": qmatmul, "set_rows": set_rows}
+KERNELS = {"matmul": matmul, "qmatmul": qmatmul, "set_rows": set_rows, "get_rows": get_rows, "qget_rows": qget_rows}
 
 
 class Backend:
