@@ -104,25 +104,26 @@ def gather_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-# each sampling flag's range, checked by name before the Sampling is made (its own check would
-# name the dataclass, not the flag)
-SAMPLING_FLAGS = (
-    ("--temp", "temperature", lambda v: v >= 0, "0 or more"),
-    ("--top-k", "top_k", lambda v: v >= 0, "0 or more"),
-    ("--top-p", "top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
-    ("--min-p", "min_p", lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    ("--repeat-penalty", "repeat_penalty", lambda v: v > 0, "more than 0"),
-    ("--repeat-last-n", "repeat_last_n", lambda v: v >= 0, "0 or more"),
-)
+# the flag of each sampling field (models/generate.py's SAMPLING_RANGES says what each takes)
+SAMPLING_FLAGS = {
+    "temperature": "--temp",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repeat_penalty": "--repeat-penalty",
+    "repeat_last_n": "--repeat-last-n",
+}
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:
+    """A sampling flag out of range, named (the Sampling's own check would name its field)."""
+    from models.generate import sampling_refusal
     from models.gguf_model import ModelError
 
-    for flag, name, fits, want in SAMPLING_FLAGS:
-        value = getattr(args, name)
-        if not (value == value and fits(value)):  # NaN fails
-            raise ModelError(f"{flag} {value}: give {want}")
+    for name, flag in SAMPLING_FLAGS.items():
+        refusal = sampling_refusal(name, getattr(args, name))
+        if refusal is not None:
+            raise ModelError(f"{flag} {getattr(args, name)}: {refusal}")
 
 
 def _one_batch(llm, args, prompts: list[str], new: int, sampling, chat: bool):

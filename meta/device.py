@@ -721,13 +721,14 @@ class MetaDevice:
 
     # -- lifetime -------------------------------------------------------------------------------
 
-    @serialized
     def health(self) -> str:
-        """Why the cluster cannot serve ("" while it can), asked without a call (see
-        ProcessCluster.health); an in-process simulator always can."""
+        """Why the cluster cannot serve ("" while it can), asked without a call and without the
+        device's lock (a server's /health asks it while a step runs; see ProcessCluster.health);
+        an in-process simulator always can."""
         check = getattr(self.cluster, "health", None)
         return check() if check is not None else ""
 
+    @serialized
     def stats(self) -> dict[int, dict]:
         self.collect()
         return {d: dict(r.info) for d, r in self._call({d: p.Stats() for d in range(self.n)}).items()}

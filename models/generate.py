@@ -31,6 +31,25 @@ from workers.generation import TEMPERATURE_FLOOR, Rule, choose, generator_state
 POOL = 256  # candidates per sequence a sampled step considers
 
 
+# each sampling field's range: (field, fits, what to give); the CLI names its flag with them
+SAMPLING_RANGES = (
+    ("temperature", lambda v: v >= 0, "0 or more"),
+    ("top_k", lambda v: v >= 0, "0 or more"),
+    ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("min_p", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    ("repeat_penalty", lambda v: v > 0, "more than 0"),
+    ("repeat_last_n", lambda v: v >= 0, "0 or more"),
+)
+
+
+def sampling_refusal(field: str, value) -> str | None:
+    """What is wrong with `value` for sampling field `field` (None: nothing; NaN never fits)."""
+    for name, fits, want in SAMPLING_RANGES:
+        if name == field and not (value == value and fits(value)):
+            return f"give {want}"
+    return None
+
+
 @dataclass(frozen=True)
 class Sampling:
     temperature: float = 0.0  # 0: greedy
@@ -42,18 +61,10 @@ class Sampling:
     repeat_last_n: int = 64
 
     def __post_init__(self) -> None:
-        if (
-            self.temperature < 0
-            or self.top_k < 0
-            or not 0 < self.top_p <= 1
-            or not 0 <= self.min_p < 1
-            or self.repeat_penalty <= 0
-            or self.repeat_last_n < 0
-        ):
-            raise ModelError(
-                "sampling needs temperature >= 0, top_k >= 0, 0 < top_p <= 1, 0 <= min_p < 1, repeat_penalty > 0 "
-                f"and repeat_last_n >= 0; got {self}"
-            )
+        for name, _, _ in SAMPLING_RANGES:
+            refusal = sampling_refusal(name, getattr(self, name))
+            if refusal is not None:
+                raise ModelError(f"sampling {name} {getattr(self, name)}: {refusal}")
 
     @property
     def rule(self) -> Rule:

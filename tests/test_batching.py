@@ -160,3 +160,30 @@ def test_the_repeat_penalty_window_takes_the_prompts_end_with_the_tokens(batcher
     assert len(windows) == 4
     for step, window in enumerate(windows):
         assert window == [*PROMPT, *tokens[:step]][-7:]
+
+
+def test_health_is_answered_while_a_call_holds_the_device(batcher):
+    """A server's /health asks the cluster while the batcher's thread holds the device for a step
+    (seconds, for a long prompt): it must not wait for the device's lock."""
+    import threading
+
+    dev = batcher.dev
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with dev._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        answered = []
+        asker = threading.Thread(target=lambda: answered.append(dev.health()))
+        asker.start()
+        asker.join(2)
+        assert answered == [""], "health waited for the device's lock"
+    finally:
+        release.set()
+        holder.join(10)

@@ -36,6 +36,11 @@ _GEMMS: dict[tuple[int, int], _cublas.CapturableGemm] = {}
 _DEVICE_KERNELS: dict[tuple[int, int], dict] = {}
 
 
+def _own_kernels(xp, array) -> dict | None:
+    """The kernels of our own compiled for `array`'s device, or None."""
+    return _DEVICE_KERNELS.get((id(xp), array.device.id)) if _DEVICE_KERNELS else None
+
+
 def _gemm(xp, a, b, out):
     """a @ b into out through the device's capturable cuBLAS product; None where it cannot."""
     gemm = _GEMMS.get((id(xp), a.device.id)) if _GEMMS else None
@@ -64,7 +69,7 @@ def qmatmul(xp, inputs, params, out=None):
     lie (workers/kernels/qgemv.py), captured in a device graph like any kernel; more rows
     (prefill): dequantized tiles through cuBLAS."""
     xb, w = inputs
-    kernels = _DEVICE_KERNELS.get((id(xp), w.device.id)) if _DEVICE_KERNELS else None
+    kernels = _own_kernels(xp, w)
     width = xb.shape[-2] * xb.shape[-1] if xb.ndim >= 2 else 0
     rows = xb.size // width if width else 0
     direct = kernels is not None and 0 < rows <= qgemv.MAX_ROWS and w.size and out is not None
@@ -82,7 +87,7 @@ def set_rows(xp, inputs, params, out=None, memo=None):
     positions on the host and raises for one outside the cache."""
     dst, ids, value = inputs[:3]
     fed_start = len(inputs) == 4
-    kernels = _DEVICE_KERNELS.get((id(xp), dst.device.id)) if _DEVICE_KERNELS else None
+    kernels = _own_kernels(xp, dst)
     if kernels is not None and _capturing(xp) and set_rows_kernel.fits(dst, ids, value, params, fed_start):
         set_rows_kernel.launch(xp, kernels, dst, ids, value, inputs[3] if fed_start else None)
         return dst
@@ -98,7 +103,7 @@ def get_rows(xp, inputs, params, out=None):
     the ids on the host."""
     table, ids = inputs
     where = get_rows_kernel.span(params)
-    kernels = _DEVICE_KERNELS.get((id(xp), table.device.id)) if _DEVICE_KERNELS else None
+    kernels = _own_kernels(xp, table)
     plain = table.ndim == 2 and table.dtype == np.float32 and table.flags.c_contiguous
     if kernels is not None and _capturing(xp) and plain and where is not None and _plain_out(out):
         get_rows_kernel.launch(xp, kernels, "rows_f32", table, ids, out, (table.shape[1],), where, table.shape[0])
@@ -110,7 +115,7 @@ def qget_rows(xp, inputs, params, out=None):
     """The lookup in a table kept in Q8_0 blocks, as get_rows; other formats: the shared kernel."""
     table, ids = inputs
     where = get_rows_kernel.span(params)
-    kernels = _DEVICE_KERNELS.get((id(xp), table.device.id)) if _DEVICE_KERNELS else None
+    kernels = _own_kernels(xp, table)
     fits = params["format"] == "q8_0" and table.ndim == 4 and table.flags.c_contiguous
     if kernels is not None and _capturing(xp) and fits and where is not None and _plain_out(out):
         groups, blocks, _, lanes = table.shape
