@@ -36,9 +36,9 @@ _GEMMS: dict[tuple[int, int], _cublas.CapturableGemm] = {}
 _DEVICE_KERNELS: dict[tuple[int, int], dict] = {}
 
 
-def _own_kernels(xp, array) -> dict | None:
-    """The kernels of our own compiled for `array`'s device, or None."""
-    return _DEVICE_KERNELS.get((id(xp), array.device.id)) if _DEVICE_KERNELS else None
+def _own_kernels(xp, operand) -> dict | None:
+    """The kernels of our own compiled for `operand`'s device, or None."""
+    return _DEVICE_KERNELS.get((id(xp), operand.device.id)) if _DEVICE_KERNELS else None
 
 
 def _gemm(xp, a, b, out):
