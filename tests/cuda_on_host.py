@@ -4,11 +4,15 @@ layouts, shifts and sums) without a GPU; the stand-in runs their NumPy twins ins
 test holds the compiled kernels to the twins.
 
 The emulation: CUDA's qualifiers defined away, `__shared__` arrays made static (one thread block
-runs at a time), the thread indices globals set before each thread runs. Threads run one after
-another, a block's thread rows (threadIdx.y) from the last to the first and `__syncthreads()`
-doing nothing: so a kernel whose row 0 reads, after its one barrier, what the other rows stored
-before it (a reduction over a block's rows, as qgemv's) computes what it computes on a GPU. A
-kernel with another barrier pattern needs another emulation.
+runs at a time), the block's indices globals set before its threads run. Two ways to run a
+block's threads:
+- one after another (the default, fast): a block's thread rows (threadIdx.y) from the last to the
+  first and `__syncthreads()` doing nothing, so a kernel whose row 0 reads, after its one
+  barrier, what the other rows stored before it (a reduction over a block's rows, as qgemv's)
+  computes what it computes on a GPU;
+- `barriers=True`: each thread of a block an OS thread of its own (threadIdx thread-local) and
+  `__syncthreads()` a real barrier among them, for a kernel with any number of barriers (the
+  attention's reductions); slower, so for small launches.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from pathlib import Path
 HOST_PRELUDE = r"""
 #include <cstring>
 #include <cmath>
+#include <algorithm>
+using std::min;
+using std::max;
 struct dim3_t { unsigned x, y, z; };
-static dim3_t threadIdx, blockIdx, blockDim, gridDim;
+static dim3_t blockIdx, blockDim, gridDim;
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
 #define __shared__ static
-#define __syncthreads() ((void)0)
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline float half_to_float(unsigned short h) {  /* IEEE binary16 -> binary32 */
     unsigned int sign = (h >> 15) & 1u, exp = (h >> 10) & 31u, man = h & 1023u;
@@ -61,6 +67,58 @@ static inline unsigned short float_to_half(float f) {  /* IEEE binary32 -> binar
 }
 """
 
+ONE_BY_ONE = r"""
+static dim3_t threadIdx;
+#define __syncthreads() ((void)0)
+"""
+
+THREADED = r"""
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+static thread_local dim3_t threadIdx;
+struct host_barrier {  /* the block's threads wait for each other, generation by generation */
+    std::mutex lock;
+    std::condition_variable turned;
+    int count = 0, waiting = 0;
+    unsigned long generation = 0;
+    void wait() {
+        std::unique_lock<std::mutex> held(lock);
+        const unsigned long mine = generation;
+        if (++waiting == count) {
+            waiting = 0;
+            ++generation;
+            turned.notify_all();
+        } else {
+            turned.wait(held, [&] { return generation != mine; });
+        }
+    }
+};
+static host_barrier block_barrier;
+#define __syncthreads() block_barrier.wait()
+"""
+
+THREADED_LAUNCHER = r"""
+extern "C" void host_NAME(int gx, int gy, int bx, int by, SIGNATURE) {
+    gridDim = {(unsigned)gx, (unsigned)gy, 1u};
+    blockDim = {(unsigned)bx, (unsigned)by, 1u};
+    for (int grid_y = 0; grid_y < gy; ++grid_y)
+        for (int grid_x = 0; grid_x < gx; ++grid_x) {
+            blockIdx = {(unsigned)grid_x, (unsigned)grid_y, 0u};
+            block_barrier.count = bx * by;
+            std::vector<std::thread> threads;
+            for (int thread_y = 0; thread_y < by; ++thread_y)
+                for (int thread_x = 0; thread_x < bx; ++thread_x)
+                    threads.emplace_back([=] {
+                        threadIdx = {(unsigned)thread_x, (unsigned)thread_y, 0u};
+                        NAME(ARGS);
+                    });
+            for (auto& thread : threads) thread.join();
+        }
+}
+"""
+
 LAUNCHER = r"""
 extern "C" void host_NAME(int gx, int gy, int bx, int by, SIGNATURE) {
     gridDim = {(unsigned)gx, (unsigned)gy, 1u};
@@ -81,12 +139,16 @@ def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++")
 
 
-def build(source: str, kernels: dict[str, tuple[str, str]], folder: Path | None = None) -> ctypes.CDLL:
+def build(
+    source: str, kernels: dict[str, tuple[str, str]], folder: Path | None = None, barriers: bool = False
+) -> ctypes.CDLL:
     """A shared library of `source` (the kernels' module, PRELUDE included) with a launcher
-    `host_NAME(gx, gy, bx, by, *args)` for each name -> (C parameter list, argument names)."""
-    text = HOST_PRELUDE + source
+    `host_NAME(gx, gy, bx, by, *args)` for each name -> (C parameter list, argument names);
+    `barriers`: each thread of a block a thread of its own (the module docstring)."""
+    text = HOST_PRELUDE + (THREADED if barriers else ONE_BY_ONE) + source
+    launcher = THREADED_LAUNCHER if barriers else LAUNCHER
     for name, (signature, args) in kernels.items():
-        text += LAUNCHER.replace("NAME", name).replace("SIGNATURE", signature).replace("ARGS", args)
+        text += launcher.replace("NAME", name).replace("SIGNATURE", signature).replace("ARGS", args)
     folder = Path(folder or tempfile.gettempdir())
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     library = folder / f"cuda_on_host_{digest}.so"
@@ -94,7 +156,7 @@ def build(source: str, kernels: dict[str, tuple[str, str]], folder: Path | None 
         src = folder / f"cuda_on_host_{digest}.cpp"
         src.write_text(text)
         done = subprocess.run(
-            [compiler(), "-O2", "-shared", "-fPIC", "-std=c++14", "-o", str(library), str(src)],
+            [compiler(), "-O2", "-shared", "-fPIC", "-std=c++14", "-pthread", "-o", str(library), str(src)],
             capture_output=True,
             text=True,
             timeout=120,

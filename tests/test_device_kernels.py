@@ -381,3 +381,257 @@ def test_a_captured_lookup_reads_its_ids_on_the_device_at_each_replay(monkeypatc
     np.testing.assert_array_equal(backend.to_host(out).reshape(4), [28, 29, 30, 31])
     with pytest.raises(ShapeError, match="ids must lie"):  # eagerly: checked on the host
         cuda.KERNELS["get_rows"](cp, (table, cp.asarray(np.array([[10]], np.int32))), params, out)
+
+
+ATTEND_SIGNATURES = {
+    "attend_part_KIND": (
+        "const float* q, const void* k, const void* v, const float* mask, float* part, int heads, int group, "
+        "int tokens, int ctx, int dim, long mask_batch, float scale, int chunks",
+        "q, (const KT*)k, (const KT*)v, mask, part, heads, group, tokens, ctx, dim, mask_batch, scale, chunks",
+    ),
+    "attend_combine": ("const float* part, float* out, int chunks, int dim", "part, out, chunks, dim"),
+}
+
+
+@pytest.fixture(scope="module")
+def host_attend(tmp_path_factory):
+    from workers.kernels import attend
+
+    names = {"attend_combine": ATTEND_SIGNATURES["attend_combine"]}
+    signature, args = ATTEND_SIGNATURES["attend_part_KIND"]
+    for kind, kt in (("f32", "float"), ("f16", "unsigned short")):
+        names[f"attend_part_{kind}"] = (signature, args.replace("KT", kt))
+    if cuda_on_host.compiler() is None:
+        pytest.skip("no C++ compiler to build the kernels for the host")
+    folder = tmp_path_factory.mktemp("attend")
+    return cuda_on_host.build(device.full_source(attend.SOURCE), names, folder, barriers=True)
+
+
+def attention_oracle(q, keys, values, mask, scale):
+    """float64 softmax(q . k * scale + mask) @ v for each (b, h, g, t) row, from the definition."""
+    batch, heads, group, tokens, dim = q.shape
+    out = np.empty(q.shape, np.float64)
+    for b, h, g, t in np.ndindex(batch, heads, group, tokens):
+        scores = keys[b, h].astype(np.float64) @ q[b, h, g, t] * scale + mask[min(b, mask.shape[0] - 1), 0, 0, t]
+        with np.errstate(invalid="ignore"):
+            weights = np.exp(scores - scores.max())
+            out[b, h, g, t] = weights @ values[b, h].astype(np.float64) / weights.sum()
+    return out
+
+
+def attention_case(cache, batch=2, heads=2, group=2, tokens=2, ctx=600, dim=40, seed=6):
+    """Queries, caches and a mask opening each row's first positions (row-dependent, across the
+    chunk boundaries, one batch row past the first chunk only) and, for token 1 of batch row 1,
+    a hole in the middle."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, heads, group, tokens, dim)).astype(np.float32)
+    keys = rng.standard_normal((batch, heads, ctx, dim)).astype(cache)
+    values = rng.standard_normal((batch, heads, ctx, dim)).astype(cache)
+    mask = np.full((batch, 1, 1, tokens, ctx), -np.inf, np.float32)
+    for b, t in np.ndindex(batch, tokens):
+        mask[b, 0, 0, t, : [[5, 6], [300, 513]][b % 2][t] + 1] = 0
+    if tokens > 1:
+        mask[1, 0, 0, 1, 100:200] = -np.inf
+    mask[0, 0, 0, 0, 3] = -0.5  # an additive bias, not only 0 and -inf
+    return q, keys, values, mask
+
+
+def _run_attend_on_host(library, q, keys, values, mask, scale):
+    from workers.kernels import attend
+
+    batch, heads, group, tokens, dim = q.shape
+    ctx = keys.shape[2]
+    rows, chunks = q.size // dim, -(-ctx // attend.CHUNK)
+    part = np.full(rows * chunks * (dim + 2), np.nan, np.float32)
+    out = np.full(q.shape, np.nan, np.float32)
+    kind = "f32" if keys.dtype == np.float32 else "f16"
+    pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    ints = [ctypes.c_int(v) for v in (rows, chunks, attend.THREADS, 1)]
+    sizes = [ctypes.c_int(v) for v in (heads, group, tokens, ctx, dim)]
+    mask_batch = ctypes.c_long(tokens * ctx if mask.shape[0] > 1 else 0)
+    operands = [pointer(a) for a in (q, keys, values, mask, part)]
+    last = (mask_batch, ctypes.c_float(scale), ctypes.c_int(chunks))
+    getattr(library, f"host_attend_part_{kind}")(*ints, *operands, *sizes, *last)
+    grid = [ctypes.c_int(v) for v in (rows, 1, min(attend.THREADS, dim), 1)]
+    library.host_attend_combine(*grid, pointer(part), pointer(out), ctypes.c_int(chunks), ctypes.c_int(dim))
+    return out
+
+
+@pytest.mark.parametrize("cache", [np.float32, np.float16])
+def test_the_attention_cuda_c_run_on_the_host_equals_softmax_attention(host_attend, cache):
+    """The two passes over three chunks of 256 positions (one of them closed for some rows), a
+    float32 or float16 cache, GQA's group of two, two query tokens with masks of their own, the
+    mask's batch rows: softmax attention from its definition in float64."""
+    q, keys, values, mask = attention_case(cache)
+    scale = 1 / np.sqrt(q.shape[-1])
+    got = _run_attend_on_host(host_attend, q, keys, values, mask, scale)
+    np.testing.assert_allclose(got, attention_oracle(q, keys, values, mask, scale), rtol=1e-5, atol=2e-6)
+
+
+def test_the_attention_cuda_c_gives_nan_for_a_row_that_sees_nothing(host_attend):
+    """As the softmax of a row of -inf: 0 / 0. A mask shared by the batch (its one row)."""
+    q, keys, values, mask = attention_case(np.float32, batch=2, tokens=1, ctx=40)
+    mask = mask[:1].copy()
+    mask[0, 0, 0, 0, :] = -np.inf
+    got = _run_attend_on_host(host_attend, q, keys, values, mask, 0.5)
+    assert np.isnan(got).all()
+
+
+TOP_K_SIGNATURE = (
+    "int source, const float* floats, const double* doubles, const int* ints, long row_stride, int n, int start, "
+    "int keep, double* kept_v, int* kept_i, double* pairs, int k, int width, int last",
+    "source, floats, doubles, ints, row_stride, n, start, keep, kept_v, kept_i, pairs, k, width, last",
+)
+
+
+@pytest.fixture(scope="module")
+def host_top_k(tmp_path_factory):
+    from workers.kernels import top_k
+
+    if cuda_on_host.compiler() is None:
+        pytest.skip("no C++ compiler to build the kernels for the host")
+    folder = tmp_path_factory.mktemp("top_k")
+    return cuda_on_host.build(device.full_source(top_k.SOURCE), {"top_k_tile": TOP_K_SIGNATURE}, folder, barriers=True)
+
+
+class HostTopK:
+    """top_k.select's passes with each launch the CUDA C run on the host: a `kernels` table."""
+
+    def __init__(self, library):
+        self.library = library
+
+    def __getitem__(self, name):
+        def launch(grid, block, args):
+            converted = []
+            for a in args:
+                if isinstance(a, np.ndarray):
+                    converted.append(a.ctypes.data_as(ctypes.c_void_p))
+                elif isinstance(a, np.int64):
+                    converted.append(ctypes.c_long(int(a)))
+                else:
+                    converted.append(ctypes.c_int(int(a)))
+            dims = [ctypes.c_int(v) for v in (grid[0], grid[1], block[0], 1)]
+            getattr(self.library, f"host_{name}")(*dims, *converted)
+
+        return launch
+
+
+def best_k_oracle(values, index, k, width):
+    """(width, 2): the k best (value, index) pairs by sorted() on (-value, index, -1 last), NaN as
+    -inf, then (-inf, -1) padding."""
+    values = [(-np.inf if np.isnan(v) else float(v), int(i)) for v, i in zip(values, index)]
+    ranked = sorted(values, key=lambda e: (-e[0], e[1] < 0, e[1]))[:k]
+    ranked += [(-np.inf, -1)] * (width - len(ranked))
+    return np.array(ranked, np.float64)
+
+
+@pytest.mark.parametrize("n, k, width", [(5000, 40, 40), (300, 1, 2), (2048, 256, 256), (4500, 256, 300), (3, 8, 8)])
+def test_the_top_k_cuda_c_run_on_the_host_picks_the_best_k(host_top_k, monkeypatch, n, k, width):
+    """Over one pass (a row within a tile) and several (tiles of tiles), k from greedy's 1 to
+    the sampling pool's 256, fewer entries than k: ties broken by the lower index, NaN ranked
+    and given as -inf, a row of its own each; then the devices' candidates as pairs. Blocks of
+    64 threads (the kernel strides by its block's width; an OS thread each costs here)."""
+    from workers.kernels import top_k
+
+    monkeypatch.setattr(top_k, "THREADS", 64)
+
+    rng = np.random.default_rng(n + k)
+    x = rng.integers(-50, 50, (2, n)).astype(np.float32)  # many ties
+    x[0, :: max(1, n // 7)] = np.nan
+    x[1, -1] = 1e9
+    out = np.full((2, width, 2), np.nan)
+    top_k.select(np, HostTopK(host_top_k), top_k.FROM_FLOATS, x, n, 1000, k, width, out)
+    for r in range(2):
+        np.testing.assert_array_equal(out[r], best_k_oracle(x[r], np.arange(1000, 1000 + n), k, width))
+    pairs = np.stack([x.astype(np.float64), np.tile(np.arange(n, dtype=np.float64)[::-1], (2, 1))], axis=-1)
+    pairs[:, ::3] = (-np.inf, -1)  # padding entries of devices with fewer than k
+    merged = np.full((2, k, 2), np.nan)
+    top_k.select(np, HostTopK(host_top_k), top_k.FROM_PAIRS, pairs, n, 0, k, k, merged)
+    for r in range(2):
+        np.testing.assert_array_equal(merged[r], best_k_oracle(pairs[r, :, 0], pairs[r, :, 1], k, k))
+
+
+@pytest.mark.parametrize("cache", [np.float32, np.float16])
+def test_a_captured_attention_reads_the_open_positions_on_the_device_at_each_replay(monkeypatch, cache):
+    """On the stand-in (the kernels' twins): the backend's attention over the decoder's views is
+    the kernels, captured once; a replay after the mask opens more positions and the query
+    changes attends over the new positions, as softmax attention from its definition."""
+    from workers.kernels import attend
+
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    backend = cuda.Backend(0)
+    launched = []
+    real = attend.launch
+    monkeypatch.setattr(attend, "launch", lambda *a, **k: launched.append(1) or real(*a, **k))
+    q, keys, values, mask = attention_case(cache, tokens=1, ctx=300)
+    batch, heads, group, tokens, dim = q.shape
+    k_view = cp.asarray(keys).reshape(batch, heads, 1, 300, dim).transpose(0, 1, 2, 4, 3)  # as the decoder multiplies
+    v_view = cp.asarray(values).reshape(batch, heads, 1, 300, dim)
+    q_dev, mask_dev = cp.asarray(q), cp.asarray(mask)
+    out = cp.empty(q.shape, cp.float32)
+    params = {"scale": 0.25, "bucket": 32}
+    backend.begin_capture()
+    cuda.KERNELS["attention"](cp, (q_dev, k_view, mask_dev, v_view), params, out)
+    graph = backend.end_capture()
+    mask[:, :, :, :, :290] = 0  # the next steps' positions, past the first chunk
+    q2 = (q * 2).astype(np.float32)
+    mask_dev.set(mask)
+    q_dev.set(q2)
+    backend.launch(graph)
+    assert launched == [1]
+    np.testing.assert_allclose(
+        backend.to_host(out), attention_oracle(q2, keys, values, mask, 0.25), rtol=1e-5, atol=2e-6
+    )
+
+
+def test_a_captured_top_k_picks_on_the_device_at_each_replay(monkeypatch):
+    """On the stand-in: the backend's top_k_candidates (this device's span of the vocabulary)
+    and top_k_combine (the devices' candidates) are the kernels, captured once and replayed on
+    new logits, against the order from its definition."""
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    backend = cuda.Backend(0)
+    rng = np.random.default_rng(8)
+    logits = cp.asarray(rng.standard_normal((1, 1, 3000)).astype(np.float32))
+    candidates = cp.empty((1, 1, 40, 2), cp.float64)
+    best = cp.empty((1, 1, 20, 2), cp.float64)
+    params = {"k": 20, "width": 40, "spans": [(5000, 2500, 100)], "devices": 2}
+    backend.begin_capture()
+    cuda.KERNELS["top_k_candidates"](cp, (logits,), params, candidates)
+    cuda.KERNELS["top_k_combine"](cp, (candidates,), {"k": 20}, best)
+    graph = backend.end_capture()
+    new = rng.integers(-5, 5, (1, 1, 3000)).astype(np.float32)  # ties
+    logits.set(new)
+    backend.launch(graph)
+    span = new[0, 0, 100:2600]
+    want = best_k_oracle(span, np.arange(5000, 7500), 20, 40)
+    np.testing.assert_array_equal(backend.to_host(candidates)[0, 0], want)
+    np.testing.assert_array_equal(backend.to_host(best)[0, 0], want[:20])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _real_gpu(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("cache", [np.float32, np.float16])
+def test_on_a_gpu_attention_and_top_k_equal_their_twins(cache):
+    """The compiled attention against its definition (as its twin is held to it above) and the
+    compiled top k against the order's definition, bit for bit."""
+    import cupy
+
+    from workers.kernels import attend, top_k
+
+    kernels = device.compile_all(cupy)
+    q, keys, values, mask = attention_case(cache)
+    out = cupy.full(q.shape, np.nan, cupy.float32)
+    mask_batch = q.shape[3] * keys.shape[2]
+    operands = (cupy.asarray(a) for a in (q, keys, values, mask))
+    attend.launch(cupy, kernels, *operands, mask_batch, 0.2, out)
+    expected = attention_oracle(q, keys, values, mask, 0.2)
+    np.testing.assert_allclose(cupy.asnumpy(out), expected, rtol=1e-5, atol=2e-6)
+    x = np.random.default_rng(2).integers(-50, 50, (2, 9000)).astype(np.float32)
+    pairs = cupy.full((2, 300, 2), np.nan, cupy.float64)
+    top_k.select(cupy, kernels, top_k.FROM_FLOATS, cupy.asarray(x), 9000, 7, 256, 300, pairs)
+    for r in range(2):
+        np.testing.assert_array_equal(cupy.asnumpy(pairs)[r], best_k_oracle(x[r], np.arange(7, 9007), 256, 300))

@@ -71,8 +71,11 @@ class Executor:
     def graph_counts(self) -> dict:
         """Device graphs of the loaded programs: segments, captures and replays so far, and the
         steps run eagerly because their capture failed (`eager`: how many; `refused`: each op
-        once, with why), and the bytes the segments' own pools hold (`pool_bytes`)."""
+        once, with why), the bytes the segments' own pools hold (`pool_bytes`), and for each
+        program the graphs one run launches and the ops it runs outside them (`per_run`)."""
         found = [s for c in self.programs.values() for s in graphs.segments(c.calls)]
+        # per program: the graphs a run launches and the steps it runs outside them
+        runs = {program: graphs.per_run(c.calls) for program, c in self.programs.items()}
         refused = [r for c in self.programs.values() for r in graphs.refusals(c.calls)]
         return {
             "segments": len(found),
@@ -81,6 +84,7 @@ class Executor:
             "eager": len(refused),
             "refused": dict(reversed(refused)),  # an op's first reason
             "pool_bytes": sum(s.pool.total_bytes() for s in found if s.pool is not None),
+            "per_run": {str(program): {"graphs": n, "outside": ops} for program, (n, ops) in runs.items()},
         }
 
     @contextlib.contextmanager

@@ -2,7 +2,8 @@
 graphs through CuPy's stream capture), piecewise as vLLM captures a model around its attention.
 
 A program splits into pieces: a collective, a step whose result is a fresh array each run, a
-kernel marked `eager` (the attention over the used cache: how much it reads follows the mask),
+kernel marked `eager` (the shared attention over the used cache: how much it reads follows the
+mask; the CUDA backend's reads the mask on the device and is eager for a prefill's shapes only),
 an op the backend never captures (`backend.uncaptured`: CuPy's cuBLAS products where the CUDA
 backend has no cuBLAS handle of its own) and a kernel that reads device data on the host (found
 when its capture fails) run eagerly; every run of other kernels between them is a segment. A
@@ -54,22 +55,36 @@ def piecewise(bound: list[tuple[Any, Callable, Any]], backend, kernels: dict) ->
     never = getattr(backend, "uncaptured", frozenset())
     for placed, call, _ in bound:
         step = placed.step
-        eager = (
-            isinstance(step, p.MoveStep)
-            or placed.out == "fresh"
-            or step.op in never
-            or getattr(kernels[step.op], "eager", False)
-        )
-        if eager:
+        eager = isinstance(step, p.MoveStep) or placed.out == "fresh" or step.op in never
+        if eager or runs_eagerly(kernels[step.op], step):
             if run:
                 pieces.append(Segment(run, backend))
                 run = []
-            pieces.append(call)
+            pieces.append(Eager(call, step.op if isinstance(step, p.OpStep) else "redistribute"))
         else:
             run.append((step, call))
     if run:
         pieces.append(Segment(run, backend))
     return pieces
+
+
+class Eager:
+    """A step run outside the graphs at every run, named for the stats."""
+
+    __slots__ = ("call", "op")
+
+    def __init__(self, call: Callable, op: str):
+        self.call, self.op = call, op
+
+    def __call__(self, slots: list) -> None:
+        self.call(slots)
+
+
+def runs_eagerly(kernel, step) -> bool:
+    """A kernel's `eager`: True, or a predicate over the step (a kernel eager for some shapes
+    only: the CUDA backend's attention takes a decode step's shapes in a graph, not a prefill's)."""
+    eager = getattr(kernel, "eager", False)
+    return bool(eager(step)) if callable(eager) else bool(eager)
 
 
 class Segment:
@@ -196,7 +211,7 @@ class Segment:
         pieces: list[Callable] = []
         if before:
             pieces.append(Segment(before, self.backend))
-        pieces.append(self.steps[at][1])
+        pieces.append(Eager(self.steps[at][1], self.steps[at][0].op))
         if after:
             pieces.append(Segment(after, self.backend))
         self.pieces = pieces
@@ -220,3 +235,18 @@ def segments(pieces: list[Callable]) -> list[Segment]:
         if isinstance(piece, Segment):
             found += segments(piece.pieces) if piece.pieces is not None else [piece]
     return found
+
+
+def per_run(pieces: list[Callable]) -> tuple[int, list[str]]:
+    """(graphs a run of `pieces` launches once every segment is captured, the ops it runs
+    outside them, in order): on a GPU, what a decode token costs beyond its kernels."""
+    graphs, outside = 0, []
+    for piece in pieces:
+        if isinstance(piece, Segment) and piece.pieces is not None:
+            more, ops = per_run(piece.pieces)
+            graphs, outside = graphs + more, outside + ops
+        elif isinstance(piece, Segment):
+            graphs += 1
+        elif isinstance(piece, Eager):
+            outside.append(piece.op)
+    return graphs, outside

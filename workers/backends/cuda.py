@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from workers.backends import DeviceInfo, _cublas
-from workers.kernels import basic, device, qgemv, quant
+from workers.kernels import attend, basic, device, fused, qgemv, quant, top_k
 from workers.kernels import get_rows as get_rows_kernel
 from workers.kernels import set_rows as set_rows_kernel
 
@@ -124,6 +124,67 @@ def qget_rows(xp, inputs, params, out=None):
     return quant.KERNELS["qget_rows"](xp, inputs, params, out)
 
 
+def attention(xp, inputs, params, out=None, scratch=None, memo=None):
+    """A decode step's attention: kernels of our own reading the open positions from the mask on
+    the device (workers/kernels/attend.py), eagerly and in a device graph alike, so every run of
+    a step computes the same way; other shapes (a prefill's queries, another layout): the shared
+    kernel, which finds the used length on the host and so runs outside the graphs."""
+    q, k, mask, v = inputs
+    kernels = _own_kernels(xp, q)
+    found = attend.operands(q, k, mask, v, out) if kernels is not None and out is not None else None
+    if found is None:
+        return fused.FUSED_KERNELS["attention"](xp, inputs, params, out, scratch=scratch, memo=memo)
+    keys, values, mask_batch = found
+    attend.launch(xp, kernels, q, keys, values, mask, mask_batch, params["scale"], out, scratch)
+    return out
+
+
+attention.memo = True  # for the shared kernel it falls back to
+attention.eager = lambda step: not attend.runs_here(tuple(step.shape))  # a decode step's: in the graph
+
+
+def top_k_candidates(xp, inputs, params, out=None):
+    """This device's best k logits by kernels of our own (workers/kernels/top_k.py), eagerly and
+    in a device graph alike; several spans, float64 logits or a k past MAX_K: the shared kernel
+    (whose capture fails: it reads on the host)."""
+    (x,) = inputs
+    spans = [tuple(s) for s in params["spans"] if s[1]]
+    k, width = params["k"], params["width"]
+    kernels = _own_kernels(xp, x)
+    if kernels is None or len(spans) > 1 or x.dtype != np.float32 or k > top_k.MAX_K:
+        return basic.KERNELS["top_k_candidates"](xp, inputs, params, out)
+    into = _pairs_into(xp, out, x.shape[:-1] + (width, 2))
+    start, length, local = spans[0] if spans else (0, 0, 0)
+    top_k.select(xp, kernels, top_k.FROM_FLOATS, x[..., local : local + length], length, start, k, width, into)
+    return _delivered(xp, into, out)
+
+
+def top_k_combine(xp, inputs, params, out=None):
+    """The best k of the devices' candidates, as top_k_candidates."""
+    (c,) = inputs
+    k = params["k"]
+    kernels = _own_kernels(xp, c)
+    if kernels is None or k > top_k.MAX_K:
+        return basic.KERNELS["top_k_combine"](xp, inputs, params, out)
+    into = _pairs_into(xp, out, c.shape[:-2] + (k, 2))
+    top_k.select(xp, kernels, top_k.FROM_PAIRS, c, c.shape[-2], 0, k, k, into)
+    return _delivered(xp, into, out)
+
+
+def _pairs_into(xp, out, shape):
+    """Where a kernel writing packed float64 pairs writes: `out`, or a buffer where it is not that."""
+    if out is not None and out.flags.c_contiguous and out.dtype == np.float64:
+        return out
+    return xp.empty(shape, xp.float64)
+
+
+def _delivered(xp, result, out):
+    if out is None or result is out:
+        return result
+    xp.copyto(out, result)
+    return out
+
+
 def _plain_out(out) -> bool:
     return out is not None and out.dtype == np.float32 and out.flags.c_contiguous
 
@@ -132,7 +193,16 @@ def _capturing(xp) -> bool:
     return bool(xp.cuda.get_current_stream().is_capturing())
 
 
-KERNELS = {"matmul": matmul, "qmatmul": qmatmul, "set_rows": set_rows, "get_rows": get_rows, "qget_rows": qget_rows}
+KERNELS = {
+    "matmul": matmul,
+    "qmatmul": qmatmul,
+    "set_rows": set_rows,
+    "get_rows": get_rows,
+    "qget_rows": qget_rows,
+    "attention": attention,
+    "top_k_candidates": top_k_candidates,
+    "top_k_combine": top_k_combine,
+}
 
 
 class Backend:

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 from split_state.errors import KernelCompileError
 
 # the modules whose DEVICE_KERNELS the CUDA backend compiles
-MODULES = ("workers.kernels.qgemv", "workers.kernels.set_rows", "workers.kernels.get_rows")
+MODULES = (
+    "workers.kernels.qgemv",
+    "workers.kernels.set_rows",
+    "workers.kernels.get_rows",
+    "workers.kernels.attend",
+    "workers.kernels.top_k",
+)
 OPTIONS = ("--std=c++14",)
 
 # float16 bits to float32 by the PTX instruction: no header (cuda_fp16.h) to find, so the same
