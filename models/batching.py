@@ -322,10 +322,13 @@ class ContinuousBatcher:
         ticket.events.put(Token(token))
         if job.stop_at_eos and token in self.stop_ids:
             self._finish(index, ticket, "stop")
-        elif job.stop_strings and stop_string_at(self.tokenizer.decode(slot.tokens), job.stop_strings) is not None:
+        elif job.stop_strings and stop_string_at(self._text(slot), job.stop_strings) is not None:
             self._finish(index, ticket, "stop")
         elif len(slot.tokens) >= job.max_tokens or slot.position >= self.ctx:  # no room to feed it back
             self._finish(index, ticket, "length")
+
+    def _text(self, slot) -> str:
+        return self.tokenizer.decode(slot.tokens, continuation=True)  # a generation's: its first space kept
 
     def _finish(self, index: int, ticket: Ticket, reason: str, error: str = "") -> None:
         self.slots[index] = None

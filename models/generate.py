@@ -128,7 +128,7 @@ class TextStream:
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special=not self.special)
+        text = self._text()
         if text.endswith("\ufffd"):  # a character whose bytes are still arriving
             return ""
         cut = stop_string_at(text, self.stop)
@@ -141,9 +141,14 @@ class TextStream:
         new, self.shown = text[len(self.shown) :], text
         return new
 
+    def _text(self) -> str:
+        # a continuation: the first word's space is the generation's (a SentencePiece-style
+        # tokenizer would take it off the text's start)
+        return self.tokenizer.decode(self.tokens, skip_special=not self.special, continuation=True)
+
     def final_text(self) -> str:
         """The whole text, cut at the first stop string."""
-        text = self.tokenizer.decode(self.tokens, skip_special=not self.special)
+        text = self._text()
         cut = stop_string_at(text, self.stop)
         return text if cut is None else text[:cut]
 
@@ -379,7 +384,7 @@ class LLM:
                         on_token(b, chosen[b])
                     done[b] = chosen[b] in stop
                     if stop_strings and not done[b]:
-                        text = self.tokenizer.decode(g.tokens, skip_special=not special)
+                        text = self.tokenizer.decode(g.tokens, skip_special=not special, continuation=True)
                         done[b] = stop_string_at(text, stop_strings) is not None
                     if done[b]:
                         g.finish_reason = "stop"
@@ -399,7 +404,7 @@ class LLM:
         # what row 0's caches hold now: its prompt, and every token fed back (all but the last)
         self._cached = out[0].prompt_tokens + out[0].tokens[:-1]
         for g in out:
-            g.text = self.tokenizer.decode(g.tokens, skip_special=not special)
+            g.text = self.tokenizer.decode(g.tokens, skip_special=not special, continuation=True)
             cut = stop_string_at(g.text, stop_strings)
             g.text = g.text if cut is None else g.text[:cut]
             g.prefill_s, g.decode_s, g.sampling = prefill_s, decode_s, sampling

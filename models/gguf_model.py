@@ -382,9 +382,9 @@ class GGUFModel:
 
     @cached_property
     def tokenizer(self):
-        from models.tokenizer import Tokenizer
+        from models.tokenizer import from_gguf
 
-        return Tokenizer.from_gguf(self)
+        return from_gguf(self)
 
     @property
     def chat_template(self) -> ChatTemplate | None:

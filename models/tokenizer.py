@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizers from a GGUF file's vocabulary and merges, with `tokenizers`.
+"""Tokenizers from a GGUF file: `from_gguf` picks by `tokenizer.ggml.model`: byte-level BPE ("gpt2",
+here, with `tokenizers`) or SentencePiece-style ("llama": models/spm_tokenizer.py).
 
 Control tokens written in a prompt's text (`<|im_start|>`, `<|im_end|>`) are parsed as the single
 tokens they are, as the reference tokenizers do. No BOS token is added unless the file says
@@ -45,6 +46,52 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
 }
 
 
+def from_gguf(model):
+    """The tokenizer of `model` (a GGUFModel) by its `tokenizer.ggml.model`."""
+    from models.gguf_model import ModelError
+
+    kind = model.meta_str("tokenizer.ggml.model")
+    if kind == "gpt2":
+        return Tokenizer.from_gguf(model)
+    if kind == "llama":
+        return _sentencepiece(model)
+    raise ModelError(
+        f"{model.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+        "SentencePiece-style 'llama' are)"
+    )
+
+
+def _sentencepiece(model):
+    from models.gguf_model import ModelError
+    from models.spm_tokenizer import SentencePieceTokenizer
+
+    tokens = list(model.vocabulary)
+    scores = model.meta_list("tokenizer.ggml.scores", float, [0.0] * len(tokens))
+    types = list(model.token_types) or [1] * len(tokens)
+    if len(scores) != len(tokens):
+        raise ModelError(f"{model.path.name}: {len(scores)} token scores for a vocabulary of {len(tokens)}")
+    return SentencePieceTokenizer(
+        tokens,
+        scores,
+        types,
+        add_bos=_flag(model, "tokenizer.ggml.add_bos_token", True),
+        bos=model.token_id("tokenizer.ggml.bos_token_id"),
+        add_space_prefix=_flag(model, "tokenizer.ggml.add_space_prefix", True),
+        add_eos=_flag(model, "tokenizer.ggml.add_eos_token", False),
+        eos=model.token_id("tokenizer.ggml.eos_token_id"),
+        unknown=model.token_id("tokenizer.ggml.unknown_token_id"),
+    )
+
+
+def _flag(model, key: str, default: bool) -> bool:
+    from models.gguf_model import ModelError
+
+    value = model.meta(key, default)
+    if type(value) is not bool:
+        raise ModelError(f"{model.path.name}: metadata {key!r} must be true or false")
+    return value
+
+
 @dataclass
 class Tokenizer:
     backend: Any  # tokenizers.Tokenizer
@@ -56,9 +103,6 @@ class Tokenizer:
         from models.gguf_model import ModelError, _require
 
         tk = _require("tokenizers")
-        kind = model.meta_str("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelError(f"{model.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is)")
         tokens = list(model.vocabulary)
         types = list(model.token_types) or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in model.meta_list("tokenizer.ggml.merges", str)]
@@ -85,16 +129,16 @@ class Tokenizer:
         # out of the text whole before it is split, as llama.cpp's tokenizer_st_partition does
         added = [t for t, kind in zip(tokens, types) if kind == USER_DEFINED]
         backend.add_tokens([tk.AddedToken(t, special=False, normalized=False) for t in added])
-        add_bos = model.meta("tokenizer.ggml.add_bos_token", False)
-        if type(add_bos) is not bool:
-            raise ModelError(f"{model.path.name}: metadata 'tokenizer.ggml.add_bos_token' must be true or false")
+        add_bos = _flag(model, "tokenizer.ggml.add_bos_token", False)
         return cls(backend, add_bos, model.token_id("tokenizer.ggml.bos_token_id"))
 
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         return [self.bos, *ids] if self.add_bos and self.bos >= 0 else ids
 
-    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+    def decode(self, ids: list[int], skip_special: bool = False, continuation: bool = False) -> str:
+        """The text of `ids`; `continuation` (ids that continue a text) changes nothing here:
+        byte-level BPE adds no space in front (SentencePiece-style tokenizers do)."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
 

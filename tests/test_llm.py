@@ -219,7 +219,7 @@ def test_a_stop_string_ends_the_text_before_it_and_the_stream_never_shows_it(mod
         def __init__(self, text: str = "ab\nUser:xy"):
             self.text = text
 
-        def decode(self, ids, skip_special=False):
+        def decode(self, ids, skip_special=False, continuation=False):
             return "".join(self.text[i] for i in ids)
 
     stream = _Stream(Letters(), stop=["\nUser:"])

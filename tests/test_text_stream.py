@@ -12,7 +12,7 @@ PIECES = {1: b"hel", 2: b"lo ", 3: b"wor", 4: b"ld", 5: "Ã©".encode()[:1], 6: "Ã
 
 
 class BytesTokenizer:
-    def decode(self, ids, skip_special=False) -> str:
+    def decode(self, ids, skip_special=False, continuation=False) -> str:
         return b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
 
 

@@ -65,3 +65,51 @@ def test_a_pre_tokenizer_split_otherwise_is_refused_by_name(pre):
         match=rf"tiny.gguf: pre-tokenizer '{pre}' is not supported.*supported: .*llama-bpe.*qwen2",
     ):
         Tokenizer.from_gguf(FakeFile(pre))
+
+
+class FakeSpmFile(GGUFModel):
+    """A SentencePiece-style vocabulary (`tokenizer.ggml.model` "llama"), no tensors: <unk>, <s>,
+    </s> (control), the byte tokens of "é" (0xC3 0xA9), pieces with their scores."""
+
+    PIECES = {"▁": -1.0, "a": -2.0, "b": -2.0, "c": -2.0, "ab": -5.0, "bc": -3.0, "▁a": -4.0, "▁ab": -0.5}
+
+    def __init__(self, **extra):
+        self.path = Path("spm.gguf")
+        tokens = ["<unk>", "<s>", "</s>", "<0xC3>", "<0xA9>", *self.PIECES]
+        self.fields = {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": [0.0] * 5 + list(self.PIECES.values()),
+            "tokenizer.ggml.token_type": [2, 3, 3, 6, 6] + [1] * len(self.PIECES),
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2,
+            **extra,
+        }
+        self.file = types.SimpleNamespace(fields=self.fields)
+
+
+def spm_ids(*pieces: str) -> list[int]:
+    tokens = ["<unk>", "<s>", "</s>", "<0xC3>", "<0xA9>", *FakeSpmFile.PIECES]
+    return [tokens.index(p) for p in pieces]
+
+
+def test_a_sentencepiece_vocabulary_merges_the_best_scored_pair_first_as_llama_cpp():
+    """Worked by hand from llama.cpp's llm_tokenizer_spm: " abc" is "▁abc" after the space
+    prefix; pairs that are tokens: ▁a (-4), ab (-5), bc (-3): bc first (the best score), then
+    ▁a; then ▁a+bc is no token: [▁a, bc]. "é" has no token: its UTF-8 bytes' tokens. BOS by
+    default; </s> in the text is the control token, and the text after it gets the prefix."""
+    from models.tokenizer import from_gguf
+
+    tokenizer = from_gguf(FakeSpmFile())
+    assert tokenizer.encode("abc") == [1, *spm_ids("▁a", "bc")]
+    assert tokenizer.encode("ab") == [1, *spm_ids("▁ab")]  # ▁a (-4) then ▁a+b = ▁ab (-0.5)
+    assert tokenizer.encode("é a") == [1, *spm_ids("▁", "<0xC3>", "<0xA9>", "▁a")]
+    assert tokenizer.encode("c</s>a") == [1, *spm_ids("▁", "c", "</s>", "▁a")]
+    ids = tokenizer.encode("ab é")
+    assert tokenizer.decode(ids[1:]) == "ab é"  # the prefix space taken off
+    assert tokenizer.decode(ids, skip_special=True) == " ab é"  # as llama.cpp: not after a BOS it drops
+    assert tokenizer.decode(ids[1:], continuation=True) == " ab é"  # a generation's first word keeps it
+    assert tokenizer.decode(spm_ids("</s>", "▁a")) == "</s> a"
+    plain = {"tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": False}
+    no_prefix = from_gguf(FakeSpmFile(**plain))
+    assert no_prefix.encode("ab") == spm_ids("ab") and no_prefix.encode("ca") == spm_ids("c", "a")
