@@ -13,7 +13,16 @@ def make(args: argparse.Namespace) -> int:
     base = synthetic.SHAPES[args.shape]
     sizes = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "context")}
     shape = synthetic.Shape(**{k: getattr(base, k) if v is None else v for k, v in sizes.items()})
-    recipe = synthetic.Recipe(shape, args.weights, args.embedding, args.output, args.seed)
+    recipe = synthetic.Recipe(
+        shape,
+        args.weights,
+        args.embedding,
+        args.output,
+        args.seed,
+        architecture=args.architecture,
+        rope_factors=args.rope_factors,
+        rope_scale=args.rope_scale,
+    )
     if args.vocabulary == "none":
         vocabulary = None
     elif args.vocabulary == synthetic.BYTES:
@@ -25,7 +34,8 @@ def make(args: argparse.Namespace) -> int:
     written = synthetic.write(args.out, recipe, vocabulary)
     print(
         f"wrote {written.path} ({written.bytes / 2**20:.1f} MiB, {written.seconds:.1f} s): {shape}, "
-        f"weights {recipe.weights}, embedding {recipe.embedding}, head {recipe.output or 'tied'}, "
+        f"{recipe.architecture}, weights {recipe.weights}, embedding {recipe.embedding}, "
+        f"head {recipe.output or 'tied'}, "
         f"seed {recipe.seed}, {written.vocab} tokens from {written.vocabulary_from}"
     )
     return 0
@@ -45,6 +55,11 @@ def add(sub) -> None:
         "--output", default=None, choices=synthetic.WEIGHT_TYPES, help="an untied head's type (default: tied)"
     )
     p.add_argument("--seed", type=int, default=0, help="the weights' seed (%(default)s)")
+    p.add_argument(
+        "--architecture", default="llama", choices=synthetic.ARCHITECTURES, help="qwen2: q/k/v biases (%(default)s)"
+    )
+    p.add_argument("--rope-factors", action="store_true", help="Llama 3.1's rope frequency factors (rope_freqs)")
+    p.add_argument("--rope-scale", type=float, default=1.0, help="linear rope scaling's factor (%(default)s)")
     p.add_argument(
         "--vocabulary",
         default="",

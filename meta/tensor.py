@@ -172,10 +172,13 @@ class Tensor:
         """softmax(self * scale + mask) in one op (ggml's soft_max_ext); mask broadcasts."""
         return apply("softmax_ext", self, mask, axis=axis, scale=scale)
 
-    def rope(self, positions: Tensor, base: float = 10000.0, mode: str = "normal") -> Tensor:
+    def rope(self, positions: Tensor, base: float = 10000.0, mode: str = "normal", freqs=None) -> Tensor:
         """Rotary position embedding of (..., tokens, heads, head_dim) at integer `positions`
-        (..., tokens): mode "normal" rotates adjacent pairs (ggml), "neox" the two halves."""
-        return apply("rope", self, positions, base=base, mode=mode)
+        (..., tokens): mode "normal" rotates adjacent pairs (ggml), "neox" the two halves; pair i
+        turns by position * base^(-2i / head_dim) * freqs[i] (`freqs`: head_dim / 2 multipliers,
+        1 / a linear scaling's factor or Llama 3.1's frequency factors; none: 1)."""
+        extra = {} if freqs is None else {"freqs": [float(f) for f in freqs]}
+        return apply("rope", self, positions, base=base, mode=mode, **extra)
 
     def set_rows(self, ids: Tensor, value: Tensor, axis: int = 0, batch_start: int | Tensor | None = None) -> Tensor:
         """Write `value` into rows `ids` along `axis`, in place (ggml's SET_ROWS): the result is

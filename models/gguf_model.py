@@ -84,6 +84,11 @@ LAYER_TENSORS = {
     "w_down": "ffn_down",
 }
 TOP_TENSORS = {"embed": "token_embd", "norm": "output_norm", "output": "output"}
+LAYER_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # blk.N.*.bias: Qwen2's, optional in llama's
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency factors
+# general.architecture -> how llama.cpp rotates its q and k (llama_model_rope_type): adjacent pairs
+# for llama (its converter permutes the rows for it), the halves (NeoX) for qwen2
+ARCHITECTURES = {"llama": "normal", "qwen2": "neox"}
 
 
 class TemplateError(ModelError):
@@ -102,13 +107,22 @@ class ChatTemplate:
 
     source: str
     origin: str = "the chat template"  # names the file in errors
+    # the vocabulary's BOS and EOS texts, the template's `bos_token` and `eos_token` (Llama 3's and
+    # Mistral's templates write them); where the tokenizer adds BOS itself (`strip_bos`), a text
+    # starting with it loses it, as llama.cpp does: one BOS, not two
+    bos_token: str = ""
+    eos_token: str = ""
+    strip_bos: bool = False
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         _require("jinja2")
         from models.template_sandbox import RenderFailed, renderer
 
         try:
-            return renderer().render(self.source, messages, add_generation_prompt)
+            text = renderer().render(self.source, messages, add_generation_prompt, self.bos_token, self.eos_token)
+            if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
+                text = text[len(self.bos_token) :]
+            return text
         except RenderFailed as exc:
             if exc.kind == "unsafe":
                 raise TemplateError(
@@ -145,11 +159,13 @@ class GGUFModel:
         if vocabulary_only:
             return
         arch = self.meta("general.architecture")
-        if arch != "llama":
+        if arch not in ARCHITECTURES:
+            shown = repr(arch) if len(repr(arch)) <= 40 else repr(arch)[:40] + "..."
             raise ModelError(
-                f"{self.path.name}: architecture {arch!r} is not supported; this decoder runs llama-architecture "
-                "GGUF files with a byte-level BPE vocabulary (SmolLM, SmolLM2 and others converted as llama)"
+                f"{self.path.name}: architecture {shown} is not supported; this decoder runs "
+                f"{' and '.join(ARCHITECTURES)} GGUF files (Llama 2 and 3, Mistral, TinyLlama, SmolLM, Qwen2)"
             )
+        self.arch = arch
         self._check_types()
 
     def meta(self, key: str, default=None):
@@ -228,21 +244,27 @@ class GGUFModel:
                     f"dequantize ({type(exc).__name__}); convert the model to Q8_0, Q4_1, F16 or F32"
                 ) from None
 
+    def _key(self, name: str) -> str:
+        """The architecture's metadata key `name` (llama.embedding_length, qwen2.embedding_length)."""
+        return f"{self.arch}.{name}"
+
     @cached_property
     def config(self) -> LlamaConfig:
-        hidden = self.meta_int("llama.embedding_length", low=0)
-        heads = self.meta_int("llama.attention.head_count", low=0)
+        hidden = self.meta_int(self._key("embedding_length"), low=0)
+        heads = self.meta_int(self._key("attention.head_count"), low=0)
         return LlamaConfig(
             hidden=hidden,
-            layers=self.meta_int("llama.block_count", low=0, high=MAX_LAYERS),
+            layers=self.meta_int(self._key("block_count"), low=0, high=MAX_LAYERS),
             heads=heads,
-            kv_heads=self.meta_int("llama.attention.head_count_kv", heads, low=0),
-            ffn=self.meta_int("llama.feed_forward_length", low=0),
+            kv_heads=self.meta_int(self._key("attention.head_count_kv"), heads, low=0),
+            ffn=self.meta_int(self._key("feed_forward_length"), low=0),
             vocab=len(self.vocabulary),
-            eps=self.meta_float("llama.attention.layer_norm_rms_epsilon", 1e-5),
-            rope_base=self.meta_float("llama.rope.freq_base", 10000.0),
-            rope_mode="normal",
+            eps=self.meta_float(self._key("attention.layer_norm_rms_epsilon"), 1e-5),
+            rope_base=self.meta_float(self._key("rope.freq_base"), 10000.0),
+            rope_mode=ARCHITECTURES[self.arch],
             tied="output.weight" not in self.tensors,
+            rope_freqs=self._rope_freqs(hidden // heads if heads and hidden % heads == 0 else 0),
+            qkv_bias="blk.0.attn_q.bias" in self.tensors,
         )
 
     def check(self) -> None:
@@ -262,6 +284,7 @@ class GGUFModel:
             raise ModelError(f"{name}: head size {cfg.head_dim} is odd; rope rotates pairs")
         self._check_rope(cfg.head_dim)
         self._check_layers(cfg.layers)
+        self._check_unread()
         _ = self.token_types
         for weight, shape in self.expected_shapes().items():
             got = self._tensor(weight).shape
@@ -282,20 +305,47 @@ class GGUFModel:
 
     def _check_rope(self, head_dim: int) -> None:
         """Rope as this decoder applies it: over the whole head, at the file's base frequency,
-        unscaled. A file asking for more (rotating part of each head, scaled positions, Llama
-        3.1's per-frequency factors) is refused: its positions would rotate otherwise than
+        each frequency multiplied by 1 / a linear scaling's factor (llama.cpp's freq_scale) and
+        by 1 / rope_freqs (Llama 3.1's factors). A file asking for more (rotating part of each
+        head, YaRN or LongRoPE scaling) is refused: its positions would rotate otherwise than
         llama.cpp rotates them, and attention at every position but the first would be off, silently."""
         name = self.path.name
-        rotated = self.meta_int("llama.rope.dimension_count", head_dim, low=0)
+        rotated = self.meta_int(self._key("rope.dimension_count"), head_dim, low=0)
         if rotated != head_dim:
             raise ModelError(f"{name}: rope rotates {rotated} of each head's {head_dim} values; only whole heads are")
-        scaling = self.meta_str("llama.rope.scaling.type", "none")
-        factor = self.meta_float("llama.rope.scaling.factor", 1.0)
-        if scaling != "none" and factor != 1.0:
-            raise ModelError(f"{name}: rope scaling {scaling!r} by {factor:g} is not supported")
-        if "rope_freqs.weight" in self.tensors:
+        scaling = self.meta_str(self._key("rope.scaling.type"), "linear")
+        if scaling not in ("none", "linear") and self._rope_scale() != 1.0:
+            raise ModelError(f"{name}: rope scaling {scaling!r} by {self._rope_scale():g} is not supported (linear is)")
+
+    def _rope_scale(self) -> float:
+        """The linear scaling's factor (llama.cpp reads the new key, then the old one)."""
+        old = self.meta_float(self._key("rope.scale_linear"), 1.0)
+        return self.meta_float(self._key("rope.scaling.factor"), old)
+
+    def _rope_freqs(self, head_dim: int) -> tuple[float, ...] | None:
+        """Each rope frequency's multiplier (LlamaConfig.rope_freqs), None where all are 1."""
+        scale = 1.0 / self._rope_scale()
+        t = self.tensors.get(ROPE_FREQS)
+        if t is None:
+            return None if scale == 1.0 else (scale,) * (head_dim // 2)
+        factors = self._gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+        if factors.size != head_dim // 2 or not np.all(np.isfinite(factors)) or not np.all(factors > 0):
             raise ModelError(
-                f"{name}: rope frequency factors (rope_freqs.weight, Llama 3.1's scaling) are not supported"
+                f"{self.path.name}: {ROPE_FREQS} must hold head_dim / 2 = {head_dim // 2} positive finite factors, "
+                f"got {factors.size} values"
+            )
+        return tuple(float(scale / f) for f in factors)
+
+    def _check_unread(self) -> None:
+        """Every tensor of the file is one this decoder reads: one it would ignore (another
+        architecture's bias or norm) would change llama.cpp's logits, not ours, silently."""
+        read = {self._gguf_name(weight) for weight in self.expected_shapes()} | {ROPE_FREQS}
+        unread = sorted(set(self.tensors) - read)
+        if unread:
+            more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+            raise ModelError(
+                f"{self.path.name}: tensor {', '.join(unread[:3])}{more} is not one this decoder reads "
+                f"({self.arch}: attention, feed-forward, norms{', q/k/v biases' if self.config.qkv_bias else ''})"
             )
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -308,18 +358,22 @@ class GGUFModel:
         layer = {"attn_norm": (cfg.hidden,), "ffn_norm": (cfg.hidden,), "wq": (cfg.hidden, cfg.hidden)}
         layer.update(wk=(cfg.hidden, kv), wv=(cfg.hidden, kv), wo=(cfg.hidden, cfg.hidden))
         layer.update(w_gate=(cfg.hidden, cfg.ffn), w_up=(cfg.hidden, cfg.ffn), w_down=(cfg.ffn, cfg.hidden))
+        if cfg.qkv_bias:
+            layer.update(bq=(cfg.hidden,), bk=(kv,), bv=(kv,))
         for i in range(cfg.layers):
             shapes.update({f"l{i}.{key}": shape for key, shape in layer.items()})
         return shapes
 
     @property
     def context_length(self) -> int:
-        return self.meta_int("llama.context_length", 2048, low=0)
+        return self.meta_int(self._key("context_length"), 2048, low=0)
 
     @staticmethod
     def _gguf_name(name: str) -> str:
         if "." in name:
             layer, key = name.split(".", 1)
+            if key in LAYER_BIASES:
+                return f"blk.{layer[1:]}.{LAYER_BIASES[key]}.bias"
             return f"blk.{layer[1:]}.{LAYER_TENSORS[key]}.weight"
         return f"{TOP_TENSORS[name]}.weight"
 
@@ -389,7 +443,11 @@ class GGUFModel:
     @property
     def chat_template(self) -> ChatTemplate | None:
         source = self.meta_str("tokenizer.chat_template", "")
-        return ChatTemplate(source, str(self.path)) if source else None
+        if not source:
+            return None
+        bos, eos = self.token_id("tokenizer.ggml.bos_token_id"), self.eos
+        text = lambda token: self.vocabulary[token] if token >= 0 else ""  # noqa: E731
+        return ChatTemplate(source, str(self.path), text(bos), text(eos), strip_bos=self.tokenizer.add_bos)
 
     @property
     def eos(self) -> int:

@@ -46,6 +46,10 @@ class LlamaConfig:
     rope_base: float = 10000.0
     rope_mode: str = "normal"  # "normal": adjacent pairs (ggml, llama.cpp's GGUF layout); "neox": halves
     tied: bool = True
+    # each rope frequency's multiplier (head_dim / 2 of them: 1 / a linear scaling's factor, Llama
+    # 3.1's 1 / frequency factor), None: 1
+    rope_freqs: tuple[float, ...] | None = None
+    qkv_bias: bool = False  # biases added to q, k and v (Qwen2)
 
     @property
     def head_dim(self) -> int:
@@ -77,6 +81,9 @@ def random_weights(cfg: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict[st
             f"l{i}.w_up": w((h, cfg.ffn), h),
             f"l{i}.w_down": w((cfg.ffn, h), cfg.ffn),
         }
+        if cfg.qkv_bias:
+            out |= {f"l{i}.bq": w((cfg.heads * hd,), 4.0)}
+            out |= {f"l{i}.{b}": w((cfg.kv_heads * hd,), 4.0) for b in ("bk", "bv")}
     if not cfg.tied:
         out["output"] = w((h, cfg.vocab), h)
     return out
@@ -123,9 +130,11 @@ class ReferenceDecoder:
         for i in range(cfg.layers):
             p = f"l{i}."
             h = self._norm(x, w[p + "attn_norm"])
-            q = ref.rope((h @ w[p + "wq"]).reshape(batch, t, cfg.heads, hd), positions, cfg.rope_base, cfg.rope_mode)
-            k = ref.rope((h @ w[p + "wk"]).reshape(batch, t, cfg.kv_heads, hd), positions, cfg.rope_base, cfg.rope_mode)
-            v = (h @ w[p + "wv"]).reshape(batch, t, cfg.kv_heads, hd)
+            q, k, v = (h @ w[p + n] + (w[p + b] if cfg.qkv_bias else 0) for n, b in QKV)
+            rotate = (positions, cfg.rope_base, cfg.rope_mode, cfg.rope_freqs)
+            q = ref.rope(q.reshape(batch, t, cfg.heads, hd), *rotate)
+            k = ref.rope(k.reshape(batch, t, cfg.kv_heads, hd), *rotate)
+            v = v.reshape(batch, t, cfg.kv_heads, hd)
             for b in range(batch):
                 self.k[i][b][:, positions[b]] = k[b].transpose(1, 0, 2)
                 self.v[i][b][:, positions[b]] = v[b].transpose(1, 0, 2)
@@ -199,6 +208,8 @@ def _down_block(source: Source, cfg: LlamaConfig) -> int:
 
 # a decoder layer's weights, "l{i}." + each
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate_up", "w_down")
+QKV = (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))  # the attention's input products and their biases
+QKV_BIASES = tuple(b for _, b in QKV)  # a layer's further weights with LlamaConfig.qkv_bias
 PREFILL_STEPS = 16  # prefill chains a model keeps (one per padded length, pool, logits, slot or not)
 PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
 
@@ -276,6 +287,10 @@ class TensorParallelLlama:
             place(p + "wq", Split(1, (q_cols,)))
             place(p + "wk", Split(1, (kv_cols,)))
             place(p + "wv", Split(1, (kv_cols,)))
+            if cfg.qkv_bias:  # split as their product's columns
+                place(p + "bq", Split(0, (q_cols,)))
+                place(p + "bk", Split(0, (kv_cols,)))
+                place(p + "bv", Split(0, (kv_cols,)))
             place(p + "wo", Split(0, (q_cols,)))
             place(p + "w_down", Split(0, (self.ffn_extents,)))
             self.w[p + "w_gate_up"] = self._fused_gate_up(source, p)
@@ -482,14 +497,15 @@ class TensorParallelLlama:
         return graph
 
     def _layer_graph(self, formats: dict[str, str | None], slotted: bool):
-        """(x, positions, mask, *LAYER_WEIGHTS, cache K, cache V[, slot]) -> [x after the layer,
+        """(x, positions, mask, *a layer's weights, cache K, cache V[, slot]) -> [x after the layer,
         the caches written in place]. The residual stays as the planner leaves it between
         layers (Partial over several devices: each adds its share, one all-reduce before each
         norm), the same sums in the same order as one program of every layer."""
-        count = len(LAYER_WEIGHTS)
+        names = self._layer_names
+        count = len(names)
 
         def graph(x: Tensor, pos: Tensor, mask: Tensor, *rest: Tensor) -> list[Tensor]:
-            weights = dict(zip(LAYER_WEIGHTS, rest[:count]))
+            weights = dict(zip(names, rest[:count]))
             cache_k, cache_v, *slot = rest[count:]
             x, cache_k, cache_v = self._layer(weights, formats, x, pos, mask, cache_k, cache_v, *slot)
             return [x, cache_k, cache_v]
@@ -557,10 +573,15 @@ class TensorParallelLlama:
         self.k, self.v = new_k, new_v
         return x
 
+    @property
+    def _layer_names(self) -> tuple[str, ...]:
+        """A layer's weights: LAYER_WEIGHTS, and the q, k, v biases of a model with them."""
+        return LAYER_WEIGHTS + (QKV_BIASES if self.cfg.qkv_bias else ())
+
     def _layer_weights(self, i: int) -> tuple[dict[str, Tensor], dict[str, str | None]]:
-        """Layer i's weights and the format of each kept quantized (None: float), by LAYER_WEIGHTS name."""
-        p = f"l{i}."
-        return {n: self.w[p + n] for n in LAYER_WEIGHTS}, {n: self.formats.get(p + n) for n in LAYER_WEIGHTS}
+        """Layer i's weights and the format of each kept quantized (None: float), by name."""
+        p, names = f"l{i}.", self._layer_names
+        return {n: self.w[p + n] for n in names}, {n: self.formats.get(p + n) for n in names}
 
     def _layer(
         self,
@@ -588,9 +609,11 @@ class TensorParallelLlama:
             return _product(a, w[name], formats[name])
 
         h = x.rms_norm(eps=cfg.eps) * w["attn_norm"]
-        q = mm(h, "wq").reshape(batch, t, cfg.heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
-        k = mm(h, "wk").reshape(batch, t, cfg.kv_heads, hd).rope(pos, cfg.rope_base, cfg.rope_mode)
-        v = mm(h, "wv").reshape(batch, t, cfg.kv_heads, hd)
+        q, k, v = (mm(h, n) + w[b] if cfg.qkv_bias else mm(h, n) for n, b in QKV)
+        rotate = (pos, cfg.rope_base, cfg.rope_mode, cfg.rope_freqs)
+        q = q.reshape(batch, t, cfg.heads, hd).rope(*rotate)
+        k = k.reshape(batch, t, cfg.kv_heads, hd).rope(*rotate)
+        v = v.reshape(batch, t, cfg.kv_heads, hd)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, kv, t, hd)
         cache_k = cache_k.set_rows(pos, k, axis=2, **at)  # in place, (b, kv, ctx, hd)
         cache_v = cache_v.set_rows(pos, v, axis=2, **at)  # in place, (b, kv, ctx, hd)

@@ -107,12 +107,14 @@ def _softmax_ext(inputs, params):
     return softmax((_f64(x) * params["scale"] + _f64(mask)).astype(np.float64), params["axis"]).astype(x.dtype)
 
 
-def rope(x: np.ndarray, positions: np.ndarray, base: float, mode: str) -> np.ndarray:
+def rope(x: np.ndarray, positions: np.ndarray, base: float, mode: str, freqs=None) -> np.ndarray:
     """Rotary embedding as complex multiplication: pairs (x[2i], x[2i+1]) (ggml's normal mode) or
-    (x[i], x[i + d/2]) (NeoX) are complex numbers turned by position * base^(-2i/d) radians."""
+    (x[i], x[i + d/2]) (NeoX) are complex numbers turned by position * base^(-2i/d) * freqs[i]
+    radians (freqs: each frequency's multiplier, 1 without)."""
     d = x.shape[-1]
     w = _f64(x)
-    theta = np.asarray(positions, np.float64)[..., None, None] * base ** (-np.arange(0, d, 2) / d)
+    scale = 1.0 if freqs is None else np.asarray(freqs, np.float64)
+    theta = np.asarray(positions, np.float64)[..., None, None] * (base ** (-np.arange(0, d, 2) / d) * scale)
     if mode == "neox":
         z = (w[..., : d // 2] + 1j * w[..., d // 2 :]) * np.exp(1j * theta)
         out = np.concatenate([z.real, z.imag], axis=-1)
@@ -344,7 +346,7 @@ REFERENCES: dict[str, Callable[[Sequence[np.ndarray], Params], np.ndarray]] = {
     "eq": lambda i, p: np.equal(_f64(i[0]), _f64(i[1])),
     "where": lambda i, p: np.where(i[0], i[1], i[2]).astype(i[1].dtype),
     "softmax_ext": _softmax_ext,
-    "rope": lambda i, p: rope(i[0], i[1], p["base"], p["mode"]),
+    "rope": lambda i, p: rope(i[0], i[1], p["base"], p["mode"], p.get("freqs")),
     "set_rows": _set_rows,
     "top_k_combine": _top_k_combine,
 }

@@ -105,19 +105,32 @@ _FACTORS = {
 }
 
 
+ARCHITECTURES = ("llama", "qwen2")  # qwen2: biases on q, k and v; llama.cpp rotates its halves (NeoX)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """What a synthetic file holds: `weights` the type of every layer matrix, `embedding` the
     token embedding's (and a tied head's), `output` an untied head's type (None: tied, as
-    SmolLM2), `seed` the random weights'."""
+    SmolLM2), `seed` the random weights', `architecture` one of ARCHITECTURES; rope as Llama
+    3.1's (`rope_factors`: a rope_freqs.weight of frequency factors from 1 to 8) or linearly
+    scaled (`rope_scale`: the positions divided by it)."""
 
     shape: Shape
     weights: str = "q4_1"
     embedding: str = "q8_0"
     output: str | None = None
     seed: int = 0
+    architecture: str = "llama"
+    rope_factors: bool = False
+    rope_scale: float = 1.0
 
     def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            known = ", ".join(ARCHITECTURES)
+            raise SyntheticError(f"synthetic architecture {self.architecture!r}: choose one of {known}")
+        if not isinstance(self.rope_scale, (int, float)) or not 0 < self.rope_scale < math.inf:
+            raise SyntheticError(f"synthetic rope scale must be a positive number, not {self.rope_scale!r}")
         for what in ("weights", "embedding", "output"):
             kind = getattr(self, what)
             if kind is not None and kind not in WEIGHT_TYPES:
@@ -133,11 +146,17 @@ class Recipe:
         yield "output_norm.weight", (s.hidden,), "f32"
         if self.output is not None:
             yield "output.weight", (vocab, s.hidden), self.output
+        if self.rope_factors:
+            yield "rope_freqs.weight", (s.head_dim // 2,), "f32"
         for i in range(s.layers):
             yield f"blk.{i}.attn_norm.weight", (s.hidden,), "f32"
             yield f"blk.{i}.attn_q.weight", (s.hidden, s.hidden), self.weights
             yield f"blk.{i}.attn_k.weight", (kv, s.hidden), self.weights
             yield f"blk.{i}.attn_v.weight", (kv, s.hidden), self.weights
+            if self.architecture == "qwen2":
+                yield f"blk.{i}.attn_q.bias", (s.hidden,), "f32"
+                yield f"blk.{i}.attn_k.bias", (kv,), "f32"
+                yield f"blk.{i}.attn_v.bias", (kv,), "f32"
             yield f"blk.{i}.attn_output.weight", (s.hidden, s.hidden), self.weights
             yield f"blk.{i}.ffn_norm.weight", (s.hidden,), "f32"
             yield f"blk.{i}.ffn_gate.weight", (s.ffn, s.hidden), self.weights
@@ -187,18 +206,22 @@ def write(path: str | Path, recipe: Recipe, vocabulary: str | Path | None = None
     recipe.check(vocab)
     s = recipe.shape
     path = Path(path)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(f"synthetic llama ({s}), {recipe.weights} seed {recipe.seed}")
-    writer.add_uint32("llama.context_length", s.context)
-    writer.add_uint32("llama.embedding_length", s.hidden)
-    writer.add_uint32("llama.block_count", s.layers)
-    writer.add_uint32("llama.feed_forward_length", s.ffn)
-    writer.add_uint32("llama.rope.dimension_count", s.head_dim)
-    writer.add_uint32("llama.attention.head_count", s.heads)
-    writer.add_uint32("llama.attention.head_count_kv", s.kv_heads)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_float32("llama.rope.freq_base", 10000.0)
-    writer.add_uint32("llama.vocab_size", vocab)
+    arch = recipe.architecture
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"synthetic {arch} ({s}), {recipe.weights} seed {recipe.seed}")
+    writer.add_uint32(f"{arch}.context_length", s.context)
+    writer.add_uint32(f"{arch}.embedding_length", s.hidden)
+    writer.add_uint32(f"{arch}.block_count", s.layers)
+    writer.add_uint32(f"{arch}.feed_forward_length", s.ffn)
+    writer.add_uint32(f"{arch}.rope.dimension_count", s.head_dim)
+    writer.add_uint32(f"{arch}.attention.head_count", s.heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", s.kv_heads)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    if recipe.rope_scale != 1.0:
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", float(recipe.rope_scale))
+    writer.add_uint32(f"{arch}.vocab_size", vocab)
     for key, (value, kind, sub) in fields.items():
         writer.add_key_value(key, value, kind, sub_type=sub)
     plan = list(recipe.tensors(vocab))
@@ -233,6 +256,10 @@ def _layout(shape: tuple[int, ...], kind: str):
 
 
 def _values(rng: np.random.Generator, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+    if name == "rope_freqs.weight":  # as Llama 3.1's: the highest frequencies kept, the lowest slowed 8x
+        return np.geomspace(1.0, 8.0, shape[0]).astype(np.float32)
+    if name.endswith(".bias"):
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
     if len(shape) == 1:  # a norm's weight: near one
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     # a matrix (out, in): values of spread 1/sqrt(in) keep a product's output at its input's scale.

@@ -37,13 +37,20 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 def raise_exception(message):
     raise ValueError(f"the template refused the messages: {message}")
+def strftime_now(form):  # Llama 3.1's and 3.2's templates date their system message
+    import datetime
+    return datetime.datetime.now().strftime(str(form))
 env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined)
 env.globals["raise_exception"] = raise_exception
+env.globals["strftime_now"] = strftime_now
 for line in sys.stdin:
     try:
         req = json.loads(line)
         text = env.from_string(req["source"]).render(
-            messages=req["messages"], add_generation_prompt=req["add_generation_prompt"]
+            messages=req["messages"],
+            add_generation_prompt=req["add_generation_prompt"],
+            bos_token=req.get("bos_token", ""),
+            eos_token=req.get("eos_token", ""),
         )
         reply = {"text": text}
     except jinja2.exceptions.SecurityError as exc:
@@ -80,8 +87,19 @@ class TemplateRenderer:
         self._child: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
-    def render(self, source: str, messages: list[dict], add_generation_prompt: bool) -> str:
-        request = json.dumps({"source": source, "messages": messages, "add_generation_prompt": add_generation_prompt})
+    def render(
+        self, source: str, messages: list[dict], add_generation_prompt: bool, bos_token: str = "", eos_token: str = ""
+    ) -> str:
+        """The template's text for `messages`, its `bos_token` and `eos_token` variables those texts."""
+        request = json.dumps(
+            {
+                "source": source,
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": bos_token,
+                "eos_token": eos_token,
+            }
+        )
         with self._lock:
             child = self._started()
             try:

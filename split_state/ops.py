@@ -8,6 +8,7 @@ turns global parameters into the ones device d's kernel needs on its local shape
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -466,7 +467,15 @@ def _infer_rope(shapes, dtypes, params):
     if mode not in ROPE_MODES:
         raise ShapeError(f"rope: mode must be one of {ROPE_MODES}, got {mode!r}")
     base = _number(params, "base", 10000.0, "rope")
-    return x, _float(dtypes[0], "rope"), {"base": base, "mode": mode}
+    canon = {"base": base, "mode": mode}
+    freqs = params.get("freqs")
+    if freqs is not None:  # each frequency's multiplier: linear scaling, Llama 3.1's factors
+        good = isinstance(freqs, (list, tuple)) and len(freqs) == x[-1] // 2
+        numbers = good and all(isinstance(f, (int, float)) and not isinstance(f, bool) for f in freqs)
+        if not numbers or not all(0 < f < math.inf for f in freqs):
+            raise ShapeError(f"rope: freqs must be head_dim / 2 = {x[-1] // 2} positive finite multipliers")
+        canon["freqs"] = [float(f) for f in freqs]
+    return x, _float(dtypes[0], "rope"), canon
 
 
 def _rope_labels(shapes, params, out_shape):

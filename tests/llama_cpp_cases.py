@@ -1,7 +1,8 @@
 """Synthetic llama files checked against llama.cpp's own logits (tests/test_llama_cpp_logits.py).
 
-Each case is a recipe (models/synthetic.py: shape, types, seed, a byte-level vocabulary made from
-nothing), a prompt of token ids and a number of greedy steps. `python tests/llama_cpp_cases.py`
+Each case is a recipe (models/synthetic.py: shape, types, seed, architecture, rope scaling, a
+byte-level vocabulary made from nothing or a family's real one from tests/data), a prompt of token
+ids and a number of greedy steps. `python tests/llama_cpp_cases.py`
 writes each file, runs llama.cpp on it (llama-cpp-python, float32 KV cache, one thread) over the
 prompt and its own greedy continuation, and stores the tokens and every position's logits in
 tests/data/llama_cpp_logits.npz with a SHA-256 of the file's weights and sizes, so the test
@@ -35,23 +36,45 @@ class Case:
     prompt: tuple[int, ...] = (5, 17, 300, 42, 999, 7, 128, 64)
     steps: int = 8
     vocab: int = 1000
+    architecture: str = "llama"
+    rope_factors: bool = False
+    rope_scale: float = 1.0
+    vocabulary: str | None = None  # a tests/data file whose vocabulary to copy; None: bytes made here
 
     def recipe(self):
         from models import synthetic
 
-        shape = synthetic.Shape(self.layers, self.hidden, self.ffn, self.heads, self.kv_heads, self.vocab, 128)
-        return synthetic.Recipe(shape, weights="f32", embedding="f32", output=self.output, seed=self.seed)
+        vocab = None if self.vocabulary else self.vocab
+        shape = synthetic.Shape(self.layers, self.hidden, self.ffn, self.heads, self.kv_heads, vocab, 128)
+        return synthetic.Recipe(
+            shape,
+            weights="f32",
+            embedding="f32",
+            output=self.output,
+            seed=self.seed,
+            architecture=self.architecture,
+            rope_factors=self.rope_factors,
+            rope_scale=self.rope_scale,
+        )
 
     def write(self, folder: Path) -> Path:
         from models import synthetic
 
-        return synthetic.write(folder / f"{self.name}.gguf", self.recipe(), synthetic.BYTES).path
+        vocabulary = ROOT / "tests" / "data" / self.vocabulary if self.vocabulary else synthetic.BYTES
+        return synthetic.write(folder / f"{self.name}.gguf", self.recipe(), vocabulary).path
 
 
+LONG = tuple(range(40, 56))  # 16 positions: where scaled frequencies turn far enough to tell apart
 CASES = (
     Case("tied-gqa2", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, output=None, seed=1),
     Case("untied-gqa4", layers=2, hidden=256, ffn=384, heads=8, kv_heads=2, output="f32", seed=2),
     Case("mha-3-layers", layers=3, hidden=128, ffn=256, heads=4, kv_heads=4, output=None, seed=3),
+    # Llama 3.1's rope frequency factors; linear rope scaling; Qwen2 (q/k/v biases, NeoX rope); a
+    # Llama 2-style file: SentencePiece vocabulary of 32,000 tokens, untied head
+    Case("llama31-rope-factors", 2, 256, 512, 4, 2, output=None, seed=4, rope_factors=True, prompt=LONG),
+    Case("linear-rope-x4", 2, 256, 512, 4, 2, output=None, seed=5, rope_scale=4.0, prompt=LONG),
+    Case("qwen2", 2, 256, 384, 8, 2, output="f32", seed=6, architecture="qwen2"),
+    Case("llama2-spm", 2, 128, 256, 4, 4, output="f32", seed=7, steps=4, vocabulary="ggml-vocab-llama-spm.gguf"),
 )
 
 
@@ -62,7 +85,8 @@ def sha256(path: Path) -> str:
 
     f = GGUFFile(path)
     digest = hashlib.sha256()
-    for key in sorted(k for k in f.fields if k.startswith("llama.")):
+    arch = f.fields["general.architecture"]
+    for key in sorted(k for k in f.fields if k.startswith(f"{arch}.")):
         digest.update(f"{key}={f.fields[key]!r}".encode())
     for name, t in f.tensors.items():
         digest.update(f"{name}:{t.tensor_type.name}:{t.shape}".encode())

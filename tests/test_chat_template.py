@@ -123,3 +123,83 @@ def test_serve_answers_a_runaway_template_with_400(tmp_path):
     app = build_app(batcher, "m", chat_template=ChatTemplate("{{ 'x' * 2000000000 }}", "heavy.gguf"))
     reply = TestClient(app).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert reply.status_code == 400 and "memory" in reply.json()["error"]["message"]
+
+
+# The families' own templates (as their tokenizer_config.json ships them), each with the text its
+# model card documents for a conversation, worked out by hand from that format.
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token + ' ' }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+TURNS = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello"},
+    {"role": "user", "content": "Bye"},
+]
+
+
+@pytest.mark.parametrize(
+    "source, bos, eos, expected",
+    [
+        (
+            CHATML,
+            "",
+            "<|im_end|>",
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+            "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n",
+        ),
+        (MISTRAL, "<s>", "</s>", "[INST] Hi [/INST]Hello</s> [INST] Bye [/INST]"),
+        (
+            LLAMA3,
+            "<|begin_of_text|>",
+            "<|eot_id|>",
+            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+            "Hello<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ),
+    ],
+    ids=["qwen-chatml", "mistral-inst", "llama3"],
+)
+def test_the_families_templates_render_their_documented_format(source, bos, eos, expected):
+    """With the vocabulary's BOS and EOS texts; the BOS the template writes first is dropped where
+    the tokenizer adds it (llama.cpp's rule: one BOS), the EOS between turns kept."""
+    template = ChatTemplate(source, "family.gguf", bos, eos, strip_bos=True)
+    assert template.render(TURNS) == expected
+
+
+def test_a_mistral_conversation_tokenizes_with_one_bos_and_its_turns_eos():
+    """Through Llama 2's SentencePiece vocabulary (llama.cpp's file): BOS once, at the start,
+    and </s> after the assistant's turn, parsed as the control token it is."""
+    from pathlib import Path
+
+    from models.gguf_model import GGUFModel
+
+    vocab = GGUFModel(Path(__file__).parent / "data" / "ggml-vocab-llama-spm.gguf", vocabulary_only=True)
+    tokenizer = vocab.tokenizer
+    text = ChatTemplate(MISTRAL, "mistral.gguf", "<s>", "</s>", strip_bos=tokenizer.add_bos).render(TURNS)
+    ids = tokenizer.encode(text)
+    assert ids[0] == 1 and ids.count(1) == 1 and ids.count(2) == 1
+    # llama.cpp's SentencePiece rule: text after a special token gets the prefix space too
+    assert tokenizer.decode(ids, skip_special=True) == " [INST] Hi [/INST]Hello  [INST] Bye [/INST]"
+
+
+def test_a_template_that_dates_its_system_message_renders():
+    """Llama 3.1's and 3.2's templates call strftime_now when it is defined."""
+    source = "{% if strftime_now is defined %}{{ strftime_now('%Y') }}{% endif %}|{{ messages[0]['content'] }}"
+    year, rest = ChatTemplate(source).render(TURNS).split("|")
+    assert year.isdigit() and len(year) == 4 and rest == "Hi"

@@ -1,5 +1,7 @@
 """Our llama decoder against llama.cpp's own logits, on the same files: synthetic llama files
-(tests/llama_cpp_cases.py: tied and untied heads, GQA 2:1 and 4:1, plain multi-head) made again
+(tests/llama_cpp_cases.py: tied and untied heads, GQA 2:1 and 4:1, plain multi-head, Llama 3.1's
+rope frequency factors, linear rope scaling, Qwen2's biases and NeoX rope, a Llama 2-style file with
+its SentencePiece vocabulary) made again
 here from their recipes, and the logits llama.cpp gave on them (stored, with each file's
 SHA-256, in tests/data/llama_cpp_logits.npz; llama.cpp itself is not needed to run this). The
 NumPy reference decoder and the tensor-parallel one on 1 to 3 devices, fed llama.cpp's tokens,
@@ -46,11 +48,9 @@ def files(tmp_path_factory, stored):
 def weights_of(model: GGUFModel) -> dict[str, np.ndarray]:
     cfg = model.config
     names = ["embed", "norm"] + ([] if cfg.tied else ["output"])
-    names += [
-        f"l{i}.{k}"
-        for i in range(cfg.layers)
-        for k in ("attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-    ]
+    layer = ("attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    layer += ("bq", "bk", "bv") if cfg.qkv_bias else ()
+    names += [f"l{i}.{k}" for i in range(cfg.layers) for k in layer]
     return {n: model.weight(n) for n in names}
 
 

@@ -109,11 +109,18 @@ CASES = {
         dict(extra={"llama.rope.dimension_count": 2}),
         "rope rotates 2 of each head's 4 values; only whole heads are",
     ),
-    "scaled rope": (
-        dict(extra={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
-        "rope scaling 'linear' by 4 is not supported",
+    "YaRN rope scaling": (
+        dict(extra={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}),
+        "rope scaling 'yarn' by 4 is not supported (linear is)",
     ),
-    "rope frequency factors": (dict(shapes={"rope_freqs.weight": (2,)}), "rope frequency factors (rope_freqs.weight"),
+    "rope frequency factors of the wrong count": (
+        dict(shapes={"rope_freqs.weight": (3,)}),
+        "rope_freqs.weight must hold head_dim / 2 = 2 positive finite factors, got 3 values",
+    ),
+    "a tensor the decoder would not read": (
+        dict(shapes={"blk.0.attn_output.bias": (8,)}),
+        "tensor blk.0.attn_output.bias is not one this decoder reads",
+    ),
     "a tensor of the wrong shape": (dict(shapes={"blk.0.attn_k.weight": (8, 6)}), "attn_k.weight has shape [8, 6]"),
     "a truncated file": (dict(truncate=100), "truncated"),
 }

@@ -178,6 +178,13 @@ def test_the_command_writes_a_file_generate_reads_and_refuses_a_bad_shape_in_one
     done = run(str(target), "--layers", "1", "--vocabulary", "none", "--vocab", "64", "--weights", "q8_0")
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout and GGUFModel(target).config.layers == 1
+    qwen = tmp_path / "q.gguf"
+    flags = ("--architecture", "qwen2", "--rope-factors", "--rope-scale", "2", "--vocabulary", "none", "--vocab", "64")
+    done = run(str(qwen), "--layers", "1", *flags)
+    assert done.returncode == 0, done.stderr
+    cfg = GGUFModel(qwen).config  # tiny: head size 16; the factors run 1 to 8, each then halved
+    assert cfg.qkv_bias and cfg.rope_mode == "neox" and "qwen2" in done.stdout
+    np.testing.assert_allclose(cfg.rope_freqs, 0.5 / np.geomspace(1, 8, 8), rtol=1e-6)
     refused = run(str(tmp_path / "bad.gguf"), "--hidden", "100", "--heads", "2", "--kv-heads", "2")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "whole q8_0 blocks" in refused.stderr
     assert not (tmp_path / "bad.gguf").exists()
@@ -268,6 +275,7 @@ def test_the_command_makes_a_vocabulary_where_no_model_is_installed(tmp_path, mo
     args = argparse.Namespace(
         out=str(tmp_path / "m.gguf"), shape="tiny", layers=1, hidden=None, ffn=None, heads=None, kv_heads=None,
         vocab=1000, context=None, weights="q8_0", embedding="q8_0", output=None, seed=0, vocabulary="",
+        architecture="llama", rope_factors=False, rope_scale=1.0,
     )  # fmt: skip
     assert command.make(args) == 0
     assert (

@@ -248,38 +248,46 @@ def _softmax_masked(xp, inputs, params, out=None):
     return emit(e / e.sum(axis=params["axis"], keepdims=True), out, x.dtype)
 
 
-def rope_angles(xp, positions, head_dim: int, base: float):
-    """(..., tokens, head_dim / 2) rotation angles: position * base^(-2i / head_dim), in float64."""
-    return positions.astype(xp.float64)[..., None] * _inverse_frequencies(xp, head_dim, float(base))
+def rope_angles(xp, positions, head_dim: int, base: float, freqs: tuple[float, ...] | None = None):
+    """(..., tokens, head_dim / 2) rotation angles: position * base^(-2i / head_dim) * freqs[i]
+    (each frequency's multiplier: 1 / a linear scaling's factor, Llama 3.1's 1 / factor_i), in
+    float64."""
+    return positions.astype(xp.float64)[..., None] * _inverse_frequencies(xp, head_dim, float(base), freqs)
 
 
 _FREQUENCIES: dict[tuple, object] = {}
 
 
-def _inverse_frequencies(xp, head_dim: int, base: float):
-    """base^(-2i / head_dim), computed on the host (the same bits on every backend) and moved
-    to the device once: a copy from host memory each call cannot be captured in a device graph,
-    so every rope ran eagerly, about 10 kernel launches 20 times per token."""
-    key = (xp.__name__, head_dim, base)
+def _inverse_frequencies(xp, head_dim: int, base: float, freqs: tuple[float, ...] | None):
+    """base^(-2i / head_dim) * freqs[i], computed on the host (the same bits on every backend)
+    and moved to the device once: a copy from host memory each call cannot be captured in a
+    device graph, so every rope ran eagerly, about 10 kernel launches 20 times per token."""
+    key = (xp.__name__, head_dim, base, freqs)
     inv = _FREQUENCIES.get(key)
     if inv is None:
-        inv = _FREQUENCIES[key] = xp.asarray(np.power(base, -np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+        host = np.power(base, -np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        if freqs is not None:
+            host = host * np.asarray(freqs, np.float64)
+        inv = _FREQUENCIES[key] = xp.asarray(host)
     return inv
 
 
 @functools.lru_cache(maxsize=16)
-def _host_rotation(positions: bytes, dtype: str, shape: tuple, head_dim: int, base: float):
+def _host_rotation(positions: bytes, dtype: str, shape: tuple, head_dim: int, base: float, freqs):
     """cos and sin (float32) of host positions, kept for the next step with the same positions:
     every layer's q and k rope at the same positions."""
     pos = np.frombuffer(positions, dtype=dtype).reshape(shape)
-    angles = rope_angles(np, pos, head_dim, base)[..., None, :]  # broadcast over heads
+    angles = rope_angles(np, pos, head_dim, base, freqs)[..., None, :]  # broadcast over heads
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def rotation(xp, positions, head_dim: int, base: float, dtype):
+def rotation(xp, positions, head_dim: int, params: dict, dtype):
+    """cos and sin of the rope op's angles (`params`: its base and frequency multipliers)."""
+    base, freqs = float(params["base"]), params.get("freqs")
+    freqs = None if freqs is None else tuple(float(f) for f in freqs)
     if xp is np and np.dtype(dtype) == np.float32:
-        return _host_rotation(positions.tobytes(), positions.dtype.str, positions.shape, head_dim, float(base))
-    angles = rope_angles(xp, positions, head_dim, base)[..., None, :]
+        return _host_rotation(positions.tobytes(), positions.dtype.str, positions.shape, head_dim, base, freqs)
+    angles = rope_angles(xp, positions, head_dim, base, freqs)[..., None, :]
     return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
 
 
@@ -288,7 +296,7 @@ def _rope(xp, inputs, params, out=None):
     if x.size == 0:
         return x.copy() if out is None else out
     w = _wide(xp, x)
-    cos, sin = rotation(xp, positions, x.shape[-1], params["base"], w.dtype)
+    cos, sin = rotation(xp, positions, x.shape[-1], params, w.dtype)
     target = xp.empty_like(w) if out is None or _low(x.dtype) else out
     half = x.shape[-1] // 2
     if params["mode"] == "neox":

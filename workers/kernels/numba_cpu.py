@@ -71,7 +71,7 @@ def rope(xp, inputs, params, out=None):
     if xp is not np or x.ndim < 2 or not x.size or positions.shape != x.shape[:-2] or not _plain(x, out):
         return basic.KERNELS["rope"](xp, inputs, params, out)
     d = x.shape[-1]
-    cos, sin = basic.rotation(xp, positions, d, params["base"], np.float32)
+    cos, sin = basic.rotation(xp, positions, d, params, np.float32)
     flat = x.reshape(-1, x.shape[-2], d)
     neox = params["mode"] == "neox"
     _loops().rope_rows(flat, cos.reshape(-1, d // 2), sin.reshape(-1, d // 2), neox, out.reshape(flat.shape))
