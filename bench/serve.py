@@ -3,10 +3,13 @@ to first token, beside the prefill time of `launch.py generate` (LLM.generate) f
 on as many workers, in the same run.
 
     python bench/serve.py [--quick] [--json results/serve.json] [--workers 2] [--clients 1 4 8] [--soak 120]
+                          [--join 2000]
 
 Every client streams a greedy completion of a short prompt for a fixed number of tokens
 (ignore_eos, as llama-server's benchmarks do). The server runs with as many slots as the most
-clients.
+clients. `--join N`: then four streams run while a prompt of N tokens joins; each stream's
+longest gap between two tokens while it goes in (its prefill goes in chunks between their decode
+steps: models/batching.py), beside their median gap before it.
 """
 
 from __future__ import annotations
@@ -101,6 +104,53 @@ def soak(url: str, seconds: float, clients: int, tokens: int = 16) -> dict:
     return {"seconds": seconds, "clients": clients, **counts}
 
 
+def join_stall(url: str, prompt_tokens: int, streams: int = 4, tokens: int = 2000) -> dict:
+    """`streams` greedy streams, then a prompt of `prompt_tokens` token ids joining once each has
+    5 tokens: each stream's longest gap between tokens from the join's submission to its answer."""
+    import httpx
+
+    arrivals: list[list[float]] = [[] for _ in range(streams)]
+    done = threading.Event()
+
+    def stream(k: int) -> None:
+        body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    arrivals[k].append(time.perf_counter())
+                if done.is_set():
+                    break
+
+    threads = [threading.Thread(target=stream, args=(k,)) for k in range(streams)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while min(len(a) for a in arrivals) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ids = [504 + i % 1000 for i in range(prompt_tokens)]  # any tokens of the vocabulary
+    joined = time.perf_counter()
+    reply = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0}, timeout=600)
+    answered = time.perf_counter()
+    time.sleep(0.5)  # the streams' next tokens, past the answer
+    done.set()
+    for t in threads:
+        t.join(600)
+    reply.raise_for_status()
+    during, before = [], []
+    for times in arrivals:
+        gaps = [(b - a, b) for a, b in zip(times, times[1:])]
+        during += [gap for gap, at in gaps if joined < at <= answered + 0.5]
+        before += [gap for gap, at in gaps if at <= joined]
+    before.sort()
+    return {
+        "streams": streams,
+        "prompt_tokens": prompt_tokens,
+        "join_s": answered - joined,
+        "max_gap_s": max(during, default=0.0),
+        "median_gap_before_s": before[len(before) // 2] if before else 0.0,
+    }
+
+
 def generate_prefill(workers: int) -> float:
     """Prefill seconds of LLM.generate (what `launch.py generate` reports) for the prompt."""
     from meta import ClusterConfig, MetaDevice, ProcessCluster
@@ -113,14 +163,14 @@ def generate_prefill(workers: int) -> float:
         return min(llm.generate([PROMPT], max_new_tokens=2)[0].prefill_s for _ in range(3))
 
 
-def run(quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0) -> dict:
+def run(quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0, join: int = 0) -> dict:
     import httpx
 
     tokens = 24 if quick else 64
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", str(workers), "--port", str(port)]
-    cmd += ["--max-slots", str(max(clients)), "--ctx", "512"]
+    cmd += ["--max-slots", str(max(clients + [5 if join else 1])), "--ctx", str(max(512, join + 256))]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     rows = []
     try:
@@ -158,6 +208,7 @@ def run(quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0
                 }
             )
         soaked = soak(url, soak_seconds, max(clients)) if soak_seconds > 0 else None
+        joined = join_stall(url, join) if join else None
         metrics = httpx.get(url + "/metrics", timeout=10).text
         inside = [line for line in metrics.splitlines() if 'first_token_seconds{quantile="0.5"}' in line]
     finally:
@@ -173,10 +224,20 @@ def run(quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0
         "generate_prefill_s": generate_prefill(workers),
         "server_ttft_median_s": server_ttft,
         "soak": soaked,
+        "join": joined,
     }
 
 
 def show(results: dict) -> None:
+    joined = results.get("join")
+    if joined:
+        print(
+            table(
+                f"a {joined['prompt_tokens']}-token prompt joining {joined['streams']} running streams",
+                ["join answered s", "longest gap between a stream's tokens s", "median gap before s"],
+                [[joined["join_s"], joined["max_gap_s"], joined["median_gap_before_s"]]],
+            )
+        )
     soaked = results.get("soak")
     if soaked:
         print(
@@ -211,7 +272,7 @@ def show(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     def measure(args):
-        return run(args.quick, args.workers, args.clients, args.soak)
+        return run(args.quick, args.workers, args.clients, args.soak, args.join)
 
     def options(ap) -> None:
         ap.add_argument("--workers", type=int, default=2)
@@ -219,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(
             "--soak", type=float, default=0.0, help="then as many clients as the most for this many seconds"
         )
+        ap.add_argument("--join", type=int, default=0, help="then a prompt of this many tokens joins 4 streams")
 
     return cli(__doc__, "serve", measure, show, argv, options)
 

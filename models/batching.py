@@ -6,13 +6,15 @@ llama-server run them).
     for event in ticket.stream(): ...        # Token(...), then one Finished(...)
 
 The caches hold `slots` sequences (batch rows). One thread owns the device: between two decode
-steps it admits queued jobs into the lowest free slots (each prompt prefilled into its own row
-with `prefill(..., slot=...)`, the other rows untouched; prompts padded to a few lengths, each a
-captured step serving every slot, the slot fed to it), then runs one captured decode step for
-the first rows up to the highest busy slot, rounded up to a power of two (1, 2, 4, ... slots:
-as vLLM pads a batch to its captured sizes), each row at its own position, and hands each
-active slot its next token. One request
-alone thus costs a one-row step, not a step of every slot. A slot whose job finished, was
+steps it admits queued jobs into the lowest free slots and prefills one chunk of PREFILL_CHUNK
+prompt tokens (128) of the job admitted first whose prompt is not all in yet, into its own row
+(`prefill(..., start, slot=...)`, the other rows untouched; chunks padded to a few lengths, each
+a captured step serving every slot, the slot fed to it), then runs one captured decode step for
+the first rows up to the highest slot that is decoding, rounded up to a power of two (1, 2, 4,
+... slots: as vLLM pads a batch to its captured sizes), each row at its own position, and hands
+each decoding slot its next token. So a long prompt joining (chunked prefill, as vLLM's) holds
+the running streams up for one chunk at a time, not for its whole prefill, and a step's buffers
+stay a chunk's size. One request alone costs a one-row step, not a step of every slot. A slot whose job finished, was
 cancelled or whose client left is free for the next job at once. Rows without a job decode a
 dummy token at position 0 of their own row, which the next prompt placed there overwrites. A
 row's tokens do not depend on the other rows: a greedy job gives the same tokens alone and in a
@@ -36,7 +38,7 @@ import numpy as np
 from meta.device import MetaDevice
 from models.generate import POOL, WEIGHTS, Sampling, candidates, check_cache_types, check_fits, stop_string_at
 from models.gguf_model import GGUFModel, ModelError
-from models.llama import TensorParallelLlama
+from models.llama import PREFILL_CHUNK, TensorParallelLlama
 from split_state.errors import ConsistencyError, MetaError, TransportError, WorkerLost
 from workers.generation import choose
 
@@ -103,6 +105,8 @@ class _Slot:
     ticket: Ticket
     rng: np.random.Generator
     position: int  # where the next token's keys and values go
+    pending: list[int]  # the prompt's tokens not prefilled yet: none once it decodes
+    admitted: int  # the order it was admitted in: chunks go to the earliest first
     tokens: list[int] = field(default_factory=list)
 
 
@@ -151,6 +155,7 @@ class ContinuousBatcher:
         self._wake = threading.Condition()
         self._stopping = False
         self._decodes: dict[int, object] = {}  # rows -> the captured decode step of the first rows
+        self._admitted = 0  # jobs admitted so far
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
 
     # -- the requests' side -------------------------------------------------------------------------
@@ -227,6 +232,7 @@ class ContinuousBatcher:
                     if self._stopping:
                         break
                 self._admit()
+                self._prefill_chunk()
                 self._step()
         except Exception as exc:  # noqa: BLE001 - the cluster failed, or this loop did: every job is told,
             # later ones refused (a request's own error never comes here: _admit and _take fail that job alone)
@@ -242,6 +248,7 @@ class ContinuousBatcher:
             self.slots = [None] * len(self.slots)
 
     def _admit(self) -> None:
+        """Queued jobs into the free slots; their prompts go in by chunks (_prefill_chunk)."""
         for index, slot in enumerate(self.slots):
             if slot is not None:
                 continue
@@ -253,29 +260,54 @@ class ContinuousBatcher:
                 self._finish(index, ticket, "cancelled")
                 continue
             job = ticket.job
-            # POOL candidates whatever the job's sampling, cut to its pool here (as a decode step's
-            # are): one prefill step per slot and length serves every request
-            try:
-                values, indices = self.net.prefill([list(job.prompt)], 0, POOL, slot=index)
-            except (TransportError, ConsistencyError) as exc:  # the cluster's failure: the job is told now
-                ticket.events.put(Finished("error", f"{type(exc).__name__}: {exc}"))
-                raise
-            except MetaError as exc:  # this prompt's own failure (a worker refused it): this job alone
-                self._finish(index, ticket, "error", f"{type(exc).__name__}: {exc}")
-                continue
-            self.counters.prompt_tokens += len(job.prompt)
-            self.slots[index] = _Slot(ticket, np.random.default_rng(job.sampling.seed), len(job.prompt))
-            pool = job.sampling.pool
+            self._admitted += 1
+            rng = np.random.default_rng(job.sampling.seed)
+            self.slots[index] = _Slot(ticket, rng, 0, list(job.prompt), self._admitted)
+
+    def _prefill_chunk(self) -> None:
+        """One chunk of the prompt admitted first among those not all in; its last chunk gives
+        the job its first token."""
+        waiting = [(s.admitted, i) for i, s in enumerate(self.slots) if s is not None and s.pending]
+        if not waiting:
+            return
+        index = min(waiting)[1]
+        slot = self.slots[index]
+        ticket = slot.ticket
+        if ticket.cancelled.is_set():
+            self._finish(index, ticket, "cancelled")
+            return
+        chunk = slot.pending[:PREFILL_CHUNK]
+        # POOL candidates whatever the job's sampling, cut to its pool here (as a decode step's
+        # are): one prefill step per length serves every slot and request
+        try:
+            values, indices = self.net.prefill([chunk], slot.position, POOL, slot=index)
+        except (TransportError, ConsistencyError) as exc:  # the cluster's failure: the job is told now
+            ticket.events.put(Finished("error", f"{type(exc).__name__}: {exc}"))
+            raise
+        except MetaError as exc:  # this prompt's own failure (a worker refused it): this job alone
+            self._finish(index, ticket, "error", f"{type(exc).__name__}: {exc}")
+            return
+        self.counters.prompt_tokens += len(chunk)
+        slot.position += len(chunk)
+        del slot.pending[: len(chunk)]
+        if not slot.pending:
+            pool = ticket.job.sampling.pool
             self._take(index, values.numpy()[0, 0, :pool], indices.numpy()[0, 0, :pool])
 
+    def _decoding(self, slot: _Slot | None) -> bool:
+        return slot is not None and not slot.pending
+
     def _step(self) -> None:
-        if not self.active():
+        if not any(self._decoding(s) for s in self.slots):
             return
         rows = self._rows()
+        # a row without a decoding job decodes a dummy token: at position 0 of a free row, at the
+        # next chunk's first position of a row still prefilling (the chunk writes it again)
         tokens, positions = np.zeros((rows, 1), np.int32), np.zeros((rows, 1), np.int32)
         for index, slot in enumerate(self.slots[:rows]):
             if slot is not None:
-                tokens[index, 0], positions[index, 0] = slot.tokens[-1], slot.position
+                tokens[index, 0] = slot.tokens[-1] if self._decoding(slot) else 0
+                positions[index, 0] = slot.position
         start = time.perf_counter()
         decode = self._decodes.get(rows)
         if decode is None:
@@ -288,15 +320,15 @@ class ContinuousBatcher:
         self.counters.decode_rows += rows
         self.counters.decode_seconds += time.perf_counter() - start
         for index, slot in enumerate(self.slots[:rows]):
-            if slot is not None:
+            if self._decoding(slot):
                 slot.position += 1
                 pool = slot.ticket.job.sampling.pool
                 self._take(index, v[index, 0, :pool], i[index, 0, :pool])
 
     def _rows(self) -> int:
-        """The rows the next decode step runs: up to the highest busy slot, rounded up to a power
-        of two (at most every slot), so a handful of captured steps serve every mix of slots."""
-        highest = max(index for index, slot in enumerate(self.slots) if slot is not None)
+        """The rows the next decode step runs: up to the highest decoding slot, rounded up to a
+        power of two (at most every slot), so a handful of captured steps serve every mix of slots."""
+        highest = max(index for index, slot in enumerate(self.slots) if self._decoding(slot))
         return min(len(self.slots), 1 << highest.bit_length())
 
     def _take(self, index: int, values: np.ndarray, indices: np.ndarray) -> None:

@@ -219,6 +219,14 @@ def _product(x: Tensor, weight: Tensor, fmt: str | None) -> Tensor:
     return x @ weight if fmt is None else qmatmul(x, weight, fmt)
 
 
+def _row_of(cache: Tensor, row: Tensor) -> Tensor:
+    """Batch row `row` (a fed 0-d index) of a cache (batch, kv heads, ctx, hd) split by KV
+    heads, as (1, kv heads, ctx, hd) split alike: a lookup in the cache flattened to one row
+    per batch row (each device copies its heads' part of the row)."""
+    batch, *rest = cache.shape
+    return get_rows(cache.reshape(batch, math.prod(rest)), row.reshape(1)).reshape(1, *rest)
+
+
 def padded_length(tokens: int, room: int) -> int:
     """The length a prompt of `tokens` is padded to, at most `room` (the positions left in the
     cache): a multiple of 16 up to 64, then of a quarter of the power of two below it (80, 96,
@@ -393,9 +401,10 @@ class TensorParallelLlama:
         """Each prompt (one per batch row; rows past them are written with padding) written into
         the caches from position `start` on; returns the top `pool` (values, indices) of each
         prompt's next token, (rows, 1, pool), and with `logits` the whole (rows, 1, vocab)
-        logits after them, all run. With `slot`: one prompt, a new sequence in batch row `slot`
-        (a server's slot) from position 0, attending to itself only, the other rows left as they
-        are.
+        logits after them, all run. With `slot`: one prompt, a sequence in batch row `slot` (a
+        server's slot) from position `start` (0: a new one), attending to that row's cache up
+        to its own positions, the other rows left as they are: a long prompt can go in chunks,
+        each a call of its own (the server interleaves them with its streams' decode steps).
 
         Through a captured step per padded length: the prompts are padded to `padded_length`,
         so prompts of similar lengths replay one compiled program (no graph to build, plan or
@@ -408,8 +417,7 @@ class TensorParallelLlama:
         reading what the ones before it cached, while every prompt goes past the chunk: so the
         steps of any prompt length come from a few padded lengths (16 to 128), all planned
         once, and a step's buffers (its attention scores above all) stay the size of a chunk.
-        The last step holds every prompt's last token. A slot's prompt attends to itself
-        only, so it goes in one step."""
+        The last step holds every prompt's last token."""
         rows_fed = self.batch if slot is None else 1
         longest = max((len(p) for p in prompts), default=0)
         if not 1 <= len(prompts) <= rows_fed or not longest or start < 0 or start + longest > self.ctx:
@@ -417,12 +425,12 @@ class TensorParallelLlama:
                 f"prefill: {len(prompts)} prompts of up to {longest} tokens from position {start}; give 1 to "
                 f"{rows_fed} prompts of 1 or more tokens within the caches' {self.ctx} positions"
             )
-        if slot is not None and (start or not 0 <= slot < self.batch):
-            raise ShapeError(f"prefill of slot {slot} from {start}: a slot starts at 0, in rows 0..{self.batch - 1}")
+        if slot is not None and not 0 <= slot < self.batch:
+            raise ShapeError(f"prefill of slot {slot}: a slot is one of the rows 0..{self.batch - 1}")
         shortest = min(len(p) for p in prompts)
-        ahead = 0 if slot is not None else max(0, shortest - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # in whole chunks
+        ahead = max(0, shortest - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # in whole chunks
         for at in range(0, ahead, PREFILL_CHUNK):
-            self._prefill_step([p[at : at + PREFILL_CHUNK] for p in prompts], start + at, pool, logits, None)
+            self._prefill_step([p[at : at + PREFILL_CHUNK] for p in prompts], start + at, pool, logits, slot)
         return self._prefill_step([p[ahead:] for p in prompts], start + ahead, pool, logits, slot)
 
     def _prefill_step(
@@ -483,15 +491,11 @@ class TensorParallelLlama:
 
     def _embed_graph(self, slotted: bool):
         """(ids, positions) -> [x (rows, tokens, hidden), the attention mask]: a prompt
-        attends to the positions up to its own in the cache, or with `slotted` (a new sequence
-        in a slot) to itself only."""
+        attends to the positions up to its own in the cache (with `slotted`, its slot's row)."""
 
         def graph(ids: Tensor, pos: Tensor) -> list[Tensor]:
             batch, t = ids.shape
-            if slotted:
-                keep = self.positions_ctx[:, :, :, :, :t] <= pos.reshape(1, 1, 1, t, 1)  # (1, 1, 1, t, t)
-            else:
-                keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)  # (batch, 1, 1, tokens, ctx)
+            keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)  # (batch, 1, 1, tokens, ctx)
             return [self._embed(ids), where(keep, self.zero, self.minus_inf)]
 
         return graph
@@ -617,7 +621,9 @@ class TensorParallelLlama:
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, kv, t, hd)
         cache_k = cache_k.set_rows(pos, k, axis=2, **at)  # in place, (b, kv, ctx, hd)
         cache_v = cache_v.set_rows(pos, v, axis=2, **at)  # in place, (b, kv, ctx, hd)
-        keys, values, seen = (k, v, t) if slot is not None else (cache_k, cache_v, self.ctx)
+        keys, values, seen = cache_k, cache_v, self.ctx
+        if slot is not None:  # the slot's row of each cache, up to this chunk's positions (the mask)
+            keys, values = _row_of(cache_k, slot), _row_of(cache_v, slot)
         if first_rows:  # views of the rows in use: the workers copy nothing
             keys, values = cache_k[:batch], cache_v[:batch]
         qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)

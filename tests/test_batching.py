@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from meta import MetaDevice
@@ -187,3 +188,64 @@ def test_health_is_answered_while_a_call_holds_the_device(batcher):
     finally:
         release.set()
         holder.join(10)
+
+
+def reference_greedy(model: GGUFModel, prompt, steps: int, ctx: int) -> list[int]:
+    """The NumPy reference decoder's greedy tokens after `prompt` (the model's float32 weights)."""
+    from models.llama import ReferenceDecoder
+
+    weights = {name: model.weight(name) for name in model.expected_shapes()}
+    ref = ReferenceDecoder(model.config, weights, ctx)
+    logits = ref.forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1]
+    out = [int(np.argmax(logits))]
+    for pos in range(len(prompt), len(prompt) + steps - 1):
+        logits = ref.forward(np.array([[out[-1]]]), np.array([[pos]]))[0, -1]
+        out.append(int(np.argmax(logits)))
+    return out
+
+
+def test_a_long_prompt_joins_in_chunks_between_the_streams_tokens(tiny, monkeypatch):
+    """Chunked prefill: a 40-token prompt joining a running stream goes in chunks of 8 (the
+    chunk made small here), each followed by a decode step of the stream, which thus keeps
+    getting tokens while the prompt goes in (not one long stall); both give the NumPy reference
+    decoder's greedy tokens, the long prompt's read across its chunks' cache."""
+    import models.batching as batching
+    import models.llama as llama
+
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 8)
+    ctx, long_prompt = 64, [int(t) for t in np.random.default_rng(5).integers(0, 49152, 40)]
+    dev = MetaDevice(SimulatedCluster(2))
+    made = ContinuousBatcher(dev, tiny, slots=2, ctx=ctx, weights="f32")
+    try:
+        produced = []  # the slot of each token and "chunk" for each prefill chunk, in the batcher's order
+        real_take, real_chunk = made._take, made._prefill_chunk
+        monkeypatch.setattr(made, "_take", lambda index, *a: produced.append(index) or real_take(index, *a))
+
+        def chunk():  # marked before it runs (its last chunk hands out a token), unmarked if none ran
+            before, at = made.counters.prompt_tokens, len(produced)
+            produced.append("chunk")
+            real_chunk()
+            if made.counters.prompt_tokens == before:
+                del produced[at]
+
+        monkeypatch.setattr(made, "_prefill_chunk", chunk)
+        made.start()
+        stream = made.submit(Job(PROMPT, 24, Sampling(), stop_at_eos=False))
+        first = stream.next(TOLD_WITHIN)
+        assert isinstance(first, Token)
+        joining = made.submit(Job(tuple(long_prompt), 4, Sampling(), stop_at_eos=False))
+        streamed = [first.token] + [e.token for e in events_of(stream, 60) if isinstance(e, Token)]
+        joined = [e.token for e in events_of(joining, 60) if isinstance(e, Token)]
+        # 40 tokens in chunks of 8: 5 chunks, a decode step of the stream after each of the first
+        # 4; so 4 of the stream's tokens at least between the joining job's admission and its first
+        stream_slot, join_slot = 0, 1
+        joining_chunks = produced[produced.index("chunk", 1) :]  # the stream's own prompt was the first
+        until_first = joining_chunks[: joining_chunks.index(join_slot) + 1]
+        assert until_first == ["chunk", stream_slot] * 4 + ["chunk", join_slot]
+        assert joined == reference_greedy(tiny, long_prompt, 4, ctx)
+        assert streamed == reference_greedy(tiny, list(PROMPT), 24, ctx)
+        assert made.counters.prompt_tokens == len(PROMPT) + len(long_prompt)
+    finally:
+        made.stop()
+        dev.close()

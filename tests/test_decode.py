@@ -605,8 +605,30 @@ def test_padded_prefills_into_slots_leave_the_other_rows_and_equal_the_reference
     admit(2, 9)
     assert len(dev.plans) == plans  # slot 2's 16-token step replayed
     decode()
-    with pytest.raises(ShapeError, match="prefill of slot 3 from 0"):
+    with pytest.raises(ShapeError, match="prefill of slot 3: a slot is one of the rows 0..2"):
         net.prefill([[1, 2]], 0, pool=3, slot=3)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_slots_prompt_in_chunks_reads_its_earlier_chunks_from_its_row(sim, n):
+    """A server's chunked prefill: a 21-token prompt given to slot 1 in three calls (positions
+    0, 8 and 16 on), while slot 0 holds another sequence: each chunk attends to the row's cache
+    up to its positions; the last chunk's logits are the reference's on the whole prompt, and
+    slot 0 decodes on as if alone."""
+    weights = random_weights(GQA_CFG, seed=21)
+    ctx, rng = 32, np.random.default_rng(9)
+    net = TensorParallelLlama(sim(n), GQA_CFG, weights.__getitem__, ctx, batch=2)
+    other = [int(x) for x in rng.integers(0, 72, 6)]
+    net.prefill([other], 0, pool=1, slot=0)
+    prompt = [int(x) for x in rng.integers(0, 72, 21)]
+    for at in (0, 8, 16):
+        logits = net.prefill([prompt[at : at + 8]], at, pool=1, logits=True, slot=1)[2].numpy()[0, 0]
+    want = ReferenceDecoder(GQA_CFG, weights, ctx).forward(np.array([prompt]), np.arange(21)[None])[0, -1]
+    np.testing.assert_allclose(logits, want, rtol=2e-4, atol=2e-4)
+    ref = ReferenceDecoder(GQA_CFG, weights, ctx)
+    ref.forward(np.array([other]), np.arange(6)[None])
+    got = net.step(np.array([[5], [7]], np.int32), np.array([[6], [21]], np.int32)).numpy()
+    np.testing.assert_allclose(got[0, 0], ref.forward(np.array([[5]]), np.array([[6]]))[0, -1], rtol=2e-4, atol=2e-4)
 
 
 def test_a_cache_write_past_the_context_is_an_error(sim):
