@@ -120,6 +120,11 @@ def test_a_kernel_that_reads_on_the_host_runs_eagerly_between_two_graphs(backend
     assert [len(s.calls) for s in found] == [2, 3] and all(s.replays for s in found)
     ((eager_op, why),) = graphs.refusals(program.compiled.calls)  # what the workers' stats report
     assert eager_op == "normalize" and "cudaErrorStreamCaptureUnsupported" in why, why
+    # what the abandoned capture allocated is let go: no graph will ever write that pool
+    (split,) = [s for s in program.compiled.calls if isinstance(s, graphs.Segment) and s.pieces is not None]
+    assert split.pool is None
+    # the stats' per-run count: two graphs, the refused kernel and the fresh result between and after
+    assert graphs.per_run(program.compiled.calls) == (2, ["normalize", "neg"])
 
 
 @pytest.mark.parametrize("cublas", [True, False], ids=["own cuBLAS handle", "CuPy's products"])

@@ -323,3 +323,28 @@ def test_a_prompt_the_caches_already_hold_is_prefilled_from_its_last_token(tmp_p
     finally:
         dev.close()
     assert runs == [fresh] * 3
+
+
+def test_the_ffn_splits_on_the_largest_block_of_a_mixed_format_files_down_weights(tmp_path):
+    """A file mixing formats by layer (as llama.cpp's Q4_K_M does): layer 0's w_down in Q8_0
+    blocks (32 values), layer 1's in Q4_K (256). On 3 devices an FFN of 512 splits on 256-value
+    blocks (256 + 256 + 0); on 32-value ones (192 + 160 + 160) the Q4_K weight would be cut inside
+    its blocks. Decoding gives the reference's logits over gguf's dequantization of both files."""
+    shape = synthetic.Shape(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=300, context=64)
+    q8 = synthetic.write(tmp_path / "q8.gguf", synthetic.Recipe(shape, weights="q8_0", embedding="f32")).path
+    q4k = synthetic.write(tmp_path / "q4k.gguf", synthetic.Recipe(shape, weights="q4_k", embedding="f32", seed=1)).path
+    first, second = GGUFModel(q8), GGUFModel(q4k)
+
+    def source(name):
+        return (second if name == "l1.w_down" else first).native(name)
+
+    weights = gguf_weights(q8) | {"l1.w_down": gguf_weights(q4k)["l1.w_down"]}
+    expected = decode_logits(ReferenceDecoder(first.config, weights, 32), 4)
+    dev = MetaDevice(SimulatedCluster(3), check_mirrored=True)
+    try:
+        net = TensorParallelLlama(dev, first.config, source, 32)
+        assert net.ffn_extents == (256, 256, 0)
+        got = decode_logits(net, 4)
+    finally:
+        dev.close()
+    np.testing.assert_allclose(got, expected, atol=2e-3, rtol=0)
