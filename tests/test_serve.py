@@ -268,6 +268,73 @@ def test_chat_content_must_be_text(server):
     assert reply.status_code == 400 and "text content" in reply.json()["error"]["message"]
 
 
+def _fuzz_bodies():
+    """Request bodies as a careless or hostile client writes them: every field of either
+    endpoint missing, of the right type in and out of its range, or of another type."""
+    from hypothesis import strategies as st
+
+    junk = st.one_of(
+        st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8), st.lists(st.integers(), max_size=3)
+    )
+    small = st.one_of(st.integers(-3, 12), junk)
+    unit = st.one_of(st.floats(-1, 2), junk)
+    ids = st.lists(st.integers(-2, 50_000), min_size=0, max_size=6)
+    message = st.fixed_dictionaries(
+        {
+            "role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool"]), junk),
+            "content": st.one_of(st.text(max_size=20), junk),
+        }
+    )
+    fields = {
+        "prompt": st.one_of(st.text(max_size=40), ids, junk),
+        "messages": st.one_of(st.lists(message, max_size=3), junk),
+        "max_tokens": small,
+        "max_completion_tokens": small,
+        "temperature": unit,
+        "top_p": unit,
+        "top_k": small,
+        "min_p": unit,
+        "repeat_penalty": unit,
+        "seed": st.one_of(st.integers(-2, 2**70), junk),
+        "stop": st.one_of(st.text(max_size=6), st.lists(st.text(max_size=6), max_size=6), junk),
+        "stream": st.one_of(st.booleans(), junk),
+        "ignore_eos": st.one_of(st.booleans(), junk),
+        "n": small,
+        "logprobs": small,
+        "model": st.sampled_from(["", None]),  # another name is a 404 before any field is read
+        "frequency_penalty": unit,
+        "unknown_field": junk,
+    }
+    return st.tuples(
+        st.sampled_from(["/v1/completions", "/v1/chat/completions"]), st.fixed_dictionaries({}, optional=fields)
+    )
+
+
+def test_fuzzed_request_bodies_never_get_a_500_and_the_server_serves_on(server, client, model):
+    """hypothesis writes request bodies (_fuzz_bodies); every answer is a 200 or an OpenAI error
+    body with a 4xx status, within its deadline; after them a plain request still gets the
+    reference's tokens and /health says 200."""
+    from hypothesis import HealthCheck, given, settings
+
+    url, headers = server[1], {"Authorization": f"Bearer {KEY}"}
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(_fuzz_bodies())
+    def ask(case):
+        path, body = case
+        reply = httpx.post(url + path, content=json.dumps(body).encode(), headers=headers, timeout=60)
+        assert reply.status_code == 200 or 400 <= reply.status_code < 500, (body, reply.status_code, reply.text[:300])
+        if reply.status_code != 200:
+            error = reply.json()["error"]
+            assert error["type"] and error["message"], body
+
+    ask()
+    assert httpx.get(url + "/health", timeout=5).status_code == 200
+    ids = model.tokenizer.encode(PROMPTS[0])
+    done = client.completions.create(model="", prompt=ids, max_tokens=4, temperature=0)
+    assert done.choices[0].text == model.tokenizer.decode(_reference_tokens(model, ids, 4))
+
+
 @pytest.mark.parametrize(
     "method, path, status",
     [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405), ("POST", "/health", 405)],
