@@ -34,7 +34,12 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from models.openai_server import build_app
+    from split_state.errors import MetaError
 
+    if not 0 < args.body_timeout < float("inf"):
+        raise MetaError(f"--body-timeout {args.body_timeout}: give a positive number of seconds")
+    if not 0 <= args.grace < float("inf"):
+        raise MetaError(f"--grace {args.grace}: give a number of seconds, 0 or more")
     check_port(args.host, args.port)  # a busy port is said before any worker starts
     model = GGUFModel(args.model or None)
     model.check()  # a file that cannot be served is refused before any worker starts
@@ -55,7 +60,9 @@ def serve(args: argparse.Namespace) -> int:
             batcher.warm_up()
         batcher.start()
         try:
-            app = build_app(batcher, model_id, args.api_key, model.chat_template, health=dev.health)
+            app = build_app(
+                batcher, model_id, args.api_key, model.chat_template, health=dev.health, body_seconds=args.body_timeout
+            )
             config = uvicorn.Config(
                 app,
                 host=args.host,
@@ -144,6 +151,12 @@ def add(sub) -> None:
         type=int,
         default=256,
         help="open connections at most; past them 503 at once (default: %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request's body may take to arrive; past them 408 (default: %(default)s)",
     )
     p.add_argument(
         "--grace",

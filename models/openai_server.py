@@ -13,7 +13,8 @@ a body of at most MAX_BODY_BYTES, a prompt no longer in bytes than the context c
 leaves (chat's default: all of it; completions': 16, as OpenAI's, or less where less is left),
 and the fields this server does not implement (logprobs, tools, penalties, ...) refused rather
 than ignored. Every error is OpenAI's JSON body: 400 malformed, 401 wrong key, 404 unknown model
-or path, 405 wrong method, 413 too large, 503 once the cluster cannot serve, 500 (never seen in
+or path, 405 wrong method, 408 a body not all in within --body-timeout (a stalled client's
+connection goes back), 413 too large, 503 once the cluster cannot serve, 500 (never seen in
 the tests) for a fault of ours. A client that leaves frees its slot within a token, streamed or
 not.
 """
@@ -27,6 +28,7 @@ import time
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_BODY_BYTES = 16 << 20  # a body larger is refused unread (413)
+BODY_SECONDS = 30.0  # a body not all in within this is refused (408): a slow client holds no connection for ever
 LARGE_BODY = 1 << 16  # a body at least this large is parsed on a thread
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024
@@ -156,9 +158,12 @@ def job_from(body: dict, prompt_ids: list[int], default_seed: int, room: int, ch
     return Job(tuple(prompt_ids), max_tokens, sampling, stop_strings(body), stop_at_eos=not ignore_eos)
 
 
-def build_app(batcher, model_id: str, api_key: str = "", chat_template=None, health=lambda: ""):
+def build_app(
+    batcher, model_id: str, api_key: str = "", chat_template=None, health=lambda: "", body_seconds: float = BODY_SECONDS
+):
     """The FastAPI application over a started ContinuousBatcher; `health()` says why the
-    cluster cannot serve ("" while it can), asked without a call to the workers."""
+    cluster cannot serve ("" while it can), asked without a call to the workers; a request
+    body must be all in within `body_seconds` of its headers."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -214,8 +219,15 @@ def build_app(batcher, model_id: str, api_key: str = "", chat_template=None, hea
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > too_long:
             raise body_too_large(int(declared))
-        raw = bytearray()
-        async for chunk in request.stream():
+        raw, chunks = bytearray(), request.stream().__aiter__()
+        deadline = time.monotonic() + body_seconds
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                break
+            except TimeoutError:  # a slow (or stalled) client: its connection goes back
+                raise RequestError(408, f"the body did not arrive within {body_seconds:g} s") from None
             raw += chunk
             if len(raw) > too_long:
                 raise body_too_large(len(raw))

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key"
 SLOTS, CTX = 3, 96
+BODY_S = 3.0  # the server's --body-timeout here
 PROMPTS = ["The capital of France is", "One, two, three,", "Water boils at"]
 
 
@@ -78,7 +79,9 @@ def start_server(*options: str) -> tuple[subprocess.Popen, str]:
 
 @pytest.fixture(scope="module")
 def server(model):
-    proc, url = start_server("--max-slots", str(SLOTS), "--ctx", str(CTX), "--api-key", KEY, "--grace", "3")
+    proc, url = start_server(
+        "--max-slots", str(SLOTS), "--ctx", str(CTX), "--api-key", KEY, "--grace", "3", "--body-timeout", str(BODY_S)
+    )
     try:
         yield proc, url
     finally:
@@ -335,6 +338,33 @@ def test_fuzzed_request_bodies_never_get_a_500_and_the_server_serves_on(server, 
     assert done.choices[0].text == model.tokenizer.decode(_reference_tokens(model, ids, 4))
 
 
+def test_a_body_that_stalls_gets_408_in_time_and_health_answers_meanwhile(server):
+    """Slowloris in the body: headers announcing 100 bytes, 10 sent, then nothing. The server
+    answers 408 (an OpenAI error body) once --body-timeout has passed, and frees the connection;
+    /health answers meanwhile."""
+    host, port = server[1].removeprefix("http://").split(":")
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=BODY_S + 10) as stalled:
+        stalled.sendall(head.encode() + b'{"prompt":')
+        start = time.monotonic()
+        assert httpx.get(server[1] + "/health", timeout=2).status_code == 200
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            more = stalled.recv(4096)
+            if not more:
+                break
+            answer += more
+        took = time.monotonic() - start
+    status = answer.split(b"\r\n", 1)[0]
+    assert status.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert BODY_S - 0.5 < took < BODY_S + 3, took
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "did not arrive within 3 s" in error["message"]
+
+
 @pytest.mark.parametrize(
     "method, path, status",
     [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405), ("POST", "/health", 405)],
@@ -524,3 +554,14 @@ def test_a_busy_port_is_said_before_any_worker_starts():
         )
     assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
     assert "[worker" not in out.stderr and time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("flag, value", [("--body-timeout", "0"), ("--body-timeout", "inf"), ("--grace", "-1")])
+def test_serve_options_that_cannot_work_are_refused_in_one_line(flag, value):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", "2", "--port", "1", flag, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and f"{flag} " in out.stderr, out.stderr
