@@ -392,7 +392,7 @@ def test_metrics_have_help_and_the_summary_its_sum_and_count(server, client):
 
 def test_a_huge_prompt_is_refused_fast_and_health_answers_throughout(server, client):
     """10 MB of text: refused in under a second, before it is tokenized (no context could hold
-    it), /health answering within 100 ms meanwhile, and the workers live on."""
+    it), /health answering meanwhile, and the workers live on."""
     url, headers = server[1], {"Authorization": f"Bearer {KEY}"}
     slowest = []
     done = threading.Event()
@@ -414,13 +414,16 @@ def test_a_huge_prompt_is_refused_fast_and_health_answers_throughout(server, cli
         for stop in (["x" * 300_000], ["ab"] * 2):  # a long stop string: refused at once
             start = time.monotonic()
             refused = httpx.post(url + "/v1/completions", json={"prompt": "x", "stop": stop}, headers=headers)
-            assert stop[0] == "ab" or (refused.status_code == 400 and time.monotonic() - start < 0.5)
+            # quadratic matching took 17 s; 2 s leaves room for a loaded 2-core machine
+            assert stop[0] == "ab" or (refused.status_code == 400 and time.monotonic() - start < 2.0)
     finally:
         done.set()
         watcher.join(10)
     assert reply.status_code == 400 and "could hold" in reply.json()["error"]["message"], reply.text[:300]
     assert took < 1.0, took
-    assert max(slowest) < 0.1, max(slowest)
+    # tokenizing 10 MB on the event loop held /health 6.4 s; the bound leaves room for a loaded
+    # machine (a quiet one answers within 100 ms: the test's own thread shares the GIL with it)
+    assert max(slowest) < 0.5, max(slowest)
     out = client.completions.create(model="", prompt=PROMPTS[0], max_tokens=2, temperature=0)
     assert out.usage.completion_tokens == 2
 
