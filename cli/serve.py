@@ -33,11 +33,12 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
+    from cli.http_deadline import with_head_deadline
     from models.openai_server import build_app
     from split_state.errors import MetaError
 
-    if not 0 < args.body_timeout < float("inf"):
-        raise MetaError(f"--body-timeout {args.body_timeout}: give a positive number of seconds")
+    if not 0 < args.read_timeout < float("inf"):
+        raise MetaError(f"--read-timeout {args.read_timeout}: give a positive number of seconds")
     if not 0 <= args.grace < float("inf"):
         raise MetaError(f"--grace {args.grace}: give a number of seconds, 0 or more")
     check_port(args.host, args.port)  # a busy port is said before any worker starts
@@ -61,7 +62,7 @@ def serve(args: argparse.Namespace) -> int:
         batcher.start()
         try:
             app = build_app(
-                batcher, model_id, args.api_key, model.chat_template, health=dev.health, body_seconds=args.body_timeout
+                batcher, model_id, args.api_key, model.chat_template, health=dev.health, body_seconds=args.read_timeout
             )
             config = uvicorn.Config(
                 app,
@@ -72,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
                 lifespan="off",
                 limit_concurrency=args.max_connections,  # past it: 503 at once
                 timeout_keep_alive=5,
+                http=with_head_deadline(args.read_timeout),  # a request's head within --read-timeout
             )
             server = uvicorn.Server(config)
             watcher = threading.Thread(
@@ -153,10 +155,11 @@ def add(sub) -> None:
         help="open connections at most; past them 503 at once (default: %(default)s)",
     )
     p.add_argument(
-        "--body-timeout",
+        "--read-timeout",
         type=float,
         default=30.0,
-        help="seconds a request's body may take to arrive; past them 408 (default: %(default)s)",
+        help="seconds a request's head, and then its body, may take to arrive; a late head closes the "
+        "connection, a late body gets 408 (default: %(default)s)",
     )
     p.add_argument(
         "--grace",

@@ -13,8 +13,9 @@ a body of at most MAX_BODY_BYTES, a prompt no longer in bytes than the context c
 leaves (chat's default: all of it; completions': 16, as OpenAI's, or less where less is left),
 and the fields this server does not implement (logprobs, tools, penalties, ...) refused rather
 than ignored. Every error is OpenAI's JSON body: 400 malformed, 401 wrong key, 404 unknown model
-or path, 405 wrong method, 408 a body not all in within --body-timeout (a stalled client's
-connection goes back), 413 too large, 503 once the cluster cannot serve, 500 (never seen in
+or path, 405 wrong method, 408 a body not all in within --read-timeout (a stalled client's
+connection goes back; a late head closes it: cli/http_deadline.py), 413 too large, 503 once the
+cluster cannot serve, 500 (never seen in
 the tests) for a fault of ours. A client that leaves frees its slot within a token, streamed or
 not.
 """
