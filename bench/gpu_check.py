@@ -136,12 +136,17 @@ def _decode_row(path: Path, weights: str, folder: Path, steps: int) -> dict:
     if not ok:
         return row
     run = json.loads(out.read_text())[0]
-    replays = sum(s["graphs"]["replays"] for s in json.loads(stats.read_text()).values())
+    workers = json.loads(stats.read_text()).values()
+    replays = sum(s["graphs"]["replays"] for s in workers)
+    # the decode step: the program whose segments replayed most; its graphs a run and what runs outside them
+    step = max((p for s in workers for p in s["graphs"]["per_run"].values()), key=lambda p: p["replays"], default={})
     resident = GGUFModel(path).resident_bytes(weights)
     bandwidth = _bandwidth()
     row |= {
         "decode_tok_s": run["decode_tokens_per_s"],
         "graphs_per_token": replays / max(1, len(run["tokens"])),
+        "decode_step_graphs": step.get("graphs"),
+        "outside_graphs": sorted(set(step.get("outside", []))),
         "resident_mib": resident / 2**20,
         "bound_tok_s": bandwidth / resident if bandwidth else None,
         "tokens": run["tokens"],
@@ -252,11 +257,12 @@ def show(results: dict) -> None:
     print(table(f"GPU check, {results['workers']} workers on GPU 0", ["check", "result", "s", "detail"], rows))
     if results.get("decode"):
         cols = ["file", "weights", "decode tok/s", "bound tok/s", "% of bound", "graphs/token", "prefill tok/s"]
-        cols += ["tokens == cpu", "resident MiB"]
+        cols += ["tokens == cpu", "resident MiB", "step graphs", "outside them"]
         rows = [
             [r["file"], r["weights"]]
             + [r.get(k, "-") for k in ("decode_tok_s", "bound_tok_s", "bound_percent", "graphs_per_token")]
             + [r.get("prefill_tok_s", "-"), r.get("tokens_equal_cpu", "-"), r.get("resident_mib", "-")]
+            + [r.get("decode_step_graphs", "-"), " ".join(r.get("outside_graphs", [])) or "-"]
             for r in results["decode"]
         ]
         print(

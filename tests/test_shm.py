@@ -304,6 +304,30 @@ def test_a_postbox_wait_ends_with_worker_lost_at_its_deadline(comm_pair):
     assert lost.value.rank == 1 and time.monotonic() - start < 2
 
 
+def test_a_post_overwritten_while_it_is_read_is_a_protocol_error(comm_pair):
+    """The re-check after reading: worker 1's post is found, then its slot is written over (as a
+    post two steps later would, were the alternation broken) before worker 0 has checked it: the
+    sum would mix two steps' data, so it is refused rather than returned."""
+    make, _ = comm_pair
+    a, b = make(0), make(1)
+    bound = a.bound_all_reduce(np.dtype(np.float32), (4,))
+    theirs, stamp = b.own.postbox(1), shm.post_stamp(5, 1)
+    theirs.array(0, np.dtype(np.float32), 4)[:] = 2.0
+    theirs.publish(0, stamp)
+    seen = a.peer_files[1].postbox(1)  # the box worker 0 reads worker 1's posts through
+    real_find = seen.find
+
+    def find_then_overwrite(wanted):
+        slot = real_find(wanted)
+        if slot >= 0:
+            theirs.publish(slot, shm.post_stamp(5, 3))
+        return slot
+
+    seen.find = find_then_overwrite
+    with pytest.raises(ProtocolError, match="worker 1's post for run 5, step 1 changed as it was read"):
+        bound(np.ones(4, np.float32), 5, 1, Deadline(1.0))
+
+
 # -- sleeping and waking: waits that give the core away -------------------------------------------
 
 

@@ -74,8 +74,12 @@ class Executor:
         once, with why), the bytes the segments' own pools hold (`pool_bytes`), and for each
         program the graphs one run launches and the ops it runs outside them (`per_run`)."""
         found = [s for c in self.programs.values() for s in graphs.segments(c.calls)]
-        # per program: the graphs a run launches and the steps it runs outside them
-        runs = {program: graphs.per_run(c.calls) for program, c in self.programs.items()}
+        # per program: the graphs a run launches, the steps it runs outside them, and its
+        # segments' replays so far (the decode step's are the most: a reader finds it by them)
+        runs = {
+            program: (*graphs.per_run(c.calls), sum(s.replays for s in graphs.segments(c.calls)))
+            for program, c in self.programs.items()
+        }
         refused = [r for c in self.programs.values() for r in graphs.refusals(c.calls)]
         return {
             "segments": len(found),
@@ -84,7 +88,10 @@ class Executor:
             "eager": len(refused),
             "refused": dict(reversed(refused)),  # an op's first reason
             "pool_bytes": sum(s.pool.total_bytes() for s in found if s.pool is not None),
-            "per_run": {str(program): {"graphs": n, "outside": ops} for program, (n, ops) in runs.items()},
+            "per_run": {
+                str(program): {"graphs": n, "outside": ops, "replays": replays}
+                for program, (n, ops, replays) in runs.items()
+            },
         }
 
     @contextlib.contextmanager
