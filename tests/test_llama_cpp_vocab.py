@@ -1,7 +1,7 @@
 """Our tokenizers against llama.cpp's own test vectors: its vocabulary files of the pre-tokenizers
 we support (tests/data/ggml-vocab-*.gguf: GPT-2's, MPT's with its user-defined runs of spaces,
 StarCoder's, Llama 3's with its whole-word tokens that skip the merges, Qwen2's) and of the
-SentencePiece-style tokenizer (Llama 2's, as Mistral's and TinyLlama's) and, for each,
+SentencePiece-style tokenizer (Llama 2's, as Mistral's and TinyLlama's; Phi-3's) and, for each,
 every text of its `.inp` tokenized to the ids of its `.out` (as llama.cpp's test-tokenizer-0
 does: no BOS), and decoded back to the text."""
 
@@ -15,7 +15,7 @@ from models.gguf_model import GGUFModel
 
 pytest.importorskip("tokenizers")
 DATA = Path(__file__).resolve().parent / "data"
-VOCABULARIES = ("gpt-2", "mpt", "starcoder", "llama-bpe", "qwen2", "llama-spm")
+VOCABULARIES = ("gpt-2", "mpt", "starcoder", "llama-bpe", "qwen2", "llama-spm", "phi-3")
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 
