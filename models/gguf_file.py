@@ -102,23 +102,25 @@ class GGUFFile:
         spans = []  # (begin, end, name) of every tensor's bytes: none may overlap another's
         for name, shape, kind, offset in infos:
             if name in self.tensors:
-                raise GGUFFormatError(f"tensor {name} appears twice")
+                raise GGUFFormatError(f"tensor {_short(name)} appears twice")
             try:
                 ggml_type = GGMLQuantizationType(kind)
                 block, block_bytes = GGML_QUANT_SIZES[ggml_type]
             except (ValueError, KeyError):
-                raise GGUFFormatError(f"tensor {name}: unknown type {kind}") from None
+                raise GGUFFormatError(f"tensor {_short(name)}: unknown type {kind}") from None
             if shape[0] % block:
-                raise GGUFFormatError(f"tensor {name}: {shape[0]} values per row, not whole blocks of {block}")
+                raise GGUFFormatError(f"tensor {_short(name)}: {shape[0]} values per row, not whole blocks of {block}")
             if offset % alignment:
-                raise GGUFFormatError(f"tensor {name}: offset {offset} is not a multiple of the alignment {alignment}")
+                raise GGUFFormatError(
+                    f"tensor {_short(name)}: offset {offset} is not a multiple of the alignment {alignment}"
+                )
             count = math.prod(shape)  # Python's integers: dimensions of 2**32 x 2**32 do not wrap
             nbytes = count // block * block_bytes
             begin = start + offset
             if begin + nbytes > len(self._map):
                 raise GGUFFormatError(
-                    f"tensor {name} needs bytes {begin}..{begin + nbytes} but the file ends at {len(self._map)} "
-                    "(truncated?)"
+                    f"tensor {_short(name)} needs bytes {begin}..{begin + nbytes} but the file ends at "
+                    f"{len(self._map)} (truncated?)"
                 )
             spans.append((begin, begin + nbytes, name))
             dims = tuple(reversed(shape))  # NumPy order
@@ -190,7 +192,7 @@ class GGUFFile:
         if code is not None:  # numbers: one unpack for the whole array
             size = struct.calcsize(code) * count
             if self._at + size > len(self._buf):
-                raise GGUFFormatError(f"field {key}: the header ends early, at byte {len(self._buf)}")
+                raise GGUFFormatError(f"field {_short(key)}: the header ends early, at byte {len(self._buf)}")
             values = list(struct.unpack_from(f"<{count}{code}", self._buf, self._at))
             self._at += size
             return values
@@ -200,7 +202,14 @@ class GGUFFile:
 
 
 def _short(text: str, most: int = 80) -> str:
+    """A name read from the file, for a one-line message: control characters escaped (a name
+    may hold a newline), at most `most` characters of it."""
+    if not text.isprintable():
+        text = text.encode("unicode_escape").decode("ascii")
     return text if len(text) <= most else text[:most] + f"... ({len(text)} characters)"
+
+
+shown_name = _short  # for the messages of the modules that read a GGUFFile
 
 
 def _refuse_overlaps(spans: list[tuple[int, int, str]]) -> None:
@@ -209,6 +218,7 @@ def _refuse_overlaps(spans: list[tuple[int, int, str]]) -> None:
     last_end, last_name = -1, ""
     for begin, end, name in sorted(spans):
         if begin < last_end and end > begin:
-            raise GGUFFormatError(f"tensors {last_name} and {name} overlap in the file (bytes from {begin})")
+            both = f"{_short(last_name)} and {_short(name)}"
+            raise GGUFFormatError(f"tensors {both} overlap in the file (bytes from {begin})")
         if end > last_end:
             last_end, last_name = end, name

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.gguf_file import GGUFFile, GGUFFormatError
+from models.gguf_file import GGUFFile, GGUFFormatError, shown_name
 from models.llama import LlamaConfig, QuantizedWeight
 from split_state.errors import MetaError
 from split_state.quant import FORMATS
@@ -240,8 +240,8 @@ class GGUFModel:
                 quants.dequantize(np.zeros(quants.quant_shape_to_byte_shape((1, _block(kind)), kind), np.uint8), kind)
             except Exception as exc:
                 raise ModelError(
-                    f"{self.path.name}: tensor {t.name} has type {kind.name}, which this gguf reader cannot "
-                    f"dequantize ({type(exc).__name__}); convert the model to Q8_0, Q4_1, F16 or F32"
+                    f"{self.path.name}: tensor {shown_name(t.name)} has type {kind.name}, which this gguf reader "
+                    f"cannot dequantize ({type(exc).__name__}); convert the model to Q8_0, Q4_1, F16 or F32"
                 ) from None
 
     def _key(self, name: str) -> str:
@@ -344,8 +344,8 @@ class GGUFModel:
         if unread:
             more = f" and {len(unread) - 3} more" if len(unread) > 3 else ""
             raise ModelError(
-                f"{self.path.name}: tensor {', '.join(unread[:3])}{more} is not one this decoder reads "
-                f"({self.arch}: attention, feed-forward, norms{', q/k/v biases' if self.config.qkv_bias else ''})"
+                f"{self.path.name}: tensor {', '.join(map(shown_name, unread[:3]))}{more} is not one this decoder "
+                f"reads ({self.arch}: attention, feed-forward, norms{', q/k/v biases' if self.config.qkv_bias else ''})"
             )
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -408,7 +408,9 @@ class GGUFModel:
         data = t.data.view(np.uint8)  # the file's bytes (F16 reads as float16)
         rows, row_bytes = data.shape
         if row_bytes % fmt.block_bytes:
-            raise ModelError(f"{self.path.name}: tensor {t.name} ({fmt.name}) has rows of {row_bytes} bytes")
+            raise ModelError(
+                f"{self.path.name}: tensor {shown_name(t.name)} ({fmt.name}) has rows of {row_bytes} bytes"
+            )
         return QuantizedWeight(fmt.name, data.reshape(rows, row_bytes // fmt.block_bytes, fmt.block_bytes))
 
     def widened(self) -> list[str]:
