@@ -228,25 +228,20 @@ def run(quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0
     }
 
 
+def _one_row(title: str, figures: dict, columns: dict[str, str]) -> None:
+    """A table of one row: `columns` maps each figure's key to its column's name."""
+    print(table(title, list(columns.values()), [[figures[key] for key in columns]]))
+
+
 def show(results: dict) -> None:
-    joined = results.get("join")
+    joined, soaked = results.get("join"), results.get("soak")
     if joined:
-        print(
-            table(
-                f"a {joined['prompt_tokens']}-token prompt joining {joined['streams']} running streams",
-                ["join answered s", "longest gap between a stream's tokens s", "median gap before s"],
-                [[joined["join_s"], joined["max_gap_s"], joined["median_gap_before_s"]]],
-            )
-        )
-    soaked = results.get("soak")
+        title = f"a {joined['prompt_tokens']}-token prompt joining {joined['streams']} running streams"
+        cols = {"join_s": "join answered s", "max_gap_s": "longest gap between a stream's tokens s"}
+        _one_row(title, joined, cols | {"median_gap_before_s": "median gap before s"})
     if soaked:
-        print(
-            table(
-                f"soak: {soaked['clients']} clients, {soaked['seconds']:.0f} s, answers against their prompt's alone",
-                ["requests", "lost", "wrong text"],
-                [[soaked["requests"], soaked["lost"], soaked["wrong_text"]]],
-            )
-        )
+        title = f"soak: {soaked['clients']} clients, {soaked['seconds']:.0f} s, answers against their prompt's alone"
+        _one_row(title, soaked, {"requests": "requests", "lost": "lost", "wrong_text": "wrong text"})
     prefill = results["generate_prefill_s"]
     print(
         table(

@@ -14,9 +14,11 @@ the first rows up to the highest slot that is decoding, rounded up to a power of
 ... slots: as vLLM pads a batch to its captured sizes), each row at its own position, and hands
 each decoding slot its next token. So a long prompt joining (chunked prefill, as vLLM's) holds
 the running streams up for one chunk at a time, not for its whole prefill, and a step's buffers
-stay a chunk's size. One request alone costs a one-row step, not a step of every slot. A slot whose job finished, was
-cancelled or whose client left is free for the next job at once. Rows without a job decode a
-dummy token at position 0 of their own row, which the next prompt placed there overwrites. A
+stay a chunk's size. One request alone costs a one-row step, not a step of every slot. A slot
+whose job finished, was cancelled or whose client left is free for the next job at once. Rows
+without a decoding job decode a dummy token where the next prompt (or chunk) placed there
+overwrites it: at position 0 of a free row, at the next chunk's first position of a row still
+prefilling. A
 row's tokens do not depend on the other rows: a greedy job gives the same tokens alone and in a
 full batch.
 
@@ -301,8 +303,7 @@ class ContinuousBatcher:
         if not any(self._decoding(s) for s in self.slots):
             return
         rows = self._rows()
-        # a row without a decoding job decodes a dummy token: at position 0 of a free row, at the
-        # next chunk's first position of a row still prefilling (the chunk writes it again)
+        # a row without a decoding job decodes a dummy token (the module docstring says where)
         tokens, positions = np.zeros((rows, 1), np.int32), np.zeros((rows, 1), np.int32)
         for index, slot in enumerate(self.slots[:rows]):
             if slot is not None:

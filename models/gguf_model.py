@@ -26,6 +26,7 @@ import numpy as np
 
 from models.gguf_file import GGUFFile, GGUFFormatError, shown_name
 from models.llama import LlamaConfig, QuantizedWeight
+from models.tokenizer import TokenType
 from split_state.errors import MetaError
 from split_state.quant import FORMATS
 
@@ -63,7 +64,6 @@ def _require(module: str):
         raise ModelMissing(f"{module} is not installed: {INSTALL}") from None
 
 
-CONTROL_TOKEN = 3  # llama.cpp's token type of control tokens
 MAX_SIZE = 1 << 24  # a model's sizes (hidden, heads, ffn, context) at most: larger is a broken file
 MAX_LAYERS = 1 << 12
 # control tokens that end a turn in the chat formats llama.cpp knows (its vocabulary's EOG list)
@@ -196,6 +196,12 @@ class GGUFModel:
             raise self._refuse(key, "a positive finite number", value)
         return float(value)
 
+    def meta_bool(self, key: str, default: bool | None = None) -> bool:
+        value = self.meta(key, default)
+        if type(value) is not bool:
+            raise self._refuse(key, "true or false", value)
+        return value
+
     def meta_str(self, key: str, default: str | None = None) -> str:
         value = self.meta(key, default)
         if not isinstance(value, str):
@@ -263,7 +269,7 @@ class GGUFModel:
             rope_base=self.meta_float(self._key("rope.freq_base"), 10000.0),
             rope_mode=ARCHITECTURES[self.arch],
             tied="output.weight" not in self.tensors,
-            rope_freqs=self._rope_freqs(hidden // heads if heads and hidden % heads == 0 else 0),
+            rope_freqs=self._rope_freqs(hidden // heads if heads else 0),  # check() refuses a bad head size
             qkv_bias="blk.0.attn_q.bias" in self.tensors,
         )
 
@@ -465,7 +471,7 @@ class GGUFModel:
             ids.add(self.token_id(key))
         tokens, types = self.vocabulary, self.token_types
         for i, (text, kind) in enumerate(zip(tokens, types)):
-            if kind == CONTROL_TOKEN and text in END_OF_TURN_TEXTS:
+            if kind == TokenType.CONTROL and text in END_OF_TURN_TEXTS:
                 ids.add(i)
         return frozenset(i for i in ids if i >= 0)
 

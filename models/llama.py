@@ -470,7 +470,7 @@ class TensorParallelLlama:
         tokens = np.zeros((rows_fed, t), np.int32)
         positions = np.tile(np.arange(t, dtype=np.int32), (rows_fed, 1))
         dev = self.dev
-        embed = dev.prepare(self._embed_graph(slotted), tokens, positions)
+        embed = dev.prepare(self._embed_graph(), tokens, positions)
         plan = embed.compiled.plan
         x, mask = (dev.placeholder(*embed.outs[j], plan.out_states[j]) for j in (0, 1))  # stand for any value
         slot = (np.int32(0),) if slotted else ()  # any row: it is fed
@@ -489,9 +489,9 @@ class TensorParallelLlama:
         head = dev.prepare(self._head_graph(pool, logits), x, np.zeros(rows_fed, np.int32))
         return PrefillChain(embed, layers, head)
 
-    def _embed_graph(self, slotted: bool):
+    def _embed_graph(self):
         """(ids, positions) -> [x (rows, tokens, hidden), the attention mask]: a prompt
-        attends to the positions up to its own in the cache (with `slotted`, its slot's row)."""
+        attends to the positions up to its own in the cache (a slot's prompt: in its row)."""
 
         def graph(ids: Tensor, pos: Tensor) -> list[Tensor]:
             batch, t = ids.shape

@@ -15,9 +15,8 @@ and the fields this server does not implement (logprobs, tools, penalties, ...) 
 than ignored. Every error is OpenAI's JSON body: 400 malformed, 401 wrong key, 404 unknown model
 or path, 405 wrong method, 408 a body not all in within --read-timeout (a stalled client's
 connection goes back; a late head closes it: cli/http_deadline.py), 413 too large, 503 once the
-cluster cannot serve, 500 (never seen in
-the tests) for a fault of ours. A client that leaves frees its slot within a token, streamed or
-not.
+cluster cannot serve, 500 (never seen in the tests) for a fault of ours. A client that leaves
+frees its slot within a token, streamed or not.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request)
@@ -220,18 +219,15 @@ def build_app(
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > too_long:
             raise body_too_large(int(declared))
-        raw, chunks = bytearray(), request.stream().__aiter__()
-        deadline = time.monotonic() + body_seconds
-        while True:
-            try:
-                chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - time.monotonic()))
-            except StopAsyncIteration:
-                break
-            except TimeoutError:  # a slow (or stalled) client: its connection goes back
-                raise RequestError(408, f"the body did not arrive within {body_seconds:g} s") from None
-            raw += chunk
-            if len(raw) > too_long:
-                raise body_too_large(len(raw))
+        raw = bytearray()
+        try:
+            async with asyncio.timeout(body_seconds):
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > too_long:
+                        raise body_too_large(len(raw))
+        except TimeoutError:  # a slow (or stalled) client: its connection goes back
+            raise RequestError(408, f"the body did not arrive within {body_seconds:g} s") from None
         try:  # a large body is parsed off the event loop: /health answers meanwhile
             body = json.loads(bytes(raw)) if len(raw) < LARGE_BODY else await asyncio.to_thread(json.loads, bytes(raw))
         except (ValueError, UnicodeDecodeError) as exc:

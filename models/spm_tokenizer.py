@@ -23,7 +23,8 @@ import heapq
 import re
 from dataclasses import dataclass, field
 
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
+from models.tokenizer import TokenType
+
 SPACE = "\u2581"  # "▁": SentencePiece's space
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -44,7 +45,8 @@ class SentencePieceTokenizer:
 
     def __post_init__(self) -> None:
         self.ids = {text: i for i, text in enumerate(self.tokens)}  # the last of duplicates, as llama.cpp's map
-        whole = {t for t, kind in zip(self.tokens, self.types) if kind in (CONTROL, USER_DEFINED) and t}
+        cut_out = (TokenType.CONTROL, TokenType.USER_DEFINED)
+        whole = {t for t, kind in zip(self.tokens, self.types) if kind in cut_out and t}
         whole = sorted(whole, key=len, reverse=True)  # the longest first where two start alike
         self.special = re.compile("|".join(map(re.escape, whole))) if whole else None
 
@@ -159,13 +161,13 @@ class SentencePieceTokenizer:
         if not 0 <= token < len(self.tokens):
             raise ValueError(f"token id {token} is outside the vocabulary (0..{len(self.tokens) - 1})")
         kind, text = self.types[token], self.tokens[token]
-        if kind in (CONTROL, UNKNOWN):
+        if kind in (TokenType.CONTROL, TokenType.UNKNOWN):
             return b"" if skip_special else text.encode("utf-8")
-        if kind == USER_DEFINED:
+        if kind == TokenType.USER_DEFINED:
             return text.encode("utf-8")
-        if kind == NORMAL:
+        if kind == TokenType.NORMAL:
             return text.replace(SPACE, " ").encode("utf-8")
-        if kind == BYTE:
+        if kind == TokenType.BYTE:
             found = _BYTE_TOKEN.fullmatch(text)
             return bytes([int(found.group(1), 16)]) if found else text.encode("utf-8")[:1]
         return b""  # unused

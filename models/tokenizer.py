@@ -18,11 +18,22 @@ supported family to llama.cpp's own test vectors.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
-CONTROL = 3  # llama.cpp's token type for control tokens
-USER_DEFINED = 4  # and for tokens the model's authors added, matched whole in the text
+
+class TokenType(enum.IntEnum):
+    """llama.cpp's token types (tokenizer.ggml.token_type)."""
+
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3  # BOS, EOS, <|im_end|>: one token even where its text is in a prompt
+    USER_DEFINED = 4  # added by the model's authors, matched whole in the text (GPT-NeoX's runs of spaces)
+    UNUSED = 5
+    BYTE = 6  # <0xE2>: a SentencePiece vocabulary's byte fallback
+
+
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 # pre-tokenizers whose words that are whole tokens skip the merges (llama.cpp's ignore_merges)
 IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
@@ -74,22 +85,13 @@ def _sentencepiece(model):
         tokens,
         scores,
         types,
-        add_bos=_flag(model, "tokenizer.ggml.add_bos_token", True),
+        add_bos=model.meta_bool("tokenizer.ggml.add_bos_token", True),
         bos=model.token_id("tokenizer.ggml.bos_token_id"),
-        add_space_prefix=_flag(model, "tokenizer.ggml.add_space_prefix", True),
-        add_eos=_flag(model, "tokenizer.ggml.add_eos_token", False),
+        add_space_prefix=model.meta_bool("tokenizer.ggml.add_space_prefix", True),
+        add_eos=model.meta_bool("tokenizer.ggml.add_eos_token", False),
         eos=model.token_id("tokenizer.ggml.eos_token_id"),
         unknown=model.token_id("tokenizer.ggml.unknown_token_id"),
     )
-
-
-def _flag(model, key: str, default: bool) -> bool:
-    from models.gguf_model import ModelError
-
-    value = model.meta(key, default)
-    if type(value) is not bool:
-        raise ModelError(f"{model.path.name}: metadata {key!r} must be true or false")
-    return value
 
 
 @dataclass
@@ -121,15 +123,14 @@ class Tokenizer:
         backend = tk.Tokenizer(bpe)
         backend.pre_tokenizer = _pre_tokenizer(tk, pre, model.path.name)
         backend.decoder = tk.decoders.ByteLevel()
-        control = [
-            tk.AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == CONTROL
-        ]
+        control = [t for t, kind in zip(tokens, types) if kind == TokenType.CONTROL]
+        control = [tk.AddedToken(t, special=True, normalized=False) for t in control]
         backend.add_special_tokens(control)
         # user-defined tokens (GPT-NeoX's runs of spaces, written as raw text in the file) are cut
         # out of the text whole before it is split, as llama.cpp's tokenizer_st_partition does
-        added = [t for t, kind in zip(tokens, types) if kind == USER_DEFINED]
+        added = [t for t, kind in zip(tokens, types) if kind == TokenType.USER_DEFINED]
         backend.add_tokens([tk.AddedToken(t, special=False, normalized=False) for t in added])
-        add_bos = _flag(model, "tokenizer.ggml.add_bos_token", False)
+        add_bos = model.meta_bool("tokenizer.ggml.add_bos_token", False)
         return cls(backend, add_bos, model.token_id("tokenizer.ggml.bos_token_id"))
 
     def encode(self, text: str) -> list[int]:

@@ -74,11 +74,15 @@ class Executor:
         once, with why), the bytes the segments' own pools hold (`pool_bytes`), and for each
         program the graphs one run launches and the ops it runs outside them (`per_run`)."""
         found = [s for c in self.programs.values() for s in graphs.segments(c.calls)]
-        # per program: the graphs a run launches, the steps it runs outside them, and its
-        # segments' replays so far (the decode step's are the most: a reader finds it by them)
+        # per program where graphs replay: the graphs a run launches, the steps it runs outside
+        # them, and its segments' replays so far (the decode step's are the most: a reader finds it by them)
         runs = {
-            program: (*graphs.per_run(c.calls), sum(s.replays for s in graphs.segments(c.calls)))
+            program: (
+                *graphs.per_run(c.calls, [placed.step for placed, _, _ in c.dropping]),
+                sum(s.replays for s in graphs.segments(c.calls)),
+            )
             for program, c in self.programs.items()
+            if graphs.can_capture(self.backend)
         }
         refused = [r for c in self.programs.values() for r in graphs.refusals(c.calls)]
         return {

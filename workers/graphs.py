@@ -60,24 +60,12 @@ def piecewise(bound: list[tuple[Any, Callable, Any]], backend, kernels: dict) ->
             if run:
                 pieces.append(Segment(run, backend))
                 run = []
-            pieces.append(Eager(call, step.op if isinstance(step, p.OpStep) else "redistribute"))
+            pieces.append(call)
         else:
             run.append((step, call))
     if run:
         pieces.append(Segment(run, backend))
     return pieces
-
-
-class Eager:
-    """A step run outside the graphs at every run, named for the stats."""
-
-    __slots__ = ("call", "op")
-
-    def __init__(self, call: Callable, op: str):
-        self.call, self.op = call, op
-
-    def __call__(self, slots: list) -> None:
-        self.call(slots)
 
 
 def runs_eagerly(kernel, step) -> bool:
@@ -211,7 +199,7 @@ class Segment:
         pieces: list[Callable] = []
         if before:
             pieces.append(Segment(before, self.backend))
-        pieces.append(Eager(self.steps[at][1], self.steps[at][0].op))
+        pieces.append(self.steps[at][1])
         if after:
             pieces.append(Segment(after, self.backend))
         self.pieces = pieces
@@ -237,16 +225,11 @@ def segments(pieces: list[Callable]) -> list[Segment]:
     return found
 
 
-def per_run(pieces: list[Callable]) -> tuple[int, list[str]]:
-    """(graphs a run of `pieces` launches once every segment is captured, the ops it runs
-    outside them, in order): on a GPU, what a decode token costs beyond its kernels."""
-    graphs, outside = 0, []
-    for piece in pieces:
-        if isinstance(piece, Segment) and piece.pieces is not None:
-            more, ops = per_run(piece.pieces)
-            graphs, outside = graphs + more, outside + ops
-        elif isinstance(piece, Segment):
-            graphs += 1
-        elif isinstance(piece, Eager):
-            outside.append(piece.op)
-    return graphs, outside
+def per_run(pieces: list[Callable], steps: list) -> tuple[int, list[str]]:
+    """(graphs a run of `pieces` launches once every segment is captured, the ops of `steps`
+    (the program's, in order) it runs outside them): on a GPU, what a decode token costs beyond
+    its kernels. A collective is "redistribute"."""
+    found = segments(pieces)
+    inside = {id(step) for segment in found for step, _ in segment.steps}
+    outside = [s.op if isinstance(s, p.OpStep) else "redistribute" for s in steps if id(s) not in inside]
+    return len(found), outside

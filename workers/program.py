@@ -96,6 +96,7 @@ class CompiledProgram:
         arena_steps = [pl for pl in self.placed if pl.out == "arena"]
         self.biggest = max(arena_steps, key=lambda pl: _nbytes(pl.step), default=None)
         self.calls: list[Callable] = []
+        self.dropping: list = []  # (placed, call, its buffer) of each step that runs, once bound
         self.kept_views: list[list] = []  # [source, view] of each view of an input kept across runs
         self.bound_to: tuple[int, int] | None = None  # (arena generation, collectives id)
         self.checked = False

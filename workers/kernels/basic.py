@@ -284,7 +284,7 @@ def _host_rotation(positions: bytes, dtype: str, shape: tuple, head_dim: int, ba
 def rotation(xp, positions, head_dim: int, params: dict, dtype):
     """cos and sin of the rope op's angles (`params`: its base and frequency multipliers)."""
     base, freqs = float(params["base"]), params.get("freqs")
-    freqs = None if freqs is None else tuple(float(f) for f in freqs)
+    freqs = None if freqs is None else tuple(freqs)  # floats already (the op's check made them so): hashable
     if xp is np and np.dtype(dtype) == np.float32:
         return _host_rotation(positions.tobytes(), positions.dtype.str, positions.shape, head_dim, base, freqs)
     angles = rope_angles(xp, positions, head_dim, base, freqs)[..., None, :]
