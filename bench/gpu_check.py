@@ -195,7 +195,7 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> d
         checks.append({"check": name, "ok": ok, "detail": detail, "seconds": seconds, **figures})
 
     if tests:
-        command = [sys.executable, "-m", "pytest", "-q", *CUPY_TESTS, "-k", "cuda or cupy or graph or ipc"]
+        command = [sys.executable, "-m", "pytest", "-q", *CUPY_TESTS, "-k", "cuda or cupy or graph or ipc or gpu"]
         ok, detail, seconds = _command(command, 1800)
         record("CuPy tests", ok, detail, seconds)
         command = [sys.executable, "-m", "pytest", "-q", *ON_GPU_TESTS, "-k", "cuda or ipc"]

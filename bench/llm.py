@@ -262,7 +262,7 @@ def worker_driven(dev, net, token: np.ndarray, pos: int):
     workers (as `generate` runs it): one Generate for `steps` tokens, the workers feeding each
     token back themselves; and of those, the time outside the program. Positions go on from
     `pos`, one run after the other."""
-    from workers.generation import Rule, generator_state
+    from split_state.sampling import Rule, generator_state
 
     step, _ = net.capture_decode(token, np.array([[pos]]), build=lambda logits: list(logits.top_k(1)))
     at = [pos + 1]
@@ -358,7 +358,7 @@ def resident_memory(path: str, workers: int, tokens: int) -> dict:
             out[f"worker {rank}"] = s["rss_kib"] / 1024
         return out
 
-    from workers.generation import Rule, generator_state
+    from split_state.sampling import Rule, generator_state
 
     model = GGUFModel(path)
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:

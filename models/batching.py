@@ -42,7 +42,7 @@ from models.generate import POOL, WEIGHTS, Sampling, candidates, check_cache_typ
 from models.gguf_model import GGUFModel, ModelError
 from models.llama import PREFILL_CHUNK, TensorParallelLlama
 from split_state.errors import ConsistencyError, MetaError, TransportError, WorkerLost
-from workers.generation import choose
+from split_state.sampling import choose
 
 TOKEN_SECONDS = 120.0  # a job waiting longer than this for its next token gives up (no hang)
 

@@ -26,7 +26,7 @@ import numpy as np
 from meta.device import MetaDevice
 from models.gguf_model import GGUFModel, ModelError
 from models.llama import CACHE_TYPES, TensorParallelLlama
-from workers.generation import TEMPERATURE_FLOOR, Rule, choose, generator_state
+from split_state.sampling import TEMPERATURE_FLOOR, Rule, choose, generator_state
 
 POOL = 256  # candidates per sequence a sampled step considers
 

@@ -2,9 +2,11 @@
 
 States (`Split`, `Mirrored`, `Partial`) and `validate`; `pieces`, the one answer to "which slice
 does device d hold"; host scatter/gather; the op table (`ops`: shape inference, propagation
-rules, localisation) and its kernels written once against an array module; transitions and
+rules, localisation; the kernels that run the ops live in workers/kernels); transitions and
 their transfer plans; the collective algorithms (`algorithms`) that both the planner and the
-workers consult; the dtype set and the exception hierarchy every other package uses.
+workers consult; the quantized block formats (`quant`); the sampling rule (`sampling`) by which
+the coordinator and the workers choose the same next token; the dtype set and the exception
+hierarchy every other package uses.
 """
 
 from split_state.algorithms import ALGORITHMS, Algorithm, Transition, select, transition

@@ -10,6 +10,7 @@ stops the backend with an error naming it."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import shutil
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 
 from split_state.errors import KernelCompileError
 from split_state.quant import FORMATS, interleave
+from split_state.sampling import Rule, pick
 from tests import cuda_on_host
 from tests.cupy_standin import install
 from tests.cupy_standin import kernels as standin_kernels
@@ -393,6 +395,14 @@ ATTEND_SIGNATURES = {
 }
 
 
+def _built_with_barriers(tmp_path_factory, source: str, names: dict):
+    """A kernel module built for the host with real barriers (tests/cuda_on_host.py), or the test
+    skipped where no C++ compiler is at hand."""
+    if cuda_on_host.compiler() is None:
+        pytest.skip("no C++ compiler to build the kernels for the host")
+    return cuda_on_host.build(device.full_source(source), names, tmp_path_factory.mktemp("kernels"), barriers=True)
+
+
 @pytest.fixture(scope="module")
 def host_attend(tmp_path_factory):
     from workers.kernels import attend
@@ -401,10 +411,7 @@ def host_attend(tmp_path_factory):
     signature, args = ATTEND_SIGNATURES["attend_part_KIND"]
     for kind, kt in (("f32", "float"), ("f16", "unsigned short")):
         names[f"attend_part_{kind}"] = (signature, args.replace("KT", kt))
-    if cuda_on_host.compiler() is None:
-        pytest.skip("no C++ compiler to build the kernels for the host")
-    folder = tmp_path_factory.mktemp("attend")
-    return cuda_on_host.build(device.full_source(attend.SOURCE), names, folder, barriers=True)
+    return _built_with_barriers(tmp_path_factory, attend.SOURCE, names)
 
 
 def attention_oracle(q, keys, values, mask, scale):
@@ -488,10 +495,25 @@ TOP_K_SIGNATURE = (
 def host_top_k(tmp_path_factory):
     from workers.kernels import top_k
 
-    if cuda_on_host.compiler() is None:
-        pytest.skip("no C++ compiler to build the kernels for the host")
-    folder = tmp_path_factory.mktemp("top_k")
-    return cuda_on_host.build(device.full_source(top_k.SOURCE), {"top_k_tile": TOP_K_SIGNATURE}, folder, barriers=True)
+    return _built_with_barriers(tmp_path_factory, top_k.SOURCE, {"top_k_tile": TOP_K_SIGNATURE})
+
+
+def _launch_on_host(library, name, grid, block, args):
+    """Launch `name`'s host build (tests/cuda_on_host.py) as CuPy launches a kernel: arrays as
+    pointers, NumPy scalars as the C types they stand for."""
+    converted = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            converted.append(a.ctypes.data_as(ctypes.c_void_p))
+        elif isinstance(a, np.int64):
+            converted.append(ctypes.c_long(int(a)))
+        elif isinstance(a, np.float64):
+            converted.append(ctypes.c_double(float(a)))
+        else:
+            converted.append(ctypes.c_int(int(a)))
+    grid = (*grid, 1)
+    dims = [ctypes.c_int(v) for v in (grid[0], grid[1], block[0], 1)]
+    getattr(library, f"host_{name}")(*dims, *converted)
 
 
 class HostTopK:
@@ -501,19 +523,7 @@ class HostTopK:
         self.library = library
 
     def __getitem__(self, name):
-        def launch(grid, block, args):
-            converted = []
-            for a in args:
-                if isinstance(a, np.ndarray):
-                    converted.append(a.ctypes.data_as(ctypes.c_void_p))
-                elif isinstance(a, np.int64):
-                    converted.append(ctypes.c_long(int(a)))
-                else:
-                    converted.append(ctypes.c_int(int(a)))
-            dims = [ctypes.c_int(v) for v in (grid[0], grid[1], block[0], 1)]
-            getattr(self.library, f"host_{name}")(*dims, *converted)
-
-        return launch
+        return lambda grid, block, args: _launch_on_host(self.library, name, grid, block, args)
 
 
 def best_k_oracle(values, index, k, width):
@@ -635,3 +645,114 @@ def test_on_a_gpu_attention_and_top_k_equal_their_twins(cache):
     top_k.select(cupy, kernels, top_k.FROM_FLOATS, cupy.asarray(x), 9000, 7, 256, 300, pairs)
     for r in range(2):
         np.testing.assert_array_equal(cupy.asnumpy(pairs)[r], best_k_oracle(x[r], np.arange(7, 9007), 256, 300))
+
+
+SAMPLE_SIGNATURE = (
+    "const float* values, const long long* indices, int k, int top_k, double temperature, double top_p, "
+    "double min_p, double penalty, int* recent, int window, int* cursor, const double* uniforms, int draw, "
+    "int* tokens, int* positions, int* chosen",
+    "values, indices, k, top_k, temperature, top_p, min_p, penalty, recent, window, cursor, uniforms, draw, "
+    "tokens, positions, chosen",
+)
+
+
+@pytest.fixture(scope="module")
+def host_sample(tmp_path_factory):
+    from workers.kernels import sample
+
+    return _built_with_barriers(tmp_path_factory, sample.SOURCE, {"sample_next": SAMPLE_SIGNATURE})
+
+
+SAMPLE_RULES = [
+    Rule(),
+    Rule(0.0, repeat_penalty=2.0, repeat_last_n=4),
+    Rule(0.7),
+    Rule(1.0, top_k=6),
+    Rule(0.9, top_p=0.8),
+    Rule(1.3, min_p=0.2),
+    Rule(0.8, top_k=9, top_p=0.95, min_p=0.05, repeat_penalty=1.7, repeat_last_n=5),
+    Rule(2.0, repeat_penalty=0.5, repeat_last_n=3),  # a penalty below 1 raises the seen ones
+]
+
+
+@pytest.mark.parametrize("rule", SAMPLE_RULES, ids=range(len(SAMPLE_RULES)))
+def test_the_sampler_cuda_c_run_on_the_host_chooses_what_the_host_rule_chooses(host_sample, monkeypatch, rule):
+    """The device sampler's CUDA C (three sequences a launch, over several draws) against the
+    host's rule (split_state/sampling.py pick, itself held to the definitions in
+    tests/test_sampling.py): the same token for each sequence, each draw; the fed token and
+    position written, the ring of recent tokens moved on as a deque of the window would be."""
+    from workers.kernels import sample
+
+    monkeypatch.setattr(sample, "THREADS", 16)  # the kernel strides by its block; an OS thread each here
+    rows, k, draws = 3, 24, 6
+    rng = np.random.default_rng(hash(rule) % 1000)
+    window = rule.penalized
+    ring = np.full((rows, max(window, 1)), -1, np.int32)
+    cursor = np.zeros(rows, np.int32)
+    seen = [collections.deque(maxlen=window) for _ in range(rows)]
+    uniforms = rng.random((draws, rows))
+    tokens, positions = np.zeros(rows, np.int32), np.arange(rows, dtype=np.int32) * 10
+    chosen = np.full(rows, -7, np.int32)
+    for draw in range(draws):
+        # candidates best first as top_k gives them: value descending, ties to the lower index
+        values = np.sort(rng.integers(-6, 6, (rows, 1, k)).astype(np.float32) / 2, axis=-1)[..., ::-1].copy()
+        indices = np.stack([np.sort(rng.choice(40, k, replace=False)) for _ in range(rows)])[:, None].astype(np.int64)
+        values[2, 0, -3:] = -np.inf  # a device short of k candidates: padding last
+        indices[2, 0, -3:] = -1
+        want = [
+            pick(values[r, 0], indices[r, 0], rule, None if rule.greedy else uniforms[draw, r], list(seen[r]))
+            for r in range(rows)
+        ]
+        args = (
+            values,
+            indices,
+            np.int32(k),
+            np.int32(rule.top_k),
+            np.float64(rule.temperature),
+            np.float64(rule.top_p),
+            np.float64(rule.min_p),
+            np.float64(rule.repeat_penalty),
+            ring,
+            np.int32(window),
+            cursor,
+            uniforms,
+            np.int32(draw),
+            tokens,
+            positions,
+            chosen,
+        )
+        _launch_on_host(host_sample, "sample_next", (rows,), (sample.THREADS,), args)
+        assert chosen.tolist() == want and tokens.tolist() == want, draw
+        for r in range(rows):
+            seen[r].append(want[r])
+            if window:  # the ring holds the window's tokens, whatever their order
+                assert sorted(t for t in ring[r] if t >= 0) == sorted(seen[r])
+    np.testing.assert_array_equal(positions, np.arange(rows) * 10 + draws)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _real_gpu(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("rule", SAMPLE_RULES, ids=range(len(SAMPLE_RULES)))
+def test_on_a_gpu_the_sampler_chooses_what_the_host_rule_chooses(rule):
+    """The compiled sampler against the host's rule: the same tokens (the device's exp may round
+    apart from NumPy's by an ulp; no draw here falls inside such a gap)."""
+    import cupy
+
+    from workers.kernels import sample
+
+    kernel = device.compile_all(cupy)["sample_next"]
+    rows, k = 4, 200
+    rng = np.random.default_rng(3)
+    values = np.sort(rng.normal(size=(rows, 1, k)).astype(np.float32), axis=-1)[..., ::-1].copy()
+    indices = np.stack([rng.permutation(5000)[:k] for _ in range(rows)])[:, None].astype(np.int64)
+    recent = [list(indices[r, 0, ::7][: rule.penalized]) for r in range(rows)]
+    tokens, positions = cupy.zeros(rows, cupy.int32), cupy.zeros(rows, cupy.int32)
+    sampler = sample.DeviceSampler(
+        cupy, kernel, cupy.asnumpy, rule, np.random.default_rng(9), 1, recent, values, tokens, positions
+    )
+    got = sampler.next(0, cupy.asarray(values), cupy.asarray(indices))
+    draws = np.random.default_rng(9).random((1, rows))
+    want = [
+        pick(values[r, 0], indices[r, 0], rule, None if rule.greedy else draws[0, r], recent[r]) for r in range(rows)
+    ]
+    assert got == want and cupy.asnumpy(tokens).tolist() == want

@@ -4,6 +4,7 @@ left usable, and a lost worker as a typed error within seconds."""
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import time
@@ -15,8 +16,8 @@ from meta import MetaDevice
 from models.llama import LlamaConfig, ReferenceDecoder, TensorParallelLlama, random_weights
 from split_state import WorkerLost
 from split_state.errors import TransportError
+from split_state.sampling import Rule, choose, generator_state
 from transport.shm import shm_root
-from workers.generation import Rule, generator_state
 
 pytestmark = pytest.mark.timeout(120)
 CFG = LlamaConfig(hidden=48, layers=2, heads=6, kv_heads=2, ffn=40, vocab=64, rope_base=500.0)
@@ -99,6 +100,52 @@ def test_workers_choose_the_tokens_the_coordinator_would(devname, temperature, t
     if temperature:  # the draw depends on the seed
         _, step, v, i = start(dev)
         assert worker_loop(dev, step, v, i, temperature, top_p, seed=12)[0] != by_workers
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        Rule(0.0, repeat_penalty=3.0, repeat_last_n=2),
+        Rule(0.8, top_k=5, top_p=0.9, min_p=0.05, repeat_penalty=1.8, repeat_last_n=3),
+        Rule(1.2, min_p=0.1),
+    ],
+)
+@pytest.mark.parametrize("devname", ["procs2", "cuda1", "cuda2"])
+def test_the_tokens_chosen_by_the_workers_follow_every_rule_and_the_recent_window(devname, rule, request):
+    """Penalty, top-k, top-p, min-p and a window of recent tokens that starts with the prompt's:
+    the workers (on the CUDA backend the device sampler, workers/kernels/sample.py, whose twin
+    the stand-in runs; on the CPU the host) choose what the coordinator chooses by the same rule
+    from the same candidates and seed, step by step."""
+    dev = request.getfixturevalue(devname)
+    window = rule.penalized
+    _, step, v, i = start(dev)
+    rng = np.random.default_rng(5)
+    recent = [list(PROMPT[b, -window:]) if window else [] for b in range(2)]
+    first = [choose(v[b, 0], i[b, 0], rule, rng, recent[b]) for b in range(2)]
+    settings = {"rule": rule.as_wire(), "rng": generator_state(rng), "stop": [], "done": [False, False]}
+    settings["recent"] = [r + [t] for r, t in zip(recent, first)]
+    driven = [first]
+    dev.generate(
+        step,
+        np.array([[t] for t in first], np.int32),
+        np.array([[5], [5]], np.int32),
+        STEPS,
+        settings,
+        lambda k, chosen: driven.append(chosen) is None,
+    )
+    _, step, v, i = start(dev)  # again from fresh caches, chosen here
+    rng = np.random.default_rng(5)
+    seen = [collections.deque(r, maxlen=window) for r in recent]
+    tokens = [choose(v[b, 0], i[b, 0], rule, rng, seen[b]) for b in range(2)]
+    expected = [tokens]
+    for pos in range(5, 5 + STEPS):
+        for b in range(2):
+            seen[b].append(tokens[b])
+        v, i, *_ = step(np.array([[t] for t in tokens], np.int32), np.array([[pos], [pos]], np.int32))
+        v, i = v.numpy(), i.numpy()
+        tokens = [choose(v[b, 0], i[b, 0], rule, rng, seen[b]) for b in range(2)]
+        expected.append(tokens)
+    assert driven == expected
 
 
 def test_every_sequence_at_a_stop_token_ends_the_loop(sim):

@@ -9,7 +9,7 @@ import pytest
 
 from models.generate import POOL, Sampling
 from models.gguf_model import ModelError
-from workers.generation import Rule, choose
+from split_state.sampling import Rule, choose
 
 pytestmark = pytest.mark.timeout(60)
 VALUES = np.array([2.0, 1.0, 0.5, 0.0, -1.0], np.float32)  # candidates, best first

@@ -4,5 +4,6 @@
 simulator), `backends/` (what computes: one file per backend), `store` (resident tensors and a
 memory budget), `executor` (runs programs), `collectives` and `nccl` (engines that run the
 collective algorithms of split_state.algorithms on each data plane), `comm` (point-to-point
-transport between workers), `simulator` (N workers in one process, same code, no sockets).
+transport between workers), `generation` (the worker-driven decode loop), `simulator` (N workers
+in one process, same code, no sockets).
 """

@@ -1,120 +1,44 @@
 """Generation driven by the workers: the decode loop of a Generate message, run on every rank.
 
-Each step runs the captured decode program, reads the candidate (value, index) pairs it left
-Mirrored (bitwise identical on every rank), and chooses each sequence's next token with the same
-seeded generator on every rank, so all ranks feed back the same tokens with no message between
-them. Rank 0 reports the tokens to the coordinator (`Reports`): on the coordinator's token
-board (transport/board.py) where it can map it, each step as it comes with no message, the first
-step also in a Tokens message at once (the coordinator reads the board when it wakes); else in
-Tokens messages, the first at once, later ones gathered for `report_s` seconds (by default
-transport.protocol.REPORT_SECONDS). Only the decision to stop early (a Cancel seen by rank 0)
-must be shared: rank 0 tells its peers after every step, and they read it one step later. So no
-rank waits for it (the step between has all-reduces that bring its sender's data after it), and
-a cancel stops every rank after the step following the one that saw it: within a token, as a
-cancel on one worker does. After the first step it is a one-byte message over the data plane,
-which also says whether rank 0 can store into the peer's memory (a peer on its host, the shm
-plane's inbox file: `Inbox.stop_word`); if so, after later steps it is a store of 2 * run +
-cancel into that word, which the peer reads after `run`: two word accesses a token instead of a
-message each way (~20 us on each side on a 2-core machine).
+Each step runs the captured decode program, which leaves the candidate (value, index) pairs
+Mirrored (bitwise identical on every rank), and each sequence's next token is chosen by the same
+rule (split_state/sampling.py) with the same seeded generator on every rank, so all ranks feed
+back the same tokens with no message between them. On a backend with a device sampler (CUDA:
+workers/kernels/sample.py) the choice runs on the device, which writes the token and position
+the next step reads, and the host reads only the chosen ids; elsewhere the host reads the
+candidates, chooses, and writes the fed tokens back. Rank 0 reports the tokens to the
+coordinator (`Reports`): on the coordinator's token board (transport/board.py) where it can map
+it, each step as it comes with no message, the first step also in a Tokens message at once (the
+coordinator reads the board when it wakes); else in Tokens messages, the first at once, later
+ones gathered for `report_s` seconds (by default transport.protocol.REPORT_SECONDS). Only the
+decision to stop early (a Cancel seen by rank 0) must be shared: rank 0 tells its peers after
+every step, and they read it one step later. So no rank waits for it (the step between has
+all-reduces that bring its sender's data after it), and a cancel stops every rank after the step
+following the one that saw it: within a token, as a cancel on one worker does. After the first
+step it is a one-byte message over the data plane, which also says whether rank 0 can store into
+the peer's memory (a peer on its host, the shm plane's inbox file: `Inbox.stop_word`); if so,
+after later steps it is a store of 2 * run + cancel into that word, which the peer reads after
+`run`: two word accesses a token instead of a message each way (~20 us on each side on a 2-core
+machine).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 
 from split_state.errors import ProtocolError, TransportError, WorkerLost
+from split_state.sampling import Rule, choose, restore_generator
 from transport import protocol as p
 from transport.board import TokenBoard
 from transport.deadline import Deadline
 
 STOP_TAG = 1 << 30  # the step tag of rank 0's stop flag: no program has that many steps
 WORD_SPIN = 1000  # reads of the stop word before a peer waits between reads (it is there at once)
-# a temperature below this is greedy (as vLLM's _SAMPLING_EPS): dividing by 1e-320 gives inf,
-# then inf - inf NaN probabilities
-TEMPERATURE_FLOOR = 1e-5
-
-
-@dataclass(frozen=True)
-class Rule:
-    """How a sequence's next token is chosen from its candidates, in the order vLLM and
-    transformers apply them: the repeat penalty on recently seen tokens, then temperature,
-    top-k, top-p and min-p."""
-
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: every candidate
-    top_p: float = 1.0
-    min_p: float = 0.0  # drop candidates less likely than min_p times the best one
-    repeat_penalty: float = 1.0  # 1: off; llama.cpp's rule: a seen token's logit / penalty if > 0, else * it
-    repeat_last_n: int = 64  # the penalty's window: this many of the latest tokens, the prompt's included
-
-    @property
-    def penalized(self) -> int:
-        """How many of a sequence's latest tokens the repeat penalty lowers (0: none)."""
-        return self.repeat_last_n if self.repeat_penalty != 1 else 0
-
-    def as_wire(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_wire(cls, fields: dict) -> Rule:
-        casts = {"float": float, "int": int}  # the fields' annotations, as strings
-        try:
-            return cls(**{f.name: casts[f.type](fields[f.name]) for f in dataclasses.fields(cls)})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"generate: a malformed sampling rule ({exc!r})") from None
-
-
-def choose(values: np.ndarray, indices: np.ndarray, rule: Rule, rng, recent: Sequence[int] = ()) -> int:
-    """The next token from a sequence's candidates (best first) under `rule`; `recent`: the
-    sequence's latest tokens, which the repeat penalty lowers."""
-    if rule.repeat_penalty != 1 and len(recent):
-        seen = np.isin(indices, np.asarray(recent))
-        values = values.astype(np.float64)
-        lowered = np.where(values > 0, values / rule.repeat_penalty, values * rule.repeat_penalty)
-        values = np.where(seen, lowered, values)
-        order = np.argsort(-values, kind="stable")
-        values, indices = values[order], indices[order]
-    if rule.top_k:
-        values, indices = values[: rule.top_k], indices[: rule.top_k]
-    if rule.temperature < TEMPERATURE_FLOOR:
-        return int(indices[0])
-    keep = values.astype(np.float64) / rule.temperature
-    probs = np.exp(keep - keep.max())
-    probs /= probs.sum()
-    if rule.top_p < 1:
-        cut = int(np.searchsorted(np.cumsum(probs), rule.top_p)) + 1
-        probs = probs[:cut] / probs[:cut].sum()
-    if rule.min_p > 0:
-        probs = probs[probs >= rule.min_p * probs[0]]
-        probs /= probs.sum()
-    return int(indices[rng.choice(len(probs), p=probs)])
-
-
-def generator_state(rng: np.random.Generator) -> list[str]:
-    """A PCG64 generator's exact state as strings (its counters exceed 64 bits)."""
-    state = rng.bit_generator.state
-    return [str(state["state"]["state"]), str(state["state"]["inc"]), str(state["has_uint32"]), str(state["uinteger"])]
-
-
-def restore_generator(fields: Sequence[str]) -> np.random.Generator:
-    try:
-        bits = np.random.PCG64()
-        bits.state = {
-            "bit_generator": "PCG64",
-            "state": {"state": int(fields[0]), "inc": int(fields[1])},
-            "has_uint32": int(fields[2]),
-            "uinteger": int(fields[3]),
-        }
-    except (ValueError, TypeError, IndexError) as exc:
-        raise ProtocolError(f"generate: a malformed generator state ({exc})") from None
-    return np.random.Generator(bits)
 
 
 def run_generation(
@@ -164,18 +88,30 @@ def run_generation(
     # the program reads these again each step: written in place (a host array moved to the device
     # explicitly: CuPy takes only a scalar or a device array on assignment)
     fed_tokens, fed_positions = tokens[:count, 0], positions[:count, 0]
+    # on a GPU the tokens are chosen there and written where the next step reads them
+    # (workers/kernels/sample.py); the host reads only the chosen ids
+    make_sampler = getattr(backend, "device_sampler", None)
+    sampler = None
     try:
         for step in range(m.steps):
             run = m.run + step
             t = run_step(run)
             timings["program_s"] += t["program_s"]
             timings["comm_s"] += t["comm_s"]
-            values = backend.to_host(store.get(m.values))
-            indices = backend.to_host(store.get(m.indices))
-            chosen = [choose(values[b, 0], indices[b, 0], rule, rng, recent[b]) for b in range(count)]
-            for b, token in enumerate(chosen):
-                done[b] = done[b] or token in stop
-                recent[b].append(token)
+            if step == 0 and make_sampler is not None:  # the step's results exist once it ran
+                arrays = (store.get(m.values), store.get(m.indices), fed_tokens, fed_positions)
+                sampler = make_sampler(rule, rng, m.steps, recent, *arrays)
+            values, indices = store.get(m.values), store.get(m.indices)
+            if sampler is not None and not sampler.same(values, indices):
+                raise ProtocolError(f"generate: step {step}'s candidates changed shape or type")
+            if sampler is not None:
+                chosen = sampler.next(step, values, indices)
+            else:
+                values, indices = backend.to_host(values), backend.to_host(indices)
+                chosen = [choose(values[b, 0], indices[b, 0], rule, rng, recent[b]) for b in range(count)]
+                for b, token in enumerate(chosen):
+                    recent[b].append(token)
+            done = [d or token in stop for d, token in zip(done, chosen)]
             steps += 1
             finished = all(done) or step == m.steps - 1
             if rank == 0:
@@ -208,8 +144,9 @@ def run_generation(
                     cancel = _read_word(own_word, run, executor.collective_timeout, rank)
                 if finished or cancel:
                     break
-            fed_tokens[...] = backend.to_device(np.asarray(chosen, tokens.dtype))
-            fed_positions += 1
+            if sampler is None:
+                fed_tokens[...] = backend.to_device(np.asarray(chosen, tokens.dtype))
+                fed_positions += 1
     finally:
         if board is not None:
             board.close()

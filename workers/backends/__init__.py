@@ -15,6 +15,10 @@ A backend module `workers/backends/NAME.py` defines a class `Backend` that provi
     to_host(array) -> host array    # a host copy, ordered after every kernel already issued
     synchronize()                   # wait for every kernel issued on this worker's device
 
+and may provide `device_sampler(rule, rng, steps, recent, values, indices, tokens, positions)`: a
+worker-driven decode loop's sampler on the device (workers/kernels/sample.py DeviceSampler), or
+None where it cannot serve those arrays; without it the loop chooses on the host.
+
 Kernels (workers/kernels) use only NumPy-API calls on `xp`: elementwise ufuncs, matmul,
 reductions with `axis`/`keepdims`, `astype`, `reshape`/`transpose`/`concatenate`, basic and
 boolean indexing, `zeros`/`empty`. Adding a backend is one file here plus tests; every command's

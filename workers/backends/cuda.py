@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from workers.backends import DeviceInfo, _cublas
-from workers.kernels import attend, basic, device, fused, qgemv, quant, top_k
+from workers.kernels import attend, basic, device, fused, qgemv, quant, sample, top_k
 from workers.kernels import get_rows as get_rows_kernel
 from workers.kernels import set_rows as set_rows_kernel
 
@@ -272,6 +272,15 @@ class Backend:
 
     def synchronize(self) -> None:
         self.compute.synchronize()
+
+    def device_sampler(self, rule, rng, steps, recent, values, indices, tokens, positions):
+        """The decode loop's tokens chosen on this GPU (workers/kernels/sample.py), or None: no
+        kernels of our own here, or arrays the kernel does not read (checked before any draw)."""
+        kernels = _own_kernels(self.xp, values)
+        if kernels is None or not sample.DeviceSampler.reads(values, indices, tokens, positions):
+            return None
+        arrays = (values, tokens, positions)
+        return sample.DeviceSampler(self.xp, kernels["sample_next"], self.to_host, rule, rng, steps, recent, *arrays)
 
     # -- device graphs (workers/graphs.py): kernels captured on the compute stream, replayed on it
 

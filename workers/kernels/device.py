@@ -34,6 +34,7 @@ MODULES = (
     "workers.kernels.get_rows",
     "workers.kernels.attend",
     "workers.kernels.top_k",
+    "workers.kernels.sample",
 )
 OPTIONS = ("--std=c++14",)
 
