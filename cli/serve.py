@@ -62,7 +62,13 @@ def serve(args: argparse.Namespace) -> int:
         batcher.start()
         try:
             app = build_app(
-                batcher, model_id, args.api_key, model.chat_template, health=dev.health, body_seconds=args.read_timeout
+                batcher,
+                model_id,
+                args.api_key,
+                model.chat_template,
+                health=dev.health,
+                body_seconds=args.read_timeout,
+                access_log=None if args.no_access_log else lambda line: print(line, file=sys.stderr, flush=True),
             )
             config = uvicorn.Config(
                 app,
@@ -148,6 +154,9 @@ def add(sub) -> None:
         help="skip loading a lone request's prefill steps and the decode steps at start (the first requests plan them)",
     )
     p.add_argument("--api-key", default="", help="require 'Authorization: Bearer KEY' (default: none)")
+    p.add_argument(
+        "--no-access-log", action="store_true", help="no line on stderr per request (method, path, status, tokens, ms)"
+    )
     p.add_argument(
         "--max-connections",
         type=int,

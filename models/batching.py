@@ -38,7 +38,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meta.device import MetaDevice
-from models.generate import POOL, WEIGHTS, Sampling, candidates, check_cache_types, check_fits, stop_string_at
+from models.generate import (
+    POOL,
+    WEIGHTS,
+    Sampling,
+    candidates,
+    check_cache_types,
+    check_fits,
+    log_normalizer,
+    stop_string_at,
+)
 from models.gguf_model import GGUFModel, ModelError
 from models.llama import PREFILL_CHUNK, TensorParallelLlama
 from split_state.errors import ConsistencyError, MetaError, TransportError, WorkerLost
@@ -54,11 +63,17 @@ class Job:
     sampling: Sampling = Sampling()
     stop_strings: tuple[str, ...] = ()
     stop_at_eos: bool = True
+    # None: no log-probabilities; else each token's, with this many of the likeliest alternatives'
+    top_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class Token:
     token: int
+    # with a job's top_logprobs: log p of the token under the model (its logits before
+    # temperature and penalties, over the whole vocabulary), and the likeliest (token, log p)
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,7 +171,8 @@ class ContinuousBatcher:
         self.lost: str = ""  # why the cluster can no longer serve, once it cannot
         self._wake = threading.Condition()
         self._stopping = False
-        self._decodes: dict[int, object] = {}  # rows -> the captured decode step of the first rows
+        # (rows, with the normalizer) -> the captured decode step of the first rows
+        self._decodes: dict[tuple[int, bool], object] = {}
         self._admitted = 0  # jobs admitted so far
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
 
@@ -173,8 +189,8 @@ class ContinuousBatcher:
         loaded = self.net.warm_up(POOL, slots=True)
         rows = 1
         while True:
-            if rows not in self._decodes:
-                self._decodes[rows] = self.net.prepare_decode(rows, build=candidates(POOL))
+            if (rows, False) not in self._decodes:
+                self._decodes[rows, False] = self.net.prepare_decode(rows, build=candidates(POOL))
                 loaded += 1
             if rows >= len(self.slots):
                 return loaded
@@ -279,10 +295,13 @@ class ContinuousBatcher:
             self._finish(index, ticket, "cancelled")
             return
         chunk = slot.pending[:PREFILL_CHUNK]
-        # POOL candidates whatever the job's sampling, cut to its pool here (as a decode step's
-        # are): one prefill step per length serves every slot and request
+        # the last chunk of a job asking for log-probabilities brings the whole logits (for the
+        # normalizer of its first token's)
+        logits = ticket.job.top_logprobs is not None and len(chunk) == len(slot.pending)
+        # POOL candidates whatever the job's sampling, cut to its pool when chosen (as a decode
+        # step's are): one prefill step per length serves every slot and request
         try:
-            values, indices = self.net.prefill([chunk], slot.position, POOL, slot=index)
+            values, indices, *whole = self.net.prefill([chunk], slot.position, POOL, logits=logits, slot=index)
         except (TransportError, ConsistencyError) as exc:  # the cluster's failure: the job is told now
             ticket.events.put(Finished("error", f"{type(exc).__name__}: {exc}"))
             raise
@@ -293,8 +312,8 @@ class ContinuousBatcher:
         slot.position += len(chunk)
         del slot.pending[: len(chunk)]
         if not slot.pending:
-            pool = ticket.job.sampling.pool
-            self._take(index, values.numpy()[0, 0, :pool], indices.numpy()[0, 0, :pool])
+            normalizer = log_normalizer(whole[0].numpy()[0, 0]) if logits else None
+            self._take(index, values.numpy()[0, 0], indices.numpy()[0, 0], normalizer)
 
     def _decoding(self, slot: _Slot | None) -> bool:
         return slot is not None and not slot.pending
@@ -309,22 +328,28 @@ class ContinuousBatcher:
             if slot is not None:
                 tokens[index, 0] = slot.tokens[-1] if self._decoding(slot) else 0
                 positions[index, 0] = slot.position
+        # a step with a job asking for log-probabilities also sums each row's distribution
+        mass = any(self._decoding(s) and s.ticket.job.top_logprobs is not None for s in self.slots[:rows])
         start = time.perf_counter()
-        decode = self._decodes.get(rows)
+        decode = self._decodes.get((rows, mass))
         if decode is None:
-            build = candidates(POOL)
-            self._decodes[rows], (values, indices, *_) = self.net.capture_decode(tokens, positions, build=build)
+            build = candidates(POOL, mass)
+            self._decodes[rows, mass], (values, indices, *rest) = self.net.capture_decode(
+                tokens, positions, build=build
+            )
         else:
-            values, indices, *_ = decode(tokens, positions, read=(0, 1))  # back with the run
+            values, indices, *rest = decode(tokens, positions, read=(0, 1, 2)[: 2 + mass])  # back with the run
         v, i = values.numpy(), indices.numpy()
+        sums = rest[0].numpy().astype(np.float64) if mass else None
         self.counters.decode_steps += 1
         self.counters.decode_rows += rows
         self.counters.decode_seconds += time.perf_counter() - start
         for index, slot in enumerate(self.slots[:rows]):
             if self._decoding(slot):
                 slot.position += 1
-                pool = slot.ticket.job.sampling.pool
-                self._take(index, v[index, 0, :pool], i[index, 0, :pool])
+                # log sum exp of the row's logits: its best, and the sum of exp(logit - best)
+                normalizer = float(v[index, 0, 0]) + float(np.log(sums[index, 0])) if mass else None
+                self._take(index, v[index, 0], i[index, 0], normalizer)
 
     def _rows(self) -> int:
         """The rows the next decode step runs: up to the highest decoding slot, rounded up to a
@@ -332,9 +357,10 @@ class ContinuousBatcher:
         highest = max(index for index, slot in enumerate(self.slots) if self._decoding(slot))
         return min(len(self.slots), 1 << highest.bit_length())
 
-    def _take(self, index: int, values: np.ndarray, indices: np.ndarray) -> None:
-        """Slot `index`'s next token from its candidates, handed to its job; the slot is freed
-        when the job is done."""
+    def _take(self, index: int, values: np.ndarray, indices: np.ndarray, normalizer: float | None) -> None:
+        """Slot `index`'s next token from its POOL candidates (best first; its job's sampling
+        chooses among the first `pool`), handed to its job; the slot is freed when the job is
+        done. `normalizer`: the row's log sum exp, where the job asks for log-probabilities."""
         slot = self.slots[index]
         ticket, job = slot.ticket, slot.ticket.job
         if ticket.cancelled.is_set():
@@ -343,7 +369,7 @@ class ContinuousBatcher:
         s, n = job.sampling, job.sampling.penalized
         recent = [*job.prompt[-n:], *slot.tokens[-n:]][-n:] if n else ()
         try:
-            token = choose(values, indices, s.rule, slot.rng, recent)
+            token = choose(values[: s.pool], indices[: s.pool], s.rule, slot.rng, recent)
         except (ValueError, FloatingPointError) as exc:  # this job's sampling failed (its logits): it alone ends
             self._finish(index, ticket, "error", f"sampling failed: {exc}")
             return
@@ -352,7 +378,12 @@ class ContinuousBatcher:
             ticket.first_token_s = time.perf_counter() - ticket.submitted
             self.counters.first_token_seconds = self.counters.first_token_seconds[-999:] + [ticket.first_token_s]
         self.counters.generated_tokens += 1
-        ticket.events.put(Token(token))
+        if job.top_logprobs is None or normalizer is None:
+            ticket.events.put(Token(token))
+        else:
+            chosen = float(values[int(np.flatnonzero(indices == token)[0])]) - normalizer
+            top = tuple((int(t), float(v) - normalizer) for v, t in zip(values[: job.top_logprobs], indices))
+            ticket.events.put(Token(token, chosen, top))
         if job.stop_at_eos and token in self.stop_ids:
             self._finish(index, ticket, "stop")
         elif job.stop_strings and stop_string_at(self._text(slot), job.stop_strings) is not None:

@@ -464,9 +464,26 @@ class LLM:
         return [(v[b, 0], i[b, 0]) for b in range(len(tokens))]
 
 
-def candidates(pool: int) -> Callable:
-    """A decode step's results: every row's `pool` best (values, indices)."""
-    return lambda logits: list(logits.top_k(pool))
+def candidates(pool: int, mass: bool = False) -> Callable:
+    """A decode step's results: every row's `pool` best (values, indices); with `mass` also each
+    row's sum over the whole vocabulary of exp(logit - its best logit), (rows, 1): its
+    log-probabilities' normalizer (log p = logit - best - log mass), one float a row (the
+    vocabulary's shares summed by an all-reduce, never gathered)."""
+
+    def build(logits) -> list:
+        values, indices = logits.top_k(pool)
+        if not mass:
+            return [values, indices]
+        return [values, indices, (logits - values[:, :, 0:1]).exp().sum(axis=-1)]
+
+    return build
+
+
+def log_normalizer(logits: np.ndarray) -> float:
+    """log sum exp of one row of logits, in float64: log p(token) = logit - this."""
+    row = np.asarray(logits, np.float64)
+    best = row.max()
+    return float(best + np.log(np.exp(row - best).sum()))
 
 
 def _shown(prompt: Prompt) -> str:

@@ -11,12 +11,14 @@ within the vocabulary, text without lone surrogates, at most 4 stop strings of b
 a body of at most MAX_BODY_BYTES, a prompt no longer in bytes than the context could hold
 (before it is tokenized, which then runs off the event loop), max_tokens within what the context
 leaves (chat's default: all of it; completions': 16, as OpenAI's, or less where less is left),
-and the fields this server does not implement (logprobs, tools, penalties, ...) refused rather
-than ignored. Every error is OpenAI's JSON body: 400 malformed, 401 wrong key, 404 unknown model
-or path, 405 wrong method, 408 a body not all in within --read-timeout (a stalled client's
-connection goes back; a late head closes it: cli/http_deadline.py), 413 too large, 503 once the
-cluster cannot serve, 500 (never seen in the tests) for a fault of ours. A client that leaves
-frees its slot within a token, streamed or not.
+log-probabilities as OpenAI's API gives them (chat: `logprobs: true` and `top_logprobs` up to
+20; completions: `logprobs` up to 5): the model's own distribution over the whole vocabulary (its
+logits before temperature and penalties, as vLLM's default), and the fields this server does not
+implement (tools, penalties, ...) refused rather than ignored. Every error is OpenAI's JSON
+body: 400 malformed, 401 wrong key, 404 unknown model or path, 405 wrong method, 408 a body not
+all in within --read-timeout (a stalled client's connection goes back; a late head closes it:
+cli/http_deadline.py), 413 too large, 503 once the cluster cannot serve, 500 (never seen in the
+tests) for a fault of ours. A client that leaves frees its slot within a token, streamed or not.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request)
@@ -32,11 +34,30 @@ BODY_SECONDS = 30.0  # a body not all in within this is refused (408): a slow cl
 LARGE_BODY = 1 << 16  # a body at least this large is parsed on a thread
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024
+MOST_TOP_LOGPROBS = {True: 20, False: 5}  # OpenAI's limits: chat's top_logprobs, completions' logprobs
 EVENT_POLL_SECONDS = 0.25  # how often a waiting request looks whether its client left
-# fields of OpenAI's API this server does not implement, with the values that ask for nothing
+# the fields of OpenAI's chat/completions and completions requests this server honours (llama-server's
+# and vLLM's top_k, min_p, repetition_penalty and ignore_eos besides); `user` goes into the
+# access log, `parallel_tool_calls` has no tools to run in parallel; `n` only as 1 (job_from)
+HONOURED = (
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "user",
+    "parallel_tool_calls",
+)
+# the rest of OpenAI's fields, each with the values that ask for nothing: any other is refused
 UNSUPPORTED = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
@@ -46,6 +67,18 @@ UNSUPPORTED = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
+    "function_call": (None, "none"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "service_tier": (None, "auto", "default"),
+    "prompt_cache_key": (None,),
+    "safety_identifier": (None,),
 }
 
 
@@ -120,6 +153,67 @@ def refuse_unsupported(body: dict) -> None:
         raise RequestError(400, "'response_format' is not supported by this server (only {'type': 'text'})")
 
 
+def usage_chunk_asked(body: dict, streamed: bool) -> bool:
+    """Whether a stream ends with a chunk of no choices and the usage (`stream_options:
+    {"include_usage": true}`, as OpenAI's)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not streamed:
+        raise RequestError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError(400, "'stream_options' takes {'include_usage': true or false}", param="stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise RequestError(400, "'stream_options.include_usage' must be true or false", param="stream_options")
+    return include
+
+
+def top_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives' log-probabilities a request asks for with each token's (None: no
+    log-probabilities): chat's `logprobs` (true or false) and `top_logprobs`, completions'
+    `logprobs` (a count)."""
+    most = MOST_TOP_LOGPROBS[chat]
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            raise RequestError(
+                400, "'top_logprobs' is a chat field; completions take 'logprobs': N", param="top_logprobs"
+            )
+        return None if body.get("logprobs") is None else number(body, "logprobs", 0, int, 0, most)
+    asked = body.get("logprobs")
+    if asked not in (None, True, False):
+        raise RequestError(400, f"'logprobs' must be true or false, got {_shown(asked)}", param="logprobs")
+    if not asked:
+        if body.get("top_logprobs") not in (None, 0):
+            raise RequestError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return None
+    return number(body, "top_logprobs", 0, int, 0, most)
+
+
+def logprob_fields(tokenizer, tokens: list, chat: bool, offset: int = 0) -> dict:
+    """The `logprobs` of a choice for these Token events: chat's {"content": [...]}, or
+    completions' columns (text_offset counted from `offset` characters into the completion)."""
+
+    def piece(token: int) -> str:
+        return tokenizer.decode([token], continuation=True)  # a word's leading space kept
+
+    if chat:
+
+        def entry(token: int, logprob: float) -> dict:
+            text = piece(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [entry(t.token, t.logprob) | {"top_logprobs": [entry(*a) for a in t.top]} for t in tokens]}
+    texts = [piece(t.token) for t in tokens]
+    offsets = [offset + sum(len(x) for x in texts[:k]) for k in range(len(texts))]
+    return {
+        "tokens": texts,
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{piece(a): lp for a, lp in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
 def job_from(body: dict, prompt_ids: list[int], default_seed: int, room: int, chat: bool, vocab: int):
     """The batcher's Job for an OpenAI request body (completions or chat); `room`: the tokens the
     context leaves after the prompt."""
@@ -155,15 +249,59 @@ def job_from(body: dict, prompt_ids: list[int], default_seed: int, room: int, ch
     ignore_eos = body.get("ignore_eos", False)  # llama-server's extension: go on past end-of-generation
     if not isinstance(ignore_eos, bool):
         raise RequestError(400, "'ignore_eos' must be true or false", param="ignore_eos")
-    return Job(tuple(prompt_ids), max_tokens, sampling, stop_strings(body), stop_at_eos=not ignore_eos)
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise RequestError(400, "'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
+    if not isinstance(body.get("user", ""), str):
+        raise RequestError(400, "'user' must be a string", param="user")
+    return Job(tuple(prompt_ids), max_tokens, sampling, stop_strings(body), not ignore_eos, top_logprobs(body, chat))
+
+
+class AccessLog:
+    """ASGI middleware: one line per request once its answer is all sent (a stream's at its
+    end), through `write`: client, method and path, status, prompt + completion tokens, ms, and
+    the request's `user` where it gave one. (Pure ASGI rather than Starlette's BaseHTTPMiddleware,
+    which would stand between a streaming handler and its client's disconnect.)"""
+
+    def __init__(self, app, write):
+        self.app, self.write = app, write
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [0]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            state = scope.get("state") or {}  # what the handlers put in request.state
+            client = scope.get("client") or ("-", 0)
+            line = f'{client[0]} "{scope["method"]} {scope["path"]}" {status[0] or "-"}'
+            if "tokens" in state:
+                line += " {}+{} tokens".format(*state["tokens"])
+            line += f" {1e3 * (time.perf_counter() - start):.0f} ms"
+            if state.get("user"):
+                line += f" user={state['user']!r}"
+            self.write(line)
 
 
 def build_app(
-    batcher, model_id: str, api_key: str = "", chat_template=None, health=lambda: "", body_seconds: float = BODY_SECONDS
+    batcher,
+    model_id: str,
+    api_key: str = "",
+    chat_template=None,
+    health=lambda: "",
+    body_seconds: float = BODY_SECONDS,
+    access_log=None,
 ):
     """The FastAPI application over a started ContinuousBatcher; `health()` says why the
     cluster cannot serve ("" while it can), asked without a call to the workers; a request
-    body must be all in within `body_seconds` of its headers."""
+    body must be all in within `body_seconds` of its headers; `access_log(line)`, where given,
+    gets a line per request (AccessLog)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -173,6 +311,8 @@ def build_app(
     from split_state.errors import MetaError, WorkerLost
 
     app = FastAPI(title="meta-tp", docs_url=None, redoc_url=None, openapi_url=None)
+    if access_log is not None:
+        app.add_middleware(AccessLog, write=access_log)
     tokenizer = batcher.tokenizer
     vocab = batcher.model.config.vocab
     tokens = batcher.model.meta("tokenizer.ggml.tokens")
@@ -297,22 +437,32 @@ def build_app(
         streamed = body.get("stream", False)
         if not isinstance(streamed, bool):
             raise RequestError(400, "'stream' must be true or false", param="stream")
+        usage_chunk = usage_chunk_asked(body, streamed)
+        request.state.user = body.get("user") or ""
         ticket = submit(job)
         kind = ("chat.completion.chunk" if streamed else "chat.completion") if chat else "text_completion"
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         text = TextStream(tokenizer, False, job.stop_strings)
+        scored: list = []  # Token events whose log-probabilities are not yet sent
+        sent_chars = [0]  # characters of completion text sent so far (completions' text_offset)
 
         def usage() -> dict:
             n = len(text.tokens)
+            request.state.tokens = (len(prompt_ids), n)  # for the access log
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": n, "total_tokens": len(prompt_ids) + n}
 
         def choice(piece: str, finish: str | None, whole: bool) -> dict:
+            logprobs = None
+            if job.top_logprobs is not None:
+                logprobs = logprob_fields(tokenizer, scored, chat, sent_chars[0])
+                scored.clear()
+            sent_chars[0] += len(piece)
             if not chat:
-                return {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+                return {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": finish}
             key = "message" if whole else "delta"
             content = {"role": "assistant", "content": piece} if whole else {"content": piece} if piece else {}
-            return {"index": 0, key: content, "finish_reason": finish}
+            return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
 
         def envelope(choices: list, **extra) -> dict:
             return {"id": rid, "object": kind, "created": created, "model": model_id, "choices": choices} | extra
@@ -323,6 +473,7 @@ def build_app(
                 async for event in events(ticket, request):
                     if isinstance(event, Token):
                         text.push(event.token)
+                        scored.append(event)
                     else:
                         finished = event
             finally:
@@ -342,6 +493,7 @@ def build_app(
                 async for event in events(ticket, request):
                     if isinstance(event, Token):
                         piece = text.push(event.token)
+                        scored.append(event)
                         if piece:
                             yield f"data: {json.dumps(envelope([choice(piece, None, False)]))}\n\n"
                         continue
@@ -352,6 +504,8 @@ def build_app(
                     rest = text.finish()
                     last = envelope([choice(rest, event.reason, False)], usage=usage())
                     yield f"data: {json.dumps(last)}\n\n"
+                    if usage_chunk:
+                        yield f"data: {json.dumps(envelope([], usage=usage()))}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 ticket.cancel()  # the client left (or the stream ended): the slot is freed

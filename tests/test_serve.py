@@ -65,10 +65,13 @@ def start_server(*options: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", "2", "--port", str(port), *options]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # its stderr (a line per request) read as it comes, so the pipe never fills: proc.log
+    proc.log = []
+    threading.Thread(target=lambda: proc.log.extend(iter(proc.stderr.readline, "")), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None, "".join(proc.log)
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
@@ -95,18 +98,24 @@ def client(server):
     return openai.OpenAI(base_url=server[1] + "/v1", api_key=KEY, timeout=60, max_retries=0)
 
 
-def _reference_tokens(model, prompt_ids: list[int], steps: int) -> list[int]:
+def _reference_run(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """The NumPy reference decoder's greedy tokens and the logits each was chosen from."""
     names = ["embed", "norm"] + [
         f"l{i}.{k}"
         for i in range(model.config.layers)
         for k in ("attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
     ]
     ref = ReferenceDecoder(model.config, {n: model.weight(n) for n in names}, len(prompt_ids) + steps)
-    logits = ref.forward(np.array([prompt_ids]), np.arange(len(prompt_ids))[None])[0, -1]
-    tokens = [int(np.argmax(logits))]
+    logits = [ref.forward(np.array([prompt_ids]), np.arange(len(prompt_ids))[None])[0, -1]]
+    tokens = [int(np.argmax(logits[0]))]
     for pos in range(len(prompt_ids), len(prompt_ids) + steps - 1):
-        tokens.append(int(np.argmax(ref.forward(np.array([[tokens[-1]]]), np.array([[pos]]))[0, -1])))
-    return tokens
+        logits.append(ref.forward(np.array([[tokens[-1]]]), np.array([[pos]]))[0, -1])
+        tokens.append(int(np.argmax(logits[-1])))
+    return tokens, logits
+
+
+def _reference_tokens(model, prompt_ids: list[int], steps: int) -> list[int]:
+    return _reference_run(model, prompt_ids, steps)[0]
 
 
 def test_a_greedy_completion_is_the_references_text(server, client, model):
@@ -116,6 +125,142 @@ def test_a_greedy_completion_is_the_references_text(server, client, model):
     assert out.choices[0].text == expected
     assert out.choices[0].finish_reason == "length"
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 6)
+
+
+def test_log_probabilities_are_the_models_and_the_top_ones_its_likeliest_tokens(server, client, model):
+    """Completions' `logprobs: 2` (the first token's from the prefill, later ones from decode
+    steps) against the reference decoder's logits, log-softmaxed here in float64 (the logits
+    the CLI's --logits-out writes: tests/test_llm.py holds them to the same reference): each
+    token's log-probability, and the two likeliest tokens in order with theirs. Chat's
+    `logprobs: true, top_logprobs: 2` in OpenAI's shape: pieces that make the text, each token
+    its own likeliest (greedy), streamed the same as whole."""
+    ids = model.tokenizer.encode(PROMPTS[1])
+    steps = 4
+    tokens, logits = _reference_run(model, ids, steps)
+    out = client.completions.create(model="", prompt=ids, max_tokens=steps, temperature=0, logprobs=2)
+    got = out.choices[0].logprobs
+    assert "".join(got.tokens) == out.choices[0].text and len(got.token_logprobs) == steps
+    for k in range(steps):
+        row = logits[k].astype(np.float64)
+        log_p = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        best = np.argsort(-log_p, kind="stable")[:2]
+        assert got.tokens[k] == model.tokenizer.decode([tokens[k]], continuation=True)
+        assert abs(got.token_logprobs[k] - log_p[tokens[k]]) < 0.02, k
+        top = list(got.top_logprobs[k].items())
+        assert [t for t, _ in top] == [model.tokenizer.decode([int(b)], continuation=True) for b in best], k
+        np.testing.assert_allclose([v for _, v in top], log_p[best], atol=0.02)
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:k]) for k in range(steps)]
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(
+        model="", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = whole.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == whole.choices[0].message.content
+    for e in content:
+        assert e.bytes == list(e.token.encode()) and e.logprob <= 0
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
+    chunks = client.chat.completions.create(
+        model="", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    )
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model="", messages=messages, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+
+
+# OpenAI's request fields (its API reference: chat/completions, then the legacy completions'
+# own), each with a value that asks for something: the server must honour it or refuse it with a
+# 400 naming it, never take it and do nothing
+CHAT_FIELDS = {
+    "audio": {"voice": "alloy", "format": "wav"},
+    "frequency_penalty": 0.5,
+    "function_call": "auto",
+    "functions": [{"name": "f", "parameters": {}}],
+    "logit_bias": {"5": 10},
+    "logprobs": True,
+    "max_completion_tokens": 2,
+    "max_tokens": 2,
+    "metadata": {"k": "v"},
+    "modalities": ["text", "audio"],
+    "n": 2,
+    "parallel_tool_calls": False,
+    "prediction": {"type": "content", "content": "x"},
+    "presence_penalty": 0.5,
+    "prompt_cache_key": "k",
+    "reasoning_effort": "low",
+    "response_format": {"type": "json_object"},
+    "safety_identifier": "s",
+    "seed": 3,
+    "service_tier": "flex",
+    "stop": ["x"],
+    "store": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "temperature": 0.5,
+    "tool_choice": "auto",
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "top_logprobs": 2,
+    "top_p": 0.5,
+    "user": "someone",
+    "verbosity": "low",
+    "web_search_options": {},
+}
+COMPLETION_FIELDS = {"best_of": 2, "echo": True, "logprobs": 2, "suffix": "!"}
+
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [("/v1/chat/completions", f, v) for f, v in CHAT_FIELDS.items()]
+    + [("/v1/completions", f, v) for f, v in COMPLETION_FIELDS.items()],
+)
+def test_every_openai_field_is_honoured_or_refused_by_name(server, path, field, value):
+    from models.openai_server import HONOURED
+
+    body = {"max_tokens": 2, "temperature": 0, field: value}
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    if field == "stream_options":
+        body["stream"] = True
+    body |= {"messages": [{"role": "user", "content": "Hi"}]} if "chat" in path else {"prompt": "Hi"}
+    reply = httpx.post(server[1] + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    if field in HONOURED:
+        assert reply.status_code == 200, reply.text[:300]
+    else:
+        assert reply.status_code == 400, (field, reply.status_code, reply.text[:200])
+        error = reply.json()["error"]
+        assert error["param"] == field or f"'{field}'" in error["message"], error
+
+
+def test_a_stream_asking_for_usage_ends_with_it_and_each_request_gets_an_access_log_line(server, client):
+    """stream_options.include_usage: a last chunk of no choices with the usage, as OpenAI's;
+    the server's stderr has a line for the request with its status, tokens and user."""
+    chunks = list(
+        client.chat.completions.create(
+            model="",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            user="log-probe",
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="only allowed with 'stream': true"):
+        client.chat.completions.create(
+            model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, stream_options={"include_usage": True}
+        )
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [line for line in server[0].log if "user='log-probe'" in line]
+        if lines:
+            break
+        time.sleep(0.05)
+    assert len(lines) == 1 and '"POST /v1/chat/completions" 200' in lines[0], lines
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    assert f" {prompt_tokens}+3 tokens " in lines[0], lines
 
 
 def test_max_tokens_past_the_context_is_refused_and_chat_defaults_to_the_rest_of_it(server, client, model):
@@ -239,7 +384,8 @@ def test_a_sampled_request_is_reproducible_by_its_seed(server, client):
         ({}, {"prompt": "x", "seed": -1}, 400, "invalid_request_error", "'seed' must lie in"),
         ({}, {"prompt": "x", "min_p": 1.0}, 400, "invalid_request_error", "'min_p' must lie in"),
         ({}, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_request_error", "at most 4"),
-        ({}, {"prompt": "x", "logprobs": 3}, 400, "invalid_request_error", "'logprobs' is not supported"),
+        ({}, {"prompt": "x", "logprobs": 6}, 400, "invalid_request_error", "'logprobs' must lie in [0, 5]"),
+        ({}, {"prompt": "x", "top_logprobs": 2}, 400, "invalid_request_error", "'top_logprobs' is a chat field"),
         ({}, {"prompt": "x", "presence_penalty": 1}, 400, "invalid_request_error", "'presence_penalty' is not"),
         ({}, {"prompt": "x", "tools": [{}]}, 400, "invalid_request_error", "'tools' is not supported"),
         ({}, {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "invalid_request_error", "'response_"),
@@ -518,7 +664,7 @@ def test_sigterm_exits_0_leaving_no_worker_or_shared_memory(server):
     before = _shared_files_of([proc.pid, *workers])
     assert before, "the server's processes map no shared-memory file: the check below would see nothing"
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0, proc.stderr.read()
+    assert proc.wait(30) == 0, "".join(proc.log)
     deadline = time.monotonic() + 5
     while _alive(workers) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -549,7 +695,7 @@ def test_a_lost_worker_fails_the_waiting_request_turns_health_503_and_exits_non_
         asking.join(30)
         reply = replies["long"]
         assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error", reply.text[:300]
-        assert proc.wait(10) == 3, proc.stderr.read()
+        assert proc.wait(10) == 3, "".join(proc.log)
         assert time.monotonic() - killed < 10
         deadline = time.monotonic() + 5
         while _alive(workers) and time.monotonic() < deadline:
