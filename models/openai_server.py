@@ -3,7 +3,8 @@ command that serves it is cli/serve.py.
 
 Endpoints: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST
 /v1/chat/completions (streaming with server-sent events ending in `data: [DONE]`, or not), GET
-/metrics (Prometheus text).
+/metrics (Prometheus text); or, started with an embedding model (MiniLM), POST /v1/embeddings
+in place of the three last.
 
 Every request is checked whole before it is queued, so no request can take the server down:
 numbers with Python's integers (no overflow) and finite floats within their ranges, token ids
@@ -34,6 +35,7 @@ BODY_SECONDS = 30.0  # a body not all in within this is refused (408): a slow cl
 LARGE_BODY = 1 << 16  # a body at least this large is parsed on a thread
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of texts in one embeddings request
 MOST_TOP_LOGPROBS = {True: 20, False: 5}  # OpenAI's limits: chat's top_logprobs, completions' logprobs
 EVENT_POLL_SECONDS = 0.25  # how often a waiting request looks whether its client left
 # the fields of OpenAI's chat/completions and completions requests this server honours (llama-server's
@@ -297,27 +299,20 @@ def build_app(
     health=lambda: "",
     body_seconds: float = BODY_SECONDS,
     access_log=None,
+    embedder=None,
 ):
-    """The FastAPI application over a started ContinuousBatcher; `health()` says why the
-    cluster cannot serve ("" while it can), asked without a call to the workers; a request
-    body must be all in within `body_seconds` of its headers; `access_log(line)`, where given,
-    gets a line per request (AccessLog)."""
+    """The FastAPI application over a started ContinuousBatcher (completions and chat), or over
+    an `embedder` (embeddings: models/minilm.py Embedder) with `batcher` None; `health()` says
+    why the cluster cannot serve ("" while it can), asked without a call to the workers; a
+    request body must be all in within `body_seconds` of its headers; `access_log(line)`, where
+    given, gets a line per request (AccessLog)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
-
-    from models.batching import TOKEN_SECONDS, Finished, Token
-    from models.generate import TextStream
-    from split_state.errors import MetaError, WorkerLost
 
     app = FastAPI(title="meta-tp", docs_url=None, redoc_url=None, openapi_url=None)
     if access_log is not None:
         app.add_middleware(AccessLog, write=access_log)
-    tokenizer = batcher.tokenizer
-    vocab = batcher.model.config.vocab
-    tokens = batcher.model.meta("tokenizer.ggml.tokens")
-    # a token covers at most this many bytes of text: a longer text cannot fit the context
-    most_bytes = max(1, max((len(t.encode("utf-8", "surrogatepass")) for t in tokens), default=1))
     started = time.time()
 
     @app.exception_handler(RequestError)
@@ -335,7 +330,7 @@ def build_app(
         return JSONResponse(error_body(failed), status_code=500)
 
     def why_down() -> str:
-        return batcher.lost or health()
+        return (batcher.lost if batcher is not None else "") or health()
 
     def check_key(request: Request) -> None:
         if not api_key:
@@ -347,7 +342,9 @@ def build_app(
     # a body longer than this holds more text than the context could (each token at most
     # most_bytes bytes, each byte at most 6 characters of JSON, plus the other fields): it is
     # refused before it is parsed (parsing 10 MB holds the event loop for 100 ms)
-    too_long = min(MAX_BODY_BYTES, 6 * batcher.ctx * most_bytes + (64 << 10))
+    too_long = (
+        MAX_BODY_BYTES if batcher is None else min(MAX_BODY_BYTES, 6 * batcher.ctx * most_bytes(batcher) + (64 << 10))
+    )
 
     def body_too_large(size: int) -> RequestError:
         if size > MAX_BODY_BYTES:
@@ -384,13 +381,63 @@ def build_app(
             raise RequestError(503, f"the cluster cannot serve: {why_down()}", "server_error")
         return body
 
+    @app.get("/health")
+    async def health_check():
+        why = why_down()
+        if why:
+            return JSONResponse({"status": "error", "error": why}, status_code=503)
+        if batcher is None:
+            return {"status": "ok"}
+        return {"status": "ok", "slots": len(batcher.slots), "active": batcher.active()}
+
+    def model_card() -> dict:
+        return {"id": model_id, "object": "model", "created": int(started), "owned_by": "meta-tp"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str, request: Request):
+        check_key(request)
+        if name != model_id:
+            raise RequestError(404, f"the model '{_shown(name)}' does not exist; this server has '{model_id}'")
+        return model_card()
+
+    if batcher is not None:
+        _add_generation(app, batcher, model_id, chat_template, read_body)
+    if embedder is not None:
+        _add_embeddings(app, embedder, model_id, read_body)
+    return app
+
+
+def most_bytes(batcher) -> int:
+    """The most bytes of text a token of the model covers: a longer text cannot fit the context."""
+    tokens = batcher.model.meta("tokenizer.ggml.tokens")
+    return max(1, max((len(t.encode("utf-8", "surrogatepass")) for t in tokens), default=1))
+
+
+def _add_generation(app, batcher, model_id: str, chat_template, read_body) -> None:
+    """POST /v1/completions, POST /v1/chat/completions and GET /metrics over the batcher."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    from models.batching import TOKEN_SECONDS, Finished, Token
+    from models.generate import TextStream
+    from split_state.errors import MetaError, WorkerLost
+
+    tokenizer = batcher.tokenizer
+    vocab = batcher.model.config.vocab
+    longest = most_bytes(batcher)
+
     async def encode(text: str, param: str) -> list[int]:
         checked_text(text, param)
-        if len(text) > batcher.ctx * most_bytes:  # at least one byte a character: too long for any context
+        if len(text) > batcher.ctx * longest:  # at least one byte a character: too long for any context
             raise RequestError(
                 400, f"'{param}' is longer than a context of {batcher.ctx} tokens could hold", param=param
             )
-        if len(text.encode("utf-8")) > batcher.ctx * most_bytes:
+        if len(text.encode("utf-8")) > batcher.ctx * longest:
             raise RequestError(
                 400, f"'{param}' is longer than a context of {batcher.ctx} tokens could hold", param=param
             )
@@ -512,28 +559,6 @@ def build_app(
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
-    @app.get("/health")
-    async def health_check():
-        why = why_down()
-        if why:
-            return JSONResponse({"status": "error", "error": why}, status_code=503)
-        return {"status": "ok", "slots": len(batcher.slots), "active": batcher.active()}
-
-    def model_card() -> dict:
-        return {"id": model_id, "object": "model", "created": int(started), "owned_by": "meta-tp"}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        check_key(request)
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{name:path}")
-    async def one_model(name: str, request: Request):
-        check_key(request)
-        if name != model_id:
-            raise RequestError(404, f"the model '{_shown(name)}' does not exist; this server has '{model_id}'")
-        return model_card()
-
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request)
@@ -571,7 +596,7 @@ def build_app(
         for m in messages:
             checked_text(m["role"], "messages")
             checked_text(m["content"], "messages")
-        if sum(len(m["content"].encode("utf-8")) for m in messages) > batcher.ctx * most_bytes:
+        if sum(len(m["content"].encode("utf-8")) for m in messages) > batcher.ctx * longest:
             raise RequestError(400, f"'messages' are longer than a context of {batcher.ctx} tokens could hold")
         if chat_template is None:
             raise RequestError(400, "this model has no chat template: use /v1/completions")
@@ -588,8 +613,6 @@ def build_app(
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(metrics_text(batcher), media_type="text/plain; version=0.0.4")
-
-    return app
 
 
 def metrics_text(batcher) -> str:
@@ -621,3 +644,55 @@ def metrics_text(batcher) -> str:
     lines += [f'{name}{{quantile="{q}"}} {ttft[int(q * (len(ttft) - 1))]:.6f}' for q in (0.5, 0.9, 0.99) if ttft]
     lines += [f"{name}_sum {sum(ttft):.6f}", f"{name}_count {len(ttft)}"]
     return "\n".join(lines) + "\n"
+
+
+def _add_embeddings(app, embedder, model_id: str, read_body) -> None:
+    """POST /v1/embeddings (OpenAI's): `input` a text or a list of texts, `encoding_format`
+    float or base64 (float32 bytes), `dimensions` only the model's own; unit vectors, in order."""
+    import base64
+
+    from fastapi import Request
+
+    from split_state.errors import MetaError
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        body = await read_body(request)
+        texts = body.get("input")
+        texts = [texts] if isinstance(texts, str) else texts
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+            raise RequestError(
+                400, "'input' must be a non-empty text or a list of them (token ids: give the text)", param="input"
+            )
+        if len(texts) > MAX_EMBEDDING_INPUTS:
+            raise RequestError(400, f"'input' holds {len(texts)} texts; at most {MAX_EMBEDDING_INPUTS}", param="input")
+        for text in texts:
+            checked_text(text, "input")
+        encoding = body.get("encoding_format") or "float"
+        if encoding not in ("float", "base64"):
+            raise RequestError(
+                400, f"'encoding_format' is 'float' or 'base64', got {_shown(encoding)}", param="encoding_format"
+            )
+        if body.get("dimensions") is not None and number(body, "dimensions", None, int) != embedder.dims:
+            raise RequestError(400, f"'dimensions': this model gives {embedder.dims} only", param="dimensions")
+        if not isinstance(body.get("user", ""), str):
+            raise RequestError(400, "'user' must be a string", param="user")
+        request.state.user = body.get("user") or ""
+        try:
+            vectors, used = await asyncio.to_thread(embedder.embed, texts)
+        except MetaError as exc:
+            raise RequestError(503, f"embedding failed: {type(exc).__name__}: {exc}", "server_error") from None
+        request.state.tokens = (used, 0)
+
+        def shown(vector):
+            if encoding == "base64":
+                return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+            return vector.astype(float).tolist()
+
+        data = [{"object": "embedding", "index": i, "embedding": shown(v)} for i, v in enumerate(vectors)]
+        return {
+            "object": "list",
+            "data": data,
+            "model": model_id,
+            "usage": {"prompt_tokens": used, "total_tokens": used},
+        }

@@ -732,3 +732,45 @@ def test_serve_options_that_cannot_work_are_refused_in_one_line(flag, value):
         timeout=60,
     )
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and f"{flag} " in out.stderr, out.stderr
+
+
+def test_an_embeddings_server_gives_the_references_vectors_in_openai_shape():
+    """`serve --embeddings`: POST /v1/embeddings with the openai client, against the NumPy
+    reference MiniLM (models/minilm.py reference_embed); base64 equal to the floats; bad input and
+    another width refused by name; no completions there; SIGTERM exits 0."""
+    minilm = pytest.importorskip("models.minilm")
+    try:
+        model = minilm.Model.load()
+    except minilm.ModelMissing:
+        pytest.skip("the MiniLM package is not installed")
+    texts = ["A cat sits on the mat.", "Ein Hund bellt.", "x"]
+    expected = minilm.reference_embed(model.weights, model.cfg, model.tokenizer(texts))
+    proc, url = start_server("--embeddings", "--api-key", KEY)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+        out = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
+        got = np.array([d.embedding for d in sorted(out.data, key=lambda d: d.index)])
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+        assert out.usage.prompt_tokens == int(model.tokenizer(texts).mask.sum())
+        raw = httpx.post(
+            url + "/v1/embeddings",
+            json={"input": texts[0], "encoding_format": "base64"},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        ).json()
+        decoded = np.frombuffer(__import__("base64").b64decode(raw["data"][0]["embedding"]), "<f4")
+        np.testing.assert_allclose(decoded, expected[0], atol=1e-5)
+        for body, param in (
+            ({"input": []}, "input"),
+            ({"input": [1, 2]}, "input"),
+            ({"input": "a", "dimensions": 8}, "dimensions"),
+        ):
+            reply = httpx.post(
+                url + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+            )
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+        reply = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}"})
+        assert reply.status_code == 404 and "error" in reply.json()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, "".join(proc.log)
