@@ -4,11 +4,11 @@
     mpiexec -n 2 python bench/mpi_plane.py ...        # the same; without mpiexec it starts one
 
 Ours: a worker's whole collective path for Partial -> Mirrored of a float32 vector, as a program
-step runs it (bound once by `Collectives.prepared`: the MPI engine, the comm of workers/mpi.py,
-recycled result buffers, each result dropped after the call as a program drops it after its
-last reader, a deadline per call) on the ranks of the job. Raw: `MPI.COMM_WORLD.Allreduce(a, b)`
-on the same arrays. Rounds alternate ours and raw; each size reports the median of its rounds, a round
-being the mean of `reps` calls after a barrier.
+step runs it (bound once by `Collectives.prepared`: the MPI engine, the comm of
+workers/planes/mpi/engine.py, recycled result buffers, each result dropped after the call as a
+program drops it after its last reader, a deadline per call) on the ranks of the job. Raw:
+`MPI.COMM_WORLD.Allreduce(a, b)` on the same arrays. Rounds alternate ours and raw; each size
+reports the median of its rounds, a round being the mean of `reps` calls after a barrier.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def measure(args) -> dict:
     from transport.deadline import Deadline
     from workers.backends import make_backend
     from workers.collectives import Collectives
-    from workers.mpi import standalone
+    from workers.planes.mpi.engine import standalone
 
     world = MPI.COMM_WORLD
     rows = []

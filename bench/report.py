@@ -11,9 +11,10 @@ import platform
 import queue
 import signal
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from cli.display import table  # noqa: F401 - the one table printer, which the benchmarks print with
 
 
 def machine() -> dict[str, Any]:
@@ -23,26 +24,6 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-
-
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(columns)]
-    # numbers right-aligned, text left-aligned; a column is numeric when its first row is
-    numeric = [bool(rows) and isinstance(rows[0][i], (int, float)) for i in range(len(columns))]
-
-    def line(values):
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-
-    lines = [title, line(columns), "  ".join("-" * w for w in widths)]
-    lines += [line(r) for r in cells]
-    return "\n".join(lines)
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-    return str(value)
 
 
 def write_json(path: str | Path | None, name: str, results: Any) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
-from bench.report import table
 from split_state.quant import FORMATS
 
 
@@ -28,6 +29,26 @@ def widening_notice(model, weights: str, stream=sys.stderr) -> None:
     if widened:
         kept = ", ".join(name.upper() for name in FORMATS)
         stream.write(f"note: {', '.join(widened)} matrices become float32 on the workers (kept in blocks: {kept})\n")
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(columns)]
+    # numbers right-aligned, text left-aligned; a column is numeric when its first row is
+    numeric = [bool(rows) and isinstance(rows[0][i], (int, float)) for i in range(len(columns))]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    lines = [title, line(columns), "  ".join("-" * w for w in widths)]
+    lines += [line(r) for r in cells]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
 
 
 def print_table(title: str, columns: list[str], rows: list[list]) -> None:

@@ -6,8 +6,8 @@ from its own phases) and how it runs (`run`, against an engine the workers suppl
 charges what `select` picks; the workers run what `select` picks; both ask the same table, so
 the cost the planner charged and the bytes that move cannot drift apart.
 
-A worker's engine (workers/collectives.py for point-to-point planes, workers/nccl.py for NCCL)
-provides the primitives the phases need:
+A worker's engine (workers/collectives.py for point-to-point planes, workers/planes/nccl/engine.py
+for NCCL) provides the primitives the phases need:
 
     engine.rank, engine.size, engine.xp
     engine.exchange(local, phase, tag) -> local result   # copy boxes between devices

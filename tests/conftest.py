@@ -78,7 +78,7 @@ IPC_REGION_MIB = 1  # the IPC plane's halves in the stand-in fixtures: small /de
 
 
 def _ipc_env() -> dict[str, str]:
-    from workers.ipc import REGION_ENV
+    from workers.planes.ipc.engine import REGION_ENV
 
     return {**_standin_env(), REGION_ENV: str(IPC_REGION_MIB)}
 

@@ -1,6 +1,6 @@
 """Run by tests/test_mpi.py as `mpiexec -n 2 python tests/mpi_failures.py OUT_PREFIX SCENARIO`: an
-MPI comm (workers/mpi.py) on each rank over real MPI and ZeroMQ, one rank failing; each rank
-writes what it saw to OUT_PREFIX-RANK.json.
+MPI comm (workers/planes/mpi/engine.py) on each rank over real MPI and ZeroMQ, one rank failing;
+each rank writes what it saw to OUT_PREFIX-RANK.json.
 
 abort:    rank 0 waits in the native all-reduce; rank 1's run fails (comm.abort), so rank 0 must
           return with rank 1's error within a second or so, not wait forever.
@@ -14,13 +14,13 @@ import os
 import sys
 import time
 
-os.environ.setdefault("OMPI_MCA_mpi_ft_enable", "1")  # as workers/planes/mpi.py sets it
+os.environ.setdefault("OMPI_MCA_mpi_ft_enable", "1")  # as workers/planes/mpi/__init__.py sets it
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from transport.deadline import Deadline  # noqa: E402
-from workers.mpi import standalone  # noqa: E402
+from workers.planes.mpi.engine import standalone  # noqa: E402
 
 prefix, scenario = sys.argv[1], sys.argv[2].removesuffix("-bound")
 bound = sys.argv[2].endswith("-bound")

@@ -1,7 +1,7 @@
 """Every CuPy name the project uses exists in the real `cupy` package, and takes the keywords we
 pass it. The stand-in (tests/cupy_standin) would accept a misspelt attribute NumPy happens to
 have; this reads the code that runs on the CUDA backend and asks the installed CuPy (which
-imports without a GPU) instead. NCCL's calls (workers/nccl.py's `nccl.`, `self.nccl.`) are not
+imports without a GPU) instead. NCCL's calls (workers/planes/nccl/engine.py's `nccl.`, `self.nccl.`) are not
 read: without libnccl, which the wheel does not bring, `cupy.cuda.nccl` has no API to ask."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ ROOTS = {
     "self.xp": lambda: cupy,
     "cupy": lambda: cupy,
     "self.cupy": lambda: cupy,
-    "self.runtime": lambda: cupy.cuda.runtime,  # workers/ipc.py's IPC calls
+    "self.runtime": lambda: cupy.cuda.runtime,  # workers/planes/ipc/engine.py's IPC calls
     "cupyx": lambda: __import__("cupyx"),
 }
 # the CUDA backend's own attributes
@@ -47,8 +47,8 @@ BACKEND_ROOTS = {
 BACKEND = "workers/backends/cuda.py"
 CUPY_FILES = (
     "workers/backends/cuda.py",
-    "workers/nccl.py",
-    "workers/ipc.py",
+    "workers/planes/nccl/engine.py",
+    "workers/planes/ipc/engine.py",
     "workers/graphs.py",
     "bench/tp_matmul.py",
 )

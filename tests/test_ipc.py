@@ -1,4 +1,4 @@
-"""The CUDA IPC plane (workers/ipc.py) on the CuPy stand-in, three workers sharing device 0:
+"""The CUDA IPC plane (workers/planes/ipc/engine.py) on the CuPy stand-in, three workers sharing device 0:
 all-reduces above the one-shot size take two shots, tensors above a buffer half go in pieces,
 and phases whose sends do not fit a half go through host memory; every result has the bits of
 the rank-order sum or the host reference. (The small cases, every transition on this plane, are
@@ -18,7 +18,7 @@ from split_state.scatter import check_identical
 from tests.conftest import IPC_REGION_MIB, _ipc_env
 from tests.test_collectives import assert_bitwise, rank_order_sum, run_transition
 from transport import protocol as p
-from workers import ipc
+from workers.planes.ipc import engine as ipc
 
 HALF = IPC_REGION_MIB << 20  # the bytes of a half in the cuda3 fixture's workers
 

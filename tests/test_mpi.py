@@ -1,6 +1,6 @@
-"""The MPI plane and `mpiexec -n N python launch.py ...` (workers/mpi.py, workers/planes/mpi.py,
-cli/options.py): real mpiexec runs on loopback, 2-3 ranks, each bounded; and the pieces that need
-no MPI job. Skipped where mpi4py or mpiexec is missing (pip install -e '.[mpi]')."""
+"""The MPI plane and `mpiexec -n N python launch.py ...` (workers/planes/mpi/, cli/options.py): real
+mpiexec runs on loopback, 2-3 ranks, each bounded; and the pieces that need no MPI job. Skipped
+where mpi4py or mpiexec is missing (pip install -e '.[mpi]')."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_a_killed_worker_under_mpiexec_is_named_and_the_job_ends(tmp_path):
 
 
 def test_mpi_tags_tell_runs_and_steps_apart():
-    from workers.mpi import message_tag
+    from workers.planes.mpi.engine import message_tag
 
     tags = {message_tag(run, step) for run in range(1, 40) for step in (0, 1, 2, 500, STOP_TAG)}
     assert len(tags) == 39 * 5 and max(tags) < 2**31
@@ -194,7 +194,7 @@ def test_workers_of_other_ranks_find_the_coordinator_in_the_job_directory():
 def test_a_bound_all_reduces_small_results_take_turns_and_are_never_handed_out_while_held():
     import numpy as np
 
-    from workers.mpi import ResultPair
+    from workers.planes.mpi.engine import ResultPair
 
     pair = ResultPair(np.dtype(np.float32), 4)
     first = pair.take()
@@ -214,7 +214,7 @@ def test_a_bound_all_reduces_small_results_take_turns_and_are_never_handed_out_w
 def test_all_reduce_results_are_recycled_only_once_nothing_holds_them():
     import numpy as np
 
-    from workers.mpi import ResultBuffers
+    from workers.planes.mpi.engine import ResultBuffers
 
     pool = ResultBuffers()
     size = ResultBuffers.MIN_BYTES // 4

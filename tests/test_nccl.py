@@ -25,7 +25,7 @@ from transport.sockets import IpcDir, Security, pull
 from workers.backends.cpu import Backend as NumpyBackend
 from workers.backends.cuda import Backend as CudaBackend
 from workers.collectives import Collectives
-from workers.nccl import NcclComm, NcclEngine, nccl_available, nccl_type
+from workers.planes.nccl.engine import NcclComm, NcclEngine, nccl_available, nccl_type
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,5 +6,5 @@ threads keep the CPUs of the thread that started them).
 
 CPUS_ENV = "META_TP_CPUS"  # a spawned worker's CPUs, "0,1"; absent when workers are not bound
 # set by the command line for a worker started by rank R of an MPI job (mpiexec, srun): the worker
-# may join MPI as rank R (workers/planes/mpi.py); a worker without it never initializes MPI
+# may join MPI as rank R (workers/planes/mpi/__init__.py); a worker without it never initializes MPI
 MPI_RANK_ENV = "META_TP_MPI_RANK"

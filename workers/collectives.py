@@ -3,7 +3,8 @@ data plane.
 
 `Collectives.redistribute` asks `select` (the same table the planner charged) and runs the chosen
 algorithm against an engine: `HostEngine` for the point-to-point planes (shared memory, ZeroMQ,
-in-process queues), `workers.nccl.NcclEngine` for NCCL. An engine supplies the primitives:
+in-process queues), `NcclEngine` for NCCL (workers/planes/nccl/engine.py). An engine supplies
+the primitives:
 exchange (copy boxes), reduce (sum each box's contributions in rank order) and, where the plane
 has one, a native all-reduce. Reductions are done by the owner of each box in rank order and
 every device then receives the owner's bits, so Mirrored results are bitwise identical.

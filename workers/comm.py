@@ -2,8 +2,8 @@
 
 Four implementations share the matching logic in `Inbox`: `ZmqComm` (PUSH to each peer, one PULL
 inbox; peers on one host or across hosts), `HostComm` (ZmqComm plus shared-memory rings for the
-peers on this host), `QueueComm` (in-process queues, for the simulator) and, in workers/nccl.py,
-`NcclComm` (ZmqComm for signalling beside NCCL for the data). Messages between a
+peers on this host), `QueueComm` (in-process queues, for the simulator) and, in
+workers/planes/nccl/engine.py, `NcclComm` (ZmqComm for signalling beside NCCL for the data). Messages between a
 pair arrive in order; they are matched by (source, run, step) and anything from an older run is
 stale and dropped. An Abort for the current run (or for every run) ends the wait at once with a
 typed error, so a failed or lost peer never leaves the others hanging.
@@ -186,7 +186,7 @@ class Inbox:
     def resync(self, run: int, deadline: Deadline) -> None:
         """After a failed run (transport.protocol.Resync): bring this plane back to the state
         every rank shares. Nothing to do where a run's traffic is told apart by its run id alone;
-        a plane that counts operations across runs (workers/ipc.py) agrees on the count here."""
+        a plane that counts operations across runs (workers/planes/ipc/engine.py) agrees on the count here."""
 
     def forget_aborts(self) -> None:
         """A new run starts clean: an abort of every run (-1) woke the workers of the run it

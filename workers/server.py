@@ -135,7 +135,7 @@ class WorkerServer:
         return p.Ok()
 
     def _on_nccl_id(self, m: p.NcclId) -> p.Message:
-        from workers.nccl import make_unique_id
+        from workers.planes.nccl.engine import make_unique_id
 
         return p.Ok({"nccl_id": make_unique_id().hex()})
 

@@ -1,5 +1,7 @@
 """Data planes: how workers move bytes to each other in collectives. One module per plane in this
-folder, found by its name; each defines `PLANE`, a `Plane`:
+folder (a file, or a folder whose __init__.py is the entry and whose engine.py holds the plane's
+own comm and collective engine: nccl/, ipc/, mpi/), found by its name; each defines `PLANE`, a
+`Plane`:
 
     name          as --data-plane spells it
     hosts         "one" (peers must share this host) or "many"
@@ -13,7 +15,10 @@ folder, found by its name; each defines `PLANE`, a `Plane`:
 Every worker says in its Hello which planes it can join (`joinable_planes`); the coordinator
 picks one they all can (`--data-plane`, or auto: NCCL for GPU workers on distinct GPUs, then
 MPI for the ranks of an MPI job, else shared memory), without importing this package. Adding a
-plane is one file here plus tests.
+plane that moves bytes through workers/comm.py's HostComm and the shared HostEngine (as shm and
+zmq do) is one file here plus tests; a plane with a transport of its own is a folder here: its
+entry, and an engine.py with its comm (workers/comm.py's contract) and, where its collectives
+are native, its engine (CONTRIBUTING.md, "Add a data plane").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Collectives between workers that are the ranks of one MPI job (mpi4py over the job's MPI).
 
 The workers of `mpiexec -n N python launch.py ...` (or `srun` with PMIx) are started by the job's
-ranks, inherit their rank's identity and join MPI as that rank (workers/planes/mpi.py checks that
+ranks, inherit their rank's identity and join MPI as that rank (workers/planes/mpi/__init__.py checks that
 the two agree). Data moves through MPI's own buffer calls, never pickled objects:
 
 - all-reduce (Partial -> Mirrored of a dtype MPI sums) is `Allreduce` into a buffer of the

@@ -1,5 +1,6 @@
-"""NCCL between CuPy workers, each on its own GPU (workers/nccl.py): its collectives where they
-fit, grouped send/recv otherwise; the unique id comes from rank 0 through the coordinator."""
+"""NCCL between CuPy workers, each on its own GPU (its comm and engine: engine.py beside this file):
+its collectives where they fit, grouped send/recv otherwise; the unique id comes from rank 0 through
+the coordinator."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from workers.planes import Plane
 
 
 def _joinable(backend: str) -> str:
-    from workers.nccl import nccl_available
+    from workers.planes.nccl.engine import nccl_available
 
     if backend != "cuda":
         return "NCCL moves GPU memory: it needs the cuda backend"
@@ -15,7 +16,7 @@ def _joinable(backend: str) -> str:
 
 
 def _connect(rank, configure, inbox, context, security):
-    from workers.nccl import NcclComm, NcclDevice
+    from workers.planes.nccl.engine import NcclComm, NcclDevice
 
     device = NcclDevice(configure.world_size, configure.nccl_id, rank)  # blocks until all ranks join
     return NcclComm(rank, inbox, configure.peers, context, security, device)

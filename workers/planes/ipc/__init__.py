@@ -1,6 +1,7 @@
-"""CUDA IPC between CuPy workers on one host (workers/ipc.py): each worker's device buffer and
-events opened by its peers, the data read GPU to GPU; the signals go through the shared-memory
-rings of the shm plane. Workers may share a GPU (NCCL cannot put two ranks on one)."""
+"""CUDA IPC between CuPy workers on one host (its comm and engine: engine.py beside this file): each
+worker's device buffer and events opened by its peers, the data read GPU to GPU; the signals go
+through the shared-memory rings of the shm plane. Workers may share a GPU (NCCL cannot put two ranks
+on one)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def _joinable(backend: str) -> str:
 
 
 def _connect(rank, configure, inbox, context, security):
-    from workers.ipc import IpcComm, IpcDevice
+    from workers.planes.ipc.engine import IpcComm, IpcDevice
     from workers.planes.shm import connect_on_host
 
     def make():

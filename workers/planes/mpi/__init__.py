@@ -1,7 +1,8 @@
-"""MPI between workers that are the ranks of one MPI job (workers/mpi.py): `mpiexec -n N python
-launch.py ...` or `srun --mpi=pmix`. A worker can join only where the command line started it for
-its job rank (transport.environment.MPI_RANK_ENV) and mpi4py is installed; MPI is initialized
-when the plane connects, never before, so workers on other planes never touch it."""
+"""MPI between workers that are the ranks of one MPI job (its comm and engine: engine.py beside this
+file): `mpiexec -n N python launch.py ...` or `srun --mpi=pmix`. A worker can join only where the
+command line started it for its job rank (transport.environment.MPI_RANK_ENV) and mpi4py is
+installed; MPI is initialized when the plane connects, never before, so workers on other planes
+never touch it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _joinable(backend: str) -> str:
 
 
 def _connect(rank, configure, inbox, context, security):
-    from workers.mpi import MpiComm
+    from workers.planes.mpi.engine import MpiComm
 
     why = _joinable("cpu")
     if why:
@@ -33,7 +34,7 @@ def _connect(rank, configure, inbox, context, security):
     if os.environ[MPI_RANK_ENV] != str(rank):
         raise PlaneUnavailable(f"worker {rank} was started by MPI rank {os.environ[MPI_RANK_ENV]}")
     # Open MPI: with its fault-tolerance extension switched on, revoking a communicator frees
-    # every rank blocked on it (workers/mpi.py); without it a revoke would wait for the peers
+    # every rank blocked on it (workers/planes/mpi/engine.py); without it a revoke would wait for the peers
     os.environ.setdefault("OMPI_MCA_mpi_ft_enable", "1")
     try:
         from mpi4py import MPI  # initializes MPI: the job's launcher says who we are
