@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from split_state.errors import DeadlineExceeded, MetaError, ProtocolError, Trans
 from transport import protocol as p
 from transport.deadline import Deadline, Liveness
 from transport.environment import CPUS_ENV
+from transport.replies import OnMessage, Watch, gather_replies
 from transport.shm import remove_session
 from transport.sockets import CurveKeys, IpcDir, Security, bind, pull, push, recv_frames, router, send
 from transport.stop_signal import StopSignal
@@ -35,22 +36,6 @@ POLL_MS = 100
 BIND_MODES = ("auto", "off")
 
 
-OnMessage = Callable[[int, p.Message], bool]  # a report from a worker; False: cancel
-
-
-@dataclass(frozen=True)
-class Watch:
-    """What a call looks at whenever it wakes, besides its messages: reports that come another
-    way (a generation's token board, transport/board.py), every `every_ms` at least."""
-
-    every_ms: int
-    # show: False once the call is cancelled (what comes then is taken, not shown); returns None:
-    # nothing new; True: shown (the workers are making progress); False: refused, cancel
-    look: Callable[[bool], bool | None]
-    cancel: Callable[[], None]  # told when the call sends its Cancels
-
-
-CANCEL_GRACE_S = 30.0  # after Ctrl-C, how long a cancelled request may take to answer
 MAX_WORKERS_PER_CORE = 8  # beyond this a host only thrashes: refused before any worker starts
 
 
@@ -496,62 +481,29 @@ class ProcessCluster:
         rid = self._request
         for rank, message in messages.items():
             send(self.control, message, rid, route=self.routes[rank])
-        seconds = self.config.call_timeout if timeout is None else timeout
-        deadline = Deadline(seconds)
-        replies: dict[int, p.Message] = {}
-        interrupted: KeyboardInterrupt | None = None
-        cancelled = False
-        poll_ms = POLL_MS if watch is None else max(1, min(POLL_MS, watch.every_ms))
+
+        def receive(wait_s: float) -> tuple[int, p.Message] | None:
+            if not self.control.poll(int(wait_s * 1000)):
+                return None
+            route, *frames = self.control.recv_multipart(copy=False)
+            try:
+                message, got = p.decode(frames)
+            except ProtocolError:
+                return None
+            rank = p.rank_of(route.bytes)
+            if self.routes.get(rank) != route.bytes:
+                self._tell_latecomer(route.bytes, message)
+                return None
+            return (rank, message) if got == rid else None  # else another request's
 
         def cancel(ranks) -> None:
             for rank in ranks:
                 send(self.control, p.Cancel(), rid, route=self.routes[rank])
-            if watch is not None:
-                watch.cancel()
 
-        while len(replies) < len(messages):
-            try:
-                self._check_processes()
-                if watch is not None:
-                    seen = watch.look(not cancelled)
-                    if seen is not None:
-                        deadline = Deadline(seconds)
-                    if seen is False and not cancelled:
-                        cancelled = True
-                        cancel(messages)
-                if deadline.expired():
-                    missing = sorted(set(messages) - set(replies))
-                    raise DeadlineExceeded(f"workers {missing} did not answer within {deadline.seconds:.1f} s")
-                if not self.control.poll(min(poll_ms, deadline.remaining_ms())):
-                    continue
-                route, *frames = self.control.recv_multipart(copy=False)
-                try:
-                    message, got = p.decode(frames)
-                except ProtocolError:
-                    continue
-                rank = p.rank_of(route.bytes)
-                if self.routes.get(rank) != route.bytes:
-                    self._tell_latecomer(route.bytes, message)
-                    continue
-                if got != rid or rank not in messages or rank in replies:
-                    continue  # another request's, or after this worker's reply (the Ok of a late Cancel)
-                if isinstance(message, p.Tokens) and on_message is not None:
-                    if cancelled:  # reports of steps already under way when the Cancel left
-                        continue
-                    deadline = Deadline(seconds)
-                    if not on_message(rank, message):
-                        cancelled = True
-                        cancel([rank])
-                    continue
-                replies[rank] = message
-            except KeyboardInterrupt as exc:
-                if (on_message is None and watch is None) or interrupted is not None:
-                    raise
-                interrupted, cancelled, deadline = exc, True, Deadline(min(seconds, CANCEL_GRACE_S))
-                cancel(messages)
-        if interrupted is not None:
-            raise interrupted
-        return replies
+        seconds = self.config.call_timeout if timeout is None else timeout
+        return gather_replies(
+            messages, seconds, receive, cancel, on_message, watch, POLL_MS / 1000, self._check_processes
+        )
 
     # -- stop -----------------------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from meta.cluster import Watch
 from meta.compiler import compile_plan, structural_key
 from meta.graph import Node, topo_order
 from meta.planner import Plan, plan
@@ -37,6 +36,7 @@ from split_state.states import MIRRORED, State, validate
 from transport import protocol as p
 from transport.board import TokenBoard
 from transport.board import supported as board_supported
+from transport.replies import Watch
 
 Policy = Callable[[str, tuple[int, ...]], State | None]
 PLACE_BYTES = 16 << 20  # slices of one tensor held for one Put message at most (more: sent device by device)

@@ -9,9 +9,8 @@ from __future__ import annotations
 import queue
 import threading
 
-from split_state.errors import DeadlineExceeded
 from transport import protocol as p
-from transport.deadline import Deadline
+from transport.replies import gather_replies
 from transport.reply import respond
 from workers.backends import make_backend
 from workers.comm import QueueComm
@@ -56,60 +55,26 @@ class SimulatedCluster:
     def call_all(
         self, messages: dict[int, p.Message], timeout: float | None = None, on_message=None, watch=None
     ) -> dict[int, p.Message]:
-        """As ProcessCluster.call_all, reports (Tokens) to `on_message` and a `watch` (its
-        meta.cluster.Watch: every_ms, look(show), cancel()) included."""
-        timeout = self.call_timeout if timeout is None else timeout
+        """As ProcessCluster.call_all (the same loop: transport/replies.py), reports (Tokens) to
+        `on_message` and a `watch` included."""
         for event in self._cancel:
             event.clear()
         for rank, message in messages.items():
             self._inboxes[rank].put(p.encode(message))
-        replies = {}
-        interrupted = None
-        wait = timeout if watch is None else min(timeout, max(1, watch.every_ms) / 1000)
 
-        cancelled = False
+        def receive(wait_s: float) -> tuple[int, p.Message] | None:
+            try:
+                rank, frames = self._replies.get(timeout=wait_s)
+            except queue.Empty:
+                return None
+            return rank, p.decode(frames)[0]
 
         def cancel(ranks) -> None:
-            nonlocal cancelled
-            cancelled = True
-            for r in ranks:
-                self._cancel[r].set()
-            if watch is not None:
-                watch.cancel()
+            for rank in ranks:
+                self._cancel[rank].set()
 
-        deadline = Deadline(timeout)
-        while len(replies) < len(messages):
-            try:
-                if watch is not None:
-                    seen = watch.look(not cancelled)
-                    if seen is not None:
-                        deadline = Deadline(timeout)
-                    if seen is False and not cancelled:
-                        cancel(messages)
-                try:
-                    rank, frames = self._replies.get(timeout=min(wait, deadline.remaining()))
-                except queue.Empty:
-                    if not deadline.expired():
-                        continue
-                    missing = sorted(set(messages) - set(replies))
-                    raise DeadlineExceeded(f"simulated devices {missing} did not answer within {timeout} s") from None
-                message = p.decode(frames)[0]
-                if rank in replies:
-                    continue  # after this device's reply
-                if isinstance(message, p.Tokens) and on_message is not None:
-                    deadline = Deadline(timeout)
-                    if not cancelled and not on_message(rank, message):
-                        cancel([rank])
-                    continue
-                replies[rank] = message
-            except KeyboardInterrupt as exc:
-                if (on_message is None and watch is None) or interrupted is not None:
-                    raise
-                interrupted = exc
-                cancel(messages)
-        if interrupted is not None:
-            raise interrupted
-        return replies
+        seconds = self.call_timeout if timeout is None else timeout
+        return gather_replies(messages, seconds, receive, cancel, on_message, watch, who="simulated devices")
 
     def abort_peers(self, lost: int, message: str) -> None:
         for q in self._data:
