@@ -40,16 +40,14 @@ import numpy as np
 from meta.device import MetaDevice
 from models.generate import (
     POOL,
-    WEIGHTS,
     Sampling,
     candidates,
-    check_cache_types,
-    check_fits,
     log_normalizer,
+    place_model,
     stop_string_at,
 )
 from models.gguf_model import GGUFModel, ModelError
-from models.llama import PREFILL_CHUNK, TensorParallelLlama
+from models.llama import PREFILL_CHUNK
 from split_state.errors import ConsistencyError, MetaError, TransportError, WorkerLost
 from split_state.sampling import choose
 
@@ -153,16 +151,8 @@ class ContinuousBatcher:
     ):
         if slots < 1:
             raise ModelError(f"--max-slots {slots}: at least one")
-        if ctx > model.context_length:
-            raise ModelError(f"--ctx {ctx} exceeds the model's context length {model.context_length}")
-        if weights not in WEIGHTS:
-            raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
-        check_cache_types(cache_types)
         self.dev, self.model, self.ctx = dev, model, ctx
-        check_fits(dev, model, weights, ctx, slots, cache_types)
-        source = model.native if weights == "native" else model.weight
-        self.net = TensorParallelLlama(dev, model.config, source, ctx, batch=slots, cache_types=tuple(cache_types))
-        model.release_pages()  # the workers hold the weights: the coordinator's copy of the file goes
+        self.net = place_model(dev, model, ctx, slots, weights, cache_types)
         self.tokenizer = model.tokenizer
         self.stop_ids = frozenset(model.end_of_generation)
         self.slots: list[_Slot | None] = [None] * slots

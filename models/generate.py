@@ -281,6 +281,30 @@ def check_cache_types(cache_types: Sequence[str]) -> None:
 WEIGHTS = ("native", "f32")  # kept in the file's blocks where the workers compute on them; all float32
 
 
+def place_model(
+    dev: MetaDevice,
+    model: GGUFModel,
+    ctx: int,
+    batch: int,
+    weights: str = "native",
+    cache_types: Sequence[str] = ("f32", "f32"),
+    progress=None,
+) -> TensorParallelLlama:
+    """The model's weights and caches (`batch` rows of `ctx` positions) placed on the workers,
+    after every check that can refuse it first (context, weights, cache types, the workers'
+    memory); the coordinator's copy of the file then goes. The one loader of LLM and the
+    server's ContinuousBatcher."""
+    check_context(ctx, model.context_length)
+    if weights not in WEIGHTS:
+        raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
+    check_cache_types(cache_types)
+    check_fits(dev, model, weights, ctx, batch, tuple(cache_types))
+    source = model.native if weights == "native" else model.weight
+    net = TensorParallelLlama(dev, model.config, source, ctx, batch, progress=progress, cache_types=tuple(cache_types))
+    model.release_pages()  # the workers hold the weights: the coordinator's copy of the file goes
+    return net
+
+
 class LLM:
     def __init__(
         self,
@@ -293,17 +317,8 @@ class LLM:
         cache_types: tuple[str, str] = ("f32", "f32"),
     ):
         """`cache_types`: the KV caches' element types (K, V), models.llama.CACHE_TYPES's names."""
-        check_context(ctx, model.context_length)
-        if weights not in WEIGHTS:
-            raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
-        check_cache_types(cache_types)
         self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch
-        check_fits(dev, model, weights, ctx, batch, cache_types)
-        source = model.native if weights == "native" else model.weight
-        self.net = TensorParallelLlama(
-            dev, model.config, source, ctx, batch, progress=progress, cache_types=tuple(cache_types)
-        )
-        model.release_pages()  # the workers hold the weights: the coordinator's copy of the file goes
+        self.net = place_model(dev, model, ctx, batch, weights, cache_types, progress)
         self.tokenizer = model.tokenizer
         self._decode: dict[int, object] = {}  # captured decode steps by candidate pool size
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill
