@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meta.device import MetaDevice
+from models.errors import ModelError
 from models.generate import (
     POOL,
     Sampling,
@@ -46,7 +47,7 @@ from models.generate import (
     place_model,
     stop_string_at,
 )
-from models.gguf_model import GGUFModel, ModelError
+from models.gguf_model import GGUFModel
 from models.llama import PREFILL_CHUNK
 from split_state.errors import ConsistencyError, MetaError, TransportError, WorkerLost
 from split_state.sampling import choose

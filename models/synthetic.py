@@ -197,9 +197,9 @@ def write(path: str | Path, recipe: Recipe, vocabulary: str | Path | None = None
     """Write `recipe` as a GGUF file at `path`, the tokenizer copied from `vocabulary` (a GGUF
     file), made here (`BYTES`: a byte-level BPE vocabulary of `recipe.shape.vocab` tokens), or,
     with none, placeholder tokens and no tokenizer."""
-    from models.gguf_model import _require
+    from models.errors import require
 
-    gguf = _require("gguf")  # without it: a one-line ModelMissing saying how to install it
+    gguf = require("gguf")  # without it: a one-line ModelMissing saying how to install it
     start = time.perf_counter()
     fields, origin = _vocabulary_fields(recipe.shape, vocabulary)
     vocab = len(fields["tokenizer.ggml.tokens"][0])

@@ -59,7 +59,7 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
 
 def from_gguf(model):
     """The tokenizer of `model` (a GGUFModel) by its `tokenizer.ggml.model`."""
-    from models.gguf_model import ModelError
+    from models.errors import ModelError
 
     kind = model.meta_str("tokenizer.ggml.model")
     if kind == "gpt2":
@@ -73,7 +73,7 @@ def from_gguf(model):
 
 
 def _sentencepiece(model):
-    from models.gguf_model import ModelError
+    from models.errors import ModelError
     from models.spm_tokenizer import SentencePieceTokenizer
 
     tokens = list(model.vocabulary)
@@ -102,9 +102,9 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, model) -> Tokenizer:
-        from models.gguf_model import ModelError, _require
+        from models.errors import ModelError, require
 
-        tk = _require("tokenizers")
+        tk = require("tokenizers")
         tokens = list(model.vocabulary)
         types = list(model.token_types) or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in model.meta_list("tokenizer.ggml.merges", str)]
@@ -147,7 +147,7 @@ def _pre_tokenizer(tk, pre: str, file: str):
     """`tokenizers`' pre-tokenizer splitting as llama.cpp does for pre-tokenizer `pre`: each
     pattern isolates its matches in the pieces the one before left, then the bytes are mapped
     to the byte-level alphabet the vocabulary is written in."""
-    from models.gguf_model import ModelError
+    from models.errors import ModelError
 
     patterns = PRE_TOKENIZERS.get(pre)
     if patterns is None:
