@@ -273,13 +273,16 @@ def show(results: dict) -> None:
         print("\n".join(f"  {line[:300]}" for line in failed["lines"]))
 
 
+class NoGpu(Exception):
+    pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    if gpus() == 0:
-        print("gpu_check: no CUDA GPU was found (the cuda backend sees no device here)", file=sys.stderr)
-        return 1
     outcome: dict = {}
 
-    def measure(args) -> dict:
+    def measure(args) -> dict:  # after the options are read: --help works without a GPU
+        if gpus() == 0:
+            raise NoGpu
         outcome.update(run(args.quick, args.workers, args.model, not args.no_tests))
         return outcome
 
@@ -290,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         ap.add_argument("--no-tests", action="store_true", help="skip the CuPy tests (run them on their own)")
 
-    status = cli(__doc__, "gpu_check", measure, show, argv, options)
+    try:
+        status = cli(__doc__, "gpu_check", measure, show, argv, options)
+    except NoGpu:
+        print("gpu_check: no CUDA GPU was found (the cuda backend sees no device here)", file=sys.stderr)
+        return 1
     return status or (0 if outcome.get("ok") else 2)
 
 

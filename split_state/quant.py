@@ -55,7 +55,7 @@ FORMATS = {
     "q6_k": QuantFormat("q6_k", 256, 210, (208,)),
     # bfloat16, a value a "block": rows stay whole (one lane), widened a tile of rows at a time by
     # NumPy (a shift) for BLAS. F16 is not kept: neither NumPy nor numba widens float16 with
-    # vector instructions here, and a 576 x 1536 product took 2-7x float32's (bench/README.md)
+    # vector instructions here, and a 576 x 1536 product took 2-7x float32's (measured on a 2-vCPU VM)
     "bf16": QuantFormat("bf16", 1, 2, (), 1),
 }
 

@@ -37,3 +37,37 @@ def test_every_readme_command_line_parses(line):
     assert unknown == [], f"{line}: unknown {unknown}"
     if args.command == "run":  # the coordinator's options go before the script
         assert not any(a.startswith("-") for a in args.script_args), f"{line}: options after the script"
+
+
+def bench_readme_commands() -> list[tuple[str, list[str]]]:
+    """(script, the flags its line shows) for each `python bench/NAME.py ...` line of
+    bench/README.md's code blocks."""
+    found, inside = [], False
+    for line in (ROOT / "bench" / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+            continue
+        code = line.split("  #")[0].strip()
+        if inside and code.startswith("python bench/"):
+            script = code.split()[1]
+            found.append((script, [w.strip("[]") for w in code.split()[2:] if w.lstrip("[").startswith("--")]))
+    return found
+
+
+def test_bench_readme_shows_every_benchmark():
+    shown = {script for script, _ in bench_readme_commands()}
+    scripts = {f"bench/{p.name}" for p in (ROOT / "bench").glob("*.py") if p.name not in ("__init__.py", "report.py")}
+    assert scripts - {"bench/suite.py", "bench/operands.py", "bench/stress.py"} <= shown
+
+
+@pytest.mark.parametrize("script, flags", bench_readme_commands(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_bench_readme_command_line_takes_its_flags(script, flags):
+    """Each flag bench/README.md shows is one the script's --help lists (read as text: a
+    benchmark's --help imports only its own module)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-500:]
+    listed = {w.strip(",[]") for w in done.stdout.split() if w.startswith(("--", "[--"))}
+    assert set(flags) <= listed, f"{script}: {sorted(set(flags) - listed)} not among {sorted(listed)}"

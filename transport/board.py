@@ -3,7 +3,7 @@ host without a message per report.
 
 A ZeroMQ message wakes three threads (the sender's I/O thread, the receiver's I/O thread and its
 reader); on a 2-core machine whose cores both decode, each wake takes a time slice from a worker,
-and a report cost rank 0 0.12-0.33 ms of every token (bench/README.md). On the board rank 0 only
+and a report cost rank 0 0.12-0.33 ms of every token (measured on a 2-vCPU VM). On the board rank 0 only
 stores: each step's tokens into a ring in shared memory, then the count of steps published. The
 coordinator reads the board whenever it wakes anyway (its poll of the control socket, every
 `report_s`), and writes the count it has taken, and a cancel word that rank 0 reads before each
