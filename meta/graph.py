@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meta.memo import frozen
+from split_state.ops import OPS
 from split_state.states import State
 
 MOVE = "redistribute"  # pseudo-op: the user asked for a state; the planner inserts the move
@@ -71,3 +72,27 @@ def topo_order(outputs: list[Node]) -> tuple[list[Node], list[Node]]:
             if child.id not in seen:
                 stack.append((child, False))
     return leaves, order
+
+
+def last_writes(order: list[Node]) -> dict[Node, Node]:
+    """The last in-place write (a chain's outermost) into each resident tensor among the nodes
+    a run computed, and that tensor: after the run its storage holds that node's value. A
+    decode step's cache writes (not outputs of it) were left as recipes, and the next graph
+    over the caches ran them again."""
+    last: dict[int, tuple[Node, Node]] = {}
+    for node in order:
+        if node.op in OPS and OPS[node.op].inplace:
+            root = written_into(node)
+            if root is not None:
+                last[id(root)] = (node, root)
+    return dict(last.values())
+
+
+def written_into(node: Node) -> Node | None:
+    """The resident node an in-place op (a chain of them) writes into, if any."""
+    start = node
+    while node.op in OPS and OPS[node.op].inplace:
+        node = node.inputs[0]
+    if node is start or not node.resident:
+        return None
+    return node.alias or node

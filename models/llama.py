@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meta.device import Earlier, MetaDevice, Step
+from meta.device import MetaDevice
+from meta.steps import Earlier, Step
 from meta.tensor import Tensor, get_rows, qget_rows, qmatmul, where
 from models import reference as ref
 from split_state.errors import ShapeError

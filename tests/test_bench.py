@@ -62,7 +62,7 @@ def test_peer_group_runs_commands_in_processes_that_stay_up():
 
 def test_a_step_breakdown_measures_every_part_and_says_how_much_it_explains():
     from bench.tp_matmul import breakdown
-    from meta.device import Clock
+    from meta.serialized import Clock
 
     timings = {
         0: {"compute_s": 0.010, "comm_s": 0.004, "wait_s": 0.001, "program_s": 0.015, "handled_s": 0.016},

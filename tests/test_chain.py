@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meta.device import Earlier
+from meta.steps import Earlier
 from split_state.errors import FreedTensor, MetaError, ShapeError
 from split_state.states import MIRRORED, Partial, Split
 

@@ -215,7 +215,7 @@ def test_ctrl_c_between_making_a_socket_and_keeping_it_still_ends_the_start(monk
 
 def test_a_workers_error_names_it_once():
     """The coordinator says which worker failed; a worker's own text often already does."""
-    from meta.device import _exception
+    from meta.remote_errors import exception_from as _exception
 
     named = _exception({1: p.Error("ShapeError", "worker 1: the IPC plane failed (x)")})
     unnamed = _exception({1: p.Error("ShapeError", "ids must lie in [0, 4)")})

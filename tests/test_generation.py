@@ -223,13 +223,13 @@ def test_a_cancel_stops_within_a_token_and_the_workers_stay_usable(devname, how,
 
 
 def test_without_a_token_board_steps_gathered_in_few_messages_are_each_shown_in_order(procs2, monkeypatch):
-    import meta.device
+    import meta.generation
 
-    monkeypatch.setattr(meta.device, "board_supported", lambda: False)  # as for a rank 0 on another host
+    monkeypatch.setattr(meta.generation, "board_supported", lambda: False)  # as for a rank 0 on another host
     reports = []
-    steps = meta.device._Shown.steps
+    steps = meta.generation.Shown.steps
     monkeypatch.setattr(
-        meta.device._Shown, "steps", lambda s, k, t, **kw: reports.append(len(t)) or steps(s, k, t, **kw)
+        meta.generation.Shown, "steps", lambda s, k, t, **kw: reports.append(len(t)) or steps(s, k, t, **kw)
     )
     dev = procs2
     _, step, v, i = start(dev)
@@ -251,22 +251,22 @@ def test_without_a_token_board_steps_gathered_in_few_messages_are_each_shown_in_
 @pytest.mark.parametrize("report_s", [0, 60])
 @pytest.mark.parametrize("devname", ["procs2", "sim2"])
 def test_the_token_board_carries_every_step_each_shown_once_in_order(devname, monkeypatch, report_s, request):
-    import meta.device
+    import meta.generation
 
     dev = request.getfixturevalue("sim")(2) if devname == "sim2" else request.getfixturevalue(devname)
     _, step, v, i = start(dev)
-    monkeypatch.setattr(meta.device, "board_supported", lambda: False)
+    monkeypatch.setattr(meta.generation, "board_supported", lambda: False)
     by_messages, _ = worker_loop(dev, step, v, i, 0.9, 1.0, seed=3, report_s=report_s)
     monkeypatch.undo()
     on_board = []
-    take = meta.device.TokenBoard.take
+    take = meta.generation.TokenBoard.take
 
     def taken(board):
         first, steps = take(board)
         on_board.extend(enumerate(steps, first))
         return first, steps
 
-    monkeypatch.setattr(meta.device.TokenBoard, "take", taken)
+    monkeypatch.setattr(meta.generation.TokenBoard, "take", taken)
     boards = set(shm_root().glob("meta-tp-board-*"))
     named = []  # whether the board's file had a name as each step was shown
     _, step, v, i = start(dev)

@@ -67,7 +67,7 @@ def test_a_chain_that_failed_on_one_rank_part_way_leaves_the_plane_usable(fresh_
     """The same through a chain: its second call fails on worker 1 alone (a weight it lacks)
     after the first call's all-reduce; the coordinator resyncs the plane, and the next chains
     give NumPy's result."""
-    from meta.device import Earlier
+    from meta.steps import Earlier
 
     dev = MetaDevice(fresh_cluster(3, backend="cuda", devices=(0, 0, 0), env=_ipc_env(), data_plane="ipc"))
     rng = np.random.default_rng(8)

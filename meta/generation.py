@@ -1,0 +1,117 @@
+"""A generation the workers drive (MetaDevice.generate): one Generate message per worker runs a
+captured decode step up to N times, the workers feeding back the tokens they choose
+(workers/generation.py); the coordinator shows each step's tokens as they come, from the token
+board (transport/board.py) or Tokens messages, and cancels when told to."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from meta.steps import Step, slot_pairs
+from split_state import errors
+from split_state.errors import ShapeError
+from transport import protocol as p
+from transport.board import TokenBoard
+from transport.board import supported as board_supported
+from transport.replies import Watch
+
+if TYPE_CHECKING:
+    from meta.device import MetaDevice
+
+
+def run_generation(
+    dev: MetaDevice,
+    step: Step,
+    tokens: np.ndarray,
+    positions: np.ndarray,
+    steps: int,
+    sampling: dict,
+    on_tokens: Callable[[int, list[int]], bool],
+) -> dict:
+    """Run captured decode `step` up to `steps` times on the workers, which feed each step's
+    chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
+    (tokens, positions), its first two outputs the candidates (values, indices) of
+    Tensor.top_k. `on_tokens(step, tokens)` gets each step's tokens as they come (read
+    from the token board every `sampling["report_s"]` seconds, or from Tokens messages that
+    gather steps for that long: workers/generation.py); False cancels after the step under
+    way (as Ctrl-C does), and the steps reported with it are not shown. Returns rank 0's
+    account (steps run, cancelled, times)."""
+    if len(step.specs) != 2 or None in step.feed_slots:
+        raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
+    bound = dev._bind(step, (tokens, positions))
+    inputs, fed, out_ids, fresh = bound.inputs, {**bound.fed, **bound.sent}, bound.out_ids, bound.fresh
+    run = next(dev._run_ids)
+    dev._run_ids = itertools.count(run + steps + 1)  # one run id per step, none reused
+    feeds, data = p.pack_arrays(fed)
+    token_id, position_id = (inputs[slot] for slot in step.feed_slots)
+    board = token_board(len(sampling.get("done", ())), steps)
+    if board is not None:
+        sampling = {**sampling, "board": str(board.path)}
+    shown = Shown(on_tokens)
+    message = p.Generate(
+        step.compiled.program,
+        run,
+        steps,
+        slot_pairs(range(len(inputs)), inputs),
+        slot_pairs(step.compiled.plan.outputs, out_ids),
+        token_id,
+        position_id,
+        out_ids[0],
+        out_ids[1],
+        sampling,
+        feeds,
+        data,
+    )
+    watch = None
+    if board is not None:
+        every_ms = int(1000 * float(sampling.get("report_s", p.REPORT_SECONDS)))
+        watch = Watch(every_ms, lambda show: shown.steps(*board.take(), show=show), board.cancel)
+    try:
+        replies = dev._call(
+            {d: message for d in range(dev.n)}, lambda rank, m: shown.steps(m.step, m.tokens) is not False, watch
+        )
+        if board is not None:  # what rank 0 published after the last look: before its reply
+            shown.steps(*board.take())
+    finally:
+        dev._released.extend([*bound.fed, *fresh])  # freed with the next message that runs
+        if board is not None:
+            board.close()
+    return dict(replies[0].info)
+
+
+class Shown:
+    """The steps of a generation as `on_tokens` sees them: each once and in order, whichever
+    way it came (rank 0 sends the first in a Tokens message and puts it on the token board
+    too), none after a refusal."""
+
+    def __init__(self, on_tokens: Callable[[int, list[int]], bool]):
+        self.on_tokens = on_tokens
+        self.next = 0  # the first step not shown yet
+        self.refused = False
+
+    def steps(self, first: int, tokens: Sequence[Sequence[int]], show: bool = True) -> bool | None:
+        """None: nothing new; False: refused (now or before)."""
+        if not tokens:
+            return None
+        for k, chosen in enumerate(tokens, first):
+            if not show or self.refused:
+                break
+            if k >= self.next:  # else shown already, from the other way
+                self.next = k + 1
+                self.refused = not self.on_tokens(k, list(chosen))
+        return not self.refused
+
+
+def token_board(per_step: int, steps: int) -> TokenBoard | None:
+    """A board for rank 0's tokens (transport/board.py), or None where shared memory cannot
+    carry them: rank 0 then sends Tokens messages only."""
+    if not board_supported() or per_step < 1 or steps < 1:
+        return None
+    try:
+        return TokenBoard.create(per_step, steps)
+    except errors.TransportError:
+        return None
