@@ -56,6 +56,7 @@ def generate(args: argparse.Namespace) -> int:
         check_lengths(lengths, new, args.ctx, model.context_length)
     widening_notice(model, args.weights)
     with open_cluster(args) as dev:
+        compiling = first_compile_notice(dev)
         start = time.perf_counter()
         llm = LLM(
             dev,
@@ -66,9 +67,12 @@ def generate(args: argparse.Namespace) -> int:
             weights=args.weights,
             cache_types=(args.cache_type_k, args.cache_type_v),
         )
-        if interactive:
-            if not args.no_warmup:  # a one-shot run would only move the same work before its prompt
+        if interactive or compiling:
+            # a one-shot run would only move the same work before its prompt, unless the loops
+            # compile: then loading its steps waits for that, not its prefill figure
+            if not args.no_warmup:
                 llm.warm_up(sampling)
+        if interactive:
             return converse(llm, args, sampling)
         out = _one_batch(llm, args, prompts, new, sampling, chat)
         if args.stats:  # each worker's counters: device graphs replayed and refused, memory
@@ -161,6 +165,20 @@ def _one_batch(llm, args, prompts: list[str], new: int, sampling, chat: bool):
         file=sys.stderr,
     )
     return out
+
+
+def first_compile_notice(dev, stream=sys.stderr) -> bool:
+    """One line when the CPU workers compile their loops on this machine's first run (numba's
+    cache empty): True then."""
+    from workers.kernels.numba_cpu import compiled_here
+
+    if dev.cluster.config.backend != "cpu" or compiled_here():
+        return False
+    stream.write(
+        "note: compiling the CPU loops once on this machine (~15 s); later runs load them from numba's cache\n"
+    )
+    stream.flush()
+    return True
 
 
 def converse(llm, args, sampling) -> int:

@@ -446,3 +446,38 @@ def test_a_model_that_cannot_fit_says_so_before_any_weight_moves(model, fresh_cl
         assert "Paris" in llm.generate(["The capital of France is"], max_new_tokens=4)[0].text
     finally:
         dev.close()
+
+
+def test_a_first_run_that_compiles_the_loops_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """numba's cache read from its index files (beside the sources, or NUMBA_CACHE_DIR): empty,
+    `generate` says the loops compile once (and warms its steps up first, so the prefill figure
+    leaves that out); filled, or on a GPU, nothing is said."""
+    import importlib.util
+    import io
+    import types
+
+    from cli.generate import first_compile_notice
+    from workers.kernels import numba_cpu
+
+    if not numba_cpu.AVAILABLE:
+        pytest.skip("without numba nothing compiles")
+    source = tmp_path / "pkg" / "numba_loops.py"
+    source.parent.mkdir()
+    source.write_text("")
+    spec = importlib.util.spec_from_file_location("workers.kernels.numba_loops", source)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec)
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    assert not numba_cpu.compiled_here()
+    cpu = types.SimpleNamespace(cluster=types.SimpleNamespace(config=types.SimpleNamespace(backend="cpu")))
+    said = io.StringIO()
+    assert first_compile_notice(cpu, said) and said.getvalue().count("\n") == 1
+    assert "compiling the CPU loops once" in said.getvalue()
+    cuda = types.SimpleNamespace(cluster=types.SimpleNamespace(config=types.SimpleNamespace(backend="cuda")))
+    assert not first_compile_notice(cuda, io.StringIO())
+    cache = tmp_path / "cache" / "any"
+    cache.mkdir(parents=True)
+    (cache / "numba_loops.rope_rows-33.py311.nbi").write_bytes(b"")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "cache"))
+    assert numba_cpu.compiled_here()
+    said = io.StringIO()
+    assert not first_compile_notice(cpu, said) and said.getvalue() == ""
