@@ -26,6 +26,7 @@ from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
 
 def run(quick: bool, threads: list[int], rounds: int, path: str | None) -> dict | None:
+    from models.generate import fuses_qkv
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
 
@@ -36,7 +37,9 @@ def run(quick: bool, threads: list[int], rounds: int, path: str | None) -> dict 
     rows = []
     for t in threads:
         with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=t))) as dev:
-            net = TensorParallelLlama(dev, model.config, model.native, length + (rounds + 1) * steps + 8)
+            net = TensorParallelLlama(
+                dev, model.config, model.native, length + (rounds + 1) * steps + 8, fuse_qkv=fuses_qkv(model, "native")
+            )
             model.release_pages()
             _, best = net.prefill([list(prompt_ids(model, length)[0])], 0, pool=1)
             decode = worker_driven(dev, net, best.numpy().astype(np.int32).reshape(1, 1), length)

@@ -26,7 +26,7 @@ import numpy as np
 from meta.device import MetaDevice
 from models.errors import ModelError
 from models.gguf_model import GGUFModel
-from models.llama import CACHE_TYPES, TensorParallelLlama
+from models.llama import CACHE_TYPES, TensorParallelLlama, qkv_fusable
 from split_state.sampling import TEMPERATURE_FLOOR, Rule, choose, generator_state
 
 POOL = 256  # candidates per sequence a sampled step considers
@@ -282,6 +282,13 @@ def check_cache_types(cache_types: Sequence[str]) -> None:
 WEIGHTS = ("native", "f32")  # kept in the file's blocks where the workers compute on them; all float32
 
 
+def fuses_qkv(model: GGUFModel, weights: str) -> bool:
+    """Whether the model's q, k and v weights become one (TensorParallelLlama's fuse_qkv): where
+    every layer's are of one kind as `weights` keeps them (a Q4_K_M file's V is often Q6_K where
+    its Q and K are Q4_K: then they stay three)."""
+    return qkv_fusable(lambda name: model.kept_format(name, weights), model.config)
+
+
 def place_model(
     dev: MetaDevice,
     model: GGUFModel,
@@ -301,7 +308,10 @@ def place_model(
     check_cache_types(cache_types)
     check_fits(dev, model, weights, ctx, batch, tuple(cache_types))
     source = model.native if weights == "native" else model.weight
-    net = TensorParallelLlama(dev, model.config, source, ctx, batch, progress=progress, cache_types=tuple(cache_types))
+    fuse = fuses_qkv(model, weights)
+    net = TensorParallelLlama(
+        dev, model.config, source, ctx, batch, progress=progress, cache_types=tuple(cache_types), fuse_qkv=fuse
+    )
     model.release_pages()  # the workers hold the weights: the coordinator's copy of the file goes
     return net
 

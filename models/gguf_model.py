@@ -393,6 +393,15 @@ class GGUFModel:
             )
         return QuantizedWeight(fmt.name, data.reshape(rows, row_bytes // fmt.block_bytes, fmt.block_bytes))
 
+    def kept_format(self, name: str, weights: str = "native") -> str | None:
+        """The format weight `name` stays in on the workers (`native` keeps a matrix in a format
+        they compute on), or None: float32. From the header alone (no page of the file read)."""
+        t = self.tensors.get(self._gguf_name(name))
+        if weights != "native" or t is None or t.data.ndim != 2:
+            return None
+        fmt = t.tensor_type.name.lower()
+        return fmt if fmt in FORMATS else None
+
     def widened(self) -> list[str]:
         """The types of this file's matrices that `native` widens to float32 (not F32 itself)."""
         names = {t.tensor_type.name for t in self.tensors.values() if t.data.ndim == 2}

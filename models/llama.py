@@ -11,7 +11,8 @@ Weights are NumPy-oriented (`x @ W`, W of shape (in, out)); names:
 Tensor parallelism (DESIGN §8): attention split by KV-head groups (a device holds whole KV heads
 and the query heads sharing them; uneven groups and devices with no head work), so attention
 needs no communication; wo and w_down row-parallel, w_gate|w_up one column-parallel weight of two
-segments: two all-reduces per layer. The KV cache is resident, split like the heads, preallocated
+segments (and, with fuse_qkv, wq|wk|wv one of three: one product a layer for the attention's
+inputs): two all-reduces per layer. The KV cache is resident, split like the heads, preallocated
 to the context and written in place. The embedding table is split by vocabulary rows (its lookup
 is Partial: one more all-reduce per step), and the head's logits come out split by vocabulary,
 so the next token is picked by a per-device top-k and a small combine.
@@ -193,6 +194,12 @@ class QuantizedWeight:
         return array, Split(1, tuple(tuple(e // block for e in seg) for seg in state.segments))
 
 
+def qkv_fusable(kinds: Callable[[str], str | None], cfg: LlamaConfig) -> bool:
+    """Whether every layer's wq, wk and wv are of one kind (`kinds(name)`: the format a weight is
+    kept in, None for float), so they can be one weight (TensorParallelLlama's fuse_qkv)."""
+    return all(len({kinds(f"l{i}.{n}") for n, _ in QKV}) == 1 for i in range(cfg.layers))
+
+
 def _down_block(source: Source, cfg: LlamaConfig) -> int:
     """The largest block of the w_down weights kept quantized (32 if none): their inputs, the
     FFN, split on it. Only a quantized first layer makes it look at the others, so a float32
@@ -209,6 +216,7 @@ def _down_block(source: Source, cfg: LlamaConfig) -> int:
 
 # a decoder layer's weights, "l{i}." + each
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate_up", "w_down")
+LAYER_WEIGHTS_FUSED = ("attn_norm", "w_qkv", "wo", "ffn_norm", "w_gate_up", "w_down")  # with fuse_qkv
 QKV = (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))  # the attention's input products and their biases
 QKV_BIASES = tuple(b for _, b in QKV)  # a layer's further weights with LlamaConfig.qkv_bias
 PREFILL_STEPS = 16  # prefill chains a model keeps (one per padded length, pool, logits, slot or not)
@@ -265,9 +273,14 @@ class TensorParallelLlama:
         batch: int = 1,
         progress=None,
         cache_types: tuple[str, str] = ("f32", "f32"),
+        fuse_qkv: bool = False,
     ):
-        """`cache_types` (K, V): the KV caches' element types, CACHE_TYPES's names."""
+        """`cache_types` (K, V): the KV caches' element types, CACHE_TYPES's names. `fuse_qkv`:
+        wq | wk | wv as one weight `w_qkv` of three segments, one product a layer where there
+        were three (the source's q, k and v weights must be of one kind in every layer: all
+        float, or all kept in one format; see qkv_fusable)."""
         self.dev, self.cfg, self.ctx, self.batch = dev, cfg, ctx, batch
+        self.fuse_qkv = fuse_qkv
         unknown = [c for c in cache_types if c not in CACHE_TYPES]
         if len(cache_types) != 2 or unknown:
             raise ValueError(f"cache types are two of {', '.join(CACHE_TYPES)} (K, V), got {cache_types}")
@@ -293,16 +306,21 @@ class TensorParallelLlama:
             p = f"l{i}."
             place(p + "attn_norm", MIRRORED)
             place(p + "ffn_norm", MIRRORED)
-            place(p + "wq", Split(1, (q_cols,)))
-            place(p + "wk", Split(1, (kv_cols,)))
-            place(p + "wv", Split(1, (kv_cols,)))
+            if fuse_qkv:
+                qkv_parts = (("wq", q_cols), ("wk", kv_cols), ("wv", kv_cols))
+                self.w[p + "w_qkv"] = self._fused(source, p, qkv_parts, "w_qkv")
+            else:
+                place(p + "wq", Split(1, (q_cols,)))
+                place(p + "wk", Split(1, (kv_cols,)))
+                place(p + "wv", Split(1, (kv_cols,)))
             if cfg.qkv_bias:  # split as their product's columns
                 place(p + "bq", Split(0, (q_cols,)))
                 place(p + "bk", Split(0, (kv_cols,)))
                 place(p + "bv", Split(0, (kv_cols,)))
             place(p + "wo", Split(0, (q_cols,)))
             place(p + "w_down", Split(0, (self.ffn_extents,)))
-            self.w[p + "w_gate_up"] = self._fused_gate_up(source, p)
+            ffn_parts = (("w_gate", self.ffn_extents), ("w_up", self.ffn_extents))
+            self.w[p + "w_gate_up"] = self._fused(source, p, ffn_parts, "w_gate_up")
             if progress is not None:
                 progress(i + 1, cfg.layers)
         cache = Split(1, self.kv.segments)  # split by KV heads
@@ -330,40 +348,46 @@ class TensorParallelLlama:
 
         return place
 
-    def _fused_gate_up(self, source: Source, p: str) -> Tensor:
-        """w_gate | w_up as one (hidden, 2*ffn) weight of two segments: each device gets its
-        columns of both, built per device from the two halves (the whole never exists). Kept
-        quantized, it is the interleaved row groups of both, (2*ffn / lanes, blocks, bytes,
-        lanes), split on the groups alike."""
-        gate, up = source(p + "w_gate"), source(p + "w_up")
-        quantized = isinstance(gate, QuantizedWeight) and isinstance(up, QuantizedWeight) and gate.format == up.format
-        state = Split(1, (self.ffn_extents, self.ffn_extents))
-        ffn = self.cfg.ffn
-        if quantized:
-            self.formats[p + "w_gate_up"] = gate.format
-            n = self.dev.n
-            (gate, state), (up, _) = gate.placed(state, p + "w_gate", n), up.placed(state, p + "w_up", n)
-            ffn = gate.shape[0]  # in groups of lanes
-        elif isinstance(gate, QuantizedWeight) or isinstance(up, QuantizedWeight):
-            raise ShapeError(f"{p}w_gate and {p}w_up must both be kept quantized in one format, or neither")
+    def _fused(self, source: Source, p: str, parts: tuple[tuple[str, tuple[int, ...]], ...], fused: str) -> Tensor:
+        """Weights (hidden, cols) of one layer side by side as one weight `fused`, a segment each,
+        each split by its own extents (`parts`: (name, extents) pairs): one product where there
+        were several (w_gate | w_up; wq | wk | wv). Built per device from the parts (the whole
+        never exists). Kept quantized (all parts in one format), it is the parts' interleaved
+        row groups one after another, with the lanes that divide all of them, split on the
+        groups alike."""
+        weights = [source(p + name) for name, _ in parts]
+        state = Split(1, tuple(extents for _, extents in parts))
+        quantized = [isinstance(w, QuantizedWeight) for w in weights]
+        if all(quantized) and len({w.format for w in weights}) == 1:
+            self.formats[p + fused] = weights[0].format
+            rows = [w.blocks.shape[0] for w in weights]
+            lanes = lanes_for(
+                [*rows, *(e for _, extents in parts for e in extents)], quant_format(weights[0].format).lanes
+            )
+            weights = [interleave(w.blocks, lanes) for w in weights]
+            state = Split(0, tuple(tuple(e // lanes for e in extents) for _, extents in parts))
+        elif any(quantized):
+            names = ", ".join(p + name for name, _ in parts)
+            raise ShapeError(f"{names} must all be kept quantized in one format, or none")
         axis = state.axis
+        starts = np.cumsum([0, *(w.shape[axis] for w in weights)])
 
         def make(device, pieces):
-            parts = []
-            for piece in pieces:
-                src, off = (gate, 0) if piece.global_start < ffn else (up, ffn)
-                index = [slice(None)] * src.ndim
-                index[axis] = slice(piece.global_start - off, piece.global_stop - off)
-                parts.append(src[tuple(index)])
-            if parts:
-                return np.concatenate(parts, axis=axis)
-            shape = list(gate.shape)
+            taken = []
+            for piece in pieces:  # a piece lies within one part: the segments are the parts
+                i = int(np.searchsorted(starts, piece.global_start, side="right")) - 1
+                index = [slice(None)] * weights[i].ndim
+                index[axis] = slice(piece.global_start - starts[i], piece.global_stop - starts[i])
+                taken.append(weights[i][tuple(index)])
+            if taken:
+                return np.concatenate(taken, axis=axis)
+            shape = list(weights[0].shape)
             shape[axis] = 0
-            return np.zeros(shape, gate.dtype)
+            return np.zeros(shape, weights[0].dtype)
 
-        shape = list(gate.shape)
-        shape[axis] = 2 * ffn
-        return self.dev.from_generator(tuple(shape), gate.dtype, state, make, name=p + "w_gate_up")
+        shape = list(weights[0].shape)
+        shape[axis] = int(starts[-1])
+        return self.dev.from_generator(tuple(shape), weights[0].dtype, state, make, name=p + fused)
 
     def _mm(self, x: Tensor, name: str) -> Tensor:
         """x @ weight `name`, on its file's blocks when it is kept quantized."""
@@ -581,7 +605,8 @@ class TensorParallelLlama:
     @property
     def _layer_names(self) -> tuple[str, ...]:
         """A layer's weights: LAYER_WEIGHTS, and the q, k, v biases of a model with them."""
-        return LAYER_WEIGHTS + (QKV_BIASES if self.cfg.qkv_bias else ())
+        names = LAYER_WEIGHTS_FUSED if self.fuse_qkv else LAYER_WEIGHTS
+        return names + (QKV_BIASES if self.cfg.qkv_bias else ())
 
     def _layer_weights(self, i: int) -> tuple[dict[str, Tensor], dict[str, str | None]]:
         """Layer i's weights and the format of each kept quantized (None: float), by name."""
@@ -614,7 +639,13 @@ class TensorParallelLlama:
             return _product(a, w[name], formats[name])
 
         h = x.rms_norm(eps=cfg.eps) * w["attn_norm"]
-        q, k, v = (mm(h, n) + w[b] if cfg.qkv_bias else mm(h, n) for n, b in QKV)
+        if "w_qkv" in w:  # three segments: q | k | v, each split by its heads
+            qkv, qd, kd = mm(h, "w_qkv"), cfg.heads * hd, cfg.kv_heads * hd
+            q, k, v = qkv[:, :, :qd], qkv[:, :, qd : qd + kd], qkv[:, :, qd + kd :]
+        else:
+            q, k, v = (mm(h, n) for n, _ in QKV)
+        if cfg.qkv_bias:
+            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         rotate = (pos, cfg.rope_base, cfg.rope_mode, cfg.rope_freqs)
         q = q.reshape(batch, t, cfg.heads, hd).rope(*rotate)
         k = k.reshape(batch, t, cfg.kv_heads, hd).rope(*rotate)

@@ -7,7 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.llama import LlamaConfig, QuantizedWeight, ReferenceDecoder, TensorParallelLlama, random_weights
+from models.llama import (
+    LlamaConfig,
+    QuantizedWeight,
+    ReferenceDecoder,
+    TensorParallelLlama,
+    qkv_fusable,
+    random_weights,
+)
 from split_state import ShapeError, Split
 from split_state.quant import FORMATS
 from workers.kernels import kernels_for, numba_cpu, quant
@@ -235,3 +242,36 @@ def test_a_row_parallel_split_off_the_block_boundaries_is_refused():
     assert weight.placed(Split(1, ((5, 3),)), "l0.wq", 2)[1] == Split(0, ((5, 3),))  # any extents: 1 lane
     with pytest.raises(ShapeError, match=r"l0.w_down: a q4_1 weight splits its inputs on 32-value blocks"):
         weight.placed(Split(0, ((48, 48),)), "l0.w_down", 2)
+
+
+QKV_CFG = LlamaConfig(hidden=96, layers=2, heads=6, kv_heads=3, ffn=96, vocab=40, tied=True, qkv_bias=True)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", None])
+def test_q_k_and_v_as_one_weight_give_the_three_products_bits(sim, n, kind):
+    """fuse_qkv (wq | wk | wv one weight of three segments, each split by its heads: 3 KV heads
+    over 2 devices go 2|1, over 3 one each) against the three products it replaces, bit for
+    bit, with Qwen2's biases, on blocks of one format and on float32; then against the
+    reference decoder on the weights' values. qkv_fusable refuses a layer of mixed kinds."""
+    formats = {} if kind is None else {"wq": kind, "wk": kind, "wv": kind, "wo": "q4_0"}
+    source, values = quantized_model(QKV_CFG, formats)
+    ctx, prompt = 10, np.array([[3, 17, 5, 29]])
+    dev = sim(n)
+    runs = []
+    for fuse in (False, True):
+        net = TensorParallelLlama(dev, QKV_CFG, source.__getitem__, ctx, fuse_qkv=fuse)
+        assert ("l0.w_qkv" in net.w) == fuse and ("l0.wq" in net.w) != fuse
+        got = [net.step(prompt, np.arange(4)[None])[:, 3:].numpy()[0, 0]]
+        for pos, token in zip(range(4, 6), (11, 38)):
+            got.append(net.step(np.array([[token]]), np.array([[pos]])).numpy()[0, 0])
+        runs.append(np.stack(got))
+    np.testing.assert_array_equal(runs[1], runs[0])
+    reference = ReferenceDecoder(QKV_CFG, values, ctx)
+    expected = [reference.forward(prompt, np.arange(4)[None])[0, -1]]
+    for pos, token in zip(range(4, 6), (11, 38)):
+        expected.append(reference.forward(np.array([[token]]), np.array([[pos]]))[0, -1])
+    np.testing.assert_allclose(runs[1], np.stack(expected), rtol=2e-4, atol=2e-4)
+    kinds = {"l1.wv": "q8_0"}
+    assert not qkv_fusable(lambda name: kinds.get(name, kind), QKV_CFG) or kind == "q8_0"
+    assert qkv_fusable(lambda name: kind, QKV_CFG)

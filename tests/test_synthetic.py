@@ -197,13 +197,14 @@ def test_native_weights_on_the_cuda_backend_decode_as_the_reference_with_product
 ):
     """Quantized weights on CUDA workers (the stand-in, which runs each kernel of our own as its
     NumPy twin): a decode step's products are workers/kernels/qgemv.py's kernels, replayed in
-    device graphs (no step refused: none reads on the host), logits those of the reference."""
+    device graphs (no step refused: none reads on the host), logits those of the reference; with
+    q4_1, q | k | v one weight (fuse_qkv), as `generate` places such a file."""
     shape = synthetic.Shape(layers=2, hidden=512, ffn=512, heads=4, kv_heads=2, vocab=96, context=64)
     path = synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape, weights=kind)).path
     model = GGUFModel(path)
     expected = decode_logits(ReferenceDecoder(model.config, gguf_weights(path), 32), 6)
     dev = request.getfixturevalue(devname)
-    net = TensorParallelLlama(dev, model.config, model.native, 32)
+    net = TensorParallelLlama(dev, model.config, model.native, 32, fuse_qkv=kind == "q4_1")
     before = {rank: stats["graphs"]["replays"] for rank, stats in dev.stats().items()}
     got = decode_logits(net, 6)
     np.testing.assert_allclose(got, expected, atol=2e-3, rtol=0)
