@@ -133,7 +133,8 @@ def test_log_probabilities_are_the_models_and_the_top_ones_its_likeliest_tokens(
     the CLI's --logits-out writes: tests/test_llm.py holds them to the same reference): each
     token's log-probability, and the two likeliest tokens in order with theirs. Chat's
     `logprobs: true, top_logprobs: 2` in OpenAI's shape: pieces that make the text, each token
-    its own likeliest (greedy), streamed the same as whole."""
+    its own likeliest (greedy), the first token's two likeliest the reference's after the
+    rendered chat, streamed the same as whole."""
     ids = model.tokenizer.encode(PROMPTS[1])
     steps = 4
     tokens, logits = _reference_run(model, ids, steps)
@@ -157,6 +158,14 @@ def test_log_probabilities_are_the_models_and_the_top_ones_its_likeliest_tokens(
     )
     content = whole.choices[0].logprobs.content
     assert "".join(e.token for e in content) == whole.choices[0].message.content
+    # the first token's two likeliest against the reference's logits after the rendered chat
+    chat_ids = model.tokenizer.encode(model.chat_template.render(messages))
+    row = _reference_run(model, chat_ids, 1)[1][0].astype(np.float64)
+    log_p = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+    best = np.argsort(-log_p, kind="stable")[:2]
+    pieces = [model.tokenizer.decode([int(b)], continuation=True) for b in best]
+    assert [a.token for a in content[0].top_logprobs] == pieces
+    np.testing.assert_allclose([a.logprob for a in content[0].top_logprobs], log_p[best], atol=0.02)
     for e in content:
         assert e.bytes == list(e.token.encode()) and e.logprob <= 0
         assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
