@@ -114,6 +114,11 @@ def _reference_run(model, prompt_ids: list[int], steps: int) -> tuple[list[int],
     return tokens, logits
 
 
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    row = logits.astype(np.float64)
+    return row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+
+
 def _reference_tokens(model, prompt_ids: list[int], steps: int) -> list[int]:
     return _reference_run(model, prompt_ids, steps)[0]
 
@@ -142,8 +147,7 @@ def test_log_probabilities_are_the_models_and_the_top_ones_its_likeliest_tokens(
     got = out.choices[0].logprobs
     assert "".join(got.tokens) == out.choices[0].text and len(got.token_logprobs) == steps
     for k in range(steps):
-        row = logits[k].astype(np.float64)
-        log_p = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        log_p = _log_softmax(logits[k])
         best = np.argsort(-log_p, kind="stable")[:2]
         assert got.tokens[k] == model.tokenizer.decode([tokens[k]], continuation=True)
         assert abs(got.token_logprobs[k] - log_p[tokens[k]]) < 0.02, k
@@ -160,8 +164,7 @@ def test_log_probabilities_are_the_models_and_the_top_ones_its_likeliest_tokens(
     assert "".join(e.token for e in content) == whole.choices[0].message.content
     # the first token's two likeliest against the reference's logits after the rendered chat
     chat_ids = model.tokenizer.encode(model.chat_template.render(messages))
-    row = _reference_run(model, chat_ids, 1)[1][0].astype(np.float64)
-    log_p = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+    log_p = _log_softmax(_reference_run(model, chat_ids, 1)[1][0])
     best = np.argsort(-log_p, kind="stable")[:2]
     pieces = [model.tokenizer.decode([int(b)], continuation=True) for b in best]
     assert [a.token for a in content[0].top_logprobs] == pieces

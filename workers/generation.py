@@ -98,12 +98,9 @@ def run_generation(
             t = run_step(run)
             timings["program_s"] += t["program_s"]
             timings["comm_s"] += t["comm_s"]
+            values, indices = store.get(m.values), store.get(m.indices)  # fresh arrays each run
             if step == 0 and make_sampler is not None:  # the step's results exist once it ran
-                arrays = (store.get(m.values), store.get(m.indices), fed_tokens, fed_positions)
-                sampler = make_sampler(rule, rng, m.steps, recent, *arrays)
-            values, indices = store.get(m.values), store.get(m.indices)
-            if sampler is not None and not sampler.same(values, indices):
-                raise ProtocolError(f"generate: step {step}'s candidates changed shape or type")
+                sampler = make_sampler(rule, rng, m.steps, recent, values, indices, fed_tokens, fed_positions)
             if sampler is not None:
                 chosen = sampler.next(step, values, indices)
             else:

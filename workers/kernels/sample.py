@@ -142,11 +142,11 @@ class DeviceSampler:
     """A worker's decode loop's sampler on the device: `next(step)` chooses every sequence's token
     from the step's candidates, writes it into the fed tokens and moves the fed positions on (on
     the device), and returns the chosen ids (read on the host). Made only for arrays it `reads`
-    (else the host path chooses): it draws the generation's uniforms from `rng` when made, and
-    later steps' results are checked to have the first's shapes and types (`same`)."""
+    (else the host path chooses): it draws the generation's uniforms from `rng` when made. Later
+    steps' results are the same program's outputs: of the first's shapes and types."""
 
     def __init__(self, xp, kernel, read, rule: Rule, rng, steps: int, recent, values, tokens, positions):
-        self.xp, self.kernel, self.read, self.rule = xp, kernel, read, rule
+        self.kernel, self.read, self.rule = kernel, read, rule
         self.tokens, self.positions = tokens, positions
         rows, self.k = tokens.shape[0], values.shape[-1]  # values (batch, 1, k): a sequence's row k apart
         window = rule.penalized
@@ -161,9 +161,6 @@ class DeviceSampler:
         self.ring, self.cursor, self.uniforms = (xp.asarray(a) for a in (ring, cursor, draws))
         self.chosen = xp.zeros(rows, xp.int32)
         self.rows = rows
-
-    def same(self, values, indices) -> bool:
-        return self.reads(values, indices, self.tokens, self.positions) and values.shape[-1] == self.k
 
     @staticmethod
     def reads(values, indices, tokens, positions) -> bool:
