@@ -94,8 +94,8 @@ def attention_kernels():
 )
 def test_attention_over_cached_key_rows_equals_the_whole_softmax(kernel, batch, tokens, ctx, last_positions, cached):
     """float16 caches (llama.cpp's --cache-type-k / -v f16): against the oracle on the float16
-    values, each widened exactly; a few query rows take the numba loops over the bits, more
-    (4 tokens: 12 rows) the widened rows and BLAS."""
+    values, each widened exactly; a few tokens' query rows take the numba loop over the bits
+    (test_decode_attention_is_one_threaded_loop_...), more the widened rows and BLAS."""
     kernels = attention_kernels()
     if kernel not in kernels:
         pytest.skip("numba is not installed")
@@ -105,6 +105,37 @@ def test_attention_over_cached_key_rows_equals_the_whole_softmax(kernel, batch, 
     scratch = np.empty(2 * q[..., 0].size * ctx + q.size, np.float32)  # as a program sizes it
     got = kernels[kernel](np, inputs, {"scale": 0.3, "bucket": KV_BUCKET}, out, scratch=scratch, memo={})
     assert got is out
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cached", [np.float32, np.float16])
+@pytest.mark.parametrize(
+    "batch, tokens, ctx, last_positions",
+    [(1, 1, 40, [39]), (2, 1, 1024, [5, 700]), (2, 3, 600, [2, 550]), (1, 8, 64, [10]), (3, 2, 97, [96, 1, 50])],
+)
+def test_decode_attention_is_one_threaded_loop_equal_to_the_whole_softmax(
+    monkeypatch, threads, cached, batch, tokens, ctx, last_positions
+):
+    """Up to MAX_LOOP_ROWS tokens a decoder's attention is one numba loop over the query rows
+    (numba_loops.decode_attention), split over the worker's threads: it runs (counted), and
+    gives the oracle's result whatever the thread count, position counts not a multiple of the
+    loop's four-row passes included."""
+    from workers.kernels import numba_cpu
+
+    if not numba_cpu.AVAILABLE:
+        pytest.skip("numba is not installed")
+    loops, calls = numba_cpu._loops(), []
+    loop = loops.decode_attention
+    monkeypatch.setattr(loops, "decode_attention", lambda *a: (calls.append(a[4]), loop(*a))[1])
+    monkeypatch.setattr(numba_cpu, "_THREADS", [threads])
+    monkeypatch.setattr(numba_cpu, "_SET_IN", __import__("threading").local())
+    inputs, expected = key_row_case(batch, tokens, ctx, last_positions, cached)
+    q = inputs[0]
+    out = np.empty(q.shape, np.float32)
+    scratch = np.empty(2 * q[..., 0].size * ctx + q.size, np.float32)  # as a program sizes it
+    got = numba_cpu.OVERRIDES["attention"](np, inputs, {"scale": 0.3, "bucket": 1}, out, scratch=scratch, memo={})
+    assert calls == [max(last_positions) + 1]  # bucket 1: exactly the used positions, rarely a multiple of 4
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 

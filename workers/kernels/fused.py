@@ -175,11 +175,16 @@ def weighted_values(xp, weights, values, n: int, out):
 
 
 def attention_with(
-    softmax_columns: Callable, score_keys: Callable = scores_by_key, weigh_values: Callable = weighted_values
+    softmax_columns: Callable,
+    score_keys: Callable = scores_by_key,
+    weigh_values: Callable = weighted_values,
+    one_pass: Callable | None = None,
 ) -> Callable:
     """The attention kernel: its softmax over key-major scores `softmax_columns` (with
     softmax_rows_of_columns's signature), its products `score_keys` and `weigh_values` (with
-    scores_by_key's and weighted_values's)."""
+    scores_by_key's and weighted_values's). `one_pass(xp, rows, key_rows, values, mask, n, group,
+    scale, weights, out) -> bool`, where given, may do all three for GQA's layout in one call
+    (weights: a (rows, n) scratch); it says False for what it does not take."""
 
     def attention(xp, inputs, params, out=None, scratch=None, memo=None):
         """softmax(q @ k * scale + mask) @ v, reading only the first n cached positions (n from
@@ -211,6 +216,10 @@ def attention_with(
         if stacked is not None and out is not None and out.flags.c_contiguous:
             rows, key_rows, values = stacked
             count = rows.shape[-2]
+            if one_pass is not None:
+                weights = scratch.reshape(-1)[size : 2 * size].reshape(-1, n)
+                if one_pass(xp, rows, key_rows, values, mask, n, q.shape[-3], params["scale"], weights, out):
+                    return out
             by_key = scratch.reshape(-1)[:size].reshape(rows.shape[:-2] + (n, count))
             score_keys(xp, key_rows, rows, n, by_key)
             weights = scratch.reshape(-1)[size : 2 * size].reshape(rows.shape[:-2] + (count, n))
