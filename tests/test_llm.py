@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -237,12 +238,17 @@ def test_a_stop_string_ends_the_text_before_it_and_the_stream_never_shows_it(mod
     assert capsys.readouterr().out == "ab"
 
 
-def test_native_weights_give_the_float32_paths_tokens(model):
-    """SmolLM2's Q4_1 layers and Q8_0 embedding kept in their blocks on 2 workers: the same greedy
-    tokens as the float32 weights of the same file, logits within 2e-3."""
+@pytest.mark.parametrize("workers, threads", [(2, 1), (3, 1), (1, 2)])
+def test_native_weights_give_the_float32_paths_tokens(model, monkeypatch, workers, threads):
+    """SmolLM2's Q4_1 layers and Q8_0 embedding kept in their blocks on 1-3 workers, their numba
+    loops (products, decode attention) on 1 or 2 threads: the same greedy tokens as the float32
+    weights of the same file, logits within 2e-3."""
     from models.generate import LLM
+    from workers.kernels import numba_cpu
 
-    dev = MetaDevice(SimulatedCluster(2))
+    monkeypatch.setattr(numba_cpu, "_THREADS", [threads])  # the simulated workers' threads read it
+    monkeypatch.setattr(numba_cpu, "_SET_IN", threading.local())
+    dev = MetaDevice(SimulatedCluster(workers))
     try:
         runs = {}
         for weights in ("f32", "native"):
