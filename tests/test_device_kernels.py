@@ -747,8 +747,12 @@ def test_on_a_gpu_the_sampler_chooses_what_the_host_rule_chooses(rule):
     indices = np.stack([rng.permutation(5000)[:k] for _ in range(rows)])[:, None].astype(np.int64)
     recent = [list(indices[r, 0, ::7][: rule.penalized]) for r in range(rows)]
     tokens, positions = cupy.zeros(rows, cupy.int32), cupy.zeros(rows, cupy.int32)
+
+    def read_later(array):
+        return lambda: cupy.asnumpy(array)
+
     sampler = sample.DeviceSampler(
-        cupy, kernel, cupy.asnumpy, rule, np.random.default_rng(9), 1, recent, values, tokens, positions
+        cupy, kernel, read_later, rule, np.random.default_rng(9), 1, recent, values, tokens, positions
     )
     got = sampler.next(0, cupy.asarray(values), cupy.asarray(indices))
     draws = np.random.default_rng(9).random((1, rows))

@@ -102,6 +102,21 @@ def test_workers_choose_the_tokens_the_coordinator_would(devname, temperature, t
         assert worker_loop(dev, step, v, i, temperature, top_p, seed=12)[0] != by_workers
 
 
+@pytest.mark.parametrize("devname, ahead", [("cuda1", STEPS - 1), ("cuda2", 0), ("procs2", 0)])
+def test_one_gpu_worker_issues_each_step_before_it_reads_the_last_ones_tokens(devname, ahead, request):
+    """With the sampler on the device and no peers, step s + 1 is issued before step s's tokens
+    are read back (the stand-in runs the device's work late, on threads of its own: a token read
+    before its copy landed would be garbage, a chosen-ids buffer overwritten before its copy a
+    wrong token), and the tokens are still the coordinator's. With peers (whose stop flags
+    come a step late) or on the CPU, each step waits for the last."""
+    dev = request.getfixturevalue(devname)
+    _, step, v, i = start(dev)
+    by_workers, info = worker_loop(dev, step, v, i, 0.8, 0.9, seed=3)
+    _, step, v, i = start(dev)
+    assert by_workers == coordinator_loop(dev, step, v, i, 0.8, 0.9, seed=3)
+    assert info["issued_ahead"] == ahead and info["steps"] == STEPS
+
+
 @pytest.mark.parametrize(
     "rule",
     [
@@ -148,8 +163,11 @@ def test_the_tokens_chosen_by_the_workers_follow_every_rule_and_the_recent_windo
     assert driven == expected
 
 
-def test_every_sequence_at_a_stop_token_ends_the_loop(sim):
-    dev = sim(2)
+@pytest.mark.parametrize("devname", ["sim2", "cuda1"])
+def test_every_sequence_at_a_stop_token_ends_the_loop(devname, request):
+    """On one CUDA worker the loop issues each step before the last one's tokens are read: the
+    step issued past the stop runs, but none of its tokens is reported or counted."""
+    dev = request.getfixturevalue("sim")(2) if devname == "sim2" else request.getfixturevalue(devname)
     _, step, v, i = start(dev)
     greedy, _ = worker_loop(dev, step, v, i, 0.0, 1.0, seed=0)
     stops = {greedy[3][0], greedy[3][1]}  # both sequences have met a stop token by step 3
@@ -190,7 +208,7 @@ def test_a_sequence_that_stopped_stays_stopped_and_the_loop_waits_for_every_sequ
 
 
 @pytest.mark.parametrize("how", ["refuse", "interrupt"])
-@pytest.mark.parametrize("devname", ["procs2", "procs3_zmq"])
+@pytest.mark.parametrize("devname", ["procs2", "procs3_zmq", "cuda1"])
 def test_a_cancel_stops_within_a_token_and_the_workers_stay_usable(devname, how, request):
     """Rank 0 tells its peers of the cancel in their stop words (one host, the shm plane) or in
     messages (over ZeroMQ, as between hosts): either way every rank stops after the same step."""

@@ -195,13 +195,16 @@ class Executor:
         made = [(t, s, s in compiled.arena_slots) for t, s in ((t, compiled.renamed.get(s, s)) for s, t in outputs)]
         stored = store.tensors
 
-        def step(run: int) -> dict[str, Any]:
+        def step(run: int, wait: bool = True) -> dict[str, Any]:
+            """`wait=False`: returns once the run's work is issued (program.run's `wait`)."""
             waited = comm.waited
             slots = list(filled)
             with self._telling_peers(run):
                 store.reserve(fresh, peak)  # what the run makes, until the results are stored
                 try:
-                    timings = compiled.run(slots, run, backend, profile, keep=undeclared, same_data=same_data)
+                    timings = compiled.run(
+                        slots, run, backend, profile, keep=undeclared, same_data=same_data, wait=wait
+                    )
                     results = [(t, slots[s].copy() if copy else slots[s]) for t, s, copy in made]
                 finally:
                     store.release(fresh)

@@ -6,7 +6,9 @@ rule (split_state/sampling.py) with the same seeded generator on every rank, so 
 back the same tokens with no message between them. On a backend with a device sampler (CUDA:
 workers/kernels/sample.py) the choice runs on the device, which writes the token and position
 the next step reads, and the host reads only the chosen ids; elsewhere the host reads the
-candidates, chooses, and writes the fed tokens back. Rank 0 reports the tokens to the
+candidates, chooses, and writes the fed tokens back. With the device sampler and no peers the
+loop issues step s + 1 before it waits for step s's ids (the reply's `issued_ahead` counts
+them), so the host's work between tokens overlaps the device's. Rank 0 reports the tokens to the
 coordinator (`Reports`): on the coordinator's token board (transport/board.py) where it can map
 it, each step as it comes with no message, the first step also in a Tokens message at once (the
 coordinator reads the board when it wakes); else in Tokens messages, the first at once, later
@@ -92,17 +94,37 @@ def run_generation(
     # (workers/kernels/sample.py); the host reads only the chosen ids
     make_sampler = getattr(backend, "device_sampler", None)
     sampler = None
+    # with the sampler on the device and no peers, step s + 1 is issued before step s's tokens
+    # are waited for (its inputs are written on the device): the host's work between tokens
+    # (reports, stop checks, the executor's issuing) overlaps the device's next step. A
+    # generation that ends early has issued one step more, whose tokens nobody reads; with
+    # peers every rank must run the same steps, which the stop flags decide a step late: no.
+    ahead = None  # step s + 1's tokens, issued
+    issued_ahead = 0  # steps issued before the tokens of the step before were read
+
+    def issue(step: int, wait: bool):
+        t = run_step(m.run + step, wait)
+        timings["program_s"] += t["program_s"]
+        timings["comm_s"] += t["comm_s"]
+        return store.get(m.values), store.get(m.indices)  # fresh arrays each run
+
     try:
         for step in range(m.steps):
             run = m.run + step
-            t = run_step(run)
-            timings["program_s"] += t["program_s"]
-            timings["comm_s"] += t["comm_s"]
-            values, indices = store.get(m.values), store.get(m.indices)  # fresh arrays each run
-            if step == 0 and make_sampler is not None:  # the step's results exist once it ran
-                sampler = make_sampler(rule, rng, m.steps, recent, values, indices, fed_tokens, fed_positions)
-            if sampler is not None:
-                chosen = sampler.next(step, values, indices)
+            if ahead is not None:
+                pending, ahead = ahead, None
+            else:
+                values, indices = issue(step, sampler is None)  # a sampler's tokens are waited for
+                if step == 0 and make_sampler is not None:  # the step's results exist once it ran
+                    sampler = make_sampler(rule, rng, m.steps, recent, values, indices, fed_tokens, fed_positions)
+                pending = sampler.launch(step, values, indices) if sampler is not None else None
+            if pending is not None:
+                if not peers and not cancel and step + 1 < m.steps:
+                    ahead = sampler.launch(step + 1, *issue(step + 1, False))
+                    issued_ahead += 1
+                waited = time.perf_counter()
+                chosen = pending()
+                timings["program_s"] += time.perf_counter() - waited
             else:
                 values, indices = backend.to_host(values), backend.to_host(indices)
                 chosen = [choose(values[b, 0], indices[b, 0], rule, rng, recent[b]) for b in range(count)]
@@ -144,10 +166,12 @@ def run_generation(
             if sampler is None:
                 fed_tokens[...] = backend.to_device(np.asarray(chosen, tokens.dtype))
                 fed_positions += 1
+        if ahead is not None:  # a step issued past the end: done before the reply
+            backend.synchronize()
     finally:
         if board is not None:
             board.close()
-    return p.Ok({"steps": steps, "cancelled": cancel, **timings})
+    return p.Ok({"steps": steps, "cancelled": cancel, "issued_ahead": issued_ahead, **timings})
 
 
 class Reports:

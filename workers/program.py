@@ -215,12 +215,21 @@ class CompiledProgram:
     # -- running ----------------------------------------------------------------------------------
 
     def run(
-        self, slots: list, run: int, backend, profile: bool, keep: bool = False, same_data: bool = False
+        self,
+        slots: list,
+        run: int,
+        backend,
+        profile: bool,
+        keep: bool = False,
+        same_data: bool = False,
+        wait: bool = True,
     ) -> dict[str, float]:
         """`keep`: every slot stays until the run ends (the run asks for undeclared slots);
         `same_data`: the run follows this program's last run within one RunChain (a decoder's
         layers), whose inputs the chain does not rewrite in place: what kernels found from them
-        (the memo, which holds the arrays it is keyed by) still holds."""
+        (the memo, which holds the arrays it is keyed by) still holds. `wait=False`: the run
+        returns once its kernels are issued, not done (a GPU's decode loop issues the next step
+        behind it; program_s is then the issuing's time)."""
         self.run_id, self.comm_s = run, 0.0
         if not same_data:
             self.memo.clear()  # what kernels found from this run's data (the attention's used positions)
@@ -248,7 +257,8 @@ class CompiledProgram:
                     self.lines = None
             for call in calls:
                 call(slots)
-        backend.synchronize()
+        if wait or profile:
+            backend.synchronize()
         program = time.perf_counter() - started
         # unprofiled, the time between collectives counts as compute: the steps are not timed
         compute = compute if profile else program - self.comm_s

@@ -17,7 +17,9 @@ A backend module `workers/backends/NAME.py` defines a class `Backend` that provi
 
 and may provide `device_sampler(rule, rng, steps, recent, values, indices, tokens, positions)`: a
 worker-driven decode loop's sampler on the device (workers/kernels/sample.py DeviceSampler), or
-None where it cannot serve those arrays; without it the loop chooses on the host.
+None where it cannot serve those arrays; without it the loop chooses on the host. A sampler's
+backend also has `read_later(array)`: a copy to the host issued behind the work issued so far,
+and a function that waits for it (the loop issues the next step before it waits).
 
 Kernels (workers/kernels) use only NumPy-API calls on `xp`: elementwise ufuncs, matmul,
 reductions with `axis`/`keepdims`, `astype`, `reshape`/`transpose`/`concatenate`, basic and

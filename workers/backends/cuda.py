@@ -13,6 +13,7 @@ Stream discipline (every place device data crosses to the host or a peer follows
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -270,6 +271,22 @@ class Backend:
         self.copy.synchronize()
         return out.reshape(shape)
 
+    def read_later(self, array: Any) -> Callable[[], np.ndarray]:
+        """A copy of `array` to the host issued on the compute stream, behind what is issued
+        so far, into pinned memory, not waited for: the function returned waits for it and gives
+        the host copy. The decode loop issues the next step behind it (workers/generation.py),
+        so the host's work between tokens overlaps the device's next step."""
+        array = self.xp.ascontiguousarray(array)
+        out = self._empty_pinned(array.shape, dtype=array.dtype)
+        array.get(out=out, stream=self.compute, blocking=False)
+        landed = self.compute.record()
+
+        def wait() -> np.ndarray:
+            landed.synchronize()
+            return out
+
+        return wait
+
     def synchronize(self) -> None:
         self.compute.synchronize()
 
@@ -280,7 +297,7 @@ class Backend:
         if kernels is None or not sample.DeviceSampler.reads(values, indices, tokens, positions):
             return None
         arrays = (values, tokens, positions)
-        return sample.DeviceSampler(self.xp, kernels["sample_next"], self.to_host, rule, rng, steps, recent, *arrays)
+        return sample.DeviceSampler(self.xp, kernels["sample_next"], self.read_later, rule, rng, steps, recent, *arrays)
 
     # -- device graphs (workers/graphs.py): kernels captured on the compute stream, replayed on it
 

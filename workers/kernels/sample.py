@@ -21,6 +21,8 @@ value is -inf, and the penalty keeps -inf.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from split_state.sampling import TEMPERATURE_FLOOR, Rule, pick
@@ -139,14 +141,17 @@ DEVICE_KERNELS = (DeviceKernel("sample_next", SOURCE, _sample_next, (8, 10, 13, 
 
 
 class DeviceSampler:
-    """A worker's decode loop's sampler on the device: `next(step)` chooses every sequence's token
-    from the step's candidates, writes it into the fed tokens and moves the fed positions on (on
-    the device), and returns the chosen ids (read on the host). Made only for arrays it `reads`
-    (else the host path chooses): it draws the generation's uniforms from `rng` when made. Later
-    steps' results are the same program's outputs: of the first's shapes and types."""
+    """A worker's decode loop's sampler on the device: `launch(step)` issues the choice of every
+    sequence's token from the step's candidates, written into the fed tokens with the fed
+    positions moved on (on the device), and the chosen ids' copy to the host; it returns a
+    function that waits for that copy and gives the ids (`next` does both at once). Made only for
+    arrays it `reads` (else the host path chooses): it draws the generation's uniforms from `rng`
+    when made. Later steps' results are the same program's outputs: of the first's shapes and
+    types. `read_later(array)`: a copy to the host issued behind the work before it, and a
+    function waiting for it (the CUDA backend's)."""
 
-    def __init__(self, xp, kernel, read, rule: Rule, rng, steps: int, recent, values, tokens, positions):
-        self.kernel, self.read, self.rule = kernel, read, rule
+    def __init__(self, xp, kernel, read_later, rule: Rule, rng, steps: int, recent, values, tokens, positions):
+        self.kernel, self.read_later, self.rule = kernel, read_later, rule
         self.tokens, self.positions = tokens, positions
         rows, self.k = tokens.shape[0], values.shape[-1]  # values (batch, 1, k): a sequence's row k apart
         window = rule.penalized
@@ -180,6 +185,13 @@ class DeviceSampler:
     def next(self, step: int, values, indices) -> list[int]:
         """The tokens chosen from this step's candidates (a run's results are fresh arrays each
         run: given each time, with the shapes the sampler was made for)."""
+        return self.launch(step, values, indices)()
+
+    def launch(self, step: int, values, indices) -> Callable[[], list[int]]:
+        """Issues the choice from this step's candidates and the chosen ids' copy to the host;
+        gives the function that waits for them. The kernel writes one buffer of chosen ids at
+        every step: its copy is issued on the kernel's stream, so the next step's kernel
+        overwrites it only after the copy has read it."""
         rule = self.rule
         args = (
             values,
@@ -200,4 +212,5 @@ class DeviceSampler:
             self.chosen,
         )
         self.kernel((self.rows,), (THREADS,), args)
-        return [int(t) for t in self.read(self.chosen)]
+        landed = self.read_later(self.chosen)
+        return lambda: [int(t) for t in landed()]
