@@ -326,14 +326,20 @@ def test_a_rank_0_that_cannot_map_the_board_reports_in_messages(sim, monkeypatch
     assert out == expected and info["steps"] == STEPS
 
 
-def test_a_worker_lost_during_generation_is_a_typed_error_within_seconds(fresh_cluster):
-    cluster = fresh_cluster(2, liveness=2.0, heartbeat=0.2)
+@pytest.mark.parametrize("plane", ["shm", "nccl"])
+def test_a_worker_lost_during_generation_is_a_typed_error_within_seconds(fresh_cluster, plane):
+    """Over NCCL the decode step's collectives replay inside its device graph: the survivor
+    waits for the graph with the collective deadline and the abort watch, not forever."""
+    from tests.conftest import _standin_env
+
+    nccl = {"backend": "cuda", "devices": (0, 1), "env": {**_standin_env(), "CUPY_STANDIN_DEVICES": "2"}}
+    cluster = fresh_cluster(2, liveness=2.0, heartbeat=0.2, **(nccl if plane == "nccl" else {}))
     dev = MetaDevice(cluster)
     _, step, v, i = start(dev)
     killed = {}
 
     def on(k, chosen):
-        if k == 0:
+        if k == 0:  # over NCCL the step's graph was captured at step 0: later steps replay it
             os.kill(cluster.pids[1], signal.SIGKILL)
             killed["at"] = time.monotonic()
         return True
@@ -398,9 +404,10 @@ def test_prepared_decode_replayed_and_driven_gives_the_reference_tokens(devname,
             # one worker: the decode step is one graph; outside it only the casts of its results
             # (fresh arrays each run, no host read: a read inside a segment fails its capture)
             run = graph["per_run"][str(decode.compiled.program)]
-            if devname == "cuda1":
+            if devname in ("cuda1", "cuda_nccl2"):  # NCCL's collectives are captured too
                 assert run["graphs"] == 1 and set(run["outside"]) == {"cast"}, run
             else:  # the collectives and what they send or return stay outside (fresh memory)
                 assert "attention" not in run["outside"] and "top_k_combine" not in run["outside"], run
+                assert "redistribute" in run["outside"], run
             # each captured segment's own pool holds its temporaries: 20-47 KiB here in all
             assert 0 < graph["pool_bytes"] < 1 << 20, graph["pool_bytes"]

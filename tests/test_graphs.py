@@ -213,3 +213,25 @@ def test_a_segment_captured_later_never_gets_memory_another_graph_writes(backend
         flat = x.reshape(24)
         np.testing.assert_allclose(program(backend.to_device(x)), flat + flat / np.abs(flat).max(), rtol=1e-6)
     assert all(s.replays for s in program.segments())
+
+
+def test_a_program_over_an_engine_whose_collectives_graphs_hold_waits_for_the_device_by_its_deadline(backend):
+    """Where the collectives' engine says a device graph can hold its collectives (NCCL's), a
+    run ends in the engine's wait for the device, given the collective deadline (a peer lost
+    inside a replayed graph then ends the wait; a plain synchronize would spin forever); a run
+    issued without waiting (the pipelined decode loop) does not wait at all."""
+    from types import SimpleNamespace
+
+    waits = []
+    engine = SimpleNamespace(captures=True, wait_device=lambda run, deadline: waits.append((run, deadline.seconds)))
+    compiled = CompiledProgram(1, relu_mlp_steps(), [8], kernels_for(backend))
+    arena = Arena(backend.xp, TensorStore(1 << 30))
+    arena.resize(compiled.arena_bytes)
+    compiled.bind(arena, SimpleNamespace(engine=engine), backend, 7.5)
+    rng = np.random.default_rng(0)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((4, 8), (8, 6), (6,)))
+    for run in (1, 2, 3):
+        slots = [backend.to_device(a) for a in (x, w, b)] + [None] * (compiled.nslots - 3)
+        compiled.run(slots, run, backend, profile=False, wait=run != 3)
+        np.testing.assert_allclose(backend.to_host(slots[8]), expected(x, w, b), rtol=1e-5)
+    assert waits == [(1, 7.5), (2, 7.5)]

@@ -373,3 +373,24 @@ def test_partial_divided_by_zero_stays_inf(sim):
         assert np.array_equal(np.isinf(got), np.isinf(total / divisor)) and not np.isnan(got).any()
     np.testing.assert_allclose(got[:, 1::2], total[:, 1::2] / 2.0, rtol=1e-6)
     assert np.array_equal(np.sign(got[:, ::2]), np.sign(total[:, ::2]))
+
+
+def test_a_collectives_result_handed_out_by_a_replayed_step_stays_each_runs_own(cuda_nccl2):
+    """Over NCCL a step's collectives replay inside its device graph, but one whose result the
+    step hands out (an all-reduce to Mirrored as the output) stays outside it: a graph writes the
+    same memory at every replay, so each run's result would be the last run's. Every run's result
+    is read after all the runs, against NumPy."""
+    dev = cuda_nccl2
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((8, 5)).astype(np.float32)
+    weight = dev.tensor(w, Split(0, ((4, 4),)))
+
+    def build(x):
+        return [(x @ weight).redistribute(MIRRORED)]  # partial sums, all-reduced: the output
+
+    xs = [rng.standard_normal((3, 8)).astype(np.float32) for _ in range(5)]
+    handles = [dev.tensor(x, Split(1, ((4, 4),))) for x in xs]
+    step, (first,) = dev.capture(build, handles[0])
+    outs = [first] + [step(h)[0] for h in handles[1:]]  # eager, captured, replayed twice
+    for x, out in zip(xs, outs, strict=True):
+        np.testing.assert_allclose(out.numpy(), x @ w, rtol=1e-5, atol=1e-5)

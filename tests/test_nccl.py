@@ -169,6 +169,29 @@ def test_a_stuck_nccl_collective_aborts_the_communicator_at_the_deadline(nccl_co
         comm.check_usable()
 
 
+def test_a_replayed_graph_is_waited_for_with_the_deadline_and_collectives_are_not_while_captured(nccl_comm):
+    """A decode step's graph holds its NCCL collectives (NcclEngine.captures): while the backend
+    captures, a collective is recorded and not waited for (a capturing stream cannot be
+    queried); a program holding them waits for the device through wait_device, which a lost
+    peer (a collective that never completes) ends at the deadline with the communicator aborted,
+    where a plain synchronize would wait forever."""
+    from split_state.algorithms import Tag
+
+    comm, _, device = nccl_comm
+    posted = []
+    device.all_reduce = posted.append
+    backend = SimpleNamespace(xp=np, capturing=True)
+    engine = NcclEngine(comm, backend)
+    assert engine.captures
+    out = engine.all_reduce(np.ones(4, np.float32), Tag(1, 0, Deadline(0.3)))  # captured: returns at once
+    assert len(posted) == 1 and posted[0] is out and device.aborted == 0
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match="did not finish within 0.3 s"):
+        engine.wait_device(2, Deadline(0.3))
+    assert time.monotonic() - start < 2 and device.aborted == 1
+    assert comm.waited == 0  # waiting for a whole program is not waiting on peers
+
+
 def test_a_peer_abort_ends_an_nccl_wait_at_once(nccl_comm):
     comm, peer, device = nccl_comm
     peer.abort(4, "ValueError", "bad op")

@@ -79,7 +79,7 @@ def run_generation(
     if own_word is not None:
         own_word[0] = 0
     use_word = False  # a peer: whether rank 0 said it stores into own_word after the first step
-    timings = {"program_s": 0.0, "comm_s": 0.0}
+    timings = {"program_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
     steps = 0
     cancel = False
     run_step = executor.repeated(m.program, m.run, m.inputs, m.outputs, runs=m.steps)  # checked and bound once
@@ -106,6 +106,7 @@ def run_generation(
         t = run_step(m.run + step, wait)
         timings["program_s"] += t["program_s"]
         timings["comm_s"] += t["comm_s"]
+        timings["wait_s"] += t.get("wait_s", 0.0)
         return store.get(m.values), store.get(m.indices)  # fresh arrays each run
 
     try:

@@ -1,8 +1,10 @@
 """Device graphs: a bound program's runs of kernels captured once and replayed every run (CUDA
 graphs through CuPy's stream capture), piecewise as vLLM captures a model around its attention.
 
-A program splits into pieces: a collective, a step whose result is a fresh array each run, a
-kernel marked `eager` (the shared attention over the used cache: how much it reads follows the
+A program splits into pieces: a collective, a step whose result is a fresh array each run (a
+result the run hands out, or what a collective sends; with an engine whose collectives a graph
+can hold, NCCL's, only the former and collectives whose result is handed out), a kernel marked
+`eager` (the shared attention over the used cache: how much it reads follows the
 mask; the CUDA backend's reads the mask on the device and is eager for a prefill's shapes only),
 an op the backend never captures (`backend.uncaptured`: CuPy's cuBLAS products where the CUDA
 backend has no cuBLAS handle of its own) and a kernel that reads device data on the host (found
@@ -47,16 +49,30 @@ def can_capture(backend) -> bool:
     return hasattr(backend, "begin_capture")
 
 
-def piecewise(bound: list[tuple[Any, Callable, Any]], backend, kernels: dict) -> list[Callable]:
+def piecewise(
+    bound: list[tuple[Any, Callable, Any]],
+    backend,
+    kernels: dict,
+    captured_moves: bool = False,
+    returned: frozenset[int] = frozenset(),
+) -> list[Callable]:
     """The program's calls with every run of capturable steps made one Segment (a kernel marked
-    `eager` never is: its shapes follow the data; nor an op in `backend.uncaptured`)."""
+    `eager` never is: its shapes follow the data; nor an op in `backend.uncaptured`).
+    `captured_moves`: the collectives' engine can be captured (NCCL's): a collective, and a step
+    whose result is fresh only because a collective sends it, join the segments; a step whose
+    result the run hands out (`returned`: its buffer) stays outside, since a graph writes the
+    same memory at every replay."""
     pieces: list[Callable] = []
     run: list[tuple[p.OpStep, Callable]] = []
     never = getattr(backend, "uncaptured", frozenset())
     for placed, call, _ in bound:
         step = placed.step
-        eager = isinstance(step, p.MoveStep) or placed.out == "fresh" or step.op in never
-        if eager or runs_eagerly(kernels[step.op], step):
+        if isinstance(step, p.MoveStep):
+            eager = not captured_moves or step.output in returned
+        else:
+            fresh = placed.out == "fresh" and (not captured_moves or step.output in returned)
+            eager = fresh or step.op in never or runs_eagerly(kernels[step.op], step)
+        if eager:
             if run:
                 pieces.append(Segment(run, backend))
                 run = []

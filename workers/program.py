@@ -88,7 +88,9 @@ class CompiledProgram:
         ]
         self.outputs = frozenset(outputs)
         planned = _plan(fused, self.outputs, world)
-        self.placed, self.arena_bytes, self.fresh_bytes, self.arena_slots, self.dead, self.on_inputs = planned
+        self.placed, self.arena_bytes, self.fresh_bytes, self.arena_slots, self.dead, self.on_inputs, self.returned = (
+            planned
+        )
         slots = {0}
         for step in steps:
             slots.update(_slots(step))
@@ -176,8 +178,15 @@ class CompiledProgram:
             self.lines.append((line, dead))
         calls = [call for _, call, _ in dropping]
         self.replays, self.expected, self.xp = 0, 0, xp
+        # an engine whose collectives a device graph can hold (NCCL's) waits for the device itself,
+        # with the deadline and abort watch a collective's wait has: a replayed graph holding a
+        # collective whose peer was lost would otherwise spin in a plain synchronize forever
+        engine = getattr(collectives, "engine", None)
+        captured_moves = bool(getattr(engine, "captures", False))
+        self.device_wait = engine.wait_device if captured_moves else None
+        self.collective_timeout = collective_timeout
         if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
-            calls = graphs.piecewise(dropping, backend, self.kernels)
+            calls = graphs.piecewise(dropping, backend, self.kernels, captured_moves, self.returned)
             self.lines = None
         self.bound, self.dropping, self.calls, self.preset, self.arena = bound, dropping, calls, preset, arena
         self.kept_views = kept
@@ -258,7 +267,10 @@ class CompiledProgram:
             for call in calls:
                 call(slots)
         if wait or profile:
-            backend.synchronize()
+            if self.device_wait is not None:
+                self.device_wait(run, Deadline(self.collective_timeout))
+            else:
+                backend.synchronize()
         program = time.perf_counter() - started
         # unprofiled, the time between collectives counts as compute: the steps are not timed
         compute = compute if profile else program - self.comm_s
@@ -474,7 +486,8 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
             dead.setdefault(steps[last_read[slot]].output, []).append(slot)
     on_inputs = frozenset(slot for slot, r in root.items() if r not in root) | frozenset(last_read.keys() - root.keys())
     dead_after = {out: tuple(slots) for out, slots in dead.items()}
-    return placed, allocator.peak, fresh_bytes, arena_slots, dead_after, on_inputs
+    returned = frozenset(root.get(slot, slot) for slot in outputs)  # the buffers a run hands out
+    return placed, allocator.peak, fresh_bytes, arena_slots, dead_after, on_inputs, returned
 
 
 def _view_layout(step: p.OpStep, source: layouts.Layout) -> layouts.Layout | None:

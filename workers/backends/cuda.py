@@ -303,8 +303,10 @@ class Backend:
 
     def begin_capture(self) -> None:
         self.compute.begin_capture()
+        self.capturing = True  # a collective's engine must not wait on the stream now
 
     def end_capture(self):
+        self.capturing = False
         return self.compute.end_capture()
 
     def launch(self, graph) -> None:

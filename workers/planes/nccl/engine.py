@@ -127,9 +127,10 @@ class NcclComm(ZmqComm):
         self.device = device
         self.broken = ""  # why the communicator was aborted, once it was
 
-    def wait(self, run: int, deadline: Deadline) -> None:
+    def wait(self, run: int, deadline: Deadline, counted: bool = True) -> None:
         """Until the GPU has finished what was posted; aborts the communicator on a deadline or
-        an abort from a peer, so a lost peer never leaves a kernel waiting forever."""
+        an abort from a peer, so a lost peer never leaves a kernel waiting forever. `counted`:
+        the time counts as waiting on peers (not where it waits for a whole program)."""
         waiter = Waiter(deadline)
         start = time.perf_counter()
         try:
@@ -147,7 +148,8 @@ class NcclComm(ZmqComm):
                         rank=-1,
                     )
         finally:
-            self.waited += time.perf_counter() - start
+            if counted:
+                self.waited += time.perf_counter() - start
 
     def _abort_device(self, why: str) -> None:
         if not self.broken:
@@ -171,7 +173,15 @@ class NcclComm(ZmqComm):
 
 class NcclEngine:
     """The primitives of split_state.algorithms on NCCL: grouped GPU-to-GPU sends and receives,
-    rank-order sums on the device, and ncclAllReduce as the native all-reduce."""
+    rank-order sums on the device, and ncclAllReduce as the native all-reduce.
+
+    NCCL's calls can be captured into a device graph (NCCL >= 2.9): `captures` says so to
+    workers/graphs.py, which then keeps a decode step's collectives inside its graph. While the
+    backend captures, a collective is recorded, not waited for (a captured stream cannot be
+    queried); a program holding captured collectives waits for the device at its end through
+    `wait_device`, with the collective deadline and the abort watch."""
+
+    captures = True
 
     def __init__(self, comm: NcclComm, backend):
         self.comm, self.backend, self.xp = comm, backend, backend.xp
@@ -180,10 +190,18 @@ class NcclEngine:
     def check_usable(self) -> None:
         self.comm.check_usable()
 
+    def _settle(self, tag: Tag) -> None:
+        if not getattr(self.backend, "capturing", False):
+            self.comm.wait(tag.run, tag.deadline)
+
+    def wait_device(self, run: int, deadline: Deadline) -> None:
+        """Until the device has done everything issued (a replayed graph's collectives among it)."""
+        self.comm.wait(run, deadline, counted=False)
+
     def all_reduce(self, flat: Any, tag: Tag) -> Any:
         flat = flat.copy()  # NCCL sums in place; the caller's array stays as it was
         self.comm.device.all_reduce(flat)
-        self.comm.wait(tag.run, tag.deadline)
+        self._settle(tag)
         return flat
 
     def _transfer(self, local, plan: Sequence[Transfer], shape, tag: Tag) -> dict[int, Any]:
@@ -194,7 +212,7 @@ class NcclEngine:
             (t, xp.empty(box_shape(t.dst_box, shape), local.dtype)) for t in plan if t.dst == rank and t.src != rank
         ]
         self.comm.device.exchange(sends, [(array, t.src) for t, array in recvs])
-        self.comm.wait(tag.run, tag.deadline)
+        self._settle(tag)
         return {id(t): array for t, array in recvs}
 
     def exchange(self, local, phase: Phase, tag: Tag):
