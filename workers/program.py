@@ -17,7 +17,10 @@ validation, timers or accounting per step. Profiling (RunProgram.profile) times 
 first run after a bind checks every step's result against the plan. A binding run often enough
 to pay for it (its runs, done and announced by a Generate, reach straight.WORTH_RUNS) is written
 out as one function (workers/straight.py); on a backend that captures device graphs, the calls
-between collectives become graph segments instead (workers/graphs.py).
+between collectives become graph segments instead (workers/graphs.py), collectives included
+where the engine's can be captured (NCCL's): a run then ends in the engine's wait for the device,
+with the collective deadline. A run may also return once its work is issued (`wait=False`: the
+GPU decode loop issues the next step before it reads the last one's tokens).
 """
 
 from __future__ import annotations
