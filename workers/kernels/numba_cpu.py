@@ -181,7 +181,7 @@ _FLOAT16 = np.dtype(np.float16)
 
 
 def _half_rows(key_rows, out) -> bool:
-    """Whether the loops over float16 rows serve: host float16 (B, H, ctx, d) rows in order."""
+    """Whether the float16 widening serves: host float16 (B, H, ctx, d) rows in order."""
     return key_rows.dtype is _FLOAT16 and key_rows.ndim == 4 and key_rows.flags.c_contiguous and _plain(out)
 
 
@@ -281,7 +281,6 @@ def _warm() -> None:
             tile = np.empty((width, 16), np.float32)
             _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile[:, :8])
             _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile)
-    # decode's one loop, prefill's softmax and float16 widening: every layout of either
     # decode's one loop, prefill's softmax and float16 widening, each cache type
     for tokens, cached in itertools.product((1, 2, MAX_LOOP_ROWS + 1), (np.float32, np.float16)):
         q = np.ones((1, 2, 3, tokens, 8), np.float32)
