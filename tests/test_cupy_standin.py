@@ -133,6 +133,11 @@ def test_a_host_synchronisation_during_capture_fails_and_invalidates_the_capture
             cp.asarray(np.ones(4))
         with pytest.raises(rt.CUDARuntimeError, match="Invalidated"):
             stream.end_capture()
+        stream.begin_capture()  # so is asking whether the stream is done (cudaStreamQuery)
+        with pytest.raises(rt.CUDARuntimeError, match="StreamCaptureUnsupported"):
+            stream.done  # noqa: B018 - the property's read is the call under test
+        with pytest.raises(rt.CUDARuntimeError, match="Invalidated"):
+            stream.end_capture()
 
 
 def test_a_floating_point_product_during_capture_is_refused_as_cupy_refuses_cublas():

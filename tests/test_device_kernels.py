@@ -754,7 +754,7 @@ def test_on_a_gpu_the_sampler_chooses_what_the_host_rule_chooses(rule):
     sampler = sample.DeviceSampler(
         cupy, kernel, read_later, rule, np.random.default_rng(9), 1, recent, values, tokens, positions
     )
-    got = sampler.next(0, cupy.asarray(values), cupy.asarray(indices))
+    got = sampler.launch(0, cupy.asarray(values), cupy.asarray(indices))()
     draws = np.random.default_rng(9).random((1, rows))
     want = [
         pick(values[r, 0], indices[r, 0], rule, None if rule.greedy else draws[0, r], recent[r]) for r in range(rows)

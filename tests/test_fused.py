@@ -128,8 +128,7 @@ def test_decode_attention_is_one_threaded_loop_equal_to_the_whole_softmax(
     loops, calls = numba_cpu._loops(), []
     loop = loops.decode_attention
     monkeypatch.setattr(loops, "decode_attention", lambda *a: (calls.append(a[4]), loop(*a))[1])
-    monkeypatch.setattr(numba_cpu, "_THREADS", [threads])
-    monkeypatch.setattr(numba_cpu, "_SET_IN", __import__("threading").local())
+    monkeypatch.setattr(numba_cpu, "_THREADS", [threads])  # each thread's numba count follows it
     inputs, expected = key_row_case(batch, tokens, ctx, last_positions, cached)
     q = inputs[0]
     out = np.empty(q.shape, np.float32)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -247,7 +246,6 @@ def test_native_weights_give_the_float32_paths_tokens(model, monkeypatch, worker
     from workers.kernels import numba_cpu
 
     monkeypatch.setattr(numba_cpu, "_THREADS", [threads])  # the simulated workers' threads read it
-    monkeypatch.setattr(numba_cpu, "_SET_IN", threading.local())
     dev = MetaDevice(SimulatedCluster(workers))
     try:
         runs = {}

@@ -61,7 +61,7 @@ class HostNccl:
                 assert got.shape == array.shape and got.dtype == array.dtype, (got.shape, array.shape)
                 array[...] = got
 
-        return SimpleNamespace(all_reduce=all_reduce, exchange=exchange, done=lambda: True)
+        return SimpleNamespace(all_reduce=all_reduce, exchange=exchange, done=lambda: True, capturing=lambda: False)
 
 
 class ThreadComm:
@@ -134,6 +134,9 @@ class StuckDevice:
     def done(self) -> bool:
         return False
 
+    def capturing(self) -> bool:
+        return False
+
     def abort(self) -> None:
         self.aborted += 1
 
@@ -170,8 +173,8 @@ def test_a_stuck_nccl_collective_aborts_the_communicator_at_the_deadline(nccl_co
 
 
 def test_a_replayed_graph_is_waited_for_with_the_deadline_and_collectives_are_not_while_captured(nccl_comm):
-    """A decode step's graph holds its NCCL collectives (NcclEngine.captures): while the backend
-    captures, a collective is recorded and not waited for (a capturing stream cannot be
+    """A decode step's graph holds its NCCL collectives (NcclEngine.captures): while its stream is
+    captured, a collective is recorded and not waited for (a capturing stream cannot be
     queried); a program holding them waits for the device through wait_device, which a lost
     peer (a collective that never completes) ends at the deadline with the communicator aborted,
     where a plain synchronize would wait forever."""
@@ -180,8 +183,8 @@ def test_a_replayed_graph_is_waited_for_with_the_deadline_and_collectives_are_no
     comm, _, device = nccl_comm
     posted = []
     device.all_reduce = posted.append
-    backend = SimpleNamespace(xp=np, capturing=True)
-    engine = NcclEngine(comm, backend)
+    device.capturing = lambda: True
+    engine = NcclEngine(comm, SimpleNamespace(xp=np))
     assert engine.captures
     out = engine.all_reduce(np.ones(4, np.float32), Tag(1, 0, Deadline(0.3)))  # captured: returns at once
     assert len(posted) == 1 and posted[0] is out and device.aborted == 0

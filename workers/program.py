@@ -186,8 +186,10 @@ class CompiledProgram:
         # collective whose peer was lost would otherwise spin in a plain synchronize forever
         engine = getattr(collectives, "engine", None)
         captured_moves = bool(getattr(engine, "captures", False))
-        self.device_wait = engine.wait_device if captured_moves else None
-        self.collective_timeout = collective_timeout
+        if captured_moves:
+            self.finish = lambda run: engine.wait_device(run, Deadline(collective_timeout))
+        else:
+            self.finish = lambda run: backend.synchronize()
         if graphs.can_capture(backend):  # runs of kernels replayed as device graphs
             calls = graphs.piecewise(dropping, backend, self.kernels, captured_moves, self.returned)
             self.lines = None
@@ -270,10 +272,7 @@ class CompiledProgram:
             for call in calls:
                 call(slots)
         if wait or profile:
-            if self.device_wait is not None:
-                self.device_wait(run, Deadline(self.collective_timeout))
-            else:
-                backend.synchronize()
+            self.finish(run)
         program = time.perf_counter() - started
         # unprofiled, the time between collectives counts as compute: the steps are not timed
         compute = compute if profile else program - self.comm_s

@@ -300,6 +300,8 @@ class Stream:
 
     @property
     def done(self) -> bool:
+        if self._capture is not None:  # cudaStreamQuery of a capturing stream: refused, as CUDA does
+            self._broken("a query of a capturing stream")
         return self._completed == self._issued
 
     def _raise_failure(self) -> None:

@@ -5,7 +5,9 @@ Stream discipline (every place device data crosses to the host or a peer follows
   kernels, NCCL calls (which take the current stream) and device-to-device copies are ordered;
 - `to_host` records an event on the compute stream and makes the copy stream wait on it before
   copying, so a host copy (a collective's send, a Get) never reads data not yet computed; it
-  then waits for the copy, so the host array is complete when returned;
+  then waits for the copy, so the host array is complete when returned; `read_later` instead
+  copies on the compute stream itself, behind the kernels issued so far, and records an event the
+  caller waits on later (the decode loop's token ids: the next step is issued meanwhile);
 - host staging buffers are pinned and come from CuPy's pinned-memory pool, so a transfer does not
   pin fresh memory each time; a buffer returns to the pool when its last reference goes (a
   ZeroMQ send that still holds it keeps it alive).
@@ -303,10 +305,8 @@ class Backend:
 
     def begin_capture(self) -> None:
         self.compute.begin_capture()
-        self.capturing = True  # a collective's engine must not wait on the stream now
 
     def end_capture(self):
-        self.capturing = False
         return self.compute.end_capture()
 
     def launch(self, graph) -> None:

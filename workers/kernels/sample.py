@@ -144,7 +144,7 @@ class DeviceSampler:
     """A worker's decode loop's sampler on the device: `launch(step)` issues the choice of every
     sequence's token from the step's candidates, written into the fed tokens with the fed
     positions moved on (on the device), and the chosen ids' copy to the host; it returns a
-    function that waits for that copy and gives the ids (`next` does both at once). Made only for
+    function that waits for that copy and gives the ids. Made only for
     arrays it `reads` (else the host path chooses): it draws the generation's uniforms from `rng`
     when made. Later steps' results are the same program's outputs: of the first's shapes and
     types. `read_later(array)`: a copy to the host issued behind the work before it, and a
@@ -182,16 +182,12 @@ class DeviceSampler:
             and all(a.flags.c_contiguous for a in (values, indices, tokens, positions))
         )
 
-    def next(self, step: int, values, indices) -> list[int]:
-        """The tokens chosen from this step's candidates (a run's results are fresh arrays each
-        run: given each time, with the shapes the sampler was made for)."""
-        return self.launch(step, values, indices)()
-
     def launch(self, step: int, values, indices) -> Callable[[], list[int]]:
-        """Issues the choice from this step's candidates and the chosen ids' copy to the host;
-        gives the function that waits for them. The kernel writes one buffer of chosen ids at
-        every step: its copy is issued on the kernel's stream, so the next step's kernel
-        overwrites it only after the copy has read it."""
+        """Issues the choice from this step's candidates (a run's results are fresh arrays each
+        run: given each time, with the shapes the sampler was made for) and the chosen ids' copy
+        to the host; gives the function that waits for them. The kernel writes one buffer of
+        chosen ids at every step: its copy is issued on the kernel's stream, so the next step's
+        kernel overwrites it only after the copy has read it."""
         rule = self.rule
         args = (
             values,

@@ -110,6 +110,10 @@ class NcclDevice:
     def done(self) -> bool:
         return self.cupy.cuda.get_current_stream().done
 
+    def capturing(self) -> bool:
+        """Whether the stream NCCL's calls go to is being captured into a device graph."""
+        return self.cupy.cuda.get_current_stream().is_capturing()
+
     def abort(self) -> None:
         self.comm.abort()
 
@@ -176,8 +180,8 @@ class NcclEngine:
     rank-order sums on the device, and ncclAllReduce as the native all-reduce.
 
     NCCL's calls can be captured into a device graph (NCCL >= 2.9): `captures` says so to
-    workers/graphs.py, which then keeps a decode step's collectives inside its graph. While the
-    backend captures, a collective is recorded, not waited for (a captured stream cannot be
+    workers/graphs.py, which then keeps a decode step's collectives inside its graph. While its
+    stream is captured, a collective is recorded, not waited for (a captured stream cannot be
     queried); a program holding captured collectives waits for the device at its end through
     `wait_device`, with the collective deadline and the abort watch."""
 
@@ -191,7 +195,7 @@ class NcclEngine:
         self.comm.check_usable()
 
     def _settle(self, tag: Tag) -> None:
-        if not getattr(self.backend, "capturing", False):
+        if not self.comm.device.capturing():
             self.comm.wait(tag.run, tag.deadline)
 
     def wait_device(self, run: int, deadline: Deadline) -> None:
