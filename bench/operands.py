@@ -162,6 +162,17 @@ def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ..
                 return [dst, ids, value, ()], [f32, "int32", f32, "int32"], params
             params["batch_start"] = start
         return [dst, ids, value], [f32, "int32", f32], params
+    if name == "gqa_attention":  # query heads in runs over KV heads, some KV heads shared or unused
+        batch, tokens, kv, ctx, width = (int(rng.integers(1, 4)) for _ in range(5))
+        kv_of_head = sorted(int(h) for h in rng.integers(0, kv, size=int(rng.integers(1, 7))))
+        cache = (batch, kv, ctx, width)
+        mask = (int(rng.choice([1, batch])), tokens, ctx)
+        kinds = [f32, *([str(rng.choice([f32, "float16"]))] * 2), f32]
+        return (
+            [(batch, tokens, len(kv_of_head), width), cache, cache, mask],
+            kinds,
+            {"kv_of_head": kv_of_head, "scale": 0.5},
+        )
     if name == "top_k_combine":
         m = int(rng.integers(1, 9))
         return [x[:-1] + (m, 2)], ["float64"], {"k": int(rng.integers(1, m + 1))}

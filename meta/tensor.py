@@ -172,6 +172,13 @@ class Tensor:
         """softmax(self * scale + mask) in one op (ggml's soft_max_ext); mask broadcasts."""
         return apply("softmax_ext", self, mask, axis=axis, scale=scale)
 
+    def gqa_attention(self, keys: Tensor, values: Tensor, mask: Tensor, kv_of_head, scale: float = 1.0) -> Tensor:
+        """softmax(q . k * scale + mask) @ v for q = self (batch, tokens, heads, dim), each query
+        head h against KV head kv_of_head[h] of keys and values (batch, kv heads, ctx, dim); mask
+        (1 or batch, tokens, ctx). The attention of a split by query heads where a KV head's
+        group is cut between devices (each holds the KV heads its query heads read)."""
+        return apply("gqa_attention", self, keys, values, mask, kv_of_head=[int(h) for h in kv_of_head], scale=scale)
+
     def rope(self, positions: Tensor, base: float = 10000.0, mode: str = "normal", freqs=None) -> Tensor:
         """Rotary position embedding of (..., tokens, heads, head_dim) at integer `positions`
         (..., tokens): mode "normal" rotates adjacent pairs (ggml), "neox" the two halves; pair i

@@ -8,9 +8,10 @@ Weights are NumPy-oriented (`x @ W`, W of shape (in, out)); names:
     L.w_gate, L.w_up (hidden, ffn), L.w_down (ffn, hidden)      for L = "l0", "l1", ...
     norm (hidden,), output (hidden, vocab) when the head is not tied
 
-Tensor parallelism (DESIGN §8): attention split by KV-head groups (a device holds whole KV heads
-and the query heads sharing them; uneven groups and devices with no head work), so attention
-needs no communication; wo and w_down row-parallel, w_gate|w_up one column-parallel weight of two
+Tensor parallelism (DESIGN §8): attention split by heads (HeadSplit: whole KV heads and the query
+heads sharing them, or, on CPU workers when the KV heads do not divide among the devices, the
+query heads evenly with a KV head whose group is cut held by both sides), so attention needs no
+communication; wo and w_down row-parallel, w_gate|w_up one column-parallel weight of two
 segments (and, with fuse_qkv, wq|wk|wv one of three: one product a layer for the attention's
 inputs): two all-reduces per layer. The KV cache is resident, split like the heads, preallocated
 to the context and written in place. The embedding table is split by vocabulary rows (its lookup
@@ -200,6 +201,17 @@ def qkv_fusable(kinds: Callable[[str], str | None], cfg: LlamaConfig) -> bool:
     return all(len({kinds(f"l{i}.{n}") for n, _ in QKV}) == 1 for i in range(cfg.layers))
 
 
+def _query_unit(source: Source, cfg: LlamaConfig) -> int:
+    """The fewest query heads a device may hold apart (besides none): a wo kept quantized splits
+    its inputs, the heads' values, on whole blocks (16-value heads of a 32-value format go two
+    by two). As _down_block, only a quantized first layer makes it look at the others."""
+    if not isinstance(source("l0.wo"), QuantizedWeight):
+        return 1
+    quantized = [w for i in range(cfg.layers) if isinstance(w := source(f"l{i}.wo"), QuantizedWeight)]
+    block = max((quant_format(w.format).block for w in quantized), default=1)
+    return block // math.gcd(block, cfg.head_dim)
+
+
 def _down_block(source: Source, cfg: LlamaConfig) -> int:
     """The largest block of the w_down weights kept quantized (32 if none): their inputs, the
     FFN, split on it. Only a quantized first layer makes it look at the others, so a float32
@@ -221,6 +233,91 @@ QKV = (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))  # the attention's input produc
 QKV_BIASES = tuple(b for _, b in QKV)  # a layer's further weights with LlamaConfig.qkv_bias
 PREFILL_STEPS = 16  # prefill chains a model keeps (one per padded length, pool, logits, slot or not)
 PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """The attention heads each device holds: `query[d]` query heads (in order) and the KV heads
+    `kv[d]` they read (the model's indices, in order). The devices' KV heads side by side are
+    the model's KV axis as the workers hold it (`kv_source`): a KV head held by two devices is
+    there twice, its K and V products and cache rows computed by both. `kv_of_head`: each query
+    head's KV head on that axis."""
+
+    query: tuple[int, ...]
+    kv: tuple[tuple[int, ...], ...]
+    kv_of_head: tuple[int, ...]
+
+    @classmethod
+    def whole_groups(cls, cfg: LlamaConfig, n: int) -> HeadSplit:
+        """Whole KV heads per device with their query heads (some devices may hold none)."""
+        return cls._holding(cfg, tuple(e * cfg.group for e in Split.even(0, cfg.kv_heads, n).segments[0]))
+
+    @classmethod
+    def even_queries(cls, cfg: LlamaConfig, n: int, unit: int = 1) -> HeadSplit:
+        """The query heads evenly in units of `unit` heads (at most one unit more on the first
+        devices), each device holding the KV heads of its query heads: SmolLM2's 9 heads of 3
+        KV heads on 2 devices split 5 | 4 over KV heads (0, 1) | (1, 2), where whole groups
+        split 6 | 3 and the first device did twice the second's attention (its products,
+        scores and cache writes)."""
+        return cls._holding(cfg, Split.even(0, cfg.heads, n, granularity=unit).segments[0])
+
+    @classmethod
+    def for_workers(cls, cfg: LlamaConfig, n: int, cpu: bool, unit: int = 1) -> HeadSplit:
+        """even_queries (in units of `unit` heads: wo's inputs split on whole blocks) where the
+        KV heads do not divide among the devices and the workers are CPU ones (its attention,
+        the gqa_attention op, runs eagerly on a GPU: the decode step would leave its device
+        graph), else whole_groups (the same split where they divide)."""
+        if cpu and cfg.kv_heads % n and cfg.heads % unit == 0:
+            return cls.even_queries(cfg, n, unit)
+        return cls.whole_groups(cfg, n)
+
+    @classmethod
+    def _holding(cls, cfg: LlamaConfig, query: Sequence[int]) -> HeadSplit:
+        """Query heads `query[d]` per device, in order, with the KV heads they read."""
+        g, first, kv, kv_of_head = cfg.group, 0, [], []
+        for q in query:
+            held = tuple(range(first // g, -(-(first + q) // g))) if q else ()
+            base = sum(len(k) for k in kv)
+            kv_of_head.extend(base + h // g - first // g for h in range(first, first + q))
+            kv.append(held)
+            first += q
+        return cls(tuple(query), tuple(kv), tuple(kv_of_head))
+
+    @property
+    def kv_source(self) -> tuple[int, ...]:
+        return tuple(h for heads in self.kv for h in heads)
+
+    @property
+    def shared(self) -> bool:
+        """Whether some KV head is held by two devices (else the workers' KV axis is the model's)."""
+        return len(self.kv_source) != len(set(self.kv_source))
+
+    def most_kv(self) -> int:
+        """The most KV heads one device holds (its cache's share)."""
+        return max(len(kv) for kv in self.kv)
+
+
+def cpu_workers(dev: MetaDevice) -> bool:
+    """Whether every worker of `dev` runs on the CPU backend."""
+    devices = getattr(getattr(dev, "cluster", None), "devices", None) or ()
+    return all(getattr(d, "backend", "") == "cpu" for d in devices)
+
+
+def _heads_taken(source: Source, plan: HeadSplit, hd: int) -> Source:
+    """`source` with wk, wv (and bk, bv) on the workers' KV axis: each KV head's columns (rows of
+    a weight kept in its blocks) where plan.kv_source has it, a shared head's twice."""
+    columns = np.concatenate([np.arange(h * hd, (h + 1) * hd) for h in plan.kv_source])
+    kv_names = tuple(n for pair in QKV[1:] for n in pair)
+
+    def taken(name: str):
+        weight = source(name)
+        if name.rsplit(".", 1)[-1] not in kv_names:
+            return weight
+        if isinstance(weight, QuantizedWeight):  # its rows are the outputs
+            return QuantizedWeight(weight.format, weight.blocks[columns])
+        return np.asarray(weight)[..., columns]
+
+    return taken
 
 
 def _product(x: Tensor, weight: Tensor, fmt: str | None) -> Tensor:
@@ -274,11 +371,13 @@ class TensorParallelLlama:
         progress=None,
         cache_types: tuple[str, str] = ("f32", "f32"),
         fuse_qkv: bool = False,
+        heads: HeadSplit | None = None,
     ):
         """`cache_types` (K, V): the KV caches' element types, CACHE_TYPES's names. `fuse_qkv`:
         wq | wk | wv as one weight `w_qkv` of three segments, one product a layer where there
         were three (the source's q, k and v weights must be of one kind in every layer: all
-        float, or all kept in one format; see qkv_fusable)."""
+        float, or all kept in one format; see qkv_fusable). `heads`: how the attention heads
+        split (by default HeadSplit.for_workers)."""
         self.dev, self.cfg, self.ctx, self.batch = dev, cfg, ctx, batch
         self.fuse_qkv = fuse_qkv
         unknown = [c for c in cache_types if c not in CACHE_TYPES]
@@ -286,9 +385,14 @@ class TensorParallelLlama:
             raise ValueError(f"cache types are two of {', '.join(CACHE_TYPES)} (K, V), got {cache_types}")
         self.cache_types = tuple(cache_types)
         n, hd = dev.n, cfg.head_dim
-        self.kv = Split.even(0, cfg.kv_heads, n)  # whole KV heads per device; some may hold none
-        kv_cols = tuple(e * hd for e in self.kv.segments[0])
-        q_cols = tuple(e * cfg.group * hd for e in self.kv.segments[0])
+        if heads is None:
+            heads = HeadSplit.for_workers(cfg, n, cpu_workers(dev), _query_unit(source, cfg))
+        self.heads = heads
+        if self.heads.shared:
+            source = _heads_taken(source, self.heads, hd)
+        self.kv_heads = len(self.heads.kv_source)  # the workers' KV axis: the model's, or with shared heads twice
+        kv_cols = tuple(len(kv) * hd for kv in self.heads.kv)
+        q_cols = tuple(q * hd for q in self.heads.query)
         vocab_rows = Split.even(0, cfg.vocab, n)
         # whole blocks of the FFN per device (32 values, 256 for K-quants), so a quantized w_down
         # splits on them
@@ -323,13 +427,13 @@ class TensorParallelLlama:
             self.w[p + "w_gate_up"] = self._fused(source, p, ffn_parts, "w_gate_up")
             if progress is not None:
                 progress(i + 1, cfg.layers)
-        cache = Split(1, self.kv.segments)  # split by KV heads
+        cache = Split(1, (tuple(len(kv) for kv in self.heads.kv),))  # split by KV heads
         # K and V as (batch, kv heads, ctx, hd): a position's key is one contiguous row, written
         # in one piece, and the used positions are one contiguous block per head (read in half
         # the time of the first n columns of (hd, ctx), 64 strided runs at 256 positions)
         k_type, v_type = (CACHE_TYPES[c] for c in cache_types)
-        self.k = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache, k_type) for _ in range(cfg.layers)]
-        self.v = [self._zeros((batch, cfg.kv_heads, ctx, hd), cache, v_type) for _ in range(cfg.layers)]
+        self.k = [self._zeros((batch, self.kv_heads, ctx, hd), cache, k_type) for _ in range(cfg.layers)]
+        self.v = [self._zeros((batch, self.kv_heads, ctx, hd), cache, v_type) for _ in range(cfg.layers)]
         # (padded length, pool, logits, for a slot) -> captured step; a slot is fed, so one step
         # serves every slot of a server (8 slots x 8 lengths were 64 steps for 16 kept)
         self._prefills: dict[tuple, object] = {}
@@ -640,7 +744,7 @@ class TensorParallelLlama:
 
         h = x.rms_norm(eps=cfg.eps) * w["attn_norm"]
         if "w_qkv" in w:  # three segments: q | k | v, each split by its heads
-            qkv, qd, kd = mm(h, "w_qkv"), cfg.heads * hd, cfg.kv_heads * hd
+            qkv, qd, kd = mm(h, "w_qkv"), cfg.heads * hd, self.kv_heads * hd
             q, k, v = qkv[:, :, :qd], qkv[:, :, qd : qd + kd], qkv[:, :, qd + kd :]
         else:
             q, k, v = (mm(h, n) for n, _ in QKV)
@@ -648,8 +752,8 @@ class TensorParallelLlama:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         rotate = (pos, cfg.rope_base, cfg.rope_mode, cfg.rope_freqs)
         q = q.reshape(batch, t, cfg.heads, hd).rope(*rotate)
-        k = k.reshape(batch, t, cfg.kv_heads, hd).rope(*rotate)
-        v = v.reshape(batch, t, cfg.kv_heads, hd)
+        k = k.reshape(batch, t, self.kv_heads, hd).rope(*rotate)
+        v = v.reshape(batch, t, self.kv_heads, hd)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, kv, t, hd)
         cache_k = cache_k.set_rows(pos, k, axis=2, **at)  # in place, (b, kv, ctx, hd)
         cache_v = cache_v.set_rows(pos, v, axis=2, **at)  # in place, (b, kv, ctx, hd)
@@ -658,11 +762,16 @@ class TensorParallelLlama:
             keys, values = _row_of(cache_k, slot), _row_of(cache_v, slot)
         if first_rows:  # views of the rows in use: the workers copy nothing
             keys, values = cache_k[:batch], cache_v[:batch]
-        qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
-        keys = keys.reshape(batch, cfg.kv_heads, 1, seen, hd).transpose(0, 1, 2, 4, 3)  # a view
-        scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, seen)
-        attn = scores @ values.reshape(batch, cfg.kv_heads, 1, seen, hd)  # (b, kv, g, t, hd)
-        merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)
+        if self.heads.shared:  # groups cut between devices: each query head reads its KV head by index
+            flat_mask = mask.reshape(mask.shape[0], t, seen)
+            attn = q.gqa_attention(keys, values, flat_mask, self.heads.kv_of_head, scale=1.0 / np.sqrt(hd))
+            merged = attn.reshape(batch, t, cfg.heads * hd)
+        else:
+            qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
+            keys = keys.reshape(batch, cfg.kv_heads, 1, seen, hd).transpose(0, 1, 2, 4, 3)  # a view
+            scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, seen)
+            attn = scores @ values.reshape(batch, cfg.kv_heads, 1, seen, hd)  # (b, kv, g, t, hd)
+            merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)
         x = x + mm(merged, "wo")
         h = x.rms_norm(eps=cfg.eps) * w["ffn_norm"]
         gate_up = mm(h, "w_gate_up")  # two segments: gate | up, both split alike

@@ -107,6 +107,18 @@ def _softmax_ext(inputs, params):
     return softmax((_f64(x) * params["scale"] + _f64(mask)).astype(np.float64), params["axis"]).astype(x.dtype)
 
 
+def _gqa_attention(inputs, params):
+    """Each query head h against the keys and values of KV head kv_of_head[h], head by head in
+    float64: softmax(q . k * scale + mask) @ v."""
+    q, keys, values, mask = (_f64(a) for a in inputs)
+    out = np.empty(q.shape)
+    for b in range(q.shape[0]):
+        for h, kv in enumerate(params["kv_of_head"]):
+            scores = q[b, :, h] @ keys[b, kv].T * params["scale"] + mask[b if mask.shape[0] > 1 else 0]
+            out[b, :, h] = softmax(scores, -1) @ values[b, kv]
+    return out.astype(inputs[0].dtype)
+
+
 def rope(x: np.ndarray, positions: np.ndarray, base: float, mode: str, freqs=None) -> np.ndarray:
     """Rotary embedding as complex multiplication: pairs (x[2i], x[2i+1]) (ggml's normal mode) or
     (x[i], x[i + d/2]) (NeoX) are complex numbers turned by position * base^(-2i/d) * freqs[i]
@@ -346,6 +358,7 @@ REFERENCES: dict[str, Callable[[Sequence[np.ndarray], Params], np.ndarray]] = {
     "eq": lambda i, p: np.equal(_f64(i[0]), _f64(i[1])),
     "where": lambda i, p: np.where(i[0], i[1], i[2]).astype(i[1].dtype),
     "softmax_ext": _softmax_ext,
+    "gqa_attention": _gqa_attention,
     "rope": lambda i, p: rope(i[0], i[1], p["base"], p["mode"], p.get("freqs")),
     "set_rows": _set_rows,
     "top_k_combine": _top_k_combine,

@@ -669,6 +669,72 @@ def _localize_qget_rows(params, in_states, in_shapes, out_state, out_shape, n, d
     return {"rows": params["rows"], "spans": rows, "format": params["format"]}
 
 
+# -- attention with a head map: query heads split apart from whole KV groups -----------------------
+
+
+def _infer_gqa_attention(shapes, dtypes, params):
+    q, keys, values, mask = (tuple(s) for s in shapes)
+    if len(q) != 4 or len(keys) != 4 or values != keys:
+        raise ShapeError(
+            f"gqa_attention: q (batch, tokens, heads, dim), keys and values (batch, kv heads, ctx, dim); "
+            f"got {q}, {keys}, {values}"
+        )
+    batch, tokens, heads, dim = q
+    if keys[0] != batch or keys[3] != dim:
+        raise ShapeError(f"gqa_attention: keys {keys} do not match q {q} (batch and dim)")
+    if len(mask) != 3 or mask[0] not in (1, batch) or mask[1:] != (tokens, keys[2]):
+        raise ShapeError(f"gqa_attention: the mask is (1 or {batch}, {tokens}, {keys[2]}), got {mask}")
+    kv = params.get("kv_of_head")
+    good = isinstance(kv, (list, tuple)) and len(kv) == heads
+    if not good or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < keys[1] for h in kv):
+        raise ShapeError(f"gqa_attention: kv_of_head must give each of {heads} heads a KV head in [0, {keys[1]})")
+    for dtype in dtypes[1:]:
+        _float(dtype, "gqa_attention")
+    canon = {"scale": _number(params, "scale", 1.0, "gqa_attention"), "kv_of_head": [int(h) for h in kv]}
+    return q, _float(dtypes[0], "gqa_attention"), canon
+
+
+def _heads_of_kv_split(kv_of_head: Sequence[int], kv: Split) -> tuple[int, ...] | None:
+    """The query heads' extents when the KV heads are split by `kv` (one segment) and every head
+    goes with its KV head; None if the map does not keep each device's heads in one run."""
+    if len(kv.segments) != 1 or any(a > b for a, b in zip(kv_of_head, kv_of_head[1:])):
+        return None
+    extents, start = [], 0
+    for e in kv.segments[0]:
+        extents.append(sum(start <= h < start + e for h in kv_of_head))
+        start += e
+    return tuple(extents)
+
+
+def _gqa_attention_rule(states, shapes, params, out_shape):
+    """Split by heads: q by the query heads of each device's KV heads (the keys' split decides);
+    split by batch rows: everything alike (a mask of one row whole); else all Mirrored. Never
+    Partial: softmax is not linear."""
+    q, keys = states[0], states[1]
+    sigs = []
+    if isinstance(keys, Split) and keys.axis == 1:
+        heads = _heads_of_kv_split(params["kv_of_head"], keys)
+        if heads is not None:
+            by_heads = Split(2, (heads,))
+            sigs.append(Signature((by_heads, keys, keys, MIRRORED), by_heads))
+    batch = next((s for s in (q, keys) if isinstance(s, Split) and s.axis == 0 and len(s.segments) == 1), None)
+    if batch is not None:
+        mask = batch if shapes[3][0] == shapes[0][0] and shapes[0][0] > 1 else MIRRORED
+        sigs.append(Signature((batch, batch, batch, mask), batch))
+    sigs.append(Signature((MIRRORED,) * 4, MIRRORED))
+    return sigs
+
+
+def _localize_gqa_attention(params, in_states, in_shapes, out_state, out_shape, n, d):
+    """Split by heads: this device's heads, each mapped to its KV head's local index."""
+    q, keys = in_states[0], in_states[1]
+    if not (isinstance(out_state, Split) and out_state.axis == 2):
+        return params
+    first_head, first_kv = sum(q.segments[0][:d]), sum(keys.segments[0][:d])
+    mine = params["kv_of_head"][first_head : first_head + q.segments[0][d]]
+    return {"scale": params["scale"], "kv_of_head": [h - first_kv for h in mine]}
+
+
 # -- the table ----------------------------------------------------------------------------------
 
 _LINEAR_UNARY = _unary_rule(linear=True)
@@ -720,6 +786,7 @@ OPS: dict[str, OpSpec] = {
         internal=True,
     ),
     "top_k_combine": OpSpec("top_k_combine", 1, _infer_top_k_combine, _labels_rule(_top_k_combine_labels)),
+    "gqa_attention": OpSpec("gqa_attention", 4, _infer_gqa_attention, _gqa_attention_rule, _localize_gqa_attention),
 }
 
 

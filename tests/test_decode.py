@@ -12,8 +12,9 @@ import pytest
 from meta import MetaDevice, where
 from meta.planner import COMMUNICATING
 from models import reference as ref
-from models.llama import LlamaConfig, ReferenceDecoder, TensorParallelLlama, random_weights
+from models.llama import HeadSplit, LlamaConfig, ReferenceDecoder, TensorParallelLlama, random_weights
 from split_state import MIRRORED, PARTIAL, Collective, ShapeError, Split
+from split_state.layout import local_shape
 from split_state.transitions import classify
 from transport import protocol as p
 from transport.protocol import MoveStep
@@ -352,14 +353,44 @@ def test_a_feed_reaching_past_its_bytes_is_refused(sim):
 GQA_CFG = LlamaConfig(hidden=64, layers=2, heads=8, kv_heads=2, ffn=48, vocab=72, rope_base=30000.0)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
+def test_head_splits_give_each_device_the_kv_heads_its_query_heads_read():
+    """Written out by hand: SmolLM2's 9 heads of 3 KV heads, a Qwen2-0.5B-like 14 of 2."""
+    smol = LlamaConfig(hidden=576, layers=1, heads=9, kv_heads=3, ffn=64, vocab=8)
+    assert HeadSplit.whole_groups(smol, 2) == HeadSplit((6, 3), ((0, 1), (2,)), (0, 0, 0, 1, 1, 1, 2, 2, 2))
+    assert HeadSplit.even_queries(smol, 2) == HeadSplit((5, 4), ((0, 1), (1, 2)), (0, 0, 0, 1, 1, 2, 3, 3, 3))
+    assert not HeadSplit.whole_groups(smol, 2).shared and HeadSplit.even_queries(smol, 2).shared
+    qwen = LlamaConfig(hidden=896, layers=1, heads=14, kv_heads=2, ffn=64, vocab=8)
+    assert HeadSplit.whole_groups(qwen, 4).query == (7, 7, 0, 0)  # two devices idle in attention
+    even = HeadSplit.even_queries(qwen, 4)
+    assert even.query == (4, 4, 3, 3) and even.kv == ((0,), (0, 1), (1,), (1,))
+    assert even.kv_of_head == (0, 0, 0, 0, 1, 1, 1, 2, 3, 3, 3, 4, 4, 4) and even.most_kv() == 2
+    assert HeadSplit.even_queries(qwen, 16).query == (1,) * 14 + (0, 0)  # more devices than heads
+    # 16-value heads before a wo in 32-value blocks go two by two: 6 heads 4 | 2 (not 3 | 3)
+    small = LlamaConfig(hidden=96, layers=1, heads=6, kv_heads=3, ffn=64, vocab=8)
+    assert HeadSplit.for_workers(small, 2, cpu=True, unit=2).query == (4, 2)
+    assert HeadSplit.for_workers(qwen, 4, cpu=True, unit=4) == HeadSplit.whole_groups(qwen, 4)  # 14 heads: no 4s
+    # where the KV heads divide among the devices, and on GPU workers, whole groups
+    assert (
+        HeadSplit.for_workers(smol, 3, cpu=True) == HeadSplit.whole_groups(smol, 3) == HeadSplit.even_queries(smol, 3)
+    )
+    assert HeadSplit.for_workers(smol, 2, cpu=False) == HeadSplit.whole_groups(smol, 2)
+    assert HeadSplit.for_workers(smol, 2, cpu=True) == HeadSplit.even_queries(smol, 2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_llama_with_four_query_heads_per_kv_head_equals_the_reference(sim, n):
+    """GQA_CFG's 8 query heads of 2 KV heads: on 3 and 4 CPU devices the query heads split
+    evenly (3 | 3 | 2, 2 | 2 | 2 | 2, where whole groups gave 4 | 4 | 0 and 4 | 4 | 0 | 0), each
+    device's caches holding the KV heads its query heads read, a cut group's on both sides."""
     weights = random_weights(GQA_CFG, seed=9)
     ctx, prompt = 16, np.array([[3, 70, 15, 8, 41]])
     ref_dec = ReferenceDecoder(GQA_CFG, weights, ctx)
     expected = [ref_dec.forward(prompt, np.arange(5)[None])[0, -1]]
     dev = sim(n)
     net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx)
+    query, cache_heads = {1: ((8,), (2,)), 2: ((4, 4), (1, 1)), 3: ((3, 3, 2), (1, 2, 1)), 4: ((2,) * 4, (1,) * 4)}[n]
+    assert net.heads.query == query
+    assert [local_shape(net.k[0].state, net.k[0].shape, n, d)[1] for d in range(n)] == list(cache_heads)
     got = [net.step(prompt, np.arange(5)[None])[:, 4:].numpy()[0, 0]]
     for pos, token in zip(range(5, 9), (11, 60, 2, 33)):
         expected.append(ref_dec.forward(np.array([[token]]), np.array([[pos]]))[0, -1])

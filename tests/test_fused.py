@@ -10,6 +10,7 @@ import pytest
 from meta import MetaDevice
 from models import reference as ref
 from models.llama import LlamaConfig, TensorParallelLlama, random_weights
+from workers.kernels import KERNELS
 from workers.kernels.fused import FUSED_KERNELS, KV_BUCKET, used_positions
 from workers.simulator import SimulatedCluster
 
@@ -127,7 +128,7 @@ def test_decode_attention_is_one_threaded_loop_equal_to_the_whole_softmax(
         pytest.skip("numba is not installed")
     loops, calls = numba_cpu._loops(), []
     loop = loops.decode_attention
-    monkeypatch.setattr(loops, "decode_attention", lambda *a: (calls.append(a[4]), loop(*a))[1])
+    monkeypatch.setattr(loops, "decode_attention", lambda *a: (calls.append(a[5]), loop(*a))[1])
     monkeypatch.setattr(numba_cpu, "_THREADS", [threads])  # each thread's numba count follows it
     inputs, expected = key_row_case(batch, tokens, ctx, last_positions, cached)
     q = inputs[0]
@@ -136,6 +137,49 @@ def test_decode_attention_is_one_threaded_loop_equal_to_the_whole_softmax(
     got = numba_cpu.OVERRIDES["attention"](np, inputs, {"scale": 0.3, "bucket": 1}, out, scratch=scratch, memo={})
     assert calls == [max(last_positions) + 1]  # bucket 1: exactly the used positions, rarely a multiple of 4
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("cached", [np.float32, np.float16])
+@pytest.mark.parametrize(
+    "batch, tokens, kv_of_head, last_positions",
+    [(1, 1, [0, 0, 0, 1, 1], [39]), (2, 1, [0, 1, 1, 1], [5, 61]), (2, 3, [0, 0, 1, 2], [2, 50]), (1, 1, [2, 2], [9])],
+)
+def test_gqa_attention_reads_each_query_heads_own_kv_head(
+    monkeypatch, threads, cached, batch, tokens, kv_of_head, last_positions
+):
+    """The gqa_attention op (query heads mapped to KV heads one by one, as a split that cuts a
+    KV group leaves them): a decode step's heads in the one threaded loop (counted), several
+    tokens' by runs of heads through the attention kernel, on the CPU backend's kernels and the
+    shared ones; each equals the float64 oracle (models/reference.py, head by head), float16
+    caches and KV heads nobody reads included."""
+    from workers.kernels import numba_cpu
+
+    rng = np.random.default_rng(7)
+    kv, ctx, hd = 3, 64, 8
+    q = rng.standard_normal((batch, tokens, len(kv_of_head), hd)).astype(np.float32)
+    keys, values = (rng.standard_normal((batch, kv, ctx, hd)).astype(cached) for _ in range(2))
+    mask = np.full((batch, tokens, ctx), -np.inf, np.float32)
+    for s, last in enumerate(last_positions):
+        for j in range(tokens):
+            mask[s, j, : last - (tokens - 1 - j) + 1] = 0.0
+    params = {"scale": 0.3, "kv_of_head": kv_of_head}
+    expected = ref.reference("gqa_attention", [q, keys, values, mask], params)
+    kernels = {"shared": KERNELS["gqa_attention"]}
+    calls = []
+    if numba_cpu.AVAILABLE:
+        kernels["cpu"] = numba_cpu.OVERRIDES["gqa_attention"]
+        loops = numba_cpu._loops()
+        loop = loops.decode_attention
+        monkeypatch.setattr(loops, "decode_attention", lambda *a: (calls.append(a[1].tolist()), loop(*a))[1])
+        monkeypatch.setattr(numba_cpu, "_THREADS", [threads])
+    for name, kernel in kernels.items():
+        out = np.empty(q.shape, np.float32)
+        got = kernel(np, (q, keys, values, mask), params, out, memo={})
+        assert got is out
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)
+    if numba_cpu.AVAILABLE:  # a decode step: one call with the map; several tokens: runs of one KV head each
+        assert calls == [kv_of_head] if tokens == 1 else all(set(c) == {0} for c in calls)
 
 
 @pytest.mark.parametrize("kernel", ["numpy", "numba softmax"])
@@ -261,7 +305,9 @@ def decode_tokens(n: int, ctx: int, fused: bool, steps: int = 6):
 def test_a_fused_decoder_gives_the_tokens_of_the_unfused_one(n):
     fused, ops = decode_tokens(n, 32, fused=True)
     plain, plain_ops = decode_tokens(n, 32, fused=False)
-    assert {"attention", "swiglu", "rms_norm_mul"} <= ops
+    # CFG's 2 KV heads over 3 CPU devices: query heads split evenly, attention the gqa_attention op
+    attention = "gqa_attention" if n == 3 else "attention"
+    assert {attention, "swiglu", "rms_norm_mul"} <= ops
     assert not {"attention", "swiglu", "rms_norm_mul"} & plain_ops
     assert fused == plain
 

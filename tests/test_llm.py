@@ -13,7 +13,7 @@ import pytest
 
 from meta import MetaDevice
 from models.gguf_model import GGUFModel, ModelError
-from models.llama import ReferenceDecoder, TensorParallelLlama
+from models.llama import HeadSplit, ReferenceDecoder, TensorParallelLlama
 from split_state import Collective
 from workers.simulator import SimulatedCluster
 
@@ -62,9 +62,9 @@ def test_reference_continues_with_paris(model, reference_run):
     assert model.tokenizer.decode(tokens[:2]) == " Paris."
 
 
-def check_tensor_parallel(dev: MetaDevice, model, weights, reference_run) -> None:
+def check_tensor_parallel(dev: MetaDevice, model, weights, reference_run, heads: HeadSplit | None = None) -> None:
     expected_logits, expected_tokens = reference_run
-    net = TensorParallelLlama(dev, model.config, weights.__getitem__, CTX)
+    net = TensorParallelLlama(dev, model.config, weights.__getitem__, CTX, heads=heads)
     logits = net.step(np.array([PROMPT_IDS]), np.arange(len(PROMPT_IDS))[None])
     last = logits[:, len(PROMPT_IDS) - 1 :]
     dev.run(last, *net.caches())
@@ -86,6 +86,18 @@ def test_tensor_parallel_equals_the_reference_on_simulated_devices(model, weight
     dev = MetaDevice(SimulatedCluster(n), check_mirrored=True)
     try:
         check_tensor_parallel(dev, model, weights, reference_run)
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_whole_kv_groups_equal_the_reference_too(model, weights, reference_run, n):
+    """The split CPU workers leave for SmolLM2's 3 KV heads on 2 or 4 devices is by query heads
+    (HeadSplit.even_queries, above); the whole groups it replaced (still GPU workers' split)
+    give the reference's logits and tokens too."""
+    dev = MetaDevice(SimulatedCluster(n), check_mirrored=True)
+    try:
+        check_tensor_parallel(dev, model, weights, reference_run, HeadSplit.whole_groups(model.config, n))
     finally:
         dev.close()
 

@@ -3,7 +3,8 @@
 The tables every backend starts from:
     basic.py        one kernel per op of split_state.ops (KERNELS), written once against `xp`
     quant.py        the ops on block-quantized weights (qmatmul, qget_rows)
-    fused.py        fused decoder patterns (PATTERNS): one table row and one kernel each
+    fused.py        fused decoder patterns (PATTERNS): one table row and one kernel each; the
+                    gqa_attention op's kernel, built from the attention pattern's
 
 The CPU backend's overrides (workers/backends/cpu.py KERNELS):
     numba_cpu.py    fused norms, rope, attention and quantized products as numba loops
@@ -29,13 +30,13 @@ from collections.abc import Callable
 
 from workers.kernels import basic, quant
 from workers.kernels.basic import OVERWRITES_INPUT, VIEW_OPS
-from workers.kernels.fused import FUSED_KERNELS, PATTERNS
+from workers.kernels.fused import FUSED_KERNELS, OP_KERNELS, PATTERNS
 
-KERNELS: dict[str, Callable] = {**basic.KERNELS, **quant.KERNELS}  # one per op of split_state.ops
+KERNELS: dict[str, Callable] = {**basic.KERNELS, **quant.KERNELS, **OP_KERNELS}  # one per op of split_state.ops
 
 __all__ = ["FUSED_KERNELS", "KERNELS", "OVERWRITES_INPUT", "PATTERNS", "VIEW_OPS", "kernels_for"]
 
 
 def kernels_for(backend) -> dict[str, Callable]:
     overrides = getattr(sys.modules.get(type(backend).__module__), "KERNELS", {})
-    return {**basic.KERNELS, **quant.KERNELS, **FUSED_KERNELS, **overrides}
+    return {**basic.KERNELS, **quant.KERNELS, **OP_KERNELS, **FUSED_KERNELS, **overrides}

@@ -199,15 +199,7 @@ def attention_with(
         positions, 31 against 58 at 768),
         then the softmax turns them query-major for the product with the values."""
         q, k, mask, v = inputs
-        # every layer reads the same mask: the first one of a run finds n (`memo`: the run's)
-        key = ("used positions", id(mask), params["bucket"])
-        known = memo.get(key) if memo is not None else None
-        if known is not None:
-            n = known[0]
-        else:
-            n = used_positions(xp, mask, params["bucket"])
-            if memo is not None:
-                memo[key] = (n, mask)  # holding the mask: its id is not reused while the memo lasts
+        n = _used_positions_of_run(xp, mask, params["bucket"], memo)
         lead = q.shape[:-1]
         size = prod(lead) * n
         if scratch is None:
@@ -236,6 +228,95 @@ def attention_with(
     attention.memo = True  # takes the run's memo (workers/program.py clears it every run)
     attention.eager = True  # n comes from the data: never inside a device graph
     return attention
+
+
+def _used_positions_of_run(xp, mask, bucket: int, memo) -> int:
+    """used_positions, found by the first layer of a run: every layer reads the same mask
+    (`memo`: the run's)."""
+    key = ("used positions", id(mask), bucket)
+    known = memo.get(key) if memo is not None else None
+    if known is not None:
+        return known[0]
+    n = used_positions(xp, mask, bucket)
+    if memo is not None:
+        memo[key] = (n, mask)  # holding the mask: its id is not reused while the memo lasts
+    return n
+
+
+def head_runs(kv_of_head) -> list[tuple[int, int, int]]:
+    """(first head, past the last, KV head) of each run of consecutive query heads that share a
+    KV head."""
+    runs: list[tuple[int, int, int]] = []
+    for h, kv in enumerate(kv_of_head):
+        if runs and runs[-1][2] == kv and runs[-1][1] == h:
+            runs[-1] = (runs[-1][0], h + 1, kv)
+        else:
+            runs.append((h, h + 1, kv))
+    return runs
+
+
+def gqa_attention_with(attention: Callable, one_pass: Callable | None = None) -> Callable:
+    """The gqa_attention op's kernel (query heads mapped to KV heads one by one, as a split that
+    shares a KV head between devices leaves them) from an attention kernel of attention_with's:
+    each run of query heads sharing a KV head is one call of it, in GQA's layout of that one KV
+    head, so both give the same arithmetic. `one_pass(xp, rows, kv_of, keys, values, mask, n,
+    scale, out) -> bool`, where given, may take a decode step's heads all in one call: rows
+    (batch, heads, 1, d), kv_of an int64 array, mask (1 or batch, 1, >= n), out like rows."""
+
+    def gqa_attention(xp, inputs, params, out=None, memo=None):
+        q, keys, values, mask = inputs
+        batch, tokens, heads, width = q.shape
+        out = xp.empty(q.shape, q.dtype) if out is None else out
+        if not out.size:
+            return out
+        kv_of_head = params["kv_of_head"]
+        if one_pass is not None and tokens == 1 and out.flags.c_contiguous and q.flags.c_contiguous:
+            n = _used_positions_of_run(xp, mask, KV_BUCKET, memo)
+            rows, kv_of = q.reshape(batch, heads, 1, width), _kv_index(kv_of_head)
+            if one_pass(xp, rows, kv_of, keys, values, mask, n, params["scale"], out.reshape(rows.shape)):
+                return out
+        mask5 = _grouped_mask(mask, memo)
+        each = {"scale": params["scale"], "bucket": KV_BUCKET}
+        for first, stop, kv in head_runs(kv_of_head):
+            rows = q[:, :, first:stop].transpose(0, 2, 1, 3)[:, None]  # (batch, 1, heads of the run, tokens, d)
+            result = xp.empty(rows.shape, xp.float32)
+            attention(
+                xp,
+                (rows, keys[:, kv : kv + 1, None].swapaxes(-1, -2), mask5, values[:, kv : kv + 1, None]),
+                each,
+                result,
+                None,
+                memo,
+            )
+            out[:, :, first:stop] = result[:, 0].transpose(0, 2, 1, 3)
+        return out
+
+    gqa_attention.memo = True  # the used positions, found once a run (as the attention's)
+    gqa_attention.eager = True  # n comes from the data: never inside a device graph
+    return gqa_attention
+
+
+def _grouped_mask(mask, memo):
+    """The mask (1 or batch, tokens, ctx) as the attention kernel takes it, (1 or batch, 1, 1,
+    tokens, ctx): one view a run, so the kernel's memo finds its used positions once."""
+    key = ("grouped mask", id(mask))
+    known = memo.get(key) if memo is not None else None
+    if known is None:
+        known = (mask.reshape(mask.shape[0], 1, 1, *mask.shape[1:]), mask)
+        if memo is not None:
+            memo[key] = known  # holding the mask: its id is not reused while the memo lasts
+    return known[0]
+
+
+_KV_INDEX: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _kv_index(kv_of_head) -> np.ndarray:
+    key = tuple(kv_of_head)
+    found = _KV_INDEX.get(key)
+    if found is None:
+        found = _KV_INDEX[key] = np.asarray(key, np.int64)
+    return found
 
 
 def _stacked(q, k, v, scratch, at: int):
@@ -283,6 +364,7 @@ PATTERNS: tuple[Pattern, ...] = (
 )
 
 FUSED_KERNELS = {pattern.name: pattern.kernel for pattern in PATTERNS}
+OP_KERNELS = {"gqa_attention": gqa_attention_with(_attention)}  # ops of split_state.ops made of the above
 
 
 def fuse(

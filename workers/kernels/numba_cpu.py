@@ -206,32 +206,78 @@ def _weighted_values(xp, weights, values, n: int, out):
 
 
 def _one_pass(xp, rows, key_rows, values, mask, n: int, group: int, scale: float, weights, out) -> bool:
-    """A few query rows (decode) in one threaded loop over the used cache
-    (numba_loops.decode_attention), float32 or float16 rows; False for other layouts."""
+    """A few query rows (decode) in one threaded loop over the used cache, GQA's layout: rows
+    (B, kv, group * tokens, d) are the loop's (B, kv * group, tokens, d), query head h reading
+    KV head h // group; False for other layouts."""
     usable = (
         xp is np
         and rows.ndim == 4
         and rows.shape[2] <= MAX_LOOP_ROWS * group
         and mask.ndim == 5
         and mask.shape[1:3] == (1, 1)
+        and _plain(rows, out)
+    )
+    if not usable:
+        return False
+    batch, kv, count, width = rows.shape
+    heads, tokens = kv * group, count // group
+    return _decode_heads(
+        rows.reshape(batch, heads, tokens, width),
+        _grouped(kv, group),
+        key_rows,
+        values,
+        mask.reshape(mask.shape[0], mask.shape[3], mask.shape[4]),
+        n,
+        scale,
+        weights,
+        out.reshape(batch, heads, tokens, width),
+    )
+
+
+_GROUPED: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _grouped(kv: int, group: int) -> np.ndarray:
+    """Each query head's KV head in GQA's layout: h // group."""
+    found = _GROUPED.get((kv, group))
+    if found is None:
+        found = _GROUPED[kv, group] = np.arange(kv * group, dtype=np.int64) // group
+    return found
+
+
+def _decode_heads(rows, kv_of, keys, values, mask, n: int, scale: float, weights, out) -> bool:
+    """numba_loops.decode_attention over rows (B, Q, T, d), query head h reading KV head
+    kv_of[h] of keys and values (B, KV, ctx, d), float32 or float16; False for what it does not
+    take (then the caller's BLAS path runs)."""
+    usable = (
+        rows.ndim == 4
+        and mask.ndim == 3
         and mask.shape[0] in (1, rows.shape[0])
-        and key_rows.dtype == values.dtype
-        and key_rows.dtype in (_FLOAT32, _FLOAT16)
+        and keys.dtype == values.dtype
+        and keys.dtype in (_FLOAT32, _FLOAT16)
+        and keys.flags.c_contiguous
+        and values.flags.c_contiguous
         and _plain(rows, mask, out, weights)
     )
     if not usable:
         return False
-    if key_rows.dtype == _FLOAT16:
-        key_rows, values = key_rows.view(np.uint16), values.view(np.uint16)
-    flat_mask = mask.reshape(mask.shape[0], mask.shape[3], mask.shape[4])
+    if keys.dtype == _FLOAT16:
+        keys, values = keys.view(np.uint16), values.view(np.uint16)
     _use_threads()
-    _loops().decode_attention(
-        rows, key_rows, values, flat_mask, n, group, np.float32(scale), _halves(), weights, out.reshape(rows.shape)
-    )
+    _loops().decode_attention(rows, kv_of, keys, values, mask, n, np.float32(scale), _halves(), weights, out)
     return True
 
 
+def _heads_one_pass(xp, rows, kv_of, keys, values, mask, n: int, scale: float, out) -> bool:
+    """gqa_attention's decode step (fused.gqa_attention_with's one_pass): the same loop."""
+    if xp is not np or not _plain(rows, out):
+        return False
+    weights = np.empty((rows.shape[0] * rows.shape[1] * rows.shape[2], max(n, 1)), np.float32)
+    return _decode_heads(rows, kv_of, keys, values, mask, n, scale, weights, out)
+
+
 attention = fused.attention_with(_softmax_columns, _scores_by_key, _weighted_values, _one_pass)
+gqa_attention = fused.gqa_attention_with(attention, _heads_one_pass)
 
 
 def prepare() -> None:
@@ -287,6 +333,10 @@ def _warm() -> None:
         keys = np.ones((1, 2, 1, 4, 8), cached).swapaxes(-1, -2)  # key rows, as the decoder caches them
         v, mask = np.ones((1, 2, 1, 4, 8), cached), np.zeros((1, 1, 1, tokens, 4), np.float32)
         attention(np, (q, keys, mask, v), {"scale": 0.5, "bucket": 256}, np.empty(q.shape, np.float32), memo={})
+        cache = np.ones((1, 2, 4, 8), cached)  # gqa_attention: heads mapped to KV heads one by one
+        q = np.ones((1, tokens, 3, 8), np.float32)
+        heads = {"scale": 0.5, "kv_of_head": [0, 1, 1]}
+        gqa_attention(np, (q, cache, cache, mask[:, 0, 0]), heads, np.empty(q.shape, np.float32), memo={})
     release_compiler_code()
 
 
@@ -315,9 +365,17 @@ def release_compiler_code() -> None:
             libc.madvise(start, stop - start, MADV_DONTNEED)
 
 
-for kernel in (rms_norm_mul, rope, qmatmul, attention):
+for kernel in (rms_norm_mul, rope, qmatmul, attention, gqa_attention):
     kernel.prepare = prepare
 
 OVERRIDES = (
-    {"rms_norm_mul": rms_norm_mul, "rope": rope, "qmatmul": qmatmul, "attention": attention} if AVAILABLE else {}
+    {
+        "rms_norm_mul": rms_norm_mul,
+        "rope": rope,
+        "qmatmul": qmatmul,
+        "attention": attention,
+        "gqa_attention": gqa_attention,
+    }
+    if AVAILABLE
+    else {}
 )

@@ -521,20 +521,19 @@ exact_parallel = numba.njit(cache=True, nogil=True, fastmath=EXACT_LIMITS, paral
 
 
 @exact_parallel
-def decode_attention(rows, keys, values, mask, n, group, scale, half, weights, out):
-    """out[b, h, r] = softmax_j(rows[b, h, r] . keys[b, h, j] * scale + mask[b or 0, r % tokens,
-    j]) weighted sum of values[b, h, j], over j < n: rows (B, H, R, d) float32 with R = group *
-    tokens (row r is token r % tokens of the group's head r // tokens), keys and values
-    (B, H, ctx, d) float32 or float16 bits, mask (1 or B, tokens, >= n), weights (B * H * R, >= n)
-    scratch, out (B, H, R, d)."""
-    batch, heads, count, width = rows.shape
-    tokens = count // group
-    for index in numba.prange(batch * heads * count):
+def decode_attention(rows, kv_of, keys, values, mask, n, scale, half, weights, out):
+    """out[b, h, t] = softmax_j(rows[b, h, t] . keys[b, kv_of[h], j] * scale + mask[b or 0, t, j])
+    weighted sum of values[b, kv_of[h], j], over j < n: rows (B, Q, T, d) float32 (query head h,
+    token t), kv_of (Q,) each query head's KV head, keys and values (B, KV, ctx, d) float32 or
+    float16 bits, mask (1 or B, T, >= n), weights (B * Q * T, >= n) scratch, out (B, Q, T, d)."""
+    batch, heads, tokens, width = rows.shape
+    for index in numba.prange(batch * heads * tokens):
         task = np.int64(index)  # prange's index may be unsigned: mixed with int64, numba makes floats
-        b, rest = divmod(task, heads * count)
-        h, r = divmod(rest, count)
-        m_row = mask[b if mask.shape[0] > 1 else 0, r % tokens]
-        row, w, key_rows, value_rows = rows[b, h, r], weights[task], keys[b, h], values[b, h]
+        b, rest = divmod(task, heads * tokens)
+        h, t = divmod(rest, tokens)
+        kv = kv_of[h]
+        m_row = mask[b if mask.shape[0] > 1 else 0, t]
+        row, w, key_rows, value_rows = rows[b, h, t], weights[task], keys[b, kv], values[b, kv]
         top = np.float32(-np.inf)
         for j in range(n):
             key = key_rows[j]
@@ -565,4 +564,4 @@ def decode_attention(rows, keys, values, mask, n, group, scale, half, weights, o
             for i in range(width):
                 result[i] += wj * _as_float(vj[i], half)
             j += 1
-        out[b, h, r, :] = result
+        out[b, h, t, :] = result
