@@ -292,10 +292,6 @@ class HeadSplit:
         """Whether some KV head is held by two devices (else the workers' KV axis is the model's)."""
         return len(self.kv_source) != len(set(self.kv_source))
 
-    def most_kv(self) -> int:
-        """The most KV heads one device holds (its cache's share)."""
-        return max(len(kv) for kv in self.kv)
-
 
 def cpu_workers(dev: MetaDevice) -> bool:
     """Whether every worker of `dev` runs on the CPU backend."""
@@ -387,6 +383,8 @@ class TensorParallelLlama:
         n, hd = dev.n, cfg.head_dim
         if heads is None:
             heads = HeadSplit.for_workers(cfg, n, cpu_workers(dev), _query_unit(source, cfg))
+        if len(heads.query) != n or sum(heads.query) != cfg.heads:
+            raise ValueError(f"heads: {heads.query} query heads per device, for {cfg.heads} over {n} devices")
         self.heads = heads
         if self.heads.shared:
             source = _heads_taken(source, self.heads, hd)
