@@ -518,9 +518,21 @@ class TensorParallelLlama:
         pos = positions if isinstance(positions, Tensor) else dev.feed(np.asarray(positions, np.int32))
         if last is not None and not isinstance(last, Tensor):
             last = dev.feed(np.array([b * t + i for b, i in enumerate(last)], np.int32))
-        keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)  # (batch, 1, 1, tokens, ctx)
-        x = self._layers(self._embed(ids), pos, where(keep, self.zero, self.minus_inf))
+        x = self._layers(self._embed(ids), pos, self._mask(pos))
         return self._head(x, last)
+
+    def _mask(self, pos: Tensor) -> Tensor:
+        """The attention mask of tokens at `pos` (batch, tokens): 0 where a token sees a cache
+        position (up to its own), -inf elsewhere; (batch, 1, 1, tokens, ctx), as the GQA layout's
+        scores broadcast it, or (batch, tokens, ctx) for gqa_attention (a cut KV group): made once
+        a step, so every layer reads the same one (the attention kernels find its used positions
+        once a run)."""
+        batch, t = pos.shape
+        if self.heads.shared:
+            keep = self.positions_ctx.reshape(1, 1, self.ctx) <= pos.reshape(batch, t, 1)
+        else:
+            keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)
+        return where(keep, self.zero, self.minus_inf)
 
     def prefill(
         self, prompts: Sequence[Sequence[int]], start: int, pool: int, logits: bool = False, slot: int | None = None
@@ -621,9 +633,7 @@ class TensorParallelLlama:
         attends to the positions up to its own in the cache (a slot's prompt: in its row)."""
 
         def graph(ids: Tensor, pos: Tensor) -> list[Tensor]:
-            batch, t = ids.shape
-            keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)  # (batch, 1, 1, tokens, ctx)
-            return [self._embed(ids), where(keep, self.zero, self.minus_inf)]
+            return [self._embed(ids), self._mask(pos)]
 
         return graph
 
@@ -761,8 +771,7 @@ class TensorParallelLlama:
         if first_rows:  # views of the rows in use: the workers copy nothing
             keys, values = cache_k[:batch], cache_v[:batch]
         if self.heads.shared:  # groups cut between devices: each query head reads its KV head by index
-            flat_mask = mask.reshape(mask.shape[0], t, seen)
-            attn = q.gqa_attention(keys, values, flat_mask, self.heads.kv_of_head, scale=1.0 / np.sqrt(hd))
+            attn = q.gqa_attention(keys, values, mask, self.heads.kv_of_head, scale=1.0 / np.sqrt(hd))
             merged = attn.reshape(batch, t, cfg.heads * hd)
         else:
             qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)

@@ -167,3 +167,19 @@ def test_context_rows_alternate_their_order_and_say_a_slower_context_is_slower()
     # rounds' ratios of tokens/s: 0.5, 0.4545, 0.5, 1.25; the ratio of the medians would be 0.476
     assert long["ctx"] == 8192 and long["vs_first"] == pytest.approx(0.5)
     assert long["decode_tok_s"] == pytest.approx(1 / 0.105)
+
+
+@pytest.mark.timeout(180)
+def test_the_head_split_bench_decodes_both_splits_side_by_side(monkeypatch):
+    """bench/heads.py --quick on SmolLM2 and 2 workers: the chosen split (query heads 5 | 4) and
+    whole KV groups (6 | 3) both decode, each with its ratio to whole groups (llama.cpp left out:
+    the run compares our two splits)."""
+    from bench import heads
+    from bench.llm import model_path
+
+    monkeypatch.setattr(heads, "have_llama_cpp", lambda: False)
+    results = heads.run(quick=True, workers=2, rounds=1, path=model_path())
+    rows = {r["split"]: r for r in results["rows"]}
+    assert rows["chosen"]["query_heads"] == "5 | 4" and rows["whole KV groups"]["query_heads"] == "6 | 3"
+    assert all(r["decode_tok_s"] > 0 and r["vs_whole_groups"] > 0 for r in rows.values())
+    assert rows["whole KV groups"]["vs_whole_groups"] == 1 and results["llama_cpp_decode_tok_s"] is None
