@@ -21,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.llm import have_llama_cpp, llama_cpp_child, model_path, paired_ratio, prompt_ids, worker_driven  # noqa: E402
-from bench.report import ChildFailed, ThreadedChild, cli, table  # noqa: E402
+from bench.llm import have_llama_cpp, model_path, paired_ratio, prompt_ids, warm_llama_cpp, worker_driven  # noqa: E402
+from bench.report import cli, table  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def run(quick: bool, workers: int, rounds: int, path: str | None) -> dict | None
             heads[name] = " | ".join(str(q) for q in net.heads.query)
         model.release_pages()
         if have_llama_cpp():
-            llama = _llama(path, length, steps, workers)
+            llama = warm_llama_cpp(path, length, steps, workers)
         seconds: dict[str, list[float]] = {name: [] for name in [*decoders, "llama.cpp"]}
         for r in range(rounds):
             order = list(decoders)
@@ -76,16 +76,6 @@ def run(quick: bool, workers: int, rounds: int, path: str | None) -> dict | None
     return {"model": Path(path).name, "workers": workers, "steps": steps, "rounds": rounds, "rows": rows} | {
         "llama_cpp_decode_tok_s": llama_tok_s
     }
-
-
-def _llama(path: str, length: int, steps: int, threads: int) -> ThreadedChild | None:
-    try:
-        child = ThreadedChild(llama_cpp_child, (path, length, steps, threads), threads)
-        child.ask("decode")  # loaded and warm
-        return child
-    except ChildFailed as exc:
-        print(f"llama.cpp skipped: {exc}", file=sys.stderr)
-        return None
 
 
 def show(results: dict | None) -> None:

@@ -85,6 +85,18 @@ def reference_child(path: str, length: int, steps: int, requests, replies) -> No
         replies.put((time.perf_counter() - start) / steps)
 
 
+def warm_llama_cpp(path: str, length: int, steps: int, threads: int) -> ThreadedChild | None:
+    """llama_cpp_child started, loaded and warm (one decode run), for rounds beside ours; None
+    (said on stderr) where it could not start."""
+    try:
+        child = ThreadedChild(llama_cpp_child, (path, length, steps, threads), threads)
+        child.ask("decode")  # loaded and warm
+        return child
+    except ChildFailed as exc:
+        print(f"llama.cpp skipped: {exc}", file=sys.stderr)
+        return None
+
+
 def llama_cpp_child(path: str, length: int, steps: int, threads: int, requests, replies) -> None:
     """llama.cpp itself (llama-cpp-python), on the same GGUF file with `threads` threads,
     answering as reference_child: ("prefill",) the seconds of the prompt's prefill, ("decode",)

@@ -20,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.llm import have_llama_cpp, llama_cpp_child, model_path, paired_ratio, prompt_ids, worker_driven  # noqa: E402
-from bench.report import ChildFailed, ThreadedChild, cli, table  # noqa: E402
+from bench.llm import have_llama_cpp, model_path, paired_ratio, prompt_ids, warm_llama_cpp, worker_driven  # noqa: E402
+from bench.report import cli, table  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def run(quick: bool, threads: list[int], rounds: int, path: str | None) -> dict 
             _, best = net.prefill([list(prompt_ids(model, length)[0])], 0, pool=1)
             decode = worker_driven(dev, net, best.numpy().astype(np.int32).reshape(1, 1), length)
             decode(2)  # captured and warm
-            llama = _llama(path, length, steps, t) if have_llama_cpp() else None
+            llama = warm_llama_cpp(path, length, steps, t) if have_llama_cpp() else None
             ours_s, theirs_s = [], []
             try:
                 for _ in range(rounds):
@@ -65,16 +65,6 @@ def run(quick: bool, threads: list[int], rounds: int, path: str | None) -> dict 
     for r in rows:
         r["vs_one_thread"] = r["ours_decode_tok_s"] / one if one else None
     return {"model": Path(path).name, "steps": steps, "rows": rows}
-
-
-def _llama(path: str, length: int, steps: int, threads: int) -> ThreadedChild | None:
-    try:
-        child = ThreadedChild(llama_cpp_child, (path, length, steps, threads), threads)
-        child.ask("decode")  # loaded and warm
-        return child
-    except ChildFailed as exc:
-        print(f"llama.cpp skipped: {exc}", file=sys.stderr)
-        return None
 
 
 def show(results: dict | None) -> None:
