@@ -297,7 +297,11 @@ def decode_tokens(n: int, ctx: int, fused: bool, steps: int = 6):
         for pos in range(5, 5 + steps):
             tokens.append(int(out.numpy()[0, 0]))
             out, *_ = step(np.array([[tokens[-1]]], np.int32), np.array([[pos]], np.int32))
-        ops = {pl.step.op for program in programs[0].values() for pl in program.placed if hasattr(pl.step, "op")}
+        ops: dict[str, set[str]] = {}  # each op run: where its results were placed
+        for program in programs[0].values():
+            for pl in program.placed:
+                if hasattr(pl.step, "op"):
+                    ops.setdefault(pl.step.op, set()).add(pl.out)
         return tokens, ops
 
 
@@ -307,8 +311,9 @@ def test_a_fused_decoder_gives_the_tokens_of_the_unfused_one(n):
     plain, plain_ops = decode_tokens(n, 32, fused=False)
     # CFG's 2 KV heads over 3 CPU devices: query heads split evenly, attention the gqa_attention op
     attention = "gqa_attention" if n == 3 else "attention"
-    assert {attention, "swiglu", "rms_norm_mul"} <= ops
-    assert not {"attention", "swiglu", "rms_norm_mul"} & plain_ops
+    assert {attention, "swiglu", "rms_norm_mul", "rope_set_rows"} <= ops.keys()
+    assert not {"attention", "swiglu", "rms_norm_mul", "rope_set_rows"} & plain_ops.keys()
+    assert ops["rope_set_rows"] == ops["set_rows"] == {"alias"}  # the caches written in place, no buffer
     assert fused == plain
 
 
@@ -401,3 +406,123 @@ def test_the_layers_of_a_run_find_the_used_positions_once_and_each_run_again(mon
         first = attention_oracle(q, k, mask, v, 0.3)
         np.testing.assert_allclose(slots[5], attention_oracle(first, k, mask, v, 0.3), rtol=1e-5, atol=1e-6)
         assert len(calls) == 1
+
+
+# -- the KV-cache write: rope_set_rows (the rotated keys into the cache) and set_rows -------------
+
+
+def cache_write_case(rows=2, tokens=1, heads=3, d=8, ctx=12, batch=3):
+    """A cache (batch, heads, ctx, d) of random rows, keys x (rows, tokens, heads, d), positions."""
+    cache = f32(batch, heads, ctx, d)
+    x = f32(rows, tokens, heads, d)
+    positions = np.array([[4 + j + 2 * t for t in range(tokens)] for j in range(rows)], np.int32)
+    return cache, x, positions, {"axis": 2, "rows": ctx, "spans": ((0, ctx, 0),)}
+
+
+def written_oracle(cache, values, positions):
+    """cache[j, h, positions[j, t]] = values[j, t, h], by hand."""
+    expected = cache.astype(np.float64)
+    for j in range(values.shape[0]):
+        for t in range(values.shape[1]):
+            expected[j, :, positions[j, t], :] = values[j, t]
+    return expected
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+@pytest.mark.parametrize("rows, tokens", [(1, 1), (2, 1), (2, 3)])
+@pytest.mark.parametrize("ids", [np.int32, np.int64])
+def test_rope_set_rows_writes_the_rotated_keys_and_nothing_else(mode, rows, tokens, ids):
+    cache, x, positions, spec = cache_write_case(rows, tokens)
+    positions = positions.astype(ids)
+    rotation = {"base": 500.0, "mode": mode}
+    expected = written_oracle(cache, ref.rope(x.astype(np.float64), positions, 500.0, mode), positions)
+    params = {"set_rows": spec, "rope": rotation, "axes": (0, 2, 1, 3)}
+    got = cpu_overrides()["rope_set_rows"](np, [cache, positions, x, positions], params, None, memo={})
+    assert got is cache  # in place
+    np.testing.assert_allclose(cache, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_rope_set_rows_gives_the_bits_of_its_two_steps():
+    kernels = cpu_overrides()
+    cache, x, positions, spec = cache_write_case(2, 1)
+    rotation = {"base": 10000.0, "mode": "normal", "freqs": [1.0, 0.5, 0.25, 0.125]}
+    two = cache.copy()
+    roped = kernels["rope"](np, (x, positions), rotation)
+    basic_set_rows = KERNELS["set_rows"]
+    basic_set_rows(np, [two, positions, roped.transpose(0, 2, 1, 3)], spec, None, memo={})
+    params = {"set_rows": spec, "rope": rotation, "axes": (0, 2, 1, 3)}
+    kernels["rope_set_rows"](np, [cache, positions, x, positions], params, None, memo={})
+    assert cache.tobytes() == two.tobytes()
+
+
+def test_the_cache_write_loop_writes_the_values_as_they_are():
+    cache, x, positions, spec = cache_write_case(2, 1)
+    expected = written_oracle(cache, x, positions)
+    got = cpu_overrides()["set_rows"](np, [cache, positions, x.transpose(0, 2, 1, 3)], spec, None, memo={})
+    assert got is cache
+    np.testing.assert_array_equal(cache, expected)
+
+
+@pytest.mark.parametrize("kernel", ["set_rows", "rope_set_rows"])
+@pytest.mark.parametrize("bad", [-1, 12, 2**31 - 1])
+def test_a_position_outside_the_cache_is_refused_and_nothing_is_written(kernel, bad):
+    from split_state.errors import ShapeError
+
+    cache, x, positions, spec = cache_write_case(2, 1)
+    positions[1, 0] = bad  # the second row's: the first must not have been written either
+    before = cache.copy()
+    if kernel == "set_rows":
+        inputs, params = [cache, positions, x.transpose(0, 2, 1, 3)], spec
+    else:
+        inputs, params = (
+            [cache, positions, x, positions],
+            {"set_rows": spec, "rope": {"base": 9.0, "mode": "normal"}, "axes": (0, 2, 1, 3)},
+        )
+    with pytest.raises(ShapeError, match=rf"set_rows: ids must lie in \[0, 12\), got \[4, {bad}\]|got \[{bad}, 4\]"):
+        cpu_overrides()[kernel](np, inputs, params, None, memo={})
+    assert cache.tobytes() == before.tobytes()
+
+
+def test_the_cache_write_hands_other_layouts_to_the_shared_kernel():
+    """A float16 cache, a fed batch start (a server's slot), keys that are not contiguous and a
+    cache split over devices: each written as the shared kernel writes it."""
+    kernels = cpu_overrides()
+    cache, x, positions, spec = cache_write_case(1, 2)
+    rotation = {"base": 500.0, "mode": "normal"}
+    roped = ref.rope(x.astype(np.float64), positions, 500.0, "normal").astype(np.float32)
+    cases = [
+        (cache.astype(np.float16), positions, x, spec, ()),  # float16 cache
+        (cache.copy(), positions, x, {**spec, "batch": 3, "held": ((0, 3, 0),)}, (np.array(2),)),  # fed start: row 2
+        (cache.copy(), positions, np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3), spec, ()),
+        (cache[:, :, :6].copy(), positions, x, {"axis": 2, "rows": 12, "spans": ((0, 6, 0),)}, ()),  # rows 0-5 here
+    ]
+    for dst, ids, keys, wanted, fed in cases:
+        assert not keys.flags.c_contiguous or keys is x
+        expected = dst.copy()
+        KERNELS["set_rows"](np, [expected, ids, roped.transpose(0, 2, 1, 3), *fed], wanted, None, memo={})
+        params = {"set_rows": wanted, "rope": rotation, "axes": (0, 2, 1, 3)}
+        kernels["rope_set_rows"](np, [dst, ids, keys, ids, *fed], params, None, memo={})
+        np.testing.assert_allclose(dst.astype(np.float64), expected.astype(np.float64), rtol=2e-3, atol=2e-3)
+        plain = expected.copy()
+        kernels["set_rows"](np, [plain, ids, roped.transpose(0, 2, 1, 3), *fed], wanted, None, memo={})
+        np.testing.assert_array_equal(plain, expected)
+
+
+def test_a_pattern_whose_kernel_a_backend_lacks_is_not_fused_there():
+    from workers.kernels.fused import PATTERNS, for_kernels
+
+    shared = {**KERNELS, **FUSED_KERNELS}  # a backend with no override (numba missing)
+    names = {pattern.name for pattern in for_kernels(PATTERNS, shared)}
+    assert "rope_set_rows" not in names and {"attention", "swiglu", "rms_norm_mul"} <= names
+    assert "rope_set_rows" in {pattern.name for pattern in for_kernels(PATTERNS, {**shared, **cpu_overrides()})}
+
+
+def test_the_rotation_found_once_a_run_is_each_positions_own():
+    """rope keeps each positions array's rotation in the run's memo (every layer ropes at the
+    same positions): another array, or other rope parameters, in the same run get their own."""
+    rope, memo = cpu_overrides()["rope"], {}
+    x = f32(1, 2, 3, 8)
+    for positions, base in [([[1, 2]], 100.0), ([[7, 9]], 100.0), ([[7, 9]], 40.0), ([[1, 2]], 100.0)]:
+        at = np.array(positions, np.int32)
+        got = rope(np, (x, at), {"base": base, "mode": "normal"}, memo=memo)
+        np.testing.assert_allclose(got, ref.rope(x, at, base, "normal"), rtol=1e-5, atol=2e-6)

@@ -38,9 +38,8 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from split_state.ops import OPS
 from transport import protocol as p
-from workers.kernels.fused import reads
+from workers.kernels.fused import reads, writes_in_place
 
 WARMUP_SIGHTINGS = 2  # a segment is captured at its second run: the first tells what changes
 
@@ -113,7 +112,7 @@ class Segment:
         self.written_in_place: dict[int, int] = {}
         root: dict[int, int] = {}
         for k, (step, _) in enumerate(steps):
-            if isinstance(step, p.OpStep) and step.op in OPS and OPS[step.op].inplace:
+            if isinstance(step, p.OpStep) and writes_in_place(step.op):
                 target = root.get(step.inputs[0], step.inputs[0])
                 if target in self.external:
                     self.written_in_place.setdefault(target, k)

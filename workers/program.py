@@ -37,13 +37,12 @@ from split_state.algorithms import moves_nothing
 from split_state.dtypes import dtype_from_name
 from split_state.errors import ProtocolError, ShapeError
 from split_state.layout import local_shape
-from split_state.ops import OPS
 from transport import protocol as p
 from transport.deadline import Deadline
 from workers import graphs, layouts, straight
 from workers.arena import Arena, aligned
 from workers.kernels import OVERWRITES_INPUT, VIEW_OPS
-from workers.kernels.fused import PATTERNS, Pattern, fuse, reads, scratch_bytes
+from workers.kernels.fused import PATTERNS, Pattern, for_kernels, fuse, reads, scratch_bytes, writes_in_place
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class CompiledProgram:
             live = _without_idle_moves(live, set(outputs), world[0], self.renamed)
         fused = [
             (step, scratch, live[at][1])
-            for step, scratch, at in fuse([s for s, _ in live], frozenset(outputs), patterns)
+            for step, scratch, at in fuse([s for s, _ in live], frozenset(outputs), for_kernels(patterns, kernels))
         ]
         self.outputs = frozenset(outputs)
         planned = _plan(fused, self.outputs, world)
@@ -423,7 +422,7 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
         layout = _view_layout(step, source) if source is not None else None
         if source is not None and layout is None and step.op == "reshape":
             view = False  # NumPy would copy: into the arena instead
-        aliases = view or (isinstance(step, p.OpStep) and step.op in OPS and OPS[step.op].inplace)
+        aliases = view or (isinstance(step, p.OpStep) and writes_in_place(step.op))
         root[step.output] = root.get(step.inputs[0], step.inputs[0]) if aliases else step.output
         if not isinstance(step, p.OpStep):
             continue  # a collective's result: its layout is not known

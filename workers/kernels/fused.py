@@ -7,7 +7,8 @@ parameters, the steps it absorbs, any scratch buffer) or None. The compiled prog
 anchor by the fused step and drops the absorbed ones. Every fused kernel runs the arithmetic of
 the steps it replaces in their order, on float32, so a fused program gives the bits of the
 unfused one; the one exception, attention over the used cache, is documented at its kernel.
-Adding a pattern is a row here, its kernel, and a test with a NumPy oracle (tests/test_fused.py).
+Adding a pattern is a row here, its kernel, and a test with a NumPy oracle (tests/test_fused.py);
+a row whose kernel is None is fused only by backends whose kernel table has one (for_kernels).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from split_state.ops import OPS
 from transport import protocol as p
 from workers.kernels.basic import rms_norm_into, silu_into, softmax_masked_into
 
@@ -348,22 +350,60 @@ def _stacked(q, k, v, scratch, at: int):
 _attention = attention_with(softmax_rows_of_columns)
 
 
+# -- set_rows(cache, ids, rope(x, positions) transposed): the rotated keys written into the cache --
+
+
+def _match_rope_set_rows(view: ProgramView, i: int) -> Fusion | None:
+    write = view.steps[i]
+    if len(write.inputs) < 3:
+        return None
+    turn = view.single_use(write.inputs[2], "transpose")
+    if turn is None or tuple(view.steps[turn].params["axes"]) != (0, 2, 1, 3):
+        return None
+    rope = view.single_use(view.steps[turn].inputs[0], "rope")
+    if rope is None or not view.float32(rope):
+        return None
+    x, positions = view.steps[rope].inputs
+    params = {"set_rows": dict(write.params), "rope": dict(view.steps[rope].params), "axes": (0, 2, 1, 3)}
+    return Fusion((write.inputs[0], write.inputs[1], x, positions, *write.inputs[3:]), params, (turn, rope))
+
+
 @dataclass(frozen=True)
 class Pattern:
     name: str  # the fused step's op name
     anchor: str  # the op of the pattern's last step, where matching starts
     match: Callable[[ProgramView, int], Fusion | None]
-    kernel: Callable[..., Any]
+    # the kernel every backend runs; None: only backends whose kernel table has one (their
+    # override) fuse the pattern, the others run its steps
+    kernel: Callable[..., Any] | None
     scratch: bool = False  # the kernel takes a scratch buffer (Fusion.scratch)
+    inplace: bool = False  # the fused step writes its first input in place and returns it, as set_rows
 
 
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("attention", "matmul", _match_attention, _attention, scratch=True),
     Pattern("swiglu", "mul", _match_swiglu, _swiglu),
     Pattern("rms_norm_mul", "mul", _match_rms_norm_mul, _rms_norm_mul),
+    # the CPU's numba loop (workers/kernels/numba_cpu.py); a GPU writes its cache in a kernel of its own
+    Pattern("rope_set_rows", "set_rows", _match_rope_set_rows, None, inplace=True),
 )
 
-FUSED_KERNELS = {pattern.name: pattern.kernel for pattern in PATTERNS}
+FUSED_KERNELS = {pattern.name: pattern.kernel for pattern in PATTERNS if pattern.kernel is not None}
+_WRITES_IN_PLACE = frozenset(pattern.name for pattern in PATTERNS if pattern.inplace)
+
+
+def writes_in_place(op: str) -> bool:
+    """Whether a program step of this op writes its first input in place and returns it (an
+    op of split_state.ops marked so, or a fused pattern that absorbs one)."""
+    spec = OPS.get(op)
+    return op in _WRITES_IN_PLACE if spec is None else spec.inplace
+
+
+def for_kernels(patterns: tuple[Pattern, ...], kernels: dict) -> tuple[Pattern, ...]:
+    """The patterns a worker with this kernel table fuses: those whose fused op it can run."""
+    return tuple(pattern for pattern in patterns if pattern.name in kernels)
+
+
 OP_KERNELS = {"gqa_attention": gqa_attention_with(_attention)}  # ops of split_state.ops made of the above
 
 

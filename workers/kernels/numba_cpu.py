@@ -13,6 +13,10 @@ prefill's keeps BLAS for its two products and takes its softmax from here: one p
 with an exponential that vectorises, where NumPy made five passes and a transposed copy (11
 against 22 us a SmolLM2 layer at 256 positions).
 
+A decode step's KV-cache writes are one loop each (set_rows), the keys' with their rope
+(the fused pattern rope_set_rows, whose kernel only this backend has): in a SmolLM2 token on two
+workers rope and the writes were four calls of ~5.5 us a layer, against ~2-3 us of work.
+
 `OVERRIDES` maps op and pattern names to kernels with the shared kernels' signature; each falls
 back to the shared NumPy kernel for layouts it does not handle (not float32, not contiguous).
 Each has `prepare()`: numba imported and every loop loaded (compiled the first time on a
@@ -31,6 +35,7 @@ import threading
 
 import numpy as np
 
+from split_state.errors import ShapeError
 from split_state.quant import FORMATS
 from workers.kernels import basic, fused, quant
 
@@ -70,17 +75,90 @@ def rms_norm_mul(xp, inputs, params, out=None):
     return out
 
 
-def rope(xp, inputs, params, out=None):
+def _rotation(positions, d: int, params: dict, memo: dict | None):
+    """cos and sin (float32, (tokens, d / 2)) of the rope op's angles at host `positions`: every
+    layer of a decode step ropes q and k at the same positions, so they are found once a run
+    (the run's memo, by the positions' identity), else by basic.rotation's cache of their bytes."""
+    freqs = params.get("freqs")
+    key = ("rotation", id(positions), d, params["base"], None if freqs is None else tuple(freqs))
+    known = memo.get(key) if memo is not None else None
+    if known is None:
+        cos, sin = basic.rotation(np, positions, d, params, np.float32)
+        known = (cos.reshape(-1, d // 2), sin.reshape(-1, d // 2), positions)  # holding them: their id stays theirs
+        if memo is not None:
+            memo[key] = known
+    return known[0], known[1]
+
+
+def rope(xp, inputs, params, out=None, memo=None):
     x, positions = inputs
     out = xp.empty_like(x) if out is None else out
     if xp is not np or x.ndim < 2 or not x.size or positions.shape != x.shape[:-2] or not _plain(x, out):
         return basic.KERNELS["rope"](xp, inputs, params, out)
     d = x.shape[-1]
-    cos, sin = basic.rotation(xp, positions, d, params, np.float32)
+    cos, sin = _rotation(positions, d, params, memo)
     flat = x.reshape(-1, x.shape[-2], d)
-    neox = params["mode"] == "neox"
-    _loops().rope_rows(flat, cos.reshape(-1, d // 2), sin.reshape(-1, d // 2), neox, out.reshape(flat.shape))
+    _loops().rope_rows(flat, cos, sin, params["mode"] == "neox", out.reshape(flat.shape))
     return out
+
+
+rope.memo = True  # the run's memo: the rotation found once for every layer
+
+
+_NO_ROTATION = np.zeros((1, 1), np.float32)
+_IDS = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def _writes_rows(xp, dst, ids, rows, params) -> bool:
+    """Whether write_rows takes this set_rows: the decoder's KV-cache write (a float32 cache
+    (batch, heads, ctx, d) whole here, rows (rows, tokens, heads, d) going to the cache's first
+    batch rows, contiguous)."""
+    if xp is not np or dst.ndim != 4 or ids.ndim != 2 or rows.ndim != 4 or params["axis"] != 2:
+        return False
+    if params.get("batches") is not None or ids.dtype not in _IDS or not _plain(dst, rows):
+        return False
+    batch, heads, ctx, d = dst.shape
+    spans = params["spans"]
+    if params["rows"] != ctx or len(spans) != 1 or tuple(spans[0]) != (0, ctx, 0):  # the whole context here
+        return False
+    return rows.shape == (ids.shape[0], ids.shape[1], heads, d) and ids.shape[0] <= batch
+
+
+def _write_rows(dst, ids, rows, cos, sin, rotate: bool, neox: bool) -> None:
+    if not _loops().write_rows(dst, ids, rows, cos, sin, rotate, neox):
+        ctx = dst.shape[2]
+        raise ShapeError(f"set_rows: ids must lie in [0, {ctx}), got [{int(ids.min())}, {int(ids.max())}]")
+
+
+def set_rows(xp, inputs, params, out=None, memo=None):
+    """The decoder's KV-cache write in one loop (ids checked in it: a decode step's ids are read
+    on the host by no other step); the shared kernel for every other layout."""
+    if len(inputs) == 3:
+        dst, ids, value = inputs
+        rows = value.transpose(0, 2, 1, 3) if value.ndim == 4 else value  # the decoder's (b, t, heads, d)
+        if _writes_rows(xp, dst, ids, rows, params):
+            _write_rows(dst, ids, rows, _NO_ROTATION, _NO_ROTATION, False, False)
+            return dst
+    return basic.KERNELS["set_rows"](xp, inputs, params, out, memo=memo)
+
+
+set_rows.memo, set_rows.eager = True, True  # as the shared kernel's
+
+
+def rope_set_rows(xp, inputs, params, out=None, memo=None):
+    """fused.py's rope_set_rows: set_rows(cache, ids, rope(x, positions) transposed), the rotated
+    rows written straight into the cache (the bits of the two steps); other layouts run the two."""
+    dst, ids, x, positions, *fed = inputs
+    spec, rotation = params["set_rows"], params["rope"]
+    if not fed and positions.shape == x.shape[:2] and _writes_rows(xp, dst, ids, x, spec):
+        cos, sin = _rotation(positions, x.shape[-1], rotation, memo)
+        _write_rows(dst, ids, x, cos, sin, True, rotation["mode"] == "neox")
+        return dst
+    roped = rope(xp, (x, positions), rotation, None, memo)
+    return set_rows(xp, (dst, ids, roped.transpose(params["axes"]), *fed), spec, None, memo)
+
+
+rope_set_rows.memo = True
 
 
 MAX_LOOP_ROWS = 8  # rows of x (tokens) up to which the block loops beat dequantizing tiles for BLAS
@@ -365,13 +443,15 @@ def release_compiler_code() -> None:
             libc.madvise(start, stop - start, MADV_DONTNEED)
 
 
-for kernel in (rms_norm_mul, rope, qmatmul, attention, gqa_attention):
+for kernel in (rms_norm_mul, rope, qmatmul, attention, gqa_attention, set_rows, rope_set_rows):
     kernel.prepare = prepare
 
 OVERRIDES = (
     {
         "rms_norm_mul": rms_norm_mul,
         "rope": rope,
+        "set_rows": set_rows,
+        "rope_set_rows": rope_set_rows,
         "qmatmul": qmatmul,
         "attention": attention,
         "gqa_attention": gqa_attention,

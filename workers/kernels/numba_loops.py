@@ -43,12 +43,46 @@ def rope_rows(x, cos, sin, neox, out):  # x (tokens, heads, d); cos, sin (tokens
                 out[t, h, ib] = a * s + b * c
 
 
+@jit
+def write_rows(cache, ids, x, cos, sin, rotate, neox):
+    """A decode step's KV-cache write: cache[j, h, ids[j, t]] = x[j, t, h] for cache (batch, heads,
+    ctx, d) float32 and x (rows, tokens, heads, d), rotated on the way as rope_rows rotates (the
+    same arithmetic, so the same bits) when `rotate`, by cos, sin (rows * tokens, d / 2). False,
+    with nothing written, when an id lies outside [0, ctx)."""
+    rows, tokens, heads, d = x.shape
+    ctx = cache.shape[2]
+    for j in range(rows):
+        for t in range(tokens):
+            if ids[j, t] < 0 or ids[j, t] >= ctx:
+                return False
+    half = d // 2
+    for j in range(rows):
+        for t in range(tokens):
+            pos, r = ids[j, t], j * tokens + t
+            for h in range(heads):
+                if rotate:
+                    for i in range(half):
+                        ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
+                        a, b = x[j, t, h, ia], x[j, t, h, ib]
+                        c, s = cos[r, i], sin[r, i]
+                        cache[j, h, pos, ia] = a * c - b * s
+                        cache[j, h, pos, ib] = a * s + b * c
+                else:
+                    for i in range(d):
+                        cache[j, h, pos, i] = x[j, t, h, i]
+    return True
+
+
 def warm() -> None:
     """Compile (or load from the cache) every loop for the argument types the kernels pass."""
     x = np.ones((2, 4), np.float32)
     rms_norm_mul_rows(x, np.ones((1, 4), np.float32), 1e-5, np.empty_like(x))
     y = np.ones((1, 2, 4), np.float32)
-    rope_rows(y, np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32), False, np.empty_like(y))
+    cos, sin = np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32)
+    rope_rows(y, cos, sin, False, np.empty_like(y))
+    cache = np.zeros((1, 2, 3, 4), np.float32)
+    for ids in (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64)):  # fed positions; the workers' own
+        write_rows(cache, ids, y.reshape(1, 1, 2, 4), cos, sin, True, False)
 
 
 warm()
