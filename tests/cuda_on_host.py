@@ -135,6 +135,16 @@ extern "C" void host_NAME(int gx, int gy, int bx, int by, SIGNATURE) {
 """
 
 
+def real_gpu() -> bool:
+    """Whether CuPy and a CUDA GPU are here to run the compiled kernels (the GPU tests' condition)."""
+    try:
+        import cupy
+
+        return hasattr(cupy.cuda, "Stream") and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
 def compiler() -> str | None:
     return shutil.which("g++") or shutil.which("c++")
 

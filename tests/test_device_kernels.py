@@ -203,17 +203,8 @@ def test_every_kernel_source_compiles_with_nvcc(tmp_path):
         assert "warning" not in done.stderr.lower(), done.stderr[-3000:]
 
 
-def _real_gpu() -> bool:
-    try:
-        import cupy
-
-        return hasattr(cupy.cuda, "Stream") and cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _real_gpu(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.skipif(not cuda_on_host.real_gpu(), reason="needs CuPy and a CUDA GPU")
 @pytest.mark.parametrize("fmt, rows, lanes, blocks, xrows", CASES)
 def test_on_a_gpu_each_kernel_equals_its_twin(fmt, rows, lanes, blocks, xrows):
     import cupy
@@ -623,7 +614,7 @@ def test_a_captured_top_k_picks_on_the_device_at_each_replay(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _real_gpu(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.skipif(not cuda_on_host.real_gpu(), reason="needs CuPy and a CUDA GPU")
 @pytest.mark.parametrize("cache", [np.float32, np.float16])
 def test_on_a_gpu_attention_and_top_k_equal_their_twins(cache):
     """The compiled attention against its definition (as its twin is held to it above) and the
@@ -731,7 +722,7 @@ def test_the_sampler_cuda_c_run_on_the_host_chooses_what_the_host_rule_chooses(h
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _real_gpu(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.skipif(not cuda_on_host.real_gpu(), reason="needs CuPy and a CUDA GPU")
 @pytest.mark.parametrize("rule", SAMPLE_RULES, ids=range(len(SAMPLE_RULES)))
 def test_on_a_gpu_the_sampler_chooses_what_the_host_rule_chooses(rule):
     """The compiled sampler against the host's rule: the same tokens (the device's exp may round

@@ -23,6 +23,7 @@ import numpy as np
 from workers.backends import DeviceInfo, _cublas
 from workers.kernels import attend, basic, device, fused, qgemv, quant, sample, top_k
 from workers.kernels import get_rows as get_rows_kernel
+from workers.kernels import rope as rope_kernel
 from workers.kernels import set_rows as set_rows_kernel
 
 # (id(array module), device index) -> the device's capturable float32 products
@@ -98,6 +99,38 @@ def set_rows(xp, inputs, params, out=None, memo=None):
 
 
 set_rows.memo = True  # and not eager: a capture holds it (the shared kernel is eager)
+
+
+def rope(xp, inputs, params, out=None):
+    """Rope as one kernel of our own (workers/kernels/rope.py), the shared kernel's arithmetic;
+    the shared kernel for other layouts."""
+    x, positions = inputs
+    kernels = _own_kernels(xp, x)
+    target = xp.empty_like(x) if out is None else out
+    if kernels is not None and rope_kernel.fits(x, positions, target):
+        inverse = basic.inverse_frequencies(xp, x.shape[-1], params)
+        rope_kernel.launch(xp, kernels, x, positions, inverse, params["mode"] == "neox", target)
+        return target
+    return basic.KERNELS["rope"](xp, inputs, params, out)
+
+
+def rope_set_rows(xp, inputs, params, out=None, memo=None):
+    """The fused pattern rope_set_rows (workers/kernels/fused.py): when a device graph captures
+    it, one kernel rotating the keys and writing them into the cache at the positions the device
+    holds; run eagerly, rope and then set_rows (which checks the positions on the host)."""
+    dst, ids, x, positions, *fed = inputs
+    spec, rotation = params["set_rows"], params["rope"]
+    kernels = _own_kernels(xp, dst)
+    if kernels is not None and _capturing(xp) and rope_kernel.fits_write(dst, ids, x, positions, spec, bool(fed)):
+        inverse = basic.inverse_frequencies(xp, x.shape[-1], rotation)
+        neox = rotation["mode"] == "neox"
+        rope_kernel.launch_write(xp, kernels, dst, x, positions, inverse, ids, fed[0] if fed else None, neox)
+        return dst
+    roped = rope(xp, (x, positions), rotation)
+    return set_rows(xp, (dst, ids, roped.transpose(params["axes"]), *fed), spec, None, memo)
+
+
+rope_set_rows.memo = True  # for set_rows's, run eagerly
 
 
 def get_rows(xp, inputs, params, out=None):
@@ -200,6 +233,8 @@ KERNELS = {
     "matmul": matmul,
     "qmatmul": qmatmul,
     "set_rows": set_rows,
+    "rope": rope,
+    "rope_set_rows": rope_set_rows,
     "get_rows": get_rows,
     "qget_rows": qget_rows,
     "attention": attention,

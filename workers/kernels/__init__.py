@@ -3,11 +3,11 @@
 The tables every backend starts from:
     basic.py        one kernel per op of split_state.ops (KERNELS), written once against `xp`
     quant.py        the ops on block-quantized weights (qmatmul, qget_rows)
-    fused.py        fused decoder patterns (PATTERNS): one table row and one kernel each; the
-                    gqa_attention op's kernel, built from the attention pattern's
+    fused.py        fused decoder patterns (PATTERNS): one table row and one kernel each (or
+                    none: only backends with an override fuse it); the gqa_attention op's kernel
 
 The CPU backend's overrides (workers/backends/cpu.py KERNELS):
-    numba_cpu.py    fused norms, rope, attention and quantized products as numba loops
+    numba_cpu.py    fused norms, rope, KV-cache writes, attention and quantized products as numba loops
     numba_loops.py  the loops themselves, compiled on first use (cache=True)
 
 The CUDA backend's kernels of our own (CUDA C with a NumPy twin each; device.py says how to add one):
@@ -15,6 +15,7 @@ The CUDA backend's kernels of our own (CUDA C with a NumPy twin each; device.py 
     qgemv.py        decode products reading the GGUF blocks in place
     get_rows.py     the embedding lookup with the ids read on the device
     set_rows.py     the KV-cache write with the positions read on the device
+    rope.py         rope, and the keys' rope fused with their cache write (rope_set_rows)
     attend.py       decode attention over the positions the mask opens (flash-decoding's passes)
     top_k.py        the best k logits (bitonic tiles), of a device's span and of the devices'
     sample.py       the next token chosen from the candidates, written where the next step reads it

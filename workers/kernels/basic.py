@@ -272,6 +272,14 @@ def _inverse_frequencies(xp, head_dim: int, base: float, freqs: tuple[float, ...
     return inv
 
 
+def inverse_frequencies(xp, head_dim: int, params: dict):
+    """The rope op's base^(-2i / head_dim) * freqs[i] (`params`: its base and frequency
+    multipliers), float64 on xp's device, made once: what a kernel of its own multiplies the
+    positions by (workers/kernels/rope.py)."""
+    freqs = params.get("freqs")
+    return _inverse_frequencies(xp, head_dim, float(params["base"]), None if freqs is None else tuple(freqs))
+
+
 @functools.lru_cache(maxsize=16)
 def _host_rotation(positions: bytes, dtype: str, shape: tuple, head_dim: int, base: float, freqs):
     """cos and sin (float32) of host positions, kept for the next step with the same positions:

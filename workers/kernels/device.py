@@ -31,6 +31,7 @@ from split_state.errors import KernelCompileError
 MODULES = (
     "workers.kernels.qgemv",
     "workers.kernels.set_rows",
+    "workers.kernels.rope",
     "workers.kernels.get_rows",
     "workers.kernels.attend",
     "workers.kernels.top_k",

@@ -384,7 +384,7 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("attention", "matmul", _match_attention, _attention, scratch=True),
     Pattern("swiglu", "mul", _match_swiglu, _swiglu),
     Pattern("rms_norm_mul", "mul", _match_rms_norm_mul, _rms_norm_mul),
-    # the CPU's numba loop (workers/kernels/numba_cpu.py); a GPU writes its cache in a kernel of its own
+    # its kernels: the CPU's numba loop (workers/kernels/numba_cpu.py), the GPU's (workers/kernels/rope.py)
     Pattern("rope_set_rows", "set_rows", _match_rope_set_rows, None, inplace=True),
 )
 

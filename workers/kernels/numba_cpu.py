@@ -14,7 +14,7 @@ with an exponential that vectorises, where NumPy made five passes and a transpos
 against 22 us a SmolLM2 layer at 256 positions).
 
 A decode step's KV-cache writes are one loop each (set_rows), the keys' with their rope
-(the fused pattern rope_set_rows, whose kernel only this backend has): in a SmolLM2 token on two
+(the fused pattern rope_set_rows, which a backend without a kernel for it leaves unfused): in a SmolLM2 token on two
 workers rope and the writes were four calls of ~5.5 us a layer, against ~2-3 us of work.
 
 `OVERRIDES` maps op and pattern names to kernels with the shared kernels' signature; each falls
