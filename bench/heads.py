@@ -21,59 +21,30 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.llm import have_llama_cpp, model_path, paired_ratio, prompt_ids, warm_llama_cpp, worker_driven  # noqa: E402
+from bench.llm import model_path, paired_ratio, side_by_side  # noqa: E402
 from bench.report import cli, table  # noqa: E402
-from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
 
 def run(quick: bool, workers: int, rounds: int, path: str | None) -> dict | None:
-    from models.generate import fuses_qkv
     from models.gguf_model import GGUFModel
-    from models.llama import HeadSplit, TensorParallelLlama
+    from models.llama import HeadSplit
 
     if path is None:
         return None
-    length, steps = (16, 8) if quick else (32, 64)
-    model = GGUFModel(path)
-    ctx = length + (rounds + 1) * steps + 8
-    splits = {"chosen": None, "whole KV groups": HeadSplit.whole_groups(model.config, workers)}
-    devices, decoders, heads = [], {}, {}
-    llama = None
-    try:
-        for name, split in splits.items():
-            dev = MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1)))
-            devices.append(dev)
-            net = TensorParallelLlama(
-                dev, model.config, model.native, ctx, fuse_qkv=fuses_qkv(model, "native"), heads=split
-            )
-            _, best = net.prefill([list(prompt_ids(model, length)[0])], 0, pool=1)
-            decoders[name] = worker_driven(dev, net, best.numpy().astype(np.int32).reshape(1, 1), length)
-            decoders[name](2)  # captured and warm
-            heads[name] = " | ".join(str(q) for q in net.heads.query)
-        model.release_pages()
-        if have_llama_cpp():
-            llama = warm_llama_cpp(path, length, steps, workers)
-        seconds: dict[str, list[float]] = {name: [] for name in [*decoders, "llama.cpp"]}
-        for r in range(rounds):
-            order = list(decoders)
-            for name in order[r % len(order) :] + order[: r % len(order)]:
-                seconds[name].append(decoders[name](steps)[0])
-            if llama is not None:
-                seconds["llama.cpp"].append(llama.ask("decode"))
-    finally:
-        if llama is not None:
-            llama.close()
-        for dev in devices:
-            dev.close()
+    whole = HeadSplit.whole_groups(GGUFModel(path).config, workers)
+    variants = {"chosen": ({}, {}), "whole KV groups": ({}, {"heads": whole})}
+    got = side_by_side(path, workers, variants, rounds, quick, lambda net: " | ".join(map(str, net.heads.query)))
+    seconds = got["seconds"]
     rows = []
-    for name in decoders:
-        row = {"split": name, "query_heads": heads[name], "decode_tok_s": 1 / float(np.median(seconds[name]))}
+    for name in variants:
+        tok_s = 1 / float(np.median(seconds[name]))
+        row = {"split": name, "query_heads": got["described"][name], "decode_tok_s": tok_s}
         row["vs_whole_groups"] = paired_ratio(seconds["whole KV groups"], seconds[name])
         if seconds["llama.cpp"]:
             row["vs_llama_cpp"] = paired_ratio(seconds["llama.cpp"], seconds[name])
         rows.append(row)
     llama_tok_s = 1 / float(np.median(seconds["llama.cpp"])) if seconds["llama.cpp"] else None
-    return {"model": Path(path).name, "workers": workers, "steps": steps, "rounds": rounds, "rows": rows} | {
+    return {"model": Path(path).name, "workers": workers, "steps": got["steps"], "rounds": rounds, "rows": rows} | {
         "llama_cpp_decode_tok_s": llama_tok_s
     }
 

@@ -271,6 +271,61 @@ def paired_ratio(reference_s: list[float], ours_s: list[float]) -> float | None:
     return float(np.median([r / s for r, s in zip(reference_s, ours_s)])) if reference_s else None
 
 
+def side_by_side(path: str, workers: int, variants: dict, rounds: int, quick: bool, describe=None) -> dict:
+    """One GGUF file's native weights decoded by several variants loaded side by side (variants:
+    name -> (the workers' environment, TensorParallelLlama's keyword arguments), one cluster of
+    `workers` workers each, started in that order) and llama.cpp with as many threads beside them,
+    in alternating rounds of greedy tokens driven by the workers (alternate). Returns the seconds
+    per token by name (llama.cpp's too), each variant's prefill token (`first`), what
+    describe(net) says of each (`described`), and the tokens a round (`steps`)."""
+    from models.generate import fuses_qkv
+    from models.gguf_model import GGUFModel
+    from models.llama import TensorParallelLlama
+
+    length, steps = (16, 8) if quick else (32, 64)
+    model = GGUFModel(path)
+    ctx = length + (rounds + 1) * steps + 8
+    devices, decoders, first, described = [], {}, {}, {}
+    llama = None
+    try:
+        for name, (env, options) in variants.items():
+            dev = MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1, env=env)))
+            devices.append(dev)
+            net = TensorParallelLlama(
+                dev, model.config, model.native, ctx, fuse_qkv=fuses_qkv(model, "native"), **options
+            )
+            _, best = net.prefill([list(prompt_ids(model, length)[0])], 0, pool=1)
+            first[name] = int(best.numpy().reshape(-1)[0])
+            decoders[name] = worker_driven(dev, net, best.numpy().astype(np.int32).reshape(1, 1), length)
+            decoders[name](2)  # captured and warm
+            described[name] = describe(net) if describe else ""
+        model.release_pages()
+        if have_llama_cpp():
+            llama = warm_llama_cpp(path, length, steps, workers)
+        seconds = alternate(decoders, llama, rounds, steps)
+    finally:
+        if llama is not None:
+            llama.close()
+        for dev in devices:
+            dev.close()
+    return {"seconds": seconds, "first": first, "described": described, "steps": steps}
+
+
+def alternate(decoders: dict, llama, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Seconds per token of each of `decoders` (name -> worker_driven's run) and of llama.cpp's
+    warm child (or None) over `rounds` rounds of `steps` tokens, ours in an order that turns every
+    round, llama.cpp last in each: the side-by-side benchmarks' loop (bench/heads.py,
+    bench/fusion.py), whose pairs paired_ratio compares."""
+    seconds: dict[str, list[float]] = {name: [] for name in [*decoders, "llama.cpp"]}
+    for r in range(rounds):
+        order = list(decoders)
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            seconds[name].append(decoders[name](steps)[0])
+        if llama is not None:
+            seconds["llama.cpp"].append(llama.ask("decode"))
+    return seconds
+
+
 def worker_driven(dev, net, token: np.ndarray, pos: int):
     """A function of `steps` giving the seconds per token of greedy generation driven by the
     workers (as `generate` runs it): one Generate for `steps` tokens, the workers feeding each

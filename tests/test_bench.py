@@ -174,12 +174,32 @@ def test_the_head_split_bench_decodes_both_splits_side_by_side(monkeypatch):
     """bench/heads.py --quick on SmolLM2 and 2 workers: the chosen split (query heads 5 | 4) and
     whole KV groups (6 | 3) both decode, each with its ratio to whole groups (llama.cpp left out:
     the run compares our two splits)."""
-    from bench import heads
+    from bench import heads, llm
     from bench.llm import model_path
 
-    monkeypatch.setattr(heads, "have_llama_cpp", lambda: False)
+    monkeypatch.setattr(llm, "have_llama_cpp", lambda: False)
     results = heads.run(quick=True, workers=2, rounds=1, path=model_path())
     rows = {r["split"]: r for r in results["rows"]}
     assert rows["chosen"]["query_heads"] == "5 | 4" and rows["whole KV groups"]["query_heads"] == "6 | 3"
     assert all(r["decode_tok_s"] > 0 and r["vs_whole_groups"] > 0 for r in rows.values())
     assert rows["whole KV groups"]["vs_whole_groups"] == 1 and results["llama_cpp_decode_tok_s"] is None
+
+
+@pytest.mark.timeout(180)
+def test_the_fusion_bench_decodes_fused_and_unfused_side_by_side(monkeypatch):
+    """bench/fusion.py --quick on SmolLM2 and 2 workers: every pattern fused and rope_set_rows left
+    unfused (the second cluster's workers told by META_TP_UNFUSED), both decoding from the same
+    first token, each with its ratio to the unfused one; --swap starts the unfused one first."""
+    from bench import fusion, llm
+    from bench.llm import model_path
+
+    monkeypatch.setattr(llm, "have_llama_cpp", lambda: False)
+    for swap in (False, True):
+        results = fusion.run(quick=True, workers=2, rounds=1, path=model_path(), unfused="rope_set_rows", swap=swap)
+        rows = {r["variant"]: r for r in results["rows"]}
+        assert list(rows) == ["every pattern fused", "unfused: rope_set_rows"]
+        assert all(r["decode_tok_s"] > 0 and r["vs_unfused"] > 0 for r in rows.values())
+        assert rows["unfused: rope_set_rows"]["vs_unfused"] == 1 and results["same_first_token"]
+        assert results["built_first"] == ("unfused: rope_set_rows" if swap else "every pattern fused")
+    with pytest.raises(ValueError, match="no pattern"):
+        fusion.run(quick=True, workers=2, rounds=1, path=model_path(), unfused="rope_set_row")

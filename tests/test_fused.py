@@ -526,3 +526,52 @@ def test_the_rotation_found_once_a_run_is_each_positions_own():
         at = np.array(positions, np.int32)
         got = rope(np, (x, at), {"base": base, "mode": "normal"}, memo=memo)
         np.testing.assert_allclose(got, ref.rope(x, at, base, "normal"), rtol=1e-5, atol=2e-6)
+
+
+def test_the_unfused_switch_names_patterns_and_refuses_others(monkeypatch):
+    """META_TP_UNFUSED: the named patterns left unfused on the workers (their steps run apart:
+    the same tokens), "all" for none fused, a name no pattern has refused in one line."""
+    from workers.kernels.fused import PATTERNS, UNFUSED_ENV, left_fused
+
+    assert [p.name for p in left_fused("")] == [p.name for p in PATTERNS]
+    assert [p.name for p in left_fused(" swiglu , rope_set_rows")] == ["attention", "rms_norm_mul"]
+    assert left_fused("all") == ()
+    with pytest.raises(ValueError, match=r"no pattern \['rope'\]; the patterns: .*rope_set_rows.*, or all"):
+        left_fused("rope,swiglu")
+    fused, _ = decode_tokens(2, 32, fused=True)
+    monkeypatch.setenv(UNFUSED_ENV, "rope_set_rows,swiglu")
+    tokens, ops = decode_tokens(2, 32, fused=True)
+    assert "rope_set_rows" not in ops and "swiglu" not in ops and "rms_norm_mul" in ops
+    assert tokens == fused
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_told_an_unknown_pattern_stops_at_once_in_one_line(monkeypatch):
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "META_TP_UNFUSED": "rope_set_row"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workers",
+            "--connect",
+            "ipc:///nonexistent/x",
+            "--rank",
+            "3",
+            "--beat",
+            "ipc:///nonexistent/b",
+            "--beat-in",
+            "ipc:///nonexistent/c",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "worker 3: META_TP_UNFUSED: no pattern ['rope_set_row']; the patterns: "
+        "['attention', 'rms_norm_mul', 'rope_set_rows', 'swiglu'], or all"
+    ]

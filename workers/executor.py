@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -13,7 +14,8 @@ from transport import protocol as p
 from workers import graphs
 from workers.arena import Arena
 from workers.collectives import Collectives
-from workers.kernels import PATTERNS, kernels_for
+from workers.kernels import kernels_for
+from workers.kernels.fused import UNFUSED_ENV, left_fused
 from workers.program import CompiledProgram
 from workers.store import TensorStore
 
@@ -24,7 +26,8 @@ class Executor:
         self.store = store
         self.collective_timeout = collective_timeout
         self.kernels = kernels_for(backend)
-        self.patterns = PATTERNS  # fused patterns applied to programs loaded from now on
+        # fused patterns applied to programs loaded from now on (all but those META_TP_UNFUSED names)
+        self.patterns = left_fused(os.environ.get(UNFUSED_ENV, ""))
         self.arena = Arena(backend.xp, store)
         self.programs: dict[int, CompiledProgram] = {}
         self.collectives: Collectives | None = None

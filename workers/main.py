@@ -40,6 +40,7 @@ from workers import planes
 from workers.backends import make_backend, names
 from workers.comm import ZmqComm
 from workers.kernels import numba_cpu
+from workers.kernels.fused import UNFUSED_ENV, left_fused
 from workers.planes.shm import SHARED_FILES
 from workers.server import WorkerServer
 
@@ -149,6 +150,11 @@ def _exit(rank: int, why: str, coordinator_gone: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    try:  # the executor reads it at every load: a wrong name stops the worker now, in one line
+        left_fused(os.environ.get(UNFUSED_ENV, ""))
+    except ValueError as exc:
+        print(f"worker {args.rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
     if args.connect.startswith("ipc://") and os.path.basename(os.path.dirname(args.connect[6:])).startswith("meta-tp-"):
         _IPC_DIRS.append(os.path.dirname(args.connect[6:]))
     np.seterr(all="ignore")  # as on GPUs: overflow gives inf/nan, never a warning per op

@@ -399,6 +399,22 @@ def writes_in_place(op: str) -> bool:
     return op in _WRITES_IN_PLACE if spec is None else spec.inplace
 
 
+UNFUSED_ENV = "META_TP_UNFUSED"  # pattern names a worker leaves unfused, comma-separated ("all": every one)
+
+
+def left_fused(unfused: str) -> tuple[Pattern, ...]:
+    """PATTERNS less those `unfused` names (the worker's META_TP_UNFUSED): a switch for measuring a
+    pattern against its steps (bench/fusion.py) or bisecting a fault, as llama.cpp's GGML_*
+    environment switches are. A name no pattern has is refused, naming the ones there are."""
+    names = {name.strip() for name in unfused.split(",") if name.strip()}
+    if names == {"all"}:
+        return ()
+    known = {pattern.name for pattern in PATTERNS}
+    if names - known:
+        raise ValueError(f"{UNFUSED_ENV}: no pattern {sorted(names - known)}; the patterns: {sorted(known)}, or all")
+    return tuple(pattern for pattern in PATTERNS if pattern.name not in names)
+
+
 def for_kernels(patterns: tuple[Pattern, ...], kernels: dict) -> tuple[Pattern, ...]:
     """The patterns a worker with this kernel table fuses: those whose fused op it can run."""
     return tuple(pattern for pattern in patterns if pattern.name in kernels)
