@@ -13,9 +13,10 @@ prefill's keeps BLAS for its two products and takes its softmax from here: one p
 with an exponential that vectorises, where NumPy made five passes and a transposed copy (11
 against 22 us a SmolLM2 layer at 256 positions).
 
-A decode step's KV-cache writes are one loop each (set_rows), the keys' with their rope
-(the fused pattern rope_set_rows, which a backend without a kernel for it leaves unfused): in a SmolLM2 token on two
-workers rope and the writes were four calls of ~5.5 us a layer, against ~2-3 us of work.
+A decode step's KV-cache writes are one loop each (set_rows), the keys' with their rope (the
+fused pattern rope_set_rows, which a backend without a kernel for it leaves unfused): in a
+SmolLM2 token on two workers rope and the writes were four calls of ~5.5 us a layer, against
+~2-3 us of work.
 
 `OVERRIDES` maps op and pattern names to kernels with the shared kernels' signature; each falls
 back to the shared NumPy kernel for layouts it does not handle (not float32, not contiguous).
