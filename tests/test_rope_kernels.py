@@ -225,3 +225,32 @@ def test_a_device_holding_no_heads_turns_nothing(monkeypatch):
     x = cp.asarray(np.zeros((1, 1, 0, 8), np.float32))
     got = cuda.KERNELS["rope"](cp, (x, cp.asarray(np.array([[3]], np.int32))), {"base": BASE, "mode": "normal"})
     assert got.shape == (1, 1, 0, 8)
+
+
+@pytest.mark.parametrize("op", ["set_rows", "rope_set_rows"])
+def test_a_captured_cache_write_goes_to_the_fed_batch_row(monkeypatch, op):
+    """A server's slot: the batch row comes fed (on the device) and each replay writes the row it
+    holds then, the kernel (set_rows.py's or rope.py's) reading it as the eager run would."""
+    cp, cuda, backend = standin_backend(monkeypatch)
+    cache = cp.zeros((3, 2, 8, 4), cp.float32)
+    ids = cp.asarray(np.array([[5]], np.int32))
+    start = cp.asarray(np.array(2, np.int32))
+    keys = np.arange(8, dtype=np.float32).reshape(1, 1, 2, 4)
+    spec = {"axis": 2, "spans": [(0, 8, 0)], "rows": 8, "batch": 3, "held": [(0, 3, 0)]}
+    rotation = {"base": BASE, "mode": "normal"}
+    if op == "set_rows":
+        inputs, params, row = (cache, ids, cp.asarray(keys.transpose(0, 2, 1, 3)), start), spec, keys[0, 0]
+    else:
+        inputs = (cache, ids, cp.asarray(keys), ids, start)
+        params = {"set_rows": spec, "rope": rotation, "axes": (0, 2, 1, 3)}
+        row = basic.KERNELS["rope"](np, (keys, np.array([[5]])), rotation)[0, 0]
+    cuda.KERNELS[op](cp, inputs, params)  # eagerly first, as a program's first run
+    backend.begin_capture()
+    cuda.KERNELS[op](cp, inputs, params)
+    graph = backend.end_capture()
+    start[...] = 1
+    backend.launch(graph)
+    got = backend.to_host(cache)
+    expected = np.zeros((3, 2, 8, 4), np.float32)
+    expected[2, :, 5], expected[1, :, 5] = row, row  # the eager run's row 2, the replay's row 1
+    assert got.tobytes() == expected.tobytes()

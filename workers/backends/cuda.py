@@ -106,8 +106,8 @@ def rope(xp, inputs, params, out=None):
     the shared kernel for other layouts."""
     x, positions = inputs
     kernels = _own_kernels(xp, x)
-    target = xp.empty_like(x) if out is None else out
-    if kernels is not None and rope_kernel.fits(x, positions, target):
+    if kernels is not None and rope_kernel.fits(x, positions, x if out is None else out):
+        target = xp.empty_like(x) if out is None else out
         inverse = basic.inverse_frequencies(xp, x.shape[-1], params)
         rope_kernel.launch(xp, kernels, x, positions, inverse, params["mode"] == "neox", target)
         return target

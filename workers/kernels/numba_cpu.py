@@ -134,9 +134,9 @@ def _write_rows(dst, ids, rows, cos, sin, rotate: bool, neox: bool) -> None:
 def set_rows(xp, inputs, params, out=None, memo=None):
     """The decoder's KV-cache write in one loop (ids checked in it: a decode step's ids are read
     on the host by no other step); the shared kernel for every other layout."""
-    if len(inputs) == 3:
+    if len(inputs) == 3 and inputs[2].ndim == 4:
         dst, ids, value = inputs
-        rows = value.transpose(0, 2, 1, 3) if value.ndim == 4 else value  # the decoder's (b, t, heads, d)
+        rows = value.transpose(0, 2, 1, 3)  # the decoder's (b, t, heads, d)
         if _writes_rows(xp, dst, ids, rows, params):
             _write_rows(dst, ids, rows, _NO_ROTATION, _NO_ROTATION, False, False)
             return dst

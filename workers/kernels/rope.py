@@ -185,11 +185,8 @@ def launch_write(xp, kernels: dict, dst, x, positions, inverse, ids, start, neox
     total = rows * tokens * heads * (dim // 2)
     if not total:
         return
-    ids = xp.ascontiguousarray(ids, dtype=xp.int32)
+    kind, target, ids, start = set_rows.cache_operands(xp, dst, ids, start)
     positions = xp.ascontiguousarray(positions, dtype=xp.int32)
-    start = xp.zeros(1, xp.int32) if start is None else xp.ascontiguousarray(start.reshape(1), dtype=xp.int32)
-    name = "rope_write_f32" if dst.dtype == np.float32 else "rope_write_f16"
-    target = dst if dst.dtype == np.float32 else dst.view(xp.uint16)
     sizes = (batch, heads, ctx, dim, rows, tokens, int(neox))
     args = (target, x, positions, inverse, ids, start, *(np.int32(v) for v in sizes))
-    kernels[name]((-(-total // THREADS),), (THREADS,), args)
+    kernels[f"rope_write_{kind}"]((-(-total // THREADS),), (THREADS,), args)

@@ -83,16 +83,24 @@ def fits(dst, ids, value, params, fed_start) -> bool:
     return params.get("batches") is None
 
 
+def cache_operands(xp, dst, ids, start):
+    """What a kernel writing the cache takes of it (here and in rope.py): its type's kernel suffix
+    ("f32" or "f16"), the cache as that type's bits, the ids as int32, the batch start as one
+    int32 (0 without one)."""
+    ids = xp.ascontiguousarray(ids, dtype=xp.int32)
+    start = xp.zeros(1, xp.int32) if start is None else xp.ascontiguousarray(start.reshape(1), dtype=xp.int32)
+    if dst.dtype == np.float32:
+        return "f32", dst, ids, start
+    return "f16", dst.view(xp.uint16), ids, start
+
+
 def launch(xp, kernels: dict, dst, ids, value, start) -> None:
     batch, heads, ctx, dim = dst.shape
     rows, tokens = ids.shape
-    ids = xp.ascontiguousarray(ids, dtype=xp.int32)
-    value = xp.ascontiguousarray(value)
-    start = xp.zeros(1, xp.int32) if start is None else xp.ascontiguousarray(start.reshape(1), dtype=xp.int32)
     total = rows * heads * tokens * dim
     if not total:
         return
-    name = "set_rows_f32" if dst.dtype == np.float32 else "set_rows_f16"
-    target = dst if dst.dtype == np.float32 else dst.view(xp.uint16)
-    args = (target, value, ids, start, *(np.int32(v) for v in (batch, heads, ctx, dim, rows, tokens)))
-    kernels[name]((-(-total // THREADS),), (THREADS,), args)
+    kind, target, ids, start = cache_operands(xp, dst, ids, start)
+    sizes = (batch, heads, ctx, dim, rows, tokens)
+    args = (target, xp.ascontiguousarray(value), ids, start, *(np.int32(v) for v in sizes))
+    kernels[f"set_rows_{kind}"]((-(-total // THREADS),), (THREADS,), args)
