@@ -9,8 +9,8 @@ Weights are NumPy-oriented (`x @ W`, W of shape (in, out)); names:
     norm (hidden,), output (hidden, vocab) when the head is not tied
 
 Tensor parallelism (DESIGN §8): attention split by heads (HeadSplit: whole KV heads and the query
-heads sharing them, or, on CPU workers when the KV heads do not divide among the devices, the
-query heads evenly with a KV head whose group is cut held by both sides), so attention needs no
+heads sharing them, or, when the KV heads do not divide among the devices, the query heads
+evenly with a KV head whose group is cut held by both sides), so attention needs no
 communication; wo and w_down row-parallel, w_gate|w_up one column-parallel weight of two
 segments (and, with fuse_qkv, wq|wk|wv one of three: one product a layer for the attention's
 inputs): two all-reduces per layer. The KV cache is resident, split like the heads, preallocated
@@ -262,12 +262,12 @@ class HeadSplit:
         return cls._holding(cfg, Split.even(0, cfg.heads, n, granularity=unit).segments[0])
 
     @classmethod
-    def for_workers(cls, cfg: LlamaConfig, n: int, cpu: bool, unit: int = 1) -> HeadSplit:
+    def for_workers(cls, cfg: LlamaConfig, n: int, unit: int = 1) -> HeadSplit:
         """even_queries (in units of `unit` heads: wo's inputs split on whole blocks) where the
-        KV heads do not divide among the devices and the workers are CPU ones (its attention,
-        the gqa_attention op, runs eagerly on a GPU: the decode step would leave its device
-        graph), else whole_groups (the same split where they divide)."""
-        if cpu and cfg.kv_heads % n and cfg.heads % unit == 0:
+        KV heads do not divide among the devices, else whole_groups (the same split where they
+        divide). Both backends run the gqa_attention op a shared KV head needs inside a decode
+        step's device graph (the CUDA backend's mapped attention kernels)."""
+        if cfg.kv_heads % n and cfg.heads % unit == 0:
             return cls.even_queries(cfg, n, unit)
         return cls.whole_groups(cfg, n)
 
@@ -291,12 +291,6 @@ class HeadSplit:
     def shared(self) -> bool:
         """Whether some KV head is held by two devices (else the workers' KV axis is the model's)."""
         return len(self.kv_source) != len(set(self.kv_source))
-
-
-def cpu_workers(dev: MetaDevice) -> bool:
-    """Whether every worker of `dev` runs on the CPU backend."""
-    devices = getattr(getattr(dev, "cluster", None), "devices", None) or ()
-    return all(getattr(d, "backend", "") == "cpu" for d in devices)
 
 
 def _heads_taken(source: Source, plan: HeadSplit, hd: int) -> Source:
@@ -382,7 +376,7 @@ class TensorParallelLlama:
         self.cache_types = tuple(cache_types)
         n, hd = dev.n, cfg.head_dim
         if heads is None:
-            heads = HeadSplit.for_workers(cfg, n, cpu_workers(dev), _query_unit(source, cfg))
+            heads = HeadSplit.for_workers(cfg, n, _query_unit(source, cfg))
         if len(heads.query) != n or sum(heads.query) != cfg.heads:
             raise ValueError(f"heads: {heads.query} query heads per device, for {cfg.heads} over {n} devices")
         self.heads = heads

@@ -367,14 +367,11 @@ def test_head_splits_give_each_device_the_kv_heads_its_query_heads_read():
     assert HeadSplit.even_queries(qwen, 16).query == (1,) * 14 + (0, 0)  # more devices than heads
     # 16-value heads before a wo in 32-value blocks go two by two: 6 heads 4 | 2 (not 3 | 3)
     small = LlamaConfig(hidden=96, layers=1, heads=6, kv_heads=3, ffn=64, vocab=8)
-    assert HeadSplit.for_workers(small, 2, cpu=True, unit=2).query == (4, 2)
-    assert HeadSplit.for_workers(qwen, 4, cpu=True, unit=4) == HeadSplit.whole_groups(qwen, 4)  # 14 heads: no 4s
-    # where the KV heads divide among the devices, and on GPU workers, whole groups
-    assert (
-        HeadSplit.for_workers(smol, 3, cpu=True) == HeadSplit.whole_groups(smol, 3) == HeadSplit.even_queries(smol, 3)
-    )
-    assert HeadSplit.for_workers(smol, 2, cpu=False) == HeadSplit.whole_groups(smol, 2)
-    assert HeadSplit.for_workers(smol, 2, cpu=True) == HeadSplit.even_queries(smol, 2)
+    assert HeadSplit.for_workers(small, 2, unit=2).query == (4, 2)
+    assert HeadSplit.for_workers(qwen, 4, unit=4) == HeadSplit.whole_groups(qwen, 4)  # 14 heads: no 4s
+    # where the KV heads divide among the devices, whole groups
+    assert HeadSplit.for_workers(smol, 3) == HeadSplit.whole_groups(smol, 3) == HeadSplit.even_queries(smol, 3)
+    assert HeadSplit.for_workers(smol, 2) == HeadSplit.even_queries(smol, 2)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -382,6 +382,12 @@ ATTEND_SIGNATURES = {
         "int tokens, int ctx, int dim, long mask_batch, float scale, int chunks",
         "q, (const KT*)k, (const KT*)v, mask, part, heads, group, tokens, ctx, dim, mask_batch, scale, chunks",
     ),
+    "attend_map_KIND": (
+        "const float* q, const void* k, const void* v, const float* mask, float* part, const int* kv_of, int heads, "
+        "int kv_heads, int tokens, int ctx, int dim, long mask_batch, float scale, int chunks",
+        "q, (const KT*)k, (const KT*)v, mask, part, kv_of, heads, kv_heads, tokens, ctx, dim, mask_batch, scale, "
+        "chunks",
+    ),
     "attend_combine": ("const float* part, float* out, int chunks, int dim", "part, out, chunks, dim"),
 }
 
@@ -399,9 +405,10 @@ def host_attend(tmp_path_factory):
     from workers.kernels import attend
 
     names = {"attend_combine": ATTEND_SIGNATURES["attend_combine"]}
-    signature, args = ATTEND_SIGNATURES["attend_part_KIND"]
-    for kind, kt in (("f32", "float"), ("f16", "unsigned short")):
-        names[f"attend_part_{kind}"] = (signature, args.replace("KT", kt))
+    for layout in ("part", "map"):
+        signature, args = ATTEND_SIGNATURES[f"attend_{layout}_KIND"]
+        for kind, kt in (("f32", "float"), ("f16", "unsigned short")):
+            names[f"attend_{layout}_{kind}"] = (signature, args.replace("KT", kt))
     return _built_with_barriers(tmp_path_factory, attend.SOURCE, names)
 
 
@@ -434,22 +441,29 @@ def attention_case(cache, batch=2, heads=2, group=2, tokens=2, ctx=600, dim=40, 
     return q, keys, values, mask
 
 
-def _run_attend_on_host(library, q, keys, values, mask, scale):
+def _run_attend_on_host(library, q, keys, values, mask, scale, kv_of_head=None):
+    """The decoder's layout's kernels (attend_part_*), or with `kv_of_head` the mapped ones
+    (attend_map_*, q in the gqa_attention op's layout), then attend_combine."""
     from workers.kernels import attend
 
-    batch, heads, group, tokens, dim = q.shape
-    ctx = keys.shape[2]
+    ctx, dim = keys.shape[2], q.shape[-1]
+    if kv_of_head is None:
+        layout, (_, heads, group, tokens, _) = "part", q.shape
+        extra, sizes = [], (heads, group)
+    else:
+        layout, (_, tokens, heads, _) = "map", q.shape
+        extra, sizes = [np.array(kv_of_head, np.int32)], (heads, keys.shape[1])
     rows, chunks = q.size // dim, -(-ctx // attend.CHUNK)
     part = np.full(rows * chunks * (dim + 2), np.nan, np.float32)
     out = np.full(q.shape, np.nan, np.float32)
     kind = "f32" if keys.dtype == np.float32 else "f16"
     pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     ints = [ctypes.c_int(v) for v in (rows, chunks, attend.THREADS, 1)]
-    sizes = [ctypes.c_int(v) for v in (heads, group, tokens, ctx, dim)]
+    sizes = [ctypes.c_int(v) for v in (*sizes, tokens, ctx, dim)]
     mask_batch = ctypes.c_long(tokens * ctx if mask.shape[0] > 1 else 0)
-    operands = [pointer(a) for a in (q, keys, values, mask, part)]
+    operands = [pointer(a) for a in (q, keys, values, mask, part, *extra)]
     last = (mask_batch, ctypes.c_float(scale), ctypes.c_int(chunks))
-    getattr(library, f"host_attend_part_{kind}")(*ints, *operands, *sizes, *last)
+    getattr(library, f"host_attend_{layout}_{kind}")(*ints, *operands, *sizes, *last)
     grid = [ctypes.c_int(v) for v in (rows, 1, min(attend.THREADS, dim), 1)]
     library.host_attend_combine(*grid, pointer(part), pointer(out), ctypes.c_int(chunks), ctypes.c_int(dim))
     return out
@@ -473,6 +487,43 @@ def test_the_attention_cuda_c_gives_nan_for_a_row_that_sees_nothing(host_attend)
     mask[0, 0, 0, 0, :] = -np.inf
     got = _run_attend_on_host(host_attend, q, keys, values, mask, 0.5)
     assert np.isnan(got).all()
+
+
+def gqa_oracle(q, keys, values, mask, kv_of_head, scale):
+    """float64 softmax(q . k * scale + mask) @ v for each (b, t, h) row of the gqa_attention
+    op's layout, query head h reading KV head kv_of_head[h], from the definition."""
+    batch, tokens, heads, dim = q.shape
+    out = np.empty(q.shape, np.float64)
+    for b, t, h in np.ndindex(batch, tokens, heads):
+        kv = kv_of_head[h]
+        scores = keys[b, kv].astype(np.float64) @ q[b, t, h] * scale + mask[min(b, mask.shape[0] - 1), t]
+        with np.errstate(invalid="ignore"):
+            weights = np.exp(scores - scores.max())
+            out[b, t, h] = weights @ values[b, kv].astype(np.float64) / weights.sum()
+    return out
+
+
+# 5 query heads over 3 KV heads as a device holding cut groups at both ends sees them (HeadSplit):
+# head 0 reads KV head 0, heads 1-3 KV head 1, head 4 KV head 2; no h // group gives that map
+GQA_MAP = (0, 1, 1, 1, 2)
+
+
+def gqa_case(cache, batch=2, tokens=2, ctx=600, dim=40, seed=7):
+    """attention_case's queries, caches and mask in the gqa_attention op's layout."""
+    q, keys, values, mask = attention_case(cache, batch, 3, 2, tokens, ctx, dim, seed)
+    q = np.ascontiguousarray(q.reshape(batch, 6, tokens, dim)[:, :5].transpose(0, 2, 1, 3))
+    return q, keys, values, np.ascontiguousarray(mask[:, 0, 0])
+
+
+@pytest.mark.parametrize("cache", [np.float32, np.float16])
+def test_the_mapped_attention_cuda_c_run_on_the_host_reads_each_heads_kv_head(host_attend, cache):
+    """The gqa_attention op's layout: 5 query heads over 3 KV heads by a map no group size gives,
+    two batch rows with masks of their own, two tokens, three chunks: softmax attention from its
+    definition in float64."""
+    q, keys, values, mask = gqa_case(cache)
+    scale = 1 / np.sqrt(q.shape[-1])
+    got = _run_attend_on_host(host_attend, q, keys, values, mask, scale, GQA_MAP)
+    np.testing.assert_allclose(got, gqa_oracle(q, keys, values, mask, GQA_MAP, scale), rtol=1e-5, atol=2e-6)
 
 
 TOP_K_SIGNATURE = (
@@ -552,11 +603,13 @@ def test_the_top_k_cuda_c_run_on_the_host_picks_the_best_k(host_top_k, monkeypat
         np.testing.assert_array_equal(merged[r], best_k_oracle(pairs[r, :, 0], pairs[r, :, 1], k, k))
 
 
+@pytest.mark.parametrize("op", ["attention", "gqa_attention"])
 @pytest.mark.parametrize("cache", [np.float32, np.float16])
-def test_a_captured_attention_reads_the_open_positions_on_the_device_at_each_replay(monkeypatch, cache):
-    """On the stand-in (the kernels' twins): the backend's attention over the decoder's views is
-    the kernels, captured once; a replay after the mask opens more positions and the query
-    changes attends over the new positions, as softmax attention from its definition."""
+def test_a_captured_attention_reads_the_open_positions_on_the_device_at_each_replay(monkeypatch, cache, op):
+    """On the stand-in (the kernels' twins): the backend's attention over the decoder's views, and
+    its gqa_attention (each query head over its own KV head), are the kernels, captured once
+    after a first eager run; a replay after the mask opens more positions and the query changes
+    attends over the new positions, as softmax attention from its definition."""
     from workers.kernels import attend
 
     cp = install(monkeypatch)
@@ -564,27 +617,47 @@ def test_a_captured_attention_reads_the_open_positions_on_the_device_at_each_rep
 
     backend = cuda.Backend(0)
     launched = []
-    real = attend.launch
-    monkeypatch.setattr(attend, "launch", lambda *a, **k: launched.append(1) or real(*a, **k))
-    q, keys, values, mask = attention_case(cache, tokens=1, ctx=300)
-    batch, heads, group, tokens, dim = q.shape
-    k_view = cp.asarray(keys).reshape(batch, heads, 1, 300, dim).transpose(0, 1, 2, 4, 3)  # as the decoder multiplies
-    v_view = cp.asarray(values).reshape(batch, heads, 1, 300, dim)
-    q_dev, mask_dev = cp.asarray(q), cp.asarray(mask)
+    launcher = "launch" if op == "attention" else "launch_mapped"
+    real = getattr(attend, launcher)
+    monkeypatch.setattr(attend, launcher, lambda *a, **k: launched.append(1) or real(*a, **k))
+    if op == "attention":
+        q, keys, values, mask = attention_case(cache, tokens=1, ctx=300)
+        batch, heads, group, tokens, dim = q.shape
+        k_view = (
+            cp.asarray(keys).reshape(batch, heads, 1, 300, dim).transpose(0, 1, 2, 4, 3)
+        )  # as the decoder multiplies
+        v_view = cp.asarray(values).reshape(batch, heads, 1, 300, dim)
+        q_dev, mask_dev = cp.asarray(q), cp.asarray(mask)
+        operands, params = (q_dev, k_view, mask_dev, v_view), {"scale": 0.25, "bucket": 32}
+        oracle = lambda q, mask: attention_oracle(q, keys, values, mask, 0.25)  # noqa: E731
+    else:
+        q, keys, values, mask = gqa_case(cache, tokens=1, ctx=300)
+        q_dev, mask_dev = cp.asarray(q), cp.asarray(mask)
+        operands = (q_dev, cp.asarray(keys), cp.asarray(values), mask_dev)
+        params = {"scale": 0.25, "kv_of_head": list(GQA_MAP)}
+        oracle = lambda q, mask: gqa_oracle(q, keys, values, mask, GQA_MAP, 0.25)  # noqa: E731
     out = cp.empty(q.shape, cp.float32)
-    params = {"scale": 0.25, "bucket": 32}
+    cuda.KERNELS[op](cp, operands, params, out)  # a step's first run: eager
     backend.begin_capture()
-    cuda.KERNELS["attention"](cp, (q_dev, k_view, mask_dev, v_view), params, out)
+    cuda.KERNELS[op](cp, operands, params, out)
     graph = backend.end_capture()
-    mask[:, :, :, :, :290] = 0  # the next steps' positions, past the first chunk
+    mask[..., :290] = 0  # the next steps' positions, past the first chunk
     q2 = (q * 2).astype(np.float32)
     mask_dev.set(mask)
     q_dev.set(q2)
     backend.launch(graph)
-    assert launched == [1]
-    np.testing.assert_allclose(
-        backend.to_host(out), attention_oracle(q2, keys, values, mask, 0.25), rtol=1e-5, atol=2e-6
-    )
+    assert launched == [1, 1]
+    np.testing.assert_allclose(backend.to_host(out), oracle(q2, mask), rtol=1e-5, atol=2e-6)
+
+
+def test_the_cuda_gqa_attention_takes_a_decode_steps_shapes_in_the_graph_and_a_prefills_eagerly():
+    from workers.backends import cuda
+    from workers.kernels import attend
+
+    step = lambda shape: type("Step", (), {"shape": shape})  # noqa: E731
+    assert not cuda.gqa_attention.eager(step((2, 1, 5, 64)))
+    assert cuda.gqa_attention.eager(step((1, attend.MAX_TOKENS + 1, 5, 64)))
+    assert cuda.gqa_attention.eager(step((1, 1, 5, attend.MAX_DIM + 1)))
 
 
 def test_a_captured_top_k_picks_on_the_device_at_each_replay(monkeypatch):
@@ -617,8 +690,8 @@ def test_a_captured_top_k_picks_on_the_device_at_each_replay(monkeypatch):
 @pytest.mark.skipif(not cuda_on_host.real_gpu(), reason="needs CuPy and a CUDA GPU")
 @pytest.mark.parametrize("cache", [np.float32, np.float16])
 def test_on_a_gpu_attention_and_top_k_equal_their_twins(cache):
-    """The compiled attention against its definition (as its twin is held to it above) and the
-    compiled top k against the order's definition, bit for bit."""
+    """The compiled attention, in both layouts, against its definition (as its twin is held to it
+    above) and the compiled top k against the order's definition, bit for bit."""
     import cupy
 
     from workers.kernels import attend, top_k
@@ -630,6 +703,13 @@ def test_on_a_gpu_attention_and_top_k_equal_their_twins(cache):
     operands = (cupy.asarray(a) for a in (q, keys, values, mask))
     attend.launch(cupy, kernels, *operands, mask_batch, 0.2, out)
     expected = attention_oracle(q, keys, values, mask, 0.2)
+    np.testing.assert_allclose(cupy.asnumpy(out), expected, rtol=1e-5, atol=2e-6)
+    q, keys, values, mask = gqa_case(cache)
+    out = cupy.full(q.shape, np.nan, cupy.float32)
+    kv_of = cupy.asarray(np.array(GQA_MAP, np.int32))
+    operands = [cupy.asarray(a) for a in (q, keys, values, mask)]
+    attend.launch_mapped(cupy, kernels, *operands, q.shape[1] * keys.shape[2], kv_of, 0.2, out)
+    expected = gqa_oracle(q, keys, values, mask, GQA_MAP, 0.2)
     np.testing.assert_allclose(cupy.asnumpy(out), expected, rtol=1e-5, atol=2e-6)
     x = np.random.default_rng(2).integers(-50, 50, (2, 9000)).astype(np.float32)
     pairs = cupy.full((2, 300, 2), np.nan, cupy.float64)

@@ -92,9 +92,9 @@ def test_tensor_parallel_equals_the_reference_on_simulated_devices(model, weight
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_whole_kv_groups_equal_the_reference_too(model, weights, reference_run, n):
-    """The split CPU workers leave for SmolLM2's 3 KV heads on 2 or 4 devices is by query heads
-    (HeadSplit.even_queries, above); the whole groups it replaced (still GPU workers' split)
-    give the reference's logits and tokens too."""
+    """The split workers leave for SmolLM2's 3 KV heads on 2 or 4 devices is by query heads
+    (HeadSplit.even_queries, above); the whole groups it replaced (and a caller may still ask
+    for) give the reference's logits and tokens too."""
     dev = MetaDevice(SimulatedCluster(n), check_mirrored=True)
     try:
         check_tensor_parallel(dev, model, weights, reference_run, HeadSplit.whole_groups(model.config, n))

@@ -179,6 +179,33 @@ attention.memo = True  # for the shared kernel it falls back to
 attention.eager = lambda step: not attend.runs_here(tuple(step.shape))  # a decode step's: in the graph
 
 
+# (id(array module), device index, head map) -> the map as an int32 device array: made at a
+# step's first (eager) run, so a capture finds it
+_KV_MAPS: dict[tuple, Any] = {}
+
+
+def gqa_attention(xp, inputs, params, out=None, memo=None):
+    """The gqa_attention op (a split sharing a KV head between devices): a decode step's rows by
+    the mapped kernels of our own, in the device graph like the attention's; other shapes (a
+    prefill's queries): the shared kernel, run by runs of heads between graphs."""
+    q, keys, values, mask = inputs
+    kernels = _own_kernels(xp, q)
+    mask_batch = attend.map_operands(q, keys, values, mask, out) if kernels is not None and out is not None else None
+    if mask_batch is None:
+        return fused.OP_KERNELS["gqa_attention"](xp, inputs, params, out, memo=memo)
+    heads = tuple(params["kv_of_head"])
+    key = (id(xp), q.device.id, heads)
+    kv_of = _KV_MAPS.get(key)
+    if kv_of is None:
+        kv_of = _KV_MAPS[key] = xp.asarray(np.array(heads, np.int32))
+    attend.launch_mapped(xp, kernels, q, keys, values, mask, mask_batch, kv_of, params["scale"], out)
+    return out
+
+
+gqa_attention.memo = True  # for the shared kernel it falls back to
+gqa_attention.eager = lambda step: not attend.maps_here(tuple(step.shape))
+
+
 def top_k_candidates(xp, inputs, params, out=None):
     """This device's best k logits by kernels of our own (workers/kernels/top_k.py), eagerly and
     in a device graph alike; several spans, float64 logits or a k past MAX_K: the shared kernel
@@ -238,6 +265,7 @@ KERNELS = {
     "get_rows": get_rows,
     "qget_rows": qget_rows,
     "attention": attention,
+    "gqa_attention": gqa_attention,
     "top_k_candidates": top_k_candidates,
     "top_k_combine": top_k_combine,
 }

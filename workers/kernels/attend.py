@@ -13,9 +13,14 @@ So the work follows the positions in use, with one launch shape for every positi
 graph replays at every step. A row whose positions are all closed gives NaN (0 / 0), as the
 softmax of a row of -inf does.
 
-The layout is the decoder's (models/llama.py): queries (batch, kv heads, group, tokens, dim),
-cached key and value rows (batch, kv heads, ctx, dim), float32 or float16, the mask (1 or batch,
-1, 1, tokens, ctx) of 0 and -inf. Rows are (b, h, g, t) in C order.
+Two layouts, the same passes (attend_part_* and attend_map_*, one source, only where a row's
+keys lie differs):
+- the decoder's (models/llama.py): queries (batch, kv heads, group, tokens, dim), cached key and
+  value rows (batch, kv heads, ctx, dim), float32 or float16, the mask (1 or batch, 1, 1, tokens,
+  ctx) of 0 and -inf. Rows are (b, h, g, t) in C order.
+- the gqa_attention op's (a split that shares a KV head between devices, models/llama.py
+  HeadSplit): queries (batch, tokens, heads, dim), query head h reading KV head kv_of[h] of the
+  cached rows (batch, kv heads, ctx, dim), the mask (1 or batch, tokens, ctx). Rows are (b, t, h).
 
 The twins state the arithmetic in float32 (the order of the sums differs from the kernels' tree
 reductions, and expf from NumPy's exp by an ulp or two): a GPU test holds kernel to twin within
@@ -35,18 +40,14 @@ MAX_DIM = 256  # head dims up to this
 MAX_TOKENS = 8  # query tokens a row up to which a step runs these kernels (more: a prefill, cuBLAS)
 
 _PART = r"""
-extern "C" __global__ void attend_part_NAME(const float* __restrict__ q, const KT* __restrict__ k,
-                                            const KT* __restrict__ v, const float* __restrict__ mask,
-                                            float* __restrict__ part, int heads, int group, int tokens,
-                                            int ctx, int dim, long mask_batch, float scale, int chunks) {
+extern "C" __global__ void attend_SIGNATURE,
+        int tokens, int ctx, int dim, long mask_batch, float scale, int chunks) {
     __shared__ float qs[MAX_DIM];
     __shared__ float w[CHUNK];
     __shared__ float red[THREADS];
     const long row = blockIdx.x;
     const int c = blockIdx.y, tid = threadIdx.x;
-    const int t = (int)(row % tokens);
-    const long bh = row / ((long)tokens * group);  /* b * heads + h */
-    const long b = bh / heads;
+    LOCATE
     const KT* keys = k + bh * ctx * dim;
     const KT* values = v + bh * ctx * dim;
     const float* open = mask + b * mask_batch + (long)t * ctx;
@@ -126,20 +127,48 @@ _LOADS = {  # element d of a cache row, as float32
     "f32": ("float", "#define LOAD(row, d) ((row)[d])\n"),
     "f16": ("unsigned short", "#define LOAD(row, d) half_at((const u8*)((row) + (d)), 1)\n"),
 }
+# Where a query row's keys lie: t its token, b its batch row, bh its cache row (b * kv heads + its
+# KV head). The decoder's layout (batch, kv heads, group, tokens, dim): a row's KV head is its place
+# in the kv-heads axis. The gqa_attention op's layout (batch, tokens, heads, dim) with a head map
+# (a split that shares a KV head between devices): kv_of[h] for query head h.
+_LAYOUTS = {
+    "part": (
+        "part_NAME(const float* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,\n"
+        "        const float* __restrict__ mask, float* __restrict__ part, int heads, int group",
+        """const int t = (int)(row % tokens);
+    const long bh = row / ((long)tokens * group);  /* b * heads + h */
+    const long b = bh / heads;""",
+    ),
+    "map": (
+        "map_NAME(const float* __restrict__ q, const KT* __restrict__ k, const KT* __restrict__ v,\n"
+        "        const float* __restrict__ mask, float* __restrict__ part, const int* __restrict__ kv_of, int heads,\n"
+        "        int kv_heads",
+        """const int h = (int)(row % heads);
+    const int t = (int)(row / heads % tokens);
+    const long b = row / ((long)heads * tokens);
+    const long bh = b * kv_heads + kv_of[h];""",
+    ),
+}
 SOURCE = (
     _SIZES
-    + "".join(load + _PART.replace("NAME", n).replace("KT", kt) + "#undef LOAD\n" for n, (kt, load) in _LOADS.items())
+    + "".join(
+        load
+        + _PART.replace("SIGNATURE", signature).replace("LOCATE", locate).replace("NAME", n).replace("KT", kt)
+        + "#undef LOAD\n"
+        for signature, locate in _LAYOUTS.values()
+        for n, (kt, load) in _LOADS.items()
+    )
     + _COMBINE
 )
 
 
-def _part_twin(cache_dtype):
-    """What attend_part_<type> computes, over the same flat memory and scalars."""
+def _twin(cache_dtype, locate):
+    """What an attend kernel computes over the same flat memory and scalars, its rows' keys found
+    by `locate(row, heads, group or (kv_of, kv heads), tokens) -> (t, b, bh)` as its LOCATE."""
 
-    def run(q, k, v, mask, part, heads, group, tokens, ctx, dim, mask_batch, scale, chunks):
-        heads, group, tokens, ctx, dim, mask_batch, chunks = (
-            int(a) for a in (heads, group, tokens, ctx, dim, mask_batch, chunks)
-        )
+    def run(q, k, v, mask, part, *layout_sizes):
+        *layout, tokens, ctx, dim, mask_batch, scale, chunks = layout_sizes
+        tokens, ctx, dim, mask_batch, chunks = (int(a) for a in (tokens, ctx, dim, mask_batch, chunks))
         scale = np.float32(scale)
         rows = q.size // dim
         queries = q[: rows * dim].reshape(rows, dim)
@@ -147,8 +176,7 @@ def _part_twin(cache_dtype):
         values = v.view(cache_dtype).reshape(-1, ctx, dim)
         partials = part[: rows * chunks * (dim + 2)].reshape(rows, chunks, dim + 2)
         for row in range(rows):
-            t, bh = row % tokens, row // (tokens * group)
-            b = bh // heads
+            t, b, bh = locate(row, tokens, *layout)
             opened = mask[b * mask_batch + t * ctx : b * mask_batch + (t + 1) * ctx]
             for c in range(chunks):
                 span = slice(c * CHUNK, min(ctx, (c + 1) * CHUNK))
@@ -168,6 +196,19 @@ def _part_twin(cache_dtype):
     return run
 
 
+def _grouped(row: int, tokens: int, heads, group) -> tuple[int, int, int]:
+    """attend_part's LOCATE: rows (batch, kv heads, group, tokens)."""
+    bh = row // (tokens * int(group))
+    return row % tokens, bh // int(heads), bh
+
+
+def _mapped(row: int, tokens: int, kv_of, heads, kv_heads) -> tuple[int, int, int]:
+    """attend_map's LOCATE: rows (batch, tokens, heads), query head h reading KV head kv_of[h]."""
+    heads = int(heads)
+    b = row // (heads * tokens)
+    return row // heads % tokens, b, b * int(kv_heads) + int(kv_of[row % heads])
+
+
 def _combine_twin(part, out, chunks, dim):
     """What attend_combine computes."""
     chunks, dim = int(chunks), int(dim)
@@ -182,8 +223,10 @@ def _combine_twin(part, out, chunks, dim):
 
 
 DEVICE_KERNELS = (
-    DeviceKernel("attend_part_f32", SOURCE, _part_twin(np.float32), (4,)),
-    DeviceKernel("attend_part_f16", SOURCE, _part_twin(np.float16), (4,)),
+    DeviceKernel("attend_part_f32", SOURCE, _twin(np.float32, _grouped), (4,)),
+    DeviceKernel("attend_part_f16", SOURCE, _twin(np.float16, _grouped), (4,)),
+    DeviceKernel("attend_map_f32", SOURCE, _twin(np.float32, _mapped), (4,)),
+    DeviceKernel("attend_map_f16", SOURCE, _twin(np.float16, _mapped), (4,)),
     DeviceKernel("attend_combine", SOURCE, _combine_twin, (1,)),
 )
 
@@ -216,11 +259,49 @@ def operands(q, k, mask, v, out):
     return k[:, :, 0].swapaxes(-1, -2), v[:, :, 0], mask_batch
 
 
+def maps_here(shape: tuple[int, ...]) -> bool:
+    """Whether a gqa_attention step of output `shape` (batch, tokens, heads, dim) is one the
+    mapped kernels take: a few query tokens (a decode step), a head dim they hold."""
+    return len(shape) == 4 and 0 < shape[1] <= MAX_TOKENS and 0 < shape[-1] <= MAX_DIM
+
+
+def map_operands(q, keys, values, mask, out) -> int | None:
+    """The mask's batch stride where a gqa_attention step's operands are the mapped kernels':
+    q and out (batch, tokens, heads, dim) float32, packed; the cached key and value rows (batch, kv
+    heads, ctx, dim), float32 or float16, packed; the mask (1 or batch, tokens, ctx). Else None."""
+    if not maps_here(tuple(out.shape)) or q.shape != out.shape or not (out.flags.c_contiguous and q.flags.c_contiguous):
+        return None
+    batch, tokens, _, dim = q.shape
+    if keys.ndim != 4 or keys.shape != values.shape or keys.shape[0] != batch or keys.shape[3] != dim:
+        return None
+    if keys.dtype != values.dtype or values.dtype not in (np.float32, np.float16) or q.dtype != np.float32:
+        return None
+    if not (keys.flags.c_contiguous and values.flags.c_contiguous):
+        return None
+    ctx = keys.shape[2]
+    if mask.dtype != np.float32 or mask.shape[1:] != (tokens, ctx) or mask.shape[0] not in (1, batch):
+        return None
+    return tokens * ctx if mask.shape[0] == batch and batch > 1 else 0
+
+
 def launch(xp, kernels: dict, q, keys, values, mask, mask_batch: int, scale: float, out, scratch=None) -> None:
-    """out = attention of q over the open positions, through the partials (in `scratch` where it
-    has room, else a fresh buffer: in a capture, the segment's pool)."""
+    """out = attention of q (the decoder's layout) over the open positions, through the partials
+    (in `scratch` where it has room, else a fresh buffer: in a capture, the segment's pool)."""
     batch, heads, group, tokens, dim = q.shape
-    ctx = values.shape[2]
+    layout = (np.int32(heads), np.int32(group))
+    _launch(xp, kernels, "part", layout, q, keys, values, mask, tokens, mask_batch, scale, out, scratch)
+
+
+def launch_mapped(xp, kernels: dict, q, keys, values, mask, mask_batch: int, kv_of, scale: float, out) -> None:
+    """out = attention of q (batch, tokens, heads, dim) over the open positions, query head h
+    reading KV head kv_of[h] (an int32 device array) of `keys` and `values` (batch, kv, ctx, dim)."""
+    batch, tokens, heads, dim = q.shape
+    layout = (kv_of, np.int32(heads), np.int32(keys.shape[1]))
+    _launch(xp, kernels, "map", layout, q, keys, values, mask, tokens, mask_batch, scale, out, None)
+
+
+def _launch(xp, kernels, layout_name, layout, q, keys, values, mask, tokens, mask_batch, scale, out, scratch) -> None:
+    dim, ctx = q.shape[-1], values.shape[-2]
     rows = q.size // dim
     if not rows:
         return
@@ -233,9 +314,9 @@ def launch(xp, kernels: dict, q, keys, values, mask, mask_batch: int, scale: flo
     # packed where they are not (a no-op for a decode step's cache; in a capture, the copies
     # come from the segment's pool)
     q, keys, values, mask = (xp.ascontiguousarray(a) for a in (q, keys, values, mask))
-    name = "attend_part_f32" if values.dtype == np.float32 else "attend_part_f16"
+    kind = "f32" if values.dtype == np.float32 else "f16"
     as_bits = (lambda a: a) if values.dtype == np.float32 else (lambda a: a.view(xp.uint16))
-    sizes = (np.int32(heads), np.int32(group), np.int32(tokens), np.int32(ctx), np.int32(dim))
-    args = (q, as_bits(keys), as_bits(values), mask, part, *sizes, np.int64(mask_batch), np.float32(scale))
-    kernels[name]((rows, chunks), (THREADS,), (*args, np.int32(chunks)))
+    sizes = (np.int32(tokens), np.int32(ctx), np.int32(dim), np.int64(mask_batch), np.float32(scale))
+    args = (q, as_bits(keys), as_bits(values), mask, part, *layout, *sizes, np.int32(chunks))
+    kernels[f"attend_{layout_name}_{kind}"]((rows, chunks), (THREADS,), args)
     kernels["attend_combine"]((rows,), (min(THREADS, dim),), (part, out, np.int32(chunks), np.int32(dim)))
