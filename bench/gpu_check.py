@@ -45,6 +45,7 @@ CUPY_TESTS = [
     "tests/test_cupy_api.py",
     "tests/test_device_kernels.py",
     "tests/test_rope_kernels.py",
+    "tests/test_layer_kernels.py",
     "tests/test_cupy_standin.py",
     "tests/test_graphs.py",
     "tests/test_cuda_backend.py",

@@ -221,9 +221,9 @@ def test_on_a_gpu_each_kernel_equals_its_twin(fmt, rows, lanes, blocks, xrows):
 
 
 SET_ROWS_SIGNATURE = (
-    "void* dst, const float* value, const int* ids, const int* start, int batches, int heads, int ctx, int dim, "
-    "int rows, int tokens",
-    "(OUT*)dst, value, ids, start, batches, heads, ctx, dim, rows, tokens",
+    "void* dst, const float* value, const int* ids, const int* start, int fed, int batches, int heads, int ctx, "
+    "int dim, int rows, int tokens",
+    "(OUT*)dst, value, ids, start, fed, batches, heads, ctx, dim, rows, tokens",
 )
 
 
@@ -240,10 +240,12 @@ def host_set_rows(tmp_path_factory):
 
 
 @pytest.mark.parametrize("cache", [np.float32, np.float16])
-@pytest.mark.parametrize("start", [0, 1])
-def test_the_set_rows_cuda_c_writes_each_row_at_its_position_and_skips_the_rest(host_set_rows, cache, start):
-    """Rows of the value at their positions of batch rows start + j, float16 rounded as NumPy
-    rounds (nearest even); positions outside the cache and batch rows past it are not written."""
+@pytest.mark.parametrize("fed", [None, 1])
+def test_the_set_rows_cuda_c_writes_each_row_at_its_position_and_skips_the_rest(host_set_rows, cache, fed):
+    """Rows of the value at their positions of batch rows start + j (start fed, else 0 whatever
+    the start pointer holds), float16 rounded as NumPy rounds (nearest even); positions outside
+    the cache and batch rows past it are not written."""
+    start = fed or 0
     rng = np.random.default_rng(3)
     batches, heads, ctx, dim, rows, tokens = 3, 2, 10, 5, 2, 3
     dst = rng.standard_normal((batches, heads, ctx, dim)).astype(cache)
@@ -260,9 +262,9 @@ def test_the_set_rows_cuda_c_writes_each_row_at_its_position_and_skips_the_rest(
     launch = getattr(host_set_rows, f"host_set_rows_{kind}")
     total = rows * heads * tokens * dim
     pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    first = np.array([start], np.int32)
+    first = np.array([1 if fed is None else fed], np.int32)  # not fed: a 1 there must not be read
     ints = [ctypes.c_int(v) for v in (-(-total // 256), 1, 256, 1)]
-    sizes = [ctypes.c_int(v) for v in (batches, heads, ctx, dim, rows, tokens)]
+    sizes = [ctypes.c_int(v) for v in (fed is not None, batches, heads, ctx, dim, rows, tokens)]
     launch(*ints, pointer(dst), pointer(value), pointer(ids), pointer(first), *sizes)
     np.testing.assert_array_equal(dst.view(np.uint8), expected.view(np.uint8))  # bit for bit, NaN-free
 

@@ -27,8 +27,8 @@ ROPE_SIGNATURE = (
 )
 WRITE_SIGNATURE = (
     "void* dst, const float* x, const int* positions, const double* inverse, const int* ids, const int* start, "
-    "int batches, int heads, int ctx, int dim, int rows, int tokens, int neox",
-    "(OUT*)dst, x, positions, inverse, ids, start, batches, heads, ctx, dim, rows, tokens, neox",
+    "int fed, int batches, int heads, int ctx, int dim, int rows, int tokens, int neox",
+    "(OUT*)dst, x, positions, inverse, ids, start, fed, batches, heads, ctx, dim, rows, tokens, neox",
 )
 BASE = 500.0
 
@@ -78,10 +78,12 @@ def test_the_rope_cuda_c_turns_each_pair_by_its_positions_angle(host_rope, mode)
 
 
 @pytest.mark.parametrize("cache", [np.float32, np.float16])
-@pytest.mark.parametrize("start", [0, 1])
-def test_the_rope_write_cuda_c_writes_the_turned_keys_at_their_positions_and_skips_the_rest(host_rope, cache, start):
-    """Rows j of the keys turned at positions[j, t] and written at ids[j, t] of batch row start + j;
-    ids outside the cache and batch rows past it are not written; Llama 3's frequency factors."""
+@pytest.mark.parametrize("fed", [None, 1])
+def test_the_rope_write_cuda_c_writes_the_turned_keys_at_their_positions_and_skips_the_rest(host_rope, cache, fed):
+    """Rows j of the keys turned at positions[j, t] and written at ids[j, t] of batch row start + j
+    (start fed, else 0 whatever the start pointer holds); ids outside the cache and batch rows
+    past it are not written; Llama 3's frequency factors."""
+    start = fed or 0
     rng = np.random.default_rng(3)
     batches, heads, ctx, dim, rows, tokens = 3, 2, 10, 8, 2, 3
     freqs = [1.0, 0.5, 0.25, 0.125]
@@ -96,8 +98,8 @@ def test_the_rope_write_cuda_c_writes_the_turned_keys_at_their_positions_and_ski
             if start + j < batches and 0 <= ids[j, t] < ctx:
                 expected[start + j, :, ids[j, t], :] = turned[j, t]
     kind = "f32" if cache == np.float32 else "f16"
-    sizes = [ctypes.c_int(v) for v in (batches, heads, ctx, dim, rows, tokens, 0)]
-    first = np.array([start], np.int32)
+    sizes = [ctypes.c_int(v) for v in (fed is not None, batches, heads, ctx, dim, rows, tokens, 0)]
+    first = np.array([1 if fed is None else fed], np.int32)  # not fed: a 1 there must not be read
     launch = getattr(host_rope, f"host_rope_write_{kind}")
     launch(
         *grid(rows * tokens * heads * dim // 2),

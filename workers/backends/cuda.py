@@ -23,8 +23,10 @@ import numpy as np
 from workers.backends import DeviceInfo, _cublas
 from workers.kernels import attend, basic, device, fused, qgemv, quant, sample, top_k
 from workers.kernels import get_rows as get_rows_kernel
+from workers.kernels import rms_norm as rms_norm_kernel
 from workers.kernels import rope as rope_kernel
 from workers.kernels import set_rows as set_rows_kernel
+from workers.kernels import swiglu as swiglu_kernel
 
 # (id(array module), device index) -> the device's capturable float32 products
 # (workers/backends/_cublas.py), opened by the first Backend of the device in this process;
@@ -131,6 +133,28 @@ def rope_set_rows(xp, inputs, params, out=None, memo=None):
 
 
 rope_set_rows.memo = True  # for set_rows's, run eagerly
+
+
+def rms_norm_mul(xp, inputs, params, out=None):
+    """The rms_norm_mul pattern as one kernel of our own (workers/kernels/rms_norm.py); other
+    layouts: the shared kernel."""
+    x, weight = inputs
+    kernels = _own_kernels(xp, x)
+    if kernels is None or not rms_norm_kernel.fits(x, weight, params, out):
+        return fused.FUSED_KERNELS["rms_norm_mul"](xp, inputs, params, out)
+    rms_norm_kernel.launch(xp, kernels, x, weight, params["eps"], out)
+    return out
+
+
+def swiglu(xp, inputs, params, out=None):
+    """The swiglu pattern as one kernel of our own (workers/kernels/swiglu.py); other layouts:
+    the shared kernel."""
+    (both,) = inputs
+    kernels = _own_kernels(xp, both)
+    if kernels is None or not swiglu_kernel.fits(both, params, out):
+        return fused.FUSED_KERNELS["swiglu"](xp, inputs, params, out)
+    swiglu_kernel.launch(xp, kernels, both, params, out)
+    return out
 
 
 def get_rows(xp, inputs, params, out=None):
@@ -262,6 +286,8 @@ KERNELS = {
     "set_rows": set_rows,
     "rope": rope,
     "rope_set_rows": rope_set_rows,
+    "rms_norm_mul": rms_norm_mul,
+    "swiglu": swiglu,
     "get_rows": get_rows,
     "qget_rows": qget_rows,
     "attention": attention,

@@ -16,6 +16,8 @@ The CUDA backend's kernels of our own (CUDA C with a NumPy twin each; device.py 
     get_rows.py     the embedding lookup with the ids read on the device
     set_rows.py     the KV-cache write with the positions read on the device
     rope.py         rope, and the keys' rope fused with their cache write (rope_set_rows)
+    rms_norm.py     RMSNorm times its weight (rms_norm_mul) in one launch
+    swiglu.py       silu(gate) * up (swiglu) in one launch
     attend.py       decode attention over the positions the mask opens (flash-decoding's passes),
                     in the decoder's layout and with a head map (the gqa_attention op)
     top_k.py        the best k logits (bitonic tiles), of a device's span and of the devices'

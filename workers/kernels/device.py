@@ -34,6 +34,8 @@ MODULES = (
     "workers.kernels.rope",
     "workers.kernels.get_rows",
     "workers.kernels.attend",
+    "workers.kernels.rms_norm",
+    "workers.kernels.swiglu",
     "workers.kernels.top_k",
     "workers.kernels.sample",
 )
@@ -54,6 +56,21 @@ __device__ __forceinline__ float half_at(const u8* p, long stride) {
     return half_to_float(bits);
 #endif
 }
+/* float arithmetic rounded one operation at a time (no fused multiply-add), so a kernel's bits
+   are its NumPy twin's, which rounds each operation */
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+#else
+__device__ __forceinline__ float mul_rn(float a, float b) { return a * b; }
+__device__ __forceinline__ float add_rn(float a, float b) { return a + b; }
+__device__ __forceinline__ float sub_rn(float a, float b) { return a - b; }
+__device__ __forceinline__ float div_rn(float a, float b) { return a / b; }
+__device__ __forceinline__ float sqrt_rn(float a) { return sqrtf(a); }
+#endif
 __device__ __forceinline__ unsigned short half_bits(float f) {  /* rounded to nearest even */
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
     unsigned short h;

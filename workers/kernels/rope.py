@@ -20,27 +20,6 @@ from workers.kernels import set_rows
 from workers.kernels.device import DeviceKernel
 
 _SOURCE = r"""
-__device__ __forceinline__ float mul_rn(float a, float b) {
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-    return __fmul_rn(a, b);
-#else
-    return a * b;
-#endif
-}
-__device__ __forceinline__ float add_rn(float a, float b) {
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-    return __fadd_rn(a, b);
-#else
-    return a + b;
-#endif
-}
-__device__ __forceinline__ float sub_rn(float a, float b) {
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-    return __fsub_rn(a, b);
-#else
-    return a - b;
-#endif
-}
 /* the pair (ia, ib) of a head's values that frequency i turns, rotated by the angle at `position` */
 __device__ __forceinline__ void rotated(const float* head, int i, int half, int neox, int position,
                                         const double* inverse, int* ia, int* ib, float* first, float* second) {
@@ -73,7 +52,7 @@ extern "C" __global__ void rope_f32(float* __restrict__ out, const float* __rest
 _WRITE = r"""
 extern "C" __global__ void rope_write_NAME(OUT* __restrict__ dst, const float* __restrict__ x,
                                            const int* __restrict__ positions, const double* __restrict__ inverse,
-                                           const int* __restrict__ ids, const int* __restrict__ start,
+                                           const int* __restrict__ ids, const int* __restrict__ start, int fed,
                                            int batches, int heads, int ctx, int dim, int rows, int tokens, int neox) {
     const int half = dim / 2;
     const long total = (long)rows * tokens * heads * half;
@@ -83,7 +62,7 @@ extern "C" __global__ void rope_write_NAME(OUT* __restrict__ dst, const float* _
     const int h = (int)((k / half) % heads);
     const long token = k / ((long)half * heads);  /* j * tokens + t */
     const int j = (int)(token / tokens);
-    const int b = start[0] + j;
+    const int b = (fed ? start[0] : 0) + j;
     const int pos = ids[token];
     if (b < 0 || b >= batches || pos < 0 || pos >= ctx) return;
     int ia, ib;
@@ -124,11 +103,11 @@ def _write_twin(cache_dtype):
     """What rope_write_<type> computes: the rows rotated, then written as set_rows_<type> writes."""
     write = set_rows.twin(cache_dtype)
 
-    def run(dst, x, positions, inverse, ids, start, batches, heads, ctx, dim, rows, tokens, neox):
+    def run(dst, x, positions, inverse, ids, start, fed, batches, heads, ctx, dim, rows, tokens, neox):
         count, h, d = int(rows) * int(tokens), int(heads), int(dim)
         turned = _rotated(x[: count * h * d].reshape(count, h, d), positions[:count], inverse[: d // 2], bool(neox))
         value = turned.reshape(int(rows), int(tokens), h, d).transpose(0, 2, 1, 3).reshape(-1)
-        write(dst, np.ascontiguousarray(value), ids, start, batches, heads, ctx, dim, rows, tokens)
+        write(dst, np.ascontiguousarray(value), ids, start, fed, batches, heads, ctx, dim, rows, tokens)
 
     return run
 
@@ -185,8 +164,8 @@ def launch_write(xp, kernels: dict, dst, x, positions, inverse, ids, start, neox
     total = rows * tokens * heads * (dim // 2)
     if not total:
         return
-    kind, target, ids, start = set_rows.cache_operands(xp, dst, ids, start)
+    kind, target, ids, start, fed = set_rows.cache_operands(xp, dst, ids, start)
     positions = xp.ascontiguousarray(positions, dtype=xp.int32)
     sizes = (batch, heads, ctx, dim, rows, tokens, int(neox))
-    args = (target, x, positions, inverse, ids, start, *(np.int32(v) for v in sizes))
+    args = (target, x, positions, inverse, ids, start, fed, *(np.int32(v) for v in sizes))
     kernels[f"rope_write_{kind}"]((-(-total // THREADS),), (THREADS,), args)
