@@ -190,21 +190,23 @@ def test_the_command_writes_a_file_generate_reads_and_refuses_a_bad_shape_in_one
     assert not (tmp_path / "bad.gguf").exists()
 
 
-@pytest.mark.parametrize("devname", ["cuda1", "cuda2"])
+@pytest.mark.parametrize("devname,kv_heads", [("cuda1", 2), ("cuda2", 2), ("cuda2", 1)])
 @pytest.mark.parametrize("kind", ["q4_1", "q6_k"])
 def test_native_weights_on_the_cuda_backend_decode_as_the_reference_with_products_in_graphs(
-    tmp_path, kind, devname, request
+    tmp_path, kind, devname, kv_heads, request
 ):
     """Quantized weights on CUDA workers (the stand-in, which runs each kernel of our own as its
     NumPy twin): a decode step's products are workers/kernels/qgemv.py's kernels, replayed in
     device graphs (no step refused: none reads on the host), logits those of the reference; with
-    q4_1, q | k | v one weight (fuse_qkv), as `generate` places such a file."""
-    shape = synthetic.Shape(layers=2, hidden=512, ffn=512, heads=4, kv_heads=2, vocab=96, context=64)
+    q4_1, q | k | v one weight (fuse_qkv), as `generate` places such a file. One KV head on two
+    workers: the query heads split 2 | 2, the KV head's quantized K and V columns on both."""
+    shape = synthetic.Shape(layers=2, hidden=512, ffn=512, heads=4, kv_heads=kv_heads, vocab=96, context=64)
     path = synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape, weights=kind)).path
     model = GGUFModel(path)
     expected = decode_logits(ReferenceDecoder(model.config, gguf_weights(path), 32), 6)
     dev = request.getfixturevalue(devname)
     net = TensorParallelLlama(dev, model.config, model.native, 32, fuse_qkv=kind == "q4_1")
+    assert net.heads.shared == (kv_heads % dev.n != 0)
     before = {rank: stats["graphs"]["replays"] for rank, stats in dev.stats().items()}
     got = decode_logits(net, 6)
     np.testing.assert_allclose(got, expected, atol=2e-3, rtol=0)

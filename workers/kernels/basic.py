@@ -262,7 +262,10 @@ def _inverse_frequencies(xp, head_dim: int, base: float, freqs: tuple[float, ...
     """base^(-2i / head_dim) * freqs[i], computed on the host (the same bits on every backend)
     and moved to the device once: a copy from host memory each call cannot be captured in a
     device graph, so every rope ran eagerly, about 10 kernel launches 20 times per token."""
-    key = (xp.__name__, head_dim, base, freqs)
+    # by the array module itself (a test process may hold two modules of one name: CuPy's
+    # stand-in installed twice) and its current device (an array lives on one)
+    device = xp.cuda.Device().id if hasattr(xp, "cuda") else -1
+    key = (id(xp), device, head_dim, base, freqs)
     inv = _FREQUENCIES.get(key)
     if inv is None:
         host = np.power(base, -np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
