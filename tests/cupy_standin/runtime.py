@@ -466,6 +466,8 @@ class MemoryPool:
         return Memory(raw, self, sid, size)
 
     def _free(self, memory: Memory) -> None:
+        if _lock is None:  # the interpreter is shutting down (a module's cache held the array): nothing to reuse
+            return
         with _lock:
             self._used -= memory.size
             self._free_blocks.setdefault((memory.stream_id, memory.size), []).append(memory.raw)
