@@ -30,8 +30,8 @@ pytestmark = pytest.mark.timeout(300)
 gguf = pytest.importorskip("gguf")
 
 QGEMV_SIGNATURE = (
-    "const u8* w, const float* x, float* out, int n, int lanes, int blocks, int xrows",
-    "w, x, out, n, lanes, blocks, xrows",
+    "const u8* w, const float* x, float* out, const float* addend, int add, int n, int lanes, int blocks, int xrows",
+    "w, x, out, addend, add, n, lanes, blocks, xrows",
 )
 
 
@@ -94,14 +94,22 @@ def host_kernels(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt, rows, lanes, blocks, xrows", CASES)
 def test_the_cuda_c_run_on_the_host_equals_gguf_dequantization(host_kernels, fmt, rows, lanes, blocks, xrows):
+    """The product, and the product with an addend added as the sums are written (the
+    qmatmul_add pattern's residual): the first plus the addend, bit for bit."""
     w, x, expected = case_operands(fmt, rows, lanes, blocks, xrows)
     out = np.full((xrows, rows), np.nan, np.float32)
     launch = getattr(host_kernels, f"host_{qgemv.kernel_name(fmt)}")
     grid = (-(-rows // qgemv.ROWS_PER_BLOCK), xrows)
     pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     ints = [ctypes.c_int(v) for v in (*grid, qgemv.ROWS_PER_BLOCK, qgemv.KSPLIT)]
-    launch(*ints, pointer(w), pointer(x), pointer(out), *(ctypes.c_int(v) for v in (rows, lanes, blocks, xrows)))
+    sizes = [ctypes.c_int(v) for v in (rows, lanes, blocks, xrows)]
+    unread = np.full(1, np.nan, np.float32)  # no addend: a NaN behind the pointer must not be read
+    launch(*ints, pointer(w), pointer(x), pointer(out), pointer(unread), ctypes.c_int(0), *sizes)
     np.testing.assert_allclose(out, expected, rtol=0, atol=tolerance(x, fmt, w))
+    addend = np.random.default_rng(2).standard_normal(out.shape).astype(np.float32) * 100
+    summed = np.full_like(out, np.nan)
+    launch(*ints, pointer(w), pointer(x), pointer(summed), pointer(addend), ctypes.c_int(1), *sizes)
+    assert summed.tobytes() == (addend + out).tobytes()
 
 
 @pytest.mark.parametrize("fmt, rows, lanes, blocks, xrows", CASES)
@@ -119,6 +127,36 @@ def test_the_backends_qmatmul_runs_the_kernel_on_the_standin(monkeypatch, fmt, r
     got = backend.to_host(out).reshape(xrows, rows)
     assert launched == [fmt]
     np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance(x, fmt, w))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q6_k"])
+def test_the_backends_qmatmul_add_adds_the_residual_in_the_kernel_on_the_standin(monkeypatch, fmt):
+    """The qmatmul_add pattern on the CUDA backend: a decode step's product and residual are one
+    qgemv launch whose sums get the addend as they are written, the bits of the product then
+    the add; an addend the kernel does not take (a bias broadcast over the rows) is the product,
+    then the add."""
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    cuda.Backend(0)
+    rows, lanes, blocks, xrows = 64, 32, 2 if fmt == "q4_1" else 1, 2
+    w, x, expected = case_operands(fmt, rows, lanes, blocks, xrows)
+    launched = []
+    monkeypatch.setattr(qgemv, "launch", _spy(qgemv.launch, launched))
+    xb = cp.asarray(x.reshape(xrows, blocks, FORMATS[fmt].block))
+    params = {"qmatmul": {"format": fmt}, "shape": (xrows, rows // lanes, lanes), "out": (xrows, rows)}
+    product = cp.empty(params["shape"], cp.float32)
+    cuda.KERNELS["qmatmul"](cp, (xb, cp.asarray(w)), params["qmatmul"], product)
+    residual = np.random.default_rng(3).standard_normal((xrows, rows)).astype(np.float32) * 50
+    out = cp.empty((xrows, rows), cp.float32)
+    cuda.KERNELS["qmatmul_add"](cp, (xb, cp.asarray(w), cp.asarray(residual)), params, out)
+    assert launched == [fmt, fmt]
+    plain = residual + cp.asnumpy(product).reshape(xrows, rows)
+    assert cp.asnumpy(out).tobytes() == plain.tobytes()
+    np.testing.assert_allclose(cp.asnumpy(out), expected + residual, rtol=0, atol=tolerance(x, fmt, w))
+    bias = residual[0]
+    got = cuda.KERNELS["qmatmul_add"](cp, (xb, cp.asarray(w), cp.asarray(bias)), params, out)
+    assert cp.asnumpy(got).tobytes() == (cp.asnumpy(product).reshape(xrows, rows) + bias).tobytes()
 
 
 def _spy(fn, seen):
@@ -214,7 +252,7 @@ def test_on_a_gpu_each_kernel_equals_its_twin(fmt, rows, lanes, blocks, xrows):
     out = cupy.full((xrows, rows), np.nan, cupy.float32)
     qgemv.launch(cupy, kernels, fmt, cupy.asarray(x), cupy.asarray(w), out)
     twin_out = np.full(xrows * rows, np.nan, np.float32)
-    qgemv.qgemv_twin(fmt)(w.reshape(-1), x.reshape(-1), twin_out, rows, lanes, blocks, xrows)
+    qgemv.qgemv_twin(fmt)(w.reshape(-1), x.reshape(-1), twin_out, twin_out, 0, rows, lanes, blocks, xrows)
     got = cupy.asnumpy(out)
     np.testing.assert_allclose(got, twin_out.reshape(xrows, rows), rtol=0, atol=tolerance(x, fmt, w))
     np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance(x, fmt, w))

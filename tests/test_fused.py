@@ -513,8 +513,9 @@ def test_a_pattern_whose_kernel_a_backend_lacks_is_not_fused_there():
 
     shared = {**KERNELS, **FUSED_KERNELS}  # a backend with no override (numba missing)
     names = {pattern.name for pattern in for_kernels(PATTERNS, shared)}
-    assert "rope_set_rows" not in names and {"attention", "swiglu", "rms_norm_mul"} <= names
-    assert "rope_set_rows" in {pattern.name for pattern in for_kernels(PATTERNS, {**shared, **cpu_overrides()})}
+    assert not {"rope_set_rows", "qmatmul_add"} & names and {"attention", "swiglu", "rms_norm_mul"} <= names
+    with_numba = {pattern.name for pattern in for_kernels(PATTERNS, {**shared, **cpu_overrides()})}
+    assert {"rope_set_rows", "qmatmul_add"} <= with_numba
 
 
 def test_the_rotation_found_once_a_run_is_each_positions_own():
@@ -534,7 +535,7 @@ def test_the_unfused_switch_names_patterns_and_refuses_others(monkeypatch):
     from workers.kernels.fused import PATTERNS, UNFUSED_ENV, left_fused
 
     assert [p.name for p in left_fused("")] == [p.name for p in PATTERNS]
-    assert [p.name for p in left_fused(" swiglu , rope_set_rows")] == ["attention", "rms_norm_mul"]
+    assert [p.name for p in left_fused(" swiglu , rope_set_rows")] == ["attention", "rms_norm_mul", "qmatmul_add"]
     assert left_fused("all") == ()
     with pytest.raises(ValueError, match=r"no pattern \['rope'\]; the patterns: .*rope_set_rows.*, or all"):
         left_fused("rope,swiglu")
@@ -573,5 +574,41 @@ def test_a_worker_told_an_unknown_pattern_stops_at_once_in_one_line(monkeypatch)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "worker 3: META_TP_UNFUSED: no pattern ['rope_set_row']; the patterns: "
-        "['attention', 'rms_norm_mul', 'rope_set_rows', 'swiglu'], or all"
+        "['attention', 'qmatmul_add', 'rms_norm_mul', 'rope_set_rows', 'swiglu'], or all"
     ]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_the_residual_added_as_the_product_is_written_gives_the_unfused_bits(tmp_path, n):
+    """Quantized weights (the qmatmul_add pattern): each layer's two residual adds take the
+    product they add (wo's, w_down's) into one call, on several devices too (the residual is
+    Partial there: each adds its own partial product before the all-reduce), and the logits are
+    the unfused program's bit for bit (a + b is b + a)."""
+    from models import synthetic
+    from models.gguf_model import GGUFModel
+    from workers.kernels.fused import left_fused
+
+    shape = synthetic.Shape(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=96, context=64)
+    model = GGUFModel(synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape, weights="q4_1")).path)
+    runs = {}
+    for fused in (True, False):
+        cluster = SimulatedCluster(n)
+        if not fused:
+            for server in cluster.servers:
+                server.executor.patterns = left_fused("qmatmul_add")
+        with MetaDevice(cluster) as dev:
+            net = TensorParallelLlama(dev, model.config, model.native, 16)
+            logits = [net.step(np.array([[5, 9, 2, 33]]), np.arange(4)[None]).numpy()]
+            for pos, token in zip(range(4, 8), (7, 61, 3, 40)):
+                logits.append(net.step(np.array([[token]]), np.array([[pos]])).numpy())
+            ops = {
+                pl.step.op
+                for p in cluster.servers[0].executor.programs.values()
+                for pl in p.placed
+                if hasattr(pl.step, "op")
+            }
+        runs[fused] = (logits, ops)
+    (fused_logits, fused_ops), (plain_logits, plain_ops) = runs[True], runs[False]
+    assert "qmatmul_add" in fused_ops and "qmatmul_add" not in plain_ops
+    for got, want in zip(fused_logits, plain_logits):
+        assert got.tobytes() == want.tobytes()

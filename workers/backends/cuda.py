@@ -70,19 +70,46 @@ def _tile_product(xp, x, tile, out) -> None:
 _tiled_qmatmul = quant.qmatmul_with(_tile_product)
 
 
-def qmatmul(xp, inputs, params, out=None):
-    """A few rows of x (decode): one kernel of our own per format reading the blocks where they
-    lie (workers/kernels/qgemv.py), captured in a device graph like any kernel; more rows
-    (prefill): dequantized tiles through cuBLAS."""
-    xb, w = inputs
+def _direct(xp, xb, w, out):
+    """(the device's kernels, x as (rows, width)) where a product is qgemv.py's (a few rows of
+    x, a packed result), else None."""
     kernels = _own_kernels(xp, w)
     width = xb.shape[-2] * xb.shape[-1] if xb.ndim >= 2 else 0
     rows = xb.size // width if width else 0
     direct = kernels is not None and 0 < rows <= qgemv.MAX_ROWS and w.size and out is not None
     if not direct or not (out.flags.c_contiguous and w.flags.c_contiguous):
+        return None
+    return kernels, xp.ascontiguousarray(xb.reshape(rows, width))
+
+
+def qmatmul(xp, inputs, params, out=None):
+    """A few rows of x (decode): one kernel of our own per format reading the blocks where they
+    lie (workers/kernels/qgemv.py), captured in a device graph like any kernel; more rows
+    (prefill): dequantized tiles through cuBLAS."""
+    xb, w = inputs
+    found = _direct(xp, xb, w, out)
+    if found is None:
         return _tiled_qmatmul(xp, inputs, params, out)
-    x = xp.ascontiguousarray(xb.reshape(rows, width))
-    qgemv.launch(xp, kernels, params["format"], x, w, out.reshape(rows, -1))
+    kernels, x = found
+    qgemv.launch(xp, kernels, params["format"], x, w, out.reshape(x.shape[0], -1))
+    return out
+
+
+_qmatmul_then_add = fused.qmatmul_add_with(qmatmul)
+
+
+def qmatmul_add(xp, inputs, params, out=None):
+    """The qmatmul_add pattern (a product and the residual added to it): in a decode step one
+    qgemv.py kernel that adds the addend as it writes the sums (one launch where there were
+    two); other shapes (an addend broadcast, a prefill's rows): the product, then the add."""
+    xb, w, addend = inputs
+    found = _direct(xp, xb, w, out)
+    plain = addend.dtype == np.float32 and addend.shape == tuple(params["out"]) and addend.flags.c_contiguous
+    if found is None or not plain:
+        return _qmatmul_then_add(xp, inputs, params, out)
+    kernels, x = found
+    rows = x.shape[0]
+    qgemv.launch(xp, kernels, params["qmatmul"]["format"], x, w, out.reshape(rows, -1), addend.reshape(rows, -1))
     return out
 
 
@@ -283,6 +310,7 @@ def _capturing(xp) -> bool:
 KERNELS = {
     "matmul": matmul,
     "qmatmul": qmatmul,
+    "qmatmul_add": qmatmul_add,
     "set_rows": set_rows,
     "rope": rope,
     "rope_set_rows": rope_set_rows,
@@ -339,7 +367,7 @@ class Backend:
         # without it CuPy hands floating-point products to cuBLAS and refuses any cuBLAS call
         # while a stream captures ("calling cuBLAS API during stream capture is currently
         # unsupported", cupy/cupy#6290), so a segment holding one would fail its capture
-        self.uncaptured = frozenset() if key in _GEMMS else frozenset({"matmul", "qmatmul"})
+        self.uncaptured = frozenset() if key in _GEMMS else frozenset({"matmul", "qmatmul", "qmatmul_add"})
         if key not in _DEVICE_KERNELS:  # at start-up, before any weight moves: a failure names the kernel
             _DEVICE_KERNELS[key] = device.compile_all(cupy)
 

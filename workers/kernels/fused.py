@@ -368,6 +368,46 @@ def _match_rope_set_rows(view: ProgramView, i: int) -> Fusion | None:
     return Fusion((write.inputs[0], write.inputs[1], x, positions, *write.inputs[3:]), params, (turn, rope))
 
 
+# -- a quantized product plus an addend (the residual, a bias): qmatmul's result added where it lies --
+
+
+def _match_qmatmul_add(view: ProgramView, i: int) -> Fusion | None:
+    """add(other, product) where the product is a qmatmul read only here, directly or through a
+    reshape (its blocks' layout to the row's); `other` broadcast as add broadcasts it."""
+    add = view.steps[i]
+    for side in (0, 1):
+        source, absorbed = add.inputs[side], ()
+        shaped = view.single_use(source, "reshape")
+        if shaped is not None:
+            source, absorbed = view.steps[shaped].inputs[0], (shaped,)
+        product = view.single_use(source, "qmatmul")
+        if product is None or not view.float32(i, product):
+            continue
+        step = view.steps[product]
+        if tuple(view.steps[absorbed[0]].shape if absorbed else step.shape) != tuple(add.shape):
+            continue  # the product itself broadcast: not a sum this kernel writes in place
+        params = {"qmatmul": dict(step.params), "shape": tuple(step.shape), "out": tuple(add.shape)}
+        return Fusion((*step.inputs, add.inputs[1 - side]), params, (*absorbed, product))
+    return None
+
+
+def qmatmul_add_with(qmatmul: Callable) -> Callable:
+    """The qmatmul_add pattern's kernel from a backend's qmatmul: the product computed into the
+    result, then the addend added to it (a + b is b + a bit for bit, so the unfused add's bits):
+    one call where there were two, and no buffer for the product."""
+
+    def qmatmul_add(xp, inputs, params, out=None):
+        xb, w, addend = inputs
+        out = xp.empty(tuple(params["out"]), xp.float32) if out is None else out
+        if out.flags.c_contiguous:  # the product's blocks' layout is a view of it
+            product = qmatmul(xp, (xb, w), params["qmatmul"], out.reshape(tuple(params["shape"])))
+        else:
+            product = qmatmul(xp, (xb, w), params["qmatmul"], None)
+        return xp.add(product.reshape(out.shape), addend, out=out)
+
+    return qmatmul_add
+
+
 @dataclass(frozen=True)
 class Pattern:
     name: str  # the fused step's op name
@@ -386,6 +426,8 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("rms_norm_mul", "mul", _match_rms_norm_mul, _rms_norm_mul),
     # its kernels: the CPU's numba loop (workers/kernels/numba_cpu.py), the GPU's (workers/kernels/rope.py)
     Pattern("rope_set_rows", "set_rows", _match_rope_set_rows, None, inplace=True),
+    # its kernels: qmatmul_add_with a backend's qmatmul (numba_cpu.py; the CUDA backend's adds in its kernels)
+    Pattern("qmatmul_add", "add", _match_qmatmul_add, None),
 )
 
 FUSED_KERNELS = {pattern.name: pattern.kernel for pattern in PATTERNS if pattern.kernel is not None}

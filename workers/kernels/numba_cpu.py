@@ -454,6 +454,7 @@ OVERRIDES = (
         "set_rows": set_rows,
         "rope_set_rows": rope_set_rows,
         "qmatmul": qmatmul,
+        "qmatmul_add": fused.qmatmul_add_with(qmatmul),
         "attention": attention,
         "gqa_attention": gqa_attention,
     }

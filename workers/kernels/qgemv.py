@@ -11,7 +11,8 @@ b % KSPLIT), whose sums are added in a fixed order (KSPLIT 0 first), so a run gi
 every time. Each x row of the call is one row of the grid.
 
 The twin (`qgemv_twin`) is what each kernel computes: out (xrows, n) = x (xrows, width) @ the
-dequantized weight (n, width).T, with the dequantization of workers/kernels/quant.py (held to
+dequantized weight (n, width).T (plus an addend of out's shape, where the qmatmul_add pattern
+gives one: a residual added as the sums are written), with the dequantization of workers/kernels/quant.py (held to
 gguf's by tests/test_quant.py). The kernel sums in another order than NumPy's product, so a GPU
 test holds it to the twin within a stated tolerance, not bit for bit.
 """
@@ -138,7 +139,8 @@ __device__ __forceinline__ float dot_bf16(const u8* w, long s, const float* x) {
 
 _KERNEL = r"""
 extern "C" __global__ void qgemv_NAME(const u8* __restrict__ w, const float* __restrict__ x,
-                                      float* __restrict__ out, int n, int lanes, int blocks, int xrows) {
+                                      float* __restrict__ out, const float* __restrict__ addend, int add,
+                                      int n, int lanes, int blocks, int xrows) {
     __shared__ float part[KSPLIT][ROWS];
     const int r = blockIdx.x * ROWS + threadIdx.x;
     const int xr = blockIdx.y;
@@ -154,7 +156,8 @@ extern "C" __global__ void qgemv_NAME(const u8* __restrict__ w, const float* __r
     if (threadIdx.y == 0 && r < n && xr < xrows) {
         float total = 0.f;
         for (int k = 0; k < KSPLIT; ++k) total += part[k][threadIdx.x];
-        out[(long)xr * n + r] = total;
+        const long at = (long)xr * n + r;
+        out[at] = add ? add_rn(total, addend[at]) : total;
     }
 }
 """
@@ -177,13 +180,14 @@ def qgemv_twin(fmt: str):
     """What qgemv_<fmt> computes, over the same flat memory and scalars."""
     f = FORMATS[fmt]
 
-    def twin(w, x, out, n, lanes, blocks, xrows):
+    def twin(w, x, out, addend, add, n, lanes, blocks, xrows):
         n, lanes, blocks, xrows = int(n), int(lanes), int(blocks), int(xrows)
         groups = n // lanes
         weight = w[: groups * blocks * f.block_bytes * lanes].reshape(groups, blocks, f.block_bytes, lanes)
         values = quant.dequantize(np, weight, f)  # (n, width)
         xs = x[: xrows * blocks * f.block].reshape(xrows, blocks * f.block)
-        out[: xrows * n] = (xs @ values.T).reshape(-1)
+        product = (xs @ values.T).reshape(-1)
+        out[: xrows * n] = product + addend[: xrows * n] if add else product
 
     return twin
 
@@ -191,10 +195,13 @@ def qgemv_twin(fmt: str):
 DEVICE_KERNELS = tuple(DeviceKernel(kernel_name(fmt), SOURCE, qgemv_twin(fmt), (2,)) for fmt in FORMATS)
 
 
-def launch(xp, kernels: dict, fmt: str, x, w, out) -> None:
-    """out (xrows, n) = x (xrows, width) @ w's dequantized (n, width).T; all C-contiguous."""
+def launch(xp, kernels: dict, fmt: str, x, w, out, addend=None) -> None:
+    """out (xrows, n) = x (xrows, width) @ w's dequantized (n, width).T, plus `addend` (xrows, n)
+    where given (each sum rounded, then the addend added: an add step's bits); all C-contiguous.
+    Without an addend, `out` stands in for its pointer, never read."""
     groups, blocks, _, lanes = w.shape
     n, xrows = groups * lanes, x.shape[0]
     grid = (-(-n // ROWS_PER_BLOCK), xrows)
-    args = (w, x, out, np.int32(n), np.int32(lanes), np.int32(blocks), np.int32(xrows))
+    add = (out if addend is None else addend, np.int32(addend is not None))
+    args = (w, x, out, *add, np.int32(n), np.int32(lanes), np.int32(blocks), np.int32(xrows))
     kernels[kernel_name(fmt)](grid, (ROWS_PER_BLOCK, KSPLIT), args)
