@@ -17,8 +17,9 @@ default there; the sweep also through shared memory):
    to 8 layers, and a SmolLM2-1.7B shape, Q4_1 layers, Q8_0 embedding: nothing large travels to
    the machine), each with float32 and native weights on 1 CUDA worker: decode and prefill tok/s,
    the percent of the memory-bandwidth bound (the resident weights' bytes a token reads, over the
-   GPU's datasheet bandwidth), device-graph replays per token, and the first tokens against
-   `--backend cpu`'s.
+   GPU's datasheet bandwidth), device-graph replays per token, the GPU memory the worker holds
+   (its CuPy pool, from the worker's stats) beside the weights' bytes, and the first tokens
+   against `--backend cpu`'s.
 Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
 exits 1; a failed check exits 2.
 """
@@ -150,6 +151,8 @@ def _decode_row(path: Path, weights: str, folder: Path, steps: int) -> dict:
         "decode_step_graphs": step.get("graphs"),
         "outside_graphs": sorted(set(step.get("outside", []))),
         "resident_mib": resident / 2**20,
+        # measured: what the worker's CuPy pool hands out (weights, caches, arena, graph pools, cuBLAS's workspace)
+        "device_mib": max((s.get("device_memory", {}).get("pool_used", 0) for s in workers), default=0) / 2**20,
         "bound_tok_s": bandwidth / resident if bandwidth else None,
         "tokens": run["tokens"],
     }
@@ -259,11 +262,12 @@ def show(results: dict) -> None:
     print(table(f"GPU check, {results['workers']} workers on GPU 0", ["check", "result", "s", "detail"], rows))
     if results.get("decode"):
         cols = ["file", "weights", "decode tok/s", "bound tok/s", "% of bound", "graphs/token", "prefill tok/s"]
-        cols += ["tokens == cpu", "resident MiB", "step graphs", "outside them"]
+        cols += ["tokens == cpu", "weights MiB", "GPU MiB", "step graphs", "outside them"]
         rows = [
             [r["file"], r["weights"]]
             + [r.get(k, "-") for k in ("decode_tok_s", "bound_tok_s", "bound_percent", "graphs_per_token")]
             + [r.get("prefill_tok_s", "-"), r.get("tokens_equal_cpu", "-"), r.get("resident_mib", "-")]
+            + [r.get("device_mib", "-")]
             + [r.get("decode_step_graphs", "-"), " ".join(r.get("outside_graphs", [])) or "-"]
             for r in results["decode"]
         ]

@@ -195,6 +195,8 @@ def test_the_command_writes_a_file_generate_reads_and_refuses_a_bad_shape_in_one
 def test_native_weights_on_the_cuda_backend_decode_as_the_reference_with_products_in_graphs(
     tmp_path, kind, devname, kv_heads, request
 ):
+    from workers.backends import _cublas
+
     """Quantized weights on CUDA workers (the stand-in, which runs each kernel of our own as its
     NumPy twin): a decode step's products are workers/kernels/qgemv.py's kernels, replayed in
     device graphs (no step refused: none reads on the host), logits those of the reference; with
@@ -213,6 +215,12 @@ def test_native_weights_on_the_cuda_backend_decode_as_the_reference_with_product
     for rank, stats in dev.stats().items():
         graphs = stats["graphs"]
         assert graphs["replays"] > before[rank] and not graphs["refused"], (rank, graphs)
+        # the GPU holds the weights in their blocks (the file's bytes / N), the caches, the
+        # arena, the graphs' pools, cuBLAS's workspace and a few MiB of kernels' buffers: a
+        # dequantized copy of the layers' weights (12 MiB of float32 here) would not fit the slack
+        held, stored = stats["device_memory"]["pool_used"], stats["used"] + stats["arena"]
+        fixed = stats["graphs"]["pool_bytes"] + _cublas.WORKSPACE_BYTES
+        assert stored <= held <= stored + fixed + (4 << 20), (held, stored, fixed)
 
 
 def _mapped_resident(path: Path) -> int:

@@ -156,6 +156,9 @@ class WorkerServer:
             "max_rss_kib": max(_peak_rss_kib(), rss),  # read apart: the peak may trail a page
             "rss_kib": rss,
         }
+        memory = getattr(self.backend, "memory", None)
+        if memory is not None:  # a GPU's: what the worker holds there
+            info["device_memory"] = memory()
         return p.Ok(info)
 
     def _on_heartbeat(self, m: p.Heartbeat) -> p.Message:

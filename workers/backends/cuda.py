@@ -377,6 +377,19 @@ class Backend:
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         return DeviceInfo(self.name, self.index, f"cuda:{self.index}", name, self.kind, int(total), int(free))
 
+    def memory(self) -> dict[str, int]:
+        """What this worker holds on its GPU: the bytes CuPy's pool hands out now (weights, KV
+        caches, results, scratch) and holds (with its free blocks), and the device's free and
+        total bytes (other processes' too)."""
+        pool = self.xp.get_default_memory_pool()
+        free, total = self.xp.cuda.runtime.memGetInfo()
+        return {
+            "pool_used": int(pool.used_bytes()),
+            "pool_held": int(pool.total_bytes()),
+            "free": int(free),
+            "total": int(total),
+        }
+
     def to_device(self, array: np.ndarray) -> Any:
         return self.xp.asarray(array)  # on the compute stream, after the kernels before it
 
