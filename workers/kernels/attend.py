@@ -164,7 +164,7 @@ SOURCE = (
 
 def _twin(cache_dtype, locate):
     """What an attend kernel computes over the same flat memory and scalars, its rows' keys found
-    by `locate(row, heads, group or (kv_of, kv heads), tokens) -> (t, b, bh)` as its LOCATE."""
+    by `locate(row, tokens, *its layout's arguments) -> (t, b, bh)` as its LOCATE finds them."""
 
     def run(q, k, v, mask, part, *layout_sizes):
         *layout, tokens, ctx, dim, mask_batch, scale, chunks = layout_sizes

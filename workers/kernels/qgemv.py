@@ -11,10 +11,11 @@ b % KSPLIT), whose sums are added in a fixed order (KSPLIT 0 first), so a run gi
 every time. Each x row of the call is one row of the grid.
 
 The twin (`qgemv_twin`) is what each kernel computes: out (xrows, n) = x (xrows, width) @ the
-dequantized weight (n, width).T (plus an addend of out's shape, where the qmatmul_add pattern
-gives one: a residual added as the sums are written), with the dequantization of workers/kernels/quant.py (held to
-gguf's by tests/test_quant.py). The kernel sums in another order than NumPy's product, so a GPU
-test holds it to the twin within a stated tolerance, not bit for bit.
+dequantized weight (n, width).T (plus an addend of out's shape where the qmatmul_add pattern
+gives one: a residual added as the sums are written), with the dequantization of
+workers/kernels/quant.py (held to gguf's by tests/test_quant.py). The kernel sums in another
+order than NumPy's product, so a GPU test holds it to the twin within a stated tolerance, not
+bit for bit.
 """
 
 from __future__ import annotations
