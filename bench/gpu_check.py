@@ -17,7 +17,8 @@ default there; the sweep also through shared memory):
    to 8 layers, and a SmolLM2-1.7B shape, Q4_1 layers, Q8_0 embedding: nothing large travels to
    the machine), each with float32 and native weights on 1 CUDA worker: decode and prefill tok/s,
    the percent of the memory-bandwidth bound (the resident weights' bytes a token reads, over the
-   GPU's datasheet bandwidth), device-graph replays per token, the GPU memory the worker holds
+   GPU's datasheet bandwidth), the device graphs a decode step launches (the goal: 1) and every
+   program's replays per token (a prefill's included), the GPU memory the worker holds
    (its CuPy pool, from the worker's stats) beside the weights' bytes, and the first tokens
    against `--backend cpu`'s.
 Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
@@ -261,7 +262,7 @@ def show(results: dict) -> None:
     rows = [(c["check"], "ok" if c["ok"] else "FAILED", f"{c['seconds']:.1f}", c["detail"]) for c in results["checks"]]
     print(table(f"GPU check, {results['workers']} workers on GPU 0", ["check", "result", "s", "detail"], rows))
     if results.get("decode"):
-        cols = ["file", "weights", "decode tok/s", "bound tok/s", "% of bound", "graphs/token", "prefill tok/s"]
+        cols = ["file", "weights", "decode tok/s", "bound tok/s", "% of bound", "replays/token", "prefill tok/s"]
         cols += ["tokens == cpu", "weights MiB", "GPU MiB", "step graphs", "outside them"]
         rows = [
             [r["file"], r["weights"]]
