@@ -159,6 +159,60 @@ def test_the_backends_qmatmul_add_adds_the_residual_in_the_kernel_on_the_standin
     assert cp.asnumpy(got).tobytes() == (cp.asnumpy(product).reshape(xrows, rows) + bias).tobytes()
 
 
+@pytest.fixture(scope="module")
+def host_dequant(tmp_path_factory):
+    from workers.kernels import dequant
+
+    signature = (
+        "const u8* weight, float* out, int groups, int blocks, int lanes",
+        "weight, out, groups, blocks, lanes",
+    )
+    return host_library(tmp_path_factory, dequant.SOURCE, {f"dequant_{n}": signature for n in dequant.FORMAT_NAMES})
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+@pytest.mark.parametrize("rows, lanes, blocks", [(40, 8, 3), (7, 1, 5), (64, 32, 2)])
+def test_the_dequantization_cuda_c_run_on_the_host_gives_gguf_values_bit_for_bit(
+    host_dequant, fmt, rows, lanes, blocks
+):
+    """A prefill's tile dequantized by the kernel: gguf's own dequantization of the file's blocks,
+    row g * lanes + l of the interleaved weight at row g * lanes + l, bit for bit (each value
+    is one or two exactly rounded operations on exact operands)."""
+    file_blocks = random_blocks(fmt, rows, blocks, 4)
+    w = np.ascontiguousarray(interleave(file_blocks, lanes))
+    out = np.full((rows, blocks * 32), np.nan, np.float32)
+    grid = [ctypes.c_int(v) for v in (-(-out.size // 256), 1, 256, 1)]
+    sizes = [ctypes.c_int(v) for v in (w.shape[0], blocks, lanes)]
+    pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    getattr(host_dequant, f"host_dequant_{fmt}")(*grid, pointer(w), pointer(out), *sizes)
+    assert out.tobytes() == gguf_values(fmt, file_blocks).astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q5_0", "q6_k"])
+def test_a_prefills_product_dequantizes_its_tiles_with_the_kernel_on_the_standin(monkeypatch, fmt):
+    """More rows of x than the decode kernels take: the weight dequantized a tile at a time (by
+    the kernel for the formats it has, CuPy's expressions for the K-quants) and multiplied."""
+    from workers.kernels import dequant, quant
+
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    cuda.Backend(0)
+    launched = []
+    real = dequant.launch
+    monkeypatch.setattr(dequant, "launch", lambda *a: launched.append(a[2]) or real(*a))
+    monkeypatch.setattr(quant, "TILE_BYTES", 4096)  # several tiles
+    rows, lanes, blocks, xrows = 64, 8, 8 if FORMATS[fmt].block == 32 else 1, qgemv.MAX_ROWS + 4
+    w, x, expected = case_operands(fmt, rows, lanes, blocks, xrows)
+    xb = cp.asarray(x.reshape(xrows, blocks, FORMATS[fmt].block))
+    out = cp.empty((xrows, rows // lanes, lanes), cp.float32)
+    cuda.KERNELS["qmatmul"](cp, (xb, cp.asarray(w)), {"format": fmt}, out)
+    tiles = -(-(rows // lanes) // max(1, 4096 // (4 * blocks * FORMATS[fmt].block * lanes)))
+    assert launched == ([fmt] * tiles if fmt in dequant.FORMAT_NAMES else [])
+    got = cp.asnumpy(out).reshape(xrows, rows)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance(x, fmt, w))
+
+
 def _spy(fn, seen):
     def spy(xp, kernels, fmt, *args):
         seen.append(fmt)
@@ -239,6 +293,21 @@ def test_every_kernel_source_compiles_with_nvcc(tmp_path):
         )
         assert done.returncode == 0, done.stderr[-3000:]
         assert "warning" not in done.stderr.lower(), done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_on_host.real_gpu(), reason="needs CuPy and a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_on_a_gpu_the_dequantization_kernels_give_gguf_values_bit_for_bit(fmt):
+    import cupy
+
+    from workers.kernels import dequant
+
+    kernels = device.compile_all(cupy)
+    file_blocks = random_blocks(fmt, 96, 5, 4)
+    w = cupy.asarray(np.ascontiguousarray(interleave(file_blocks, 32)))
+    got = cupy.asnumpy(dequant.launch(cupy, kernels, fmt, w))
+    assert got.tobytes() == gguf_values(fmt, file_blocks).astype(np.float32).tobytes()
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from workers.backends import DeviceInfo, _cublas
-from workers.kernels import attend, basic, device, fused, qgemv, quant, sample, top_k
+from workers.kernels import attend, basic, dequant, device, fused, qgemv, quant, sample, top_k
 from workers.kernels import get_rows as get_rows_kernel
 from workers.kernels import rms_norm as rms_norm_kernel
 from workers.kernels import rope as rope_kernel
@@ -67,7 +67,17 @@ def _tile_product(xp, x, tile, out) -> None:
         quant.tile_product(xp, x, tile, out)
 
 
-_tiled_qmatmul = quant.qmatmul_with(_tile_product)
+def _dequantized(xp, w, fmt):
+    """A prefill's tile of a weight dequantized by a kernel of our own (workers/kernels/dequant.py:
+    one launch where CuPy's expressions made about a dozen) for the formats it has; the others by
+    CuPy's expressions."""
+    kernels = _own_kernels(xp, w)
+    if kernels is None or fmt.name not in dequant.FORMAT_NAMES or not w.flags.c_contiguous:
+        return quant.dequantize(xp, w, fmt)
+    return dequant.launch(xp, kernels, fmt.name, w)
+
+
+_tiled_qmatmul = quant.qmatmul_with(_tile_product, _dequantized)
 
 
 def _direct(xp, xb, w, out):

@@ -13,6 +13,7 @@ The CPU backend's overrides (workers/backends/cpu.py KERNELS):
 The CUDA backend's kernels of our own (CUDA C with a NumPy twin each; device.py says how to add one):
     device.py       DeviceKernel, the modules compiled at start-up, compile_all
     qgemv.py        decode products reading the GGUF blocks in place
+    dequant.py      a prefill's tiles of legacy-format weights dequantized in one launch each
     get_rows.py     the embedding lookup with the ids read on the device
     set_rows.py     the KV-cache write with the positions read on the device
     rope.py         rope, and the keys' rope fused with their cache write (rope_set_rows)

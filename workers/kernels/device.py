@@ -30,6 +30,7 @@ from split_state.errors import KernelCompileError
 # the modules whose DEVICE_KERNELS the CUDA backend compiles
 MODULES = (
     "workers.kernels.qgemv",
+    "workers.kernels.dequant",
     "workers.kernels.set_rows",
     "workers.kernels.rope",
     "workers.kernels.get_rows",

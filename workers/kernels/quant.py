@@ -108,10 +108,13 @@ def dequantize(xp, w, fmt: QuantFormat):
     return values(xp, file_order(w), fmt)
 
 
-def qmatmul_with(product: Callable) -> Callable:
+def qmatmul_with(product: Callable, dequantized: Callable | None = None) -> Callable:
     """The qmatmul kernel whose tiles' products are `product(xp, x, tile, out)`: out (a column
-    slice of the result) = x @ tile, tile a dequantized (width, rows) transposed view. A backend
-    gives its own (the CUDA backend's can be captured in a device graph)."""
+    slice of the result) = x @ tile, tile a dequantized (width, rows) transposed view, each tile
+    made by `dequantized(xp, w tile, fmt)` (by default `dequantize`). A backend gives its own
+    (the CUDA backend's products can be captured in a device graph, its tiles made by a kernel
+    of its own)."""
+    dequantized = dequantized or dequantize
 
     def qmatmul(xp, inputs, params, out=None):
         xb, w = inputs
@@ -126,7 +129,7 @@ def qmatmul_with(product: Callable) -> Callable:
         flat = out.reshape(-1, n)
         tile = max(1, TILE_BYTES // (4 * width * lanes))  # groups a tile
         for start in range(0, groups, tile):
-            part = dequantize(xp, w[start : start + tile], fmt)
+            part = dequantized(xp, w[start : start + tile], fmt)
             product(xp, x, part.T, flat[:, start * lanes : start * lanes + part.shape[0]])
         return out
 
