@@ -170,7 +170,7 @@ def host_dequant(tmp_path_factory):
     return host_library(tmp_path_factory, dequant.SOURCE, {f"dequant_{n}": signature for n in dequant.FORMAT_NAMES})
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("rows, lanes, blocks", [(40, 8, 3), (7, 1, 5), (64, 32, 2)])
 def test_the_dequantization_cuda_c_run_on_the_host_gives_gguf_values_bit_for_bit(
     host_dequant, fmt, rows, lanes, blocks
@@ -180,7 +180,7 @@ def test_the_dequantization_cuda_c_run_on_the_host_gives_gguf_values_bit_for_bit
     is one or two exactly rounded operations on exact operands)."""
     file_blocks = random_blocks(fmt, rows, blocks, 4)
     w = np.ascontiguousarray(interleave(file_blocks, lanes))
-    out = np.full((rows, blocks * 32), np.nan, np.float32)
+    out = np.full((rows, blocks * FORMATS[fmt].block), np.nan, np.float32)
     grid = [ctypes.c_int(v) for v in (-(-out.size // 256), 1, 256, 1)]
     sizes = [ctypes.c_int(v) for v in (w.shape[0], blocks, lanes)]
     pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
@@ -188,10 +188,10 @@ def test_the_dequantization_cuda_c_run_on_the_host_gives_gguf_values_bit_for_bit
     assert out.tobytes() == gguf_values(fmt, file_blocks).astype(np.float32).tobytes()
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q5_0", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q5_0", "q6_k", "bf16"])
 def test_a_prefills_product_dequantizes_its_tiles_with_the_kernel_on_the_standin(monkeypatch, fmt):
     """More rows of x than the decode kernels take: the weight dequantized a tile at a time (by
-    the kernel for the formats it has, CuPy's expressions for the K-quants) and multiplied."""
+    the kernel for the formats it has, CuPy's expressions for bf16) and multiplied."""
     from workers.kernels import dequant, quant
 
     cp = install(monkeypatch)
@@ -297,7 +297,7 @@ def test_every_kernel_source_compiles_with_nvcc(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_on_host.real_gpu(), reason="needs CuPy and a CUDA GPU")
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"])
 def test_on_a_gpu_the_dequantization_kernels_give_gguf_values_bit_for_bit(fmt):
     import cupy
 
