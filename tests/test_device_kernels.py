@@ -201,7 +201,8 @@ def test_a_prefills_product_dequantizes_its_tiles_with_the_kernel_on_the_standin
     launched = []
     real = dequant.launch
     monkeypatch.setattr(dequant, "launch", lambda *a: launched.append(a[2]) or real(*a))
-    monkeypatch.setattr(quant, "TILE_BYTES", 4096)  # several tiles
+    several = quant.qmatmul_with(cuda._tile_product, cuda._dequantized, 4096)  # several tiles
+    monkeypatch.setattr(cuda, "_tiled_qmatmul", several)
     rows, lanes, blocks, xrows = 64, 8, 8 if FORMATS[fmt].block == 32 else 1, qgemv.MAX_ROWS + 4
     w, x, expected = case_operands(fmt, rows, lanes, blocks, xrows)
     xb = cp.asarray(x.reshape(xrows, blocks, FORMATS[fmt].block))

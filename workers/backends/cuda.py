@@ -77,7 +77,11 @@ def _dequantized(xp, w, fmt):
     return dequant.launch(xp, kernels, fmt.name, w)
 
 
-_tiled_qmatmul = quant.qmatmul_with(_tile_product, _dequantized)
+# float32 bytes of a prefill's dequantized tile on the GPU: a 1.7B-shaped layer's weights in ~30
+# tiles (two launches each, the tile and its product) where the CPU's 1 MiB made ~230; a captured
+# segment's pool holds one tile at a time
+TILE_BYTES = 8 << 20
+_tiled_qmatmul = quant.qmatmul_with(_tile_product, _dequantized, TILE_BYTES)
 
 
 def _direct(xp, xb, w, out):

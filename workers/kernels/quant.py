@@ -108,12 +108,13 @@ def dequantize(xp, w, fmt: QuantFormat):
     return values(xp, file_order(w), fmt)
 
 
-def qmatmul_with(product: Callable, dequantized: Callable | None = None) -> Callable:
+def qmatmul_with(product: Callable, dequantized: Callable | None = None, tile_bytes: int = 0) -> Callable:
     """The qmatmul kernel whose tiles' products are `product(xp, x, tile, out)`: out (a column
-    slice of the result) = x @ tile, tile a dequantized (width, rows) transposed view, each tile
-    made by `dequantized(xp, w tile, fmt)` (by default `dequantize`). A backend gives its own
-    (the CUDA backend's products can be captured in a device graph, its tiles made by a kernel
-    of its own)."""
+    slice of the result) = x @ tile, tile a dequantized (width, rows) transposed view of at most
+    `tile_bytes` (by default TILE_BYTES), each made by `dequantized(xp, w tile, fmt)` (by default
+    `dequantize`). A backend gives its own (the CUDA backend's products can be captured in a
+    device graph, its tiles made by a kernel of its own, larger: a launch costs more there than
+    the memory)."""
     dequantized = dequantized or dequantize
 
     def qmatmul(xp, inputs, params, out=None):
@@ -127,7 +128,7 @@ def qmatmul_with(product: Callable, dequantized: Callable | None = None) -> Call
             return out
         x = xb.reshape(-1, width)
         flat = out.reshape(-1, n)
-        tile = max(1, TILE_BYTES // (4 * width * lanes))  # groups a tile
+        tile = max(1, (tile_bytes or TILE_BYTES) // (4 * width * lanes))  # groups a tile
         for start in range(0, groups, tile):
             part = dequantized(xp, w[start : start + tile], fmt)
             product(xp, x, part.T, flat[:, start * lanes : start * lanes + part.shape[0]])
