@@ -760,6 +760,24 @@ def test_a_captured_attention_reads_the_open_positions_on_the_device_at_each_rep
     np.testing.assert_allclose(backend.to_host(out), oracle(q2, mask), rtol=1e-5, atol=2e-6)
 
 
+def test_a_device_holding_no_heads_runs_an_empty_gqa_attention_in_its_graph(monkeypatch):
+    """More devices than query heads (HeadSplit.even_queries gives the last none): the step is
+    still the mapped kernels' (captured, nothing launched), its output empty."""
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    backend = cuda.Backend(0)
+    q, cache = cp.empty((1, 1, 0, 64), cp.float32), cp.empty((1, 0, 40, 64), cp.float32)
+    mask = cp.zeros((1, 1, 40), cp.float32)
+    out = cp.empty((1, 1, 0, 64), cp.float32)
+    params = {"scale": 0.125, "kv_of_head": []}
+    cuda.KERNELS["gqa_attention"](cp, (q, cache, cache, mask), params, out)
+    backend.begin_capture()
+    got = cuda.KERNELS["gqa_attention"](cp, (q, cache, cache, mask), params, out)
+    backend.launch(backend.end_capture())
+    assert got is out and backend.to_host(out).shape == (1, 1, 0, 64)
+
+
 def test_the_cuda_gqa_attention_takes_a_decode_steps_shapes_in_the_graph_and_a_prefills_eagerly():
     from workers.backends import cuda
     from workers.kernels import attend
