@@ -30,7 +30,7 @@ _VALUES = {
     "q5_1": "add_rn(mul_rn(half_at(w, s), (float)(nibble(w + 8 * s, s, v) | fifth(w + 4 * s, s, v))),"
     " half_at(w + 2 * s, s))",
 }
-# the K-quants' 256-value blocks: value v of the block, sub-block (32 values) s = v / 32, j = v % 32
+# the K-quants' 256-value blocks (value v of sub-block t = v / 32: k_value's and q6_value's comments)
 _VALUES |= {
     "q4_k": "k_value(w, s, v, 16, -1)",
     "q5_k": "k_value(w, s, v, 48, 16)",
@@ -123,7 +123,7 @@ DEVICE_KERNELS = tuple(DeviceKernel(f"dequant_{name}", SOURCE, _twin(name), (1,)
 
 def launch(xp, kernels: dict, name: str, w):
     """The interleaved tile `w` (groups, blocks, block_bytes, lanes), packed, dequantized: (groups *
-    lanes, blocks * 32) float32, as quant.dequantize gives it."""
+    lanes, blocks * block) float32, as quant.dequantize gives it."""
     groups, blocks, _, lanes = w.shape
     out = xp.empty((groups * lanes, blocks * FORMATS[name].block), xp.float32)
     if out.size:
