@@ -363,14 +363,87 @@ def test_numba_kernels_hand_other_layouts_to_numpy():
     np.testing.assert_allclose(got, ref.rope(h, np.array([[1, 2]]), 100.0, "normal"), rtol=2e-3, atol=2e-3)
 
 
+def test_numba_swiglu_against_the_formula_over_the_exponentials_range():
+    both = f32(3, 2, 40) * 4  # gate | up along the last axis, with a gap: gate 2..18, up 22..38
+    both[0, 0, 2:9] = [-200, -88, -87.5, 0, 20, 87.5, 200]  # both ends of _exp's range
+    out = np.full((3, 2, 16), np.nan, np.float32)
+    got = cpu_overrides()["swiglu"](np, (both,), {"gate": (2, 18), "up": (22, 38)}, out)
+    assert got is out
+    g = both[..., 2:18].astype(np.float64)
+    expected = g / (1 + np.exp(-g)) * both[..., 22:38]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-30)
+    odd = f32(3, 2, 32)[..., ::2]  # not contiguous: NumPy's passes
+    want = FUSED_KERNELS["swiglu"](np, (odd,), {"gate": (0, 8), "up": (8, 16)}, np.empty((3, 2, 8), np.float32))
+    got = cpu_overrides()["swiglu"](np, (odd,), {"gate": (0, 8), "up": (8, 16)}, np.empty((3, 2, 8), np.float32))
+    np.testing.assert_array_equal(got, want)
+
+
+def _first_best(values, indices):
+    """The top_k order's best entry, found by sorting the entries: NaN as -inf, value
+    descending, then index ascending with -1 (padding) after every real index."""
+    clean = [(-np.inf if np.isnan(v) else float(v), int(i)) for v, i in zip(values, indices)]
+    return min(clean, key=lambda e: (-e[0], np.inf if e[1] < 0 else e[1]))
+
+
+def test_greedy_candidates_take_the_first_best_of_the_span_nan_as_minus_infinity():
+    x = rng.integers(-3, 3, size=(5, 2, 30)).astype(np.float32)  # ties on purpose
+    x[0, 0, 7] = np.nan
+    x[1, 1, :] = -np.inf  # nothing better than -inf: the span's first index
+    x[2, 0, :] = np.nan
+    x[2, 0, 20] = -np.inf
+    x[3, 1, 12:14] = 9  # a tie at the top: the lower index
+    x[4, 0, 25] = np.inf
+    local, length, start = 4, 19, 1000  # the span x[..., 4:23] holds global indices 1000..1018
+    params = {"k": 1, "width": 1, "spans": ((start, length, local),), "devices": 2}
+    out = np.full((5, 2, 1, 2), 7.0)
+    got = cpu_overrides()["top_k_candidates"](np, (x,), params, out)
+    assert got is out
+    for r in range(5):
+        for c in range(2):
+            span = x[r, c, local : local + length]
+            assert tuple(got[r, c, 0]) == _first_best(span, range(start, start + length))
+
+
+def test_greedy_combine_takes_the_best_pair_and_padding_after_a_real_index():
+    pairs = np.array(
+        [
+            [[1.0, 40], [3.0, 9], [3.0, 2], [-np.inf, -1]],
+            [[-np.inf, -1], [-np.inf, 17], [-np.inf, 3], [-np.inf, -1]],  # padding after real indices
+            [[np.nan, 5], [-np.inf, -1], [-2.0, 8], [-2.0, 6]],
+            [[5.0, -1], [5.0, 30], [0.0, 1], [5.0, 31]],
+        ]
+    )
+    out = np.empty((4, 1, 2))
+    got = cpu_overrides()["top_k_combine"](np, (pairs,), {"k": 1}, out)
+    assert got is out
+    for r in range(4):
+        assert tuple(got[r, 0]) == _first_best(pairs[r, :, 0], pairs[r, :, 1])
+    assert tuple(got[1, 0]) == (-np.inf, 3.0)
+
+
+def test_the_greedy_loops_hand_k_above_one_and_several_spans_to_the_shared_kernels():
+    from workers.kernels import basic
+
+    kernels = cpu_overrides()
+    x = f32(2, 12)
+    for params in (
+        {"k": 3, "width": 3, "spans": ((0, 12, 0),)},
+        {"k": 1, "width": 1, "spans": ((0, 5, 0), (20, 7, 5))},
+    ):
+        expected = basic.KERNELS["top_k_candidates"](np, (x,), params, None)
+        got = kernels["top_k_candidates"](np, (x,), params, np.empty_like(expected))
+        np.testing.assert_array_equal(got, expected)
+
+
 def test_the_cpu_backend_runs_the_numba_loops_and_numpy_the_rest():
     from workers.backends import make_backend
-    from workers.kernels import FUSED_KERNELS, kernels_for
+    from workers.kernels import kernels_for
 
     overrides = cpu_overrides()
     table = kernels_for(make_backend("cpu"))
     assert table["rope"] is overrides["rope"] and table["rms_norm_mul"] is overrides["rms_norm_mul"]
-    assert table["swiglu"] is FUSED_KERNELS["swiglu"]
+    assert table["swiglu"] is overrides["swiglu"] and table["top_k_combine"] is overrides["top_k_combine"]
+    assert table["softmax_ext"] is KERNELS["softmax_ext"] and "softmax_ext" not in overrides
 
 
 def test_the_layers_of_a_run_find_the_used_positions_once_and_each_run_again(monkeypatch):

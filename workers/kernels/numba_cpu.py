@@ -4,14 +4,16 @@ NumPy needs several passes and temporaries for a 576-wide norm or for rotating o
 heads; these loops (workers/kernels/numba_loops.py) do one pass with no allocation. They
 accumulate in float64 where NumPy accumulates in float32, so they agree with the NumPy kernels
 to rounding, not bit for bit; every CPU worker runs the same ones, so Mirrored results stay
-identical across devices. Measured at a decode step's sizes, silu(gate) * up was as fast in
-NumPy (vectorised exp): it stays NumPy's. A decode step's attention (up to MAX_LOOP_ROWS
-tokens) is one loop here, threaded over the query rows: scores, softmax and the weighted values
-of a row in one task (SmolLM2, 1,024 positions: 82 against 92 us on one thread, 59 against 91
-on two; in a decode token at ~100 positions 31.5 / 24.5 against 35.7 / 33.2 us a layer). A
-prefill's keeps BLAS for its two products and takes its softmax from here: one pass per row
-with an exponential that vectorises, where NumPy made five passes and a transposed copy (11
-against 22 us a SmolLM2 layer at 256 positions).
+identical across devices. silu(gate) * up is one pass too: alone, NumPy's vectorised passes were
+as fast, but in a decode step each NumPy call runs after a weight product has pushed NumPy's
+code and data out of the caches, and there its five passes cost 12.8 us a SmolLM2 layer (greedy
+decoding's choice, top_k, cost 220 us in NumPy, 60 as a loop). A decode step's attention (up to
+MAX_LOOP_ROWS tokens) is one loop here, threaded over the query rows: scores, softmax and the
+weighted values of a row in one task (SmolLM2, 1,024 positions: 82 against 92 us on one thread,
+59 against 91 on two; in a decode token at ~100 positions 31.5 / 24.5 against 35.7 / 33.2 us a
+layer). A prefill's keeps BLAS for its two products and takes its softmax from here: one pass
+per row with an exponential that vectorises, where NumPy made five passes and a transposed copy
+(11 against 22 us a SmolLM2 layer at 256 positions).
 
 A decode step's KV-cache writes are one loop each (set_rows), the keys' with their rope (the
 fused pattern rope_set_rows, which a backend without a kernel for it leaves unfused): in a
@@ -406,6 +408,7 @@ def _warm() -> None:
             tile = np.empty((width, 16), np.float32)
             _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile[:, :8])
             _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile)
+    swiglu(np, (np.ones((1, 8), np.float32),), {"gate": (0, 4), "up": (4, 8)}, np.empty((1, 4), np.float32))
     # decode's one loop, prefill's softmax and float16 widening, each cache type
     for tokens, cached in itertools.product((1, 2, MAX_LOOP_ROWS + 1), (np.float32, np.float16)):
         q = np.ones((1, 2, 3, tokens, 8), np.float32)
@@ -444,12 +447,95 @@ def release_compiler_code() -> None:
             libc.madvise(start, stop - start, MADV_DONTNEED)
 
 
-for kernel in (rms_norm_mul, rope, qmatmul, attention, gqa_attention, set_rows, rope_set_rows):
+def swiglu(xp, inputs, params, out=None):
+    """fused.py's swiglu, silu(gate) * up, in one pass (numba_loops.swiglu_rows): NumPy's five
+    passes cost 12.8 us a SmolLM2 layer in a decode token (1,536 values), against ~1 us of work."""
+    (both,) = inputs
+    (gate, gate_end), (up, up_end) = params["gate"], params["up"]
+    n = gate_end - gate
+    usable = (
+        xp is np
+        and out is not None
+        and both.ndim >= 1
+        and 0 <= gate <= gate_end <= both.shape[-1]
+        and 0 <= up
+        and up_end - up == n
+        and up_end <= both.shape[-1]
+        and out.shape == both.shape[:-1] + (n,)
+        and both.size
+        and _plain(both, out)
+    )
+    if not usable:
+        return fused.FUSED_KERNELS["swiglu"](xp, inputs, params, out)
+    _loops().swiglu_rows(both.reshape(-1, both.shape[-1]), gate, up, n, out.reshape(-1, n))
+    return out
+
+
+_FLOAT64 = np.dtype(np.float64)
+
+
+def top_k_candidates(xp, inputs, params, out=None):
+    """Greedy decoding's candidate (k = 1 of one span): one loop where the shared kernel makes a
+    dozen NumPy calls, each slow in a decode step, run between weight products that have pushed
+    NumPy's code and data out of the caches (150 against 16 us a call measured in a SmolLM2
+    token). Other k, several spans: the shared kernel."""
+    (x,) = inputs
+    spans = params["spans"]
+    if xp is np and params["k"] == 1 and params["width"] == 1 and len(spans) == 1 and out is not None:
+        start, length, local = spans[0]
+        if (
+            length > 0
+            and x.ndim >= 1
+            and local + length <= x.shape[-1]
+            and _plain(x)
+            and out.dtype is _FLOAT64
+            and out.flags.c_contiguous
+            and out.shape == x.shape[:-1] + (1, 2)
+        ):
+            _loops().best_of_rows(x.reshape(-1, x.shape[-1]), local, length, start, out.reshape(-1, 2))
+            return out
+    return basic.KERNELS["top_k_candidates"](xp, inputs, params, out)
+
+
+def top_k_combine(xp, inputs, params, out=None):
+    """The devices' candidates to the best one (k = 1) in one loop; other k: the shared kernel."""
+    (c,) = inputs
+    if (
+        xp is np
+        and params["k"] == 1
+        and out is not None
+        and c.ndim >= 2
+        and c.shape[-1] == 2
+        and c.shape[-2] > 0
+        and c.dtype is _FLOAT64
+        and c.flags.c_contiguous
+        and out.dtype is _FLOAT64
+        and out.flags.c_contiguous
+        and out.shape == c.shape[:-2] + (1, 2)
+    ):
+        _loops().best_of_pairs(c.reshape(-1, c.shape[-2], 2), out.reshape(-1, 2))
+        return out
+    return basic.KERNELS["top_k_combine"](xp, inputs, params, out)
+
+
+for kernel in (
+    rms_norm_mul,
+    rope,
+    qmatmul,
+    attention,
+    gqa_attention,
+    set_rows,
+    rope_set_rows,
+    swiglu,
+    top_k_candidates,
+    top_k_combine,
+):
     kernel.prepare = prepare
 
 OVERRIDES = (
     {
         "rms_norm_mul": rms_norm_mul,
+        "swiglu": swiglu,
         "rope": rope,
         "set_rows": set_rows,
         "rope_set_rows": rope_set_rows,
@@ -457,6 +543,8 @@ OVERRIDES = (
         "qmatmul_add": fused.qmatmul_add_with(qmatmul),
         "attention": attention,
         "gqa_attention": gqa_attention,
+        "top_k_candidates": top_k_candidates,
+        "top_k_combine": top_k_combine,
     }
     if AVAILABLE
     else {}

@@ -73,6 +73,40 @@ def write_rows(cache, ids, x, cos, sin, rotate, neox):
     return True
 
 
+# -- greedy decoding's choice: the best logit of each row, without NumPy's dozen calls ----------
+# (no fastmath: NaN must compare as NaN). The top_k ops' order: value descending, then index
+# ascending, index -1 (padding) after every real index; NaN ranks as -inf.
+
+
+@jit
+def best_of_rows(x, local, length, start, out):
+    """out[r] = (value, start + j) of the largest of x[r, local : local + length] (length > 0),
+    the first of equal ones; NaN counts as -inf."""
+    for r in range(x.shape[0]):
+        best, at = -np.inf, 0
+        for j in range(length):
+            v = x[r, local + j]
+            if v > best:  # NaN is never greater: it keeps -inf's place
+                best, at = v, j
+        out[r, 0], out[r, 1] = best, start + at
+
+
+@jit
+def best_of_pairs(pairs, out):
+    """out[r] = the best (value, index) of pairs[r] (entries, 2) float64, in the top_k order."""
+    for r in range(pairs.shape[0]):
+        best, at = pairs[r, 0, 0], pairs[r, 0, 1]
+        if best != best:
+            best = -np.inf
+        for j in range(1, pairs.shape[1]):
+            v, i = pairs[r, j, 0], pairs[r, j, 1]
+            if v != v:
+                v = -np.inf
+            if v > best or (v == best and (at < 0 or (0 <= i < at))):
+                best, at = v, i
+        out[r, 0], out[r, 1] = best, at
+
+
 def warm() -> None:
     """Compile (or load from the cache) every loop for the argument types the kernels pass."""
     x = np.ones((2, 4), np.float32)
@@ -83,6 +117,9 @@ def warm() -> None:
     cache = np.zeros((1, 2, 3, 4), np.float32)
     for ids in (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64)):  # fed positions; the workers' own
         write_rows(cache, ids, y.reshape(1, 1, 2, 4), cos, sin, True, False)
+    best = np.empty((2, 2))
+    best_of_rows(x, 1, 2, 0, best)
+    best_of_pairs(best.reshape(2, 1, 2), best)
 
 
 warm()
@@ -508,6 +545,19 @@ def softmax_columns(scores, mask, group, scale, out):
                 inverse = _exponentials(row, n, top)
                 for j in range(n):
                     row[j] *= inverse
+
+
+@exact_limits
+def swiglu_rows(both, gate, up, n, out):
+    """out[r, j] = silu(both[r, gate + j]) * both[r, up + j] for j < n, silu(g) = g / (1 + e**-g):
+    NumPy's order of operations, with _exp's e**x (so within a few ulp of NumPy's, not its bits).
+    Two passes over row views: as one, LLVM did not vectorise it (5.5 against 2.4 us for 1,536)."""
+    for r in range(both.shape[0]):
+        g_row, u_row, o_row = both[r, gate : gate + n], both[r, up : up + n], out[r]
+        for j in range(n):
+            o_row[j] = _exp(-g_row[j])
+        for j in range(n):
+            o_row[j] = g_row[j] / (np.float32(1) + o_row[j]) * u_row[j]
 
 
 # -- attention over float16 caches (llama.cpp's --cache-type-k / -v f16) --------------------------
