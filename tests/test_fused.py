@@ -685,3 +685,125 @@ def test_the_residual_added_as_the_product_is_written_gives_the_unfused_bits(tmp
     assert "qmatmul_add" in fused_ops and "qmatmul_add" not in plain_ops
     for got, want in zip(fused_logits, plain_logits):
         assert got.tobytes() == want.tobytes()
+
+
+def _planned_case(name):
+    """(kernel inputs, params, out, extra, refill(): new values written into the inputs in place,
+    oracle(): the expected result from the inputs' current values) for each planned CPU kernel."""
+    if name == "rms_norm_mul":
+        x, w = f32(2, 1, 40), f32(40)
+        return (
+            (x, w),
+            {"axis": 2, "eps": 1e-5},
+            np.empty_like(x),
+            {},
+            [x, w],
+            lambda: ref.rms_norm(x.astype(np.float64), -1, 1e-5) * w,
+        )
+    if name == "rope":
+        x, positions = f32(2, 1, 3, 16), np.array([[3], [70]], np.int32)
+        oracle = lambda: ref.rope(x.astype(np.float64), positions, 500.0, "neox")  # noqa: E731
+        return (x, positions), {"base": 500.0, "mode": "neox"}, np.empty_like(x), {}, [x, positions], oracle
+    if name == "swiglu":
+        both = f32(2, 1, 32)
+        oracle = lambda: ref.silu(both[..., :16].astype(np.float64)) * both[..., 16:]  # noqa: E731
+        return (both,), {"gate": (0, 16), "up": (16, 32)}, np.empty((2, 1, 16), np.float32), {}, [both], oracle
+    if name in ("set_rows", "rope_set_rows"):
+        cache, x, positions, spec = cache_write_case(2, 1)
+        if name == "set_rows":
+            values = x.transpose(0, 2, 1, 3)  # as the decoder hands it: (rows, heads, tokens, d)
+            inputs, params = [cache, positions, values], spec
+            oracle = lambda: written_oracle(cache, x, positions)  # noqa: E731
+        else:
+            inputs, params = (
+                [cache, positions, x, positions],
+                {"set_rows": spec, "rope": {"base": 500.0, "mode": "normal"}, "axes": (0, 2, 1, 3)},
+            )
+            oracle = lambda: written_oracle(
+                cache, ref.rope(x.astype(np.float64), positions, 500.0, "normal"), positions
+            )  # noqa: E731
+        return inputs, params, cache, {}, [x, positions], oracle
+    if name == "attention":
+        (q, k, mask, v), _ = key_row_case(2, 1, 70, [20, 45])
+        key_rows = k.swapaxes(-1, -2)
+
+        def oracle():
+            s = q.astype(np.float64) @ np.nan_to_num(k).astype(np.float64) * 0.3 + mask  # NaN past the used positions
+            return ref.softmax(s, -1) @ np.nan_to_num(v).astype(np.float64)
+
+        scratch = np.empty(2 * q[..., 0].size * 70 + q.size, np.float32)
+        return (
+            (q, k, mask, v),
+            {"scale": 0.3, "bucket": 1},
+            np.empty(q.shape, np.float32),
+            {"scratch": scratch},
+            [q, key_rows, v, mask, lambda: _open_next(mask)],
+            oracle,
+        )
+    q, keys, values = f32(2, 1, 5, 8), f32(2, 3, 50, 8), f32(2, 3, 50, 8)
+    mask = np.full((2, 1, 50), -np.inf, np.float32)
+    mask[0, 0, :9], mask[1, 0, :32] = 0.0, 0.0  # the next position crosses a bucket (KV_BUCKET)
+    params = {"scale": 0.3, "kv_of_head": [0, 1, 1, 1, 2]}
+    oracle = lambda: ref.reference("gqa_attention", [q, keys, values, mask], params)  # noqa: E731
+    return (
+        (q, keys, values, mask),
+        params,
+        np.empty(q.shape, np.float32),
+        {},
+        [q, keys, values, lambda: _open_next(mask)],
+        oracle,
+    )
+
+
+def _open_next(mask):
+    """Each query row of the mask sees one more position."""
+    flat = mask.reshape(-1, mask.shape[-1])
+    for row in flat:
+        row[int(np.argmin(np.isfinite(row)))] = 0.0
+
+
+PLANNED = ["rms_norm_mul", "rope", "swiglu", "set_rows", "rope_set_rows", "attention", "gqa_attention"]
+
+
+@pytest.mark.parametrize("name", PLANNED)
+def test_a_cpu_kernels_plan_reads_each_runs_values(name):
+    """A plan (workers/straight.py) holds views of its arrays: run again after new values are
+    written into them in place (the run's memo cleared, as a program clears it), it gives the
+    oracle's result for those values, not the first run's."""
+    kernel = cpu_overrides()[name]
+    inputs, params, out, extra, refilled, oracle = _planned_case(name)
+    memo: dict = {}
+    if getattr(kernel, "memo", False):
+        extra = extra | {"memo": memo}
+    run = kernel.plan(np, inputs, params, out, **extra)
+    assert run is not None
+    for turn in range(3):
+        if turn:
+            memo.clear()
+            for a in refilled:
+                if callable(a):  # the used positions grow
+                    a()
+                elif a.dtype.kind == "f":
+                    finite = np.isfinite(a)
+                    a[finite] = rng.standard_normal(int(finite.sum())).astype(a.dtype)
+                else:
+                    a += 1  # positions one further
+        expected = oracle()
+        assert run() is out
+        np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6, err_msg=f"run {turn}")
+
+
+def test_a_plan_is_refused_where_the_loop_does_not_take_the_arrays():
+    kernels = cpu_overrides()
+    x = f32(3, 8)[:, ::2]  # not contiguous
+    assert (
+        kernels["rms_norm_mul"].plan(
+            np, (x, np.ones(4, np.float32)), {"axis": 1, "eps": 1e-5}, np.empty((3, 4), np.float32)
+        )
+        is None
+    )
+    (q, k, mask, v), _ = key_row_case(1, 2, 40, [30])  # two query tokens: not the planned one-token loop
+    assert (
+        kernels["attention"].plan(np, (q, k, mask, v), {"scale": 0.3, "bucket": 1}, np.empty(q.shape, np.float32))
+        is None
+    )

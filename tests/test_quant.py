@@ -275,3 +275,37 @@ def test_q_k_and_v_as_one_weight_give_the_three_products_bits(sim, n, kind):
     kinds = {"l1.wv": "q8_0"}
     assert not qkv_fusable(lambda name: kinds.get(name, kind), QKV_CFG) or kind == "q8_0"
     assert qkv_fusable(lambda name: kind, QKV_CFG)
+
+
+@pytest.mark.skipif(not numba_cpu.AVAILABLE, reason="needs numba")
+@pytest.mark.parametrize("name", sorted(set(FORMATS) - set(numba_cpu.WIDENED)))
+@pytest.mark.parametrize("rows", [1, 12])  # the decode loops; a prefill's tiles
+def test_a_planned_product_reads_each_runs_values_as_gguf_dequantizes_them(name, rows):
+    """A plan (workers/straight.py) holds views of its arrays: run twice with new values written
+    into x and the weight in between, it gives each time the product with gguf's values."""
+    from workers.kernels import fused
+
+    rng = np.random.default_rng(3)
+    block = FORMATS[name].block
+    width = 4 * block
+    runs = [quantized(rng.standard_normal((32, width)), name) for _ in range(2)]
+    x = np.empty((rows, 4, block), np.float32)
+    w = np.empty_like(on_workers(runs[0][0], 8))
+    out, addend, total = (
+        np.empty((rows, 4, 8), np.float32),
+        np.empty((rows, 32), np.float32),
+        np.empty((rows, 32), np.float32),
+    )
+    product = numba_cpu.qmatmul.plan(np, (x, w), {"format": name}, out)
+    params = {"qmatmul": {"format": name}, "shape": (rows, 4, 8), "out": (rows, 32)}
+    summed = fused.qmatmul_add_with(numba_cpu.qmatmul).plan(np, (x, w, addend), params, total)
+    for blocks, dequantized in runs:
+        x[...] = rng.standard_normal(x.shape)
+        w[...] = on_workers(blocks, 8)
+        addend[...] = rng.standard_normal(addend.shape)
+        expected = x.reshape(rows, width).astype(np.float64) @ dequantized.T
+        tol = {"rtol": 1e-4, "atol": 1e-4 * np.abs(expected).max()}
+        assert product() is out
+        np.testing.assert_allclose(out.reshape(rows, 32), expected, **tol)
+        assert summed() is total
+        np.testing.assert_allclose(total, expected + addend, **tol)

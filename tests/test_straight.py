@@ -110,3 +110,44 @@ def test_a_generation_announcing_enough_steps_is_written_out_at_once_with_the_sa
     decode = [p for s in dev.cluster.servers for p in s.executor.programs.values() if len(p.calls) == 1]
     assert len(decode) == 2  # the decode program on both devices; the prefill's never
     assert all(p.replays < 30 for p in decode)  # written out on the steps' announcement, not their count
+
+
+def planned_scale(xp, inputs, params, out):
+    return xp.multiply(inputs[0], params["scale"], out=out)
+
+
+def _plan_scale(xp, inputs, params, out):
+    made.append(inputs[0])
+    (x,) = inputs
+    factor = params["scale"]
+    return lambda: xp.multiply(x, factor, out=out)
+
+
+made: list = []
+planned_scale.plan = _plan_scale
+
+
+def test_a_planned_line_runs_its_plan_while_its_inputs_are_the_same_arrays():
+    """The plan is made at the line's first run and run while slot 0 holds the array it was
+    made for (whose values may change); another array is planned for again, up to REPLANS
+    times, then the kernel is called as the closure calls it; the results are NumPy's each run,
+    and a freed input's plan is let go."""
+    made.clear()
+    out = np.empty(4, np.float32)
+    run = straight.write_out([(OpLine(planned_scale, (0,), 1, {"scale": 2.0}, out), ())], np, "test")
+    a = np.arange(4, dtype=np.float32)
+    for k in range(3):
+        a[...] = k  # new values, the same array
+        s = [a, None]
+        run(s)
+        np.testing.assert_array_equal(s[1], np.full(4, 2.0 * k))
+    assert len(made) == 1 and made[0] is a
+    run.forget({id(a): a})  # the store freed it: planned again
+    run([a, None])
+    assert len(made) == 2
+    for k in range(6):  # a new array every run: planned twice more, then the plain call
+        b = np.full(4, k, np.float32)
+        s = [b, None]
+        run(s)
+        np.testing.assert_array_equal(s[1], np.full(4, 2.0 * k))
+    assert len(made) == straight._Planned.REPLANS

@@ -224,6 +224,9 @@ class CompiledProgram:
         for last in self.kept_views:
             if id(last[0]) in freed:
                 last[:] = (None, None)
+        for call in self.calls:
+            if hasattr(call, "forget"):  # written out (workers/straight.py): its planned lines
+                call.forget(freed)
 
     # -- running ----------------------------------------------------------------------------------
 

@@ -14,6 +14,15 @@ generation, never pays for it; a long generation pays at its first step, once pe
 
 A line says what its closure does, nothing more: the closures stay the reference, and what the
 first runs, profiling, the checks, a run that keeps every slot and device graphs use.
+
+A kernel with a `plan` (`plan(xp, inputs, params, out, **extra)`: a function of no arguments
+that does what the kernel's call on exactly these arrays does, or None) writing into a buffer of
+the program's (not a fresh result) is called through its plan while its inputs are the arrays it
+was planned for (identity tests in the line; a decode step's inputs are the same arena buffers,
+weights and caches every run), planned again when they are not. What a kernel's own checks,
+reshapes and lookups cost is paid once: ~2-5 us a call of a decode step, more in a step than
+alone, because the weight products before each call have pushed the interpreter's and NumPy's
+data out of the caches.
 """
 
 from __future__ import annotations
@@ -70,8 +79,19 @@ def write_out(lines: Sequence[tuple[Line, Sequence[int]]], xp, name: str) -> Cal
         return key
 
     body = []
+    planned: list[_Planned] = []
     for line, dead in lines:
-        if isinstance(line, OpLine):
+        if isinstance(line, OpLine) and line.out is not None and getattr(line.kernel, "plan", None) is not None:
+            plan = _Planned(line, xp, names, f"p{len(planned)}")
+            planned.append(plan)
+            ins = ", ".join(f"s[{i}]" for i in line.inputs)
+            same = " and ".join(f"s[{i}] is {plan.name}_{k}" for k, i in enumerate(line.inputs))
+            same = same or f"{plan.name} is not None"
+            body.append(f"if {same}:")
+            body.append(f"    s[{line.output}] = {plan.name}()")
+            body.append("else:")
+            body.append(f"    s[{line.output}] = {plan.name}_other({ins})")
+        elif isinstance(line, OpLine):
             ins = ", ".join(f"s[{i}]" for i in line.inputs)
             # the closures' argument types: a tuple for one or two inputs, else a list
             args = f"({ins},)" if len(line.inputs) == 1 else f"({ins})" if len(line.inputs) == 2 else f"[{ins}]"
@@ -93,4 +113,67 @@ def write_out(lines: Sequence[tuple[Line, Sequence[int]]], xp, name: str) -> Cal
         body.extend(f"s[{slot}] = None" for slot in dead)
     source = "def run(s):\n" + "".join(f"    {statement}\n" for statement in body or ["pass"])
     exec(compile(source, f"<{name}>", "exec"), names)
-    return names["run"]
+    run = names["run"]
+
+    def forget(freed: dict) -> None:
+        """Let go of the arrays in `freed` (id -> array: the store has freed them)."""
+        for plan in planned:
+            plan.forget(freed)
+
+    run.forget = forget
+    return run
+
+
+_NOT_SEEN = object()  # no array is this: a plan's inputs before its first call
+
+
+class _Planned:
+    """A planned line's state, kept in the written-out function's globals (`names`): its inputs
+    as `<name>_<k>`, the plan as `<name>`, and what runs when the inputs are others as
+    `<name>_other`: `replan`, until the line has been planned REPLANS times; after that its
+    inputs are new arrays most runs (the sum an all-reduce makes, say) and planning costs more
+    than it saves, so the kernel is called as the closure calls it."""
+
+    REPLANS = 3
+
+    def __init__(self, line: OpLine, xp, names: dict, name: str):
+        self.line, self.xp, self.names, self.name = line, xp, names, name
+        self.planned = 0
+        self.names[f"{name}_other"] = self.replan
+        self._unset()
+
+    def _unset(self) -> None:
+        for k in range(len(self.line.inputs)):
+            self.names[f"{self.name}_{k}"] = _NOT_SEEN
+        self.names[self.name] = None
+
+    def replan(self, *inputs):
+        line = self.line
+        extra = line.extra or {}
+        self.planned += 1
+        if self.planned > self.REPLANS:
+            self._unset()
+            self.names[f"{self.name}_other"] = call = self._unplanned()
+            return call(*inputs)
+        args = inputs if len(inputs) <= 2 and not extra else list(inputs)  # the closures' argument types
+        fast = line.kernel.plan(self.xp, args, line.params, line.out, **extra)
+        if fast is None:  # the kernel's own call, still only for these inputs
+
+            def fast(kernel=line.kernel, xp=self.xp, params=line.params, out=line.out):
+                return kernel(xp, args, params, out, **extra)
+
+        for k, array in enumerate(inputs):
+            self.names[f"{self.name}_{k}"] = array
+        self.names[self.name] = fast
+        return fast()
+
+    def _unplanned(self) -> Callable:
+        kernel, xp, params, out, extra = self.line.kernel, self.xp, self.line.params, self.line.out, self.line.extra
+        extra = extra or {}
+        if extra or len(self.line.inputs) > 2:  # the closures' argument types
+            return lambda *inputs: kernel(xp, list(inputs), params, out, **extra)
+        return lambda *inputs: kernel(xp, inputs, params, out)
+
+    def forget(self, freed: dict) -> None:
+        if any(id(self.names[f"{self.name}_{k}"]) in freed for k in range(len(self.line.inputs))):
+            self._unset()

@@ -181,12 +181,15 @@ def attention_with(
     score_keys: Callable = scores_by_key,
     weigh_values: Callable = weighted_values,
     one_pass: Callable | None = None,
+    one_plan: Callable | None = None,
 ) -> Callable:
     """The attention kernel: its softmax over key-major scores `softmax_columns` (with
     softmax_rows_of_columns's signature), its products `score_keys` and `weigh_values` (with
     scores_by_key's and weighted_values's). `one_pass(xp, rows, key_rows, values, mask, n, group,
     scale, weights, out) -> bool`, where given, may do all three for GQA's layout in one call
-    (weights: a (rows, n) scratch); it says False for what it does not take."""
+    (weights: a (rows, n) scratch); it says False for what it does not take. `one_plan(xp, rows,
+    key_rows, values, mask, group, scale, out)`, where given, plans that call for one query token
+    (workers/straight.py): a function of n, or None."""
 
     def attention(xp, inputs, params, out=None, scratch=None, memo=None):
         """softmax(q @ k * scale + mask) @ v, reading only the first n cached positions (n from
@@ -227,8 +230,29 @@ def attention_with(
             return xp.matmul(scores, v[..., :n, :])
         return xp.matmul(scores, v[..., :n, :], out=out)
 
+    def plan(xp, inputs, params, out=None, scratch=None, memo=None):
+        q, k, mask, v = inputs
+        if out is None or not out.flags.c_contiguous or q.ndim < 4 or q.shape[-2] != 1:
+            return None
+        stacked = _stacked(q, k, v, xp.empty(0, xp.float32), 0)  # one token: every array a view
+        if stacked is None:
+            return None
+        rows, key_rows, values = stacked
+        by_n = one_plan(xp, rows, key_rows, values, mask, q.shape[-3], params["scale"], out)
+        if by_n is None:
+            return None
+        bucket = params["bucket"]
+
+        def run():
+            by_n(_used_positions_of_run(xp, mask, bucket, memo))
+            return out
+
+        return run
+
     attention.memo = True  # takes the run's memo (workers/program.py clears it every run)
     attention.eager = True  # n comes from the data: never inside a device graph
+    if one_plan is not None:
+        attention.plan = plan
     return attention
 
 
@@ -257,13 +281,17 @@ def head_runs(kv_of_head) -> list[tuple[int, int, int]]:
     return runs
 
 
-def gqa_attention_with(attention: Callable, one_pass: Callable | None = None) -> Callable:
+def gqa_attention_with(
+    attention: Callable, one_pass: Callable | None = None, one_plan: Callable | None = None
+) -> Callable:
     """The gqa_attention op's kernel (query heads mapped to KV heads one by one, as a split that
     shares a KV head between devices leaves them) from an attention kernel of attention_with's:
     each run of query heads sharing a KV head is one call of it, in GQA's layout of that one KV
     head, so both give the same arithmetic. `one_pass(xp, rows, kv_of, keys, values, mask, n,
     scale, out) -> bool`, where given, may take a decode step's heads all in one call: rows
-    (batch, heads, 1, d), kv_of an int64 array, mask (1 or batch, 1, >= n), out like rows."""
+    (batch, heads, 1, d), kv_of an int64 array, mask (1 or batch, 1, >= n), out like rows;
+    `one_plan(xp, rows, kv_of, keys, values, mask, scale, out)` plans it (workers/straight.py):
+    a function of n, or None."""
 
     def gqa_attention(xp, inputs, params, out=None, memo=None):
         q, keys, values, mask = inputs
@@ -293,8 +321,26 @@ def gqa_attention_with(attention: Callable, one_pass: Callable | None = None) ->
             out[:, :, first:stop] = result[:, 0].transpose(0, 2, 1, 3)
         return out
 
+    def plan(xp, inputs, params, out=None, memo=None):
+        q, keys, values, mask = inputs
+        batch, tokens, heads, width = q.shape
+        if out is None or not out.size or tokens != 1 or not out.flags.c_contiguous or not q.flags.c_contiguous:
+            return None
+        rows, shaped = q.reshape(batch, heads, 1, width), out.reshape(batch, heads, 1, width)
+        by_n = one_plan(xp, rows, _kv_index(params["kv_of_head"]), keys, values, mask, params["scale"], shaped)
+        if by_n is None:
+            return None
+
+        def run():
+            by_n(_used_positions_of_run(xp, mask, KV_BUCKET, memo))
+            return out
+
+        return run
+
     gqa_attention.memo = True  # the used positions, found once a run (as the attention's)
     gqa_attention.eager = True  # n comes from the data: never inside a device graph
+    if one_plan is not None:
+        gqa_attention.plan = plan
     return gqa_attention
 
 
@@ -405,6 +451,24 @@ def qmatmul_add_with(qmatmul: Callable) -> Callable:
             product = qmatmul(xp, (xb, w), params["qmatmul"], None)
         return xp.add(product.reshape(out.shape), addend, out=out)
 
+    def plan(xp, inputs, params, out=None):
+        """The product's plan (workers/straight.py), then the add: None where qmatmul has none."""
+        xb, w, addend = inputs
+        if out is None or not out.flags.c_contiguous or getattr(qmatmul, "plan", None) is None:
+            return None
+        product = qmatmul.plan(xp, (xb, w), params["qmatmul"], out.reshape(tuple(params["shape"])))
+        if product is None:
+            return None
+        add = xp.add
+
+        def run():
+            product()  # into out (contiguous: its reshape to the blocks' layout is a view)
+            return add(out, addend, out=out)
+
+        return run
+
+    if getattr(qmatmul, "plan", None) is not None:
+        qmatmul_add.plan = plan
     return qmatmul_add
 
 

@@ -35,6 +35,7 @@ import importlib
 import importlib.util
 import itertools
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -60,7 +61,28 @@ def _plain(*arrays) -> bool:
     return True
 
 
-def rms_norm_mul(xp, inputs, params, out=None):
+# Each kernel here has a plan (workers/straight.py): `plan(xp, inputs, params, out, **extra)`, a
+# function of no arguments running the loop on exactly these arrays (their checks done and their
+# views made once), or None where the loop does not take them. The kernel itself runs its plan
+# once, or the shared kernel where there is none. The views a plan holds are views (C order:
+# a reshape of a contiguous array never copies), so each run reads the arrays' current values.
+
+
+def _runs_plan(plan: Callable, fallback: Callable) -> Callable:
+    """A kernel that runs `plan`'s function once, or `fallback` (a shared kernel) where it gives
+    none; the kernel carries the plan."""
+
+    def kernel(xp, inputs, params, out=None, *memo, **extra):
+        run = plan(xp, inputs, params, out, *memo, **extra)
+        return fallback(xp, inputs, params, out, *memo, **extra) if run is None else run()
+
+    kernel.plan = plan
+    kernel.__name__ = kernel.__qualname__ = plan.__name__.removeprefix("_plan_")
+    kernel.__doc__ = plan.__doc__
+    return kernel
+
+
+def _plan_rms_norm_mul(xp, inputs, params, out=None):
     x, weight = inputs
     out = xp.empty_like(x) if out is None else out
     n = x.shape[-1] if x.ndim else 0
@@ -73,9 +95,23 @@ def rms_norm_mul(xp, inputs, params, out=None):
         and weight.size // n in (1, x.size // n)
     )
     if not usable:
-        return fused.FUSED_KERNELS["rms_norm_mul"](xp, inputs, params, out)
-    _loops().rms_norm_mul_rows(x.reshape(-1, n), weight.reshape(-1, n), params["eps"], out.reshape(-1, n))
-    return out
+        return None
+    loop, rows, weights, eps, result = (
+        _loops().rms_norm_mul_rows,
+        x.reshape(-1, n),
+        weight.reshape(-1, n),
+        params["eps"],
+        out.reshape(-1, n),
+    )
+
+    def run():
+        loop(rows, weights, eps, result)
+        return out
+
+    return run
+
+
+rms_norm_mul = _runs_plan(_plan_rms_norm_mul, fused.FUSED_KERNELS["rms_norm_mul"])
 
 
 def _rotation(positions, d: int, params: dict, memo: dict | None):
@@ -93,18 +129,28 @@ def _rotation(positions, d: int, params: dict, memo: dict | None):
     return known[0], known[1]
 
 
-def rope(xp, inputs, params, out=None, memo=None):
+def _plan_rope(xp, inputs, params, out=None, memo=None):
     x, positions = inputs
     out = xp.empty_like(x) if out is None else out
     if xp is not np or x.ndim < 2 or not x.size or positions.shape != x.shape[:-2] or not _plain(x, out):
-        return basic.KERNELS["rope"](xp, inputs, params, out)
+        return None
     d = x.shape[-1]
-    cos, sin = _rotation(positions, d, params, memo)
     flat = x.reshape(-1, x.shape[-2], d)
-    _loops().rope_rows(flat, cos, sin, params["mode"] == "neox", out.reshape(flat.shape))
-    return out
+    loop, neox, result = _loops().rope_rows, params["mode"] == "neox", out.reshape(flat.shape)
+
+    def run():
+        cos, sin = _rotation(positions, d, params, memo)  # the positions' values: this run's
+        loop(flat, cos, sin, neox, result)
+        return out
+
+    return run
 
 
+def _shared_rope(xp, inputs, params, out=None, memo=None):
+    return basic.KERNELS["rope"](xp, inputs, params, out)
+
+
+rope = _runs_plan(_plan_rope, _shared_rope)
 rope.memo = True  # the run's memo: the rotation found once for every layer
 
 
@@ -133,34 +179,55 @@ def _write_rows(dst, ids, rows, cos, sin, rotate: bool, neox: bool) -> None:
         raise ShapeError(f"set_rows: ids must lie in [0, {ctx}), got [{int(ids.min())}, {int(ids.max())}]")
 
 
-def set_rows(xp, inputs, params, out=None, memo=None):
+def _plan_set_rows(xp, inputs, params, out=None, memo=None):
     """The decoder's KV-cache write in one loop (ids checked in it: a decode step's ids are read
     on the host by no other step); the shared kernel for every other layout."""
-    if len(inputs) == 3 and inputs[2].ndim == 4:
-        dst, ids, value = inputs
-        rows = value.transpose(0, 2, 1, 3)  # the decoder's (b, t, heads, d)
-        if _writes_rows(xp, dst, ids, rows, params):
-            _write_rows(dst, ids, rows, _NO_ROTATION, _NO_ROTATION, False, False)
-            return dst
+    if len(inputs) != 3 or inputs[2].ndim != 4:
+        return None
+    dst, ids, value = inputs
+    rows = value.transpose(0, 2, 1, 3)  # the decoder's (b, t, heads, d)
+    if not _writes_rows(xp, dst, ids, rows, params):
+        return None
+
+    def run():
+        _write_rows(dst, ids, rows, _NO_ROTATION, _NO_ROTATION, False, False)
+        return dst
+
+    return run
+
+
+def _shared_set_rows(xp, inputs, params, out=None, memo=None):
     return basic.KERNELS["set_rows"](xp, inputs, params, out, memo=memo)
 
 
+set_rows = _runs_plan(_plan_set_rows, _shared_set_rows)
 set_rows.memo, set_rows.eager = True, True  # as the shared kernel's
 
 
-def rope_set_rows(xp, inputs, params, out=None, memo=None):
+def _plan_rope_set_rows(xp, inputs, params, out=None, memo=None):
     """fused.py's rope_set_rows: set_rows(cache, ids, rope(x, positions) transposed), the rotated
     rows written straight into the cache (the bits of the two steps); other layouts run the two."""
     dst, ids, x, positions, *fed = inputs
     spec, rotation = params["set_rows"], params["rope"]
-    if not fed and positions.shape == x.shape[:2] and _writes_rows(xp, dst, ids, x, spec):
-        cos, sin = _rotation(positions, x.shape[-1], rotation, memo)
-        _write_rows(dst, ids, x, cos, sin, True, rotation["mode"] == "neox")
+    if fed or positions.shape != x.shape[:2] or not _writes_rows(xp, dst, ids, x, spec):
+        return None
+    d, neox = x.shape[-1], rotation["mode"] == "neox"
+
+    def run():
+        cos, sin = _rotation(positions, d, rotation, memo)
+        _write_rows(dst, ids, x, cos, sin, True, neox)
         return dst
-    roped = rope(xp, (x, positions), rotation, None, memo)
-    return set_rows(xp, (dst, ids, roped.transpose(params["axes"]), *fed), spec, None, memo)
+
+    return run
 
 
+def _rope_then_set_rows(xp, inputs, params, out=None, memo=None):
+    dst, ids, x, positions, *fed = inputs
+    roped = rope(xp, (x, positions), params["rope"], None, memo)
+    return set_rows(xp, (dst, ids, roped.transpose(params["axes"]), *fed), params["set_rows"], None, memo)
+
+
+rope_set_rows = _runs_plan(_plan_rope_set_rows, _rope_then_set_rows)
 rope_set_rows.memo = True
 
 
@@ -196,7 +263,7 @@ WIDENED = ("bf16",)  # NumPy widens tiles of its rows for BLAS at every size (a 
 KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_lanes's codes (the others: NumPy)
 
 
-def qmatmul(xp, inputs, params, out=None):
+def _plan_qmatmul(xp, inputs, params, out=None):
     """Products with quantized weights, no float32 copy of the weight: for a few rows of x
     (decode) one pass over the blocks; for more (prefill) the weight a tile of row groups at a
     time into one reused float32 buffer, each tile a BLAS product."""
@@ -208,22 +275,35 @@ def qmatmul(xp, inputs, params, out=None):
     fmt = params["format"]
     usable = xp is np and rows > 0 and w.size and _plain(xb, out) and w.flags.c_contiguous
     if not usable or fmt in WIDENED:
-        return quant.qmatmul(xp, inputs, params, out)
+        return None
     x = xb.reshape(rows, width)
     flat = out.reshape(rows, groups * lanes)
     if rows > MAX_LOOP_ROWS:
-        _tiled(x, w, fmt, flat)
-        return out
-    _use_threads()
+
+        def tiled():
+            _tiled(x, w, fmt, flat)
+            return out
+
+        return tiled
+    loops = _loops()
     if fmt == "q8_0":
-        _loops().q8_0_lanes(x, w, w.view(np.int8), _halves(), flat)
+        loop, args = loops.q8_0_lanes, (x, w, w.view(np.int8), _halves(), flat)
     elif fmt in ("q4_k", "q5_k"):
-        _loops().k_nibble_lanes(x, w, _halves(), fmt == "q5_k", flat)
+        loop, args = loops.k_nibble_lanes, (x, w, _halves(), fmt == "q5_k", flat)
     elif fmt == "q6_k":
-        _loops().q6_k_lanes(x, w, _halves(), flat)
+        loop, args = loops.q6_k_lanes, (x, w, _halves(), flat)
     else:  # q4_0, q4_1, q5_0, q5_1
-        _loops().nibble_lanes(x, w, _halves(), fmt in ("q4_1", "q5_1"), fmt.startswith("q5"), flat)
-    return out
+        loop, args = loops.nibble_lanes, (x, w, _halves(), fmt in ("q4_1", "q5_1"), fmt.startswith("q5"), flat)
+
+    def run():
+        _use_threads()  # numba's count is per calling thread
+        loop(*args)
+        return out
+
+    return run
+
+
+qmatmul = _runs_plan(_plan_qmatmul, quant.qmatmul)
 
 
 def _tiled(x, w, fmt: str, flat) -> None:
@@ -330,6 +410,15 @@ def _decode_heads(rows, kv_of, keys, values, mask, n: int, scale: float, weights
     """numba_loops.decode_attention over rows (B, Q, T, d), query head h reading KV head
     kv_of[h] of keys and values (B, KV, ctx, d), float32 or float16; False for what it does not
     take (then the caller's BLAS path runs)."""
+    run = _decode_heads_plan(rows, kv_of, keys, values, mask, scale, weights, out)
+    if run is None:
+        return False
+    run(n)
+    return True
+
+
+def _decode_heads_plan(rows, kv_of, keys, values, mask, scale: float, weights, out):
+    """_decode_heads as a function of n (the used positions), or None; n must fit the weights."""
     usable = (
         rows.ndim == 4
         and mask.ndim == 3
@@ -341,12 +430,47 @@ def _decode_heads(rows, kv_of, keys, values, mask, n: int, scale: float, weights
         and _plain(rows, mask, out, weights)
     )
     if not usable:
-        return False
+        return None
     if keys.dtype == _FLOAT16:
         keys, values = keys.view(np.uint16), values.view(np.uint16)
-    _use_threads()
-    _loops().decode_attention(rows, kv_of, keys, values, mask, n, np.float32(scale), _halves(), weights, out)
-    return True
+    loop, scale32, half, room = _loops().decode_attention, np.float32(scale), _halves(), weights.shape[-1]
+
+    def run(n: int) -> None:
+        if n > room:  # the loop does not check its bounds
+            raise ShapeError(f"attention: {n} used positions, room for {room}")
+        _use_threads()
+        loop(rows, kv_of, keys, values, mask, n, scale32, half, weights, out)
+
+    return run
+
+
+def _views_of(pairs) -> bool:
+    """Whether each derived array is a view starting where its source does (a reshape that did
+    not copy): a plan holds views, which must see every run's values."""
+    return all(a.__array_interface__["data"][0] == b.__array_interface__["data"][0] for a, b in pairs)
+
+
+def _one_plan(xp, rows, key_rows, values, mask, group: int, scale: float, out):
+    """_one_pass planned (workers/straight.py) for one query token: a function of n, or None."""
+    usable = (
+        xp is np
+        and rows.ndim == 4
+        and rows.shape[2] == group
+        and mask.ndim == 5
+        and mask.shape[1:3] == (1, 1)
+        and mask.flags.c_contiguous
+        and _plain(rows, out)
+    )
+    if not usable:
+        return None
+    batch, kv, count, width = rows.shape
+    heads, tokens = kv * group, count // group
+    flat_mask = mask.reshape(mask.shape[0], mask.shape[3], mask.shape[4])
+    weights = np.empty((batch * heads * tokens, max(mask.shape[-1], 1)), np.float32)
+    shaped = rows.reshape(batch, heads, tokens, width), out.reshape(batch, heads, tokens, width)
+    if not _views_of([(shaped[0], rows), (shaped[1], out), (flat_mask, mask)]):
+        return None
+    return _decode_heads_plan(shaped[0], _grouped(kv, group), key_rows, values, flat_mask, scale, weights, shaped[1])
 
 
 def _heads_one_pass(xp, rows, kv_of, keys, values, mask, n: int, scale: float, out) -> bool:
@@ -357,8 +481,16 @@ def _heads_one_pass(xp, rows, kv_of, keys, values, mask, n: int, scale: float, o
     return _decode_heads(rows, kv_of, keys, values, mask, n, scale, weights, out)
 
 
-attention = fused.attention_with(_softmax_columns, _scores_by_key, _weighted_values, _one_pass)
-gqa_attention = fused.gqa_attention_with(attention, _heads_one_pass)
+def _heads_one_plan(xp, rows, kv_of, keys, values, mask, scale: float, out):
+    """_heads_one_pass planned (workers/straight.py): a function of n, or None."""
+    if xp is not np or not _plain(rows, out) or not mask.flags.c_contiguous:
+        return None
+    weights = np.empty((rows.shape[0] * rows.shape[1] * rows.shape[2], max(mask.shape[-1], 1)), np.float32)
+    return _decode_heads_plan(rows, kv_of, keys, values, mask, scale, weights, out)
+
+
+attention = fused.attention_with(_softmax_columns, _scores_by_key, _weighted_values, _one_pass, _one_plan)
+gqa_attention = fused.gqa_attention_with(attention, _heads_one_pass, _heads_one_plan)
 
 
 def prepare() -> None:
@@ -447,7 +579,7 @@ def release_compiler_code() -> None:
             libc.madvise(start, stop - start, MADV_DONTNEED)
 
 
-def swiglu(xp, inputs, params, out=None):
+def _plan_swiglu(xp, inputs, params, out=None):
     """fused.py's swiglu, silu(gate) * up, in one pass (numba_loops.swiglu_rows): NumPy's five
     passes cost 12.8 us a SmolLM2 layer in a decode token (1,536 values), against ~1 us of work."""
     (both,) = inputs
@@ -466,9 +598,17 @@ def swiglu(xp, inputs, params, out=None):
         and _plain(both, out)
     )
     if not usable:
-        return fused.FUSED_KERNELS["swiglu"](xp, inputs, params, out)
-    _loops().swiglu_rows(both.reshape(-1, both.shape[-1]), gate, up, n, out.reshape(-1, n))
-    return out
+        return None
+    loop, rows, result = _loops().swiglu_rows, both.reshape(-1, both.shape[-1]), out.reshape(-1, n)
+
+    def run():
+        loop(rows, gate, up, n, result)
+        return out
+
+    return run
+
+
+swiglu = _runs_plan(_plan_swiglu, fused.FUSED_KERNELS["swiglu"])
 
 
 _FLOAT64 = np.dtype(np.float64)
