@@ -450,6 +450,20 @@ def _views_of(pairs) -> bool:
     return all(a.__array_interface__["data"][0] == b.__array_interface__["data"][0] for a, b in pairs)
 
 
+_WEIGHTS: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _planned_weights(rows: int, ctx: int) -> np.ndarray:
+    """The softmax rows' scratch of planned attention calls, (rows, ctx): one for every layer
+    of this thread (a thread runs one call at a time), where a buffer a layer would hold
+    layers * heads * ctx floats (25 MiB for a 1.7B-shaped model at 8,192 positions)."""
+    key = (threading.get_ident(), rows, max(ctx, 1))
+    found = _WEIGHTS.get(key)
+    if found is None:
+        found = _WEIGHTS[key] = np.empty(key[1:], np.float32)
+    return found
+
+
 def _one_plan(xp, rows, key_rows, values, mask, group: int, scale: float, out):
     """_one_pass planned (workers/straight.py) for one query token: a function of n, or None."""
     usable = (
@@ -466,7 +480,7 @@ def _one_plan(xp, rows, key_rows, values, mask, group: int, scale: float, out):
     batch, kv, count, width = rows.shape
     heads, tokens = kv * group, count // group
     flat_mask = mask.reshape(mask.shape[0], mask.shape[3], mask.shape[4])
-    weights = np.empty((batch * heads * tokens, max(mask.shape[-1], 1)), np.float32)
+    weights = _planned_weights(batch * heads * tokens, mask.shape[-1])
     shaped = rows.reshape(batch, heads, tokens, width), out.reshape(batch, heads, tokens, width)
     if not _views_of([(shaped[0], rows), (shaped[1], out), (flat_mask, mask)]):
         return None
@@ -485,7 +499,7 @@ def _heads_one_plan(xp, rows, kv_of, keys, values, mask, scale: float, out):
     """_heads_one_pass planned (workers/straight.py): a function of n, or None."""
     if xp is not np or not _plain(rows, out) or not mask.flags.c_contiguous:
         return None
-    weights = np.empty((rows.shape[0] * rows.shape[1] * rows.shape[2], max(mask.shape[-1], 1)), np.float32)
+    weights = _planned_weights(rows.shape[0] * rows.shape[1] * rows.shape[2], mask.shape[-1])
     return _decode_heads_plan(rows, kv_of, keys, values, mask, scale, weights, out)
 
 
