@@ -238,6 +238,8 @@ def attention_with(
         if stacked is None:
             return None
         rows, key_rows, values = stacked
+        if not all(xp.may_share_memory(a, b) for a, b in ((rows, q), (key_rows, k), (values, v))):
+            return None  # a copy made now would hold this run's values: a plan holds views
         by_n = one_plan(xp, rows, key_rows, values, mask, q.shape[-3], params["scale"], out)
         if by_n is None:
             return None
