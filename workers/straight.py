@@ -93,10 +93,7 @@ def write_out(lines: Sequence[tuple[Line, Sequence[int]]], xp, name: str) -> Cal
             body.append(f"    s[{line.output}] = {plan.name}_other({ins})")
         elif isinstance(line, OpLine):
             ins = ", ".join(f"s[{i}]" for i in line.inputs)
-            # the closures' argument types: a tuple for one or two inputs, else a list
-            args = f"({ins},)" if len(line.inputs) == 1 else f"({ins})" if len(line.inputs) == 2 else f"[{ins}]"
-            if line.fresh is not None or line.extra:
-                args = f"[{ins}]"
+            args = f"[{ins}]" if _listed(line) else f"({ins},)" if len(line.inputs) == 1 else f"({ins})"
             out = (
                 f"empty({const(line.fresh[0])}, {const(line.fresh[1])})" if line.fresh is not None else const(line.out)
             )
@@ -122,6 +119,12 @@ def write_out(lines: Sequence[tuple[Line, Sequence[int]]], xp, name: str) -> Cal
 
     run.forget = forget
     return run
+
+
+def _listed(line: OpLine) -> bool:
+    """Whether the closures (workers/program.py _op_call) pass this line's inputs as a list (none
+    or three or more, a fresh result, any keyword), not a tuple (one or two)."""
+    return len(line.inputs) not in (1, 2) or line.fresh is not None or bool(line.extra)
 
 
 _NOT_SEEN = object()  # no array is this: a plan's inputs before its first call
@@ -155,7 +158,7 @@ class _Planned:
             self._unset()
             self.names[f"{self.name}_other"] = call = self._unplanned()
             return call(*inputs)
-        args = inputs if len(inputs) <= 2 and not extra else list(inputs)  # the closures' argument types
+        args = list(inputs) if _listed(line) else inputs
         fast = line.kernel.plan(self.xp, args, line.params, line.out, **extra)
         if fast is None:  # the kernel's own call, still only for these inputs
 
@@ -170,7 +173,7 @@ class _Planned:
     def _unplanned(self) -> Callable:
         kernel, xp, params, out, extra = self.line.kernel, self.xp, self.line.params, self.line.out, self.line.extra
         extra = extra or {}
-        if extra or len(self.line.inputs) > 2:  # the closures' argument types
+        if _listed(self.line):
             return lambda *inputs: kernel(xp, list(inputs), params, out, **extra)
         return lambda *inputs: kernel(xp, inputs, params, out)
 

@@ -188,8 +188,8 @@ def attention_with(
     scores_by_key's and weighted_values's). `one_pass(xp, rows, key_rows, values, mask, n, group,
     scale, weights, out) -> bool`, where given, may do all three for GQA's layout in one call
     (weights: a (rows, n) scratch); it says False for what it does not take. `one_plan(xp, rows,
-    key_rows, values, mask, group, scale, out)`, where given, plans that call for one query token
-    (workers/straight.py): a function of n, or None."""
+    key_rows, values, mask, group, scale, out)`, where given, plans that call (workers/straight.py):
+    a function of n, or None."""
 
     def attention(xp, inputs, params, out=None, scratch=None, memo=None):
         """softmax(q @ k * scale + mask) @ v, reading only the first n cached positions (n from
@@ -232,14 +232,14 @@ def attention_with(
 
     def plan(xp, inputs, params, out=None, scratch=None, memo=None):
         q, k, mask, v = inputs
-        if out is None or not out.flags.c_contiguous or q.ndim < 4 or q.shape[-2] != 1:
+        if out is None or not out.flags.c_contiguous:
             return None
-        stacked = _stacked(q, k, v, xp.empty(0, xp.float32), 0)  # one token: every array a view
+        stacked = _stacked(q, k, v, xp.empty(0, xp.float32), 0)  # no scratch: views or copies of their own
         if stacked is None:
             return None
         rows, key_rows, values = stacked
         if not all(xp.may_share_memory(a, b) for a, b in ((rows, q), (key_rows, k), (values, v))):
-            return None  # a copy made now would hold this run's values: a plan holds views
+            return None  # a copy made now (several query tokens) would hold this run's values
         by_n = one_plan(xp, rows, key_rows, values, mask, q.shape[-3], params["scale"], out)
         if by_n is None:
             return None
@@ -454,9 +454,9 @@ def qmatmul_add_with(qmatmul: Callable) -> Callable:
         return xp.add(product.reshape(out.shape), addend, out=out)
 
     def plan(xp, inputs, params, out=None):
-        """The product's plan (workers/straight.py), then the add: None where qmatmul has none."""
+        """The product's plan (workers/straight.py), then the add; given where qmatmul has one."""
         xb, w, addend = inputs
-        if out is None or not out.flags.c_contiguous or getattr(qmatmul, "plan", None) is None:
+        if out is None or not out.flags.c_contiguous:
             return None
         product = qmatmul.plan(xp, (xb, w), params["qmatmul"], out.reshape(tuple(params["shape"])))
         if product is None:

@@ -370,6 +370,16 @@ def _one_pass(xp, rows, key_rows, values, mask, n: int, group: int, scale: float
     """A few query rows (decode) in one threaded loop over the used cache, GQA's layout: rows
     (B, kv, group * tokens, d) are the loop's (B, kv * group, tokens, d), query head h reading
     KV head h // group; False for other layouts."""
+    return _ran(_grouped_plan(xp, rows, key_rows, values, mask, group, scale, weights, out), n)
+
+
+def _one_plan(xp, rows, key_rows, values, mask, group: int, scale: float, out):
+    """_one_pass planned (workers/straight.py): a function of n, or None."""
+    return _grouped_plan(xp, rows, key_rows, values, mask, group, scale, None, out)
+
+
+def _grouped_plan(xp, rows, key_rows, values, mask, group: int, scale: float, weights, out):
+    """_one_pass as a function of n; `weights` None: the thread's planned scratch."""
     usable = (
         xp is np
         and rows.ndim == 4
@@ -379,20 +389,24 @@ def _one_pass(xp, rows, key_rows, values, mask, n: int, group: int, scale: float
         and _plain(rows, out)
     )
     if not usable:
-        return False
+        return None
     batch, kv, count, width = rows.shape
     heads, tokens = kv * group, count // group
-    return _decode_heads(
-        rows.reshape(batch, heads, tokens, width),
-        _grouped(kv, group),
-        key_rows,
-        values,
-        mask.reshape(mask.shape[0], mask.shape[3], mask.shape[4]),
-        n,
-        scale,
-        weights,
-        out.reshape(batch, heads, tokens, width),
-    )
+    flat_mask = mask.reshape(mask.shape[0], mask.shape[3], mask.shape[4])
+    shaped = rows.reshape(batch, heads, tokens, width), out.reshape(batch, heads, tokens, width)
+    if not _views_of([(shaped[0], rows), (shaped[1], out), (flat_mask, mask)]):
+        return None
+    if weights is None:
+        weights = _planned_weights(batch * heads * tokens, mask.shape[-1])
+    return _decode_heads_plan(shaped[0], _grouped(kv, group), key_rows, values, flat_mask, scale, weights, shaped[1])
+
+
+def _ran(run, n: int) -> bool:
+    """Whether there was a planned loop `run`, run at n used positions."""
+    if run is None:
+        return False
+    run(n)
+    return True
 
 
 _GROUPED: dict[tuple[int, int], np.ndarray] = {}
@@ -406,19 +420,11 @@ def _grouped(kv: int, group: int) -> np.ndarray:
     return found
 
 
-def _decode_heads(rows, kv_of, keys, values, mask, n: int, scale: float, weights, out) -> bool:
-    """numba_loops.decode_attention over rows (B, Q, T, d), query head h reading KV head
-    kv_of[h] of keys and values (B, KV, ctx, d), float32 or float16; False for what it does not
-    take (then the caller's BLAS path runs)."""
-    run = _decode_heads_plan(rows, kv_of, keys, values, mask, scale, weights, out)
-    if run is None:
-        return False
-    run(n)
-    return True
-
-
 def _decode_heads_plan(rows, kv_of, keys, values, mask, scale: float, weights, out):
-    """_decode_heads as a function of n (the used positions), or None; n must fit the weights."""
+    """numba_loops.decode_attention over rows (B, Q, T, d), query head h reading KV head
+    kv_of[h] of keys and values (B, KV, ctx, d), float32 or float16, as a function of n (the
+    used positions, at most the weights' width); None for what it does not take (then the
+    caller's BLAS path runs)."""
     usable = (
         rows.ndim == 4
         and mask.ndim == 3
@@ -464,40 +470,14 @@ def _planned_weights(rows: int, ctx: int) -> np.ndarray:
     return found
 
 
-def _one_plan(xp, rows, key_rows, values, mask, group: int, scale: float, out):
-    """_one_pass planned (workers/straight.py) for one query token: a function of n, or None."""
-    usable = (
-        xp is np
-        and rows.ndim == 4
-        and rows.shape[2] == group
-        and mask.ndim == 5
-        and mask.shape[1:3] == (1, 1)
-        and mask.flags.c_contiguous
-        and _plain(rows, out)
-    )
-    if not usable:
-        return None
-    batch, kv, count, width = rows.shape
-    heads, tokens = kv * group, count // group
-    flat_mask = mask.reshape(mask.shape[0], mask.shape[3], mask.shape[4])
-    weights = _planned_weights(batch * heads * tokens, mask.shape[-1])
-    shaped = rows.reshape(batch, heads, tokens, width), out.reshape(batch, heads, tokens, width)
-    if not _views_of([(shaped[0], rows), (shaped[1], out), (flat_mask, mask)]):
-        return None
-    return _decode_heads_plan(shaped[0], _grouped(kv, group), key_rows, values, flat_mask, scale, weights, shaped[1])
-
-
 def _heads_one_pass(xp, rows, kv_of, keys, values, mask, n: int, scale: float, out) -> bool:
     """gqa_attention's decode step (fused.gqa_attention_with's one_pass): the same loop."""
-    if xp is not np or not _plain(rows, out):
-        return False
-    weights = np.empty((rows.shape[0] * rows.shape[1] * rows.shape[2], max(n, 1)), np.float32)
-    return _decode_heads(rows, kv_of, keys, values, mask, n, scale, weights, out)
+    return _ran(_heads_one_plan(xp, rows, kv_of, keys, values, mask, scale, out), n)
 
 
 def _heads_one_plan(xp, rows, kv_of, keys, values, mask, scale: float, out):
     """_heads_one_pass planned (workers/straight.py): a function of n, or None."""
-    if xp is not np or not _plain(rows, out) or not mask.flags.c_contiguous:
+    if xp is not np or not _plain(rows, out):
         return None
     weights = _planned_weights(rows.shape[0] * rows.shape[1] * rows.shape[2], mask.shape[-1])
     return _decode_heads_plan(rows, kv_of, keys, values, mask, scale, weights, out)
