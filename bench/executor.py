@@ -84,7 +84,7 @@ def measure_devices(devices: int, runs: int) -> dict:
             for op, k in real_kernels.items()
         }
 
-        def moved(placed, collectives, timeout):
+        def moved(placed, collectives, timeout, out=None):
             a, o = placed.step.input, placed.step.output
 
             def call(s):

@@ -283,7 +283,9 @@ def test_per_run_buffers_go_back_after_their_last_read():
         def request(self, *args):
             return args
 
-        def prepared(self, request):
+        def prepared(self, request, out=None):
+            assert out is None, "no buffer without writes_into"
+
             def run(local, run, step, deadline):
                 out = local.copy()
                 made.append(weakref.ref(out))
@@ -352,3 +354,62 @@ def test_a_worker_process_keeps_loaded_programs_out_of_the_collectors_passes_unt
     finally:
         executor.freeze_programs = False
         gc.unfreeze()
+
+
+def test_a_collective_that_writes_into_a_buffer_gets_one_in_the_arena_and_so_does_what_it_sends():
+    """An engine that copies what it sends before returning and writes its result where it is
+    told (the shared-memory postboxes: Collectives.writes_into) gets both in the arena: the same
+    arrays every run, so the kernels either side of it can be planned (workers/straight.py). A
+    redistribution whose result the program returns still gets a new array each run (results
+    outlive the run), and so does what one sends to an engine that does not copy it."""
+    from transport import protocol as p
+    from workers.arena import Arena
+    from workers.backends.cpu import Backend
+    from workers.kernels import kernels_for
+    from workers.program import CompiledProgram
+    from workers.store import TensorStore
+
+    given: list = []  # (the input array, the buffer) each call: which arrays the engine saw
+
+    class Collectives:  # an all-reduce over two devices whose peer contributes ones
+        def request(self, src, dst, shape, dtype):
+            return shape
+
+        def prepared(self, request, out=None):
+            def run(local, run, step, deadline):
+                given.append((local, out))
+                return np.add(local, 1.0, out=out)
+
+            return run
+
+    backend = Backend(0)
+    kernels = kernels_for(backend)
+    shape = (4, 8)
+    steps = [
+        p.OpStep("scale", (0,), 1, {"factor": 2.0}, shape, "float32"),
+        p.MoveStep(1, 2, PARTIAL, MIRRORED, shape, "float32"),
+        p.OpStep("scale", (2,), 3, {"factor": 3.0}, shape, "float32"),
+        p.MoveStep(3, 4, PARTIAL, MIRRORED, shape, "float32"),  # returned: a new array each run
+    ]
+    program = CompiledProgram(1, steps, [4], kernels, world=(2, 0), writes_into=lambda step: True)
+    assert [pl.out for pl in program.placed] == ["arena", "arena", "fresh", "move"]
+    assert program.fresh_bytes == 2 * 128  # the last product (what the returned move sends) and its result
+    arena = Arena(np, TensorStore(1 << 20))
+    arena.resize(program.arena_bytes)
+    program.bind(arena, Collectives(), backend, 5.0)
+    results = []
+    for k in range(3):
+        x = np.full(shape, float(k), np.float32)
+        slots = [None] * program.nslots
+        slots[0] = x
+        program.run(slots, 1, backend, profile=False)
+        np.testing.assert_array_equal(slots[4], np.full(shape, (2.0 * k + 1) * 3 + 1, np.float32))
+        results.append(slots[4])
+    first, second = given[0::2], given[1::2]
+    assert all(local is first[0][0] and out is first[0][1] for local, out in first), "the same buffers every run"
+    assert np.shares_memory(first[0][0], arena.memory) and np.shares_memory(first[0][1], arena.memory)
+    assert all(out is None for _, out in second) and len({id(local) for local, _ in second}) == 3
+    assert not any(np.shares_memory(r, arena.memory) for r in results)
+    # no engine that writes into buffers: the plan of old
+    plain = CompiledProgram(1, steps, [4], kernels, world=(2, 0), writes_into=lambda step: False)
+    assert [pl.out for pl in plain.placed] == ["fresh", "move", "fresh", "move"]

@@ -231,27 +231,36 @@ def test_host_comm_waits_end_with_typed_errors(comm_pair):
 # -- postboxes: small all-reduces read where they lie ----------------------------------------------
 
 
-def both_all_reduce(comms, steps, run=7, seconds=5.0):
-    """Each comm (in its own thread) runs the bound all-reduces `steps`: (step, its addends one
-    per rank, shape). Returns every comm's results, in step order."""
-    results, errors = [[] for _ in comms], []
+def in_threads(comms, work):
+    """work(rank, comm) in a thread per comm; the first error is raised here."""
+    errors = []
 
-    def rank_loop(rank, comm_):
+    def guarded(rank, comm_):
         try:
-            for step, parts, shape in steps:
-                dtype = parts[0].dtype
-                bound = comm_.bound_all_reduce(dtype, shape)
-                results[rank].append(bound(parts[rank], run, step, Deadline(seconds)))
+            work(rank, comm_)
         except Exception as exc:  # reported below, in the test's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=rank_loop, args=(r, c)) for r, c in enumerate(comms)]
+    threads = [threading.Thread(target=guarded, args=(r, c)) for r, c in enumerate(comms)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     if errors:
         raise errors[0]
+
+
+def both_all_reduce(comms, steps, run=7, seconds=5.0):
+    """Each comm (in its own thread) runs the bound all-reduces `steps`: (step, its addends one
+    per rank, shape). Returns every comm's results, in step order."""
+    results = [[] for _ in comms]
+
+    def rank_loop(rank, comm_):
+        for step, parts, shape in steps:
+            bound = comm_.bound_all_reduce(parts[0].dtype, shape)
+            results[rank].append(bound(parts[rank], run, step, Deadline(seconds)))
+
+    in_threads(comms, rank_loop)
     return results
 
 
@@ -271,6 +280,63 @@ def test_postbox_all_reduces_give_every_rank_the_sum_in_rank_order(comm_pair, dt
         for got in (results[0][k], results[1][k]):
             assert got.shape == shape and got.dtype == np.dtype(dtype)
             assert np.array_equal(got.reshape(-1).view(np.uint8), expected.reshape(-1).view(np.uint8))
+
+
+def test_a_postbox_all_reduce_writes_into_its_buffer_and_is_done_with_its_input_on_return(comm_pair):
+    """What a program's arena plan relies on (workers/program.py `writes_into`): each call's sum
+    is the buffer given, the same array every call, and the caller may write over its input as
+    soon as the call returns (it was copied): a peer still reading gets the value posted."""
+    make, _ = comm_pair
+    comms = [make(0), make(1)]
+    shape, rng = (3, 192), np.random.default_rng(5)
+    parts = [[rng.standard_normal(shape).astype(np.float32) for _ in range(2)] for _ in range(6)]
+    outs = [np.empty(shape, np.float32) for _ in comms]
+    results: list[list] = [[], []]
+
+    def work(rank, comm_):
+        bound = comm_.bound_all_reduce(np.dtype(np.float32), shape, outs[rank])
+        mine = np.empty(shape, np.float32)
+        for step, addends in enumerate(parts, 1):
+            mine[...] = addends[rank]
+            got = bound(mine, 4, step, Deadline(5.0))
+            mine[...] = np.nan  # written over at once, as the arena's next use would
+            assert got is outs[rank]
+            results[rank].append(got.copy())
+
+    in_threads(comms, work)
+    for step, (a, b) in enumerate(parts):
+        expected = (a.astype(np.float64) + b.astype(np.float64)).astype(np.float32)
+        for rank in (0, 1):
+            np.testing.assert_array_equal(results[rank][step], expected)
+    with pytest.raises(ProtocolError, match="buffer"):
+        comms[0].bound_all_reduce(np.dtype(np.float32), shape, np.empty((3, 192), np.float64))
+
+
+def test_collectives_write_into_a_buffer_where_the_postboxes_carry_them_and_copy_into_it_elsewhere(comm_pair):
+    """Collectives.writes_into says which redistributions the postboxes carry (a small
+    all-reduce); `prepared(request, out)` of any other still leaves its result in `out`."""
+    from workers.backends.cpu import Backend
+    from workers.collectives import Collectives, HostEngine
+
+    make, _ = comm_pair
+    comms = [make(0), make(1)]
+    colls = [Collectives(HostEngine(c, Backend(0))) for c in comms]
+    f32 = np.dtype(np.float32)
+    small, big = (2, 64), (2, shm.POST_BYTES // 4)
+    assert colls[0].writes_into(colls[0].request(PARTIAL, MIRRORED, small, f32))
+    assert not colls[0].writes_into(colls[0].request(PARTIAL, MIRRORED, big, f32))  # more than a slot
+    assert not colls[0].writes_into(colls[0].request(Split(1, ((1, 1),)), MIRRORED, small, f32))  # a gather
+    outs = [np.empty(big, np.float32) for _ in comms]
+    results: list = [None, None]
+
+    def work(rank, comm_):
+        run = colls[rank].prepared(colls[rank].request(PARTIAL, MIRRORED, big, f32), outs[rank])
+        results[rank] = run(np.full(big, rank + 1.0, np.float32), 6, 1, Deadline(5.0))
+
+    in_threads(comms, work)
+    for rank in (0, 1):
+        assert results[rank] is outs[rank]
+        np.testing.assert_array_equal(outs[rank], np.full(big, 3.0, np.float32))
 
 
 def test_consecutive_posts_alternate_slots_whichever_step_makes_them(comm_pair):

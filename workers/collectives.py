@@ -34,20 +34,39 @@ class Collectives:
         e = self.engine
         return Request(src, dst, tuple(shape), e.size, dtype.itemsize, dtype_name(dtype), e.plane)
 
-    def prepared(self, r: Request) -> Callable[[Any, int, int, Deadline], Any]:
+    def prepared(self, r: Request, out: Any = None) -> Callable[[Any, int, int, Deadline], Any]:
         """The redistribution of one request, its algorithm looked up now: a program step binds
-        it once (the lookup hashes the request's states, a few microseconds a call)."""
+        it once (the lookup hashes the request's states, a few microseconds a call). With `out`
+        (a buffer of the local result's shape, where `writes_into(r)`), every call's result is
+        `out` itself."""
         engine, algorithm = self.engine, select(r)
+        if out is not None and self.writes_into(r):
+            return engine.bound(algorithm, r, out)
         bound = getattr(engine, "bound", None)
         fast = bound(algorithm, r) if bound is not None else None
-        if fast is not None:  # the engine's own path for this algorithm, bound once
+        if fast is None:
+
+            def fast(local: Any, run: int, step: int, deadline: Deadline) -> Any:
+                engine.check_usable()
+                return algorithm.run(engine, local, r, Tag(run, step, deadline))
+
+        if out is None:
             return fast
 
-        def run(local: Any, run: int, step: int, deadline: Deadline) -> Any:
-            engine.check_usable()
-            return algorithm.run(engine, local, r, Tag(run, step, deadline))
+        def run_into(local: Any, run: int, step: int, deadline: Deadline) -> Any:
+            # a program planned where the engine wrote into its buffer, bound to one that does not
+            # (its peers changed since): the same result, copied
+            out[...] = fast(local, run, step, deadline)
+            return out
 
-        return run
+        return run_into
+
+    def writes_into(self, r: Request) -> bool:
+        """Whether this engine's run of `r` is done with its input when it returns and can write
+        its result into a buffer of the program's (the shared-memory postboxes): a program then
+        gives both a place in its arena, the same every run, instead of new arrays per run."""
+        check = getattr(self.engine, "writes_into", None)
+        return bool(check is not None and check(select(r), r))
 
     def redistribute(
         self, local: Any, src: State, dst: State, shape: Sequence[int], run: int, step: int, deadline: Deadline
@@ -67,13 +86,24 @@ class HostEngine:
     def check_usable(self) -> None:
         pass
 
-    def bound(self, algorithm, r: Request):
+    def writes_into(self, algorithm, r: Request) -> bool:
+        """Whether `bound` gives this request the plane's own direct all-reduce (the shared-memory
+        postboxes: workers.comm.HostComm.posts), which copies the input before returning."""
+        posts = getattr(self.comm, "posts", None)
+        return (
+            posts is not None
+            and algorithm.name == DirectAllReduce.name
+            and self.xp is np
+            and posts(dtype_from_name(r.dtype), r.shape)
+        )
+
+    def bound(self, algorithm, r: Request, out: Any = None):
         """The plane's own direct all-reduce for one request, where it has one (the shared-memory
-        postboxes: workers.comm.HostComm.bound_all_reduce) and the data is on the host."""
-        make = getattr(self.comm, "bound_all_reduce", None)
-        if make is None or algorithm.name != DirectAllReduce.name or self.xp is not np:
+        postboxes: workers.comm.HostComm.bound_all_reduce) and the data is on the host; its
+        results in `out` when given."""
+        if not self.writes_into(algorithm, r):
             return None
-        return make(dtype_from_name(r.dtype), r.shape)
+        return self.comm.bound_all_reduce(dtype_from_name(r.dtype), r.shape, out)
 
     def _send_mine(self, local: Any, sends: Sequence[Transfer], tag: Tag) -> None:
         for t in sends:

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from split_state.dtypes import dtype_from_name
 from split_state.errors import OutOfMemory, ProtocolError
 from transport import protocol as p
 from workers import graphs
@@ -52,10 +53,14 @@ class Executor:
         self.comm = comm
         self.collectives = Collectives(comm.engine(self.backend))
 
+    def _writes_into(self, step: p.MoveStep) -> bool:
+        c = self.collectives
+        return c is not None and c.writes_into(c.request(step.src, step.dst, step.shape, dtype_from_name(step.dtype)))
+
     def load(self, program: int, steps: list[p.Step], outputs: list[int] = ()) -> None:
         """Compile, plan memory and charge it: OutOfMemory here, before any step of it runs."""
         world = (self.comm.size, self.comm.rank) if self.comm is not None else None
-        compiled = CompiledProgram(program, steps, list(outputs), self.kernels, world, self.patterns)
+        compiled = CompiledProgram(program, steps, list(outputs), self.kernels, world, self.patterns, self._writes_into)
         others = [c for pid, c in self.programs.items() if pid != program]
         store = self.store
         if store.used + max(store.arena, compiled.arena_bytes) + compiled.fresh_bytes > store.budget:

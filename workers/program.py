@@ -53,7 +53,9 @@ class Placed:
 
     step: p.OpStep | p.MoveStep
     index: int
-    out: str  # "arena", "fresh" (its own array each run), "alias" (a view or in-place write), "move"
+    # "arena", "fresh" (its own array each run), "alias" (a view or in-place write), "move" (a
+    # collective's result, a new array each run; "arena" where the engine writes into a buffer)
+    out: str
     offset: int = -1  # in the arena, for "arena"
     scratch: tuple[tuple[int, ...], int] | None = None  # (shape, arena offset)
 
@@ -67,10 +69,14 @@ class CompiledProgram:
         kernels: dict[str, Callable],
         world: tuple[int, int] | None = None,
         patterns: tuple[Pattern, ...] = PATTERNS,
+        writes_into: Callable[[p.MoveStep], bool] | None = None,
     ):
         """`world`: (devices, this rank) when known, to price collective results exactly;
-        `patterns`: the fused patterns to apply (none: every step runs its own kernel)."""
-        self.program = program
+        `patterns`: the fused patterns to apply (none: every step runs its own kernel);
+        `writes_into(step)`: whether the engine's collective for a redistribution is done with
+        its input when it returns and writes its result into a buffer it is given (the
+        shared-memory postboxes: Collectives.writes_into); both then live in the arena."""
+        self.program, self.world = program, world
         for i, step in enumerate(steps):
             if isinstance(step, p.OpStep) and step.op not in kernels:
                 raise ProtocolError(f"program {program} step {i}: unknown op {step.op!r}")
@@ -89,7 +95,7 @@ class CompiledProgram:
             for step, scratch, at in fuse([s for s, _ in live], frozenset(outputs), for_kernels(patterns, kernels))
         ]
         self.outputs = frozenset(outputs)
-        planned = _plan(fused, self.outputs, world)
+        planned = _plan(fused, self.outputs, world, writes_into if world is not None else None)
         self.placed, self.arena_bytes, self.fresh_bytes, self.arena_slots, self.dead, self.on_inputs, self.returned = (
             planned
         )
@@ -129,7 +135,11 @@ class CompiledProgram:
         for placed in self.placed:
             step = placed.step
             if isinstance(step, p.MoveStep):
-                bound.append((placed, self._move_call(placed, collectives, collective_timeout), None))
+                out = None
+                if placed.out == "arena":  # the engine writes the result here: the same array every run
+                    shape = local_shape(step.dst, step.shape, *self.world)
+                    fixed[step.output] = out = arena.view(placed.offset, shape, dtype_from_name(step.dtype))
+                bound.append((placed, self._move_call(placed, collectives, collective_timeout, out), None))
                 lines.append(straight.CallLine(bound[-1][1]))
                 continue
             out = (
@@ -198,10 +208,10 @@ class CompiledProgram:
         self.bound_to = (arena.generation, id(collectives))
         self.checked = False
 
-    def _move_call(self, placed: Placed, collectives, timeout: float) -> Callable:
+    def _move_call(self, placed: Placed, collectives, timeout: float, out: Any = None) -> Callable:
         step, index = placed.step, placed.index
         dtype = dtype_from_name(step.dtype)
-        run_collective = collectives.prepared(collectives.request(step.src, step.dst, step.shape, dtype))
+        run_collective = collectives.prepared(collectives.request(step.src, step.dst, step.shape, dtype), out)
         source, target = step.input, step.output
 
         def call(slots: list) -> None:
@@ -405,11 +415,12 @@ def _overlaps(value: Any, arena: Any) -> bool:
     return bool(np.may_share_memory(value, arena)) if isinstance(value, np.ndarray) else False
 
 
-def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
+def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None, writes_into=None):
     """Where every step's output lives, the arena's size, the bytes of per-run buffers, the
     slots whose value lies in the arena, after which step (by its output slot) each per-run
     slot is dropped, and the slots that are an input or alias one (a view of a weight, a cache
-    written in place)."""
+    written in place). A redistribution whose engine `writes_into` a buffer gets one in the
+    arena, and what it sends stays there too."""
     steps = [s for s, _, _ in fused]
     last_read: dict[int, int] = {}
     root: dict[int, int] = {}
@@ -445,8 +456,16 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
         death[r] = max(death.get(r, -1), last_read.get(slot, -1), end if slot in outputs else -1)
         if slot in outputs:
             fresh.add(r)
+    # a collective that copies what it sends before returning and writes its result where it
+    # is told (a decode step's all-reduces on one host): both in the arena, where the kernels
+    # before and after it find the same arrays every run (workers/straight.py plans them)
+    buffered = {
+        step.output
+        for step in steps
+        if isinstance(step, p.MoveStep) and writes_into is not None and step.output not in fresh and writes_into(step)
+    }
     for step in steps:
-        if isinstance(step, p.MoveStep):
+        if isinstance(step, p.MoveStep) and step.output not in buffered:
             fresh.add(root.get(step.input, step.input))
     placed: list[Placed] = []
     allocator = _FirstFit()
@@ -455,9 +474,16 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
     fresh_bytes = 0
     for j, (step, scratch_shape, index) in enumerate(fused):
         allocator.free_before(j)
-        if isinstance(step, p.MoveStep):  # the engine's result: charged per run
+        if isinstance(step, p.MoveStep):  # the engine's result: charged per run, or in the arena
             shape = local_shape(step.dst, step.shape, *world) if world else step.shape
-            fresh_bytes += aligned(prod(shape) * dtype_from_name(step.dtype).itemsize)
+            size = aligned(prod(shape) * dtype_from_name(step.dtype).itemsize)
+            if step.output in buffered:
+                offset = allocator.take(size, death[step.output])
+                own[step.output] = (offset, size, tuple(shape), step.dtype)
+                placed.append(Placed(step, index, "arena", offset))
+                in_arena.add(step.output)
+                continue
+            fresh_bytes += size
             placed.append(Placed(step, index, "move"))
             continue
         scratch = None
@@ -483,7 +509,7 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None):
     # per-run memory (a fresh result, a collective's, or a view of one) goes back after its last
     # reader: a 128-token prefill on two workers otherwise held all 60 of its all-reduces'
     # buffers (and what they sent) until its end, ~35 MiB of peak RSS per worker
-    per_run = fresh | {step.output for step in steps if isinstance(step, p.MoveStep)}
+    per_run = fresh | {step.output for step in steps if isinstance(step, p.MoveStep) and step.output not in buffered}
     dead: dict[int, list[int]] = {}  # a step's output slot -> the per-run slots it reads last
     for slot, r in root.items():
         if r in per_run and slot not in outputs and slot in last_read:
