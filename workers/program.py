@@ -6,7 +6,9 @@ Loading a program (the coordinator's steps for this worker):
    as ggml-alloc and XLA do), so buffers are reused within a run and across runs; views
    (reshape) and in-place writes (set_rows) share their source's buffer; results the program
    returns, and values a collective sends, get buffers of their own each run (a data plane may
-   still hold what it sent, and results outlive the run);
+   still hold what it sent, and results outlive the run), except where the engine copies what it
+   sends and writes its result where it is told (the shared-memory postboxes' small
+   all-reduces): both then in the arena, so the kernels either side keep their plans;
 3. prices the plan: the arena's size and the per-run buffers, checked against the budget now.
 
 Binding (at the first run, again when the arena moves or the peers change) makes one closure per
