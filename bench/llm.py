@@ -17,7 +17,8 @@ The reference stays up in its own process for the whole row, and the two alterna
 rounds of a prefill and of decoding each, so a busy neighbour slows both alike; the figures are
 the rounds' medians. Where llama-cpp-python is installed (`pip install llama-cpp-python`, which
 builds llama.cpp), llama.cpp itself runs on the same file with N threads after each worker
-count's rows, and a table compares its decode with ours. --contexts: decode at the same
+count's rows, and also decodes right after each of our decode rounds (not with --quick), and a
+table compares its decode with ours both ways (the paired ratio is the median of the rounds'). --contexts: decode at the same
 positions with the KV cache preallocated to each length. --rss-tokens: resident memory of the
 coordinator and the workers over that many decode tokens. --cache-position: decode after a
 prompt that long, float32 against float16 KV caches (and llama.cpp, whose cache is float16), 1
@@ -153,12 +154,14 @@ def ours(
     weights: str = "f32",
     reference=None,
     rounds: int = 1,
+    llama=None,
 ) -> dict:
     """Prefill (a first prompt is timed by fresh_models), greedy decode through the captured step
     replayed by the coordinator, untimed on the workers, then as many steps with every kernel
     timed (profiling) for the breakdown; then `rounds` rounds of AGAIN_PAIRS prefills and of
     worker-driven decode, each right after the same on `reference` (a ThreadedChild running
-    reference_child) when given. Medians, and each ratio the median of its pairs'."""
+    reference_child) when given, and each round's decode right before llama.cpp's (`llama`, a
+    warm_llama_cpp child) when given. Medians, and each ratio the median of its pairs'."""
     from models.generate import fuses_qkv
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
@@ -192,7 +195,7 @@ def ours(
                     parts.append(breakdown(walls[True][-1], dev.last_timings, dev.clock))
         median = int(np.argsort(walls[True])[len(walls[True]) // 2])
         dev.profile = False
-        timed = {"ref_prefill": [], "prefill_again": [], "ref_decode": [], "driven": [], "around": []}
+        timed = {"ref_prefill": [], "prefill_again": [], "ref_decode": [], "driven": [], "around": [], "llama": []}
         driven = worker_driven(dev, net, token, pos)
         for _ in range(rounds):
             for _ in range(AGAIN_PAIRS):
@@ -206,6 +209,8 @@ def ours(
             step_s, around_s = driven(4 * steps)
             timed["driven"].append(step_s)
             timed["around"].append(around_s)
+            if llama is not None:
+                timed["llama"].append(llama.ask("decode"))
         stats = dev.stats().values()
         medians = {k: float(np.median(v)) if v else None for k, v in timed.items()}
         return {
@@ -218,6 +223,8 @@ def ours(
             "reference_decode_step_s": medians["ref_decode"],
             "driven_step_s": medians["driven"],
             "decode_ratio": paired_ratio(timed["ref_decode"], timed["driven"]),
+            "llama_cpp_paired_decode_s": medians["llama"],
+            "vs_llama_cpp_paired": paired_ratio(timed["llama"], timed["driven"]),
             "decode_tokens": (steps, 4 * steps),  # the reference's run, ours
             "driven_outside_program_s": medians["around"],
             "decode_step_s": float(np.median(walls[False])),
@@ -505,11 +512,15 @@ def run(
     length, steps = (32, 8) if quick else (128, 24)
     rows = []
     for n in counts:
-        with ThreadedChild(reference_child, (path, length, steps), n) as reference:
+        # llama.cpp warm beside ours for the decode rounds (paired), loaded before ours starts
+        paired = warm_llama_cpp(path, length, steps, n) if have_llama_cpp() and not quick else None
+        with ThreadedChild(reference_child, (path, length, steps), n) as reference, contextlib.ExitStack() as stack:
+            if paired is not None:
+                stack.callback(paired.close)
             # loaded before ours starts: its loading would slow our first prompt on a small machine
             reference.ask("ready")
             for kind in weights:
-                mine = ours(path, n, length, steps, weights=kind, reference=reference, rounds=rounds)
+                mine = ours(path, n, length, steps, weights=kind, reference=reference, rounds=rounds, llama=paired)
                 mine |= fresh_models(path, n, length, kind, reference, rounds if quick else max(rounds, FIRST_ROUNDS))
                 rows.append(_row(n, kind, length, mine))
         if have_llama_cpp():  # the goal of quantized decode: llama.cpp on the same file and threads
@@ -577,6 +588,8 @@ def _row(n: int, weights: str, length: int, mine: dict) -> dict:
         "dispatch_ms": b["dispatch_ms"],
         "breakdown": b,
         "plans": mine["plans"],
+        "llama_cpp_paired_decode_tok_s": 1 / paired if (paired := mine["llama_cpp_paired_decode_s"]) else None,
+        "vs_llama_cpp_paired": mine["vs_llama_cpp_paired"],
     }
 
 
@@ -657,11 +670,17 @@ def show(results: dict | None) -> None:
         rows = [
             [r["workers"], r["weights"], r["llama_cpp_prefill_tok_s"], r["llama_cpp_decode_tok_s"]]
             + [r["ours_decode_tok_s"], r["vs_llama_cpp"]]
+            + [r.get("llama_cpp_paired_decode_tok_s") or "-", r.get("vs_llama_cpp_paired") or "-"]
             for r in results["rows"]
             if "vs_llama_cpp" in r
         ]
         cols = ["workers", "weights", "llama.cpp prefill tok/s", "llama.cpp decode tok/s", "ours decode", "ratio"]
+        cols += ["paired: llama.cpp decode", "ratio"]
         print(table("llama.cpp (llama-cpp-python) on the same file, N threads", cols, rows))
+        print(
+            "  llama.cpp decode and ratio: its rounds after ours (medians); paired: its decode right after each of our"
+            " decode rounds, its median and the median of the rounds' ratios (a busy neighbour slows a pair alike)"
+        )
     if "cache_types" in results:
         rows = [[r["cache"], r["position"], r["decode_tok_s"]] for r in results["cache_types"]]
         title = "decode after a long prompt, 1 worker (Q4_1 kept) / llama.cpp 1 thread, by KV cache type"
