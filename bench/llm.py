@@ -18,11 +18,11 @@ rounds of a prefill and of decoding each, so a busy neighbour slows both alike; 
 the rounds' medians. Where llama-cpp-python is installed (`pip install llama-cpp-python`, which
 builds llama.cpp), llama.cpp itself runs on the same file with N threads after each worker
 count's rows, and also decodes right after each of our decode rounds (not with --quick), and a
-table compares its decode with ours both ways (the paired ratio is the median of the rounds'). --contexts: decode at the same
-positions with the KV cache preallocated to each length. --rss-tokens: resident memory of the
-coordinator and the workers over that many decode tokens. --cache-position: decode after a
-prompt that long, float32 against float16 KV caches (and llama.cpp, whose cache is float16), 1
-worker."""
+table compares its decode with ours both ways (the paired ratio is the median of the rounds').
+--contexts: decode at the same positions with the KV cache preallocated to each length.
+--rss-tokens: resident memory of the coordinator and the workers over that many decode tokens.
+--cache-position: decode after a prompt that long, float32 against float16 KV caches (and
+llama.cpp, whose cache is float16), 1 worker."""
 
 from __future__ import annotations
 

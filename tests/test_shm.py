@@ -569,3 +569,26 @@ def test_zmq_data_plane_on_request(fresh_cluster):
     dev = MetaDevice(cluster)
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     assert np.array_equal(dev.tensor(x, Split.even(1, 4, 2)).redistribute(MIRRORED).numpy(), x)
+
+
+def test_a_worker_loads_its_small_all_reduces_into_the_arena_where_the_postboxes_carry_them(comm_pair):
+    """The executor asks its collectives which redistributions write into a buffer when it loads
+    a program (workers/executor.py): a postbox-sized all-reduce and what it sends are planned
+    into the arena; one bigger than a slot keeps buffers of its own each run."""
+    from workers.backends.cpu import Backend
+    from workers.executor import Executor
+    from workers.store import TensorStore
+
+    make, _ = comm_pair
+    comm0, _ = make(0), make(1)
+    executor = Executor(Backend(0), TensorStore(1 << 26), 5.0)
+    executor.attach(comm0)
+    for shape, expected in (((1, 576), ["arena", "arena"]), ((2, shm.POST_BYTES // 4), ["fresh", "move"])):
+        steps = [
+            p.OpStep("scale", (0,), 1, {"factor": 2.0}, shape, "float32"),
+            p.MoveStep(1, 2, PARTIAL, MIRRORED, shape, "float32"),
+            p.OpStep("scale", (2,), 3, {"factor": 3.0}, shape, "float32"),
+        ]
+        executor.load(7, steps, [3])
+        assert [pl.out for pl in executor.programs[7].placed][:2] == expected, shape
+        executor.unload(7)
