@@ -151,3 +151,31 @@ def test_a_planned_line_runs_its_plan_while_its_inputs_are_the_same_arrays():
         run(s)
         np.testing.assert_array_equal(s[1], np.full(4, 2.0 * k))
     assert len(made) == straight._Planned.REPLANS
+
+
+def test_forget_lets_go_of_exactly_the_plans_that_hold_a_freed_array():
+    """`forget` finds the plans holding a freed array by its id (a replayed step frees a few
+    arrays every run; scanning every plan cost ~300 us a token): only those are planned again,
+    an array a plan held before it was planned anew no longer counts, and a plan that gave up
+    planning holds nothing."""
+    made.clear()
+    outs = [np.empty(4, np.float32), np.empty(4, np.float32)]
+    lines = [(OpLine(planned_scale, (k,), 2 + k, {"scale": 2.0}, outs[k]), ()) for k in (0, 1)]
+    run = straight.write_out(lines, np, "test")
+    a, b = np.ones(4, np.float32), np.full(4, 3.0, np.float32)
+    run([a, b, None, None])
+    assert [x is y for x, y in zip(made, (a, b))] == [True, True]
+    run.forget({id(a): a})  # only the first line's plan goes
+    s = [a, b, None, None]
+    run(s)
+    assert len(made) == 3 and made[2] is a
+    np.testing.assert_array_equal(s[2], np.full(4, 2.0)) and np.testing.assert_array_equal(s[3], np.full(4, 6.0))
+    c = np.full(4, 5.0, np.float32)
+    run([a, c, None, None])  # the second line planned anew, for c
+    assert len(made) == 4 and made[3] is c
+    run.forget({id(b): b})  # b is no plan's input any more: nothing to let go
+    run([a, c, None, None])
+    assert len(made) == 4
+    run.forget({id(c): c, id(a): a})  # both go
+    run([a, c, None, None])
+    assert len(made) == 6

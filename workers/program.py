@@ -236,9 +236,8 @@ class CompiledProgram:
         for last in self.kept_views:
             if id(last[0]) in freed:
                 last[:] = (None, None)
-        for call in self.calls:
-            if hasattr(call, "forget"):  # written out (workers/straight.py): its planned lines
-                call.forget(freed)
+        if len(self.calls) == 1 and hasattr(self.calls[0], "forget"):  # written out (workers/straight.py)
+            self.calls[0].forget(freed)  # its planned lines
 
     # -- running ----------------------------------------------------------------------------------
 

@@ -80,9 +80,10 @@ def write_out(lines: Sequence[tuple[Line, Sequence[int]]], xp, name: str) -> Cal
 
     body = []
     planned: list[_Planned] = []
+    holders: dict[int, set] = {}  # id of an array -> the plans made for it (what `forget` looks up)
     for line, dead in lines:
         if isinstance(line, OpLine) and line.out is not None and getattr(line.kernel, "plan", None) is not None:
-            plan = _Planned(line, xp, names, f"p{len(planned)}")
+            plan = _Planned(line, xp, names, f"p{len(planned)}", holders)
             planned.append(plan)
             ins = ", ".join(f"s[{i}]" for i in line.inputs)
             same = " and ".join(f"s[{i}] is {plan.name}_{k}" for k, i in enumerate(line.inputs))
@@ -114,8 +115,9 @@ def write_out(lines: Sequence[tuple[Line, Sequence[int]]], xp, name: str) -> Cal
 
     def forget(freed: dict) -> None:
         """Let go of the arrays in `freed` (id -> array: the store has freed them)."""
-        for plan in planned:
-            plan.forget(freed)
+        for key in freed.keys() & holders.keys():  # a replayed step frees a few arrays a run
+            for plan in list(holders.get(key, ())):
+                plan.forget(freed)
 
     run.forget = forget
     return run
@@ -139,8 +141,10 @@ class _Planned:
 
     REPLANS = 3
 
-    def __init__(self, line: OpLine, xp, names: dict, name: str):
+    def __init__(self, line: OpLine, xp, names: dict, name: str, holders: dict[int, set] | None = None):
         self.line, self.xp, self.names, self.name = line, xp, names, name
+        self.holders = {} if holders is None else holders  # shared by a written-out function's plans
+        self.held: tuple[int, ...] = ()  # the ids of the inputs it is planned for
         self.planned = 0
         self.names[f"{name}_other"] = self.replan
         self._unset()
@@ -149,6 +153,19 @@ class _Planned:
         for k in range(len(self.line.inputs)):
             self.names[f"{self.name}_{k}"] = _NOT_SEEN
         self.names[self.name] = None
+        self._hold(())
+
+    def _hold(self, ids: tuple[int, ...]) -> None:
+        """Index this plan under the ids of the arrays it is now planned for (and no others)."""
+        for key in self.held:
+            plans = self.holders.get(key)
+            if plans is not None:
+                plans.discard(self)
+                if not plans:
+                    del self.holders[key]
+        self.held = ids
+        for key in ids:
+            self.holders.setdefault(key, set()).add(self)
 
     def replan(self, *inputs):
         line = self.line
@@ -168,6 +185,7 @@ class _Planned:
         for k, array in enumerate(inputs):
             self.names[f"{self.name}_{k}"] = array
         self.names[self.name] = fast
+        self._hold(tuple(map(id, inputs)))
         return fast()
 
     def _unplanned(self) -> Callable:
@@ -178,5 +196,5 @@ class _Planned:
         return lambda *inputs: kernel(xp, inputs, params, out)
 
     def forget(self, freed: dict) -> None:
-        if any(id(self.names[f"{self.name}_{k}"]) in freed for k in range(len(self.line.inputs))):
+        if not freed.keys().isdisjoint(self.held):
             self._unset()
