@@ -141,9 +141,9 @@ class _Planned:
 
     REPLANS = 3
 
-    def __init__(self, line: OpLine, xp, names: dict, name: str, holders: dict[int, set] | None = None):
+    def __init__(self, line: OpLine, xp, names: dict, name: str, holders: dict[int, set]):
         self.line, self.xp, self.names, self.name = line, xp, names, name
-        self.holders = {} if holders is None else holders  # shared by a written-out function's plans
+        self.holders = holders  # shared by a written-out function's plans: id of an array -> its plans
         self.held: tuple[int, ...] = ()  # the ids of the inputs it is planned for
         self.planned = 0
         self.names[f"{name}_other"] = self.replan
