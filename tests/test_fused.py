@@ -421,18 +421,70 @@ def test_greedy_combine_takes_the_best_pair_and_padding_after_a_real_index():
     assert tuple(got[1, 0]) == (-np.inf, 3.0)
 
 
-def test_the_greedy_loops_hand_k_above_one_and_several_spans_to_the_shared_kernels():
+def _sorted_best(values, indices, k, width):
+    """The top_k order's first k entries padded to `width` with (-inf, -1), found by sorting
+    every entry (Python's sort of (-value, rank) keys): NaN as -inf, value descending, index
+    ascending with -1 after every real index."""
+    clean = [(-np.inf if np.isnan(v) else float(v), int(i)) for v, i in zip(values, indices)]
+    clean.sort(key=lambda e: (-e[0], np.inf if e[1] < 0 else e[1]))
+    return clean[:k] + [(-np.inf, -1)] * (width - min(k, len(clean)))
+
+
+@pytest.mark.parametrize("k, width", [(2, 2), (5, 7), (19, 19), (25, 30)])
+def test_sampling_candidates_are_the_best_k_of_the_span_in_the_top_k_order(k, width):
+    x = rng.integers(-4, 4, size=(4, 3, 30)).astype(np.float32)  # many ties on purpose
+    x[0, 0, 3:9] = np.nan
+    x[1, 1, :] = -np.inf
+    x[1, 2, ::3] = np.nan
+    x[2, 0, :] = np.nan  # nothing but NaN: -inf in index order
+    x[2, 1, 10:] = np.arange(20, dtype=np.float32)  # ascending: every entry displaces the worst
+    x[3, 0, ::2] = np.inf
+    local, length, start = 4, 19, 1000  # the span x[..., 4:23] holds global indices 1000..1018
+    params = {"k": k, "width": width, "spans": ((start, length, local),), "devices": 2}
+    out = np.full((4, 3, width, 2), 7.0)
+    got = cpu_overrides()["top_k_candidates"](np, (x,), params, out)
+    assert got is out
+    for r in range(4):
+        for c in range(3):
+            span = x[r, c, local : local + length]
+            expected = _sorted_best(span, range(start, start + length), k, width)
+            assert [tuple(e) for e in got[r, c]] == expected, (r, c)
+
+
+@pytest.mark.parametrize("k", [2, 4, 6])
+def test_sampling_combine_keeps_the_best_k_pairs_padding_last(k):
+    pairs = np.array(
+        [
+            [[1.0, 40], [3.0, 9], [3.0, 2], [-np.inf, -1], [0.5, 7], [3.0, 1]],
+            [[-np.inf, -1], [-np.inf, 17], [-np.inf, 3], [-np.inf, -1], [-np.inf, 4], [-np.inf, -1]],
+            [[np.nan, 5], [-np.inf, -1], [-2.0, 8], [-2.0, 6], [np.nan, 2], [-3.0, 1]],
+            [[5.0, -1], [5.0, 30], [0.0, 1], [5.0, 31], [6.0, 99], [5.0, 29]],
+        ]
+    )
+    out = np.empty((4, k, 2))
+    got = cpu_overrides()["top_k_combine"](np, (pairs,), {"k": k}, out)
+    assert got is out
+    for r in range(4):
+        assert [tuple(e) for e in got[r]] == _sorted_best(pairs[r, :, 0], pairs[r, :, 1], k, k), r
+
+
+def test_the_candidate_loops_hand_several_spans_to_the_shared_kernel_and_agree_with_it():
     from workers.kernels import basic
 
     kernels = cpu_overrides()
-    x = f32(2, 12)
+    x = f32(2, 40)
     for params in (
-        {"k": 3, "width": 3, "spans": ((0, 12, 0),)},
+        {"k": 3, "width": 3, "spans": ((0, 40, 0),)},
+        {"k": 9, "width": 12, "spans": ((100, 30, 5),)},
         {"k": 1, "width": 1, "spans": ((0, 5, 0), (20, 7, 5))},
+        {"k": 4, "width": 4, "spans": ((0, 5, 0), (20, 7, 5))},
     ):
         expected = basic.KERNELS["top_k_candidates"](np, (x,), params, None)
         got = kernels["top_k_candidates"](np, (x,), params, np.empty_like(expected))
         np.testing.assert_array_equal(got, expected)
+    pairs = np.stack([x.astype(np.float64), np.broadcast_to(np.arange(40.0), x.shape)], axis=-1)
+    expected = basic.KERNELS["top_k_combine"](np, (pairs,), {"k": 6}, None)
+    np.testing.assert_array_equal(kernels["top_k_combine"](np, (pairs,), {"k": 6}, np.empty_like(expected)), expected)
 
 
 def test_the_cpu_backend_runs_the_numba_loops_and_numpy_the_rest():

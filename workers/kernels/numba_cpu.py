@@ -609,14 +609,15 @@ _FLOAT64 = np.dtype(np.float64)
 
 
 def top_k_candidates(xp, inputs, params, out=None):
-    """Greedy decoding's candidate (k = 1 of one span): one loop where the shared kernel makes a
-    dozen NumPy calls, each slow in a decode step, run between weight products that have pushed
-    NumPy's code and data out of the caches (150 against 16 us a call measured in a SmolLM2
-    token). Other k, several spans: the shared kernel."""
+    """This device's best k of one span in one loop (numba_loops.best_of_rows), where the shared
+    kernel makes a dozen NumPy calls, each slow in a decode step, run between weight products
+    that have pushed NumPy's code and data out of the caches: greedy's k = 1 150 against 16 us a
+    call measured in a SmolLM2 token, a sampled step's k = 256 1.4 ms against ~60 us. Several
+    spans: the shared kernel."""
     (x,) = inputs
-    spans = params["spans"]
-    if xp is np and params["k"] == 1 and params["width"] == 1 and len(spans) == 1 and out is not None:
-        start, length, local = spans[0]
+    spans, k, width = params["spans"], int(params["k"]), int(params["width"])
+    if xp is np and len(spans) == 1 and out is not None and 1 <= k <= width:
+        start, length, local = (int(s) for s in spans[0])
         if (
             length > 0
             and x.ndim >= 1
@@ -624,30 +625,31 @@ def top_k_candidates(xp, inputs, params, out=None):
             and _plain(x)
             and out.dtype is _FLOAT64
             and out.flags.c_contiguous
-            and out.shape == x.shape[:-1] + (1, 2)
+            and out.shape == x.shape[:-1] + (width, 2)
         ):
-            _loops().best_of_rows(x.reshape(-1, x.shape[-1]), local, length, start, out.reshape(-1, 2))
+            rows = x.reshape(-1, x.shape[-1])
+            _loops().best_of_rows(rows, local, length, start, min(k, length), out.reshape(-1, width, 2))
             return out
     return basic.KERNELS["top_k_candidates"](xp, inputs, params, out)
 
 
 def top_k_combine(xp, inputs, params, out=None):
-    """The devices' candidates to the best one (k = 1) in one loop; other k: the shared kernel."""
+    """The devices' candidates to the best k in one loop (numba_loops.best_of_pairs)."""
     (c,) = inputs
+    k = int(params["k"])
     if (
         xp is np
-        and params["k"] == 1
         and out is not None
         and c.ndim >= 2
         and c.shape[-1] == 2
-        and c.shape[-2] > 0
+        and 1 <= k <= c.shape[-2]
         and c.dtype is _FLOAT64
         and c.flags.c_contiguous
         and out.dtype is _FLOAT64
         and out.flags.c_contiguous
-        and out.shape == c.shape[:-2] + (1, 2)
+        and out.shape == c.shape[:-2] + (k, 2)
     ):
-        _loops().best_of_pairs(c.reshape(-1, c.shape[-2], 2), out.reshape(-1, 2))
+        _loops().best_of_pairs(c.reshape(-1, c.shape[-2], 2), k, out.reshape(-1, k, 2))
         return out
     return basic.KERNELS["top_k_combine"](xp, inputs, params, out)
 
