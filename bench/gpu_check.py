@@ -20,7 +20,10 @@ default there; the sweep also through shared memory):
    GPU's datasheet bandwidth), the device graphs a decode step launches (the goal: 1) and every
    program's replays per token (a prefill's included), the GPU memory the worker holds
    (its CuPy pool, from the worker's stats) beside the weights' bytes, and the first tokens
-   against `--backend cpu`'s.
+   against `--backend cpu`'s;
+6. the host's cores: one CPU worker decoding the 1.7B-shaped file with 1, 4, 8 and 16 threads (up
+   to the machine's cores; bench/threads.py, beside llama.cpp where llama-cpp-python is installed),
+   each count's tok/s and its ratio to 1 thread (the CPU issue's goal: 16 threads >= 4x 1).
 Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
 exits 1; a failed check exits 2.
 """
@@ -192,6 +195,19 @@ def decode_table(quick: bool) -> list[dict]:
     return rows
 
 
+def threads_table(quick: bool) -> list[dict]:
+    """bench/threads.py's rows for 1, 4, 8 and 16 threads (those the machine has cores for, and
+    all of its cores up to 16) on a 1.7B-shaped synthetic file made here."""
+    from bench import threads
+    from bench.llm import model_path
+
+    cores = min(16, os.cpu_count() or 1)
+    counts = sorted({t for t in (1, 4, 8, 16) if t <= cores} | {cores})
+    with tempfile.TemporaryDirectory() as folder:
+        result = threads.run(quick, counts, 1 if quick else 3, model_path(synthetic="1.7b", folder=folder))
+    return result["rows"] if result else []
+
+
 def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> dict:
     from bench import collectives, tp_matmul
 
@@ -247,6 +263,15 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> d
     decode = decode_table(quick)
     equal = all(r["ok"] and r.get("tokens_equal_cpu") for r in decode)
     record("decode table: runs, tokens == cpu tokens", equal, f"{len(decode)} rows", time.perf_counter() - start)
+    start = time.perf_counter()
+    try:
+        cores = threads_table(quick)
+        said = ", ".join(
+            f"{r['threads']} threads {r['ours_decode_tok_s']:.1f} tok/s ({r['vs_one_thread']:.2f}x)" for r in cores
+        )
+        record("CPU decode by threads, 1 worker (1.7B file)", True, said, time.perf_counter() - start, rows=cores)
+    except Exception as exc:  # noqa: BLE001 - reported in the table, the GPU checks' results stand
+        record("CPU decode by threads, 1 worker (1.7B file)", False, repr(exc)[:200], time.perf_counter() - start)
     failures = list(_failures)
     _failures.clear()
     return {
