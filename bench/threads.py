@@ -1,14 +1,16 @@
 """One worker's decode on 1..T threads beside llama.cpp on as many threads, on one GGUF file.
 
     python bench/threads.py [--quick] [--json PATH] [--threads 1 2] [--rounds 5]
-                            [--model FILE.gguf | --synthetic 1.7b]
+                            [--model FILE.gguf | --synthetic 1.7b] [--weights native|f32]
 
 The file defaults to a SmolLM2-1.7B-shaped synthetic one (Q4_1 layers, Q8_0 embedding; made once
 under results/). For each thread count, our worker (its quantized loops and BLAS on that many
 threads, `--threads`) and llama.cpp (llama-cpp-python, `n_threads`) stay loaded and decode in
 alternating rounds after the same prompt, greedy, each round a run's time over its tokens (ours
 driven by the worker, as `generate` runs it); the figures are the rounds' medians, the ratio the
-median of each round's pair. Without llama-cpp-python our rows stand alone.
+median of each round's pair. Without llama-cpp-python our rows stand alone. `--weights f32`:
+our worker on the file's weights widened to float32 (BLAS's products; llama.cpp still on the
+file's blocks).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from bench.report import cli, table  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
 
-def run(quick: bool, threads: list[int], rounds: int, path: str | None) -> dict | None:
+def run(quick: bool, threads: list[int], rounds: int, path: str | None, weights: str = "native") -> dict | None:
     from models.generate import fuses_qkv
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
@@ -38,7 +40,11 @@ def run(quick: bool, threads: list[int], rounds: int, path: str | None) -> dict 
     for t in threads:
         with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=t))) as dev:
             net = TensorParallelLlama(
-                dev, model.config, model.native, length + (rounds + 1) * steps + 8, fuse_qkv=fuses_qkv(model, "native")
+                dev,
+                model.config,
+                model.native if weights == "native" else model.weight,
+                length + (rounds + 1) * steps + 8,
+                fuse_qkv=fuses_qkv(model, weights),
             )
             model.release_pages()
             _, best = net.prefill([list(prompt_ids(model, length)[0])], 0, pool=1)
@@ -64,7 +70,7 @@ def run(quick: bool, threads: list[int], rounds: int, path: str | None) -> dict 
     one = next((r["ours_decode_tok_s"] for r in rows if r["threads"] == 1), None)
     for r in rows:
         r["vs_one_thread"] = r["ours_decode_tok_s"] / one if one else None
-    return {"model": Path(path).name, "steps": steps, "rows": rows}
+    return {"model": Path(path).name, "weights": weights, "steps": steps, "rows": rows}
 
 
 def show(results: dict | None) -> None:
@@ -76,7 +82,9 @@ def show(results: dict | None) -> None:
         + [r.get("vs_llama_cpp", "-")]
         for r in results["rows"]
     ]
-    title = f"{results['model']}: greedy decode, 1 worker, {results['steps']} tokens a round, medians of the rounds"
+    weights = results.get("weights", "native")
+    title = f"{results['model']} ({weights} weights): greedy decode, 1 worker, {results['steps']} tokens a round"
+    title += ", medians of the rounds"
     print(table(title, cols, rows))
 
 
@@ -88,9 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--rounds", type=int, default=5)
         ap.add_argument("--model", default="", help="a GGUF file (default: a synthetic one of --synthetic's shape)")
         ap.add_argument("--synthetic", default="1.7b", choices=sorted(SHAPES))
+        ap.add_argument("--weights", default="native", choices=["native", "f32"])
 
     def measure(args):
-        return run(args.quick, args.threads, 1 if args.quick else args.rounds, model_path(args.model, args.synthetic))
+        path = model_path(args.model, args.synthetic)
+        return run(args.quick, args.threads, 1 if args.quick else args.rounds, path, args.weights)
 
     return cli(__doc__, "threads", measure, show, argv, options)
 

@@ -34,6 +34,7 @@ import functools
 import importlib
 import importlib.util
 import itertools
+import os
 import threading
 from collections.abc import Callable
 
@@ -234,16 +235,27 @@ rope_set_rows.memo = True
 MAX_LOOP_ROWS = 8  # rows of x (tokens) up to which the block loops beat dequantizing tiles for BLAS
 
 # The threads the decode loops split a product's row groups over (numba's prange): the worker's
-# --threads, cores // workers by default, as its BLAS threads (never both at once: prefill's
-# tiles go to BLAS, decode's products to the loops). numba keeps the count per calling thread,
-# so it is set again in each thread that runs a product.
+# --threads, cores // workers by default, as its BLAS threads. numba keeps the count per calling
+# thread, so it is set again in each thread that runs a product.
 _THREADS = [1]
 _SET_IN = threading.local()
+# The two pools take turns in one step (float32 weights' products and prefill's tiles in BLAS,
+# attention in the loops), and numba's OpenMP threads spin after each loop waiting for the next
+# (libgomp: 300,000 turns by default, about a millisecond here): a BLAS call in that time finds
+# the cores taken and waits for the scheduler. A SmolLM2 token with float32 weights on 1 worker
+# with 2 threads took 263 ms instead of ~30 (3.8 tok/s, 42 with no spinning). 3,000 turns keep
+# the loops' threads awake over the microseconds between a decode step's loops (the native
+# decode: 128-129 tok/s against 126-130 spinning the default, 66 not spinning; f32: 33.5). libgomp
+# reads it when numba first starts its threads, after set_threads; a GOMP_SPINCOUNT of the
+# user's stands.
+SPIN_TURNS = "3000"
 
 
 def set_threads(threads: int) -> None:
-    """How many threads this process's decode loops use (workers/main.py, from --threads)."""
+    """How many threads this process's decode loops use (workers/main.py, from --threads), and
+    how long their OpenMP threads wait spinning (SPIN_TURNS)."""
     _THREADS[0] = max(1, int(threads))
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_TURNS)
 
 
 def _use_threads() -> None:
