@@ -4,7 +4,7 @@ starts workers here; see meta/backends.py)."""
 
 import sys
 
-from workers.binding import bind_from_env
+from workers.binding import bind_from_env, quiet_pools
 
 if sys.argv[1:] == ["--backends"]:
     import json
@@ -14,7 +14,8 @@ if sys.argv[1:] == ["--backends"]:
     print(json.dumps(describe()))
     sys.exit(0)
 
-bind_from_env()  # first: before anything starts a thread
+quiet_pools()  # before NumPy loads BLAS (the --backends answer above runs no products)
+bind_from_env()  # before anything starts a thread
 
 import faulthandler  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Binding a worker to the cores the coordinator gave it (see meta.launchers.worker_cpus).
+"""Binding a worker to the cores the coordinator gave it (see meta.launchers.worker_cpus), and
+how its thread pools wait when they are done (`quiet_pools`).
 
 This module imports nothing that starts threads: the worker binds itself before BLAS and
 ZeroMQ start theirs, since a thread keeps the CPUs of the thread that started it.
@@ -9,6 +10,24 @@ from __future__ import annotations
 import os
 
 from transport.environment import CPUS_ENV
+
+# A worker's two thread pools take turns within a step: BLAS's (OpenBLAS's own threads: float32
+# weights' products, prefill's tiles) and numba's OpenMP pool (the quantized decode products,
+# attention). Each spins on its cores after its work, waiting for more: OpenBLAS's threads 2**28
+# cycles (a whole core for ~0.1 s after each call, measured), libgomp's 300,000 turns (~1 ms).
+# The other pool's threads then wait for the scheduler: float32 decode on 1 worker with 2 threads
+# took 263 ms a SmolLM2 token instead of ~30, and a 1.7B-shaped prefill ran at 18 tok/s on 2
+# threads against 28 on 1 and 38 with these bounds. OpenBLAS's threads go to sleep at once
+# (2**4 cycles, its least); numba's spin 3,000 turns, which keep them awake over the
+# microseconds between a decode step's loops (the native decode: 128-129 tok/s against 126-130
+# spinning the default, 66 not spinning at all). Each library reads its variable when it loads
+# (NumPy's import; numba's first loop): set before both. A user's own value stands.
+QUIET_POOLS = {"OPENBLAS_THREAD_TIMEOUT": "4", "GOMP_SPINCOUNT": "3000"}
+
+
+def quiet_pools() -> None:
+    for name, value in QUIET_POOLS.items():
+        os.environ.setdefault(name, value)
 
 
 def bind_from_env() -> None:

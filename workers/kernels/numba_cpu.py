@@ -239,23 +239,12 @@ MAX_LOOP_ROWS = 8  # rows of x (tokens) up to which the block loops beat dequant
 # thread, so it is set again in each thread that runs a product.
 _THREADS = [1]
 _SET_IN = threading.local()
-# The two pools take turns in one step (float32 weights' products and prefill's tiles in BLAS,
-# attention in the loops), and numba's OpenMP threads spin after each loop waiting for the next
-# (libgomp: 300,000 turns by default, about a millisecond here): a BLAS call in that time finds
-# the cores taken and waits for the scheduler. A SmolLM2 token with float32 weights on 1 worker
-# with 2 threads took 263 ms instead of ~30 (3.8 tok/s, 42 with no spinning). 3,000 turns keep
-# the loops' threads awake over the microseconds between a decode step's loops (the native
-# decode: 128-129 tok/s against 126-130 spinning the default, 66 not spinning; f32: 33.5). libgomp
-# reads it when numba first starts its threads, after set_threads; a GOMP_SPINCOUNT of the
-# user's stands.
-SPIN_TURNS = "3000"
 
 
 def set_threads(threads: int) -> None:
-    """How many threads this process's decode loops use (workers/main.py, from --threads), and
-    how long their OpenMP threads wait spinning (SPIN_TURNS)."""
+    """How many threads this process's decode loops use (workers/main.py, from --threads; how
+    long they spin when done: workers/binding.py QUIET_POOLS)."""
     _THREADS[0] = max(1, int(threads))
-    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_TURNS)
 
 
 def _use_threads() -> None:
@@ -522,7 +511,6 @@ def compiled_here() -> bool:
     without importing numba."""
     if not AVAILABLE:
         return True
-    import os
     from pathlib import Path
 
     spec = importlib.util.find_spec("workers.kernels.numba_loops")
