@@ -15,7 +15,11 @@ from split_state.errors import ShapeError
 from split_state.quant import FORMATS, QuantFormat, file_order
 from workers.kernels.basic import look_up_rows
 
-TILE_BYTES = 1 << 20  # float32 bytes of one dequantized tile of rows
+# float32 bytes of one dequantized tile of rows: 2 MiB against 1 on the 2-vCPU VM, 128-token
+# prefill, 1 worker: the 1.7B-shaped file 41-44 against 38-40 tok/s on 2 threads, 28.3-28.8 against
+# 27.2-27.8 on 1; SmolLM2 530-540 against 500-510 on 2 threads, the same on 1 (BLAS splits a
+# tile's columns over its threads: 128 columns of a 2,048-wide weight left each too few)
+TILE_BYTES = 2 << 20
 
 
 def _scale(xp, w, at: int):
