@@ -172,7 +172,7 @@ def warm() -> None:
     cache = np.zeros((1, 2, 3, 4), np.float32)
     for ids in (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64)):  # fed positions; the workers' own
         write_rows(cache, ids, y.reshape(1, 1, 2, 4), cos, sin, True, False)
-    best = np.empty((2, 2, 2))
+    best = np.zeros((2, 2, 2))
     best_of_rows(x, 1, 2, 0, 2, best)
     best_of_pairs(best, 1, np.empty((2, 1, 2)))
 
