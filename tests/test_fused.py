@@ -118,7 +118,7 @@ def test_attention_over_cached_key_rows_equals_the_whole_softmax(kernel, batch, 
 def test_decode_attention_is_one_threaded_loop_equal_to_the_whole_softmax(
     monkeypatch, threads, cached, batch, tokens, ctx, last_positions
 ):
-    """Up to MAX_LOOP_ROWS tokens a decoder's attention is one numba loop over the query rows
+    """Up to MAX_LOOP_QUERIES tokens a decoder's attention is one numba loop over the query rows
     (numba_loops.decode_attention), split over the worker's threads: it runs (counted), and
     gives the oracle's result whatever the thread count, position counts not a multiple of the
     loop's four-row passes included."""

@@ -116,6 +116,65 @@ def test_the_decode_loops_on_two_threads_give_one_threads_bits_and_ggufs_product
     np.testing.assert_allclose(got[2], expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
+@pytest.mark.skipif(not numba_cpu.AVAILABLE, reason="needs numba")
+@pytest.mark.parametrize("name", sorted(set(FORMATS) - set(numba_cpu.WIDENED)))
+@pytest.mark.parametrize("rows", [2, 3, 8])
+def test_a_batchs_rows_get_the_bits_each_row_gets_alone(name, rows):
+    """A batch's decode step (the server's streams, one row each) runs its rows through the
+    loops two at a time, each quant widened once for both: every row's product must be the bits
+    that row gets alone (so a stream's tokens do not depend on its batch), the odd last row too,
+    and within rounding of gguf's dequantized product."""
+    rng = np.random.default_rng(rows)
+    block = FORMATS[name].block
+    width = 4 * block
+    blocks, dequantized = quantized(rng.standard_normal((128, width)), name)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    x[-1] *= 100  # rows of other sizes: a row mixed into its pair's sums shows
+    w = on_workers(blocks, 16)
+    batch = numba_cpu.qmatmul(np, [x.reshape(rows, 4, block), w], {"format": name}).reshape(rows, 128)
+    for r in range(rows):
+        alone = numba_cpu.qmatmul(np, [x[r].reshape(1, 4, block), w], {"format": name}).reshape(128)
+        np.testing.assert_array_equal(batch[r], alone, err_msg=f"row {r}")
+        expected = x[r].astype(np.float64) @ dequantized.T
+        tolerance = 1e-4 * np.abs(expected).max()
+        np.testing.assert_allclose(batch[r], expected, rtol=1e-4, atol=tolerance, err_msg=f"row {r}")
+
+
+# a worker's start-up (numba_cpu.prepare), then products of every format and row count: what
+# each loop has compiled or loaded before and after
+WARMED_CHECK = """
+import numba, numpy as np
+from split_state.quant import FORMATS
+from workers.kernels import numba_cpu, numba_loops
+
+numba_cpu.prepare()
+def loaded():
+    return {n: len(d.signatures) for n, d in vars(numba_loops).items() if hasattr(d, "signatures")}
+before = loaded()
+for name, fmt in FORMATS.items():
+    for rows in (1, 2, 3, 4, 5, numba_cpu.MAX_LOOP_ROWS, numba_cpu.MAX_LOOP_ROWS + 1):
+        x = np.ones((rows, 2, fmt.block), np.float32)
+        w = np.zeros((3, 2, fmt.block_bytes, 16), np.uint8)
+        numba_cpu.qmatmul(np, [x, w], {"format": name}, np.empty((rows, 3, 16), np.float32))
+after = loaded()
+print(sorted(n for n in after if after[n] != before[n]))
+"""
+
+
+@pytest.mark.skipif(not numba_cpu.AVAILABLE, reason="needs numba")
+def test_a_workers_start_loads_every_product_loop_a_decode_or_a_batch_runs():
+    """A worker loads its loops before its weights arrive (numba_cpu.prepare), so no request
+    waits on a compile (one loop is several seconds on 2 cores: a batch's first step stalled
+    7 s when the paired loops were missing from the warm-up): products of every format and row
+    count afterwards load nothing more."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", WARMED_CHECK], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
 # what the worker's environment holds when NumPy is first imported (python -m workers --help:
 # the worker's whole start-up but serving)
 POOLS_CHECK = """

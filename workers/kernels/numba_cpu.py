@@ -8,7 +8,7 @@ identical across devices. silu(gate) * up is one pass too: alone, NumPy's vector
 as fast, but in a decode step each NumPy call runs after a weight product has pushed NumPy's
 code and data out of the caches, and there its five passes cost 12.8 us a SmolLM2 layer (greedy
 decoding's choice, top_k, cost 220 us in NumPy, 60 as a loop). A decode step's attention (up to
-MAX_LOOP_ROWS tokens) is one loop here, threaded over the query rows: scores, softmax and the
+MAX_LOOP_QUERIES tokens) is one loop here, threaded over the query rows: scores, softmax and the
 weighted values of a row in one task (SmolLM2, 1,024 positions: 82 against 92 us on one thread,
 59 against 91 on two; in a decode token at ~100 positions 31.5 / 24.5 against 35.7 / 33.2 us a
 layer). A prefill's keeps BLAS for its two products and takes its softmax from here: one pass
@@ -232,7 +232,13 @@ rope_set_rows = _runs_plan(_plan_rope_set_rows, _rope_then_set_rows)
 rope_set_rows.memo = True
 
 
-MAX_LOOP_ROWS = 8  # rows of x (tokens) up to which the block loops beat dequantizing tiles for BLAS
+# rows of x (tokens) up to which the block loops beat dequantizing tiles for BLAS: with rows in
+# pairs, even on one thread (1 / 2 threads, 16 rows of SmolLM2's 576 x 1,536 Q4_1 product: loops
+# 471 / 251 us, tiles 593 / 601; at 24 rows 713 / 368 against 743 / 623; the 1.7B file's 2,048 x
+# 8,192 at 16 rows 9.0 / 4.6 against 8.3 / 9.5 ms): a server's batch of up to 16 streams, and
+# prompts that short, stay in the loops
+MAX_LOOP_ROWS = 16
+MAX_LOOP_QUERIES = 8  # tokens up to which a decoder's attention is one loop over its query rows
 
 # The threads the decode loops split a product's row groups over (numba's prange): the worker's
 # --threads, cores // workers by default, as its BLAS threads. numba keeps the count per calling
@@ -288,17 +294,32 @@ def _plan_qmatmul(xp, inputs, params, out=None):
         return tiled
     loops = _loops()
     if fmt == "q8_0":
-        loop, args = loops.q8_0_lanes, (x, w, w.view(np.int8), _halves(), flat)
+        signed = w.view(np.int8)
+        loop, pairs, args = loops.q8_0_lanes, loops.q8_0_lane_pairs, (w, signed, _halves())
     elif fmt in ("q4_k", "q5_k"):
-        loop, args = loops.k_nibble_lanes, (x, w, _halves(), fmt == "q5_k", flat)
+        loop, pairs, args = loops.k_nibble_lanes, None, (w, _halves(), fmt == "q5_k")
     elif fmt == "q6_k":
-        loop, args = loops.q6_k_lanes, (x, w, _halves(), flat)
+        loop, pairs, args = loops.q6_k_lanes, None, (w, _halves())
     else:  # q4_0, q4_1, q5_0, q5_1
-        loop, args = loops.nibble_lanes, (x, w, _halves(), fmt in ("q4_1", "q5_1"), fmt.startswith("q5"), flat)
+        loop, pairs = loops.nibble_lanes, loops.nibble_lane_pairs
+        args = (w, _halves(), fmt in ("q4_1", "q5_1"), fmt.startswith("q5"))
+    return _rows_run(loop, pairs, x, args, flat, out)
+
+
+def _rows_run(loop, pairs, x, args, flat, out) -> Callable:
+    """A decode product's run: one row (a single stream's step) through `loop`; more (a batch's
+    step) two at a time through `pairs` where the format has one (the quants widened once per
+    pair: ~1.4x a row), an odd last row through `loop`. Every row's bits as alone."""
+    rows = x.shape[0]
+    paired = 0 if pairs is None else rows - rows % 2
+    calls = [(pairs, (x[:paired], *args, flat[:paired]))] if paired else []
+    if paired < rows:
+        calls.append((loop, (x[paired:], *args, flat[paired:])))
 
     def run():
         _use_threads()  # numba's count is per calling thread
-        loop(*args)
+        for kernel, arguments in calls:
+            kernel(*arguments)
         return out
 
     return run
@@ -384,7 +405,7 @@ def _grouped_plan(xp, rows, key_rows, values, mask, group: int, scale: float, we
     usable = (
         xp is np
         and rows.ndim == 4
-        and rows.shape[2] <= MAX_LOOP_ROWS * group
+        and rows.shape[2] <= MAX_LOOP_QUERIES * group
         and mask.ndim == 5
         and mask.shape[1:3] == (1, 1)
         and _plain(rows, out)
@@ -527,7 +548,7 @@ def _warm() -> None:
             continue
         w = np.zeros((2, 64 // fmt.block or 1, fmt.block_bytes, 8), np.uint8)  # 2 groups of 8 lanes
         width = w.shape[1] * fmt.block
-        for rows in (1, MAX_LOOP_ROWS + 1):  # the decode loops; prefill's tiles
+        for rows in (1, 2, MAX_LOOP_ROWS + 1):  # the decode loops, alone and in pairs; prefill's tiles
             x = np.ones((rows, 1, width), np.float32)
             qmatmul(np, (x, w), {"format": name}, np.empty((rows, 2, 8), np.float32))
         if name in KINDS:  # a tile of some groups (columns of the tile: strided) and of all of them
@@ -536,7 +557,7 @@ def _warm() -> None:
             _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile)
     swiglu(np, (np.ones((1, 8), np.float32),), {"gate": (0, 4), "up": (4, 8)}, np.empty((1, 4), np.float32))
     # decode's one loop, prefill's softmax and float16 widening, each cache type
-    for tokens, cached in itertools.product((1, 2, MAX_LOOP_ROWS + 1), (np.float32, np.float16)):
+    for tokens, cached in itertools.product((1, 2, MAX_LOOP_QUERIES + 1), (np.float32, np.float16)):
         q = np.ones((1, 2, 3, tokens, 8), np.float32)
         keys = np.ones((1, 2, 1, 4, 8), cached).swapaxes(-1, -2)  # key rows, as the decoder caches them
         v, mask = np.ones((1, 2, 1, 4, 8), cached), np.zeros((1, 1, 1, tokens, 4), np.float32)

@@ -249,11 +249,7 @@ def nibble_lanes(x, w, half, with_min, fifth, out):
     (q = nibble + 16 * bit j of the 32-bit word after the factors for value j), q5_1 (d * q + m)
     and q5_0 (d * (q - 16)). Nibble j of a block: the low half of quant byte j is value j, the
     high half value j + 16."""
-    m = x.shape[0]
-    groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
-    word = 4 if with_min else 2  # where the fifth bits' word begins
-    first = word + 4 if fifth else word  # the first quant byte
-    unsigned = np.float32(16.0 if fifth else 8.0)  # what q_0 formats subtract
+    m, groups, blocks, lanes, word, first, unsigned = _nibble_layout(x, w, with_min, fifth)
     sums = _sub_block_sums(x, blocks, 32, 32)  # for m and the subtraction
     for g in numba.prange(groups):  # row groups over the worker's threads
         acc = np.empty(lanes, np.float32)
@@ -267,18 +263,76 @@ def nibble_lanes(x, w, half, with_min, fifth, out):
             for b in range(blocks):
                 _nibble_sums(x, w, g, b, i, first, part)
                 if fifth:
-                    _fifth_bit_sums(x, w, g, b, i, word, rest, high)
-                    for lane in range(lanes):
-                        part[lane] += SIXTEEN * high[lane]
-                _lane_scales(half, w, g, b, 0, d)
-                if with_min:
-                    _lane_scales(half, w, g, b, 2, offset)
-                else:
-                    offset[:] = -unsigned * d
-                total = sums[i, b, 0]
-                for lane in range(lanes):
-                    acc[lane] += d[lane] * part[lane] + offset[lane] * total
+                    _add_fifth_bits(x, w, g, b, i, word, rest, high, part)
+                _nibble_factors(half, w, g, b, with_min, unsigned, d, offset)
+                _accumulate(acc, d, part, offset, sums[i, b, 0])
             out[i, g * lanes : (g + 1) * lanes] = acc
+
+
+@parallel
+def nibble_lane_pairs(x, w, half, with_min, fifth, out):
+    """nibble_lanes for an even number of rows of x, two at a time (a batch's decode step): each
+    quant byte widened once for both rows, which is half a row's work, and every row's sums as
+    nibble_lanes makes them (the same bits)."""
+    m, groups, blocks, lanes, word, first, unsigned = _nibble_layout(x, w, with_min, fifth)
+    sums = _sub_block_sums(x, blocks, 32, 32)
+    for g in numba.prange(groups):
+        acc = np.empty(lanes, np.float32)
+        part = np.empty(lanes, np.float32)
+        next_acc = np.empty(lanes, np.float32)  # the pair's second row
+        next_part = np.empty(lanes, np.float32)
+        high = np.empty(lanes, np.float32)
+        rest = np.empty(lanes, np.float32)
+        d = np.empty(lanes, np.float32)
+        offset = np.empty(lanes, np.float32)
+        for i in range(0, m, 2):
+            acc[:] = 0
+            next_acc[:] = 0
+            for b in range(blocks):
+                _nibble_sums_pair(x, w, g, b, i, first, part, next_part)
+                if fifth:
+                    _add_fifth_bits(x, w, g, b, i, word, rest, high, part)
+                    _add_fifth_bits(x, w, g, b, i + 1, word, rest, high, next_part)
+                _nibble_factors(half, w, g, b, with_min, unsigned, d, offset)
+                _accumulate(acc, d, part, offset, sums[i, b, 0])
+                _accumulate(next_acc, d, next_part, offset, sums[i + 1, b, 0])
+            out[i, g * lanes : (g + 1) * lanes] = acc
+            out[i + 1, g * lanes : (g + 1) * lanes] = next_acc
+
+
+@inline
+def _nibble_layout(x, w, with_min, fifth):
+    """(rows of x, groups, blocks, lanes, the byte where the fifth bits' word begins, the first
+    quant byte, what q_0 formats subtract)."""
+    word = 4 if with_min else 2
+    first = word + 4 if fifth else word
+    unsigned = np.float32(16.0 if fifth else 8.0)
+    return x.shape[0], w.shape[0], w.shape[1], w.shape[3], word, first, unsigned
+
+
+@inline
+def _add_fifth_bits(x, w, g, b, i, word, rest, high, part):
+    """part[lane] += 16 * the sum of the fifth bits * x over block b's values (of row i)."""
+    _fifth_bit_sums(x, w, g, b, i, word, rest, high)
+    for lane in range(part.shape[0]):
+        part[lane] += SIXTEEN * high[lane]
+
+
+@inline
+def _nibble_factors(half, w, g, b, with_min, unsigned, d, offset):
+    """Block b's d and what each value adds: its m (with_min), else -unsigned * d."""
+    _lane_scales(half, w, g, b, 0, d)
+    if with_min:
+        _lane_scales(half, w, g, b, 2, offset)
+    else:
+        offset[:] = -unsigned * d
+
+
+@inline
+def _accumulate(acc, d, part, offset, total):
+    """acc[lane] += a block's d * (sum of q * x) + offset * (sum of x)."""
+    for lane in range(acc.shape[0]):
+        acc[lane] += d[lane] * part[lane] + offset[lane] * total
 
 
 @inline
@@ -323,6 +377,27 @@ def _nibble_sums(x, w, g, b, i, first, part):
             part[lane] += v * lo + np.floor(v * SIXTEENTH) * hi + v2 * lo2 + np.floor(v2 * SIXTEENTH) * hi2
 
 
+@inline
+def _nibble_sums_pair(x, w, g, b, i, first, part, part2):
+    """_nibble_sums for rows i and i + 1 at once (each the same arithmetic, so the same bits):
+    the widening and the shifts, which cost as much as the products, done once for both."""
+    part[:] = 0
+    part2[:] = 0
+    for j in range(0, 16, 2):
+        lo, lo2 = x[i, b * 32 + j], x[i, b * 32 + j + 1]
+        hi = x[i, b * 32 + 16 + j] - np.float32(16) * lo
+        hi2 = x[i, b * 32 + 17 + j] - np.float32(16) * lo2
+        next_lo, next_lo2 = x[i + 1, b * 32 + j], x[i + 1, b * 32 + j + 1]
+        next_hi = x[i + 1, b * 32 + 16 + j] - np.float32(16) * next_lo
+        next_hi2 = x[i + 1, b * 32 + 17 + j] - np.float32(16) * next_lo2
+        q, q2 = w[g, b, first + j], w[g, b, first + j + 1]
+        for lane in range(part.shape[0]):
+            v, v2 = np.float32(q[lane]), np.float32(q2[lane])
+            top, top2 = np.floor(v * SIXTEENTH), np.floor(v2 * SIXTEENTH)
+            part[lane] += v * lo + top * hi + v2 * lo2 + top2 * hi2
+            part2[lane] += v * next_lo + top * next_hi + v2 * next_lo2 + top2 * next_hi2
+
+
 @fast
 def _sub_block_sums(x, blocks, block, size):
     """Each `size`-value sub-block's sum of x (m, blocks * block): (m, blocks, block // size)."""
@@ -358,6 +433,51 @@ def q8_0_lanes(x, w, signed, half, out):
                 for lane in range(lanes):
                     acc[lane] += d[lane] * part[lane]
             out[i, g * lanes : (g + 1) * lanes] = acc
+
+
+@parallel
+def q8_0_lane_pairs(x, w, signed, half, out):
+    """q8_0_lanes for an even number of rows, two at a time, as nibble_lane_pairs."""
+    m = x.shape[0]
+    groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
+    for g in numba.prange(groups):  # row groups over the worker's threads
+        acc = np.empty(lanes, np.float32)
+        part = np.empty(lanes, np.float32)
+        next_acc = np.empty(lanes, np.float32)
+        next_part = np.empty(lanes, np.float32)
+        d = np.empty(lanes, np.float32)
+        for i in range(0, m, 2):
+            acc[:] = 0
+            next_acc[:] = 0
+            for b in range(blocks):
+                _q8_0_sums_pair(x, signed, g, b, i, part, next_part)
+                _lane_scales(half, w, g, b, 0, d)
+                _scale_into(acc, d, part)
+                _scale_into(next_acc, d, next_part)
+            out[i, g * lanes : (g + 1) * lanes] = acc
+            out[i + 1, g * lanes : (g + 1) * lanes] = next_acc
+
+
+@inline
+def _scale_into(acc, d, part):
+    for lane in range(acc.shape[0]):
+        acc[lane] += d[lane] * part[lane]
+
+
+@inline
+def _q8_0_sums_pair(x, signed, g, b, i, part, part2):
+    """q8_0_lanes' sums of quant j * x over block b's 32 values for rows i and i + 1, each quant
+    widened once for both (the same arithmetic per row, so the same bits)."""
+    part[:] = 0
+    part2[:] = 0
+    for j in range(0, 32, 2):
+        v, v2 = x[i, b * 32 + j], x[i, b * 32 + j + 1]
+        next_v, next_v2 = x[i + 1, b * 32 + j], x[i + 1, b * 32 + j + 1]
+        q, q2 = signed[g, b, 2 + j], signed[g, b, 3 + j]
+        for lane in range(part.shape[0]):
+            a, a2 = np.float32(q[lane]), np.float32(q2[lane])
+            part[lane] += a * v + a2 * v2
+            part2[lane] += a * next_v + a2 * next_v2
 
 
 # K-quants: 256-value blocks of 8 or 16 sub-blocks, each with its own scale (workers/kernels/quant.py
