@@ -238,6 +238,10 @@ rope_set_rows.memo = True
 # 8,192 at 16 rows 9.0 / 4.6 against 8.3 / 9.5 ms): a server's batch of up to 16 streams, and
 # prompts that short, stay in the loops
 MAX_LOOP_ROWS = 16
+# the K-quants' loops take a row at a time and their tiles are as quick to make as Q4_1's: the
+# tiles win from ~8-10 rows on one thread (Q6_K 2,048 x 8,192 at 8 / 12 rows: loops 14.8 / 21.9
+# ms, tiles 10.3 / 11.0; Q4_K at 12 rows 10.9 against 9.6)
+LOOP_ROWS = {"q4_k": 8, "q5_k": 8, "q6_k": 8}
 MAX_LOOP_QUERIES = 8  # tokens up to which a decoder's attention is one loop over its query rows
 
 # The threads the decode loops split a product's row groups over (numba's prange): the worker's
@@ -267,7 +271,8 @@ def _halves() -> np.ndarray:
 
 
 WIDENED = ("bf16",)  # NumPy widens tiles of its rows for BLAS at every size (a shift): no loop beats it
-KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_lanes's codes (the others: NumPy)
+KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_lanes's codes
+K_KINDS = {"q4_k": 0, "q5_k": 1, "q6_k": 2}  # numba_loops.dequantize_k_lanes's (the others: NumPy)
 
 
 def _plan_qmatmul(xp, inputs, params, out=None):
@@ -285,7 +290,7 @@ def _plan_qmatmul(xp, inputs, params, out=None):
         return None
     x = xb.reshape(rows, width)
     flat = out.reshape(rows, groups * lanes)
-    if rows > MAX_LOOP_ROWS:
+    if rows > LOOP_ROWS.get(fmt, MAX_LOOP_ROWS):
 
         def tiled():
             _tiled(x, w, fmt, flat)
@@ -332,13 +337,15 @@ def _tiled(x, w, fmt: str, flat) -> None:
     width, lanes = x.shape[1], w.shape[3]
     tile_groups = max(1, min(w.shape[0], quant.TILE_BYTES // (4 * width * lanes)))
     tile = np.empty((width, tile_groups * lanes), np.float32)  # values by rows: see dequantize_lanes
-    kind, half = KINDS.get(fmt), _halves()
+    kind, k_kind, half = KINDS.get(fmt), K_KINDS.get(fmt), _halves()
     for start in range(0, w.shape[0], tile_groups):
         part = tile[:, : min(tile_groups, w.shape[0] - start) * lanes]
-        if kind is None:  # the K-quants' tiles: NumPy's dequantization, a tile at a time
-            part[...] = quant.dequantize(np, w[start : start + tile_groups], FORMATS[fmt]).T
-        else:
+        if kind is not None:
             _loops().dequantize_lanes(w, start, half, kind, part)
+        elif k_kind is not None:
+            _loops().dequantize_k_lanes(w, start, half, k_kind, part)
+        else:  # q5_0, q5_1: NumPy's dequantization, a tile at a time
+            part[...] = quant.dequantize(np, w[start : start + tile_groups], FORMATS[fmt]).T
         flat[:, start * lanes : start * lanes + part.shape[1]] = x @ part
 
 
@@ -551,10 +558,11 @@ def _warm() -> None:
         for rows in (1, 2, MAX_LOOP_ROWS + 1):  # the decode loops, alone and in pairs; prefill's tiles
             x = np.ones((rows, 1, width), np.float32)
             qmatmul(np, (x, w), {"format": name}, np.empty((rows, 2, 8), np.float32))
-        if name in KINDS:  # a tile of some groups (columns of the tile: strided) and of all of them
-            tile = np.empty((width, 16), np.float32)
-            _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile[:, :8])
-            _loops().dequantize_lanes(w, 0, _halves(), KINDS[name], tile)
+        for kinds, loop in ((KINDS, _loops().dequantize_lanes), (K_KINDS, _loops().dequantize_k_lanes)):
+            if name in kinds:  # a tile of some groups (columns of the tile: strided) and of all of them
+                tile = np.empty((width, 16), np.float32)
+                loop(w, 0, _halves(), kinds[name], tile[:, :8])
+                loop(w, 0, _halves(), kinds[name], tile)
     swiglu(np, (np.ones((1, 8), np.float32),), {"gate": (0, 4), "up": (4, 8)}, np.empty((1, 4), np.float32))
     # decode's one loop, prefill's softmax and float16 widening, each cache type
     for tokens, cached in itertools.product((1, 2, MAX_LOOP_QUERIES + 1), (np.float32, np.float16)):
