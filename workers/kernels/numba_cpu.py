@@ -238,10 +238,11 @@ rope_set_rows.memo = True
 # 8,192 at 16 rows 9.0 / 4.6 against 8.3 / 9.5 ms): a server's batch of up to 16 streams, and
 # prompts that short, stay in the loops
 MAX_LOOP_ROWS = 16
-# the K-quants' loops take a row at a time and their tiles are as quick to make as Q4_1's: the
-# tiles win from ~8-10 rows on one thread (Q6_K 2,048 x 8,192 at 8 / 12 rows: loops 14.8 / 21.9
-# ms, tiles 10.3 / 11.0; Q4_K at 12 rows 10.9 against 9.6)
-LOOP_ROWS = {"q4_k": 8, "q5_k": 8, "q6_k": 8}
+# formats whose loops cost more a row: the K-quants' take a row at a time, Q5's fifth bits a row
+# at a time too but for their halvings; the tiles win from ~8-12 rows on one thread (2,048 x
+# 8,192: Q6_K at 8 / 12 rows loops 14.8 / 21.9 ms, tiles 10.3 / 11.0; Q4_K at 12 rows 10.9
+# against 9.6; Q5_0 at 8 / 12 rows 9.2 / 13.8 against 10.8 / 12.5, 576 x 1,536 0.73 against 1.0)
+LOOP_ROWS = {"q4_k": 8, "q5_k": 8, "q6_k": 8, "q5_0": 12, "q5_1": 12}
 MAX_LOOP_QUERIES = 8  # tokens up to which a decoder's attention is one loop over its query rows
 
 # The threads the decode loops split a product's row groups over (numba's prange): the worker's
@@ -271,8 +272,8 @@ def _halves() -> np.ndarray:
 
 
 WIDENED = ("bf16",)  # NumPy widens tiles of its rows for BLAS at every size (a shift): no loop beats it
-KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # numba_loops.dequantize_lanes's codes
-K_KINDS = {"q4_k": 0, "q5_k": 1, "q6_k": 2}  # numba_loops.dequantize_k_lanes's (the others: NumPy)
+KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q5_0": 3, "q5_1": 4}  # numba_loops.dequantize_lanes's codes
+K_KINDS = {"q4_k": 0, "q5_k": 1, "q6_k": 2}  # numba_loops.dequantize_k_lanes's
 
 
 def _plan_qmatmul(xp, inputs, params, out=None):
@@ -344,7 +345,7 @@ def _tiled(x, w, fmt: str, flat) -> None:
             _loops().dequantize_lanes(w, start, half, kind, part)
         elif k_kind is not None:
             _loops().dequantize_k_lanes(w, start, half, k_kind, part)
-        else:  # q5_0, q5_1: NumPy's dequantization, a tile at a time
+        else:  # a format with no loop: NumPy's dequantization, a tile at a time
             part[...] = quant.dequantize(np, w[start : start + tile_groups], FORMATS[fmt]).T
         flat[:, start * lanes : start * lanes + part.shape[1]] = x @ part
 

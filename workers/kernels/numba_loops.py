@@ -254,8 +254,7 @@ def nibble_lanes(x, w, half, with_min, fifth, out):
     for g in numba.prange(groups):  # row groups over the worker's threads
         acc = np.empty(lanes, np.float32)
         part = np.empty(lanes, np.float32)
-        high = np.empty(lanes, np.float32)
-        rest = np.empty(lanes, np.float32)
+        steps = np.empty(8, np.float32)  # _add_fifth_bits' weights
         d = np.empty(lanes, np.float32)
         offset = np.empty(lanes, np.float32)
         for i in range(m):
@@ -263,7 +262,7 @@ def nibble_lanes(x, w, half, with_min, fifth, out):
             for b in range(blocks):
                 _nibble_sums(x, w, g, b, i, first, part)
                 if fifth:
-                    _add_fifth_bits(x, w, g, b, i, word, rest, high, part)
+                    _add_fifth_bits(x, w, g, b, i, word, steps, part)
                 _nibble_factors(half, w, g, b, with_min, unsigned, d, offset)
                 _accumulate(acc, d, part, offset, sums[i, b, 0])
             out[i, g * lanes : (g + 1) * lanes] = acc
@@ -281,8 +280,7 @@ def nibble_lane_pairs(x, w, half, with_min, fifth, out):
         part = np.empty(lanes, np.float32)
         next_acc = np.empty(lanes, np.float32)  # the pair's second row
         next_part = np.empty(lanes, np.float32)
-        high = np.empty(lanes, np.float32)
-        rest = np.empty(lanes, np.float32)
+        steps = np.empty((2, 8), np.float32)
         d = np.empty(lanes, np.float32)
         offset = np.empty(lanes, np.float32)
         for i in range(0, m, 2):
@@ -291,8 +289,7 @@ def nibble_lane_pairs(x, w, half, with_min, fifth, out):
             for b in range(blocks):
                 _nibble_sums_pair(x, w, g, b, i, first, part, next_part)
                 if fifth:
-                    _add_fifth_bits(x, w, g, b, i, word, rest, high, part)
-                    _add_fifth_bits(x, w, g, b, i + 1, word, rest, high, next_part)
+                    _add_fifth_bits_pair(x, w, g, b, i, word, steps, part, next_part)
                 _nibble_factors(half, w, g, b, with_min, unsigned, d, offset)
                 _accumulate(acc, d, part, offset, sums[i, b, 0])
                 _accumulate(next_acc, d, next_part, offset, sums[i + 1, b, 0])
@@ -311,11 +308,51 @@ def _nibble_layout(x, w, with_min, fifth):
 
 
 @inline
-def _add_fifth_bits(x, w, g, b, i, word, rest, high, part):
-    """part[lane] += 16 * the sum of the fifth bits * x over block b's values (of row i)."""
-    _fifth_bit_sums(x, w, g, b, i, word, rest, high)
-    for lane in range(part.shape[0]):
-        part[lane] += SIXTEEN * high[lane]
+def _add_fifth_bits(x, w, g, b, i, word, steps, part):
+    """part[lane] += 16 * the sum of bit j * x_j over block b's 32 values (of row i), bit j of
+    the little-endian word at byte `word`, a byte B at a time (byte k: values 8k to 8k + 7).
+    With F_n = floor(B / 2^n), bit n = F_n - 2 F_(n+1), so the byte's sum telescopes to
+    F_0 x_0 + the sum over n >= 1 of F_n (x_n - 2 x_(n-1)): a halving and a product a bit, in
+    float32 (exact on bytes; numba's integer shifts widen to 64-bit lanes). Extracting each bit
+    (rest - 2 floor(rest / 2)) took 4 operations a bit, and a Q5_0 product 1.6x as long."""
+    for k in range(4):
+        _fifth_bit_steps(x, b, i, k, steps)
+        byte = w[g, b, word + k]
+        for lane in range(part.shape[0]):
+            f = np.float32(byte[lane])
+            total = f * steps[0]
+            for n in range(1, 8):
+                f = np.floor(f * np.float32(0.5))
+                total += f * steps[n]
+            part[lane] += total
+
+
+@inline
+def _add_fifth_bits_pair(x, w, g, b, i, word, steps, part, next_part):
+    """_add_fifth_bits for rows i and i + 1 at once (the same arithmetic a row): each F_n made
+    once for both."""
+    for k in range(4):
+        _fifth_bit_steps(x, b, i, k, steps[0])
+        _fifth_bit_steps(x, b, i + 1, k, steps[1])
+        byte = w[g, b, word + k]
+        for lane in range(part.shape[0]):
+            f = np.float32(byte[lane])
+            total, next_total = f * steps[0, 0], f * steps[1, 0]
+            for n in range(1, 8):
+                f = np.floor(f * np.float32(0.5))
+                total += f * steps[0, n]
+                next_total += f * steps[1, n]
+            part[lane] += total
+            next_part[lane] += next_total
+
+
+@inline
+def _fifth_bit_steps(x, b, i, k, steps):
+    """_add_fifth_bits' weights of byte k's bits: 16 x_0, then 16 (x_n - 2 x_(n-1))."""
+    at = b * 32 + 8 * k
+    steps[0] = SIXTEEN * x[i, at]
+    for n in range(1, 8):
+        steps[n] = SIXTEEN * (x[i, at + n] - np.float32(2) * x[i, at + n - 1])
 
 
 @inline
@@ -333,18 +370,6 @@ def _accumulate(acc, d, part, offset, total):
     """acc[lane] += a block's d * (sum of q * x) + offset * (sum of x)."""
     for lane in range(acc.shape[0]):
         acc[lane] += d[lane] * part[lane] + offset[lane] * total
-
-
-@inline
-def _fifth_bit_sums(x, w, g, b, i, word, rest, high):
-    """high[lane] = the sum of bit j * x over block b's 32 values, bit j of the little-endian
-    word at byte `word`: a byte at a time (byte k: values 8k to 8k + 7), halved in floats bit by
-    bit (numba's integer shifts would widen to 64-bit lanes)."""
-    high[:] = 0
-    for k in range(4):
-        _widen(w[g, b, word + k], rest)
-        for bit in range(8):
-            _lowest_bit_times(rest, x[i, b * 32 + 8 * k + bit], high)
 
 
 @inline
@@ -633,36 +658,68 @@ def q6_k_lanes(x, w, half, out):
 def dequantize_lanes(w, start, half, kind, out):
     """Groups from `start` of w as float32, transposed: out[v, r] is value v of tile row r (row
     start * lanes + r of the weight), so the innermost loops write contiguous lanes; a tile is
-    out.shape[1] // lanes groups. kind: 0 q4_0, 1 q4_1, 2 q8_0."""
+    out.shape[1] // lanes groups. kind: 0 q4_0, 1 q4_1, 2 q8_0, 3 q5_0, 4 q5_1."""
     blocks, lanes = w.shape[1], w.shape[3]
     signed = w.view(np.int8)
     d = np.empty(lanes, np.float32)
     offset = np.zeros(lanes, np.float32)
-    q0 = 4 if kind == 1 else 2
+    rest = np.empty(lanes, np.float32)
+    one, zero = np.ones(lanes, np.float32), np.zeros(lanes, np.float32)
+    with_min, fifth = kind == 1 or kind == 4, kind >= 3
+    word = 4 if with_min else 2  # q5's fifth bits
+    q0 = word + 4 if fifth else word  # the first quant byte
     for t in range(out.shape[1] // lanes):
         g = start + t
+        cols = slice(t * lanes, (t + 1) * lanes)
         for b in range(blocks):
             _lane_scales(half, w, g, b, 0, d)
-            if kind == 1:
+            if with_min:
                 _lane_scales(half, w, g, b, 2, offset)
-            elif kind == 0:
-                offset[:] = np.float32(-8.0) * d
+            elif kind != 2:
+                offset[:] = np.float32(-16.0 if fifth else -8.0) * d
             if kind == 2:
                 for j in range(32):
                     q = signed[g, b, 2 + j]
-                    row = out[b * 32 + j, t * lanes : (t + 1) * lanes]
+                    row = out[b * 32 + j, cols]
                     for lane in range(lanes):
                         row[lane] = d[lane] * np.float32(q[lane])
-            else:
-                for j in range(16):
-                    q = w[g, b, q0 + j]
-                    low = out[b * 32 + j, t * lanes : (t + 1) * lanes]
-                    high = out[b * 32 + 16 + j, t * lanes : (t + 1) * lanes]
+            elif not fifth:
+                _tile_nibbles(w, g, b, q0, d, offset, out, cols)
+            else:  # the quants, then 16 * bit j of the word onto value j, then d * q + offset
+                _tile_nibbles(w, g, b, q0, one, zero, out, cols)
+                for k in range(4):
+                    _add_bits_to_tile(w[g, b, word + k], rest, out, b * 32 + 8 * k, 1, cols)
+                for j in range(32):
+                    value = out[b * 32 + j, cols]
                     for lane in range(lanes):
-                        v = np.float32(q[lane])
-                        top = np.floor(v * SIXTEENTH)
-                        low[lane] = d[lane] * (v - np.float32(16) * top) + offset[lane]
-                        high[lane] = d[lane] * top + offset[lane]
+                        value[lane] = d[lane] * value[lane] + offset[lane]
+
+
+@inline
+def _tile_nibbles(w, g, b, q0, d, offset, out, cols):
+    """A nibble block's 32 values into out's rows b * 32 on: d * nibble + offset, the low half of
+    quant byte j (from byte q0) value j, the high half value j + 16."""
+    for j in range(16):
+        q = w[g, b, q0 + j]
+        low = out[b * 32 + j, cols]
+        high = out[b * 32 + 16 + j, cols]
+        for lane in range(low.shape[0]):
+            v = np.float32(q[lane])
+            top = np.floor(v * SIXTEENTH)
+            low[lane] = d[lane] * (v - np.float32(16) * top) + offset[lane]
+            high[lane] = d[lane] * top + offset[lane]
+
+
+@inline
+def _add_bits_to_tile(byte, rest, out, first, step, cols):
+    """16 * bit n of each lane's byte onto out's row (value) first + n * step, n = 0..7."""
+    _widen(byte, rest)
+    for n in range(8):
+        value = out[first + n * step, cols]
+        for lane in range(rest.shape[0]):
+            shifted = np.floor(rest[lane] * np.float32(0.5))
+            value[lane] += SIXTEEN * (rest[lane] - np.float32(2) * shifted)
+            rest[lane] = shifted
 
 
 @fast
@@ -711,13 +768,7 @@ def dequantize_k_lanes(w, start, half, kind, out):
                         high[lane] = top
             if kind == 1:  # 16 * bit s of byte 16 + j onto value 32 s + j
                 for j in range(32):
-                    _widen(w[g, b, 16 + j], rest)
-                    for sub in range(8):
-                        value = out[b * 256 + 32 * sub + j, cols]
-                        for lane in range(lanes):
-                            shifted = np.floor(rest[lane] * np.float32(0.5))
-                            value[lane] += SIXTEEN * (rest[lane] - np.float32(2) * shifted)
-                            rest[lane] = shifted
+                    _add_bits_to_tile(w[g, b, 16 + j], rest, out, b * 256 + j, 32, cols)
             for sub in range(8):
                 for j in range(32):
                     value = out[b * 256 + 32 * sub + j, cols]
