@@ -476,24 +476,39 @@ def model_path(model: str = "", synthetic: str = "", folder: str = "results") ->
     """The GGUF file to measure: `model`, or a synthetic file of shape `synthetic` (Q4_1 layers,
     Q8_0 embedding, SmolLM2's vocabulary or one made here; made once into `folder` and reused),
     or the packaged SmolLM2; None (said on stderr) where none is to be had."""
-    from models import synthetic as synth
     from models.gguf_model import ModelMissing, default_model_path
 
     if model:
         return model
     try:
         if synthetic:
-            target = Path(folder) / f"synthetic-{synthetic}-q4_1.gguf"
-            if not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                vocabulary = synth.default_vocabulary() or synth.BYTES
-                made = synth.write(target, synth.Recipe(synth.SHAPES[synthetic]), vocabulary)
-                print(f"made {target} ({made.bytes / 2**20:.0f} MiB in {made.seconds:.1f} s)", file=sys.stderr)
-            return str(target)
+            return synthetic_path(synthetic, folder=folder)
         return str(default_model_path())
     except ModelMissing as exc:
         print(f"llm benchmark skipped: {exc}", file=sys.stderr)
         return None
+
+
+def synthetic_path(
+    shape: str, weights: str = "q4_1", embedding: str = "q8_0", layers: int | None = None, folder: str = "results"
+) -> str:
+    """A synthetic GGUF file (models/synthetic.py) of `shape` (`layers` of them where given),
+    its matrices `weights`, its tied embedding `embedding`, SmolLM2's vocabulary or one made
+    here: made once into `folder`, reused after."""
+    from dataclasses import replace
+
+    from models import synthetic as synth
+
+    cut = f"-{layers}l" if layers else ""
+    kinds = weights if (weights, embedding) == ("q4_1", "q8_0") else f"{weights}-{embedding}"
+    target = Path(folder) / f"synthetic-{shape}{cut}-{kinds}.gguf"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        sizes = synth.SHAPES[shape] if not layers else replace(synth.SHAPES[shape], layers=layers)
+        vocabulary = synth.default_vocabulary() or synth.BYTES
+        made = synth.write(target, synth.Recipe(sizes, weights, embedding), vocabulary)
+        print(f"made {target} ({made.bytes / 2**20:.0f} MiB in {made.seconds:.1f} s)", file=sys.stderr)
+    return str(target)
 
 
 def run(

@@ -1,4 +1,4 @@
-"""One worker's decode on 1..T threads beside llama.cpp on as many threads, on one GGUF file.
+"""One worker's decode (and prefill) on 1..T threads beside llama.cpp on as many, on one GGUF file.
 
     python bench/threads.py [--quick] [--json PATH] [--threads 1 2] [--rounds 5]
                             [--model FILE.gguf | --synthetic 1.7b] [--weights native|f32]
@@ -6,8 +6,8 @@
 The file defaults to a SmolLM2-1.7B-shaped synthetic one (Q4_1 layers, Q8_0 embedding; made once
 under results/). For each thread count, our worker (its quantized loops and BLAS on that many
 threads, `--threads`) and llama.cpp (llama-cpp-python, `n_threads`) stay loaded and decode in
-alternating rounds after the same prompt, greedy, each round a run's time over its tokens (ours
-driven by the worker, as `generate` runs it); the figures are the rounds' medians, the ratio the
+alternating rounds, each a prefill of the same prompt and a greedy decode after it, timed over
+its tokens (ours driven by the worker, as `generate` runs it); the figures are the rounds' medians, the ratio the
 median of each round's pair. Without llama-cpp-python our rows stand alone. `--weights f32`:
 our worker on the file's weights widened to float32 (BLAS's products; llama.cpp still on the
 file's blocks).
@@ -16,6 +16,7 @@ file's blocks).
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,63 +29,85 @@ from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
 
 def run(quick: bool, threads: list[int], rounds: int, path: str | None, weights: str = "native") -> dict | None:
-    from models.generate import fuses_qkv
     from models.gguf_model import GGUFModel
-    from models.llama import TensorParallelLlama
 
     if path is None:
         return None
     length, steps = (16, 8) if quick else (32, 32)
     model = GGUFModel(path)
-    rows = []
-    for t in threads:
-        with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=t))) as dev:
-            net = TensorParallelLlama(
-                dev,
-                model.config,
-                model.native if weights == "native" else model.weight,
-                length + (rounds + 1) * steps + 8,
-                fuse_qkv=fuses_qkv(model, weights),
-            )
-            model.release_pages()
-            _, best = net.prefill([list(prompt_ids(model, length)[0])], 0, pool=1)
-            decode = worker_driven(dev, net, best.numpy().astype(np.int32).reshape(1, 1), length)
-            decode(2)  # captured and warm
-            llama = warm_llama_cpp(path, length, steps, t) if have_llama_cpp() else None
-            ours_s, theirs_s = [], []
-            try:
-                for _ in range(rounds):
-                    ours_s.append(decode(steps)[0])
-                    if llama is not None:
-                        theirs_s.append(llama.ask("decode"))
-            finally:
-                if llama is not None:
-                    llama.close()
-        row = {"threads": t, "ours_decode_tok_s": 1 / float(np.median(ours_s)), "rounds": rounds}
-        if theirs_s:
-            row |= {
-                "llama_cpp_decode_tok_s": 1 / float(np.median(theirs_s)),
-                "vs_llama_cpp": paired_ratio(theirs_s, ours_s),
-            }
-        rows.append(row)
+    rows = [{"threads": t} | one_worker(model, path, t, length, steps, rounds, weights) for t in threads]
     one = next((r["ours_decode_tok_s"] for r in rows if r["threads"] == 1), None)
     for r in rows:
         r["vs_one_thread"] = r["ours_decode_tok_s"] / one if one else None
     return {"model": Path(path).name, "weights": weights, "steps": steps, "rows": rows}
 
 
+def one_worker(model, path: str, threads: int, length: int, steps: int, rounds: int, weights: str = "native") -> dict:
+    """One worker on `threads` threads and llama.cpp on as many (when installed), both loaded,
+    in alternating rounds after the same `length`-token prompt: a prefill of it, then a greedy
+    decode of `steps` tokens, each round's ours right before theirs. tok/s of the rounds'
+    medians, and each ratio the median of the rounds' pairs."""
+    from models.generate import fuses_qkv
+    from models.llama import TensorParallelLlama
+
+    with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=threads))) as dev:
+        net = TensorParallelLlama(
+            dev,
+            model.config,
+            model.native if weights == "native" else model.weight,
+            length + (rounds + 1) * steps + 8,
+            fuse_qkv=fuses_qkv(model, weights),
+        )
+        model.release_pages()
+        prompt = [list(prompt_ids(model, length)[0])]
+        _, best = net.prefill(prompt, 0, pool=1)
+        decode = worker_driven(dev, net, best.numpy().astype(np.int32).reshape(1, 1), length)
+        decode(2)  # captured and warm
+        llama = warm_llama_cpp(path, length, steps, threads) if have_llama_cpp() else None
+        timed: dict[str, list[float]] = {"ours": [], "theirs": [], "ours_prefill": [], "theirs_prefill": []}
+        try:
+            for _ in range(rounds):
+                start = time.perf_counter()
+                net.prefill(prompt, 0, pool=1)[1].numpy()  # a prompt of a length seen: replayed
+                timed["ours_prefill"].append(time.perf_counter() - start)
+                if llama is not None:
+                    timed["theirs_prefill"].append(llama.ask("prefill"))
+                timed["ours"].append(decode(steps)[0])
+                if llama is not None:
+                    timed["theirs"].append(llama.ask("decode"))
+        finally:
+            if llama is not None:
+                llama.close()
+    row = {
+        "ours_decode_tok_s": 1 / float(np.median(timed["ours"])),
+        "ours_prefill_tok_s": length / float(np.median(timed["ours_prefill"])),
+        "rounds": rounds,
+        "prompt": length,
+    }
+    if timed["theirs"]:
+        row |= {
+            "llama_cpp_decode_tok_s": 1 / float(np.median(timed["theirs"])),
+            "vs_llama_cpp": paired_ratio(timed["theirs"], timed["ours"]),
+            "llama_cpp_prefill_tok_s": length / float(np.median(timed["theirs_prefill"])),
+            "prefill_vs_llama_cpp": paired_ratio(timed["theirs_prefill"], timed["ours_prefill"]),
+        }
+    return row
+
+
 def show(results: dict | None) -> None:
     if results is None:
         return
     cols = ["threads", "ours tok/s", "vs 1 thread", "llama.cpp tok/s", "ours / llama.cpp"]
+    cols += ["prefill tok/s", "llama.cpp", "ours / it"]
     rows = [
         [r["threads"], r["ours_decode_tok_s"], r["vs_one_thread"], r.get("llama_cpp_decode_tok_s", "-")]
-        + [r.get("vs_llama_cpp", "-")]
+        + [r.get("vs_llama_cpp", "-"), r["ours_prefill_tok_s"], r.get("llama_cpp_prefill_tok_s", "-")]
+        + [r.get("prefill_vs_llama_cpp", "-")]
         for r in results["rows"]
     ]
     weights = results.get("weights", "native")
     title = f"{results['model']} ({weights} weights): greedy decode, 1 worker, {results['steps']} tokens a round"
-    title += ", medians of the rounds"
+    title += f", and the {results['rows'][0]['prompt']}-token prompt's prefill; medians of the rounds"
     print(table(title, cols, rows))
 
 

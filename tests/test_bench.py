@@ -203,3 +203,22 @@ def test_the_fusion_bench_decodes_fused_and_unfused_side_by_side(monkeypatch):
         assert results["built_first"] == ("unfused: rope_set_rows" if swap else "every pattern fused")
     with pytest.raises(ValueError, match="no pattern"):
         fusion.run(quick=True, workers=2, rounds=1, path=model_path(), unfused="rope_set_row")
+
+
+@pytest.mark.timeout(300)
+def test_the_formats_bench_decodes_and_prefills_a_file_of_each_type(monkeypatch, tmp_path):
+    """bench/formats.py --quick on tiny synthetic files, one per type (made into the folder given,
+    named by shape, layers and types, and reused): each type's row has our decode and prefill
+    (llama.cpp left out), and the file is of that type."""
+    from bench import formats, threads
+    from models.gguf_file import GGUFFile
+
+    monkeypatch.setattr(threads, "have_llama_cpp", lambda: False)
+    results = formats.run(True, ["q4_0", "q8_0"], 1, 1, "tiny", 1, folder=str(tmp_path))
+    assert [r["type"] for r in results["rows"]] == ["q4_0", "q8_0"]
+    assert all(r["ours_decode_tok_s"] > 0 and r["ours_prefill_tok_s"] > 0 for r in results["rows"])
+    assert "llama_cpp_decode_tok_s" not in results["rows"][0]
+    made = sorted(p.name for p in tmp_path.iterdir())
+    assert made == ["synthetic-tiny-1l-q4_0-q4_0.gguf", "synthetic-tiny-1l-q8_0-q8_0.gguf"]
+    tensors = GGUFFile(tmp_path / made[0]).tensors
+    assert {tensors[name].tensor_type.name for name in ("blk.0.ffn_down.weight", "token_embd.weight")} == {"Q4_0"}

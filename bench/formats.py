@@ -1,0 +1,80 @@
+"""One worker's decode and prefill on a file of each quantization type, beside llama.cpp on the
+same file and threads, in one run.
+
+    python bench/formats.py [--quick] [--json PATH] [--types q4_0 q4_1 ...] [--threads 2]
+                            [--rounds 3] [--shape 1.7b] [--layers 8]
+
+Each file is synthetic (models/synthetic.py; made once under results/): --shape's sizes cut to
+--layers layers, every matrix and the tied embedding (the output head) in the one type, seeded
+random blocks, SmolLM2's vocabulary. The default shape is SmolLM2-1.7B's, whose 2,048-wide rows
+are whole K-quant blocks (SmolLM2-135M's 576 are not: llama.cpp's K files store such tensors as
+Q5_0 / Q5_1 / Q8_0, which is why those types are here too). For each type our worker (its
+loops and BLAS on --threads threads) and llama.cpp (llama-cpp-python, the same threads) stay
+loaded and take turns, round by round: a prefill of the same prompt, then a greedy decode
+(bench/threads.py's one_worker). The figures are the rounds' medians, the ratios the medians of
+each round's pairs. Without llama-cpp-python our columns stand alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.llm import synthetic_path  # noqa: E402
+from bench.report import cli, table  # noqa: E402
+from bench.threads import one_worker  # noqa: E402
+
+TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+
+
+def run(
+    quick: bool, types: list[str], threads: int, rounds: int, shape: str, layers: int, folder: str = "results"
+) -> dict:
+    from models.gguf_model import GGUFModel
+
+    length, steps = (16, 8) if quick else (64, 32)
+    rows = []
+    for kind in types:
+        path = synthetic_path(shape, kind, kind, layers, folder)
+        row = one_worker(GGUFModel(path), path, threads, length, steps, rounds)
+        rows.append({"type": kind, "file_mib": os.path.getsize(path) / 2**20} | row)
+    return {"shape": shape, "layers": layers, "threads": threads, "steps": steps, "prompt": length, "rows": rows}
+
+
+def show(results: dict) -> None:
+    cols = ["type", "MiB", "decode tok/s", "llama.cpp", "ours / llama.cpp", "prefill tok/s", "llama.cpp", "ours / it"]
+    rows = [
+        [r["type"], r["file_mib"], r["ours_decode_tok_s"], r.get("llama_cpp_decode_tok_s", "-")]
+        + [r.get("vs_llama_cpp", "-"), r["ours_prefill_tok_s"], r.get("llama_cpp_prefill_tok_s", "-")]
+        + [r.get("prefill_vs_llama_cpp", "-")]
+        for r in results["rows"]
+    ]
+    title = (
+        f"{results['shape']} shape, {results['layers']} layers, every matrix in the type; 1 worker and llama.cpp on "
+        f"{results['threads']} threads: greedy decode of {results['steps']} tokens, prefill of {results['prompt']}"
+    )
+    print(table(title, cols, rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    def options(ap) -> None:
+        from models.synthetic import SHAPES
+
+        ap.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)
+        ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+        ap.add_argument("--rounds", type=int, default=3)
+        ap.add_argument("--shape", default="1.7b", choices=sorted(SHAPES))
+        ap.add_argument("--layers", type=int, default=8)
+
+    def measure(args):
+        types = args.types[:2] if args.quick else args.types
+        return run(args.quick, types, args.threads, 1 if args.quick else args.rounds, args.shape, args.layers)
+
+    return cli(__doc__, "formats", measure, show, argv, options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
