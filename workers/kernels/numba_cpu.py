@@ -321,9 +321,18 @@ def _rows_run(loop, pairs, x, args, flat, out) -> Callable:
     calls = [(pairs, (x[:paired], *args, flat[:paired]))] if paired else []
     if paired < rows:
         calls.append((loop, (x[paired:], *args, flat[paired:])))
+    if len(calls) == 1:  # a decode step's every product: no loop over calls in its hot path
+        ((kernel, arguments),) = calls
+
+        def run_one():
+            _use_threads()  # numba's count is per calling thread
+            kernel(*arguments)
+            return out
+
+        return run_one
 
     def run():
-        _use_threads()  # numba's count is per calling thread
+        _use_threads()
         for kernel, arguments in calls:
             kernel(*arguments)
         return out
