@@ -578,7 +578,7 @@ def k_nibble_lanes(x, w, half, fifth, out):
 
 @inline
 def _k_nibble_sums(x, w, g, b, i, at, base, lows, tops):
-    """A 64-value chunk of a Q4_K / Q5_K block (its 32 quant bytes from byte `at`, its values
+    """A 64-value chunk of a Q4_K block (its 32 quant bytes from byte `at`, its values
     from x[i, base]): lows[lane] = the sum of the low nibbles * the first 32 values, tops[lane]
     of the high nibbles * the next 32. Four bytes a pass, two sums: each pass loads and stores
     them once (three sums, a byte a pass, ran 1.3x slower; two bytes a pass 4 % slower)."""
