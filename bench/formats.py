@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.llm import synthetic_path  # noqa: E402
 from bench.report import cli, table  # noqa: E402
 from bench.threads import one_worker  # noqa: E402
+from split_state.quant import FORMATS  # noqa: E402
 
-TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+TYPES = tuple(name for name, fmt in FORMATS.items() if fmt.block > 1)  # the block formats (not bf16)
 
 
 def run(

@@ -5,10 +5,10 @@
 
 The file defaults to a SmolLM2-1.7B-shaped synthetic one (Q4_1 layers, Q8_0 embedding; made once
 under results/). For each thread count, our worker (its quantized loops and BLAS on that many
-threads, `--threads`) and llama.cpp (llama-cpp-python, `n_threads`) stay loaded and decode in
-alternating rounds, each a prefill of the same prompt and a greedy decode after it, timed over
-its tokens (ours driven by the worker, as `generate` runs it); the figures are the rounds' medians, the ratio the
-median of each round's pair. Without llama-cpp-python our rows stand alone. `--weights f32`:
+threads, `--threads`) and llama.cpp (llama-cpp-python, `n_threads`) stay loaded and take turns
+in rounds, each a prefill of the same prompt and a greedy decode after it, timed over its tokens
+(ours driven by the worker, as `generate` runs it); the figures are the rounds' medians, the
+ratio the median of each round's pair. Without llama-cpp-python our rows stand alone. `--weights f32`:
 our worker on the file's weights widened to float32 (BLAS's products; llama.cpp still on the
 file's blocks).
 """

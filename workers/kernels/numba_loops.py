@@ -548,7 +548,6 @@ def k_nibble_lanes(x, w, half, fifth, out):
     (`fifth`) adds 16 * bit s of byte j of the 32 bytes before the quants to value 32s + j."""
     m = x.shape[0]
     groups, blocks, lanes = w.shape[0], w.shape[1], w.shape[3]
-    first = 48 if fifth else 16  # the first quant byte
     sums = _sub_block_sums(x, blocks, 256, 32)
     for g in numba.prange(groups):  # row groups over the worker's threads
         acc = np.empty(lanes, np.float32)
@@ -568,7 +567,7 @@ def k_nibble_lanes(x, w, half, fifth, out):
                     if fifth:
                         _k5_sums(x, w, g, b, i, c, lows, tops)
                     else:
-                        _k_nibble_sums(x, w, g, b, i, first + c * 32, b * 256 + c * 64, lows, tops)
+                        _k_nibble_sums(x, w, g, b, i, 16 + c * 32, b * 256 + c * 64, lows, tops)  # quants from 16
                     s0, s1 = sums[i, b, 2 * c], sums[i, b, 2 * c + 1]
                     for lane in range(lanes):
                         acc[lane] += d[lane] * (scales[2 * c, lane] * lows[lane] + scales[2 * c + 1, lane] * tops[lane])
