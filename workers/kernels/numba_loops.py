@@ -235,10 +235,12 @@ def _widen_half(typingctx, bits):
 @intrinsic
 def _quant_bits(typingctx, low_byte, low_shift, top_byte, top_shift, top_mask):
     """((low_byte >> low_shift) & 15) | (((top_byte >> top_shift) & top_mask) << 4) as float32: a
-    Q6_K quant from its low four bits and top two (top_mask 3), a Q5_K one from its nibble and
-    fifth bit (1), in 8-bit integer operations, which vectorise 64 lanes to a register. numba's
-    own integer operations widen to 64 bits, and the same in float32 (halvings and floors) took
-    1.33x as long (a 2,048 x 8,192 Q6_K product on one thread: 1,915 against 1,440 us)."""
+    Q6_K quant from its low four bits and top two (top_mask 3), a Q5 / Q5_K one from its nibble
+    and fifth bit (1), a nibble alone (0), in 8-bit integer operations, which vectorise 64 lanes
+    to a register. numba's own integer operations widen to 64 bits, and the same in float32
+    (halvings and floors) took 1.33x as long (a 2,048 x 8,192 Q6_K product on one thread: 1,915
+    against 1,440 us); a 2 MiB Q5_0 tile 199 against 88 us. (Q4's decode loops keep their float32
+    nibbles, whose low half folds into the next value's x: as quick.)"""
 
     def codegen(context, builder, signature, args):
         byte = ir.IntType(8)
@@ -390,12 +392,6 @@ def _accumulate(acc, d, part, offset, total):
     """acc[lane] += a block's d * (sum of q * x) + offset * (sum of x)."""
     for lane in range(acc.shape[0]):
         acc[lane] += d[lane] * part[lane] + offset[lane] * total
-
-
-@inline
-def _widen(byte, rest):
-    for lane in range(rest.shape[0]):
-        rest[lane] = np.float32(byte[lane])
 
 
 @inline
@@ -671,8 +667,6 @@ def dequantize_lanes(w, start, half, kind, out):
     signed = w.view(np.int8)
     d = np.empty(lanes, np.float32)
     offset = np.zeros(lanes, np.float32)
-    rest = np.empty(lanes, np.float32)
-    one, zero = np.ones(lanes, np.float32), np.zeros(lanes, np.float32)
     with_min, fifth = kind == 1 or kind == 4, kind >= 3
     word = 4 if with_min else 2  # q5's fifth bits
     q0 = word + 4 if fifth else word  # the first quant byte
@@ -693,14 +687,13 @@ def dequantize_lanes(w, start, half, kind, out):
                         row[lane] = d[lane] * np.float32(q[lane])
             elif not fifth:
                 _tile_nibbles(w, g, b, q0, d, offset, out, cols)
-            else:  # the quants, then 16 * bit j of the word onto value j, then d * q + offset
-                _tile_nibbles(w, g, b, q0, one, zero, out, cols)
-                for k in range(4):
-                    _add_bits_to_tile(w[g, b, word + k], rest, out, b * 32 + 8 * k, 1, cols)
-                for j in range(32):
-                    value = out[b * 32 + j, cols]
+            else:  # value j's fifth bit: bit j % 8 of byte word + j // 8 (value j + 16: of byte + 2)
+                for j in range(16):
+                    q, bits, high_bits = w[g, b, q0 + j], w[g, b, word + j // 8], w[g, b, word + 2 + j // 8]
+                    low, high = out[b * 32 + j, cols], out[b * 32 + 16 + j, cols]
                     for lane in range(lanes):
-                        value[lane] = d[lane] * value[lane] + offset[lane]
+                        low[lane] = d[lane] * _quant_bits(q[lane], 0, bits[lane], j % 8, 1) + offset[lane]
+                        high[lane] = d[lane] * _quant_bits(q[lane], 4, high_bits[lane], j % 8, 1) + offset[lane]
 
 
 @inline
@@ -718,18 +711,6 @@ def _tile_nibbles(w, g, b, q0, d, offset, out, cols):
             high[lane] = d[lane] * top + offset[lane]
 
 
-@inline
-def _add_bits_to_tile(byte, rest, out, first, step, cols):
-    """16 * bit n of each lane's byte onto out's row (value) first + n * step, n = 0..7."""
-    _widen(byte, rest)
-    for n in range(8):
-        value = out[first + n * step, cols]
-        for lane in range(rest.shape[0]):
-            shifted = np.floor(rest[lane] * np.float32(0.5))
-            value[lane] += SIXTEEN * (rest[lane] - np.float32(2) * shifted)
-            rest[lane] = shifted
-
-
 @fast
 def dequantize_k_lanes(w, start, half, kind, out):
     """dequantize_lanes for the K-quants (kind 0 Q4_K, 1 Q5_K, 2 Q6_K), in the order of
@@ -744,7 +725,6 @@ def dequantize_k_lanes(w, start, half, kind, out):
     mins = np.empty((8, lanes), np.float32)
     factor = np.empty((16, lanes), np.float32)  # per sub-block (8 of Q4_K / Q5_K, 16 of Q6_K)
     offset = np.empty((8, lanes), np.float32)
-    rest = np.empty(lanes, np.float32)
     for t in range(out.shape[1] // lanes):
         g = start + t
         cols = slice(t * lanes, (t + 1) * lanes)
@@ -763,25 +743,17 @@ def dequantize_k_lanes(w, start, half, kind, out):
                 for lane in range(lanes):
                     factor[sub, lane] = d[lane] * scales[sub, lane]
                     offset[sub, lane] = dmin[lane] * mins[sub, lane]
-            first = 48 if kind == 1 else 16
-            for c in range(4):
+            first, fifth = (48, 1) if kind == 1 else (16, 0)  # Q5_K's fifth bits: mask 1 (Q4_K's: 0)
+            for c in range(4):  # value 32 s + j's fifth bit: bit s of byte 16 + j
                 for j in range(32):
-                    q = w[g, b, first + c * 32 + j]
-                    low = out[b * 256 + c * 64 + j, cols]
-                    high = out[b * 256 + c * 64 + 32 + j, cols]
+                    q, bits = w[g, b, first + c * 32 + j], w[g, b, 16 + j]
+                    low, high = out[b * 256 + c * 64 + j, cols], out[b * 256 + c * 64 + 32 + j, cols]
                     for lane in range(lanes):
-                        v = np.float32(q[lane])
-                        top = np.floor(v * SIXTEENTH)
-                        low[lane] = v - SIXTEEN * top
-                        high[lane] = top
-            if kind == 1:  # 16 * bit s of byte 16 + j onto value 32 s + j
-                for j in range(32):
-                    _add_bits_to_tile(w[g, b, 16 + j], rest, out, b * 256 + j, 32, cols)
-            for sub in range(8):
-                for j in range(32):
-                    value = out[b * 256 + 32 * sub + j, cols]
-                    for lane in range(lanes):
-                        value[lane] = factor[sub, lane] * value[lane] - offset[sub, lane]
+                        a, h = q[lane], bits[lane]
+                        low[lane] = factor[2 * c, lane] * _quant_bits(a, 0, h, 2 * c, fifth) - offset[2 * c, lane]
+                        high[lane] = (
+                            factor[2 * c + 1, lane] * _quant_bits(a, 4, h, 2 * c + 1, fifth) - offset[2 * c + 1, lane]
+                        )
 
 
 @inline
