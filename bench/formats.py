@@ -1,8 +1,8 @@
 """One worker's decode and prefill on a file of each quantization type, beside llama.cpp on the
 same file and threads, in one run.
 
-    python bench/formats.py [--quick] [--json PATH] [--types q4_0 q4_1 ...] [--threads 2]
-                            [--rounds 3] [--shape 1.7b] [--layers 8]
+    python bench/formats.py [--quick] [--json PATH] [--types q4_0 q4_1 ...] [--threads 1 2]
+                            [--rounds 3] [--shape 1.7b] [--layers 8] [--activations q8]
 
 Each file is synthetic (models/synthetic.py; made once under results/): --shape's sizes cut to
 --layers layers, every matrix and the tied embedding (the output head) in the one type, seeded
@@ -12,7 +12,8 @@ Q5_0 / Q5_1 / Q8_0, which is why those types are here too). For each type our wo
 loops and BLAS on --threads threads) and llama.cpp (llama-cpp-python, the same threads) stay
 loaded and take turns, round by round: a prefill of the same prompt, then a greedy decode
 (bench/threads.py's one_worker). The figures are the rounds' medians, the ratios the medians of
-each round's pairs. Without llama-cpp-python our columns stand alone.
+each round's pairs. Without llama-cpp-python our columns stand alone. --activations: our
+quantized products' (q8, llama.cpp's 8-bit activations, the default; f32, exact).
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ TYPES = tuple(name for name, fmt in FORMATS.items() if fmt.block > 1)  # the blo
 
 
 def run(
-    quick: bool, types: list[str], threads: int, rounds: int, shape: str, layers: int, folder: str = "results"
+    quick: bool,
+    types: list[str],
+    threads: list[int],
+    rounds: int,
+    shape: str,
+    layers: int,
+    folder: str = "results",
+    activations: str = "q8",
 ) -> dict:
     from models.gguf_model import GGUFModel
 
@@ -40,22 +48,33 @@ def run(
     rows = []
     for kind in types:
         path = synthetic_path(shape, kind, kind, layers, folder)
-        row = one_worker(GGUFModel(path), path, threads, length, steps, rounds)
-        rows.append({"type": kind, "file_mib": os.path.getsize(path) / 2**20} | row)
-    return {"shape": shape, "layers": layers, "threads": threads, "steps": steps, "prompt": length, "rows": rows}
+        for count in threads:
+            row = one_worker(GGUFModel(path), path, count, length, steps, rounds, activations=activations)
+            rows.append({"type": kind, "threads": count, "file_mib": os.path.getsize(path) / 2**20} | row)
+    return {
+        "shape": shape,
+        "layers": layers,
+        "threads": threads,
+        "activations": activations,
+        "steps": steps,
+        "prompt": length,
+        "rows": rows,
+    }
 
 
 def show(results: dict) -> None:
-    cols = ["type", "MiB", "decode tok/s", "llama.cpp", "ours / llama.cpp", "prefill tok/s", "llama.cpp", "ours / it"]
+    cols = ["type", "threads", "MiB", "decode tok/s", "llama.cpp", "ours / llama.cpp", "prefill tok/s", "llama.cpp"]
+    cols += ["ours / it"]
     rows = [
-        [r["type"], r["file_mib"], r["ours_decode_tok_s"], r.get("llama_cpp_decode_tok_s", "-")]
+        [r["type"], r["threads"], r["file_mib"], r["ours_decode_tok_s"], r.get("llama_cpp_decode_tok_s", "-")]
         + [r.get("vs_llama_cpp", "-"), r["ours_prefill_tok_s"], r.get("llama_cpp_prefill_tok_s", "-")]
         + [r.get("prefill_vs_llama_cpp", "-")]
         for r in results["rows"]
     ]
     title = (
-        f"{results['shape']} shape, {results['layers']} layers, every matrix in the type; 1 worker and llama.cpp on "
-        f"{results['threads']} threads: greedy decode of {results['steps']} tokens, prefill of {results['prompt']}"
+        f"{results['shape']} shape, {results['layers']} layers, every matrix in the type; 1 worker "
+        f"({results['activations']} activations) and llama.cpp on the same threads: greedy decode of "
+        f"{results['steps']} tokens, prefill of {results['prompt']}"
     )
     print(table(title, cols, rows))
 
@@ -65,14 +84,16 @@ def main(argv: list[str] | None = None) -> int:
         from models.synthetic import SHAPES
 
         ap.add_argument("--types", nargs="+", default=list(TYPES), choices=TYPES)
-        ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+        ap.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
+        ap.add_argument("--activations", default="q8", choices=("q8", "f32"))
         ap.add_argument("--rounds", type=int, default=3)
         ap.add_argument("--shape", default="1.7b", choices=sorted(SHAPES))
         ap.add_argument("--layers", type=int, default=8)
 
     def measure(args):
         types = args.types[:2] if args.quick else args.types
-        return run(args.quick, types, args.threads, 1 if args.quick else args.rounds, args.shape, args.layers)
+        rounds = 1 if args.quick else args.rounds
+        return run(args.quick, types, args.threads, rounds, args.shape, args.layers, activations=args.activations)
 
     return cli(__doc__, "formats", measure, show, argv, options)
 

@@ -42,7 +42,16 @@ def run(quick: bool, threads: list[int], rounds: int, path: str | None, weights:
     return {"model": Path(path).name, "weights": weights, "steps": steps, "rows": rows}
 
 
-def one_worker(model, path: str, threads: int, length: int, steps: int, rounds: int, weights: str = "native") -> dict:
+def one_worker(
+    model,
+    path: str,
+    threads: int,
+    length: int,
+    steps: int,
+    rounds: int,
+    weights: str = "native",
+    activations: str = "q8",
+) -> dict:
     """One worker on `threads` threads and llama.cpp on as many (when installed), both loaded,
     in alternating rounds after the same `length`-token prompt: a prefill of it, then a greedy
     decode of `steps` tokens, each round's ours right before theirs. tok/s of the rounds'
@@ -57,6 +66,7 @@ def one_worker(model, path: str, threads: int, length: int, steps: int, rounds: 
             model.native if weights == "native" else model.weight,
             length + (rounds + 1) * steps + 8,
             fuse_qkv=fuses_qkv(model, weights),
+            activations=activations,
         )
         model.release_pages()
         prompt = [list(prompt_ids(model, length)[0])]

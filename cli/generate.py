@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cli.display import progress, widening_notice
-from cli.options import add_cache_type_options, add_cluster_options, open_cluster
+from cli.options import add_activations_option, add_cache_type_options, add_cluster_options, open_cluster
 
 EXIT = "/exit"
 
@@ -66,6 +66,7 @@ def generate(args: argparse.Namespace) -> int:
             progress=lambda i, n: progress(i, n, "placing layers", start),
             weights=args.weights,
             cache_types=(args.cache_type_k, args.cache_type_v),
+            activations=args.activations,
         )
         if interactive or compiling:
             # a one-shot run would only move the same work before its prompt, unless the loops
@@ -331,6 +332,7 @@ def add(sub) -> None:
         "float32; f32: every weight float32 (logits equal to the float32 reference's)",
     )
     add_cache_type_options(p)
+    add_activations_option(p)
     p.add_argument(
         "--json", default="", help="write prompts, token ids, text, finish reason and timings here; - : JSON lines"
     )

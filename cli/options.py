@@ -76,6 +76,18 @@ def add_cache_type_options(ap: argparse.ArgumentParser) -> None:
         )
 
 
+def add_activations_option(ap: argparse.ArgumentParser) -> None:
+    """How the quantized products multiply (generate and serve)."""
+    ap.add_argument(
+        "--activations",
+        choices=("q8", "f32"),  # split_state.ops.ACTIVATIONS
+        default="q8",
+        help="q8: a CPU worker quantizes each product's activation rows into 8-bit blocks and multiplies "
+        "integers, as llama.cpp does (its logits move as llama.cpp's do, by the activations' rounding); f32: "
+        "float32 activations, logits equal to the dequantized weights' float32 product (default: %(default)s)",
+    )
+
+
 def check_cluster_options(args: argparse.Namespace) -> None:
     """The cluster options' values, checked before anything slow starts."""
     for name, value in (("--liveness", args.liveness), ("--start-timeout", args.start_timeout)):

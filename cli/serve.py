@@ -16,7 +16,7 @@ import sys
 import threading
 
 from cli.display import widening_notice
-from cli.options import add_cache_type_options, add_cluster_options, open_cluster
+from cli.options import add_activations_option, add_cache_type_options, add_cluster_options, open_cluster
 
 EXIT_CLUSTER_LOST = 3
 HEALTH_SECONDS = 0.5  # how often the server looks whether the cluster can still serve
@@ -57,6 +57,7 @@ def serve(args: argparse.Namespace) -> int:
             ctx=args.ctx,
             weights=args.weights,
             cache_types=(args.cache_type_k, args.cache_type_v),
+            activations=args.activations,
         )
         if not args.no_warmup:
             batcher.warm_up()
@@ -220,5 +221,6 @@ def add(sub) -> None:
         "--weights", choices=("native", "f32"), default="native", help="as for generate (default: %(default)s)"
     )
     add_cache_type_options(p)
+    add_activations_option(p)
     add_cluster_options(p)
     p.set_defaults(fn=serve)

@@ -281,14 +281,17 @@ def get_rows(table: Tensor, ids: Tensor) -> Tensor:
     return apply("get_rows", table, ids)
 
 
-def qmatmul(x: Tensor, weight: Tensor, format: str) -> Tensor:
+def qmatmul(x: Tensor, weight: Tensor, format: str, activations: str = "f32") -> Tensor:
     """x (..., k) times a block-quantized weight of n rows of k values, interleaved as the workers
     keep it ((n / lanes, k / block, block bytes, lanes), split_state/quant.py): (..., n), as x @
-    the dequantized weight transposed."""
+    the dequantized weight transposed. `activations`: "f32" multiplies x as it is (exact to
+    float32 rounding); "q8" lets a CPU worker quantize x's rows into 8-bit blocks first and
+    multiply integers, as llama.cpp does (workers/backends/cpu/int8_products.py)."""
     block = quant_format(format).block
     if not x.shape or x.shape[-1] % block:
         raise ShapeError(f"qmatmul: x's last axis ({x.shape}) is not a whole number of {block}-value blocks")
-    product = apply("qmatmul", x.reshape(*x.shape[:-1], x.shape[-1] // block, block), weight, format=format)
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    product = apply("qmatmul", blocks, weight, format=format, activations=activations)
     return product.reshape(*product.shape[:-2], product.shape[-2] * product.shape[-1])
 
 

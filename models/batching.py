@@ -149,11 +149,12 @@ class ContinuousBatcher:
         ctx: int = 2048,
         weights: str = "native",
         cache_types: tuple[str, str] = ("f32", "f32"),
+        activations: str = "q8",
     ):
         if slots < 1:
             raise ModelError(f"--max-slots {slots}: at least one")
         self.dev, self.model, self.ctx = dev, model, ctx
-        self.net = place_model(dev, model, ctx, slots, weights, cache_types)
+        self.net = place_model(dev, model, ctx, slots, weights, cache_types, activations=activations)
         self.tokenizer = model.tokenizer
         self.stop_ids = frozenset(model.end_of_generation)
         self.slots: list[_Slot | None] = [None] * slots

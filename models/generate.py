@@ -27,6 +27,7 @@ from meta.device import MetaDevice
 from models.errors import ModelError
 from models.gguf_model import GGUFModel
 from models.llama import CACHE_TYPES, TensorParallelLlama, qkv_fusable
+from split_state.ops import ACTIVATIONS
 from split_state.sampling import TEMPERATURE_FLOOR, Rule, choose, generator_state
 
 POOL = 256  # candidates per sequence a sampled step considers
@@ -297,6 +298,7 @@ def place_model(
     weights: str = "native",
     cache_types: Sequence[str] = ("f32", "f32"),
     progress=None,
+    activations: str = "q8",
 ) -> TensorParallelLlama:
     """The model's weights and caches (`batch` rows of `ctx` positions) placed on the workers,
     after every check that can refuse it first (context, weights, cache types, the workers'
@@ -305,12 +307,22 @@ def place_model(
     check_context(ctx, model.context_length)
     if weights not in WEIGHTS:
         raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
+    if activations not in ACTIVATIONS:
+        raise ModelError(f"--activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
     check_cache_types(cache_types)
     check_fits(dev, model, weights, ctx, batch, tuple(cache_types))
     source = model.native if weights == "native" else model.weight
     fuse = fuses_qkv(model, weights)
     net = TensorParallelLlama(
-        dev, model.config, source, ctx, batch, progress=progress, cache_types=tuple(cache_types), fuse_qkv=fuse
+        dev,
+        model.config,
+        source,
+        ctx,
+        batch,
+        progress=progress,
+        cache_types=tuple(cache_types),
+        fuse_qkv=fuse,
+        activations=activations,
     )
     model.release_pages()  # the workers hold the weights: the coordinator's copy of the file goes
     return net
@@ -326,10 +338,13 @@ class LLM:
         progress=None,
         weights: str = "native",
         cache_types: tuple[str, str] = ("f32", "f32"),
+        activations: str = "q8",
     ):
-        """`cache_types`: the KV caches' element types (K, V), models.llama.CACHE_TYPES's names."""
+        """`cache_types`: the KV caches' element types (K, V), models.llama.CACHE_TYPES's names.
+        `activations`: the quantized products' ("q8", llama.cpp's 8-bit activations and integer
+        products, or "f32", exact float32 products)."""
         self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch
-        self.net = place_model(dev, model, ctx, batch, weights, cache_types, progress)
+        self.net = place_model(dev, model, ctx, batch, weights, cache_types, progress, activations)
         self.tokenizer = model.tokenizer
         self._decode: dict[int, object] = {}  # captured decode steps by candidate pool size
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill

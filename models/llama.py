@@ -33,6 +33,7 @@ from meta.tensor import Tensor, get_rows, qget_rows, qmatmul, where
 from models import reference as ref
 from split_state.errors import ShapeError
 from split_state.layout import local_shape
+from split_state.ops import ACTIVATIONS
 from split_state.quant import interleave, lanes_for, quant_format
 from split_state.states import MIRRORED, Split
 
@@ -310,9 +311,10 @@ def _heads_taken(source: Source, plan: HeadSplit, hd: int) -> Source:
     return taken
 
 
-def _product(x: Tensor, weight: Tensor, fmt: str | None) -> Tensor:
-    """x @ weight, on the file's blocks when the weight is kept quantized (`fmt`: its format)."""
-    return x @ weight if fmt is None else qmatmul(x, weight, fmt)
+def _product(x: Tensor, weight: Tensor, fmt: str | None, activations: str) -> Tensor:
+    """x @ weight, on the file's blocks when the weight is kept quantized (`fmt`: its format),
+    x's rows in 8-bit blocks first where `activations` is "q8" (meta.tensor.qmatmul)."""
+    return x @ weight if fmt is None else qmatmul(x, weight, fmt, activations)
 
 
 def _row_of(cache: Tensor, row: Tensor) -> Tensor:
@@ -362,12 +364,17 @@ class TensorParallelLlama:
         cache_types: tuple[str, str] = ("f32", "f32"),
         fuse_qkv: bool = False,
         heads: HeadSplit | None = None,
+        activations: str = "q8",
     ):
         """`cache_types` (K, V): the KV caches' element types, CACHE_TYPES's names. `fuse_qkv`:
         wq | wk | wv as one weight `w_qkv` of three segments, one product a layer where there
         were three (the source's q, k and v weights must be of one kind in every layer: all
         float, or all kept in one format; see qkv_fusable). `heads`: how the attention heads
-        split (by default HeadSplit.for_workers)."""
+        split (by default HeadSplit.for_workers). `activations`: the quantized products' ("q8":
+        llama.cpp's 8-bit activations and integer products; "f32": exact, float32 activations)."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
+        self.activations = activations
         self.dev, self.cfg, self.ctx, self.batch = dev, cfg, ctx, batch
         self.fuse_qkv = fuse_qkv
         unknown = [c for c in cache_types if c not in CACHE_TYPES]
@@ -487,7 +494,7 @@ class TensorParallelLlama:
 
     def _mm(self, x: Tensor, name: str) -> Tensor:
         """x @ weight `name`, on its file's blocks when it is kept quantized."""
-        return _product(x, self.w[name], self.formats.get(name))
+        return _product(x, self.w[name], self.formats.get(name), self.activations)
 
     def _zeros(self, shape, state, dtype=np.float32) -> Tensor:
         n = self.dev.n
@@ -742,7 +749,7 @@ class TensorParallelLlama:
         at = {"batch_start": slot} if slot is not None else {"batch_start": 0} if first_rows else {}
 
         def mm(a: Tensor, name: str) -> Tensor:
-            return _product(a, w[name], formats[name])
+            return _product(a, w[name], formats[name], self.activations)
 
         h = x.rms_norm(eps=cfg.eps) * w["attn_norm"]
         if "w_qkv" in w:  # three segments: q | k | v, each split by its heads
@@ -791,7 +798,7 @@ class TensorParallelLlama:
             t = 1
         x = self._norm(x, "norm")
         if cfg.tied and embed_format is not None:  # the table's rows are the head's outputs
-            return qmatmul(x, self.w["embed"], embed_format)
+            return qmatmul(x, self.w["embed"], embed_format, self.activations)
         if cfg.tied:  # (vocab, hidden) @ (hidden, b*t), then transposed: logits split by vocabulary
             flat = x.reshape(batch * t, cfg.hidden)
             return (self.w["embed"] @ flat.T).T.reshape(batch, t, cfg.vocab)

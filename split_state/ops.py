@@ -617,6 +617,10 @@ def _top_k_combine_labels(shapes, params, out_shape):
 # -- block-quantized weights (split_state/quant.py) ----------------------------------------------
 
 
+# a quantized product's activations: float32 as given (exact), or 8-bit blocks (llama.cpp's, faster)
+ACTIVATIONS = ("f32", "q8")
+
+
 def _infer_qmatmul(shapes, dtypes, params):
     """x (..., blocks, block) float32 times a quantized weight interleaved as the workers keep it,
     (groups, blocks, block_bytes, lanes): (..., groups, lanes), each output the dot product of x
@@ -631,7 +635,10 @@ def _infer_qmatmul(shapes, dtypes, params):
         )
     if dtypes[0] != "float32" or dtypes[1] != "uint8":
         raise ShapeError(f"qmatmul: operands must be float32 and uint8 (the file's bytes), got {tuple(dtypes)}")
-    return xb[:-2] + (w[0], w[3]), "float32", {"format": fmt.name}
+    activations = params.get("activations", "f32")
+    if activations not in ACTIVATIONS:
+        raise ShapeError(f"qmatmul: activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
+    return xb[:-2] + (w[0], w[3]), "float32", {"format": fmt.name, "activations": activations}
 
 
 def _qmatmul_labels(shapes, params, out_shape):

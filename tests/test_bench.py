@@ -214,7 +214,7 @@ def test_the_formats_bench_decodes_and_prefills_a_file_of_each_type(monkeypatch,
     from models.gguf_file import GGUFFile
 
     monkeypatch.setattr(threads, "have_llama_cpp", lambda: False)
-    results = formats.run(True, ["q4_0", "q8_0"], 1, 1, "tiny", 1, folder=str(tmp_path))
+    results = formats.run(True, ["q4_0", "q8_0"], [1], 1, "tiny", 1, folder=str(tmp_path))
     assert [r["type"] for r in results["rows"]] == ["q4_0", "q8_0"]
     assert all(r["ours_decode_tok_s"] > 0 and r["ours_prefill_tok_s"] > 0 for r in results["rows"])
     assert "llama_cpp_decode_tok_s" not in results["rows"][0]

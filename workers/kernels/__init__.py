@@ -6,7 +6,7 @@ The tables every backend starts from:
     fused.py        fused decoder patterns (PATTERNS): one table row and one kernel each (or
                     none: only backends with an override fuse it); the gqa_attention op's kernel
 
-The CPU backend's overrides (workers/backends/cpu.py KERNELS):
+The CPU backend's overrides (workers/backends/cpu/__init__.py KERNELS):
     numba_cpu.py    fused norms, rope, KV-cache writes, attention and quantized products as numba loops
     numba_loops.py  the loops themselves, compiled on first use (cache=True)
 

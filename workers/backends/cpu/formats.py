@@ -1,0 +1,51 @@
+"""The CPU backend's row per block format for the integer products (ggml's `type_traits_cpu`):
+how the format's quants read as unsigned bytes, its activation partner, and its sub-blocks.
+Adding a format to the integer path is a row here, its value rows in the family's file
+(legacy_blocks.py, k_blocks.py) and its tests (tests/test_int8_products.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from workers.backends.cpu import k_blocks, legacy_blocks
+
+
+class Partner(Enum):
+    """llama.cpp's 8-bit activation types (ggml-quants.c, arch/x86/quants.c)."""
+
+    Q8_0 = "q8_0"  # 32 values: float16 d = max|x| / 127, q = round-half-even(x * 127 / max|x|)
+    Q8_1 = "q8_1"  # Q8_0 and s = float16(d * sum q) (for formats with a minimum)
+    Q8_K = "q8_k"  # 256 values: float32 d = max / -127 (max the value of largest |x|), sums of each 16
+
+
+@dataclass(frozen=True)
+class IntFormat:
+    name: str
+    code: int  # the intrinsic's compile-time selector
+    partner: Partner
+    value_row: Callable  # (builder, row, v) -> the <lanes x i8> unsigned quant of value v
+    sub: int  # values per integer sum: each scaled by its own factor
+    bias: int  # what each unsigned quant exceeds the true one by (times the activation's sum)
+    factors: tuple[int, ...]  # bytes of the float16 factors (d, then m or dmin)
+    scales: Callable | None = None  # (builder, row, sub-block) -> (scale, min or None), <lanes x i32>
+
+
+INT_FORMATS = {
+    f.name: f
+    for f in (
+        IntFormat("q4_0", 0, Partner.Q8_0, legacy_blocks.q4_0, 32, 8, (0,)),
+        IntFormat("q4_1", 1, Partner.Q8_1, legacy_blocks.q4_1, 32, 0, (0, 2)),
+        IntFormat("q5_0", 2, Partner.Q8_0, legacy_blocks.q5_0, 32, 16, (0,)),
+        IntFormat("q5_1", 3, Partner.Q8_1, legacy_blocks.q5_1, 32, 0, (0, 2)),
+        IntFormat("q8_0", 4, Partner.Q8_0, legacy_blocks.q8_0, 32, 128, (0,)),
+        IntFormat("q4_k", 5, Partner.Q8_K, k_blocks.q4_k, 32, 0, (0, 2), k_blocks.k4_scales),
+        IntFormat("q5_k", 6, Partner.Q8_K, k_blocks.q5_k, 32, 0, (0, 2), k_blocks.k4_scales),
+        IntFormat("q6_k", 7, Partner.Q8_K, k_blocks.q6_k, 16, 32, (208,), k_blocks.q6_k_scales),
+    )
+}
+BY_CODE = {f.code: f for f in INT_FORMATS.values()}
+ACTIVATION_BLOCK = {Partner.Q8_0: 32, Partner.Q8_1: 32, Partner.Q8_K: 256}
+SUM_SPAN = {Partner.Q8_0: 32, Partner.Q8_1: 32, Partner.Q8_K: 16}  # values per stored activation sum

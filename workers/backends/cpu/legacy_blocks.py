@@ -1,0 +1,53 @@
+"""ggml's legacy 32-value blocks as the integer products read them: each value's quant as an
+unsigned byte row (one byte of each lane), in IR (workers/backends/cpu/vector_ir.py).
+
+`row(p)` is the block's byte p of every lane (<lanes x i8>). Nibble j of the 16 quant bytes:
+the low half of byte j is value j, the high half value j + 16. q5's fifth bit of value j is bit
+j of the little-endian 32-bit word before the nibbles. q8_0's int8 quants become unsigned by
+adding 128 (the product's sum then subtracts 128 times the activation's block sum, as q4_0's
+subtracts 8 and q5_0's 16: `bias` in the format table).
+"""
+
+from __future__ import annotations
+
+from workers.backends.cpu.vector_ir import byte_splat
+
+
+def nibble(builder, row, first: int, v: int):
+    """Value v (0..31) of a nibble block whose quant bytes begin at byte `first`: 0..15."""
+    byte = row(first + v % 16)
+    lanes = byte.type.count
+    if v >= 16:
+        byte = builder.lshr(byte, byte_splat(4, lanes))
+    return builder.and_(byte, byte_splat(15, lanes))
+
+
+def fifth_bit_nibble(builder, row, word: int, v: int):
+    """Value v of a q5 block (0..31): its nibble (bytes from word + 4) and 16 times bit v of the
+    word at byte `word`."""
+    low = nibble(builder, row, word + 4, v)
+    bits = row(word + v // 8)
+    lanes = bits.type.count
+    bit = builder.and_(builder.lshr(bits, byte_splat(v % 8, lanes)), byte_splat(1, lanes))
+    return builder.or_(low, builder.shl(bit, byte_splat(4, lanes)))
+
+
+def q4_0(builder, row, v):
+    return nibble(builder, row, 2, v)
+
+
+def q4_1(builder, row, v):
+    return nibble(builder, row, 4, v)
+
+
+def q5_0(builder, row, v):
+    return fifth_bit_nibble(builder, row, 2, v)
+
+
+def q5_1(builder, row, v):
+    return fifth_bit_nibble(builder, row, 4, v)
+
+
+def q8_0(builder, row, v):
+    quant = row(2 + v)
+    return builder.xor(quant, byte_splat(0x80, quant.type.count))  # int8 q as the byte q + 128

@@ -1,0 +1,172 @@
+"""LLVM vector code for the integer products (workers/backends/cpu/int8_products.py), written
+with llvmlite's IR builder inside numba intrinsics: numba's own integer arithmetic widens every
+byte to a 64-bit lane, a sixteenth of a vector, so 8-bit products written as numba loops are no
+faster than float32 ones. Here a weight's byte row (one byte of each of `lanes` rows, the
+workers' interleaved layout, split_state/quant.py) is one <lanes x i8> value.
+
+Two instruction sets, chosen once from the CPU's features (`ISA`):
+- VNNI: AVX-512 with VNNI (`vpdpbusd`: sixteen sums of four u8 x s8 products into int32 in one
+  instruction). Four value rows of a block are transposed in registers so that each 32-bit lane
+  holds one weight row's four consecutive quants (byte permutes, vpermt2b where the CPU has
+  VBMI), then one vpdpbusd per 16 rows adds them times the activation's four int8 values.
+- GENERIC: plain LLVM vector IR (widen, multiply, add in 32 bits) that any CPU LLVM targets
+  runs (x86-64 with AVX2 or less, Arm), each value row times one activation value.
+Both give the same int32 sums: integer arithmetic, no rounding.
+"""
+
+from __future__ import annotations
+
+from llvmlite import binding, ir
+
+I8, I32 = ir.IntType(8), ir.IntType(32)
+GENERIC, VNNI = 0, 1
+ISA_NAMES = {GENERIC: "generic", VNNI: "avx512-vnni"}
+CHUNK = 16  # rows per 512-bit vector of int32 sums
+
+
+def host_isa() -> int:
+    """VNNI where the CPU has AVX-512 VNNI and BW (Intel since Cascade Lake, AMD since Zen 4),
+    else GENERIC."""
+    features = binding.get_host_cpu_features()
+    return VNNI if features.get("avx512vnni") and features.get("avx512bw") else GENERIC
+
+
+ISA = host_isa()
+
+
+def vector(kind, count: int) -> ir.VectorType:
+    return ir.VectorType(kind, count)
+
+
+def splat(builder: ir.IRBuilder, value, count: int):
+    """A <count x T> with every element `value` (a scalar of type T)."""
+    kind = vector(value.type, count)
+    first = builder.insert_element(ir.Constant(kind, ir.Undefined), value, ir.Constant(I32, 0))
+    return builder.shuffle_vector(first, ir.Constant(kind, ir.Undefined), ir.Constant(vector(I32, count), [0] * count))
+
+
+def byte_splat(value: int, count: int) -> ir.Constant:
+    return ir.Constant(vector(I8, count), [value & 0xFF] * count)
+
+
+def load(builder: ir.IRBuilder, base, offset, kind):
+    """The `kind` at byte `offset` (an i64 value) of the i8 pointer `base`, unaligned."""
+    pointer = builder.gep(base, [offset])
+    return builder.load(builder.bitcast(pointer, kind.as_pointer()), align=1)
+
+
+class _VolatileLoad(ir.LoadInstr):
+    def descr(self, buf):
+        text = []
+        super().descr(text)
+        buf.append(text[0].replace("load ", "load volatile ", 1))
+
+
+def load_once(builder: ir.IRBuilder, base, offset, kind):
+    """load, but a volatile one: LLVM reads it where it stands and never merges it with another
+    read of the same bytes. A K-quant block's sub-blocks read the same byte rows (low and high
+    nibbles, the fifth bits of every sub-block); merged, each row stayed in a register from the
+    first sub-block that read it to the last, and half the loop's vectors spilled to the stack.
+    Read anew from L1 by each sub-block (the caller keeps one read per sub-block)."""
+    pointer = builder.bitcast(builder.gep(base, [offset]), kind.as_pointer())
+    instruction = _VolatileLoad(builder.block, pointer, typ=kind)
+    instruction.align = 1
+    builder._insert(instruction)
+    return instruction
+
+
+def prefetch(builder: ir.IRBuilder, base, offset) -> None:
+    """Ask for the cache line at byte `offset` of `base` (a read, kept in every cache level): the
+    blocks of a K-quant are 9-13 KiB, and streaming them with the hardware's prefetch alone ran
+    at half the memory's speed once the weight outgrew the last-level cache."""
+    pointer = builder.gep(base, [offset])
+    name = "llvm.prefetch.p0i8"
+    function = builder.module.globals.get(name)
+    if function is None:
+        kind = ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+        function = ir.Function(builder.module, kind, name=name)
+    builder.call(function, [pointer, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+def store(builder: ir.IRBuilder, value, base, offset) -> None:
+    pointer = builder.gep(base, [offset])
+    builder.store(value, builder.bitcast(pointer, value.type.as_pointer()), align=1)
+
+
+def chunks(builder: ir.IRBuilder, value, isa: int) -> list:
+    """A <lanes x i32> as the accumulators' pieces: VNNI's <16 x i32> chunks, GENERIC's whole."""
+    lanes = value.type.count
+    if isa == GENERIC:
+        return [value]
+    undefined = ir.Constant(value.type, ir.Undefined)
+    return [
+        builder.shuffle_vector(value, undefined, ir.Constant(vector(I32, CHUNK), list(range(z, z + CHUNK))))
+        for z in range(0, lanes, CHUNK)
+    ]
+
+
+def zeros(lanes: int, isa: int) -> list:
+    if isa == GENERIC:
+        return [ir.Constant(vector(I32, lanes), [0] * lanes)]
+    return [ir.Constant(vector(I32, CHUNK), [0] * CHUNK) for _ in range(lanes // CHUNK)]
+
+
+def widen(builder: ir.IRBuilder, row, signed: bool, isa: int) -> list:
+    """A <lanes x i8> row as int32 pieces (as `chunks`)."""
+    wide = (builder.sext if signed else builder.zext)(row, vector(I32, row.type.count))
+    return chunks(builder, wide, isa)
+
+
+def _pairs_mask(lanes: int) -> ir.Constant:
+    return ir.Constant(vector(I32, 2 * lanes), [i for r in range(lanes) for i in (r, lanes + r)])
+
+
+def _transposed(builder: ir.IRBuilder, rows: list) -> list:
+    """Four <lanes x i8> value rows (values v .. v + 3 of every lane) as <16 x i32> pieces whose
+    32-bit element r holds lane r's four values in order: byte permutes, which LLVM lowers to
+    vpermt2b with VBMI and to unpacks and shuffles without."""
+    a, b, c, d = rows
+    lanes = a.type.count
+    ab = builder.shuffle_vector(a, b, _pairs_mask(lanes))  # (a_r, b_r) pairs
+    cd = builder.shuffle_vector(c, d, _pairs_mask(lanes))
+    pieces = []
+    for z in range(0, lanes, CHUNK):
+        mask = []
+        for r in range(z, z + CHUNK):
+            mask += [2 * r, 2 * r + 1, 2 * lanes + 2 * r, 2 * lanes + 2 * r + 1]
+        quads = builder.shuffle_vector(ab, cd, ir.Constant(vector(I32, 4 * CHUNK), mask))
+        pieces.append(builder.bitcast(quads, vector(I32, CHUNK)))
+    return pieces
+
+
+def _dpbusd(builder: ir.IRBuilder, acc, unsigned, signed):
+    kind = vector(I32, CHUNK)
+    name = "llvm.x86.avx512.vpdpbusd.512"
+    function = builder.module.globals.get(name)
+    if function is None:
+        function = ir.Function(builder.module, ir.FunctionType(kind, [kind, kind, kind]), name=name)
+    return builder.call(function, [acc, unsigned, signed])
+
+
+def dot4(builder: ir.IRBuilder, accs: list, rows: list, activations, isa: int) -> list:
+    """accs (one list of pieces per activation row) plus, for each activation row i, the sums
+    over k < 4 of rows[k] (u8 quants, <lanes x i8>) times activation k of that row: activations[i]
+    is the i32 holding the row's four int8 values (little-endian, value k in byte k). The value
+    rows are widened or transposed once for every activation row."""
+    if isa == VNNI:
+        pieces = _transposed(builder, rows)
+        out = []
+        for acc, four in zip(accs, activations):
+            spread = splat(builder, four, CHUNK)
+            out.append([_dpbusd(builder, a, p, spread) for a, p in zip(acc, pieces)])
+        return out
+    lanes = rows[0].type.count
+    wide = [builder.zext(row, vector(I32, lanes)) for row in rows]
+    out = []
+    for acc, four in zip(accs, activations):
+        (total,) = acc
+        for k, row in enumerate(wide):
+            byte = builder.trunc(builder.lshr(four, ir.Constant(I32, 8 * k)), I8)
+            total = builder.add(total, builder.mul(row, splat(builder, builder.sext(byte, I32), lanes)))
+        out.append([total])
+    return out
