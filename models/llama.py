@@ -364,14 +364,15 @@ class TensorParallelLlama:
         cache_types: tuple[str, str] = ("f32", "f32"),
         fuse_qkv: bool = False,
         heads: HeadSplit | None = None,
-        activations: str = "q8",
+        activations: str = "f32",
     ):
         """`cache_types` (K, V): the KV caches' element types, CACHE_TYPES's names. `fuse_qkv`:
         wq | wk | wv as one weight `w_qkv` of three segments, one product a layer where there
         were three (the source's q, k and v weights must be of one kind in every layer: all
         float, or all kept in one format; see qkv_fusable). `heads`: how the attention heads
-        split (by default HeadSplit.for_workers). `activations`: the quantized products' ("q8":
-        llama.cpp's 8-bit activations and integer products; "f32": exact, float32 activations)."""
+        split (by default HeadSplit.for_workers). `activations`: the quantized products' ("f32":
+        exact, float32 activations; "q8": llama.cpp's 8-bit activations and integer products,
+        what LLM, the server and generate run unless told)."""
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
         self.activations = activations

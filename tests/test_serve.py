@@ -82,9 +82,10 @@ def start_server(*options: str) -> tuple[subprocess.Popen, str]:
 
 @pytest.fixture(scope="module")
 def server(model):
-    proc, url = start_server(
-        "--max-slots", str(SLOTS), "--ctx", str(CTX), "--api-key", KEY, "--grace", "3", "--read-timeout", str(READ_S)
-    )
+    # the exact products: completions are held to the float32 reference's tokens and logits (the
+    # default 8-bit activations serve in the lost-worker test below; their numerics: tests/test_llm.py)
+    options = ("--max-slots", str(SLOTS), "--ctx", str(CTX), "--api-key", KEY, "--grace", "3")
+    proc, url = start_server(*options, "--read-timeout", str(READ_S), "--activations", "f32")
     try:
         yield proc, url
     finally:
