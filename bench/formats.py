@@ -6,9 +6,10 @@ same file and threads, in one run.
 
 Each file is synthetic (models/synthetic.py; made once under results/): --shape's sizes cut to
 --layers layers, every matrix and the tied embedding (the output head) in the one type, seeded
-random blocks, SmolLM2's vocabulary. The default shape is SmolLM2-1.7B's, whose 2,048-wide rows
-are whole K-quant blocks (SmolLM2-135M's 576 are not: llama.cpp's K files store such tensors as
-Q5_0 / Q5_1 / Q8_0, which is why those types are here too). For each type our worker (its
+random blocks, SmolLM2's vocabulary; q4_k_m is llama.cpp's Q4_K_M mix (q4_k_m_path). The
+default shape is SmolLM2-1.7B's, whose 2,048-wide rows are whole K-quant blocks (SmolLM2-135M's
+576 are not: llama.cpp's K files store such tensors as Q5_0 / Q5_1 / Q8_0, which is why those
+types are here too). For each type our worker (its
 loops and BLAS on --threads threads) and llama.cpp (llama-cpp-python, the same threads) stay
 loaded and take turns, round by round: a prefill of the same prompt, then a greedy decode
 (bench/threads.py's one_worker). The figures are the rounds' medians, the ratios the medians of
@@ -29,7 +30,22 @@ from bench.report import cli, table  # noqa: E402
 from bench.threads import one_worker  # noqa: E402
 from split_state.quant import FORMATS  # noqa: E402
 
-TYPES = tuple(name for name, fmt in FORMATS.items() if fmt.block > 1)  # the block formats (not bf16)
+# the block formats (not bf16), and llama.cpp's Q4_K_M mix (q4_k_m_path)
+TYPES = tuple(name for name, fmt in FORMATS.items() if fmt.block > 1) + ("q4_k_m",)
+
+
+def q4_k_m_path(shape: str, layers: int, folder: str) -> str:
+    """The shape's file in llama.cpp's Q4_K_M mix, as users download it: a float16 synthetic
+    file requantized by llama.cpp's own quantizer (its rules per tensor: Q4_K, Q6_K for the
+    output and some attn_v and ffn_down layers, Q5_0 / Q8_0 where rows are not whole 256-value
+    blocks). Without llama-cpp-python: Q4_K matrices and a Q6_K embedding (the mix's main parts;
+    the file's name says so)."""
+    from bench.activations import q4_k_m_of
+    from bench.llm import have_llama_cpp
+
+    if not have_llama_cpp():
+        return synthetic_path(shape, "q4_k", "q6_k", layers, folder)
+    return q4_k_m_of(synthetic_path(shape, "f16", "f16", layers, folder), folder)
 
 
 def run(
@@ -47,7 +63,11 @@ def run(
     length, steps = (16, 8) if quick else (64, 32)
     rows = []
     for kind in types:
-        path = synthetic_path(shape, kind, kind, layers, folder)
+        path = (
+            q4_k_m_path(shape, layers, folder)
+            if kind == "q4_k_m"
+            else synthetic_path(shape, kind, kind, layers, folder)
+        )
         for count in threads:
             row = one_worker(GGUFModel(path), path, count, length, steps, rounds, activations=activations)
             rows.append({"type": kind, "threads": count, "file_mib": os.path.getsize(path) / 2**20} | row)

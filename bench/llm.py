@@ -140,6 +140,10 @@ FIRST_ROUNDS = 5  # models loaded anew for each kind of first prompt (at least; 
 RSS_CTX = 1024  # the caches' positions in the main rows: the peak RSS column is then #27's condition
 
 
+# what generate and serve run on quantized weights: 8-bit activations (models.generate.LLM's default)
+ACTIVATIONS = "q8"
+
+
 def have_llama_cpp() -> bool:
     import importlib.util
 
@@ -170,7 +174,9 @@ def ours(
     source = model.native if weights == "native" else model.weight
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
         needed = length + (6 + 4 * rounds) * steps + 8
-        net = TensorParallelLlama(dev, model.config, source, max(RSS_CTX, needed), fuse_qkv=fuses_qkv(model, weights))
+        net = TensorParallelLlama(
+            dev, model.config, source, max(RSS_CTX, needed), fuse_qkv=fuses_qkv(model, weights), activations=ACTIVATIONS
+        )
         tokens = [list(prompt_ids(model, length)[0])]
         _, best = net.prefill(tokens, 0, pool=1)  # as generate prefills: the candidates travel
         first = best.numpy().astype(np.int32).reshape(1, 1)
@@ -255,7 +261,8 @@ def fresh_models(path: str, workers: int, length: int, weights: str, reference=N
     for warmed in [False, True] * rounds:
         kind = "warmed" if warmed else "first"
         with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
-            net = TensorParallelLlama(dev, model.config, source, RSS_CTX, fuse_qkv=fuses_qkv(model, weights))
+            fuse = fuses_qkv(model, weights)
+            net = TensorParallelLlama(dev, model.config, source, RSS_CTX, fuse_qkv=fuse, activations=ACTIVATIONS)
             if warmed:
                 start = time.perf_counter()
                 net.warm_up(pool=1)
@@ -298,8 +305,9 @@ def side_by_side(path: str, workers: int, variants: dict, rounds: int, quick: bo
         for name, (env, options) in variants.items():
             dev = MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1, env=env)))
             devices.append(dev)
+            fuse = fuses_qkv(model, "native")
             net = TensorParallelLlama(
-                dev, model.config, model.native, ctx, fuse_qkv=fuses_qkv(model, "native"), **options
+                dev, model.config, model.native, ctx, fuse_qkv=fuse, activations=ACTIVATIONS, **options
             )
             _, best = net.prefill([list(prompt_ids(model, length)[0])], 0, pool=1)
             first[name] = int(best.numpy().reshape(-1)[0])
@@ -368,8 +376,9 @@ def cache_types_at(path: str, position: int, steps: int) -> list[dict]:
     for types in (("f32", "f32"), ("f16", "f16")):
         with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=1))) as dev:
             fuse = fuses_qkv(model, "native")
+            ctx = position + 8 * steps
             net = TensorParallelLlama(
-                dev, model.config, model.native, position + 8 * steps, cache_types=types, fuse_qkv=fuse
+                dev, model.config, model.native, ctx, cache_types=types, fuse_qkv=fuse, activations=ACTIVATIONS
             )
             _, best = net.prefill([list(prompt_ids(model, position)[0])], 0, pool=1)
             token = best.numpy().astype(np.int32).reshape(1, 1)

@@ -246,10 +246,11 @@ def _close_to_model(out: np.ndarray, expected: np.ndarray, magnitude: np.ndarray
 
 
 @pytest.mark.parametrize("name", INT_TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
 def test_each_format_equals_the_model_of_llama_cpps_arithmetic(name, rows):
-    """One, two and five activation rows (four at a time, then one by one): every output the
-    model's, for weights of 128 rows (two 64-lane groups) and 512 values."""
+    """One, two, five and nine activation rows (four at a time from the weight, then one by one;
+    from eight rows each block unpacked once for the fours): every output the model's, for
+    weights of 128 rows (two 64-lane groups) and 512 values."""
     from workers.backends.cpu import int8_products
 
     blocks = random_blocks(name, 128, 512, seed=rows)
@@ -264,7 +265,8 @@ def test_each_format_equals_the_model_of_llama_cpps_arithmetic(name, rows):
 @pytest.mark.parametrize("rows", [1, 4])
 def test_both_instruction_sets_give_the_models_integer_sums(isa, rows):
     """The generated block code of each instruction set (vector_ir.py) on one block of every
-    format: its int32 sums are the model's exactly. (VNNI only where the CPU has it.)"""
+    format, read from the weight and from the block unpacked once: its int32 sums are the
+    model's exactly. (VNNI only where the CPU has it.)"""
     import numba
 
     from workers.backends.cpu import int8_products, vector_ir
@@ -282,8 +284,19 @@ def test_both_instruction_sets_give_the_models_integer_sums(isa, rows):
 
         return run
 
+    def unpacked_runner(unpack_block, sums_of_unpacked):  # the block unpacked once, then its sums
+        @numba.njit
+        def run(code, w, x8, sums, out):
+            scratch = np.empty(int8_products.SCRATCH_BYTES, np.uint8)
+            unpack_block(code, w, 0, scratch)
+            sums_of_unpacked(code, scratch, x8, 0, x8.shape[1], sums, 0, sums.shape[1], out)
+
+        return run
+
     for family in (int8_products.LEGACY, int8_products.K_QUANTS):
         run = runner(int8_products.block_sums(family, rows, isa=code))
+        unpack_block = int8_products.block_unpack(family, isa=code)
+        run_unpacked = unpacked_runner(unpack_block, int8_products.unpacked_sums(family, rows, isa=code))
 
         for name in family:
             spec, block = INT_FORMATS[name], FORMATS[name].block
@@ -298,6 +311,9 @@ def test_both_instruction_sets_give_the_models_integer_sums(isa, rows):
                 quantize_q8_0(x, q, np.empty((rows, 8), np.float32), sums, np.empty((rows, 8), np.float32), False)
             out = np.zeros((rows, 2, 64), np.int32)
             run(spec.code, interleaved(blocks[:, :1]), q, sums, out)  # the first block
+            again = np.zeros((rows, 2, 64), np.int32)
+            run_unpacked(spec.code, interleaved(blocks[:, :1]), q, sums, again)
+            np.testing.assert_array_equal(again, out, err_msg=f"{name} unpacked")
             u = unpack(name, blocks[:, :1])
             qx = q.astype(np.int64)[:, : u["t"].shape[-1]]
             subs = u["sc"].shape[-1]

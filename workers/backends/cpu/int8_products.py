@@ -44,33 +44,118 @@ PREFETCH_BYTES = 16384
 QUAD = 4  # activation rows per pass over a block's value rows
 
 
-def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict) -> None:
-    """One block of `fmt` against `rows` activation rows: for row r, out[r, 0, :] = the sum over
-    sub-blocks s of scale_s * (sum of q * x_q over s - bias * the activation sum of s) (scale 1 for
-    the legacy formats) and, where the format has minimums, out[r, 1, :] = the sum of min_s * the
-    activation sum of s. `at` holds the IR values: pointers and offsets. Each sub-block reads the
-    block's bytes anew (vector_ir.load_once) and adds its sums into `out`, so no more than one
-    sub-block's vectors are live at once."""
-    x8, sums, out = at["x8"], at["sums"], at["out"]
-    size = FORMATS[fmt.name].block_bytes * lanes  # the same byte row PREFETCH_BYTES on
-    ahead = size * -(-PREFETCH_BYTES // size)
-    fetched = set()
-    wide = vir.vector(vir.I8, lanes)
+class _Block:
+    """The values and factors of one block, read from the weight (each sub-block reading the
+    block's byte rows anew: vector_ir.load_once; the rows PREFETCH_BYTES on asked for)."""
 
-    def rows_of():
-        """A reader of the block's byte rows that reads each once (vector_ir.load_once)."""
-        read = {}
+    ready = False  # values as value rows, for dot4 to transpose
 
-        def row(p):  # byte p of the block, of every lane (and the next block's asked for)
+    def __init__(self, builder, fmt, lanes: int, at: dict):
+        self.builder, self.fmt, self.lanes, self.at = builder, fmt, lanes, at
+        size = FORMATS[fmt.name].block_bytes * lanes
+        self.ahead = size * -(-PREFETCH_BYTES // size)
+        self.fetched: set[int] = set()
+
+    def reader(self):
+        """A reader of the block's byte rows for one sub-block: each row read once."""
+        builder, at, read = self.builder, self.at, {}
+        wide = vir.vector(vir.I8, self.lanes)
+
+        def row(p):  # byte p of the block, of every lane
             if p not in read:
-                offset = builder.add(at["w_at"], ir.Constant(at["w_at"].type, p * lanes))
-                if p not in fetched:
-                    fetched.add(p)
-                    vir.prefetch(builder, at["w"], builder.add(offset, ir.Constant(offset.type, ahead)))
+                offset = builder.add(at["w_at"], ir.Constant(at["w_at"].type, p * self.lanes))
+                if p not in self.fetched:
+                    self.fetched.add(p)
+                    vir.prefetch(builder, at["w"], builder.add(offset, ir.Constant(offset.type, self.ahead)))
                 read[p] = vir.load_once(builder, at["w"], offset, wide)
             return read[p]
 
         return row
+
+    def values(self, row, v: int) -> list:
+        return [self.fmt.value_row(self.builder, row, v + k) for k in range(4)]
+
+    def scale(self, row, s: int):
+        return self.fmt.scales(self.builder, row, s)[0] if self.fmt.scales is not None else None
+
+    def minimum(self, row, s: int):
+        return self.fmt.scales(self.builder, row, s)[1] if self.fmt.scales is not None else None
+
+
+def _unpacked_layout(fmt, lanes: int) -> tuple[int, int, int]:
+    """Where an unpacked block keeps its scales and its minimums, and its bytes in all: the values
+    v..v + 3 at v * lanes (transposed for VNNI, value rows else), then each sub-block's int32
+    scale lanes, then its minimums'."""
+    block = ACTIVATION_BLOCK[fmt.partner] if fmt.scales is not None else fmt.sub
+    subs = block // fmt.sub
+    return block * lanes, block * lanes + subs * lanes * 4, block * lanes + 2 * subs * lanes * 4
+
+
+class _Unpacked(_Block):
+    """The same block's values and factors from a scratch buffer `unpack_code` wrote (in L1):
+    a prefill's activation rows read it four at a time, where each four transposed it anew."""
+
+    def __init__(self, builder, fmt, lanes: int, isa: int, at: dict):
+        super().__init__(builder, fmt, lanes, at)
+        self.isa, self.ready = isa, isa == vir.VNNI
+        self.scales_at, self.minimums_at, _ = _unpacked_layout(fmt, lanes)
+
+    def reader(self):
+        return None
+
+    def _load(self, offset: int, kind):
+        return vir.load(self.builder, self.at["scratch"], ir.Constant(ir.IntType(64), offset), kind)
+
+    def values(self, row, v: int) -> list:
+        lanes = self.lanes
+        if self.ready:
+            piece = vir.vector(vir.I32, vir.CHUNK)
+            return [self._load(v * lanes + z * vir.CHUNK * 4, piece) for z in range(lanes // vir.CHUNK)]
+        return [self._load((v + k) * lanes, vir.vector(vir.I8, lanes)) for k in range(4)]
+
+    def scale(self, row, s: int):
+        if self.fmt.scales is None:
+            return None
+        return self._load(self.scales_at + s * self.lanes * 4, vir.vector(vir.I32, self.lanes))
+
+    def minimum(self, row, s: int):
+        if self.fmt.scales is None or len(self.fmt.factors) < 2:  # no dmin, no minimums (q6_k)
+            return None
+        return self._load(self.minimums_at + s * self.lanes * 4, vir.vector(vir.I32, self.lanes))
+
+
+def _unpack_code(builder, fmt, lanes: int, isa: int, at: dict) -> None:
+    """The block's values and factors into at["scratch"] as _Unpacked reads them."""
+    source = _Block(builder, fmt, lanes, at)
+    scales_at, minimums_at, _ = _unpacked_layout(fmt, lanes)
+    block = ACTIVATION_BLOCK[fmt.partner] if fmt.scales is not None else fmt.sub
+
+    def put(value, offset):
+        vir.store(builder, value, at["scratch"], ir.Constant(ir.IntType(64), offset))
+
+    for s in range(block // fmt.sub):
+        row = source.reader()
+        for v in range(s * fmt.sub, (s + 1) * fmt.sub, 4):
+            values = source.values(row, v)
+            if isa == vir.VNNI:
+                for z, piece in enumerate(vir.transposed(builder, values)):
+                    put(piece, v * lanes + z * vir.CHUNK * 4)
+            else:
+                for k, value in enumerate(values):
+                    put(value, (v + k) * lanes)
+        for value, first in ((source.scale(row, s), scales_at), (source.minimum(row, s), minimums_at)):
+            if value is not None:
+                put(value, first + s * lanes * 4)
+
+
+def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source: _Block) -> None:
+    """One block of `fmt` against `rows` activation rows: for row r, out[r, 0, :] = the sum over
+    sub-blocks s of scale_s * (sum of q * x_q over s - bias * the activation sum of s) (scale 1 for
+    the legacy formats) and, where the format has minimums, out[r, 1, :] = the sum of min_s * the
+    activation sum of s. `at` holds the IR values: pointers and offsets; `source` the block's
+    values and factors. Each sub-block adds its sums into `out`, so no more than one sub-block's
+    vectors are live at once."""
+    x8, sums, out = at["x8"], at["sums"], at["out"]
 
     def activation_word(r, v):
         offset = builder.add(at["x_at"], builder.mul(at["x_stride"], ir.Constant(at["x_stride"].type, r)))
@@ -96,12 +181,13 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict) -> None
     block = ACTIVATION_BLOCK[fmt.partner] if fmt.scales is not None else fmt.sub
     subs = block // fmt.sub
     for s in range(subs):
-        row = rows_of()
+        row = source.reader()
         accs = [vir.zeros(lanes, isa) for _ in range(rows)]
         for v in range(s * fmt.sub, (s + 1) * fmt.sub, 4):
-            values = [fmt.value_row(builder, row, v + k) for k in range(4)]
-            accs = vir.dot4(builder, accs, values, [activation_word(r, v) for r in range(rows)], isa)
-        scale = vir.chunks(builder, fmt.scales(builder, row, s)[0], isa) if fmt.scales is not None else None
+            words = [activation_word(r, v) for r in range(rows)]
+            accs = vir.dot4(builder, accs, source.values(row, v), words, isa, source.ready)
+        scale = source.scale(row, s)
+        scale = vir.chunks(builder, scale, isa) if scale is not None else None
         for r in range(rows):
             sub_sums = accs[r]
             if fmt.bias:
@@ -111,10 +197,8 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict) -> None
             if scale is not None:
                 sub_sums = [builder.mul(a, c) for a, c in zip(sub_sums, scale)]
             add_into(r, 0, sub_sums, s == 0)
-    if fmt.scales is None:
-        return
-    row = rows_of()
-    minimums = [fmt.scales(builder, row, s)[1] for s in range(subs)]
+    row = source.reader()
+    minimums = [source.minimum(row, s) for s in range(subs)]
     if minimums[0] is None:
         return
     for r in range(rows):
@@ -125,6 +209,28 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict) -> None
             term = [builder.mul(m, spread) for m in pieces]
             total = term if total is None else [builder.add(t, m) for t, m in zip(total, term)]
         add_into(r, 1, total, True)
+
+
+def _switch(formats, name: str, emit):
+    """Codegen choosing, by the i64 format code `code`, the block code emit(builder, fmt) writes."""
+
+    def codegen(builder, code):
+        end = builder.append_basic_block(f"{name}.end")
+        switch = builder.switch(code, end)
+        for fmt in formats:
+            case = builder.append_basic_block(f"{name}.{fmt.name}")
+            switch.add_case(ir.Constant(code.type, fmt.code), case)
+            builder.position_at_end(case)
+            emit(builder, fmt)
+            builder.branch(end)
+        builder.position_at_end(end)
+
+    return codegen
+
+
+def _data(context, builder, sig, args, i):
+    array = context.make_array(sig.args[i])(context, builder, args[i])
+    return builder.bitcast(array.data, ir.IntType(8).as_pointer())
 
 
 def block_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int = vir.ISA):
@@ -141,21 +247,18 @@ def block_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int 
         signature = types.void(i64, w, i64, x8, i64, i64, sums, i64, i64, out)
 
         def codegen(context, builder, sig, args):
-            def data(i):
-                array = context.make_array(sig.args[i])(context, builder, args[i])
-                return builder.bitcast(array.data, ir.IntType(8).as_pointer())
+            at = {
+                "w": _data(context, builder, sig, args, 1),
+                "w_at": args[2],
+                "x8": _data(context, builder, sig, args, 3),
+            }
+            at |= {"x_at": args[4], "x_stride": args[5], "sums": _data(context, builder, sig, args, 6)}
+            at |= {"sums_at": args[7], "sums_stride": args[8], "out": _data(context, builder, sig, args, 9)}
 
-            at = {"w": data(1), "w_at": args[2], "x8": data(3), "x_at": args[4], "x_stride": args[5]}
-            at |= {"sums": data(6), "sums_at": args[7], "sums_stride": args[8], "out": data(9)}
-            end = builder.append_basic_block("block_sums.end")
-            switch = builder.switch(args[0], end)
-            for fmt in formats:
-                case = builder.append_basic_block(f"block_sums.{fmt.name}")
-                switch.add_case(ir.Constant(args[0].type, fmt.code), case)
-                builder.position_at_end(case)
-                _block_code(builder, fmt, rows, lanes, isa, at)
-                builder.branch(end)
-            builder.position_at_end(end)
+            def emit(builder, fmt):
+                _block_code(builder, fmt, rows, lanes, isa, at, _Block(builder, fmt, lanes, at))
+
+            _switch(formats, "block_sums", emit)(builder, args[0])
             return context.get_dummy_value()
 
         return signature, codegen
@@ -163,10 +266,68 @@ def block_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int 
     return sums_of_block
 
 
+def block_unpack(family: tuple[str, ...], lanes: int = LANES, isa: int = vir.ISA):
+    """An intrinsic `unpack(code, w, w_at, scratch)`: the block at w_at unpacked into scratch
+    (uint8, SCRATCH_BYTES) for `unpacked_sums`."""
+    formats = [INT_FORMATS[name] for name in family]
+
+    @intrinsic
+    def unpack_block(typingctx, code, w, w_at, scratch):
+        i64 = types.int64
+        signature = types.void(i64, w, i64, scratch)
+
+        def codegen(context, builder, sig, args):
+            at = {"w": _data(context, builder, sig, args, 1), "w_at": args[2]}
+            at["scratch"] = _data(context, builder, sig, args, 3)
+
+            def emit(builder, fmt):
+                _unpack_code(builder, fmt, lanes, isa, at)
+
+            _switch(formats, "block_unpack", emit)(builder, args[0])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return unpack_block
+
+
+def unpacked_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int = vir.ISA):
+    """block_sums over a block `block_unpack` wrote into scratch: `sums(code, scratch, x8, x_at,
+    x_stride, sums, sums_at, sums_stride, out)`, the same sums."""
+    formats = [INT_FORMATS[name] for name in family]
+
+    @intrinsic
+    def sums_of_unpacked(typingctx, code, scratch, x8, x_at, x_stride, sums, sums_at, sums_stride, out):
+        i64 = types.int64
+        signature = types.void(i64, scratch, x8, i64, i64, sums, i64, i64, out)
+
+        def codegen(context, builder, sig, args):
+            at = {"scratch": _data(context, builder, sig, args, 1), "x8": _data(context, builder, sig, args, 2)}
+            at |= {"x_at": args[3], "x_stride": args[4], "sums": _data(context, builder, sig, args, 5)}
+            at |= {"sums_at": args[6], "sums_stride": args[7], "out": _data(context, builder, sig, args, 8)}
+
+            def emit(builder, fmt):
+                _block_code(builder, fmt, rows, lanes, isa, at, _Unpacked(builder, fmt, lanes, isa, at))
+
+            _switch(formats, "unpacked_sums", emit)(builder, args[0])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return sums_of_unpacked
+
+
 LEGACY = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 _legacy_quad, _legacy_one = block_sums(LEGACY, QUAD), block_sums(LEGACY, 1)
 _k_quad, _k_one = block_sums(K_QUANTS, QUAD), block_sums(K_QUANTS, 1)
+_legacy_unpack, _k_unpack = block_unpack(LEGACY), block_unpack(K_QUANTS)
+_legacy_unpacked_quad, _k_unpacked_quad = unpacked_sums(LEGACY, QUAD), unpacked_sums(K_QUANTS, QUAD)
+# the most bytes an unpacked block takes (_unpacked_layout): q6_k's 256 values and 16 scales of 64 lanes
+SCRATCH_BYTES = max(_unpacked_layout(f, LANES)[2] for f in INT_FORMATS.values())
+# activation rows from which a block is unpacked once for all of them (prefill, a batch of 8 or
+# more), where fewer take it straight from the weight four rows at a time
+UNPACK_ROWS = 8
 
 parallel = numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 inline = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
@@ -190,9 +351,31 @@ def _factors(w, g, b, at, out):
 
 @inline
 def _scratch(rows, lanes):
-    """A row group's float sums (rows, lanes), integer block sums, and its two factors' lanes."""
+    """A row group's float sums (rows, lanes), integer block sums, its two factors' lanes and
+    the room an unpacked block takes."""
     part = np.zeros((QUAD, 2, lanes), np.int32)
-    return np.zeros((rows, lanes), np.float32), part, np.empty(lanes, np.float32), np.zeros(lanes, np.float32)
+    factors = np.empty(lanes, np.float32), np.zeros(lanes, np.float32)
+    return np.zeros((rows, lanes), np.float32), part, factors[0], factors[1], np.empty(SCRATCH_BYTES, np.uint8)
+
+
+@inline
+def _add_legacy(acc, part, i, count, dw, mw, d, s, b):
+    """acc[i + r] += each block sum's d_w * d_x * sum (+ m_w * s_x), r < count."""
+    for r in range(count):
+        f, m = d[i + r, b], s[i + r, b]
+        for lane in range(acc.shape[1]):
+            acc[i + r, lane] += dw[lane] * f * np.float32(part[r, 0, lane]) + mw[lane] * m
+
+
+@inline
+def _add_k(acc, part, i, count, dw, dmin, d, b):
+    """acc[i + r] += d_x * (d_w * the scaled sums - dmin_w * the minimums' sums), r < count."""
+    for r in range(count):
+        f = d[i + r, b]
+        for lane in range(acc.shape[1]):
+            acc[i + r, lane] += f * (
+                dw[lane] * np.float32(part[r, 0, lane]) - dmin[lane] * np.float32(part[r, 1, lane])
+            )
 
 
 @parallel
@@ -204,24 +387,30 @@ def legacy_rows(code, x8, d, sums, s, w, out):
     groups, blocks, size, lanes = w.shape
     with_min = code == 1 or code == 3
     for g in numba.prange(groups):
-        acc, part, dw, mw = _scratch(rows, lanes)
+        acc, part, dw, mw, unpacked = _scratch(rows, lanes)
         for b in range(blocks):
             at = (g * blocks + b) * size * lanes
             _factors(w, g, b, 0, dw)
             if with_min:
                 _factors(w, g, b, 2, mw)
             i = 0
+            if rows >= UNPACK_ROWS:
+                _legacy_unpack(code, w, at, unpacked)
+                while i + QUAD <= rows:
+                    _legacy_unpacked_quad(
+                        code, unpacked, x8, i * width + b * 32, width, sums, i * blocks + b, blocks, part
+                    )
+                    _add_legacy(acc, part, i, QUAD, dw, mw, d, s, b)
+                    i += QUAD
             while i < rows:
-                count = QUAD if i + QUAD <= rows else 1
-                if count == QUAD:
+                if i + QUAD <= rows:
                     _legacy_quad(code, w, at, x8, i * width + b * 32, width, sums, i * blocks + b, blocks, part)
+                    _add_legacy(acc, part, i, QUAD, dw, mw, d, s, b)
+                    i += QUAD
                 else:
                     _legacy_one(code, w, at, x8, i * width + b * 32, width, sums, i * blocks + b, blocks, part)
-                for r in range(count):
-                    f, m = d[i + r, b], s[i + r, b]
-                    for lane in range(lanes):
-                        acc[i + r, lane] += dw[lane] * f * np.float32(part[r, 0, lane]) + mw[lane] * m
-                i += count
+                    _add_legacy(acc, part, i, 1, dw, mw, d, s, b)
+                    i += 1
         out[:, g * lanes : (g + 1) * lanes] = acc
 
 
@@ -234,28 +423,32 @@ def k_rows(code, x8, d, sums, w, out):
     groups, blocks, size, lanes = w.shape
     q6 = code == 7
     d_at = 208 if q6 else 0
+    stride = blocks * 16
     for g in numba.prange(groups):
-        acc, part, dw, dmin = _scratch(rows, lanes)
+        acc, part, dw, dmin, unpacked = _scratch(rows, lanes)
         for b in range(blocks):
             at = (g * blocks + b) * size * lanes
             _factors(w, g, b, d_at, dw)
             if not q6:  # (q6_k's minimum sums stay 0: _scratch's)
                 _factors(w, g, b, 2, dmin)
             i = 0
+            if rows >= UNPACK_ROWS:
+                _k_unpack(code, w, at, unpacked)
+                while i + QUAD <= rows:
+                    _k_unpacked_quad(
+                        code, unpacked, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part
+                    )
+                    _add_k(acc, part, i, QUAD, dw, dmin, d, b)
+                    i += QUAD
             while i < rows:
-                count = QUAD if i + QUAD <= rows else 1
-                sums_at, stride = i * blocks * 16 + b * 16, blocks * 16
-                if count == QUAD:
-                    _k_quad(code, w, at, x8, i * width + b * 256, width, sums, sums_at, stride, part)
+                if i + QUAD <= rows:
+                    _k_quad(code, w, at, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
+                    _add_k(acc, part, i, QUAD, dw, dmin, d, b)
+                    i += QUAD
                 else:
-                    _k_one(code, w, at, x8, i * width + b * 256, width, sums, sums_at, stride, part)
-                for r in range(count):
-                    f = d[i + r, b]
-                    for lane in range(lanes):
-                        acc[i + r, lane] += f * (
-                            dw[lane] * np.float32(part[r, 0, lane]) - dmin[lane] * np.float32(part[r, 1, lane])
-                        )
-                i += count
+                    _k_one(code, w, at, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
+                    _add_k(acc, part, i, 1, dw, dmin, d, b)
+                    i += 1
         out[:, g * lanes : (g + 1) * lanes] = acc
 
 

@@ -121,7 +121,7 @@ def _pairs_mask(lanes: int) -> ir.Constant:
     return ir.Constant(vector(I32, 2 * lanes), [i for r in range(lanes) for i in (r, lanes + r)])
 
 
-def _transposed(builder: ir.IRBuilder, rows: list) -> list:
+def transposed(builder: ir.IRBuilder, rows: list) -> list:
     """Four <lanes x i8> value rows (values v .. v + 3 of every lane) as <16 x i32> pieces whose
     32-bit element r holds lane r's four values in order: byte permutes, which LLVM lowers to
     vpermt2b with VBMI and to unpacks and shuffles without."""
@@ -148,13 +148,14 @@ def _dpbusd(builder: ir.IRBuilder, acc, unsigned, signed):
     return builder.call(function, [acc, unsigned, signed])
 
 
-def dot4(builder: ir.IRBuilder, accs: list, rows: list, activations, isa: int) -> list:
+def dot4(builder: ir.IRBuilder, accs: list, rows: list, activations, isa: int, ready: bool = False) -> list:
     """accs (one list of pieces per activation row) plus, for each activation row i, the sums
     over k < 4 of rows[k] (u8 quants, <lanes x i8>) times activation k of that row: activations[i]
     is the i32 holding the row's four int8 values (little-endian, value k in byte k). The value
-    rows are widened or transposed once for every activation row."""
+    rows are widened or transposed once for every activation row; `ready`: with VNNI, `rows` are
+    `transposed`'s pieces already (a block unpacked once for many activation rows)."""
     if isa == VNNI:
-        pieces = _transposed(builder, rows)
+        pieces = rows if ready else transposed(builder, rows)
         out = []
         for acc, four in zip(accs, activations):
             spread = splat(builder, four, CHUNK)
