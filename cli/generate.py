@@ -171,7 +171,7 @@ def _one_batch(llm, args, prompts: list[str], new: int, sampling, chat: bool):
 def first_compile_notice(dev, stream=sys.stderr) -> bool:
     """One line when the CPU workers compile their loops on this machine's first run (numba's
     cache empty): True then."""
-    from workers.kernels.numba_cpu import compiled_here
+    from workers.backends.cpu.numba_cpu import compiled_here
 
     if dev.cluster.config.backend != "cpu" or compiled_here():
         return False

@@ -22,8 +22,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 def pytest_sessionstart(session):
     """The CPU kernels' numba loops compiled into numba's cache once, here, before any worker
     starts: on a machine that has not compiled them yet, every worker the first tests start
-    would compile all of them at once (workers/kernels/numba_cpu.py's prepare)."""
-    from workers.kernels import numba_cpu
+    would compile all of them at once (workers/backends/cpu/numba_cpu.py's prepare)."""
+    from workers.backends.cpu import numba_cpu
 
     if numba_cpu.AVAILABLE:
         numba_cpu.prepare()

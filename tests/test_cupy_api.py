@@ -19,14 +19,13 @@ if not hasattr(cupy, "cuda") or not hasattr(cupy.cuda, "Stream"):  # the stand-i
     pytest.skip("`cupy` here is not the real package", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU_ONLY = {"workers/kernels/numba_cpu.py", "workers/kernels/numba_loops.py"}
 CPU_ONLY_FOLDER = "workers/backends/cpu/"  # the CPU backend's own modules: NumPy and numba only
 # code whose `xp` may be CuPy: the shared kernels and what handles device arrays
 SOURCES = sorted(
     str(path.relative_to(ROOT))
     for pattern in ("workers/**/*.py", "bench/*.py")
     for path in ROOT.glob(pattern)
-    if str(path.relative_to(ROOT)) not in CPU_ONLY and not str(path.relative_to(ROOT)).startswith(CPU_ONLY_FOLDER)
+    if not str(path.relative_to(ROOT)).startswith(CPU_ONLY_FOLDER)
 )
 # what each root name stands for, where the code says it
 ROOTS = {

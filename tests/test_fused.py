@@ -80,7 +80,7 @@ def key_row_case(batch, tokens, ctx, last_positions, cached=np.float32):
 
 def attention_kernels():
     kernels = {"numpy": FUSED_KERNELS["attention"]}
-    from workers.kernels import numba_cpu
+    from workers.backends.cpu import numba_cpu
 
     if numba_cpu.AVAILABLE:
         kernels["numba softmax"] = numba_cpu.OVERRIDES["attention"]
@@ -122,7 +122,7 @@ def test_decode_attention_is_one_threaded_loop_equal_to_the_whole_softmax(
     (numba_loops.decode_attention), split over the worker's threads: it runs (counted), and
     gives the oracle's result whatever the thread count, position counts not a multiple of the
     loop's four-row passes included."""
-    from workers.kernels import numba_cpu
+    from workers.backends.cpu import numba_cpu
 
     if not numba_cpu.AVAILABLE:
         pytest.skip("numba is not installed")
@@ -153,7 +153,7 @@ def test_gqa_attention_reads_each_query_heads_own_kv_head(
     tokens' by runs of heads through the attention kernel, on the CPU backend's kernels and the
     shared ones; each equals the float64 oracle (models/reference.py, head by head), float16
     caches and KV heads nobody reads included."""
-    from workers.kernels import numba_cpu
+    from workers.backends.cpu import numba_cpu
 
     rng = np.random.default_rng(7)
     kv, ctx, hd = 3, 64, 8
@@ -219,7 +219,7 @@ def test_a_prefills_attention_copies_its_query_rows_into_the_scratch_not_into_ne
 
 
 def test_the_numba_softmax_gives_masked_positions_exactly_zero_weight():
-    from workers.kernels import numba_cpu
+    from workers.backends.cpu import numba_cpu
 
     if not numba_cpu.AVAILABLE:
         pytest.skip("numba is not installed")
@@ -238,11 +238,11 @@ def test_the_numba_softmax_gives_masked_positions_exactly_zero_weight():
 
 
 def test_the_vectorised_exponential_is_within_three_ulp_and_zero_below_its_range():
-    from workers.kernels import numba_cpu
+    from workers.backends.cpu import numba_cpu
 
     if not numba_cpu.AVAILABLE:
         pytest.skip("numba is not installed")
-    from workers.kernels.numba_loops import _exp, exact_limits
+    from workers.backends.cpu.numba_loops import _exp, exact_limits
 
     @exact_limits
     def each(x, out):
@@ -322,11 +322,11 @@ def test_a_long_cache_gives_the_tokens_of_a_short_one():
     assert decode_tokens(2, 600, fused=True)[0] == decode_tokens(2, 32, fused=True)[0]
 
 
-# -- the CPU backend's numba loops (workers/kernels/numba_cpu.py) ------------------------------
+# -- the CPU backend's numba loops (workers/backends/cpu/numba_cpu.py) ------------------------------
 
 
 def cpu_overrides():
-    from workers.kernels import numba_cpu
+    from workers.backends.cpu import numba_cpu
 
     if not numba_cpu.AVAILABLE:
         pytest.skip("numba is not installed: the NumPy kernels serve the CPU backend")

@@ -257,7 +257,7 @@ def test_native_weights_give_the_float32_paths_tokens(model, monkeypatch, worker
     loops (products, decode attention) on 1 or 2 threads: the same greedy tokens as the float32
     weights of the same file, logits within 2e-3."""
     from models.generate import LLM
-    from workers.kernels import numba_cpu
+    from workers.backends.cpu import numba_cpu
 
     monkeypatch.setattr(numba_cpu, "_THREADS", [threads])  # the simulated workers' threads read it
     dev = MetaDevice(SimulatedCluster(workers))
@@ -499,14 +499,14 @@ def test_a_first_run_that_compiles_the_loops_says_so_in_one_line(tmp_path, monke
     import types
 
     from cli.generate import first_compile_notice
-    from workers.kernels import numba_cpu
+    from workers.backends.cpu import numba_cpu
 
     if not numba_cpu.AVAILABLE:
         pytest.skip("without numba nothing compiles")
     source = tmp_path / "pkg" / "numba_loops.py"
     source.parent.mkdir()
     source.write_text("")
-    spec = importlib.util.spec_from_file_location("workers.kernels.numba_loops", source)
+    spec = importlib.util.spec_from_file_location("workers.backends.cpu.numba_loops", source)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec)
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     assert not numba_cpu.compiled_here()

@@ -130,7 +130,7 @@ def resident_compiler_code_kib(pid: int | str = "self") -> int | None:
 
 
 def numba_kernels():
-    from workers.kernels import numba_cpu
+    from workers.backends.cpu import numba_cpu
 
     if not numba_cpu.AVAILABLE or not os.path.exists("/proc/self/smaps"):
         pytest.skip("needs numba and Linux's /proc")

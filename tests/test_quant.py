@@ -17,7 +17,8 @@ from models.llama import (
 )
 from split_state import ShapeError, Split
 from split_state.quant import FORMATS
-from workers.kernels import kernels_for, numba_cpu, quant
+from workers.backends.cpu import numba_cpu
+from workers.kernels import kernels_for, quant
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.timeout(120)
@@ -145,7 +146,7 @@ def test_a_batchs_rows_get_the_bits_each_row_gets_alone(name, rows):
 WARMED_CHECK = """
 import numba, numpy as np
 from split_state.quant import FORMATS
-from workers.kernels import numba_cpu, numba_loops
+from workers.backends.cpu import numba_cpu, numba_loops
 
 numba_cpu.prepare()
 def loaded():
@@ -220,7 +221,7 @@ def test_the_loops_read_every_float16_factor_as_numpy_widens_it():
     """The loops widen a block's float16 factors in the vector unit (or through a table where
     the CPU cannot): all 65,536 bit patterns, subnormals, infinities and NaNs among them, against
     NumPy's float16 -> float32, bit for bit (NaN as NaN)."""
-    from workers.kernels import numba_loops
+    from workers.backends.cpu import numba_loops
 
     bits = np.arange(1 << 16, dtype=np.uint16)
     w = np.stack([bits & 0xFF, bits >> 8]).astype(np.uint8).reshape(1, 1, 2, 1 << 16)  # little-endian bytes

@@ -23,6 +23,13 @@ import faulthandler  # noqa: E402
 # stderr (the worker's log) instead of ending the process without a word
 faulthandler.enable()
 
-from workers.main import main  # noqa: E402
+import os  # noqa: E402
 
-sys.exit(main())
+from workers.main import main, still_compiling  # noqa: E402
+
+code = main()  # every socket closed, every file of its own removed
+if still_compiling():  # no teardown under a thread inside LLVM (workers/main.still_compiling)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+sys.exit(code)

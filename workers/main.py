@@ -38,8 +38,8 @@ from transport.sockets import (
 from transport.stop_signal import StopSignal
 from workers import planes
 from workers.backends import make_backend, names
+from workers.backends.cpu import numba_cpu
 from workers.comm import ZmqComm
-from workers.kernels import numba_cpu
 from workers.kernels.fused import UNFUSED_ENV, left_fused
 from workers.planes.shm import SHARED_FILES
 from workers.server import WorkerServer
@@ -148,6 +148,17 @@ def _exit(rank: int, why: str, coordinator_gone: bool) -> None:
         os._exit(EXIT_COORDINATOR_LOST)
 
 
+PREPARING: list[threading.Thread] = []  # the thread compiling the numba loops in the background
+
+
+def still_compiling() -> bool:
+    """Whether the kernels' compilation is still under way: a job that ends within a cold
+    cache's first 40 s (a demo, a short generation) ends with it inside LLVM, and a daemon thread
+    in native code crashes the interpreter's teardown (SIGSEGV, seen): the process then exits
+    without one (workers/__main__.py)."""
+    return any(thread.is_alive() for thread in PREPARING)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:  # the executor reads it at every load: a wrong name stops the worker now, in one line
@@ -183,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     server = WorkerServer(args.rank, backend, connect, args.collective_timeout)
     server.executor.freeze_programs = True  # this process is the worker's alone
     # kernels that compile (numba) get ready while the coordinator connects and places weights
-    threading.Thread(target=server.executor.prepare_kernels, daemon=True, name="prepare-kernels").start()
+    PREPARING.append(threading.Thread(target=server.executor.prepare_kernels, daemon=True, name="prepare-kernels"))
+    PREPARING[-1].start()
     info = backend.info()
     try:
         send(

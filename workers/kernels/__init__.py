@@ -6,9 +6,8 @@ The tables every backend starts from:
     fused.py        fused decoder patterns (PATTERNS): one table row and one kernel each (or
                     none: only backends with an override fuse it); the gqa_attention op's kernel
 
-The CPU backend's overrides (workers/backends/cpu/__init__.py KERNELS):
-    numba_cpu.py    fused norms, rope, KV-cache writes, attention and quantized products as numba loops
-    numba_loops.py  the loops themselves, compiled on first use (cache=True)
+The CPU backend's overrides live in its folder (workers/backends/cpu/: numba_cpu.py's KERNELS,
+the numba loops, the integer products with 8-bit activations).
 
 The CUDA backend's kernels of our own (CUDA C with a NumPy twin each; device.py says how to add one):
     device.py       DeviceKernel, the modules compiled at start-up, compile_all

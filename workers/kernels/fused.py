@@ -157,7 +157,7 @@ def softmax_rows_of_columns(xp, scores, mask, group: int, scale: float, out):
     """out (..., group * tokens, n) = softmax(scores * scale + mask) over n for key-major scores
     (..., n, group * tokens), the mask (..., tokens, >= n) broadcast over the group (as over
     (..., group, tokens, n)). The CPU backend overrides it with one numba pass
-    (workers/kernels/numba_cpu.py)."""
+    (workers/backends/cpu/numba_cpu.py)."""
     n, rows = scores.shape[-2:]
     out[...] = scores.swapaxes(-1, -2)
     grouped = out.reshape(out.shape[:-2] + (group, rows // group, n))
@@ -490,7 +490,7 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("attention", "matmul", _match_attention, _attention, scratch=True),
     Pattern("swiglu", "mul", _match_swiglu, _swiglu),
     Pattern("rms_norm_mul", "mul", _match_rms_norm_mul, _rms_norm_mul),
-    # its kernels: the CPU's numba loop (workers/kernels/numba_cpu.py), the GPU's (workers/kernels/rope.py)
+    # its kernels: the CPU's numba loop (workers/backends/cpu/numba_cpu.py), the GPU's (workers/kernels/rope.py)
     Pattern("rope_set_rows", "set_rows", _match_rope_set_rows, None, inplace=True),
     # its kernels: qmatmul_add_with a backend's qmatmul (numba_cpu.py; the CUDA backend's adds in its kernels)
     Pattern("qmatmul_add", "add", _match_qmatmul_add, None),

@@ -4,7 +4,7 @@ Weights are interleaved, (groups, blocks, block_bytes, lanes). `qmatmul` dequant
 a tile of row groups at a time into a small float32 buffer and hands each tile to the BLAS
 matmul, so no float32 copy of the whole weight ever exists; the CPU backend overrides it with
 numba loops that read the blocks directly for a few rows of x (decode), see
-workers/kernels/numba_cpu.py. `qget_rows` dequantizes only the rows it looks up.
+workers/backends/cpu/numba_cpu.py. `qget_rows` dequantizes only the rows it looks up.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from workers.backends import DeviceInfo
-from workers.kernels.numba_cpu import OVERRIDES as KERNELS  # fused loops when numba is installed
+from workers.backends.cpu.numba_cpu import OVERRIDES as KERNELS  # fused loops when numba is installed
 
 __all__ = ["KERNELS", "Backend", "host_memory"]
 

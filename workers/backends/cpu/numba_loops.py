@@ -1,4 +1,4 @@
-"""The numba loops behind workers/kernels/numba_cpu.py, compiled on first import (from the
+"""The numba loops behind workers/backends/cpu/numba_cpu.py, compiled on first import (from the
 on-disk cache after the first time on a machine). Imported only when a program that uses them
 is loaded, so workers that never run a decoder never pay for numba."""
 
@@ -198,7 +198,7 @@ warm()
 
 fast = numba.njit(cache=True, nogil=True, fastmath=True)
 # the decode products: their row groups split over the worker's threads (numba.set_num_threads,
-# from workers/kernels/numba_cpu.set_threads), each group's loop as before on its own scratch
+# from workers/backends/cpu/numba_cpu.set_threads), each group's loop as before on its own scratch
 parallel = numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 inline = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")  # helpers of the hot loops: as
 # separate functions they cost the Q4_1 layers 13 % (measured)

@@ -1,7 +1,7 @@
 """Fused loops for the CPU backend (its kernel overrides), compiled by numba with `cache=True`.
 
 NumPy needs several passes and temporaries for a 576-wide norm or for rotating one token's
-heads; these loops (workers/kernels/numba_loops.py) do one pass with no allocation. They
+heads; these loops (workers/backends/cpu/numba_loops.py) do one pass with no allocation. They
 accumulate in float64 where NumPy accumulates in float32, so they agree with the NumPy kernels
 to rounding, not bit for bit; every CPU worker runs the same ones, so Mirrored results stay
 identical across devices. silu(gate) * up is one pass too: alone, NumPy's vectorised passes were
@@ -49,7 +49,7 @@ AVAILABLE = importlib.util.find_spec("numba") is not None
 
 @functools.cache
 def _loops():
-    return importlib.import_module("workers.kernels.numba_loops")
+    return importlib.import_module("workers.backends.cpu.numba_loops")
 
 
 @functools.cache
@@ -582,7 +582,7 @@ def compiled_here() -> bool:
         stem = module.rsplit(".", 1)[-1]
         return any(any(place.rglob(f"{stem}.*.nbi")) for place in places if place.is_dir())
 
-    return cached("workers.kernels.numba_loops") and cached("workers.backends.cpu.int8_products")
+    return cached("workers.backends.cpu.numba_loops") and cached("workers.backends.cpu.int8_products")
 
 
 def _warm() -> None:
