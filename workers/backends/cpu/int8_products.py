@@ -4,7 +4,8 @@ them: each activation row quantized once per product into the format's partner t
 vpdpbusd with AVX-512 VNNI, vector_ir.py), then one float scale per block (and K-quants' integer
 sub-block scales applied in int32 first). For every block format of formats.INT_FORMATS, for
 any number of activation rows: four at a time (each weight value row made once for four
-activation rows: a prefill's rows, a batch's decode step) and one at a time for the rest.
+activation rows: a batch's decode step) and one at a time for the rest; from UNPACK_ROWS rows (a
+prefill) each block is unpacked once into L1 and read by every four.
 
 A block's integer sums are exact, so these products equal the NumPy model of the same arithmetic
 (tests/test_int8_products.py) to float32 rounding of the per-block sums. Against the float32
@@ -482,7 +483,8 @@ _drop_stale_cache()
 
 
 class Activations:
-    """A product's quantized activation rows, made once per run into buffers held by its plan."""
+    """A product's activation rows quantized into its partner type (activations.py), into
+buffers a thread keeps (activations_for)."""
 
     def __init__(self, partner: Partner, rows: int, width: int):
         block = ACTIVATION_BLOCK[partner]
