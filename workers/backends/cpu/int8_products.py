@@ -484,7 +484,7 @@ _drop_stale_cache()
 
 class Activations:
     """A product's activation rows quantized into its partner type (activations.py), into
-buffers a thread keeps (activations_for)."""
+    buffers a thread keeps (activations_for)."""
 
     def __init__(self, partner: Partner, rows: int, width: int):
         block = ACTIVATION_BLOCK[partner]
