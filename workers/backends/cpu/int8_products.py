@@ -197,7 +197,10 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
                 sub_sums = [builder.sub(a, biased) for a in sub_sums]
             if scale is not None:
                 sub_sums = [builder.mul(a, c) for a, c in zip(sub_sums, scale)]
-            add_into(r, 0, sub_sums, s == 0)
+            if "acc" in at:  # a legacy block's one sum, scaled and added where it belongs
+                _add_scaled(builder, at, r, sub_sums)
+            else:
+                add_into(r, 0, sub_sums, s == 0)
     row = source.reader()
     minimums = [source.minimum(row, s) for s in range(subs)]
     if minimums[0] is None:
@@ -210,6 +213,37 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
             term = [builder.mul(m, spread) for m in pieces]
             total = term if total is None else [builder.add(t, m) for t, m in zip(total, term)]
         add_into(r, 1, total, True)
+
+
+def _add_scaled(builder, at: dict, r: int, sums: list) -> None:
+    """acc[r] += dw * (d_x[r] * sum) + mw * s_x[r] for a legacy block's int32 sums (pieces):
+    the float work of a block done where the sums are, instead of storing them for a numba loop
+    to read back (a third of a legacy block's work at four rows). dw, mw: the block's factors
+    (float32 lanes); d_x, s_x the activation rows' (at d_at, d_stride apart); acc float32 rows
+    from acc_at, acc_stride apart."""
+    f32 = ir.FloatType()
+    i64 = at["d_at"].type
+
+    def scalar(name, offset):
+        return vir.load(builder, at[name], builder.mul(offset, ir.Constant(i64, 4)), f32)
+
+    place = builder.add(at["d_at"], builder.mul(at["d_stride"], ir.Constant(i64, r)))
+    d, m = scalar("d", place), scalar("s", place)
+    row = builder.mul(
+        builder.add(at["acc_at"], builder.mul(at["acc_stride"], ir.Constant(i64, r))), ir.Constant(i64, 4)
+    )
+    at_lane = 0
+    for piece in sums:
+        width = piece.type.count
+        kind = vir.vector(f32, width)
+        lanes = ir.Constant(i64, 4 * at_lane)
+        dw = vir.load(builder, at["dw"], lanes, kind)
+        mw = vir.load(builder, at["mw"], lanes, kind)
+        term = builder.fmul(dw, builder.fmul(vir.splat(builder, d, width), builder.sitofp(piece, kind)))
+        term = builder.fadd(term, builder.fmul(mw, vir.splat(builder, m, width)))
+        where = builder.add(row, lanes)
+        vir.store(builder, builder.fadd(vir.load(builder, at["acc"], where, kind), term), at["acc"], where)
+        at_lane += width
 
 
 def _switch(formats, name: str, emit):
@@ -232,6 +266,24 @@ def _switch(formats, name: str, emit):
 def _data(context, builder, sig, args, i):
     array = context.make_array(sig.args[i])(context, builder, args[i])
     return builder.bitcast(array.data, ir.IntType(8).as_pointer())
+
+
+SCALED_ARGS = ("d", "d_at", "d_stride", "s", "dw", "mw", "acc", "acc_at", "acc_stride")
+
+
+def _scaled(context, builder, sig, args, first: int) -> dict:
+    """_add_scaled's values from the arguments after `first`: d, d_at, d_stride, s, dw, mw, acc,
+    acc_at, acc_stride (arrays as pointers)."""
+    at = {}
+    for k, name in enumerate(SCALED_ARGS):
+        i = first + k
+        at[name] = _data(context, builder, sig, args, i) if isinstance(sig.args[i], types.Array) else args[i]
+    return at
+
+
+def _scaled_types(d, s, dw, mw, acc) -> tuple:
+    i64 = types.int64
+    return (d, i64, i64, s, dw, mw, acc, i64, i64)
 
 
 def block_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int = vir.ISA):
@@ -318,12 +370,107 @@ def unpacked_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: i
     return sums_of_unpacked
 
 
+def scaled_block_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int = vir.ISA):
+    """block_sums for the legacy formats with the block's float work done too (_add_scaled):
+    `sums(code, w, w_at, x8, x_at, x_stride, sums, sums_at, sums_stride, d, d_at, d_stride, s,
+    dw, mw, acc, acc_at, acc_stride)`."""
+    formats = [INT_FORMATS[name] for name in family]
+
+    @intrinsic
+    def scaled_sums_of_block(
+        typingctx,
+        code,
+        w,
+        w_at,
+        x8,
+        x_at,
+        x_stride,
+        sums,
+        sums_at,
+        sums_stride,
+        d,
+        d_at,
+        d_stride,
+        s,
+        dw,
+        mw,
+        acc,
+        acc_at,
+        acc_stride,
+    ):
+        i64 = types.int64
+        signature = types.void(i64, w, i64, x8, i64, i64, sums, i64, i64, *_scaled_types(d, s, dw, mw, acc))
+
+        def codegen(context, builder, sig, args):
+            data = lambda i: _data(context, builder, sig, args, i)  # noqa: E731
+            at = {"w": data(1), "w_at": args[2], "x8": data(3), "x_at": args[4], "x_stride": args[5]}
+            at |= {"sums": data(6), "sums_at": args[7], "sums_stride": args[8], "out": None}
+            at |= _scaled(context, builder, sig, args, 9)
+
+            def emit(builder, fmt):
+                _block_code(builder, fmt, rows, lanes, isa, at, _Block(builder, fmt, lanes, at))
+
+            _switch(formats, "scaled_block_sums", emit)(builder, args[0])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return scaled_sums_of_block
+
+
+def scaled_unpacked_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int = vir.ISA):
+    """unpacked_sums with the block's float work done too, as scaled_block_sums: `sums(code,
+    scratch, x8, x_at, x_stride, sums, sums_at, sums_stride, d, d_at, d_stride, s, dw, mw, acc,
+    acc_at, acc_stride)`."""
+    formats = [INT_FORMATS[name] for name in family]
+
+    @intrinsic
+    def scaled_sums_of_unpacked(
+        typingctx,
+        code,
+        scratch,
+        x8,
+        x_at,
+        x_stride,
+        sums,
+        sums_at,
+        sums_stride,
+        d,
+        d_at,
+        d_stride,
+        s,
+        dw,
+        mw,
+        acc,
+        acc_at,
+        acc_stride,
+    ):
+        i64 = types.int64
+        signature = types.void(i64, scratch, x8, i64, i64, sums, i64, i64, *_scaled_types(d, s, dw, mw, acc))
+
+        def codegen(context, builder, sig, args):
+            data = lambda i: _data(context, builder, sig, args, i)  # noqa: E731
+            at = {"scratch": data(1), "x8": data(2), "x_at": args[3], "x_stride": args[4]}
+            at |= {"sums": data(5), "sums_at": args[6], "sums_stride": args[7], "out": None}
+            at |= _scaled(context, builder, sig, args, 8)
+
+            def emit(builder, fmt):
+                _block_code(builder, fmt, rows, lanes, isa, at, _Unpacked(builder, fmt, lanes, isa, at))
+
+            _switch(formats, "scaled_unpacked_sums", emit)(builder, args[0])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return scaled_sums_of_unpacked
+
+
 LEGACY = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
-_legacy_quad, _legacy_one = block_sums(LEGACY, QUAD), block_sums(LEGACY, 1)
+_legacy_quad, _legacy_one = scaled_block_sums(LEGACY, QUAD), scaled_block_sums(LEGACY, 1)
 _k_quad, _k_one = block_sums(K_QUANTS, QUAD), block_sums(K_QUANTS, 1)
 _legacy_unpack, _k_unpack = block_unpack(LEGACY), block_unpack(K_QUANTS)
-_legacy_unpacked_quad, _k_unpacked_quad = unpacked_sums(LEGACY, QUAD), unpacked_sums(K_QUANTS, QUAD)
+_legacy_unpacked_quad, _k_unpacked_quad = scaled_unpacked_sums(LEGACY, QUAD), unpacked_sums(K_QUANTS, QUAD)
 # the most bytes an unpacked block takes (_unpacked_layout): q6_k's 256 values and 16 scales of 64 lanes
 SCRATCH_BYTES = max(_unpacked_layout(f, LANES)[2] for f in INT_FORMATS.values())
 # activation rows from which a block is unpacked once for all of them (prefill, a batch of 8 or
@@ -360,15 +507,6 @@ def _scratch(rows, lanes):
 
 
 @inline
-def _add_legacy(acc, part, i, count, dw, mw, d, s, b):
-    """acc[i + r] += each block sum's d_w * d_x * sum (+ m_w * s_x), r < count."""
-    for r in range(count):
-        f, m = d[i + r, b], s[i + r, b]
-        for lane in range(acc.shape[1]):
-            acc[i + r, lane] += dw[lane] * f * np.float32(part[r, 0, lane]) + mw[lane] * m
-
-
-@inline
 def _add_k(acc, part, i, count, dw, dmin, d, b):
     """acc[i + r] += d_x * (d_w * the scaled sums - dmin_w * the minimums' sums), r < count."""
     for r in range(count):
@@ -383,12 +521,13 @@ def _add_k(acc, part, i, count, dw, dmin, d, b):
 def legacy_rows(code, x8, d, sums, s, w, out):
     """out (rows, groups * 64) = the rows of x8 (rows, width) int8 times the weight's rows, for
     legacy format `code`: each block's d_w * d_x * (its integer sum) (+ m_w * s_x for q4_1 and
-    q5_1), d (rows, blocks), sums and s the partner's (activations.quantize_q8_0)."""
+    q5_1), d (rows, blocks), sums and s the partner's (activations.quantize_q8_0); the float
+    work is the block code's (_add_scaled)."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     with_min = code == 1 or code == 3
     for g in numba.prange(groups):
-        acc, part, dw, mw, unpacked = _scratch(rows, lanes)
+        acc, _, dw, mw, unpacked = _scratch(rows, lanes)
         for b in range(blocks):
             at = (g * blocks + b) * size * lanes
             _factors(w, g, b, 0, dw)
@@ -398,19 +537,72 @@ def legacy_rows(code, x8, d, sums, s, w, out):
             if rows >= UNPACK_ROWS:
                 _legacy_unpack(code, w, at, unpacked)
                 while i + QUAD <= rows:
+                    x_at, here = i * width + b * 32, i * blocks + b
                     _legacy_unpacked_quad(
-                        code, unpacked, x8, i * width + b * 32, width, sums, i * blocks + b, blocks, part
+                        code,
+                        unpacked,
+                        x8,
+                        x_at,
+                        width,
+                        sums,
+                        here,
+                        blocks,
+                        d,
+                        here,
+                        blocks,
+                        s,
+                        dw,
+                        mw,
+                        acc,
+                        i * lanes,
+                        lanes,
                     )
-                    _add_legacy(acc, part, i, QUAD, dw, mw, d, s, b)
                     i += QUAD
             while i < rows:
+                x_at, here = i * width + b * 32, i * blocks + b
                 if i + QUAD <= rows:
-                    _legacy_quad(code, w, at, x8, i * width + b * 32, width, sums, i * blocks + b, blocks, part)
-                    _add_legacy(acc, part, i, QUAD, dw, mw, d, s, b)
+                    _legacy_quad(
+                        code,
+                        w,
+                        at,
+                        x8,
+                        x_at,
+                        width,
+                        sums,
+                        here,
+                        blocks,
+                        d,
+                        here,
+                        blocks,
+                        s,
+                        dw,
+                        mw,
+                        acc,
+                        i * lanes,
+                        lanes,
+                    )
                     i += QUAD
                 else:
-                    _legacy_one(code, w, at, x8, i * width + b * 32, width, sums, i * blocks + b, blocks, part)
-                    _add_legacy(acc, part, i, 1, dw, mw, d, s, b)
+                    _legacy_one(
+                        code,
+                        w,
+                        at,
+                        x8,
+                        x_at,
+                        width,
+                        sums,
+                        here,
+                        blocks,
+                        d,
+                        here,
+                        blocks,
+                        s,
+                        dw,
+                        mw,
+                        acc,
+                        i * lanes,
+                        lanes,
+                    )
                     i += 1
         out[:, g * lanes : (g + 1) * lanes] = acc
 
