@@ -537,71 +537,21 @@ def legacy_rows(code, x8, d, sums, s, w, out):
             if rows >= UNPACK_ROWS:
                 _legacy_unpack(code, w, at, unpacked)
                 while i + QUAD <= rows:
-                    x_at, here = i * width + b * 32, i * blocks + b
+                    x_at, k, acc_at = i * width + b * 32, i * blocks + b, i * lanes
                     _legacy_unpacked_quad(
-                        code,
-                        unpacked,
-                        x8,
-                        x_at,
-                        width,
-                        sums,
-                        here,
-                        blocks,
-                        d,
-                        here,
-                        blocks,
-                        s,
-                        dw,
-                        mw,
-                        acc,
-                        i * lanes,
-                        lanes,
+                        code, unpacked, x8, x_at, width, sums, k, blocks, d, k, blocks, s, dw, mw, acc, acc_at, lanes
                     )
                     i += QUAD
-            while i < rows:
-                x_at, here = i * width + b * 32, i * blocks + b
+            while i < rows:  # (d and s: indexed as the sums, a value a block)
+                x_at, k, acc_at = i * width + b * 32, i * blocks + b, i * lanes
                 if i + QUAD <= rows:
                     _legacy_quad(
-                        code,
-                        w,
-                        at,
-                        x8,
-                        x_at,
-                        width,
-                        sums,
-                        here,
-                        blocks,
-                        d,
-                        here,
-                        blocks,
-                        s,
-                        dw,
-                        mw,
-                        acc,
-                        i * lanes,
-                        lanes,
+                        code, w, at, x8, x_at, width, sums, k, blocks, d, k, blocks, s, dw, mw, acc, acc_at, lanes
                     )
                     i += QUAD
                 else:
                     _legacy_one(
-                        code,
-                        w,
-                        at,
-                        x8,
-                        x_at,
-                        width,
-                        sums,
-                        here,
-                        blocks,
-                        d,
-                        here,
-                        blocks,
-                        s,
-                        dw,
-                        mw,
-                        acc,
-                        i * lanes,
-                        lanes,
+                        code, w, at, x8, x_at, width, sums, k, blocks, d, k, blocks, s, dw, mw, acc, acc_at, lanes
                     )
                     i += 1
         out[:, g * lanes : (g + 1) * lanes] = acc
