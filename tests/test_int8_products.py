@@ -296,7 +296,7 @@ def test_both_instruction_sets_give_the_models_integer_sums(isa, rows):
     for family in (int8_products.LEGACY, int8_products.K_QUANTS):
         run = runner(int8_products.block_sums(family, rows, isa=code))
         unpack_block = int8_products.block_unpack(family, isa=code)
-        run_unpacked = unpacked_runner(unpack_block, int8_products.unpacked_sums(family, rows, isa=code))
+        run_unpacked = unpacked_runner(unpack_block, int8_products.block_sums(family, rows, isa=code, unpacked=True))
 
         for name in family:
             spec, block = INT_FORMATS[name], FORMATS[name].block

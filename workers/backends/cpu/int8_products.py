@@ -27,6 +27,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from split_state.quant import FORMATS
@@ -87,7 +88,7 @@ def _unpacked_layout(fmt, lanes: int) -> tuple[int, int, int]:
     """Where an unpacked block keeps its scales and its minimums, and its bytes in all: the values
     v..v + 3 at v * lanes (transposed for VNNI, value rows else), then each sub-block's int32
     scale lanes, then its minimums'."""
-    block = ACTIVATION_BLOCK[fmt.partner] if fmt.scales is not None else fmt.sub
+    block = FORMATS[fmt.name].block
     subs = block // fmt.sub
     return block * lanes, block * lanes + subs * lanes * 4, block * lanes + 2 * subs * lanes * 4
 
@@ -129,7 +130,7 @@ def _unpack_code(builder, fmt, lanes: int, isa: int, at: dict) -> None:
     """The block's values and factors into at["scratch"] as _Unpacked reads them."""
     source = _Block(builder, fmt, lanes, at)
     scales_at, minimums_at, _ = _unpacked_layout(fmt, lanes)
-    block = ACTIVATION_BLOCK[fmt.partner] if fmt.scales is not None else fmt.sub
+    block = FORMATS[fmt.name].block
 
     def put(value, offset):
         vir.store(builder, value, at["scratch"], ir.Constant(ir.IntType(64), offset))
@@ -179,7 +180,7 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
                 piece = builder.add(piece, vir.load(builder, out, offset, piece.type))
             vir.store(builder, piece, out, offset)
 
-    block = ACTIVATION_BLOCK[fmt.partner] if fmt.scales is not None else fmt.sub
+    block = FORMATS[fmt.name].block
     subs = block // fmt.sub
     for s in range(subs):
         row = source.reader()
@@ -268,60 +269,69 @@ def _data(context, builder, sig, args, i):
     return builder.bitcast(array.data, ir.IntType(8).as_pointer())
 
 
-SCALED_ARGS = ("d", "d_at", "d_stride", "s", "dw", "mw", "acc", "acc_at", "acc_stride")
+# The arguments of the block code's intrinsics after the format's code, by name: where the
+# block's values come from (the weight, or a block unpacked once into scratch), the activation
+# rows and their partner sums, and where the results go (int32 sums for a numba loop; or, for the
+# legacy formats, scaled and added into the float sums by the block code itself: _add_scaled).
+FROM_WEIGHT = ("w", "w_at")
+FROM_SCRATCH = ("scratch",)
+ROWS = ("x8", "x_at", "x_stride", "sums", "sums_at", "sums_stride")
+INTO_SUMS = ("out",)
+INTO_ACC = ("d", "d_at", "d_stride", "s", "dw", "mw", "acc", "acc_at", "acc_stride")
 
 
-def _scaled(context, builder, sig, args, first: int) -> dict:
-    """_add_scaled's values from the arguments after `first`: d, d_at, d_stride, s, dw, mw, acc,
-    acc_at, acc_stride (arrays as pointers)."""
-    at = {}
-    for k, name in enumerate(SCALED_ARGS):
-        i = first + k
-        at[name] = _data(context, builder, sig, args, i) if isinstance(sig.args[i], types.Array) else args[i]
-    return at
-
-
-def _scaled_types(d, s, dw, mw, acc) -> tuple:
-    i64 = types.int64
-    return (d, i64, i64, s, dw, mw, acc, i64, i64)
-
-
-def block_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int = vir.ISA):
-    """An intrinsic `sums(code, w, w_at, x8, x_at, x_stride, sums, sums_at, sums_stride, out)`
-    running _block_code for the format whose code is `code` (one of `family`'s, a switch in the
-    code): w the weight (uint8, 64 lanes), w_at the block's first byte; x8 (int8) the activation
-    rows from element x_at, x_stride apart; sums (int32) their partner sums from sums_at,
-    sums_stride apart; out int32 (rows, 2, lanes)."""
+def block_sums(
+    family: tuple[str, ...],
+    rows: int,
+    lanes: int = LANES,
+    isa: int = vir.ISA,
+    unpacked: bool = False,
+    scaled: bool = False,
+):
+    """An intrinsic `sums(code, *arguments)` running _block_code for the format whose code is
+    `code` (one of `family`'s, a switch in the code) against `rows` activation rows. Its
+    arguments, arrays or int64 offsets, are named by FROM_WEIGHT (w the weight, uint8 of 64
+    lanes, w_at its block's first byte) or, `unpacked`, FROM_SCRATCH (a block block_unpack
+    wrote); then ROWS (x8 int8 rows from element x_at, x_stride apart; sums int32 their
+    partner sums from sums_at, sums_stride apart); then INTO_SUMS (out int32 (rows, 2, lanes))
+    or, `scaled`, INTO_ACC (_add_scaled's)."""
     formats = [INT_FORMATS[name] for name in family]
+    names = (FROM_SCRATCH if unpacked else FROM_WEIGHT) + ROWS + (INTO_ACC if scaled else INTO_SUMS)
 
     @intrinsic
-    def sums_of_block(typingctx, code, w, w_at, x8, x_at, x_stride, sums, sums_at, sums_stride, out):
-        i64 = types.int64
-        signature = types.void(i64, w, i64, x8, i64, i64, sums, i64, i64, out)
+    def sums_of_block(typingctx, *arguments):
+        # numba passes the arguments one by one, or (typing a second time) as one tuple
+        star = arguments[0] if len(arguments) == 1 else types.StarArgTuple(arguments)
+        if len(star) != 1 + len(names):
+            return None
 
         def codegen(context, builder, sig, args):
-            at = {
-                "w": _data(context, builder, sig, args, 1),
-                "w_at": args[2],
-                "x8": _data(context, builder, sig, args, 3),
-            }
-            at |= {"x_at": args[4], "x_stride": args[5], "sums": _data(context, builder, sig, args, 6)}
-            at |= {"sums_at": args[7], "sums_stride": args[8], "out": _data(context, builder, sig, args, 9)}
+            values, kinds = cgutils.unpack_tuple(builder, args[0]), sig.args[0].types
+            i64 = types.int64
+            code = context.cast(builder, values[0], kinds[0], i64)
+            at = {"out": None}
+            for name, value, kind in zip(names, values[1:], kinds[1:]):
+                if isinstance(kind, types.Array):
+                    data = context.make_array(kind)(context, builder, value).data
+                    at[name] = builder.bitcast(data, ir.IntType(8).as_pointer())
+                else:
+                    at[name] = context.cast(builder, value, kind, i64)
 
             def emit(builder, fmt):
-                _block_code(builder, fmt, rows, lanes, isa, at, _Block(builder, fmt, lanes, at))
+                source = _Unpacked(builder, fmt, lanes, isa, at) if unpacked else _Block(builder, fmt, lanes, at)
+                _block_code(builder, fmt, rows, lanes, isa, at, source)
 
-            _switch(formats, "block_sums", emit)(builder, args[0])
+            _switch(formats, "block_sums", emit)(builder, code)
             return context.get_dummy_value()
 
-        return signature, codegen
+        return types.void(star), codegen
 
     return sums_of_block
 
 
 def block_unpack(family: tuple[str, ...], lanes: int = LANES, isa: int = vir.ISA):
     """An intrinsic `unpack(code, w, w_at, scratch)`: the block at w_at unpacked into scratch
-    (uint8, SCRATCH_BYTES) for `unpacked_sums`."""
+    (uint8, SCRATCH_BYTES) for block_sums(..., unpacked=True)."""
     formats = [INT_FORMATS[name] for name in family]
 
     @intrinsic
@@ -344,133 +354,13 @@ def block_unpack(family: tuple[str, ...], lanes: int = LANES, isa: int = vir.ISA
     return unpack_block
 
 
-def unpacked_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int = vir.ISA):
-    """block_sums over a block `block_unpack` wrote into scratch: `sums(code, scratch, x8, x_at,
-    x_stride, sums, sums_at, sums_stride, out)`, the same sums."""
-    formats = [INT_FORMATS[name] for name in family]
-
-    @intrinsic
-    def sums_of_unpacked(typingctx, code, scratch, x8, x_at, x_stride, sums, sums_at, sums_stride, out):
-        i64 = types.int64
-        signature = types.void(i64, scratch, x8, i64, i64, sums, i64, i64, out)
-
-        def codegen(context, builder, sig, args):
-            at = {"scratch": _data(context, builder, sig, args, 1), "x8": _data(context, builder, sig, args, 2)}
-            at |= {"x_at": args[3], "x_stride": args[4], "sums": _data(context, builder, sig, args, 5)}
-            at |= {"sums_at": args[6], "sums_stride": args[7], "out": _data(context, builder, sig, args, 8)}
-
-            def emit(builder, fmt):
-                _block_code(builder, fmt, rows, lanes, isa, at, _Unpacked(builder, fmt, lanes, isa, at))
-
-            _switch(formats, "unpacked_sums", emit)(builder, args[0])
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    return sums_of_unpacked
-
-
-def scaled_block_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int = vir.ISA):
-    """block_sums for the legacy formats with the block's float work done too (_add_scaled):
-    `sums(code, w, w_at, x8, x_at, x_stride, sums, sums_at, sums_stride, d, d_at, d_stride, s,
-    dw, mw, acc, acc_at, acc_stride)`."""
-    formats = [INT_FORMATS[name] for name in family]
-
-    @intrinsic
-    def scaled_sums_of_block(
-        typingctx,
-        code,
-        w,
-        w_at,
-        x8,
-        x_at,
-        x_stride,
-        sums,
-        sums_at,
-        sums_stride,
-        d,
-        d_at,
-        d_stride,
-        s,
-        dw,
-        mw,
-        acc,
-        acc_at,
-        acc_stride,
-    ):
-        i64 = types.int64
-        signature = types.void(i64, w, i64, x8, i64, i64, sums, i64, i64, *_scaled_types(d, s, dw, mw, acc))
-
-        def codegen(context, builder, sig, args):
-            data = lambda i: _data(context, builder, sig, args, i)  # noqa: E731
-            at = {"w": data(1), "w_at": args[2], "x8": data(3), "x_at": args[4], "x_stride": args[5]}
-            at |= {"sums": data(6), "sums_at": args[7], "sums_stride": args[8], "out": None}
-            at |= _scaled(context, builder, sig, args, 9)
-
-            def emit(builder, fmt):
-                _block_code(builder, fmt, rows, lanes, isa, at, _Block(builder, fmt, lanes, at))
-
-            _switch(formats, "scaled_block_sums", emit)(builder, args[0])
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    return scaled_sums_of_block
-
-
-def scaled_unpacked_sums(family: tuple[str, ...], rows: int, lanes: int = LANES, isa: int = vir.ISA):
-    """unpacked_sums with the block's float work done too, as scaled_block_sums: `sums(code,
-    scratch, x8, x_at, x_stride, sums, sums_at, sums_stride, d, d_at, d_stride, s, dw, mw, acc,
-    acc_at, acc_stride)`."""
-    formats = [INT_FORMATS[name] for name in family]
-
-    @intrinsic
-    def scaled_sums_of_unpacked(
-        typingctx,
-        code,
-        scratch,
-        x8,
-        x_at,
-        x_stride,
-        sums,
-        sums_at,
-        sums_stride,
-        d,
-        d_at,
-        d_stride,
-        s,
-        dw,
-        mw,
-        acc,
-        acc_at,
-        acc_stride,
-    ):
-        i64 = types.int64
-        signature = types.void(i64, scratch, x8, i64, i64, sums, i64, i64, *_scaled_types(d, s, dw, mw, acc))
-
-        def codegen(context, builder, sig, args):
-            data = lambda i: _data(context, builder, sig, args, i)  # noqa: E731
-            at = {"scratch": data(1), "x8": data(2), "x_at": args[3], "x_stride": args[4]}
-            at |= {"sums": data(5), "sums_at": args[6], "sums_stride": args[7], "out": None}
-            at |= _scaled(context, builder, sig, args, 8)
-
-            def emit(builder, fmt):
-                _block_code(builder, fmt, rows, lanes, isa, at, _Unpacked(builder, fmt, lanes, isa, at))
-
-            _switch(formats, "scaled_unpacked_sums", emit)(builder, args[0])
-            return context.get_dummy_value()
-
-        return signature, codegen
-
-    return scaled_sums_of_unpacked
-
-
 LEGACY = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
-_legacy_quad, _legacy_one = scaled_block_sums(LEGACY, QUAD), scaled_block_sums(LEGACY, 1)
+_legacy_quad, _legacy_one = block_sums(LEGACY, QUAD, scaled=True), block_sums(LEGACY, 1, scaled=True)
 _k_quad, _k_one = block_sums(K_QUANTS, QUAD), block_sums(K_QUANTS, 1)
 _legacy_unpack, _k_unpack = block_unpack(LEGACY), block_unpack(K_QUANTS)
-_legacy_unpacked_quad, _k_unpacked_quad = scaled_unpacked_sums(LEGACY, QUAD), unpacked_sums(K_QUANTS, QUAD)
+_legacy_unpacked_quad = block_sums(LEGACY, QUAD, unpacked=True, scaled=True)
+_k_unpacked_quad = block_sums(K_QUANTS, QUAD, unpacked=True)
 # the most bytes an unpacked block takes (_unpacked_layout): q6_k's 256 values and 16 scales of 64 lanes
 SCRATCH_BYTES = max(_unpacked_layout(f, LANES)[2] for f in INT_FORMATS.values())
 # activation rows from which a block is unpacked once for all of them (prefill, a batch of 8 or

@@ -188,9 +188,9 @@ warm()
 # (a few KiB) stay in cache while every row of x passes over them. The blocks' float16 factors
 # are widened by the CPU (`_lane_scales`); `half`, a table from a float16's 16 bits to its
 # float32 value, serves CPUs that cannot (numba has no float16). fastmath lets LLVM reorder
-# the sums (within float32 rounding of the BLAS path's). The activations stay float32:
-# quantizing them to int8 (llama.cpp's Q8 activations) was ~10 % faster here but moves the logits
-# by ~0.5 %, and the native path must give the float32 path's tokens.
+# the sums (within float32 rounding of the BLAS path's). The activations stay float32: these
+# are the exact products (`activations="f32"`); llama.cpp's 8-bit activations and integer
+# products are int8_products.py's.
 #
 # Nibbles without integer ops: numba widens uint8 arithmetic to 64-bit lanes (a quarter of the
 # vector), so a byte q is converted to float once and its halves come from floor(q / 16):
