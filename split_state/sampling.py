@@ -1,6 +1,6 @@
 """The sampling rule: how a sequence's next token is chosen from its candidates. Shared by the
 coordinator (models/: the prefill's token, the batcher's steps) and the workers (their decode
-loop, and the device sampler whose CUDA C computes `pick` step by step: workers/kernels/sample.py),
+loop, and the device sampler whose CUDA C computes `pick` step by step: workers/backends/cuda/kernels/sample.py),
 so every side chooses the same token from the same candidates and uniform draw.
 
 The arithmetic is spelled out in the order the device kernel runs it: float64 throughout, sums

@@ -1,4 +1,4 @@
-"""The CUDA C of our own kernels (workers/kernels/device.py) compiled for the CPU with the host's
+"""The CUDA C of our own kernels (workers/backends/cuda/kernels/device.py) compiled for the CPU with the host's
 C++ compiler and run thread by thread, so CI checks the kernels' own arithmetic (their block
 layouts, shifts and sums) without a GPU; the stand-in runs their NumPy twins instead, and a GPU
 test holds the compiled kernels to the twins.

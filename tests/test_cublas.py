@@ -1,4 +1,4 @@
-"""The CUDA backend's capturable products (workers/backends/_cublas.py). On the host: the cuBLAS
+"""The CUDA backend's capturable products (workers/backends/cuda/cublas.py). On the host: the cuBLAS
 call planned for every layout a program hands a product (a transposed weight, a column slice of
 an output, leading axes, empty extents) is run by an emulation of cublasSgemm's column-major
 contract on the arrays' own memory and must give NumPy's a @ b. On a GPU: the product itself,
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from workers.backends._cublas import OP_N, Operand, plan_gemm, transposed
 from workers.backends.cuda import Backend as CudaBackend
+from workers.backends.cuda.cublas import OP_N, Operand, plan_gemm, transposed
 
 
 def stored(operand: Operand, rows: int, cols: int) -> np.ndarray:
@@ -124,7 +124,7 @@ def test_the_standin_cublas_refuses_a_leading_dimension_cublas_would(monkeypatch
 
     from tests.cupy_standin import install
     from tests.cupy_standin.cublas import INVALID_VALUE
-    from workers.backends._cublas import CapturableGemm
+    from workers.backends.cuda.cublas import CapturableGemm
 
     cupy = install(monkeypatch)
     gemm = CapturableGemm(cupy)
@@ -166,7 +166,7 @@ needs_gpu = pytest.mark.skipif(CudaBackend.device_count() == 0, reason="needs Cu
 def test_products_on_the_gpu_eager_and_replayed_from_a_graph():
     import cupy
 
-    from workers.backends._cublas import CapturableGemm
+    from workers.backends.cuda.cublas import CapturableGemm
 
     backend = CudaBackend(0)
     gemm = CapturableGemm(cupy)

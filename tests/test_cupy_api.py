@@ -44,16 +44,16 @@ BACKEND_ROOTS = {
     "graph": lambda: cupy.cuda.Graph,
     "array": lambda: cupy.ndarray,  # to_host's device array
 }
-BACKEND = "workers/backends/cuda.py"
+BACKEND = "workers/backends/cuda/__init__.py"
 CUPY_FILES = (
-    "workers/backends/cuda.py",
+    "workers/backends/cuda/__init__.py",
     "workers/planes/nccl/engine.py",
     "workers/planes/ipc/engine.py",
     "workers/graphs.py",
     "bench/tp_matmul.py",
 )
 NOT_ARRAY_METHODS = set(dir(dict)) | set(dir(list)) | set(dir(str)) | set(dir(set))
-KERNEL_FILES = [s for s in SOURCES if s.startswith("workers/kernels/")] + [
+KERNEL_FILES = [s for s in SOURCES if s.startswith(("workers/kernels/", "workers/backends/cuda/"))] + [
     "workers/collectives.py",
     "workers/graphs.py",
 ]

@@ -1,4 +1,4 @@
-"""Kernels of our own for the CUDA backend (workers/kernels/device.py, qgemv.py), checked three
+"""Kernels of our own for the CUDA backend (workers/backends/cuda/kernels/device.py, qgemv.py), checked three
 ways against gguf's dequantization (independent of ours):
 - their CUDA C compiled for the CPU and run thread by thread (tests/cuda_on_host.py): the
   kernels' own arithmetic, in CI;
@@ -24,7 +24,7 @@ from split_state.sampling import Rule, pick
 from tests import cuda_on_host
 from tests.cupy_standin import install
 from tests.cupy_standin import kernels as standin_kernels
-from workers.kernels import device, qgemv
+from workers.backends.cuda.kernels import device, qgemv
 
 pytestmark = pytest.mark.timeout(300)
 gguf = pytest.importorskip("gguf")
@@ -161,7 +161,7 @@ def test_the_backends_qmatmul_add_adds_the_residual_in_the_kernel_on_the_standin
 
 @pytest.fixture(scope="module")
 def host_dequant(tmp_path_factory):
-    from workers.kernels import dequant
+    from workers.backends.cuda.kernels import dequant
 
     signature = (
         "const u8* weight, float* out, int groups, int blocks, int lanes",
@@ -192,7 +192,8 @@ def test_the_dequantization_cuda_c_run_on_the_host_gives_gguf_values_bit_for_bit
 def test_a_prefills_product_dequantizes_its_tiles_with_the_kernel_on_the_standin(monkeypatch, fmt):
     """More rows of x than the decode kernels take: the weight dequantized a tile at a time (by
     the kernel for the formats it has, CuPy's expressions for bf16) and multiplied."""
-    from workers.kernels import dequant, quant
+    from workers.backends.cuda.kernels import dequant
+    from workers.kernels import quant
 
     cp = install(monkeypatch)
     from workers.backends import cuda
@@ -302,7 +303,7 @@ def test_every_kernel_source_compiles_with_nvcc(tmp_path):
 def test_on_a_gpu_the_dequantization_kernels_give_gguf_values_bit_for_bit(fmt):
     import cupy
 
-    from workers.kernels import dequant
+    from workers.backends.cuda.kernels import dequant
 
     kernels = device.compile_all(cupy)
     file_blocks = random_blocks(fmt, 96, 5, 4)
@@ -337,7 +338,7 @@ SET_ROWS_SIGNATURE = (
 
 @pytest.fixture(scope="module")
 def host_set_rows(tmp_path_factory):
-    from workers.kernels import set_rows
+    from workers.backends.cuda.kernels import set_rows
 
     signature, args = SET_ROWS_SIGNATURE
     names = {
@@ -382,7 +383,7 @@ def test_a_captured_kv_write_reads_its_positions_on_the_device_at_each_replay(mo
     replay writes at the positions the device holds then; run eagerly it is the shared kernel,
     which refuses a position outside the cache."""
     from split_state.errors import ShapeError
-    from workers.kernels import set_rows
+    from workers.backends.cuda.kernels import set_rows
 
     cp = install(monkeypatch)
     from workers.backends import cuda
@@ -425,7 +426,7 @@ ROWS_SIGNATURES = {
 
 @pytest.fixture(scope="module")
 def host_rows(tmp_path_factory):
-    from workers.kernels import get_rows
+    from workers.backends.cuda.kernels import get_rows
 
     return host_library(tmp_path_factory, get_rows.SOURCE, ROWS_SIGNATURES)
 
@@ -512,7 +513,7 @@ def _built_with_barriers(tmp_path_factory, source: str, names: dict):
 
 @pytest.fixture(scope="module")
 def host_attend(tmp_path_factory):
-    from workers.kernels import attend
+    from workers.backends.cuda.kernels import attend
 
     names = {"attend_combine": ATTEND_SIGNATURES["attend_combine"]}
     for layout in ("part", "map"):
@@ -554,7 +555,7 @@ def attention_case(cache, batch=2, heads=2, group=2, tokens=2, ctx=600, dim=40, 
 def _run_attend_on_host(library, q, keys, values, mask, scale, kv_of_head=None):
     """The decoder's layout's kernels (attend_part_*), or with `kv_of_head` the mapped ones
     (attend_map_*, q in the gqa_attention op's layout), then attend_combine."""
-    from workers.kernels import attend
+    from workers.backends.cuda.kernels import attend
 
     ctx, dim = keys.shape[2], q.shape[-1]
     if kv_of_head is None:
@@ -645,7 +646,7 @@ TOP_K_SIGNATURE = (
 
 @pytest.fixture(scope="module")
 def host_top_k(tmp_path_factory):
-    from workers.kernels import top_k
+    from workers.backends.cuda.kernels import top_k
 
     return _built_with_barriers(tmp_path_factory, top_k.SOURCE, {"top_k_tile": TOP_K_SIGNATURE})
 
@@ -693,7 +694,7 @@ def test_the_top_k_cuda_c_run_on_the_host_picks_the_best_k(host_top_k, monkeypat
     the sampling pool's 256, fewer entries than k: ties broken by the lower index, NaN ranked
     and given as -inf, a row of its own each; then the devices' candidates as pairs. Blocks of
     64 threads (the kernel strides by its block's width; an OS thread each costs here)."""
-    from workers.kernels import top_k
+    from workers.backends.cuda.kernels import top_k
 
     monkeypatch.setattr(top_k, "THREADS", 64)
 
@@ -720,7 +721,7 @@ def test_a_captured_attention_reads_the_open_positions_on_the_device_at_each_rep
     its gqa_attention (each query head over its own KV head), are the kernels, captured once
     after a first eager run; a replay after the mask opens more positions and the query changes
     attends over the new positions, as softmax attention from its definition."""
-    from workers.kernels import attend
+    from workers.backends.cuda.kernels import attend
 
     cp = install(monkeypatch)
     from workers.backends import cuda
@@ -780,7 +781,7 @@ def test_a_device_holding_no_heads_runs_an_empty_gqa_attention_in_its_graph(monk
 
 def test_the_cuda_gqa_attention_takes_a_decode_steps_shapes_in_the_graph_and_a_prefills_eagerly():
     from workers.backends import cuda
-    from workers.kernels import attend
+    from workers.backends.cuda.kernels import attend
 
     step = lambda shape: type("Step", (), {"shape": shape})  # noqa: E731
     assert not cuda.gqa_attention.eager(step((2, 1, 5, 64)))
@@ -822,7 +823,7 @@ def test_on_a_gpu_attention_and_top_k_equal_their_twins(cache):
     above) and the compiled top k against the order's definition, bit for bit."""
     import cupy
 
-    from workers.kernels import attend, top_k
+    from workers.backends.cuda.kernels import attend, top_k
 
     kernels = device.compile_all(cupy)
     q, keys, values, mask = attention_case(cache)
@@ -857,7 +858,7 @@ SAMPLE_SIGNATURE = (
 
 @pytest.fixture(scope="module")
 def host_sample(tmp_path_factory):
-    from workers.kernels import sample
+    from workers.backends.cuda.kernels import sample
 
     return _built_with_barriers(tmp_path_factory, sample.SOURCE, {"sample_next": SAMPLE_SIGNATURE})
 
@@ -880,7 +881,7 @@ def test_the_sampler_cuda_c_run_on_the_host_chooses_what_the_host_rule_chooses(h
     host's rule (split_state/sampling.py pick, itself held to the definitions in
     tests/test_sampling.py): the same token for each sequence, each draw; the fed token and
     position written, the ring of recent tokens moved on as a deque of the window would be."""
-    from workers.kernels import sample
+    from workers.backends.cuda.kernels import sample
 
     monkeypatch.setattr(sample, "THREADS", 16)  # the kernel strides by its block; an OS thread each here
     rows, k, draws = 3, 24, 6
@@ -937,7 +938,7 @@ def test_on_a_gpu_the_sampler_chooses_what_the_host_rule_chooses(rule):
     apart from NumPy's by an ulp; no draw here falls inside such a gap)."""
     import cupy
 
-    from workers.kernels import sample
+    from workers.backends.cuda.kernels import sample
 
     kernel = device.compile_all(cupy)["sample_next"]
     rows, k = 4, 200

@@ -128,7 +128,7 @@ def test_one_gpu_worker_issues_each_step_before_it_reads_the_last_ones_tokens(de
 @pytest.mark.parametrize("devname", ["procs2", "cuda1", "cuda2"])
 def test_the_tokens_chosen_by_the_workers_follow_every_rule_and_the_recent_window(devname, rule, request):
     """Penalty, top-k, top-p, min-p and a window of recent tokens that starts with the prompt's:
-    the workers (on the CUDA backend the device sampler, workers/kernels/sample.py, whose twin
+    the workers (on the CUDA backend the device sampler, workers/backends/cuda/kernels/sample.py, whose twin
     the stand-in runs; on the CPU the host) choose what the coordinator chooses by the same rule
     from the same candidates and seed, step by step."""
     dev = request.getfixturevalue(devname)

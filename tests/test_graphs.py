@@ -130,7 +130,7 @@ def test_a_kernel_that_reads_on_the_host_runs_eagerly_between_two_graphs(backend
 
 @pytest.mark.parametrize("cublas", [True, False], ids=["own cuBLAS handle", "CuPy's products"])
 def test_a_product_is_captured_with_the_backends_own_cublas_and_runs_eagerly_without(monkeypatch, cublas):
-    """With its own cuBLAS handle (workers/backends/_cublas.py; the stand-in's libcublas here) the
+    """With its own cuBLAS handle (workers/backends/cuda/cublas.py; the stand-in's libcublas here) the
     CUDA backend's product is captured with the kernels around it: one graph. Without, CuPy's
     product, which CuPy refuses to capture, runs eagerly (backend.uncaptured) between two graphs.
     Either way nothing is refused and every run gives NumPy's result."""

@@ -1,5 +1,5 @@
-"""The CUDA backend's kernels of our own for a layer's small steps (workers/kernels/rms_norm.py,
-workers/kernels/swiglu.py), checked against their definitions in float64:
+"""The CUDA backend's kernels of our own for a layer's small steps (workers/backends/cuda/kernels/rms_norm.py,
+workers/backends/cuda/kernels/swiglu.py), checked against their definitions in float64:
 - their CUDA C compiled for the CPU and run thread by thread (tests/cuda_on_host.py; real
   barriers for the norm's block sum), in CI; the norm's C and twin also bit for bit, as the twin
   states the kernel's order of sums;
@@ -16,7 +16,7 @@ import pytest
 
 from tests import cuda_on_host
 from tests.cupy_standin import install
-from workers.kernels import device, rms_norm, swiglu
+from workers.backends.cuda.kernels import device, rms_norm, swiglu
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -137,7 +137,7 @@ def test_captured_norm_and_swiglu_are_the_kernels_replayed_on_new_inputs(monkeyp
     x_dev.set(np.ascontiguousarray(x2))
     both_dev.set(both2)
     backend.launch(graph)
-    assert launched == ["workers.kernels.rms_norm", "workers.kernels.swiglu"] * 2
+    assert launched == ["workers.backends.cuda.kernels.rms_norm", "workers.backends.cuda.kernels.swiglu"] * 2
     np.testing.assert_allclose(backend.to_host(normed), norm_oracle(x2, weight, EPS), rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(backend.to_host(glu), swiglu_oracle(both2, (0, 32), (32, 64)), rtol=2e-6, atol=1e-30)
     # layouts the kernels do not take: the shared kernels, eagerly

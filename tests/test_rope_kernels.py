@@ -1,4 +1,4 @@
-"""Rope's kernels of our own for the CUDA backend (workers/kernels/rope.py): the rotation and the
+"""Rope's kernels of our own for the CUDA backend (workers/backends/cuda/kernels/rope.py): the rotation and the
 keys' rotation fused with their KV-cache write, checked against the reference decoder's rope
 (models/reference.py, float64) and a cache written by hand:
 - their CUDA C compiled for the CPU and run thread by thread (tests/cuda_on_host.py), in CI;
@@ -17,7 +17,8 @@ import pytest
 from models import reference as ref
 from tests import cuda_on_host
 from tests.cupy_standin import install
-from workers.kernels import basic, device, rope
+from workers.backends.cuda.kernels import device, rope
+from workers.kernels import basic
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -195,10 +195,10 @@ def test_the_command_writes_a_file_generate_reads_and_refuses_a_bad_shape_in_one
 def test_native_weights_on_the_cuda_backend_decode_as_the_reference_with_products_in_graphs(
     tmp_path, kind, devname, kv_heads, request
 ):
-    from workers.backends import _cublas
+    from workers.backends.cuda import cublas as _cublas
 
     """Quantized weights on CUDA workers (the stand-in, which runs each kernel of our own as its
-    NumPy twin): a decode step's products are workers/kernels/qgemv.py's kernels, replayed in
+    NumPy twin): a decode step's products are workers/backends/cuda/kernels/qgemv.py's kernels, replayed in
     device graphs (no step refused: none reads on the host), logits those of the reference; with
     q4_1, q | k | v one weight (fuse_qkv), as `generate` places such a file. One KV head on two
     workers: the query heads split 2 | 2, the KV head's quantized K and V columns on both."""

@@ -4,7 +4,7 @@ Each step runs the captured decode program, which leaves the candidate (value, i
 Mirrored (bitwise identical on every rank), and each sequence's next token is chosen by the same
 rule (split_state/sampling.py) with the same seeded generator on every rank, so all ranks feed
 back the same tokens with no message between them. On a backend with a device sampler (CUDA:
-workers/kernels/sample.py) the choice runs on the device, which writes the token and position
+workers/backends/cuda/kernels/sample.py) the choice runs on the device, which writes the token and position
 the next step reads, and the host reads only the chosen ids; elsewhere the host reads the
 candidates, chooses, and writes the fed tokens back. With the device sampler and no peers the
 loop issues step s + 1 before it waits for step s's ids (the reply's `issued_ahead` counts
@@ -91,7 +91,7 @@ def run_generation(
     # explicitly: CuPy takes only a scalar or a device array on assignment)
     fed_tokens, fed_positions = tokens[:count, 0], positions[:count, 0]
     # on a GPU the tokens are chosen there and written where the next step reads them
-    # (workers/kernels/sample.py); the host reads only the chosen ids
+    # (workers/backends/cuda/kernels/sample.py); the host reads only the chosen ids
     make_sampler = getattr(backend, "device_sampler", None)
     sampler = None
     # with the sampler on the device and no peers, step s + 1 is issued before step s's tokens

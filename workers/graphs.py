@@ -29,7 +29,7 @@ A graph replays on the memory it was captured on. So a segment keeps the arrays 
   read what the program gave, never the segment's buffer.
 
 A backend that can capture defines `begin_capture()`, `end_capture() -> graph`,
-`launch(graph)` and `capture_pool()` (workers/backends/cuda.py); others run every call eagerly.
+`launch(graph)` and `capture_pool()` (workers/backends/cuda/__init__.py); others run every call eagerly.
 """
 
 from __future__ import annotations

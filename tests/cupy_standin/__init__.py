@@ -163,7 +163,8 @@ def install(monkeypatch, cublas: bool = True) -> types.ModuleType:
     """The stand-in as `cupy` for one test; returns it. With `cublas`, the CUDA backend's own
     products find the stand-in's libcublas (cublas.py), as on a GPU; without, none (the backend
     leaves products to CuPy, never captured)."""
-    from workers.backends import _cublas, cuda
+    from workers.backends import cuda
+    from workers.backends.cuda import cublas as _cublas
 
     for name, module in MODULES.items():
         monkeypatch.setitem(sys.modules, name, module)
@@ -177,7 +178,7 @@ def install(monkeypatch, cublas: bool = True) -> types.ModuleType:
 def use_standin_cublas() -> None:
     """In a worker whose `import cupy` gives the stand-in (shim/cupy): the CUDA backend's own
     products find the stand-in's libcublas, where on a GPU they find CuPy's."""
-    from workers.backends import _cublas
+    from workers.backends.cuda import cublas as _cublas
 
     _cublas._library = _standin_cublas
 

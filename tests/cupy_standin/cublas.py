@@ -1,4 +1,4 @@
-"""libcublas as the CUDA backend calls it through ctypes (workers/backends/_cublas.py), over the
+"""libcublas as the CUDA backend calls it through ctypes (workers/backends/cuda/cublas.py), over the
 stand-in's memory and streams, so the backend's own products run under the stand-in as on a GPU.
 
 `cublasSgemm_v2` reads its operands at the device addresses it is given, column-major with the

@@ -1,5 +1,5 @@
 """RawModule and RawKernel as the CUDA backend uses them for its kernels of our own
-(workers/kernels/device.py): where a GPU runs the compiled kernel, the stand-in runs its NumPy
+(workers/backends/cuda/kernels/device.py): where a GPU runs the compiled kernel, the stand-in runs its NumPy
 twin, on the current stream, ordered and race-checked like any kernel, recorded by a capture and
 replayed with its graph.
 
@@ -31,7 +31,7 @@ class RawModule:
         self.code, self.options = code, tuple(options)
 
     def get_function(self, name: str) -> RawKernel:
-        from workers.kernels.device import full_source, table
+        from workers.backends.cuda.kernels.device import full_source, table
 
         kernel = table().get(name)
         if kernel is None or full_source(kernel.source) != self.code:

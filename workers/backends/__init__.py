@@ -1,4 +1,5 @@
-"""Backends: what a worker computes with. One module per backend in this folder, found by name.
+"""Backends: what a worker computes with. One module (or package) per backend in this folder, found
+by name.
 
 A backend module `workers/backends/NAME.py` defines a class `Backend` that provides:
 
@@ -16,7 +17,7 @@ A backend module `workers/backends/NAME.py` defines a class `Backend` that provi
     synchronize()                   # wait for every kernel issued on this worker's device
 
 and may provide `device_sampler(rule, rng, steps, recent, values, indices, tokens, positions)`: a
-worker-driven decode loop's sampler on the device (workers/kernels/sample.py DeviceSampler), or
+worker-driven decode loop's sampler on the device (workers/backends/cuda/kernels/sample.py DeviceSampler), or
 None where it cannot serve those arrays; without it the loop chooses on the host. A sampler's
 backend also has `read_later(array)`: a copy to the host issued behind the work issued so far,
 and a function that waits for it (the loop issues the next step before it waits).

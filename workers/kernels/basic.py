@@ -278,7 +278,7 @@ def _inverse_frequencies(xp, head_dim: int, base: float, freqs: tuple[float, ...
 def inverse_frequencies(xp, head_dim: int, params: dict):
     """The rope op's base^(-2i / head_dim) * freqs[i] (`params`: its base and frequency
     multipliers), float64 on xp's device, made once: what a kernel of its own multiplies the
-    positions by (workers/kernels/rope.py)."""
+    positions by (workers/backends/cuda/kernels/rope.py)."""
     freqs = params.get("freqs")
     return _inverse_frequencies(xp, head_dim, float(params["base"]), None if freqs is None else tuple(freqs))
 

@@ -490,7 +490,8 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern("attention", "matmul", _match_attention, _attention, scratch=True),
     Pattern("swiglu", "mul", _match_swiglu, _swiglu),
     Pattern("rms_norm_mul", "mul", _match_rms_norm_mul, _rms_norm_mul),
-    # its kernels: the CPU's numba loop (workers/backends/cpu/numba_cpu.py), the GPU's (workers/kernels/rope.py)
+    # its kernels: the CPU's numba loop (workers/backends/cpu/numba_cpu.py), the GPU's
+    # (workers/backends/cuda/kernels/rope.py)
     Pattern("rope_set_rows", "set_rows", _match_rope_set_rows, None, inplace=True),
     # its kernels: qmatmul_add_with a backend's qmatmul (numba_cpu.py; the CUDA backend's adds in its kernels)
     Pattern("qmatmul_add", "add", _match_qmatmul_add, None),

@@ -1,4 +1,5 @@
-"""The CUDA backend: one GPU through CuPy.
+"""The CUDA backend: one GPU through CuPy, with its kernels of our own in this folder (device.py
+lists them: CUDA C with a NumPy twin each) and its capturable cuBLAS products (cublas.py).
 
 Stream discipline (every place device data crosses to the host or a peer follows it):
 - every kernel of a worker runs on its compute stream, made current when the backend starts, so
@@ -20,24 +21,26 @@ from typing import Any
 
 import numpy as np
 
-from workers.backends import DeviceInfo, _cublas
-from workers.kernels import attend, basic, dequant, device, fused, qgemv, quant, sample, top_k
-from workers.kernels import get_rows as get_rows_kernel
-from workers.kernels import rms_norm as rms_norm_kernel
-from workers.kernels import rope as rope_kernel
-from workers.kernels import set_rows as set_rows_kernel
-from workers.kernels import swiglu as swiglu_kernel
+from workers.backends import DeviceInfo
+from workers.backends.cuda import cublas
+from workers.backends.cuda.kernels import attend, dequant, device, qgemv, sample, top_k
+from workers.backends.cuda.kernels import get_rows as get_rows_kernel
+from workers.backends.cuda.kernels import rms_norm as rms_norm_kernel
+from workers.backends.cuda.kernels import rope as rope_kernel
+from workers.backends.cuda.kernels import set_rows as set_rows_kernel
+from workers.backends.cuda.kernels import swiglu as swiglu_kernel
+from workers.kernels import basic, fused, quant
 
 # (id(array module), device index) -> the device's capturable float32 products
-# (workers/backends/_cublas.py), opened by the first Backend of the device in this process;
+# (workers/backends/cuda/cublas.py), opened by the first Backend of the device in this process;
 # none where cuBLAS cannot be opened (a build without the library). Keyed by the module too: a
 # test process may drive the real CuPy and the stand-in in turn, whose arrays cuBLAS must never
 # be handed (by id(): a test's fake module may not hash; a gemm holds its module, so the id stays
 # its own).
-_GEMMS: dict[tuple[int, int], _cublas.CapturableGemm] = {}
+_GEMMS: dict[tuple[int, int], cublas.CapturableGemm] = {}
 
 
-# (id(array module), device index) -> the device's kernels of our own (workers/kernels/device.py),
+# (id(array module), device index) -> the device's kernels of our own (workers/backends/cuda/kernels/device.py),
 # compiled by the first Backend of the device in this process
 _DEVICE_KERNELS: dict[tuple[int, int], dict] = {}
 
@@ -68,7 +71,7 @@ def _tile_product(xp, x, tile, out) -> None:
 
 
 def _dequantized(xp, w, fmt):
-    """A prefill's tile of a weight dequantized by a kernel of our own (workers/kernels/dequant.py:
+    """A prefill's tile of a weight dequantized by a kernel of our own (workers/backends/cuda/kernels/dequant.py:
     one launch where CuPy's expressions made about a dozen) for the formats it has; the others by
     CuPy's expressions."""
     kernels = _own_kernels(xp, w)
@@ -98,7 +101,7 @@ def _direct(xp, xb, w, out):
 
 def qmatmul(xp, inputs, params, out=None):
     """A few rows of x (decode): one kernel of our own per format reading the blocks where they
-    lie (workers/kernels/qgemv.py), captured in a device graph like any kernel; more rows
+    lie (workers/backends/cuda/kernels/qgemv.py), captured in a device graph like any kernel; more rows
     (prefill): dequantized tiles through cuBLAS."""
     xb, w = inputs
     found = _direct(xp, xb, w, out)
@@ -129,7 +132,7 @@ def qmatmul_add(xp, inputs, params, out=None):
 
 def set_rows(xp, inputs, params, out=None, memo=None):
     """KV-cache writes: when a device graph captures them, a kernel of our own reading the
-    positions on the device (workers/kernels/set_rows.py), so the write is in the graph; run
+    positions on the device (workers/backends/cuda/kernels/set_rows.py), so the write is in the graph; run
     eagerly (a step's first run, or another layout), the shared kernel, which checks the
     positions on the host and raises for one outside the cache."""
     dst, ids, value = inputs[:3]
@@ -145,7 +148,7 @@ set_rows.memo = True  # and not eager: a capture holds it (the shared kernel is 
 
 
 def rope(xp, inputs, params, out=None):
-    """Rope as one kernel of our own (workers/kernels/rope.py), the shared kernel's arithmetic;
+    """Rope as one kernel of our own (workers/backends/cuda/kernels/rope.py), the shared kernel's arithmetic;
     the shared kernel for other layouts."""
     x, positions = inputs
     kernels = _own_kernels(xp, x)
@@ -177,7 +180,7 @@ rope_set_rows.memo = True  # for set_rows's, run eagerly
 
 
 def rms_norm_mul(xp, inputs, params, out=None):
-    """The rms_norm_mul pattern as one kernel of our own (workers/kernels/rms_norm.py); other
+    """The rms_norm_mul pattern as one kernel of our own (workers/backends/cuda/kernels/rms_norm.py); other
     layouts: the shared kernel."""
     x, weight = inputs
     kernels = _own_kernels(xp, x)
@@ -188,7 +191,7 @@ def rms_norm_mul(xp, inputs, params, out=None):
 
 
 def swiglu(xp, inputs, params, out=None):
-    """The swiglu pattern as one kernel of our own (workers/kernels/swiglu.py); other layouts:
+    """The swiglu pattern as one kernel of our own (workers/backends/cuda/kernels/swiglu.py); other layouts:
     the shared kernel."""
     (both,) = inputs
     kernels = _own_kernels(xp, both)
@@ -200,7 +203,7 @@ def swiglu(xp, inputs, params, out=None):
 
 def get_rows(xp, inputs, params, out=None):
     """The embedding lookup: when a device graph captures it, a kernel of our own reading the
-    ids on the device (workers/kernels/get_rows.py); run eagerly, the shared kernel, which checks
+    ids on the device (workers/backends/cuda/kernels/get_rows.py); run eagerly, the shared kernel, which checks
     the ids on the host."""
     table, ids = inputs
     where = get_rows_kernel.span(params)
@@ -227,7 +230,7 @@ def qget_rows(xp, inputs, params, out=None):
 
 def attention(xp, inputs, params, out=None, scratch=None, memo=None):
     """A decode step's attention: kernels of our own reading the open positions from the mask on
-    the device (workers/kernels/attend.py), eagerly and in a device graph alike, so every run of
+    the device (workers/backends/cuda/kernels/attend.py), eagerly and in a device graph alike, so every run of
     a step computes the same way; other shapes (a prefill's queries, another layout): the shared
     kernel, which finds the used length on the host and so runs outside the graphs."""
     q, k, mask, v = inputs
@@ -272,7 +275,7 @@ gqa_attention.eager = lambda step: not attend.maps_here(tuple(step.shape))
 
 
 def top_k_candidates(xp, inputs, params, out=None):
-    """This device's best k logits by kernels of our own (workers/kernels/top_k.py), eagerly and
+    """This device's best k logits by kernels of our own (workers/backends/cuda/kernels/top_k.py), eagerly and
     in a device graph alike; several spans, float64 logits or a k past MAX_K: the shared kernel
     (whose capture fails: it reads on the host)."""
     (x,) = inputs
@@ -374,7 +377,7 @@ class Backend:
         key = (id(cupy), index)
         if key not in _GEMMS:
             try:
-                _GEMMS[key] = _cublas.CapturableGemm(cupy)
+                _GEMMS[key] = cublas.CapturableGemm(cupy)
             except (ImportError, OSError, AttributeError, RuntimeError):
                 pass  # CuPy's own products, never captured
         # ops never captured in a device graph: with the products of our own cuBLAS handle, none;
@@ -437,7 +440,7 @@ class Backend:
         self.compute.synchronize()
 
     def device_sampler(self, rule, rng, steps, recent, values, indices, tokens, positions):
-        """The decode loop's tokens chosen on this GPU (workers/kernels/sample.py), or None: no
+        """The decode loop's tokens chosen on this GPU (workers/backends/cuda/kernels/sample.py), or None: no
         kernels of our own here, or arrays the kernel does not read (checked before any draw)."""
         kernels = _own_kernels(self.xp, values)
         if kernels is None or not sample.DeviceSampler.reads(values, indices, tokens, positions):

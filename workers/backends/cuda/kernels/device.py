@@ -29,16 +29,16 @@ from split_state.errors import KernelCompileError
 
 # the modules whose DEVICE_KERNELS the CUDA backend compiles
 MODULES = (
-    "workers.kernels.qgemv",
-    "workers.kernels.dequant",
-    "workers.kernels.set_rows",
-    "workers.kernels.rope",
-    "workers.kernels.get_rows",
-    "workers.kernels.attend",
-    "workers.kernels.rms_norm",
-    "workers.kernels.swiglu",
-    "workers.kernels.top_k",
-    "workers.kernels.sample",
+    "workers.backends.cuda.kernels.qgemv",
+    "workers.backends.cuda.kernels.dequant",
+    "workers.backends.cuda.kernels.set_rows",
+    "workers.backends.cuda.kernels.rope",
+    "workers.backends.cuda.kernels.get_rows",
+    "workers.backends.cuda.kernels.attend",
+    "workers.backends.cuda.kernels.rms_norm",
+    "workers.backends.cuda.kernels.swiglu",
+    "workers.backends.cuda.kernels.top_k",
+    "workers.backends.cuda.kernels.sample",
 )
 OPTIONS = ("--std=c++14",)
 

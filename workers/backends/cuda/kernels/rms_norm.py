@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.kernels.device import DeviceKernel
+from workers.backends.cuda.kernels.device import DeviceKernel
 
 THREADS = 256  # a power of two: the block's sum halves it
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.kernels.device import DeviceKernel
+from workers.backends.cuda.kernels.device import DeviceKernel
 
 THREADS = 256
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from split_state.quant import FORMATS
+from workers.backends.cuda.kernels.device import DeviceKernel
 from workers.kernels import quant
-from workers.kernels.device import DeviceKernel
 
 THREADS = 256
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from split_state.sampling import TEMPERATURE_FLOOR, Rule, pick
-from workers.kernels.device import DeviceKernel
+from workers.backends.cuda.kernels.device import DeviceKernel
 
 MAX_CANDIDATES = 512  # the candidates a sequence may bring (top_k.MAX_K)
 THREADS = 256

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.kernels import set_rows
-from workers.kernels.device import DeviceKernel
+from workers.backends.cuda.kernels import set_rows
+from workers.backends.cuda.kernels.device import DeviceKernel
 
 _SOURCE = r"""
 /* the pair (ia, ib) of a head's values that frequency i turns, rotated by the angle at `position` */

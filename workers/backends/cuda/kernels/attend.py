@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.kernels.device import DeviceKernel
+from workers.backends.cuda.kernels.device import DeviceKernel
 
 CHUNK = 256  # cache positions a thread block reads
 THREADS = 128  # threads a block (a power of two: the reductions halve it)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.kernels.device import DeviceKernel
+from workers.backends.cuda.kernels.device import DeviceKernel
 
 TILE = 2048  # entries a thread block sorts
 THREADS = 512

@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from split_state.quant import FORMATS
+from workers.backends.cuda.kernels.device import DeviceKernel
 from workers.kernels import quant
-from workers.kernels.device import DeviceKernel
 
 KSPLIT = 16  # threads over one row's blocks
 ROWS_PER_BLOCK = 32  # output rows of one thread block

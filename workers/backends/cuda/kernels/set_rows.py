@@ -9,14 +9,14 @@ server's slot, read where `fed` is set; else 0: no array made and zeroed for it,
 the graph). A position outside [0, ctx) or a batch row outside the cache is not
 written: a kernel cannot raise, and a GPU step's positions come from the coordinator's checked
 feeds or from the workers' own count; the first (eager) run of a step still checks them on the
-host (workers/backends/cuda.py). The float16 cache takes each value rounded to nearest even.
+host (workers/backends/cuda/__init__.py). The float16 cache takes each value rounded to nearest even.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from workers.kernels.device import DeviceKernel
+from workers.backends.cuda.kernels.device import DeviceKernel
 
 _KERNEL = r"""
 extern "C" __global__ void set_rows_NAME(OUT* __restrict__ dst, const float* __restrict__ value,
