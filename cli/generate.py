@@ -28,10 +28,14 @@ EXIT = "/exit"
 
 
 def generate(args: argparse.Namespace) -> int:
-    from models.generate import LLM, Sampling, check_context, check_lengths, prompt_text
+    from models.generate import LLM, Sampling, check_context, check_lengths, check_text_fits, prompt_text
     from models.gguf_model import GGUFModel, ModelError
 
-    prompts = gather_prompts(args)
+    model = GGUFModel(args.model or None)
+    model.check()
+    check_context(args.ctx, model.context_length)
+    most = args.ctx * model.longest_token_bytes  # bytes of text the context could hold at most
+    prompts = gather_prompts(args, most)
     interactive = args.interactive or (not prompts and sys.stdin.isatty())
     if not prompts and not interactive:
         raise ModelError('give a prompt, e.g. launch.py generate "The capital of France is" (or -f FILE, or -i)')
@@ -43,16 +47,14 @@ def generate(args: argparse.Namespace) -> int:
     sampling = Sampling(
         args.temperature, args.top_k, args.top_p, args.seed, args.min_p, args.repeat_penalty, args.repeat_last_n
     )
-    model = GGUFModel(args.model or None)
-    model.check()
-    check_context(args.ctx, model.context_length)
     chat = args.chat or bool(args.system) or interactive
     if interactive:  # the template must render and the tokenizer load before the workers start
         prompt_text(model, [{"role": "user", "content": "hello"}], True, args.system)
         model.tokenizer  # noqa: B018 - built now: a file whose text it cannot split is refused here
     else:
         new = 32 if args.max_new_tokens is None else args.max_new_tokens
-        lengths = [len(model.tokenizer.encode(prompt_text(model, p, chat, args.system))) for p in prompts]
+        texts = [check_text_fits(prompt_text(model, p, chat, args.system), args.ctx, model) for p in prompts]
+        lengths = [len(model.tokenizer.encode(text)) for text in texts]
         check_lengths(lengths, new, args.ctx, model.context_length)
     widening_notice(model, args.weights)
     with open_cluster(args) as dev:
@@ -87,20 +89,24 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def gather_prompts(args: argparse.Namespace) -> list[str]:
-    """The prompts from the command line, -p and -f (a whole file is one prompt; - is stdin)."""
+def gather_prompts(args: argparse.Namespace, most: int) -> list[str]:
+    """The prompts from the command line, -p and -f (a whole file is one prompt; - is stdin). A
+    file is read up to `most` bytes (what the context could hold): a longer one is refused unread
+    (-f /dev/zero included)."""
     from models.gguf_model import ModelError
 
     prompts = [*args.prompts, *args.prompt]
     for path in args.file:
         try:
             if path == "-":
-                raw = sys.stdin.buffer.read()
+                raw = sys.stdin.buffer.read(most + 2)
             else:
                 with open(path, "rb") as f:
-                    raw = f.read()
+                    raw = f.read(most + 2)
         except OSError as exc:
             raise ModelError(f"-f {path}: {exc.strerror}") from None
+        if len(raw.removesuffix(b"\n")) > most:  # one trailing newline is dropped below
+            raise ModelError(f"-f {path}: longer than a context of {args.ctx} tokens could hold ({most} bytes at most)")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

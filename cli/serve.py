@@ -39,6 +39,10 @@ def serve(args: argparse.Namespace) -> int:
         raise MetaError(f"--read-timeout {args.read_timeout}: give a positive number of seconds")
     if not 0 <= args.grace < float("inf"):
         raise MetaError(f"--grace {args.grace}: give a number of seconds, 0 or more")
+    if not 0 <= args.port <= 65535:
+        raise MetaError(f"--port {args.port}: give a port number from 0 to 65535")
+    if args.max_connections < 1:
+        raise MetaError(f"--max-connections {args.max_connections}: give 1 or more (0 would answer only 503s)")
     check_port(args.host, args.port)  # a busy port is said before any worker starts
     access_log = None if args.no_access_log else lambda line: print(line, file=sys.stderr, flush=True)
     if args.embeddings:
@@ -111,7 +115,7 @@ def run_server(args: argparse.Namespace, app, dev, what: str, batcher, lost: thr
     """uvicorn over `app` until SIGTERM / SIGINT, or until the cluster is lost (`lost` set)."""
     import uvicorn
 
-    from cli.http_deadline import with_head_deadline
+    from cli.http_connections import bounded_connections
 
     config = uvicorn.Config(
         app,
@@ -122,7 +126,9 @@ def run_server(args: argparse.Namespace, app, dev, what: str, batcher, lost: thr
         lifespan="off",
         limit_concurrency=args.max_connections,  # past it: 503 at once
         timeout_keep_alive=5,
-        http=with_head_deadline(args.read_timeout),  # a request's head within --read-timeout
+        # a request's head within --read-timeout, idle connections bounded per client and closed
+        # to make room for requests at --max-connections
+        http=bounded_connections(args.read_timeout, args.max_connections),
     )
     server = uvicorn.Server(config)
     watcher = threading.Thread(

@@ -37,7 +37,7 @@ POOL = 256  # candidates per sequence a sampled step considers
 SAMPLING_RANGES = (
     ("temperature", lambda v: v >= 0, "0 or more"),
     ("top_k", lambda v: v >= 0, "0 or more"),
-    ("top_p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("top_p", lambda v: 0 <= v <= 1, "a number in [0, 1]"),  # 0: the most likely token alone, as OpenAI's
     ("min_p", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("repeat_penalty", lambda v: v > 0, "more than 0"),
     ("repeat_last_n", lambda v: v >= 0, "0 or more"),
@@ -225,6 +225,15 @@ def prompt_text(model: GGUFModel, prompt: Prompt, chat: bool, system: str = "") 
     return template.render(messages_of(prompt, system))
 
 
+def check_text_fits(text: str, ctx: int, model: GGUFModel, what: str = "the prompt") -> str:
+    """`text`, refused before it is tokenized where it is longer than any `ctx` tokens of the
+    model could be (tokenizing megabytes costs seconds and gigabytes, to then say it does not fit)."""
+    most = ctx * model.longest_token_bytes
+    if len(text) > most or len(text.encode("utf-8", "surrogatepass")) > most:
+        raise ModelError(f"{what} is longer than a context of {ctx} tokens could hold ({most} bytes at most)")
+    return text
+
+
 def check_context(ctx: int, model_ctx: int) -> None:
     if not 0 < ctx <= model_ctx:
         raise ModelError(f"--ctx {ctx}: give 1 to the model's context length, {model_ctx}")
@@ -364,7 +373,9 @@ class LLM:
         return loaded
 
     def prompt_ids(self, prompt: Prompt, chat: bool, system: str = "") -> list[int]:
-        return self.tokenizer.encode(prompt_text(self.model, prompt, chat, system))
+        return self.tokenizer.encode(
+            check_text_fits(prompt_text(self.model, prompt, chat, system), self.ctx, self.model)
+        )
 
     def chat(self, messages: Sequence[Mapping[str, str]], max_new_tokens: int = 256, **options) -> Generation:
         """The next assistant turn of a conversation, `[{"role": "user", "content": ...}, ...]`,

@@ -31,6 +31,13 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 MAX_NESTING = 4  # arrays of arrays: GGUF files nest one level; a deeper one is an attack, not a model
 MAX_ALIGNMENT = 1 << 20
+# what a model's header holds at most, far above any real file (a 405B Llama lists 1,138 tensors; a
+# 262,144-token vocabulary with its scores and types is 786,432 array items): a header past them is
+# refused before it is read, where reading it would cost seconds and gigabytes (a million zero-size
+# tensor infos, a 50 MB array: each item a Python object of 8 to 50 bytes)
+MAX_TENSORS = 1 << 16
+MAX_FIELDS = 1 << 16
+MAX_ARRAY_ITEMS = 1 << 22  # in all the header's arrays together
 
 # value types (gguf.GGUFValueType): the struct code of each fixed-size one
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -79,6 +86,12 @@ class GGUFFile:
         if version not in (2, 3):
             raise GGUFFormatError(f"GGUF version {version} (this reader reads versions 2 and 3, little-endian)")
         tensor_count, field_count = self._scalar("Q"), self._scalar("Q")
+        if tensor_count > MAX_TENSORS or field_count > MAX_FIELDS:
+            raise GGUFFormatError(
+                f"the header lists {tensor_count} tensors and {field_count} fields; this reader takes at most "
+                f"{MAX_TENSORS} of each (a model has hundreds)"
+            )
+        self._items_left = MAX_ARRAY_ITEMS
         self.fields: dict[str, Any] = {}
         for _ in range(field_count):
             key = self._string()
@@ -188,6 +201,12 @@ class GGUFFile:
         # the file cannot hold is refused before any loop runs over it
         if count > len(self._buf) - self._at:
             raise GGUFFormatError(f"field {_short(key)}: {count} elements, more than the file's bytes")
+        self._items_left -= count
+        if self._items_left < 0:
+            raise GGUFFormatError(
+                f"field {_short(key)}: {count} elements take the header's arrays past {MAX_ARRAY_ITEMS} items "
+                "in all (a model's vocabulary and its scores hold some hundred thousand)"
+            )
         code = _SCALARS.get(item)
         if code is not None:  # numbers: one unpack for the whole array
             size = struct.calcsize(code) * count

@@ -96,6 +96,13 @@ class ChatTemplate:
             text = renderer().render(self.source, messages, add_generation_prompt, self.bos_token, self.eos_token)
             if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
                 text = text[len(self.bos_token) :]
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # JSON lets a lone surrogate through from the sandbox
+                raise TemplateError(
+                    f"{self.origin}: the chat template rendered text that is not UTF-8 "
+                    f"(a lone surrogate at character {exc.start})"
+                ) from None
             return text
         except RenderFailed as exc:
             if exc.kind == "unsafe":
@@ -210,6 +217,12 @@ class GGUFModel:
             raise ModelError(f"{self.path.name}: a vocabulary of {len(tokens)} token(s)")
         return tokens
 
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """The most UTF-8 bytes a token of the vocabulary is written in (at least the text it
+        stands for): a text longer than a context of n tokens times this cannot fit in it."""
+        return max(1, max(len(t.encode("utf-8", "surrogatepass")) for t in self.vocabulary))
+
     def _check_types(self) -> None:
         quants = self._gguf.quants
         for t in self.tensors.values():
@@ -279,7 +292,7 @@ class GGUFModel:
         """The blocks the file holds against block_count, before anything is built per layer."""
         held = {name.split(".")[1] for name in self.tensors if name.startswith("blk.")}
         if held != {str(i) for i in range(layers)}:
-            numbers = sorted(int(h) for h in held if h.isdigit())
+            numbers = sorted(int(h) for h in held if h.isascii() and h.isdigit())  # "²".isdigit() too
             have = f"blocks {numbers[0]}..{numbers[-1]} ({len(held)} of them)" if numbers else "no blocks"
             raise ModelError(f"{self.path.name}: block_count is {layers} but the file holds {have}")
 
@@ -295,7 +308,9 @@ class GGUFModel:
             raise ModelError(f"{name}: rope rotates {rotated} of each head's {head_dim} values; only whole heads are")
         scaling = self.meta_str(self._key("rope.scaling.type"), "linear")
         if scaling not in ("none", "linear") and self._rope_scale() != 1.0:
-            raise ModelError(f"{name}: rope scaling {scaling!r} by {self._rope_scale():g} is not supported (linear is)")
+            raise ModelError(
+                f"{name}: rope scaling {shown_name(scaling)!r} by {self._rope_scale():g} is not supported (linear is)"
+            )
 
     def _rope_scale(self) -> float:
         """The linear scaling's factor (llama.cpp reads the new key, then the old one)."""

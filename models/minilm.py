@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,13 +269,23 @@ class Embedder:
         self.tokenizer, self.dims = model.tokenizer, model.cfg.hidden
         self._one_at_a_time = threading.Lock()
 
-    def embed(self, texts: Sequence[str]) -> tuple[np.ndarray, int]:
-        with self._one_at_a_time:
+    def embed(self, texts: Sequence[str], stop: Callable[[], bool] = lambda: False) -> tuple[np.ndarray, int] | None:
+        """The texts' unit vectors and the tokens they took; None once `stop()` says the caller no
+        longer wants them (a client gone, a server stopping), checked before each batch and while
+        waiting for another request's batches."""
+        while not self._one_at_a_time.acquire(timeout=0.1):
+            if stop():
+                return None
+        try:
             out, used = [], 0
             for at in range(0, len(texts), self.BATCH):
+                if stop():
+                    return None
                 batch = self.tokenizer(texts[at : at + self.BATCH])
                 used += int(batch.mask.sum())
                 out.append(self.encoder.embed(batch))
+        finally:
+            self._one_at_a_time.release()
         return np.concatenate(out), used
 
 

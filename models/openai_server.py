@@ -18,7 +18,7 @@ logits before temperature and penalties, as vLLM's default), and the fields this
 implement (tools, penalties, ...) refused rather than ignored. Every error is OpenAI's JSON
 body: 400 malformed, 401 wrong key, 404 unknown model or path, 405 wrong method, 408 a body not
 all in within --read-timeout (a stalled client's connection goes back; a late head closes it:
-cli/http_deadline.py), 413 too large, 503 once the cluster cannot serve, 500 (never seen in the
+cli/http_connections.py), 413 too large, 503 once the cluster cannot serve, 500 (never seen in the
 tests) for a fault of ours. A client that leaves frees its slot within a token, streamed or not.
 """
 
@@ -27,7 +27,9 @@ import asyncio
 import json
 import math
 import secrets
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_BODY_BYTES = 16 << 20  # a body larger is refused unread (413)
@@ -37,6 +39,10 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of texts in one embeddings request
 MOST_TOP_LOGPROBS = {True: 20, False: 5}  # OpenAI's limits: chat's top_logprobs, completions' logprobs
+# prompts tokenized at once (each on a thread of the server's own, the GIL released while Rust
+# works): more wait their turn, so a burst of long prompts neither starves the threads that carry
+# the streams' events nor takes more cores than this
+TOKENIZING_THREADS = 2
 EVENT_POLL_SECONDS = 0.25  # how often a waiting request looks whether its client left
 # the fields of OpenAI's chat/completions and completions requests this server honours (llama-server's
 # and vLLM's top_k, min_p, repetition_penalty and ignore_eos besides); `user` goes into the
@@ -203,7 +209,8 @@ def logprob_fields(tokenizer, tokens: list, chat: bool, offset: int = 0) -> dict
 
         def entry(token: int, logprob: float) -> dict:
             text = piece(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            # the token's own bytes: part of a UTF-8 character where its text shows U+FFFD
+            return {"token": text, "logprob": logprob, "bytes": list(tokenizer.token_bytes(token))}
 
         return {"content": [entry(t.token, t.logprob) | {"top_logprobs": [entry(*a) for a in t.top]} for t in tokens]}
     texts = [piece(t.token) for t in tokens]
@@ -228,7 +235,7 @@ def job_from(body: dict, prompt_ids: list[int], default_seed: int, room: int, ch
     sampling = Sampling(
         temperature=number(body, "temperature", 1.0, float, 0.0, 2.0),
         top_k=number(body, "top_k", 0, int, 0, vocab),
-        top_p=number(body, "top_p", 1.0, float, 0.0, 1.0) or 1.0,
+        top_p=number(body, "top_p", 1.0, float, 0.0, 1.0),  # 0 keeps the most likely token alone
         seed=number(body, "seed", default_seed, int, 0, 2**63 - 1),
         min_p=number(body, "min_p", 0.0, float, 0.0, 0.99),  # vLLM's and llama-server's extension
         repeat_penalty=number(body, "repetition_penalty", 1.0, float, 0.01, 10.0),  # vLLM's name for it
@@ -340,10 +347,12 @@ def build_app(
             raise RequestError(401, "invalid API key: send 'Authorization: Bearer KEY'", "authentication_error")
 
     # a body longer than this holds more text than the context could (each token at most
-    # most_bytes bytes, each byte at most 6 characters of JSON, plus the other fields): it is
+    # longest_token_bytes bytes, each byte at most 6 characters of JSON, plus the other fields): it is
     # refused before it is parsed (parsing 10 MB holds the event loop for 100 ms)
     too_long = (
-        MAX_BODY_BYTES if batcher is None else min(MAX_BODY_BYTES, 6 * batcher.ctx * most_bytes(batcher) + (64 << 10))
+        MAX_BODY_BYTES
+        if batcher is None
+        else min(MAX_BODY_BYTES, 6 * batcher.ctx * batcher.model.longest_token_bytes + (64 << 10))
     )
 
     def body_too_large(size: int) -> RequestError:
@@ -412,12 +421,6 @@ def build_app(
     return app
 
 
-def most_bytes(batcher) -> int:
-    """The most bytes of text a token of the model covers: a longer text cannot fit the context."""
-    tokens = batcher.model.meta("tokenizer.ggml.tokens")
-    return max(1, max((len(t.encode("utf-8", "surrogatepass")) for t in tokens), default=1))
-
-
 def _add_generation(app, batcher, model_id: str, chat_template, read_body) -> None:
     """POST /v1/completions, POST /v1/chat/completions and GET /metrics over the batcher."""
     from fastapi import Request
@@ -429,7 +432,8 @@ def _add_generation(app, batcher, model_id: str, chat_template, read_body) -> No
 
     tokenizer = batcher.tokenizer
     vocab = batcher.model.config.vocab
-    longest = most_bytes(batcher)
+    longest = batcher.model.longest_token_bytes
+    tokenizing = ThreadPoolExecutor(TOKENIZING_THREADS, thread_name_prefix="tokenize")
 
     async def encode(text: str, param: str) -> list[int]:
         checked_text(text, param)
@@ -441,7 +445,8 @@ def _add_generation(app, batcher, model_id: str, chat_template, read_body) -> No
             raise RequestError(
                 400, f"'{param}' is longer than a context of {batcher.ctx} tokens could hold", param=param
             )
-        return await asyncio.to_thread(tokenizer.encode, text)  # off the event loop: /health answers meanwhile
+        # off the event loop (/health answers meanwhile), on the tokenizing threads
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, tokenizer.encode, text)
 
     def submit(job):
         try:
@@ -678,10 +683,23 @@ def _add_embeddings(app, embedder, model_id: str, read_body) -> None:
         if not isinstance(body.get("user", ""), str):
             raise RequestError(400, "'user' must be a string", param="user")
         request.state.user = body.get("user") or ""
+        # computed on a thread, batch by batch: a client that leaves (or a server stopping, which
+        # cancels this coroutine) stops it before its next batch, so no abandoned request runs on
+        gone = threading.Event()
+        work = asyncio.ensure_future(asyncio.to_thread(embedder.embed, texts, gone.is_set))
         try:
-            vectors, used = await asyncio.to_thread(embedder.embed, texts)
+            while not (await asyncio.wait({work}, timeout=EVENT_POLL_SECONDS))[0]:
+                if await request.is_disconnected():
+                    gone.set()
+                    raise RequestError(499, "the client closed the connection")  # no one reads it
+            result = work.result()
         except MetaError as exc:
             raise RequestError(503, f"embedding failed: {type(exc).__name__}: {exc}", "server_error") from None
+        finally:
+            gone.set()
+        if result is None:  # stopped before its answer was wanted: the server is stopping
+            raise RequestError(503, "the server is stopping", "server_error")
+        vectors, used = result
         request.state.tokens = (used, 0)
 
         def shown(vector):

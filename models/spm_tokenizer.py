@@ -157,6 +157,11 @@ class SentencePieceTokenizer:
             out += piece
         return out.decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token `token` stands for in a text it continues (a byte token's one byte,
+        which alone may be part of a UTF-8 character)."""
+        return self._piece(token, skip_special=False)
+
     def _piece(self, token: int, skip_special: bool) -> bytes:
         if not 0 <= token < len(self.tokens):
             raise ValueError(f"token id {token} is outside the vocabulary (0..{len(self.tokens) - 1})")

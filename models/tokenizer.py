@@ -22,6 +22,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from models.gguf_file import shown_name
+
 
 class TokenType(enum.IntEnum):
     """llama.cpp's token types (tokenizer.ggml.token_type)."""
@@ -67,7 +69,7 @@ def from_gguf(model):
     if kind == "llama":
         return _sentencepiece(model)
     raise ModelError(
-        f"{model.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+        f"{model.path.name}: tokenizer model {shown_name(kind)!r} is not supported (byte-level BPE 'gpt2' and "
         "SentencePiece-style 'llama' are)"
     )
 
@@ -92,6 +94,19 @@ def _sentencepiece(model):
         eos=model.token_id("tokenizer.ggml.eos_token_id"),
         unknown=model.token_id("tokenizer.ggml.unknown_token_id"),
     )
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read backwards: each of its 256 characters to the byte it
+    stands for (printable Latin-1 bytes are themselves; the others, space and control bytes
+    included, are the characters from U+0100 on, in byte order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1)]
+    printable += range(ord("\u00ae"), ord("\u00ff") + 1)
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+BYTE_OF_CHARACTER = _byte_level_alphabet()
 
 
 @dataclass
@@ -134,8 +149,21 @@ class Tokenizer:
         return cls(backend, add_bos, model.token_id("tokenizer.ggml.bos_token_id"))
 
     def encode(self, text: str) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL while Rust tokenizes (encode holds it for the
+        # whole text: ~0.5 s a MB, in which the coordinator's heartbeat thread could not run)
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos, *ids] if self.add_bos and self.bos >= 0 else ids
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token `token` stands for (alone it may hold part of a UTF-8 character, which
+        its decoded text shows as U+FFFD): an added token's text as written, any other token's
+        characters read back through byte-level BPE's alphabet."""
+        text = self.backend.id_to_token(token)
+        if text is None:
+            raise ValueError(f"token id {token} is outside the vocabulary")
+        if token in self.backend.get_added_tokens_decoder() or not all(c in BYTE_OF_CHARACTER for c in text):
+            return text.encode("utf-8")
+        return bytes(BYTE_OF_CHARACTER[c] for c in text)
 
     def decode(self, ids: list[int], skip_special: bool = False, continuation: bool = False) -> str:
         """The text of `ids`; `continuation` (ids that continue a text) changes nothing here:
@@ -152,8 +180,8 @@ def _pre_tokenizer(tk, pre: str, file: str):
     patterns = PRE_TOKENIZERS.get(pre)
     if patterns is None:
         raise ModelError(
-            f"{file}: pre-tokenizer {pre!r} is not supported (its text would split otherwise than llama.cpp "
-            f"splits it); supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+            f"{file}: pre-tokenizer {shown_name(pre)!r} is not supported (its text would split otherwise than "
+            f"llama.cpp splits it); supported: {', '.join(sorted(PRE_TOKENIZERS))}"
         )
     steps = [
         tk.pre_tokenizers.Digits(individual_digits=True)

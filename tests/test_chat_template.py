@@ -57,6 +57,12 @@ def test_template_that_refuses_or_breaks_names_the_file():
         ChatTemplate("{% for %}", "t.gguf").render([])
 
 
+def test_a_template_that_renders_a_lone_surrogate_is_refused_naming_the_file():
+    """JSON carries a lone surrogate back from the sandbox; as text it has no UTF-8 to tokenize."""
+    with pytest.raises(TemplateError, match=r"^t\.gguf: .*not UTF-8 \(a lone surrogate at character 2\)"):
+        ChatTemplate("{{ 'ab\\ud800' }}", "t.gguf").render([])
+
+
 def test_safe_template_renders_as_before():
     source = (
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -118,7 +124,7 @@ def test_serve_answers_a_runaway_template_with_400(tmp_path):
 
     from models.openai_server import build_app
 
-    model = types.SimpleNamespace(config=types.SimpleNamespace(vocab=10), meta=lambda key: ["a", "b"])
+    model = types.SimpleNamespace(config=types.SimpleNamespace(vocab=10), longest_token_bytes=1)
     batcher = types.SimpleNamespace(tokenizer=None, model=model, ctx=64, lost="", slots=[None], active=lambda: 0)
     app = build_app(batcher, "m", chat_template=ChatTemplate("{{ 'x' * 2000000000 }}", "heavy.gguf"))
     reply = TestClient(app).post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})

@@ -166,7 +166,9 @@ def test_ten_thousand_runs_of_a_cached_plan_do_not_leak(fresh_cluster):
     assert len(dev.plans) == 1
     for before, after in zip(rss0, rss1):
         assert after <= before * 1.10, (rss0, rss1)
-    assert fds1 == fds0, (fds0, fds1)
+    # none more (a worker may hold one fewer: its start-up thread that loads the compiled loops
+    # can still have a cache file open when the first count is taken)
+    assert all(after <= before for before, after in zip(fds0, fds1)), (fds0, fds1)
     assert all(s["tensors"] == 2 for s in dev.stats().values())
 
 

@@ -412,13 +412,31 @@ def test_a_prompt_file_loses_one_trailing_newline_as_llama_cpps_does(tmp_path):
     (tmp_path / "two.txt").write_bytes(b"Hello\n\n")
     (tmp_path / "none.txt").write_bytes(b"Hello")
     files = [str(tmp_path / name) for name in ("one.txt", "two.txt", "none.txt")]
-    args = argparse.Namespace(prompts=[], prompt=[], file=files)
-    assert gather_prompts(args) == ["Hello", "Hello\n", "Hello"]
+    args = argparse.Namespace(prompts=[], prompt=[], file=files, ctx=2)
+    assert gather_prompts(args, 6) == ["Hello", "Hello\n", "Hello"]
+
+
+def test_a_prompt_file_longer_than_the_context_could_hold_is_refused_unread(tmp_path):
+    """-f reads at most what --ctx tokens could hold (here 6 bytes, a trailing newline besides):
+    /dev/zero is refused at once instead of filling the memory."""
+    import argparse
+
+    from cli.generate import gather_prompts
+    from models.gguf_model import ModelError
+
+    (tmp_path / "fits.txt").write_bytes(b"Hello!\n")
+    (tmp_path / "long.txt").write_bytes(b"Hello!!")
+    fits = argparse.Namespace(prompts=[], prompt=[], file=[str(tmp_path / "fits.txt")], ctx=2)
+    assert gather_prompts(fits, 6) == ["Hello!"]
+    for path in (tmp_path / "long.txt", "/dev/zero"):
+        args = argparse.Namespace(prompts=[], prompt=[], file=[str(path)], ctx=2)
+        with pytest.raises(ModelError, match="longer than a context of 2 tokens could hold"):
+            gather_prompts(args, 6)
 
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("--temp", "-1"), ("--top-p", "0"), ("--top-p", "1.5"), ("--min-p", "1"), ("--repeat-penalty", "0"),
+    [("--temp", "-1"), ("--top-p", "-0.5"), ("--top-p", "1.5"), ("--min-p", "1"), ("--repeat-penalty", "0"),
      ("--top-k", "-2"), ("--repeat-last-n", "-1"), ("--temp", "nan")],
 )  # fmt: skip
 def test_a_bad_sampling_flag_is_named_in_one_line(flag, value):
@@ -445,3 +463,20 @@ def test_keys_refuses_to_overwrite_without_force(tmp_path):
     refused = run()
     assert refused.returncode == 2 and "--force" in refused.stderr and (tmp_path / "k").read_bytes() == first
     assert run("--force").returncode == 0 and (tmp_path / "k").read_bytes() != first
+
+
+def test_a_text_longer_than_the_context_could_hold_is_refused_before_it_is_tokenized():
+    """A chat template may render megabytes (inside its sandbox's bounds): the text is measured
+    against the context times the vocabulary's longest token, in characters and in UTF-8 bytes,
+    before the tokenizer sees it."""
+    import types
+
+    from models.generate import check_text_fits
+    from models.gguf_model import ModelError
+
+    model = types.SimpleNamespace(longest_token_bytes=3)
+    assert check_text_fits("abcdef", 2, model) == "abcdef"
+    assert check_text_fits("\u00e9\u00e9\u00e9", 2, model) == "\u00e9\u00e9\u00e9"  # 6 bytes
+    for text in ("abcdefg", "\u00e9\u00e9\u00e9\u00e9"):  # 7 characters; 4 characters in 8 bytes
+        with pytest.raises(ModelError, match="longer than a context of 2 tokens could hold"):
+            check_text_fits(text, 2, model)

@@ -312,6 +312,15 @@ def test_a_temperature_below_the_floor_is_greedy(server, client):
     assert tiny.choices[0].text == greedy.choices[0].text
 
 
+def test_a_top_p_of_0_keeps_the_most_likely_token_alone_as_openai_does(server, client):
+    """One rule for the server and generate's --top-p 0: the smallest set of tokens reaching
+    probability 0 is the most likely one (llama.cpp keeps at least one too), whatever the heat."""
+    greedy = client.completions.create(model="", prompt=PROMPTS[2], max_tokens=6, temperature=0)
+    for seed in (1, 2):
+        hot = client.completions.create(model="", prompt=PROMPTS[2], max_tokens=6, temperature=2.0, top_p=0, seed=seed)
+        assert hot.choices[0].text == greedy.choices[0].text
+
+
 def _metric(url: str, name: str) -> float:
     lines = httpx.get(url + "/metrics", timeout=5).text.splitlines()
     return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
@@ -756,15 +765,24 @@ def test_an_embeddings_server_gives_the_references_vectors_in_openai_shape():
         model = minilm.Model.load()
     except minilm.ModelMissing:
         pytest.skip("the MiniLM package is not installed")
-    texts = ["A cat sits on the mat.", "Ein Hund bellt.", "x"]
+    # more texts than one of the server's batches (32), one a single character
+    texts = ["A cat sits on the mat.", "Ein Hund bellt.", "x"] + [f"text number {i} of many" for i in range(34)]
     expected = minilm.reference_embed(model.weights, model.cfg, model.tokenizer(texts))
-    proc, url = start_server("--embeddings", "--api-key", KEY)
+    proc, url = start_server("--embeddings", "--api-key", KEY, "--grace", "2")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=60, max_retries=0)
         out = client.embeddings.create(model="all-MiniLM-L6-v2", input=texts)
         got = np.array([d.embedding for d in sorted(out.data, key=lambda d: d.index)])
         np.testing.assert_allclose(got, expected, atol=1e-5)
         assert out.usage.prompt_tokens == int(model.tokenizer(texts).mask.sum())
+        # a client that leaves its long request (512 window-long texts: a minute and more of
+        # work here) does not hold the next one: it stops before its next batch
+        long_texts = {"input": ["many words in a row " * 80] * 512}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/embeddings", json=long_texts, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.5)
+        left = time.monotonic()
+        client.embeddings.create(model="all-MiniLM-L6-v2", input="x")
+        assert time.monotonic() - left < 15, "the abandoned request ran on"
         raw = httpx.post(
             url + "/v1/embeddings",
             json={"input": texts[0], "encoding_format": "base64"},
@@ -784,6 +802,17 @@ def test_an_embeddings_server_gives_the_references_vectors_in_openai_shape():
             assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
         reply = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}"})
         assert reply.status_code == 404 and "error" in reply.json()
+        # SIGTERM during a long request: it is stopped at --grace (2 s), and the server exits
+        running = threading.Thread(
+            target=lambda: httpx.post(
+                url + "/v1/embeddings", json=long_texts, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+            ),
+            daemon=True,
+        )
+        running.start()
+        time.sleep(1)
     finally:
         proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
         assert proc.wait(30) == 0, "".join(proc.log)
+    assert time.monotonic() - signalled < 12, "SIGTERM waited for the request to end"

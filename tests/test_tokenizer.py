@@ -113,3 +113,67 @@ def test_a_sentencepiece_vocabulary_merges_the_best_scored_pair_first_as_llama_c
     plain = {"tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": False}
     no_prefix = from_gguf(FakeSpmFile(**plain))
     assert no_prefix.encode("ab") == spm_ids("ab") and no_prefix.encode("ca") == spm_ids("c", "a")
+
+
+def test_a_long_text_is_tokenized_with_the_gil_released():
+    """The server tokenizes a prompt on a thread while the coordinator's heartbeat thread must keep
+    beating: a tokenizer that held the GIL for a multi-megabyte prompt (tokenizers' `encode` does)
+    silenced the heartbeats long enough for every worker to leave. Another Python thread keeps
+    running while the text is tokenized."""
+    import threading
+    import time
+
+    tokenizer = Tokenizer.from_gguf(FakeFile("smollm"))
+    text, took = "ab b a " * 200_000, 0.0
+    while took < 0.3 and len(text) < 64 << 20:  # long enough to tell a held GIL apart on any machine
+        text += text
+        ticks, done = [], threading.Event()
+
+        def tick(ticks=ticks, done=done):
+            while not done.is_set():
+                ticks.append(time.monotonic())
+                time.sleep(0.002)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        started = time.monotonic()
+        ids = tokenizer.encode(text)
+        took = time.monotonic() - started
+        done.set()
+        ticker.join()
+    assert ids[:4] == [2, 1, 0, 2]  # "ab b a ab" (spaces are no token of this vocabulary): tokenized
+    during = [t for t in ticks if started <= t <= started + took]
+    longest = max(b - a for a, b in zip([started, *during], [*during, started + took]))
+    assert longest < max(0.1, took / 4), f"other threads stood still {longest:.2f} s of a {took:.2f} s encode"
+
+
+def test_a_tokens_bytes_are_its_own_even_where_its_text_is_part_of_a_character(model):
+    """Logprobs' `bytes` (OpenAI's): the packaged SmolLM2's byte-level tokens "Ã" and "é" stand for
+    the single bytes 0xC3 and 0xE9 (the first halves of two-byte characters; their decoded text is
+    U+FFFD), "Ġthe" for " the", and a control token for its text."""
+    from models.batching import Token
+    from models.openai_server import logprob_fields
+
+    tokenizer, vocabulary = model.tokenizer, model.vocabulary
+    cases = {
+        "\u00c3": b"\xc3",
+        "\u00e9": b"\xe9",
+        "\u0120the": b" the",
+        "\u010a": b"\n",
+        "<|im_start|>": b"<|im_start|>",
+    }
+    for text, expected in cases.items():
+        assert tokenizer.token_bytes(vocabulary.index(text)) == expected, text
+    half = vocabulary.index("\u00c3")
+    (entry,) = logprob_fields(tokenizer, [Token(half, -0.5, ((half, -0.5),))], chat=True)["content"]
+    assert entry["token"] == "\ufffd" and entry["bytes"] == [0xC3] and entry["top_logprobs"][0]["bytes"] == [0xC3]
+
+
+def test_a_sentencepiece_byte_tokens_bytes_are_its_one_byte():
+    from models.spm_tokenizer import SentencePieceTokenizer
+    from models.tokenizer import TokenType
+
+    tokens = ["<unk>", "<s>", "<0xE2>", "\u2581the", "\u00e9"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.BYTE, TokenType.NORMAL, TokenType.NORMAL]
+    spm = SentencePieceTokenizer(tokens, [0.0] * 5, types, add_bos=True, bos=1)
+    assert [spm.token_bytes(i) for i in range(5)] == [b"<unk>", b"<s>", b"\xe2", b" the", b"\xc3\xa9"]

@@ -294,3 +294,33 @@ def test_names_holding_a_newline_are_escaped_in_the_one_line_error(valid, tmp_pa
     tensor[at + 3] = ord("\n")
     (tmp_path / "tensor.gguf").write_bytes(bytes(tensor))
     refused_in_one_line(tmp_path / "tensor.gguf", "out\\nut_norm.weight")
+
+
+@pytest.mark.parametrize(
+    "counts, says",
+    [((10**6, 0), "1000000 tensors"), ((0, 10**6), "1000000 fields"), ((2**64 - 1, 0), "at most 65536")],
+)
+def test_a_header_listing_more_tensors_or_fields_than_any_model_is_refused_before_it_is_read(tmp_path, counts, says):
+    """A million zero-size tensor infos cost 12.5 s and 1.2 GB before their one-line error."""
+    path = tmp_path / "many.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, *counts) + bytes(64))
+    refused_in_one_line(path, says)
+
+
+def test_metadata_arrays_past_the_headers_bound_are_refused_before_they_are_read(tmp_path):
+    """Each array item becomes a Python object of 8-50 bytes: 5 million one-byte items (a 5 MB
+    field) are refused by count, in all the header's arrays together."""
+    many = string("x.many") + struct.pack("<IIQ", ARRAY, U8, 5_000_000) + bytes(5_000_000)
+    (tmp_path / "one.gguf").write_bytes(raw_gguf(LLAMA + [many]))
+    refused_in_one_line(tmp_path / "one.gguf", "past 4194304 items")
+    half = string("x.half") + struct.pack("<IIQ", ARRAY, U8, 2_500_000) + bytes(2_500_000)
+    other = string("x.other") + struct.pack("<IIQ", ARRAY, U8, 2_500_000) + bytes(2_500_000)
+    (tmp_path / "two.gguf").write_bytes(raw_gguf(LLAMA + [half, other]))
+    refused_in_one_line(tmp_path / "two.gguf", "field x.other: 2500000 elements")
+
+
+def test_a_block_number_that_is_a_digit_but_not_ascii_is_refused_in_one_line(tmp_path):
+    """'²'.isdigit() is True and int('²') raises: the block count's message met it."""
+    tensors = [("blk.\u00b2.attn_norm.weight", (8,), F32_TYPE, 0)]
+    (tmp_path / "sup.gguf").write_bytes(raw_gguf(LLAMA + sizes() + [VOCAB], tensors, bytes(32)))
+    refused_in_one_line(tmp_path / "sup.gguf", "block_count is 1 but the file holds no blocks")
