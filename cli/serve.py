@@ -19,6 +19,7 @@ from cli.display import widening_notice
 from cli.options import add_activations_option, add_cache_type_options, add_cluster_options, open_cluster
 
 EXIT_CLUSTER_LOST = 3
+CANCEL_MARGIN_SECONDS = 2.0  # past --grace, before uvicorn cancels what still runs
 HEALTH_SECONDS = 0.5  # how often the server looks whether the cluster can still serve
 
 
@@ -122,7 +123,9 @@ def run_server(args: argparse.Namespace, app, dev, what: str, batcher, lost: thr
         host=args.host,
         port=args.port,
         log_level="warning",
-        timeout_graceful_shutdown=args.grace,
+        # requests still running at --grace are ended by watch_cluster with an answer; uvicorn
+        # cancels only what is left after this margin (a cancelled one gets a text/plain 500)
+        timeout_graceful_shutdown=args.grace + CANCEL_MARGIN_SECONDS,
         lifespan="off",
         limit_concurrency=args.max_connections,  # past it: 503 at once
         timeout_keep_alive=5,
@@ -132,7 +135,7 @@ def run_server(args: argparse.Namespace, app, dev, what: str, batcher, lost: thr
     )
     server = uvicorn.Server(config)
     watcher = threading.Thread(
-        target=watch_cluster, args=(batcher, dev, server, lost), name="cluster-watch", daemon=True
+        target=watch_cluster, args=(batcher, dev, server, lost, app, args.grace), name="cluster-watch", daemon=True
     )
     watcher.start()
     print(f"serving {what} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
@@ -147,11 +150,14 @@ def run_server(args: argparse.Namespace, app, dev, what: str, batcher, lost: thr
             signal.signal(sig, handler)
 
 
-def watch_cluster(batcher, dev, server, lost: threading.Event) -> None:
+def watch_cluster(batcher, dev, server, lost: threading.Event, app, grace: float) -> None:
     """Once the cluster cannot serve (a worker died or went silent, or the batcher's loop
     failed), every waiting request is told at once and the server stops: the process then exits
     non-zero, where it would otherwise answer 503 for ever. (An embeddings server has no batcher:
-    its requests are told by the failing call.)"""
+    its requests are told by the failing call.) Once the server is told to stop (SIGTERM,
+    SIGINT), requests have `grace` seconds to finish; then those left are ended with an answer (a
+    503 error body, a stream's error event and [DONE])."""
+    pause = threading.Event()
     while not server.should_exit:
         why = (batcher.lost if batcher is not None else "") or dev.health()
         if why:
@@ -160,8 +166,11 @@ def watch_cluster(batcher, dev, server, lost: threading.Event) -> None:
             lost.set()
             server.should_exit = True
             return
-        server_wait = threading.Event()
-        server_wait.wait(HEALTH_SECONDS)
+        pause.wait(HEALTH_SECONDS)
+    pause.wait(grace)  # (this thread is a daemon: a server with nothing left to finish exits first)
+    app.state.stopping.set()
+    if batcher is not None:
+        batcher.lose("the server is stopping")
 
 
 def check_port(host: str, port: int) -> None:

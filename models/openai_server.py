@@ -39,10 +39,11 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of texts in one embeddings request
 MOST_TOP_LOGPROBS = {True: 20, False: 5}  # OpenAI's limits: chat's top_logprobs, completions' logprobs
-# prompts tokenized at once (each on a thread of the server's own, the GIL released while Rust
-# works): more wait their turn, so a burst of long prompts neither starves the threads that carry
-# the streams' events nor takes more cores than this
-TOKENIZING_THREADS = 2
+# prompts prepared at once (a chat template rendered, a text tokenized), each on a thread of the
+# server's own (the GIL released while Rust tokenizes, the render in its sandbox process): more
+# wait their turn, so a burst of long prompts or slow templates neither starves the threads that
+# carry the running streams' events nor takes more cores than this
+PREPARING_THREADS = 2
 EVENT_POLL_SECONDS = 0.25  # how often a waiting request looks whether its client left
 # the fields of OpenAI's chat/completions and completions requests this server honours (llama-server's
 # and vLLM's top_k, min_p, repetition_penalty and ignore_eos besides); `user` goes into the
@@ -158,7 +159,9 @@ def refuse_unsupported(body: dict) -> None:
             raise RequestError(400, f"'{name}' is not supported by this server", param=name)
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError(400, "'response_format' is not supported by this server (only {'type': 'text'})")
+        raise RequestError(
+            400, "'response_format' is not supported by this server (only {'type': 'text'})", param="response_format"
+        )
 
 
 def usage_chunk_asked(body: dict, streamed: bool) -> bool:
@@ -289,7 +292,13 @@ class AccessLog:
         finally:
             state = scope.get("state") or {}  # what the handlers put in request.state
             client = scope.get("client") or ("-", 0)
-            line = f'{client[0]} "{scope["method"]} {scope["path"]}" {status[0] or "-"}'
+            # the path as the client sent it, percent-escapes kept: decoded, a %0A would start a
+            # forged line of this log
+            path = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
+            path = path.decode("ascii", "backslashreplace")
+            if not path.isprintable():
+                path = path.encode("unicode_escape").decode("ascii")
+            line = f'{client[0]} "{scope["method"]} {path}" {status[0] or "-"}'
             if "tokens" in state:
                 line += " {}+{} tokens".format(*state["tokens"])
             line += f" {1e3 * (time.perf_counter() - start):.0f} ms"
@@ -318,6 +327,7 @@ def build_app(
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="meta-tp", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.stopping = threading.Event()  # set when the server ends what still runs (cli/serve.py)
     if access_log is not None:
         app.add_middleware(AccessLog, write=access_log)
     started = time.time()
@@ -417,7 +427,7 @@ def build_app(
     if batcher is not None:
         _add_generation(app, batcher, model_id, chat_template, read_body)
     if embedder is not None:
-        _add_embeddings(app, embedder, model_id, read_body)
+        _add_embeddings(app, embedder, model_id, read_body, app.state.stopping)
     return app
 
 
@@ -433,7 +443,11 @@ def _add_generation(app, batcher, model_id: str, chat_template, read_body) -> No
     tokenizer = batcher.tokenizer
     vocab = batcher.model.config.vocab
     longest = batcher.model.longest_token_bytes
-    tokenizing = ThreadPoolExecutor(TOKENIZING_THREADS, thread_name_prefix="tokenize")
+    preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="prepare")
+
+    async def prepared(work, *args):
+        """`work(*args)` on the preparing threads, off the event loop (/health answers meanwhile)."""
+        return await asyncio.get_running_loop().run_in_executor(preparing, work, *args)
 
     async def encode(text: str, param: str) -> list[int]:
         checked_text(text, param)
@@ -445,8 +459,7 @@ def _add_generation(app, batcher, model_id: str, chat_template, read_body) -> No
             raise RequestError(
                 400, f"'{param}' is longer than a context of {batcher.ctx} tokens could hold", param=param
             )
-        # off the event loop (/health answers meanwhile), on the tokenizing threads
-        return await asyncio.get_running_loop().run_in_executor(tokenizing, tokenizer.encode, text)
+        return await prepared(tokenizer.encode, text)
 
     def submit(job):
         try:
@@ -481,9 +494,14 @@ def _add_generation(app, batcher, model_id: str, chat_template, read_body) -> No
 
     async def respond(request: Request, body: dict, prompt_ids: list[int], chat: bool):
         room = batcher.ctx - len(prompt_ids) + 1  # the last token is never fed back
+        param = "messages" if chat else "prompt"
+        if not prompt_ids:
+            raise RequestError(400, f"'{param}' holds no tokens (this model adds no BOS token to them)", param=param)
         if room < 1:
             raise RequestError(
-                400, f"a prompt of {len(prompt_ids)} tokens does not fit the context of {batcher.ctx} tokens"
+                400,
+                f"a prompt of {len(prompt_ids)} tokens does not fit the context of {batcher.ctx} tokens",
+                param=param,
             )
         job = job_from(body, prompt_ids, secrets.randbelow(2**31), room, chat, vocab)
         streamed = body.get("stream", False)
@@ -552,7 +570,7 @@ def _add_generation(app, batcher, model_id: str, chat_template, read_body) -> No
                     if event.reason == "error":
                         failed = RequestError(503, f"generation failed: {event.error}", "server_error")
                         yield f"data: {json.dumps(error_body(failed))}\n\n"
-                        return
+                        break  # then [DONE], as after any last event
                     rest = text.finish()
                     last = envelope([choice(rest, event.reason, False)], usage=usage())
                     yield f"data: {json.dumps(last)}\n\n"
@@ -602,15 +620,16 @@ def _add_generation(app, batcher, model_id: str, chat_template, read_body) -> No
             checked_text(m["role"], "messages")
             checked_text(m["content"], "messages")
         if sum(len(m["content"].encode("utf-8")) for m in messages) > batcher.ctx * longest:
-            raise RequestError(400, f"'messages' are longer than a context of {batcher.ctx} tokens could hold")
+            raise RequestError(
+                400, f"'messages' are longer than a context of {batcher.ctx} tokens could hold", param="messages"
+            )
         if chat_template is None:
-            raise RequestError(400, "this model has no chat template: use /v1/completions")
+            raise RequestError(400, "this model has no chat template: use /v1/completions", param="messages")
         from models.errors import TemplateError
 
         try:
-            text = await asyncio.to_thread(
-                chat_template.render, [{"role": m["role"], "content": m["content"]} for m in messages]
-            )
+            turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+            text = await prepared(chat_template.render, turns)
         except TemplateError as exc:
             raise RequestError(400, f"the chat template refused the messages: {exc}", param="messages") from None
         return await respond(request, body, await encode(text, "messages"), chat=True)
@@ -651,7 +670,7 @@ def metrics_text(batcher) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _add_embeddings(app, embedder, model_id: str, read_body) -> None:
+def _add_embeddings(app, embedder, model_id: str, read_body, stopping: threading.Event) -> None:
     """POST /v1/embeddings (OpenAI's): `input` a text or a list of texts, `encoding_format`
     float or base64 (float32 bytes), `dimensions` only the model's own; unit vectors, in order."""
     import base64
@@ -683,10 +702,12 @@ def _add_embeddings(app, embedder, model_id: str, read_body) -> None:
         if not isinstance(body.get("user", ""), str):
             raise RequestError(400, "'user' must be a string", param="user")
         request.state.user = body.get("user") or ""
-        # computed on a thread, batch by batch: a client that leaves (or a server stopping, which
-        # cancels this coroutine) stops it before its next batch, so no abandoned request runs on
+        # computed on a thread, batch by batch: a client that leaves, or a server stopping (past
+        # --grace), stops it before its next batch, so no abandoned request runs on
         gone = threading.Event()
-        work = asyncio.ensure_future(asyncio.to_thread(embedder.embed, texts, gone.is_set))
+        work = asyncio.ensure_future(
+            asyncio.to_thread(embedder.embed, texts, lambda: gone.is_set() or stopping.is_set())
+        )
         try:
             while not (await asyncio.wait({work}, timeout=EVENT_POLL_SECONDS))[0]:
                 if await request.is_disconnected():

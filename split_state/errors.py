@@ -44,6 +44,11 @@ class WorkerLost(TransportError):
         self.rank = rank
 
 
+class NonFiniteLogits(MetaError, ValueError):
+    """A step's logits hold NaN or infinity: no token can be chosen from them (the model's weights
+    hold such values, or its activations overflowed)."""
+
+
 class FreedTensor(MetaError, ValueError):
     """A tensor handle used after its storage was freed."""
 

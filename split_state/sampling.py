@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from split_state.errors import ProtocolError
+from split_state.errors import NonFiniteLogits, ProtocolError
 
 # a temperature below this is greedy (as vLLM's _SAMPLING_EPS): dividing by 1e-320 gives inf,
 # then inf - inf NaN probabilities
@@ -62,7 +62,13 @@ class Rule:
 def choose(values: np.ndarray, indices: np.ndarray, rule: Rule, rng, recent: Sequence[int] = ()) -> int:
     """The next token from a sequence's candidates (best first) under `rule`, drawing from `rng`
     (one uniform, only when the rule samples); `recent`: the sequence's latest tokens, which the
-    repeat penalty lowers."""
+    repeat penalty lowers. Candidates that are not all finite are refused (NonFiniteLogits):
+    the choice among them would be arbitrary, and their log-probabilities NaN."""
+    if not np.isfinite(values).all():
+        bad = np.asarray(values)[~np.isfinite(values)][0]
+        raise NonFiniteLogits(
+            f"the logits hold {bad} (the model's weights hold NaN or infinity, or its activations overflowed)"
+        )
     return pick(values, indices, rule, None if rule.greedy else rng.random(), recent)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from models.generate import POOL, Sampling
 from models.gguf_model import ModelError
+from split_state.errors import NonFiniteLogits
 from split_state.sampling import Rule, choose
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,7 +77,7 @@ def test_top_k_is_the_candidate_pool_and_bad_settings_are_refused():
     assert Sampling(temperature=1.0, top_k=3).pool == 3
     assert Sampling(temperature=1.0).pool == POOL
     assert Sampling(temperature=1.0, top_k=10 * POOL).pool == POOL
-    for bad in (dict(temperature=-0.1), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)):
+    for bad in (dict(temperature=-0.1), dict(top_k=-1), dict(top_p=-0.1), dict(top_p=1.5)):
         with pytest.raises(ModelError):
             Sampling(**bad)
 
@@ -107,3 +108,20 @@ def test_the_candidate_pool_leaves_room_for_penalised_tokens():
     for bad in (dict(min_p=-0.1), dict(min_p=1.0), dict(repeat_penalty=0.0), dict(repeat_last_n=-1)):
         with pytest.raises(ModelError):
             Sampling(**bad)
+
+
+def test_a_top_p_of_0_keeps_the_best_token_alone():
+    """OpenAI's rule (and llama.cpp's, which keeps at least one): whatever the draw, the best."""
+    rule = Rule(2.0, top_p=0.0)
+    assert {choose(VALUES, INDICES, rule, np.random.default_rng(seed)) for seed in range(50)} == {int(INDICES[0])}
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_logits_that_are_not_finite_are_refused_by_name(bad):
+    """NaN or infinite weights end in such logits: a clear error (the server's job fails with it,
+    generate says it in one line), not an arbitrary token or NaN log-probabilities in JSON."""
+    values = VALUES.astype(np.float32).copy()
+    values[2] = bad
+    for rule in (Rule(), Rule(1.0)):
+        with pytest.raises(NonFiniteLogits, match="the logits hold"):
+            choose(values, INDICES, rule, np.random.default_rng(0))

@@ -276,6 +276,18 @@ def test_a_stream_asking_for_usage_ends_with_it_and_each_request_gets_an_access_
     assert f" {prompt_tokens}+3 tokens " in lines[0], lines
 
 
+def test_a_newline_escaped_in_a_path_cannot_forge_an_access_log_line(server):
+    forged = '1.2.3.4 "GET /forged" 200 1 ms'
+    path = "/v1/x%0A" + forged.replace(" ", "%20").replace('"', "%22")
+    assert httpx.get(server[1] + path, timeout=10).status_code == 404
+    deadline = time.monotonic() + 5
+    while not any("/forged" in line for line in server[0].log) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (line,) = [line for line in server[0].log if "/forged" in line]
+    assert line.startswith("127.0.0.1 ") and "%0A" in line and line.count("\n") == 1, line
+    assert not any(line.startswith("1.2.3.4") for line in server[0].log)
+
+
 def test_max_tokens_past_the_context_is_refused_and_chat_defaults_to_the_rest_of_it(server, client, model):
     """As OpenAI's and vLLM's servers: max_tokens the context cannot hold is a 400 naming the room
     left; a chat request without max_tokens may use all of it (the completion ends with "length"
@@ -430,6 +442,22 @@ def test_bad_requests_get_openai_error_bodies(server, headers, body, status, kin
     assert reply.status_code == status
     error = reply.json()["error"]
     assert error["type"] == kind and says in error["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "top_p": 2}, "top_p"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+    ],
+)
+def test_a_refused_field_is_named_in_the_errors_param(server, path, body, param):
+    """OpenAI's error bodies name the request field at fault in `param`."""
+    reply = httpx.post(server[1] + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
 
 
 def test_chat_content_must_be_text(server):
@@ -723,6 +751,42 @@ def test_a_lost_worker_fails_the_waiting_request_turns_health_503_and_exits_non_
         while _alive(workers) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _alive(workers) == [], "orphaned workers"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+def test_requests_running_past_the_grace_of_a_sigterm_get_an_answer(model):
+    """SIGTERM with requests that run longer than --grace: each is ended with an answer, a
+    non-streamed one a 503 OpenAI body (not uvicorn's text/plain 500), a stream an error event and
+    [DONE] (not a cut connection), and the server exits 0."""
+    proc, url = start_server("--max-slots", "2", "--ctx", "1024", "--no-warmup", "--grace", "0.5")
+    try:
+        body = {"prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+        replies = {}
+
+        def ask(streamed: bool) -> None:
+            with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": streamed}, timeout=60) as reply:
+                replies[streamed] = (reply.status_code, reply.headers.get("content-type", ""), reply.read().decode())
+
+        asking = [threading.Thread(target=ask, args=(streamed,)) for streamed in (False, True)]
+        for thread in asking:
+            thread.start()
+        deadline = time.monotonic() + 20
+        while httpx.get(url + "/health", timeout=5).json()["active"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        for thread in asking:
+            thread.join(30)
+        status, kind, text = replies[False]
+        assert status == 503 and kind == "application/json", (status, kind, text[:200])
+        assert json.loads(text)["error"]["message"] == "generation failed: the server is stopping"
+        status, kind, text = replies[True]
+        events = [line.removeprefix("data: ") for line in text.splitlines() if line.startswith("data: ")]
+        assert status == 200 and events[-1] == "[DONE]", text[-300:]
+        assert json.loads(events[-2])["error"]["message"] == "generation failed: the server is stopping"
+        assert proc.wait(30) == 0, "".join(proc.log)
     finally:
         if proc.poll() is None:
             proc.kill()
