@@ -62,10 +62,13 @@ class Rule:
 def choose(values: np.ndarray, indices: np.ndarray, rule: Rule, rng, recent: Sequence[int] = ()) -> int:
     """The next token from a sequence's candidates (best first) under `rule`, drawing from `rng`
     (one uniform, only when the rule samples); `recent`: the sequence's latest tokens, which the
-    repeat penalty lowers. Candidates that are not all finite are refused (NonFiniteLogits):
-    the choice among them would be arbitrary, and their log-probabilities NaN."""
-    if not np.isfinite(values).all():
-        bad = np.asarray(values)[~np.isfinite(values)][0]
+    repeat penalty lowers. A candidate that is not finite is refused (NonFiniteLogits): the
+    choice would be arbitrary, and log-probabilities NaN; only padding (index -1, value -inf: a
+    device with fewer than k candidates) is not a candidate."""
+    values = np.asarray(values)
+    unfit = ~np.isfinite(values) & ((np.asarray(indices) >= 0) | (values != -np.inf))
+    if unfit.any():
+        bad = values[unfit][0]
         raise NonFiniteLogits(
             f"the logits hold {bad} (the model's weights hold NaN or infinity, or its activations overflowed)"
         )

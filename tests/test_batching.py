@@ -249,3 +249,58 @@ def test_a_long_prompt_joins_in_chunks_between_the_streams_tokens(tiny, monkeypa
     finally:
         made.stop()
         dev.close()
+
+
+def test_joining_prompts_go_in_by_admission_whatever_their_slots(tiny, monkeypatch):
+    """The batcher's loop driven by hand (admit, one prefill chunk, one decode step), chunks of 8:
+    a stream in slot 0, another in slot 1, a 40-token prompt P1 admitted into slot 2; the stream
+    in slot 1 is cancelled and a 16-token prompt P2 (an exact multiple of the chunk, asking for
+    log-probabilities) takes slot 1, below P1. P1's chunks go on first (it was admitted first),
+    then P2's; each gives the reference decoder's greedy tokens, and P2's first token its
+    log-probability under the reference's logits (the last chunk brings the whole row)."""
+    import models.batching as batching
+    import models.llama as llama
+    from models.llama import ReferenceDecoder
+
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 8)
+    ctx = 64
+    rng = np.random.default_rng(7)
+    p1, p2 = (tuple(int(t) for t in rng.integers(0, 49152, n)) for n in (40, 16))
+    dev = MetaDevice(SimulatedCluster(2))
+    made = ContinuousBatcher(dev, tiny, slots=3, ctx=ctx, weights="f32")
+    try:
+        order = []  # the slot each prefill chunk went to
+
+        def cycle():
+            made._admit()
+            pending = [len(s.pending) if s is not None else 0 for s in made.slots]
+            made._prefill_chunk()
+            after = [len(s.pending) if s is not None else 0 for s in made.slots]
+            order.extend(i for i, (a, b) in enumerate(zip(pending, after)) if b < a)
+            made._step()
+
+        stream = made.submit(Job(PROMPT, 40, Sampling(), stop_at_eos=False))
+        other = made.submit(Job(PROMPT[:3], 40, Sampling(), stop_at_eos=False))
+        first = made.submit(Job(p1, 4, Sampling(), stop_at_eos=False))
+        for _ in range(4):  # both streams' prompts, then two of P1's chunks
+            cycle()
+        assert order == [0, 1, 2, 2] and [s.ticket for s in made.slots] == [stream, other, first]
+        other.cancel()
+        cycle()  # slot 1 is freed at its next token; P1's third chunk
+        second = made.submit(Job(p2, 3, Sampling(), stop_at_eos=False, top_logprobs=1))
+        for _ in range(12):
+            cycle()
+        assert made.slots[0].ticket is stream
+        assert order == [0, 1, 2, 2, 2, 2, 2, 1, 1], order  # P1 to its end, then P2 (slot 1)
+        got = {t: [e for e in events_of(t) if isinstance(e, Token)] for t in (first, second)}
+        assert [e.token for e in got[first]] == reference_greedy(tiny, list(p1), 4, ctx)
+        assert [e.token for e in got[second]] == reference_greedy(tiny, list(p2), 3, ctx)
+        weights = {name: tiny.weight(name) for name in tiny.expected_shapes()}
+        logits = ReferenceDecoder(tiny.config, weights, ctx).forward(np.array([p2]), np.arange(16)[None])[0, -1]
+        log_p = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        token = got[second][0]
+        assert token.logprob is not None and abs(token.logprob - log_p[token.token]) < 1e-3
+    finally:
+        made.stop()
+        dev.close()

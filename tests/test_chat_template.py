@@ -209,3 +209,28 @@ def test_a_template_that_dates_its_system_message_renders():
     source = "{% if strftime_now is defined %}{{ strftime_now('%Y') }}{% endif %}|{{ messages[0]['content'] }}"
     year, rest = ChatTemplate(source).render(TURNS).split("|")
     assert year.isdigit() and len(year) == 4 and rest == "Hi"
+
+
+def test_a_renderer_that_died_between_renders_is_started_again():
+    """The sandbox child killed while idle (the OOM killer, an operator): the next render starts a
+    new one rather than failing on the dead one's pipe."""
+    import signal
+
+    from models.template_sandbox import renderer
+
+    template = ChatTemplate("{{ messages[0]['content'] }}!", "t.gguf")
+    assert template.render([{"role": "user", "content": "one"}]) == "one!"
+    child = renderer()._child
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert template.render([{"role": "user", "content": "two"}]) == "two!"
+
+
+def test_bos_is_taken_off_only_where_the_rendered_text_starts_with_it():
+    """With the tokenizer adding BOS itself, a template that writes it loses it (one BOS, as
+    llama.cpp); a text that does not start with it keeps every character, a BOS later in it too."""
+    source = "{{ messages[0]['content'] }}"
+    strip = dict(bos_token="<s>", strip_bos=True)
+    assert ChatTemplate(source, "t.gguf", **strip).render([{"role": "user", "content": "<s>hi"}]) == "hi"
+    assert ChatTemplate(source, "t.gguf", **strip).render([{"role": "user", "content": "s>hi<s>"}]) == "s>hi<s>"
+    assert ChatTemplate(source, "t.gguf", bos_token="<s>").render([{"role": "user", "content": "<s>hi"}]) == "<s>hi"

@@ -960,3 +960,56 @@ def test_on_a_gpu_the_sampler_chooses_what_the_host_rule_chooses(rule):
         pick(values[r, 0], indices[r, 0], rule, None if rule.greedy else draws[0, r], recent[r]) for r in range(rows)
     ]
     assert got == want and cupy.asnumpy(tokens).tolist() == want
+
+
+def test_the_device_samplers_ring_before_it_is_full_penalizes_only_what_was_seen():
+    """A generation of one token so far, a repeat window of 4: the ring holds it (and -1 for the
+    slots not yet written) with the next write after it. Greedy with a harsh penalty over fixed
+    candidates, the twin must choose as a deque of the window would: 7, 9, 11, 13, then 5 again
+    once 5 has left the window (a ring that wrote over its first token would choose 5 at once)."""
+    from workers.backends.cuda.kernels import sample
+
+    rule = Rule(0.0, repeat_penalty=10.0, repeat_last_n=4)
+    values = np.array([[[2.0, 1.5, 1.0, 0.5, 0.25, 0.125]]], np.float32)
+    indices = np.array([[[5, 7, 9, 11, 13, 15]]], np.int64)
+    tokens, positions = np.zeros(1, np.int32), np.zeros(1, np.int32)
+
+    def twin(grid, block, args):
+        sample._sample_next(*[a.reshape(-1) if isinstance(a, np.ndarray) else a for a in args])
+
+    sampler = sample.DeviceSampler(
+        np, twin, lambda a: lambda: a.copy(), rule, None, 5, [[5]], values, tokens, positions
+    )
+    assert sampler.ring.tolist() == [[5, -1, -1, -1]] and sampler.cursor.tolist() == [1]
+    seen = collections.deque([5], maxlen=4)
+    for step in range(5):
+        (got,) = sampler.launch(step, values, indices)()
+        assert got == pick(values[0, 0], indices[0, 0], rule, None, list(seen)), step
+        seen.append(got)
+    assert list(seen) == [9, 11, 13, 5]
+
+
+@pytest.mark.parametrize("cache", [np.float32, np.float16])
+def test_the_set_rows_twin_skips_a_negative_position_as_the_kernel_does(cache):
+    """A position outside [0, ctx) (-1: a row with nothing to write) is skipped by the kernel's
+    bounds check; NumPy would write it at ctx - 1."""
+    from workers.backends.cuda.kernels import set_rows
+
+    batches, heads, ctx, dim, rows, tokens = 2, 1, 4, 2, 2, 2
+    dst = np.zeros((batches, heads, ctx, dim), cache)
+    value = np.arange(1, 1 + rows * heads * tokens * dim, dtype=np.float32)
+    ids = np.array([[-1, 1], [2, ctx]], np.int32)  # -1 and ctx: outside
+    twin = set_rows.twin(cache)
+    flat = dst.reshape(-1).view(np.uint16) if cache == np.float16 else dst.reshape(-1)
+    twin(
+        flat,
+        value,
+        ids.reshape(-1),
+        ids.reshape(-1),
+        np.int32(0),
+        *(np.int32(v) for v in (batches, heads, ctx, dim, rows, tokens)),
+    )
+    expected = np.zeros_like(dst)
+    expected[0, 0, 1] = [3, 4]  # row 0's second token
+    expected[1, 0, 2] = [5, 6]  # row 1's first token
+    np.testing.assert_array_equal(dst, expected)

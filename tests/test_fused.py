@@ -859,3 +859,61 @@ def test_a_plan_is_refused_where_the_loop_does_not_take_the_arrays():
         kernels["attention"].plan(np, (q, k, mask, v), {"scale": 0.3, "bucket": 1}, np.empty(q.shape, np.float32))
         is None
     )
+
+
+# -- the matchers as matchers: steps written by hand, the fusion each finds or refuses ------------
+
+
+def op(name, inputs, output, shape, **params):
+    from transport import protocol as p
+
+    return p.OpStep(name, tuple(inputs), output, params, tuple(shape), "float32")
+
+
+def matched(match, steps, outputs=()):
+    from workers.kernels.fused import ProgramView
+
+    return match(ProgramView(steps, outputs=frozenset(outputs)), len(steps) - 1)
+
+
+def test_rms_norm_mul_fuses_a_norm_only_nothing_else_needs():
+    """Slots 0 (x) and 1 (the weight) are inputs. The norm is absorbed where only the product reads
+    it; not where the program returns it (it must still exist) or another step reads it too."""
+    from workers.kernels.fused import _match_rms_norm_mul
+
+    norm = op("rms_norm", [0], 2, (4, 8), axis=-1, eps=1e-5)
+    steps = [norm, op("mul", [2, 1], 3, (4, 8))]
+    fusion = matched(_match_rms_norm_mul, steps)
+    assert fusion.inputs == (0, 1) and fusion.absorbed == (0,) and fusion.params == {"axis": -1, "eps": 1e-5}
+    assert matched(_match_rms_norm_mul, [norm, op("mul", [1, 2], 3, (4, 8))]).inputs == (0, 1)  # either side
+    assert matched(_match_rms_norm_mul, steps, outputs=[2]) is None
+    assert matched(_match_rms_norm_mul, [norm, op("neg", [2], 4, (4, 8)), op("mul", [2, 1], 3, (4, 8))]) is None
+
+
+def test_rms_norm_mul_leaves_a_product_that_broadcasts_the_norm():
+    """A norm of one row times a weight of four: the product's shape is not the norm's, which the
+    fused kernel (writing the norm's shape) would get wrong."""
+    from workers.kernels.fused import _match_rms_norm_mul
+
+    steps = [op("rms_norm", [0], 2, (1, 8), axis=-1, eps=1e-5), op("mul", [2, 1], 3, (4, 8))]
+    assert matched(_match_rms_norm_mul, steps) is None
+
+
+def swiglu_steps(gate_of: int, up_of: int):
+    """silu(slice of `gate_of`) * slice of `up_of`, the halves of a (2, 16) tensor's last axis."""
+    return [
+        op("slice", [gate_of], 10, (2, 8), axis=1, start=0, stop=8),
+        op("silu", [10], 11, (2, 8)),
+        op("slice", [up_of], 12, (2, 8), axis=1, start=8, stop=16),
+        op("mul", [11, 12], 13, (2, 8)),
+    ]
+
+
+def test_swiglu_fuses_gate_and_up_from_one_tensor_only():
+    from workers.kernels.fused import _match_swiglu
+
+    fusion = matched(_match_swiglu, swiglu_steps(0, 0))
+    assert fusion.inputs == (0,) and fusion.params == {"gate": (0, 8), "up": (8, 16)}
+    assert sorted(fusion.absorbed) == [0, 1, 2]
+    assert matched(_match_swiglu, swiglu_steps(0, 1)) is None  # gate and up of two tensors
+    assert matched(_match_swiglu, swiglu_steps(0, 0), outputs=[11]) is None  # silu returned

@@ -125,3 +125,14 @@ def test_logits_that_are_not_finite_are_refused_by_name(bad):
     for rule in (Rule(), Rule(1.0)):
         with pytest.raises(NonFiniteLogits, match="the logits hold"):
             choose(values, INDICES, rule, np.random.default_rng(0))
+
+
+def test_padding_past_a_devices_candidates_is_not_refused():
+    """A device with fewer than k candidates pads with index -1 and -inf: not a logit."""
+    values = np.array([2.0, 1.0, -np.inf, -np.inf], np.float32)
+    indices = np.array([40, 7, -1, -1], np.int64)
+    assert choose(values, indices, Rule(), None) == 40
+    assert choose(values, indices, Rule(1.0), np.random.default_rng(0)) in (40, 7)
+    indices[2] = 12  # a real candidate at -inf: refused
+    with pytest.raises(NonFiniteLogits):
+        choose(values, indices, Rule(), None)

@@ -318,6 +318,25 @@ def test_max_completion_tokens_wins_over_max_tokens(server, client):
     assert out.usage.completion_tokens == 2
 
 
+def test_streamed_text_offsets_go_on_from_chunk_to_chunk(server, client):
+    """Completions' `text_offset` counts characters from the completion's start, across a stream's
+    chunks as in one answer: each chunk's offsets go on from where the text before it ended."""
+    whole = client.completions.create(model="", prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=1)
+    chunks = client.completions.create(
+        model="", prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=1, stream=True
+    )
+    tokens, offsets, text = [], [], ""
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        if choice.logprobs is not None:
+            assert choice.logprobs.text_offset[:1] in ([], [len(text)]), (text, choice.logprobs.text_offset)
+            tokens += choice.logprobs.tokens
+            offsets += choice.logprobs.text_offset
+        text += choice.text
+    assert text == whole.choices[0].text and tokens == whole.choices[0].logprobs.tokens
+    assert offsets == whole.choices[0].logprobs.text_offset == [sum(map(len, tokens[:k])) for k in range(8)]
+
+
 def test_a_temperature_below_the_floor_is_greedy(server, client):
     greedy = client.completions.create(model="", prompt=PROMPTS[1], max_tokens=5, temperature=0)
     tiny = client.completions.create(model="", prompt=PROMPTS[1], max_tokens=5, temperature=1e-320)
@@ -452,6 +471,7 @@ def test_bad_requests_get_openai_error_bodies(server, headers, body, status, kin
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": "x", "top_p": 2}, "top_p"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ],
 )
 def test_a_refused_field_is_named_in_the_errors_param(server, path, body, param):
@@ -858,6 +878,7 @@ def test_an_embeddings_server_gives_the_references_vectors_in_openai_shape():
         for body, param in (
             ({"input": []}, "input"),
             ({"input": [1, 2]}, "input"),
+            ({"input": ["a", "", "b"]}, "input"),  # an empty text among others: no embedding to give it
             ({"input": "a", "dimensions": 8}, "dimensions"),
         ):
             reply = httpx.post(

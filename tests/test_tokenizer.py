@@ -177,3 +177,20 @@ def test_a_sentencepiece_byte_tokens_bytes_are_its_one_byte():
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.BYTE, TokenType.NORMAL, TokenType.NORMAL]
     spm = SentencePieceTokenizer(tokens, [0.0] * 5, types, add_bos=True, bos=1)
     assert [spm.token_bytes(i) for i in range(5)] == [b"<unk>", b"<s>", b"\xe2", b" the", b"\xc3\xa9"]
+
+
+def test_sentencepiece_special_tokens_are_cut_out_longest_first_and_may_begin_the_text():
+    """Worked by hand (llama.cpp's tokenizer_st_partition, then llm_tokenizer_spm): "<x>y" and
+    "<x>" are both user-defined: "<x>ya" holds the longer, and the "a" after it gets the space
+    prefix and merges to "▁a". A text that begins with a special token has no stretch before it
+    (no lone "▁" token)."""
+    from models.spm_tokenizer import SentencePieceTokenizer
+    from models.tokenizer import TokenType
+
+    tokens = ["<unk>", "<s>", "</s>", "<x>", "<x>y", "\u2581", "a", "y", "\u2581a"]
+    special = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.USER_DEFINED]
+    scores = [0.0] * 5 + [-1.0, -2.0, -2.0, -1.5]
+    spm = SentencePieceTokenizer(tokens, scores, special + [TokenType.NORMAL] * 4, add_bos=False, bos=1)
+    assert spm.encode("<x>ya") == [4, 8]
+    assert spm.encode("</s>a") == [2, 8]
+    assert spm.encode("a<x>") == [8, 3]

@@ -324,3 +324,45 @@ def test_a_block_number_that_is_a_digit_but_not_ascii_is_refused_in_one_line(tmp
     tensors = [("blk.\u00b2.attn_norm.weight", (8,), F32_TYPE, 0)]
     (tmp_path / "sup.gguf").write_bytes(raw_gguf(LLAMA + sizes() + [VOCAB], tensors, bytes(32)))
     refused_in_one_line(tmp_path / "sup.gguf", "block_count is 1 but the file holds no blocks")
+
+
+def test_a_zero_where_a_positive_number_is_needed_is_refused(tmp_path):
+    """meta_float takes positive finite numbers: 0 as rope base (every frequency infinite) too."""
+    (tmp_path / "zero.gguf").write_bytes(raw_gguf(LLAMA + sizes(**{"rope.freq_base": 0.0}) + [VOCAB]))
+    refused_in_one_line(tmp_path / "zero.gguf", "'llama.rope.freq_base' must be a positive")
+
+
+def nested(levels: int) -> bytes:
+    """A field holding `levels` arrays, each the one element of the one around it, of one U32."""
+    inner: tuple = (U32, [7])
+    for _ in range(levels - 1):
+        inner = (ARRAY, [inner])
+    return field("x.nested", ARRAY, inner)
+
+
+def test_arrays_nested_to_the_bound_are_read_and_one_level_more_refused(tmp_path):
+    from models.gguf_file import MAX_NESTING
+
+    (tmp_path / "deep.gguf").write_bytes(raw_gguf(LLAMA + [nested(MAX_NESTING)]))
+    value = GGUFFile(tmp_path / "deep.gguf").fields["x.nested"]
+    for _ in range(MAX_NESTING - 1):
+        (value,) = value
+    assert value == [7]
+    (tmp_path / "deeper.gguf").write_bytes(raw_gguf(LLAMA + [nested(MAX_NESTING + 1)]))
+    refused_in_one_line(tmp_path / "deeper.gguf", f"nested deeper than {MAX_NESTING}")
+
+
+def test_an_overlap_behind_an_empty_tensor_is_still_found(tmp_path):
+    """a: bytes 0..64, e: empty at 32, b: 48..80. Sorted by start, the empty tensor comes between
+    the two that overlap: it must not hide a's end."""
+    tensors = [("a", (16,), F32_TYPE, 0), ("e", (0,), F32_TYPE, 32), ("b", (8,), F32_TYPE, 64)]
+    ok = raw_gguf(LLAMA, tensors, bytes(96))
+    assert set(GGUFFile_from(tmp_path, ok).tensors) == {"a", "e", "b"}  # apart: read
+    tensors[2] = ("b", (8,), F32_TYPE, 32)
+    (tmp_path / "hidden.gguf").write_bytes(raw_gguf(LLAMA, tensors, bytes(96)))
+    refused_in_one_line(tmp_path / "hidden.gguf", "tensors a and b overlap")
+
+
+def GGUFFile_from(folder, raw: bytes) -> GGUFFile:  # noqa: N802 - a constructor's name
+    (folder / "file.gguf").write_bytes(raw)
+    return GGUFFile(folder / "file.gguf")

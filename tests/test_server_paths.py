@@ -1,0 +1,113 @@
+"""The completion server's error paths on its app alone (models/openai_server.py build_app), over
+a stand-in batcher whose tickets play out a script: a lost cluster, the silence timer, the body
+bound of a chunked body. And the cluster's health check, which the server's watcher reads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from models import batching, openai_server  # noqa: E402
+from models.batching import Finished, Token  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ScriptedTicket:
+    """A ticket whose events are `script`'s items in turn; None is a wait with nothing (the full
+    timeout), as the batcher's ticket gives while no token comes."""
+
+    def __init__(self, script):
+        self.script, self.cancelled = list(script), False
+
+    def next(self, timeout: float):
+        item = self.script.pop(0) if self.script else None
+        if item is None:
+            time.sleep(timeout)
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class StandInBatcher:
+    def __init__(self, script=(), lost: str = ""):
+        self.ctx, self.lost, self.slots, self.waiting = 8, lost, [None], []
+        self.script, self.tickets = script, []
+        self.model = types.SimpleNamespace(config=types.SimpleNamespace(vocab=100), longest_token_bytes=1)
+        self.tokenizer = types.SimpleNamespace(decode=lambda ids, **_: "x" * len(ids))  # a character a token
+
+    def active(self) -> int:
+        return 0
+
+    def submit(self, job):
+        self.tickets.append(ScriptedTicket(self.script))
+        return self.tickets[-1]
+
+
+def app_over(batcher, health=lambda: ""):
+    return TestClient(openai_server.build_app(batcher, "m", health=health))
+
+
+def test_a_lost_cluster_answers_503_with_an_openai_body_and_says_why_on_health():
+    why = "worker 1 (pid 42) exited with code 0"
+    client = app_over(StandInBatcher(), health=lambda: why)
+    reply = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+    assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
+    assert why in reply.json()["error"]["message"]
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json() == {"status": "error", "error": why}
+
+
+def test_the_silence_timer_starts_again_at_each_token(monkeypatch):
+    """A generation may pause between tokens (other slots' prefill); only a silence of the whole
+    bound in a row fails it: here tokens come after 2 empty waits each, 5 times, the bound being
+    3 waits: it must finish, though its pauses add up to more than the bound."""
+    monkeypatch.setattr(openai_server, "EVENT_POLL_SECONDS", 0.02)
+    monkeypatch.setattr(batching, "TOKEN_SECONDS", 0.06)
+    script = [None, None, Token(5)] * 5 + [Finished("length")]
+    reply = app_over(StandInBatcher(script)).post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == "xxxxx"
+    silent = [None] * 4 + [Token(5), Finished("length")]
+    reply = app_over(StandInBatcher(silent)).post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5})
+    assert reply.status_code == 503 and "no token within" in reply.json()["error"]["message"]
+
+
+def test_a_chunked_body_is_cut_at_the_bound_as_a_declared_one_is():
+    """No Content-Length (chunked): the bound (what 8 tokens of at most 1 byte could be, as JSON,
+    plus the other fields' room) is counted as the body arrives, and the request refused there."""
+    bound = 6 * 8 * 1 + (64 << 10)
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(bound // 1000 + 2):
+            yield b"a" * 1000
+        yield b'"}'
+
+    reply = app_over(StandInBatcher()).post("/v1/completions", content=chunks())
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"] == "the prompt is longer than a context of 8 tokens could hold"
+
+
+def test_health_sees_a_worker_that_exited_with_code_0(fresh_cluster):
+    """An orderly exit is a lost worker all the same: the cluster cannot serve without it."""
+    cluster = fresh_cluster(2)
+    assert cluster.health() == ""
+    worker = cluster.processes[1]
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait(30)
+    cluster.processes[1] = done
+    try:
+        assert cluster.health() == f"worker 1 (pid {done.pid}) exited with code 0"
+    finally:
+        cluster.processes[1] = worker
