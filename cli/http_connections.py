@@ -13,6 +13,12 @@
   answered only when that many requests are really under way, and /health and real requests go
   on being served while idle sockets pile up.
 
+- a lingering close: a request answered before its body is all in (413 for a body past the
+  bound, unread) does not close the connection under the client still sending, which would reset
+  it and lose the answer for a client that reads only after sending (urllib: a broken pipe); the
+  rest of the body is read and dropped, up to LINGER_BYTES and while it keeps coming within
+  LINGER_SECONDS, as nginx's lingering close does.
+
 The body's own deadline is the application's (models/openai_server.py)."""
 
 from __future__ import annotations
@@ -24,6 +30,49 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 IDLE_PER_CLIENT = 32  # an HTTP client's pool keeps ~20 (httpx's default); a browser 6 a host
+LINGER_SECONDS = 5.0  # a lingering close ends once the client sends nothing for this long
+LINGER_BYTES = 64 << 20  # or once it has sent this much more
+
+
+class LingeringClose:
+    """A connection's transport whose close() lingers while the client is still sending a request
+    body (the answer already written): our side is shut for writing, what comes is dropped, and
+    the socket closes when the client closes it, falls silent or sends too much."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: H11Protocol):
+        self._transport, self._protocol = transport, protocol
+        self.lingering, self._dropped, self._timer = False, 0, None
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.lingering or self._transport.is_closing():
+            return
+        if self._protocol.conn.their_state is not h11.SEND_BODY:
+            self._transport.close()
+            return
+        self.lingering = True
+        if self._transport.can_write_eof():
+            self._transport.write_eof()
+        self._transport.resume_reading()  # uvicorn may have paused it at its high-water mark
+        self._wait()
+
+    def drop(self, data: bytes) -> None:
+        """Bytes that came while lingering."""
+        self._dropped += len(data)
+        if self._dropped > LINGER_BYTES:
+            self._transport.close()
+        else:
+            self._wait()
+
+    def _wait(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._protocol.loop.call_later(LINGER_SECONDS, self._transport.close)
 
 
 def bounded_connections(
@@ -45,7 +94,7 @@ def bounded_connections(
         _head_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            super().connection_made(LingeringClose(transport, self))
             self._arm()
             self._now_idle()
             # uvicorn answers 503 to a request that finds this many connections open: make room
@@ -54,6 +103,9 @@ def bounded_connections(
                 close_oldest(sparing=self)
 
         def data_received(self, data: bytes) -> None:
+            if self.transport.lingering:
+                self.transport.drop(data)
+                return
             if self.conn.their_state is h11.IDLE:
                 self._arm()  # a head begins (or goes on): it has its deadline
             idle.pop(self, None)  # a request is under way

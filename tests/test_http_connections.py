@@ -27,6 +27,13 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 def serving(max_connections: int, idle_per_client: int, head_seconds: float = 30.0):
     app = FastAPI()
     app.get("/health")(lambda: {"status": "ok"})
+
+    @app.post("/early")
+    async def early():  # answered without reading the body, as a body past the bound is
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"error": "too large"}, status_code=413)
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -124,3 +131,17 @@ def test_a_kept_alive_connection_gets_the_head_deadline_again():
             started = time.monotonic()
             assert conn.recv(4096) == b""
             assert 0.7 < time.monotonic() - started < 4
+
+
+def test_a_client_that_reads_only_after_sending_gets_an_early_answer():
+    """urllib sends the whole body before it reads: a server that answers early and closes under
+    it resets the connection (a broken pipe, the 413 lost). The lingering close reads the rest."""
+    import urllib.error
+    import urllib.request
+
+    with serving(max_connections=100, idle_per_client=8) as port:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/early", data=bytes(4 << 20))
+        with pytest.raises(urllib.error.HTTPError) as answered:
+            urllib.request.urlopen(request, timeout=30)
+        assert answered.value.code == 413 and b"too large" in answered.value.read()
+        assert status_of(port) == 200
