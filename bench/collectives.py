@@ -95,6 +95,17 @@ def raw_all_reduce(n: int, nbytes: int, reps: int, trials: int = 1) -> float:
         ipc.close()
 
 
+def wait_until_prepared(dev: MetaDevice, seconds: float = 120.0) -> None:
+    """Until every worker has loaded (or compiled) its loops: the thread doing it holds the GIL
+    for a second or more after a worker starts, and a collective timed meanwhile took 3-9x its
+    time (4 KiB over zmq: 317-798 us, then 97-144)."""
+    deadline = time.monotonic() + seconds
+    while not all(s.get("kernels_prepared", True) for s in dev.stats().values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the workers' kernels were not ready within {seconds:.0f} s")
+        time.sleep(0.1)
+
+
 def ours(dev: MetaDevice, kind: str, nbytes: int, reps: int, trials: int) -> float:
     n, elems = dev.n, max(1, nbytes // 4)
     shape = (elems,)
@@ -128,6 +139,7 @@ def run(quick: bool, worker_counts: list[int], backend: str = "cpu", data_plane:
     for n in worker_counts:
         config = ClusterConfig(workers=n, backend=backend, devices=(0,) * n, data_plane=data_plane)
         with MetaDevice(ProcessCluster(config)) as dev:
+            wait_until_prepared(dev)
             for nbytes in sizes:
                 reps = 20 if nbytes <= 64 << 10 else 3 if nbytes <= (4 << 20) else 2
                 trials = 3 if quick else 5
@@ -171,6 +183,7 @@ def under_load(backend: str = "cpu", data_plane: str = "auto", nbytes: int = 4 <
         try:
             config = ClusterConfig(workers=n, backend=backend, devices=(0,) * n, data_plane=data_plane)
             with MetaDevice(ProcessCluster(config)) as dev:
+                wait_until_prepared(dev)
                 mine = ours(dev, "all_reduce", nbytes, 20, runs)
             raw = raw_all_reduce(n, nbytes, 200, runs)
         finally:

@@ -341,3 +341,53 @@ def test_a_malformed_field_of_one_step_is_named(field, at, bad, says):
     header["f"]["steps"][1][1][1 + at] = bad
     with pytest.raises(ProtocolError, match=re.escape(says)):
         p.decode([msgpack.packb(header), *frames[1:]])
+
+
+# -- the data plane's chunks: a fixed binary header (p.encode_chunk) ------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (2, 3, 4)])
+def test_chunks_of_every_dtype_and_shape_round_trip_under_their_binary_header(dtype, shape):
+    x = (np.arange(int(np.prod(shape))) % 7).astype(DTYPES[dtype]).reshape(shape)
+    frames = p.encode(p.Chunk(3, 2**40, -1, x))
+    assert bytes(frames[0][:4]) == p.CHUNK_MAGIC
+    got, rid = p.decode(frames)
+    assert (got.src, got.run, got.step, rid) == (3, 2**40, -1, 0)
+    assert got.array.dtype == x.dtype and got.array.shape == x.shape
+    assert np.array_equal(got.array.view(np.uint8), x.view(np.uint8)) if shape else got.array == x
+
+
+def _chunk_head(src=1, run=2, step=3, code=1, ndim=1, extents=(4,)) -> bytes:
+    import struct
+
+    return (
+        p.CHUNK_MAGIC + struct.pack("<Iqq BB", src, run, step, code, ndim) + struct.pack(f"<{len(extents)}Q", *extents)
+    )
+
+
+@pytest.mark.parametrize(
+    "frames, says",
+    [
+        ([p.CHUNK_MAGIC + b"\x01\x02"], "shorter than"),
+        ([_chunk_head(ndim=2), bytes(16)], "for 2 dimensions"),  # two dimensions, one extent
+        ([_chunk_head(ndim=40, extents=(1,) * 40), bytes(4)], "for 40 dimensions"),  # past max_ndim
+        ([_chunk_head(code=99), bytes(16)], "dtype code 99"),
+        ([_chunk_head(), bytes(12)], "needs 16 bytes, frames hold 12"),  # float32 x 4
+        ([_chunk_head()], "0 frames"),
+        ([_chunk_head(), bytes(8), bytes(8), bytes(0)], "3 frames for 16 bytes"),
+        ([_chunk_head(extents=(2**40,)), bytes(4)], "exceed the"),
+    ],
+)
+def test_a_malformed_chunk_header_is_a_protocol_error_naming_what(frames, says):
+    with pytest.raises(ProtocolError, match=re.escape(says)):
+        p.decode(frames)
+
+
+@settings(max_examples=500, deadline=None)
+@given(rest=st.binary(max_size=80), frames=st.lists(st.binary(max_size=64), max_size=3))
+def test_random_bytes_after_the_chunk_magic_only_ever_raise_protocol_error(rest, frames):
+    try:
+        p.decode([p.CHUNK_MAGIC + rest, *frames])
+    except ProtocolError:
+        pass

@@ -8,7 +8,9 @@ A message is a msgpack header frame followed by raw buffer frames. The header is
     {"v": version, "t": type, "id": request id, "f": {field: value}, "a": [[dtype, shape, n_frames], ...]}
 Arrays travel as raw frames (split into chunks of at most `Limits.chunk_bytes`), in the order the
 message's array fields are declared. Nothing is pickled. `decode` checks everything and raises
-ProtocolError; it never returns a half-valid message.
+ProtocolError; it never returns a half-valid message. One exception to the msgpack header: the
+data plane's Chunk, the message of every collective, has a fixed binary header (encode_chunk)
+that its magic bytes tell apart.
 """
 
 from __future__ import annotations
@@ -793,7 +795,10 @@ _SCHEMAS = {kind: _field_types(cls) for kind, cls in _REGISTRY.items()}
 
 
 def encode(message: Message, request_id: int = 0, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
-    """Frames for `message`: [header, *array chunks]. Arrays are made contiguous, not copied."""
+    """Frames for `message`: [header, *array chunks]. Arrays are made contiguous, not copied.
+    A Chunk (the data plane's) gets the fixed binary header of encode_chunk."""
+    if type(message) is Chunk:
+        return encode_chunk(message, limits)
     header_fields: dict[str, Any] = {}
     descriptors: list[list[Any]] = []
     frames: list[Any] = []
@@ -816,6 +821,50 @@ def encode(message: Message, request_id: int = 0, limits: Limits = DEFAULT_LIMIT
         "a": descriptors,
     }
     return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+# The data plane's Chunk has a fixed binary header instead of msgpack: a decode step's all-reduce
+# of 4 KiB over ZeroMQ spent ~15 us of its ~85 us packing and unpacking a msgpack header and
+# checking it against the schema (the raw exchange of the same bytes: 58 us). The header: the
+# magic (a first byte no msgpack map has, so decode tells the two apart), src, run, step, the
+# dtype's index in DTYPES, the number of dimensions, then each extent; the array's frames follow.
+CHUNK_MAGIC = b"\x00mtc"
+_CHUNK_HEAD = struct.Struct("<4sIqqBB")
+_DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
+_DTYPE_OF_CODE = tuple(DTYPES.values())
+
+
+def encode_chunk(chunk: Chunk, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    array = np.asarray(chunk.array)
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array).reshape(array.shape)
+    shape = array.shape
+    head = _CHUNK_HEAD.pack(
+        CHUNK_MAGIC, chunk.src, chunk.run, chunk.step, _DTYPE_CODES[dtype_name(array.dtype)], len(shape)
+    )
+    return [head + struct.pack(f"<{len(shape)}Q", *shape), *_chunks(array, limits.chunk_bytes)]
+
+
+def _decode_chunk(head: memoryview, frames: Sequence[Any], limits: Limits) -> Chunk:
+    if head.nbytes < _CHUNK_HEAD.size:
+        _fail(f"chunk header of {head.nbytes} bytes, shorter than {_CHUNK_HEAD.size}")
+    _, src, run, step, code, ndim = _CHUNK_HEAD.unpack_from(head)
+    if ndim > limits.max_ndim or head.nbytes != _CHUNK_HEAD.size + 8 * ndim:
+        _fail(f"chunk header of {head.nbytes} bytes for {ndim} dimensions")
+    if code >= len(_DTYPE_OF_CODE):
+        _fail(f"chunk dtype code {code} is not one of {len(_DTYPE_OF_CODE)}")
+    shape = struct.unpack_from(f"<{ndim}Q", head, _CHUNK_HEAD.size)
+    dtype = _DTYPE_OF_CODE[code]
+    nbytes = prod(shape) * dtype.itemsize
+    if nbytes > limits.array_bytes:
+        _fail(f"chunk: declared {nbytes} bytes exceed the {limits.array_bytes}-byte cap")
+    if not 1 <= len(frames) <= max(1, -(-nbytes // limits.chunk_bytes)) + 1:
+        _fail(f"chunk: {len(frames)} frames for {nbytes} bytes")
+    bufs = [_buffer(f) for f in frames]
+    got = sum(b.nbytes for b in bufs)
+    if got != nbytes:
+        _fail(f"chunk: shape {list(shape)} of {dtype_name(dtype)} needs {nbytes} bytes, frames hold {got}")
+    return Chunk(src, run, step, _assemble(bufs, dtype, shape, nbytes))
 
 
 def _chunks(array: np.ndarray, chunk_bytes: int) -> list[memoryview]:
@@ -876,6 +925,9 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> tuple[Mess
     """(message, request id) from frames, or ProtocolError saying exactly what is wrong."""
     if not frames:
         _fail("empty message")
+    first = _buffer(frames[0])
+    if first[:4] == CHUNK_MAGIC:
+        return _decode_chunk(first, frames[1:], limits), 0
     header = decode_header(frames[0], limits)
     kind = header["t"]
     if type(kind) is not int or kind not in _REGISTRY:

@@ -33,6 +33,7 @@ class Executor:
         self.programs: dict[int, CompiledProgram] = {}
         self.collectives: Collectives | None = None
         self.comm = None
+        self.kernels_prepared = True  # False while prepare_kernels runs in the background
         # a worker process sets this: a loaded program's thousands of objects live until it is
         # unloaded, and leaving them to the garbage collector's full passes cost a load 30-50 ms
         # whenever one came due (measured on SmolLM2's prefill steps). Frozen after a load, they
@@ -41,13 +42,16 @@ class Executor:
 
     def prepare_kernels(self) -> None:
         """Compile every kernel that compiles (numba loops) ahead of the first program using it."""
-        for kernel in self.kernels.values():
-            prepare = getattr(kernel, "prepare", None)
-            if prepare is not None:
-                try:
-                    prepare()
-                except Exception:  # noqa: BLE001 - loading the program that needs it reports it
-                    return
+        try:
+            for kernel in self.kernels.values():
+                prepare = getattr(kernel, "prepare", None)
+                if prepare is not None:
+                    try:
+                        prepare()
+                    except Exception:  # noqa: BLE001 - loading the program that needs it reports it
+                        return
+        finally:
+            self.kernels_prepared = True
 
     def attach(self, comm) -> None:
         self.comm = comm

@@ -151,6 +151,9 @@ class WorkerServer:
             "programs": len(self.executor.programs),
             "runs": self.runs,
             "graphs": self.executor.graph_counts(),
+            # False while the loops still load or compile in the background (their thread holds
+            # the GIL for seconds: timings taken meanwhile are not the worker's own)
+            "kernels_prepared": self.executor.kernels_prepared,
             "data_plane": self.executor.comm.plane if self.world_size else "",
             "routes": self.executor.comm.routes() if self.world_size else {},
             "max_rss_kib": max(_peak_rss_kib(), rss),  # read apart: the peak may trail a page
