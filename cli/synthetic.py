@@ -11,7 +11,9 @@ from models import synthetic
 
 def make(args: argparse.Namespace) -> int:
     base = synthetic.SHAPES[args.shape]
-    sizes = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "context")}
+    sizes = {
+        k: getattr(args, k) for k in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab", "context", "head_size")
+    }
     shape = synthetic.Shape(**{k: getattr(base, k) if v is None else v for k, v in sizes.items()})
     recipe = synthetic.Recipe(
         shape,
@@ -47,7 +49,7 @@ def add(sub) -> None:
     p.add_argument(
         "--shape", default="tiny", choices=sorted(synthetic.SHAPES), help="sizes to start from (%(default)s)"
     )
-    for size in ("layers", "hidden", "ffn", "heads", "kv-heads", "vocab", "context"):
+    for size in ("layers", "hidden", "ffn", "heads", "kv-heads", "vocab", "context", "head-size"):
         p.add_argument(f"--{size}", type=int, default=None, help=f"override the shape's {size}")
     p.add_argument("--weights", default="q4_1", choices=synthetic.WEIGHT_TYPES, help="layer matrices (%(default)s)")
     p.add_argument("--embedding", default="q8_0", choices=synthetic.WEIGHT_TYPES, help="(default: %(default)s)")
@@ -56,7 +58,10 @@ def add(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="the weights' seed (%(default)s)")
     p.add_argument(
-        "--architecture", default="llama", choices=synthetic.ARCHITECTURES, help="qwen2: q/k/v biases (%(default)s)"
+        "--architecture",
+        default="llama",
+        choices=synthetic.ARCHITECTURES,
+        help="qwen2: q/k/v biases; qwen3: q/k norms (%(default)s)",
     )
     p.add_argument("--rope-factors", action="store_true", help="Llama 3.1's rope frequency factors (rope_freqs)")
     p.add_argument("--rope-scale", type=float, default=1.0, help="linear rope scaling's factor (%(default)s)")

@@ -61,13 +61,16 @@ LAYER_TENSORS = {
     "w_gate": "ffn_gate",
     "w_up": "ffn_up",
     "w_down": "ffn_down",
+    "q_norm": "attn_q_norm",  # Qwen3's: each head's query and key RMS-normed before rope
+    "k_norm": "attn_k_norm",
 }
 TOP_TENSORS = {"embed": "token_embd", "norm": "output_norm", "output": "output"}
 LAYER_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # blk.N.*.bias: Qwen2's, optional in llama's
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency factors
 # general.architecture -> how llama.cpp rotates its q and k (llama_model_rope_type): adjacent pairs
-# for llama (its converter permutes the rows for it), the halves (NeoX) for qwen2
-ARCHITECTURES = {"llama": "normal", "qwen2": "neox"}
+# for llama (its converter permutes the rows for it), the halves (NeoX) for qwen2 and qwen3
+ARCHITECTURES = {"llama": "normal", "qwen2": "neox", "qwen3": "neox"}
+QK_NORM_ARCHITECTURES = ("qwen3",)  # whose layers RMS-norm each head's query and key (attn_q_norm, attn_k_norm)
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,7 @@ class GGUFModel:
             shown = repr(arch) if len(repr(arch)) <= 40 else repr(arch)[:40] + "..."
             raise ModelError(
                 f"{self.path.name}: architecture {shown} is not supported; this decoder runs "
-                f"{' and '.join(ARCHITECTURES)} GGUF files (Llama 2 and 3, Mistral, TinyLlama, SmolLM, Qwen2)"
+                f"{', '.join(ARCHITECTURES)} GGUF files (Llama 2 and 3, Mistral, TinyLlama, SmolLM, Qwen2, Qwen3)"
             )
         self.arch = arch
         self._check_types()
@@ -245,6 +248,12 @@ class GGUFModel:
     def config(self) -> LlamaConfig:
         hidden = self.meta_int(self._key("embedding_length"), low=0)
         heads = self.meta_int(self._key("attention.head_count"), low=0)
+        # a head's size: attention.key_length where the file gives one (Qwen3's 128 with a hidden
+        # of 1,024 and 16 heads), else hidden / heads, as llama.cpp's n_embd_head_k
+        head_size = None
+        if self._key("attention.key_length") in self.file.fields:
+            head_size = self.meta_int(self._key("attention.key_length"), low=0, high=MAX_SIZE)
+        head_dim = head_size if head_size is not None else hidden // heads if heads else 0
         return LlamaConfig(
             hidden=hidden,
             layers=self.meta_int(self._key("block_count"), low=0, high=MAX_LAYERS),
@@ -256,8 +265,10 @@ class GGUFModel:
             rope_base=self.meta_float(self._key("rope.freq_base"), 10000.0),
             rope_mode=ARCHITECTURES[self.arch],
             tied="output.weight" not in self.tensors,
-            rope_freqs=self._rope_freqs(hidden // heads if heads else 0),  # check() refuses a bad head size
+            rope_freqs=self._rope_freqs(head_dim),  # check() refuses a bad head size
             qkv_bias="blk.0.attn_q.bias" in self.tensors,
+            head_size=head_size if head_size is not None and head_size * heads != hidden else None,
+            qk_norm=self.arch in QK_NORM_ARCHITECTURES,
         )
 
     def check(self) -> None:
@@ -269,8 +280,14 @@ class GGUFModel:
         for what, size in sizes.items():
             if size <= 0:
                 raise ModelError(f"{name}: {what} is {size} in the metadata; it must be positive")
-        if cfg.hidden % cfg.heads:
+        if cfg.head_size is None and cfg.hidden % cfg.heads:
             raise ModelError(f"{name}: hidden size {cfg.hidden} is not divisible by the {cfg.heads} attention heads")
+        values = self.meta_int(self._key("attention.value_length"), cfg.head_dim, low=0, high=MAX_SIZE)
+        if values != cfg.head_dim:
+            raise ModelError(
+                f"{name}: attention.value_length {values} differs from the key length {cfg.head_dim}; "
+                "only heads whose keys and values are of one size are supported"
+            )
         if cfg.heads % cfg.kv_heads:
             raise ModelError(f"{name}: {cfg.heads} attention heads are not divisible by the {cfg.kv_heads} KV heads")
         if cfg.head_dim % 2:
@@ -346,15 +363,17 @@ class GGUFModel:
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Each weight's shape in ggml order (innermost first) as the configuration implies it."""
         cfg = self.config
-        kv = cfg.kv_heads * cfg.head_dim
+        kv, q = cfg.kv_heads * cfg.head_dim, cfg.heads * cfg.head_dim
         shapes = {"embed": (cfg.hidden, cfg.vocab), "norm": (cfg.hidden,)}
         if not cfg.tied:
             shapes["output"] = (cfg.hidden, cfg.vocab)
-        layer = {"attn_norm": (cfg.hidden,), "ffn_norm": (cfg.hidden,), "wq": (cfg.hidden, cfg.hidden)}
-        layer.update(wk=(cfg.hidden, kv), wv=(cfg.hidden, kv), wo=(cfg.hidden, cfg.hidden))
+        layer = {"attn_norm": (cfg.hidden,), "ffn_norm": (cfg.hidden,), "wq": (cfg.hidden, q)}
+        layer.update(wk=(cfg.hidden, kv), wv=(cfg.hidden, kv), wo=(q, cfg.hidden))
+        if cfg.qk_norm:
+            layer.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
         layer.update(w_gate=(cfg.hidden, cfg.ffn), w_up=(cfg.hidden, cfg.ffn), w_down=(cfg.ffn, cfg.hidden))
         if cfg.qkv_bias:
-            layer.update(bq=(cfg.hidden,), bk=(kv,), bv=(kv,))
+            layer.update(bq=(q,), bk=(kv,), bv=(kv,))
         for i in range(cfg.layers):
             shapes.update({f"l{i}.{key}": shape for key, shape in layer.items()})
         return shapes

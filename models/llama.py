@@ -54,10 +54,14 @@ class LlamaConfig:
     # 3.1's 1 / frequency factor), None: 1
     rope_freqs: tuple[float, ...] | None = None
     qkv_bias: bool = False  # biases added to q, k and v (Qwen2)
+    # a head's size where it is not hidden / heads (Qwen3: 128 for a 1,024 hidden and 16 heads;
+    # the file's attention.key_length), None: hidden / heads
+    head_size: int | None = None
+    qk_norm: bool = False  # each head's query and key RMS-normed (times q_norm, k_norm) before rope (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
 
     @property
     def group(self) -> int:
@@ -85,6 +89,8 @@ def random_weights(cfg: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict[st
             f"l{i}.w_up": w((h, cfg.ffn), h),
             f"l{i}.w_down": w((cfg.ffn, h), cfg.ffn),
         }
+        if cfg.qk_norm:
+            out |= {f"l{i}.{n}": (1 + 0.1 * rng.standard_normal(hd)).astype(dtype) for n in QK_NORMS}
         if cfg.qkv_bias:
             out |= {f"l{i}.bq": w((cfg.heads * hd,), 4.0)}
             out |= {f"l{i}.{b}": w((cfg.kv_heads * hd,), 4.0) for b in ("bk", "bv")}
@@ -136,8 +142,10 @@ class ReferenceDecoder:
             h = self._norm(x, w[p + "attn_norm"])
             q, k, v = (h @ w[p + n] + (w[p + b] if cfg.qkv_bias else 0) for n, b in QKV)
             rotate = (positions, cfg.rope_base, cfg.rope_mode, cfg.rope_freqs)
-            q = ref.rope(q.reshape(batch, t, cfg.heads, hd), *rotate)
-            k = ref.rope(k.reshape(batch, t, cfg.kv_heads, hd), *rotate)
+            q, k = q.reshape(batch, t, cfg.heads, hd), k.reshape(batch, t, cfg.kv_heads, hd)
+            if cfg.qk_norm:  # each head's vector RMS-normed, before rope
+                q, k = self._norm(q, w[p + "q_norm"]), self._norm(k, w[p + "k_norm"])
+            q, k = ref.rope(q, *rotate), ref.rope(k, *rotate)
             v = v.reshape(batch, t, cfg.kv_heads, hd)
             for b in range(batch):
                 self.k[i][b][:, positions[b]] = k[b].transpose(1, 0, 2)
@@ -232,6 +240,7 @@ LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate_up", "
 LAYER_WEIGHTS_FUSED = ("attn_norm", "w_qkv", "wo", "ffn_norm", "w_gate_up", "w_down")  # with fuse_qkv
 QKV = (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))  # the attention's input products and their biases
 QKV_BIASES = tuple(b for _, b in QKV)  # a layer's further weights with LlamaConfig.qkv_bias
+QK_NORMS = ("q_norm", "k_norm")  # a layer's further weights with LlamaConfig.qk_norm: one head's size each
 PREFILL_STEPS = 16  # prefill chains a model keeps (one per padded length, pool, logits, slot or not)
 PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
 
@@ -410,6 +419,8 @@ class TensorParallelLlama:
             p = f"l{i}."
             place(p + "attn_norm", MIRRORED)
             place(p + "ffn_norm", MIRRORED)
+            for norm in QK_NORMS if cfg.qk_norm else ():
+                place(p + norm, MIRRORED)  # a head's size: every device's heads use all of it
             if fuse_qkv:
                 qkv_parts = (("wq", q_cols), ("wk", kv_cols), ("wv", kv_cols))
                 self.w[p + "w_qkv"] = self._fused(source, p, qkv_parts, "w_qkv")
@@ -720,7 +731,7 @@ class TensorParallelLlama:
     def _layer_names(self) -> tuple[str, ...]:
         """A layer's weights: LAYER_WEIGHTS, and the q, k, v biases of a model with them."""
         names = LAYER_WEIGHTS_FUSED if self.fuse_qkv else LAYER_WEIGHTS
-        return names + (QKV_BIASES if self.cfg.qkv_bias else ())
+        return names + (QKV_BIASES if self.cfg.qkv_bias else ()) + (QK_NORMS if self.cfg.qk_norm else ())
 
     def _layer_weights(self, i: int) -> tuple[dict[str, Tensor], dict[str, str | None]]:
         """Layer i's weights and the format of each kept quantized (None: float), by name."""
@@ -761,8 +772,11 @@ class TensorParallelLlama:
         if cfg.qkv_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         rotate = (pos, cfg.rope_base, cfg.rope_mode, cfg.rope_freqs)
-        q = q.reshape(batch, t, cfg.heads, hd).rope(*rotate)
-        k = k.reshape(batch, t, self.kv_heads, hd).rope(*rotate)
+        q, k = q.reshape(batch, t, cfg.heads, hd), k.reshape(batch, t, self.kv_heads, hd)
+        if cfg.qk_norm:  # each head's vector RMS-normed, before rope (llama.cpp's qwen3)
+            q = q.rms_norm(eps=cfg.eps) * w["q_norm"]
+            k = k.rms_norm(eps=cfg.eps) * w["k_norm"]
+        q, k = q.rope(*rotate), k.rope(*rotate)
         v = v.reshape(batch, t, self.kv_heads, hd)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, kv, t, hd)
         cache_k = cache_k.set_rows(pos, k, axis=2, **at)  # in place, (b, kv, ctx, hd)

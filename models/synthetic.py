@@ -48,6 +48,7 @@ class Shape:
     kv_heads: int
     vocab: int | None = None
     context: int = 2048
+    head_size: int | None = None  # a head's size where it is not hidden / heads (Qwen3's key_length)
 
     def __post_init__(self):
         for what in ("layers", "hidden", "ffn", "heads", "kv_heads", "context"):
@@ -56,21 +57,24 @@ class Shape:
                 raise SyntheticError(f"synthetic shape: {what} must be a positive integer, not {value!r}")
         if self.vocab is not None and (not isinstance(self.vocab, int) or self.vocab <= 0):
             raise SyntheticError(f"synthetic shape: vocab must be a positive integer, not {self.vocab!r}")
-        if self.hidden % self.heads:
+        if self.head_size is not None and (not isinstance(self.head_size, int) or self.head_size <= 0):
+            raise SyntheticError(f"synthetic shape: head_size must be a positive integer, not {self.head_size!r}")
+        if self.head_size is None and self.hidden % self.heads:
             raise SyntheticError(f"synthetic shape: hidden {self.hidden} is not divisible by {self.heads} heads")
         if self.heads % self.kv_heads:
             raise SyntheticError(f"synthetic shape: {self.heads} heads are not divisible by {self.kv_heads} KV heads")
-        if (self.hidden // self.heads) % 2:
-            raise SyntheticError(f"synthetic shape: head size {self.hidden // self.heads} is odd; rope rotates pairs")
+        if self.head_dim % 2:
+            raise SyntheticError(f"synthetic shape: head size {self.head_dim} is odd; rope rotates pairs")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size if self.head_size is not None else self.hidden // self.heads
 
     def __str__(self) -> str:
         vocab = "" if self.vocab is None else f", vocab {self.vocab}"
+        head = "" if self.head_size is None else f" of {self.head_size}"
         return (
-            f"{self.layers} layers, hidden {self.hidden}, ffn {self.ffn}, {self.heads} heads / "
+            f"{self.layers} layers, hidden {self.hidden}, ffn {self.ffn}, {self.heads} heads{head} / "
             f"{self.kv_heads} KV{vocab}"
         )
 
@@ -105,7 +109,9 @@ _FACTORS = {
 }
 
 
-ARCHITECTURES = ("llama", "qwen2")  # qwen2: biases on q, k and v; llama.cpp rotates its halves (NeoX)
+# qwen2: biases on q, k and v; qwen3: each head's query and key RMS-normed (attn_q_norm,
+# attn_k_norm); llama.cpp rotates both's halves (NeoX)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -141,7 +147,7 @@ class Recipe:
     def tensors(self, vocab: int) -> Iterator[tuple[str, tuple[int, int] | tuple[int], str]]:
         """(GGUF name, NumPy shape, type) of every tensor, in llama.cpp's order."""
         s = self.shape
-        kv = s.kv_heads * s.head_dim
+        kv, q = s.kv_heads * s.head_dim, s.heads * s.head_dim
         yield "token_embd.weight", (vocab, s.hidden), self.embedding
         yield "output_norm.weight", (s.hidden,), "f32"
         if self.output is not None:
@@ -150,14 +156,17 @@ class Recipe:
             yield "rope_freqs.weight", (s.head_dim // 2,), "f32"
         for i in range(s.layers):
             yield f"blk.{i}.attn_norm.weight", (s.hidden,), "f32"
-            yield f"blk.{i}.attn_q.weight", (s.hidden, s.hidden), self.weights
+            yield f"blk.{i}.attn_q.weight", (q, s.hidden), self.weights
             yield f"blk.{i}.attn_k.weight", (kv, s.hidden), self.weights
             yield f"blk.{i}.attn_v.weight", (kv, s.hidden), self.weights
             if self.architecture == "qwen2":
-                yield f"blk.{i}.attn_q.bias", (s.hidden,), "f32"
+                yield f"blk.{i}.attn_q.bias", (q,), "f32"
                 yield f"blk.{i}.attn_k.bias", (kv,), "f32"
                 yield f"blk.{i}.attn_v.bias", (kv,), "f32"
-            yield f"blk.{i}.attn_output.weight", (s.hidden, s.hidden), self.weights
+            if self.architecture == "qwen3":
+                yield f"blk.{i}.attn_q_norm.weight", (s.head_dim,), "f32"
+                yield f"blk.{i}.attn_k_norm.weight", (s.head_dim,), "f32"
+            yield f"blk.{i}.attn_output.weight", (s.hidden, q), self.weights
             yield f"blk.{i}.ffn_norm.weight", (s.hidden,), "f32"
             yield f"blk.{i}.ffn_gate.weight", (s.ffn, s.hidden), self.weights
             yield f"blk.{i}.ffn_up.weight", (s.ffn, s.hidden), self.weights
@@ -216,6 +225,9 @@ def write(path: str | Path, recipe: Recipe, vocabulary: str | Path | None = None
     writer.add_uint32(f"{arch}.rope.dimension_count", s.head_dim)
     writer.add_uint32(f"{arch}.attention.head_count", s.heads)
     writer.add_uint32(f"{arch}.attention.head_count_kv", s.kv_heads)
+    if s.head_size is not None or arch == "qwen3":  # as Qwen3's converter writes them
+        writer.add_uint32(f"{arch}.attention.key_length", s.head_dim)
+        writer.add_uint32(f"{arch}.attention.value_length", s.head_dim)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
     if recipe.rope_scale != 1.0:

@@ -40,12 +40,15 @@ class Case:
     rope_factors: bool = False
     rope_scale: float = 1.0
     vocabulary: str | None = None  # a tests/data file whose vocabulary to copy; None: bytes made here
+    head_size: int | None = None  # a head's size where it is not hidden / heads (Qwen3's)
 
     def recipe(self):
         from models import synthetic
 
         vocab = None if self.vocabulary else self.vocab
-        shape = synthetic.Shape(self.layers, self.hidden, self.ffn, self.heads, self.kv_heads, vocab, 128)
+        shape = synthetic.Shape(
+            self.layers, self.hidden, self.ffn, self.heads, self.kv_heads, vocab, 128, self.head_size
+        )
         return synthetic.Recipe(
             shape,
             weights="f32",
@@ -75,6 +78,8 @@ CASES = (
     Case("linear-rope-x4", 2, 256, 512, 4, 2, output=None, seed=5, rope_scale=4.0, prompt=LONG),
     Case("qwen2", 2, 256, 384, 8, 2, output="f32", seed=6, architecture="qwen2"),
     Case("llama2-spm", 2, 128, 256, 4, 4, output="f32", seed=7, steps=4, vocabulary="ggml-vocab-llama-spm.gguf"),
+    # Qwen3: each head's query and key RMS-normed before rope, heads of 64 where hidden / heads is 32
+    Case("qwen3", 2, 256, 384, 8, 2, output=None, seed=8, architecture="qwen3", head_size=64),
 )
 
 

@@ -285,7 +285,7 @@ def test_the_command_makes_a_vocabulary_where_no_model_is_installed(tmp_path, mo
     monkeypatch.setattr(synthetic, "default_vocabulary", lambda: None)
     args = argparse.Namespace(
         out=str(tmp_path / "m.gguf"), shape="tiny", layers=1, hidden=None, ffn=None, heads=None, kv_heads=None,
-        vocab=1000, context=None, weights="q8_0", embedding="q8_0", output=None, seed=0, vocabulary="",
+        vocab=1000, context=None, head_size=None, weights="q8_0", embedding="q8_0", output=None, seed=0, vocabulary="",
         architecture="llama", rope_factors=False, rope_scale=1.0,
     )  # fmt: skip
     assert command.make(args) == 0
@@ -359,3 +359,23 @@ def test_the_ffn_splits_on_the_largest_block_of_a_mixed_format_files_down_weight
     finally:
         dev.close()
     np.testing.assert_allclose(got, expected, atol=2e-3, rtol=0)
+
+
+def test_a_qwen3_file_with_heads_of_their_own_size_decodes_alike_native_and_float(tmp_path):
+    """Qwen3's q and k norms and heads of 64 where hidden / heads is 32, its matrices kept in
+    Q8_0 on two workers: greedy text equal to the float32 path's (which tests/test_llama_cpp_logits.py
+    holds to llama.cpp's logits), with exact and 8-bit activations."""
+    shape = synthetic.Shape(layers=2, hidden=256, ffn=512, heads=8, kv_heads=2, context=128, head_size=64)
+    recipe = synthetic.Recipe(shape, weights="q8_0", embedding="q8_0", seed=2, architecture="qwen3")
+    path = synthetic.write(tmp_path / "qwen3.gguf", recipe, synthetic.default_vocabulary() or synthetic.BYTES).path
+    cfg = GGUFModel(path).config
+    assert (cfg.head_dim, cfg.qk_norm, cfg.rope_mode) == (64, True, "neox")
+
+    def text(*flags: str) -> str:
+        args = ("generate", "-m", str(path), "Once upon a time", "-n", "12", "-c", "64", "--workers", "2", *flags)
+        done = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, timeout=240)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        return done.stdout.decode()
+
+    float32 = text("--weights", "f32")
+    assert float32.strip() and text("--activations", "f32") == float32 == text("--activations", "q8")

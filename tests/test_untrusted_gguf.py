@@ -194,6 +194,11 @@ META_CASES = {
         "must be a list of str",
     ),
     "a one-token vocabulary": (sizes() + [field("tokenizer.ggml.tokens", ARRAY, (STRING, ["a"]))], "a vocabulary of 1"),
+    "values of another size than keys": (
+        sizes(**{"attention.key_length": 4, "attention.value_length": 8}) + [VOCAB],
+        "value_length 8 differs from the key length 4",
+    ),
+    "heads of an odd size": (sizes(**{"attention.key_length": 3}) + [VOCAB], "head size 3 is odd"),
 }
 # fields read past check(), by what reads them (the file has no tensors to pass check() with)
 READ_CASES = {
