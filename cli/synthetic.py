@@ -61,7 +61,7 @@ def add(sub) -> None:
         "--architecture",
         default="llama",
         choices=synthetic.ARCHITECTURES,
-        help="qwen2: q/k/v biases; qwen3: q/k norms (%(default)s)",
+        help="qwen2: q/k/v biases; qwen3: q/k norms; phi3: fused qkv and gate|up (%(default)s)",
     )
     p.add_argument("--rope-factors", action="store_true", help="Llama 3.1's rope frequency factors (rope_freqs)")
     p.add_argument("--rope-scale", type=float, default=1.0, help="linear rope scaling's factor (%(default)s)")

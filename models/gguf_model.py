@@ -69,8 +69,12 @@ LAYER_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # blk.N.*.bias:
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency factors
 # general.architecture -> how llama.cpp rotates its q and k (llama_model_rope_type): adjacent pairs
 # for llama (its converter permutes the rows for it), the halves (NeoX) for qwen2 and qwen3
-ARCHITECTURES = {"llama": "normal", "qwen2": "neox", "qwen3": "neox"}
+ARCHITECTURES = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "phi3": "neox"}
 QK_NORM_ARCHITECTURES = ("qwen3",)  # whose layers RMS-norm each head's query and key (attn_q_norm, attn_k_norm)
+# weights a file may hold fused in one GGUF tensor, its rows one part after another (Phi-3's):
+# q | k | v in attn_qkv, and gate | up in ffn_up where the file has no ffn_gate
+FUSED_PARTS = {"wq": ("attn_qkv", 0), "wk": ("attn_qkv", 1), "wv": ("attn_qkv", 2)}
+FUSED_PARTS |= {"w_gate": ("ffn_up", 0), "w_up": ("ffn_up", 1)}
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,8 @@ class GGUFModel:
             shown = repr(arch) if len(repr(arch)) <= 40 else repr(arch)[:40] + "..."
             raise ModelError(
                 f"{self.path.name}: architecture {shown} is not supported; this decoder runs "
-                f"{', '.join(ARCHITECTURES)} GGUF files (Llama 2 and 3, Mistral, TinyLlama, SmolLM, Qwen2, Qwen3)"
+                f"{', '.join(ARCHITECTURES)} GGUF files "
+                "(Llama 2 and 3, Mistral, TinyLlama, SmolLM, Qwen2, Qwen3, Phi-3)"
             )
         self.arch = arch
         self._check_types()
@@ -269,7 +274,16 @@ class GGUFModel:
             qkv_bias="blk.0.attn_q.bias" in self.tensors,
             head_size=head_size if head_size is not None and head_size * heads != hidden else None,
             qk_norm=self.arch in QK_NORM_ARCHITECTURES,
+            window=self._window(),
         )
+
+    def _window(self) -> int | None:
+        """The sliding window of every layer's attention, or None. Phi-3 files carry one
+        (attention.sliding_window, 2047 in Phi-3-mini-4k) that llama.cpp reads and then turns off
+        ("Phi SWA is currently disabled": every position attends to all before it), so its logits
+        are those of no window, and so are ours (tests/llama_cpp_cases.py's phi3 case holds a
+        window of 6 that llama.cpp's logits show unapplied)."""
+        return None
 
     def check(self) -> None:
         """The configuration, and every tensor's shape against it: what would otherwise surface as
@@ -297,7 +311,7 @@ class GGUFModel:
         self._check_unread()
         _ = self.token_types
         for weight, shape in self.expected_shapes().items():
-            got = self._tensor(weight).shape
+            got = self._shape(weight)
             if got != shape:
                 raise ModelError(
                     f"{name}: tensor {self._gguf_name(weight)} has shape {list(got)}, but the metadata "
@@ -382,14 +396,48 @@ class GGUFModel:
     def context_length(self) -> int:
         return self.meta_int(self._key("context_length"), 2048, low=0)
 
-    @staticmethod
-    def _gguf_name(name: str) -> str:
+    def _gguf_name(self, name: str) -> str:
         if "." in name:
             layer, key = name.split(".", 1)
             if key in LAYER_BIASES:
                 return f"blk.{layer[1:]}.{LAYER_BIASES[key]}.bias"
+            if self._part(key) is not None:
+                return f"blk.{layer[1:]}.{FUSED_PARTS[key][0]}.weight"
             return f"blk.{layer[1:]}.{LAYER_TENSORS[key]}.weight"
         return f"{TOP_TENSORS[name]}.weight"
+
+    def _part(self, key: str) -> slice | None:
+        """The rows of layer weight `key` in the fused tensor that holds it (FUSED_PARTS), or None
+        where the file holds it alone."""
+        fused = FUSED_PARTS.get(key)
+        if fused is None:
+            return None
+        tensor, index = fused
+        if tensor == "attn_qkv" and "blk.0.attn_qkv.weight" not in self.tensors:
+            return None
+        if tensor == "ffn_up" and "blk.0.ffn_gate.weight" in self.tensors:
+            return None
+        cfg = self.config
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        sizes = (q, kv, kv) if tensor == "attn_qkv" else (cfg.ffn, cfg.ffn)
+        start = sum(sizes[:index])
+        return slice(start, start + sizes[index])
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """Weight `name`'s shape in ggml order: its tensor's, or its rows' of a fused tensor (whose
+        rows must then be all its parts')."""
+        shape = self._tensor(name).shape
+        rows = self._part(name.split(".", 1)[1]) if "." in name else None
+        if rows is None:
+            return shape
+        fused, _ = FUSED_PARTS[name.split(".", 1)[1]]
+        parts = [self._part(k) for k, (t, _) in FUSED_PARTS.items() if t == fused]
+        if len(shape) != 2 or shape[1] != max(p.stop for p in parts):
+            raise ModelError(
+                f"{self.path.name}: tensor {self._gguf_name(name)} has shape {list(shape)}, but the metadata "
+                f"needs {max(p.stop for p in parts)} rows (its parts, one after another)"
+            )
+        return (shape[0], rows.stop - rows.start)
 
     def _tensor(self, name: str):
         t = self.tensors.get(self._gguf_name(name))
@@ -420,6 +468,9 @@ class GGUFModel:
         if fmt is None or t.data.ndim != 2:
             return self.weight(name)
         data = t.data.view(np.uint8)  # the file's bytes (F16 reads as float16)
+        part = self._part(name.split(".", 1)[1]) if "." in name else None
+        if part is not None:  # its rows of a fused tensor: a view still
+            data = data[part]
         rows, row_bytes = data.shape
         if row_bytes % fmt.block_bytes:
             raise ModelError(
@@ -455,6 +506,9 @@ class GGUFModel:
         t = self._tensor(name)
         array = self._gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(reversed(t.shape)))
+        part = self._part(name.split(".", 1)[1]) if "." in name else None
+        if part is not None:  # its rows of a fused tensor
+            array = array[part]
         if array.ndim == 2 and name != "embed":
             array = np.ascontiguousarray(array.T)  # (out, in) -> (in, out) for x @ W
         return array

@@ -58,6 +58,9 @@ class LlamaConfig:
     # the file's attention.key_length), None: hidden / heads
     head_size: int | None = None
     qk_norm: bool = False  # each head's query and key RMS-normed (times q_norm, k_norm) before rope (Qwen3)
+    # sliding-window attention on every layer (Phi-3's attention.sliding_window): a token sees the
+    # positions less than `window` before its own, as llama.cpp's standard SWA; None: all before it
+    window: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -136,6 +139,8 @@ class ReferenceDecoder:
         batch, t = tokens.shape
         x = w["embed"][tokens]  # (batch, tokens, hidden)
         keep = np.arange(self.ctx)[None, None, :] <= positions[:, :, None]  # (batch, tokens, ctx)
+        if cfg.window is not None:
+            keep &= np.arange(self.ctx)[None, None, :] > positions[:, :, None] - cfg.window
         mask = np.where(keep, 0.0, -np.inf).astype(np.float32)
         for i in range(cfg.layers):
             p = f"l{i}."
@@ -449,6 +454,12 @@ class TensorParallelLlama:
         # serves every slot of a server (8 slots x 8 lengths were 64 steps for 16 kept)
         self._prefills: dict[tuple, object] = {}
         self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, 1, 1, 1, ctx))
+        # each cached position plus the window: the first position that no longer sees it
+        self.window_ends = None
+        if cfg.window is not None:
+            self.window_ends = dev.tensor(
+                (np.arange(ctx, dtype=np.int64) + cfg.window).astype(np.int32).reshape(self.positions_ctx.shape)
+            )
         self.zero = dev.tensor(np.float32(0))
         self.minus_inf = dev.tensor(np.float32(-np.inf))
 
@@ -541,11 +552,17 @@ class TensorParallelLlama:
         a step, so every layer reads the same one (the attention kernels find its used positions
         once a run)."""
         batch, t = pos.shape
+        cached, ends = self.positions_ctx, self.window_ends
         if self.heads.shared:
-            keep = self.positions_ctx.reshape(1, 1, self.ctx) <= pos.reshape(batch, t, 1)
+            seeing = pos.reshape(batch, t, 1)
+            cached = cached.reshape(1, 1, self.ctx)
+            ends = ends.reshape(1, 1, self.ctx) if ends is not None else None
         else:
-            keep = self.positions_ctx <= pos.reshape(batch, 1, 1, t, 1)
-        return where(keep, self.zero, self.minus_inf)
+            seeing = pos.reshape(batch, 1, 1, t, 1)
+        mask = where(cached <= seeing, self.zero, self.minus_inf)
+        if ends is not None:  # and only the last `window` positions (sliding-window attention)
+            mask = where(ends > seeing, mask, self.minus_inf)
+        return mask
 
     def prefill(
         self, prompts: Sequence[Sequence[int]], start: int, pool: int, logits: bool = False, slot: int | None = None

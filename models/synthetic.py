@@ -110,8 +110,9 @@ _FACTORS = {
 
 
 # qwen2: biases on q, k and v; qwen3: each head's query and key RMS-normed (attn_q_norm,
-# attn_k_norm); llama.cpp rotates both's halves (NeoX)
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# attn_k_norm); phi3: q | k | v in one tensor (attn_qkv) and gate | up in ffn_up, a sliding window
+# with Recipe.window; llama.cpp rotates the three's halves (NeoX)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,13 @@ class Recipe:
     architecture: str = "llama"
     rope_factors: bool = False
     rope_scale: float = 1.0
+    window: int | None = None  # phi3's attention.sliding_window
 
     def __post_init__(self):
+        if self.window is not None and (
+            self.architecture != "phi3" or not isinstance(self.window, int) or self.window < 1
+        ):
+            raise SyntheticError(f"synthetic window {self.window!r}: a positive integer, for --architecture phi3")
         if self.architecture not in ARCHITECTURES:
             known = ", ".join(ARCHITECTURES)
             raise SyntheticError(f"synthetic architecture {self.architecture!r}: choose one of {known}")
@@ -156,9 +162,12 @@ class Recipe:
             yield "rope_freqs.weight", (s.head_dim // 2,), "f32"
         for i in range(s.layers):
             yield f"blk.{i}.attn_norm.weight", (s.hidden,), "f32"
-            yield f"blk.{i}.attn_q.weight", (q, s.hidden), self.weights
-            yield f"blk.{i}.attn_k.weight", (kv, s.hidden), self.weights
-            yield f"blk.{i}.attn_v.weight", (kv, s.hidden), self.weights
+            if self.architecture == "phi3":
+                yield f"blk.{i}.attn_qkv.weight", (q + 2 * kv, s.hidden), self.weights
+            else:
+                yield f"blk.{i}.attn_q.weight", (q, s.hidden), self.weights
+                yield f"blk.{i}.attn_k.weight", (kv, s.hidden), self.weights
+                yield f"blk.{i}.attn_v.weight", (kv, s.hidden), self.weights
             if self.architecture == "qwen2":
                 yield f"blk.{i}.attn_q.bias", (q,), "f32"
                 yield f"blk.{i}.attn_k.bias", (kv,), "f32"
@@ -168,8 +177,11 @@ class Recipe:
                 yield f"blk.{i}.attn_k_norm.weight", (s.head_dim,), "f32"
             yield f"blk.{i}.attn_output.weight", (s.hidden, q), self.weights
             yield f"blk.{i}.ffn_norm.weight", (s.hidden,), "f32"
-            yield f"blk.{i}.ffn_gate.weight", (s.ffn, s.hidden), self.weights
-            yield f"blk.{i}.ffn_up.weight", (s.ffn, s.hidden), self.weights
+            if self.architecture == "phi3":
+                yield f"blk.{i}.ffn_up.weight", (2 * s.ffn, s.hidden), self.weights
+            else:
+                yield f"blk.{i}.ffn_gate.weight", (s.ffn, s.hidden), self.weights
+                yield f"blk.{i}.ffn_up.weight", (s.ffn, s.hidden), self.weights
             yield f"blk.{i}.ffn_down.weight", (s.hidden, s.ffn), self.weights
 
     def check(self, vocab: int) -> None:
@@ -230,6 +242,8 @@ def write(path: str | Path, recipe: Recipe, vocabulary: str | Path | None = None
         writer.add_uint32(f"{arch}.attention.value_length", s.head_dim)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    if recipe.window is not None:
+        writer.add_uint32(f"{arch}.attention.sliding_window", recipe.window)
     if recipe.rope_scale != 1.0:
         writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_float32(f"{arch}.rope.scaling.factor", float(recipe.rope_scale))

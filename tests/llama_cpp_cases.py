@@ -41,6 +41,7 @@ class Case:
     rope_scale: float = 1.0
     vocabulary: str | None = None  # a tests/data file whose vocabulary to copy; None: bytes made here
     head_size: int | None = None  # a head's size where it is not hidden / heads (Qwen3's)
+    window: int | None = None  # Phi-3's sliding window
 
     def recipe(self):
         from models import synthetic
@@ -58,6 +59,7 @@ class Case:
             architecture=self.architecture,
             rope_factors=self.rope_factors,
             rope_scale=self.rope_scale,
+            window=self.window,
         )
 
     def write(self, folder: Path) -> Path:
@@ -80,6 +82,22 @@ CASES = (
     Case("llama2-spm", 2, 128, 256, 4, 4, output="f32", seed=7, steps=4, vocabulary="ggml-vocab-llama-spm.gguf"),
     # Qwen3: each head's query and key RMS-normed before rope, heads of 64 where hidden / heads is 32
     Case("qwen3", 2, 256, 384, 8, 2, output=None, seed=8, architecture="qwen3", head_size=64),
+    # Phi-3: q | k | v and gate | up fused in one tensor each; a sliding window of 6 in the file,
+    # which llama.cpp turns off for phi3 (its logits past position 6 show it unapplied)
+    Case(
+        "phi3-window-6",
+        2,
+        256,
+        384,
+        8,
+        4,
+        output="f32",
+        seed=9,
+        architecture="phi3",
+        window=6,
+        prompt=LONG,
+        vocabulary="ggml-vocab-phi-3.gguf",
+    ),
 )
 
 

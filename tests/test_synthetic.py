@@ -361,15 +361,19 @@ def test_the_ffn_splits_on_the_largest_block_of_a_mixed_format_files_down_weight
     np.testing.assert_allclose(got, expected, atol=2e-3, rtol=0)
 
 
-def test_a_qwen3_file_with_heads_of_their_own_size_decodes_alike_native_and_float(tmp_path):
-    """Qwen3's q and k norms and heads of 64 where hidden / heads is 32, its matrices kept in
-    Q8_0 on two workers: greedy text equal to the float32 path's (which tests/test_llama_cpp_logits.py
-    holds to llama.cpp's logits), with exact and 8-bit activations."""
-    shape = synthetic.Shape(layers=2, hidden=256, ffn=512, heads=8, kv_heads=2, context=128, head_size=64)
-    recipe = synthetic.Recipe(shape, weights="q8_0", embedding="q8_0", seed=2, architecture="qwen3")
-    path = synthetic.write(tmp_path / "qwen3.gguf", recipe, synthetic.default_vocabulary() or synthetic.BYTES).path
+@pytest.mark.parametrize("architecture", ["qwen3", "phi3"])
+def test_the_newer_families_decode_alike_native_and_float(tmp_path, architecture):
+    """Qwen3's q and k norms with heads of 64 where hidden / heads is 32; Phi-3's q | k | v and
+    gate | up each one tensor (its rows cut into the parts on placement, a view of the file's
+    blocks); their matrices kept in Q8_0 on two workers: greedy text equal to the float32
+    path's (which tests/test_llama_cpp_logits.py holds to llama.cpp's logits), with exact and
+    8-bit activations."""
+    head = 64 if architecture == "qwen3" else None
+    shape = synthetic.Shape(layers=2, hidden=256, ffn=512, heads=8, kv_heads=2, context=128, head_size=head)
+    recipe = synthetic.Recipe(shape, weights="q8_0", embedding="q8_0", seed=2, architecture=architecture)
+    path = synthetic.write(tmp_path / "m.gguf", recipe, synthetic.default_vocabulary() or synthetic.BYTES).path
     cfg = GGUFModel(path).config
-    assert (cfg.head_dim, cfg.qk_norm, cfg.rope_mode) == (64, True, "neox")
+    assert (cfg.head_dim, cfg.qk_norm, cfg.rope_mode) == (head or 32, architecture == "qwen3", "neox")
 
     def text(*flags: str) -> str:
         args = ("generate", "-m", str(path), "Once upon a time", "-n", "12", "-c", "64", "--workers", "2", *flags)
