@@ -5,6 +5,7 @@ board (transport/board.py) or Tokens messages, and cancels when told to."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -29,14 +30,14 @@ def run_generation(
     tokens: np.ndarray,
     positions: np.ndarray,
     steps: int,
-    sampling: dict,
+    sampling: p.GenerateSettings,
     on_tokens: Callable[[int, list[int]], bool],
 ) -> dict:
     """Run captured decode `step` up to `steps` times on the workers, which feed each step's
     chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
     (tokens, positions), its first two outputs the candidates (values, indices) of
     Tensor.top_k. `on_tokens(step, tokens)` gets each step's tokens as they come (read
-    from the token board every `sampling["report_s"]` seconds, or from Tokens messages that
+    from the token board every `sampling.report_s` seconds, or from Tokens messages that
     gather steps for that long: workers/generation.py); False cancels after the step under
     way (as Ctrl-C does), and the steps reported with it are not shown. Returns rank 0's
     account (steps run, cancelled, times)."""
@@ -48,9 +49,9 @@ def run_generation(
     dev._run_ids = itertools.count(run + steps + 1)  # one run id per step, none reused
     feeds, data = p.pack_arrays(fed)
     token_id, position_id = (inputs[slot] for slot in step.feed_slots)
-    board = token_board(len(sampling.get("done", ())), steps)
+    board = token_board(len(sampling.done), steps)
     if board is not None:
-        sampling = {**sampling, "board": str(board.path)}
+        sampling = dataclasses.replace(sampling, board=str(board.path))
     shown = Shown(on_tokens)
     message = p.Generate(
         step.compiled.program,
@@ -68,7 +69,7 @@ def run_generation(
     )
     watch = None
     if board is not None:
-        every_ms = int(1000 * float(sampling.get("report_s", p.REPORT_SECONDS)))
+        every_ms = int(1000 * sampling.report_s)
         watch = Watch(every_ms, lambda show: shown.steps(*board.take(), show=show), board.cancel)
     try:
         replies = dev._call(

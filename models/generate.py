@@ -29,6 +29,7 @@ from models.gguf_model import GGUFModel
 from models.llama import CACHE_TYPES, TensorParallelLlama, qkv_fusable
 from split_state.ops import ACTIVATIONS
 from split_state.sampling import TEMPERATURE_FLOOR, Rule, choose, generator_state
+from transport.protocol import GenerateSettings
 
 POOL = 256  # candidates per sequence a sampled step considers
 
@@ -480,13 +481,13 @@ class LLM:
                 raised.append(exc)
                 return False
 
-        settings = {
-            "rule": sampling.rule.as_wire(),
-            "rng": generator_state(rng),
-            "stop": stop,
-            "done": list(done),
-            "recent": [list(r) for r in recent],
-        }
+        settings = GenerateSettings(
+            sampling.rule,
+            tuple(generator_state(rng)),
+            tuple(stop),
+            tuple(done),
+            tuple(tuple(r) for r in recent),
+        )
         self.dev.generate(self._decode[sampling.pool], t, p, steps, settings, on_tokens)
         if raised:
             raise raised[0]

@@ -5,6 +5,7 @@ left usable, and a lost worker as a typed error within seconds."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ from models.llama import LlamaConfig, ReferenceDecoder, TensorParallelLlama, ran
 from split_state import WorkerLost
 from split_state.errors import TransportError
 from split_state.sampling import Rule, choose, generator_state
+from transport import protocol as p
 from transport.shm import shm_root
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,10 +78,11 @@ def worker_loop(dev, step, values, indices, temperature, top_p, seed, stop=(), o
         out.append(chosen)
         return True if on is None else on(k, chosen)
 
-    settings = {"rule": Rule(temperature, top_p=top_p).as_wire(), "rng": generator_state(rng), "stop": list(stop)}
-    settings["done"] = [False, False]
+    settings = p.GenerateSettings(
+        Rule(temperature, top_p=top_p), tuple(generator_state(rng)), tuple(stop), (False, False)
+    )
     if report_s is not None:
-        settings["report_s"] = report_s
+        settings = dataclasses.replace(settings, report_s=report_s)
     info = dev.generate(
         step, np.array([[t] for t in tokens], np.int32), np.array([[5], [5]], np.int32), steps, settings, on_tokens
     )
@@ -137,8 +140,8 @@ def test_the_tokens_chosen_by_the_workers_follow_every_rule_and_the_recent_windo
     rng = np.random.default_rng(5)
     recent = [list(PROMPT[b, -window:]) if window else [] for b in range(2)]
     first = [choose(v[b, 0], i[b, 0], rule, rng, recent[b]) for b in range(2)]
-    settings = {"rule": rule.as_wire(), "rng": generator_state(rng), "stop": [], "done": [False, False]}
-    settings["recent"] = [r + [t] for r, t in zip(recent, first)]
+    seen = tuple(tuple(r + [t]) for r, t in zip(recent, first))
+    settings = p.GenerateSettings(rule, tuple(generator_state(rng)), (), (False, False), seen)
     driven = [first]
     dev.generate(
         step,
@@ -388,7 +391,7 @@ def test_prepared_decode_replayed_and_driven_gives_the_reference_tokens(devname,
         expected.append(token)
     _, token = prefill_and_reference()  # again, from position 0: the workers choose from here on
     driven = [token]
-    settings = {"rule": Rule().as_wire(), "rng": generator_state(np.random.default_rng(0)), "stop": [], "done": [False]}
+    settings = p.GenerateSettings(Rule(), tuple(generator_state(np.random.default_rng(0))), (), (False,))
     info = dev.generate(
         decode,
         np.array([[token]], np.int32),

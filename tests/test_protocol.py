@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from split_state import DTYPES, MIRRORED, PARTIAL, ProtocolError, Split
+from split_state.sampling import Rule
 from transport import protocol as p
 
 
@@ -64,7 +65,15 @@ EXAMPLES = [
         positions=11,
         values=12,
         indices=13,
-        sampling={"temperature": 0.7, "top_p": 0.9, "rng": ("123", "45", "0", "0"), "stop": (2,), "done": (False,)},
+        sampling=p.GenerateSettings(
+            Rule(0.7, top_p=0.9, repeat_penalty=1.3, repeat_last_n=4),
+            ("123", "45", "0", "0"),
+            (2,),
+            (False, True),
+            ((5, 6), ()),
+            0.25,
+            "/dev/shm/board",
+        ),
     ),
     p.Tokens(step=3, tokens=[[17, 4], [2, 9]]),
     p.Cancel(),
@@ -391,3 +400,39 @@ def test_random_bytes_after_the_chunk_magic_only_ever_raise_protocol_error(rest,
         p.decode([p.CHUNK_MAGIC + rest, *frames])
     except ProtocolError:
         pass
+
+
+def _settings_body(**changes):
+    body = {
+        "rule": Rule(0.7).as_wire(),
+        "rng": ["1", "2", "0", "0"],
+        "stop": [2],
+        "done": [False],
+        "recent": [],
+        "report_s": 0.05,
+        "board": "",
+    }
+    return body | changes
+
+
+@pytest.mark.parametrize(
+    "changes, says",
+    [
+        ({"rule": {"temperature": 0.7}}, "'rule' must be a map of"),
+        ({"rng": ["1", "2"]}, "four decimal strings"),
+        ({"rng": ["1", "x", "0", "0"]}, "four decimal strings"),
+        ({"done": [0]}, "'done' must be a list of true or false"),
+        ({"recent": [[1], [2]]}, "'recent' holds 2 sequences, 'done' 1"),
+        ({"report_s": -1}, "'report_s' must be a number"),
+        ({"report_s": "1"}, "'report_s' must be a number"),
+        ({"stop": ["2"]}, "'stop' must be an int"),
+        ({"board": 3}, "'board' must be a string"),
+        ({"extra": 1}, "must be a map of"),
+    ],
+)
+def test_a_generates_settings_are_checked_field_by_field(changes, says):
+    """The settings a worker's decode loop reads are a typed message part: a wrong field is a
+    ProtocolError naming it when decoded, never a KeyError in the loop."""
+    with pytest.raises(ProtocolError, match=re.escape(says)):
+        p._settings(_settings_body(**changes), "sampling", p.DEFAULT_LIMITS)
+    assert p._settings(_settings_body(), "sampling", p.DEFAULT_LIMITS).rule == Rule(0.7)

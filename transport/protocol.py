@@ -31,6 +31,7 @@ import numpy as np
 
 from split_state.dtypes import DTYPES, dtype_from_name, dtype_name
 from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
+from split_state.sampling import Rule
 from split_state.states import State, decode_state, encode_state
 
 # 7: RunChain; 6: no free steps (a worker plans its memory by liveness itself); 5: parameters in a table
@@ -388,6 +389,24 @@ class RunChain:
             raise ValueError(f"a chain of {len(self.programs)} programs has {len(self.frees)} lists of tensors to free")
 
 
+# the least time between two reports of a generation's tokens (Tokens messages) or two looks of
+# the coordinator at its token board (transport/board.py), unless the Generate says (`report_s`)
+REPORT_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    """How a Generate's workers choose, stop and report, the same on every rank."""
+
+    rule: Rule  # how each sequence's next token is chosen
+    rng: tuple[str, ...]  # the generator's exact state (split_state.sampling.generator_state)
+    stop: tuple[int, ...]  # token ids that end a sequence
+    done: tuple[bool, ...]  # per sequence: already ended (its tokens still fed, never reported)
+    recent: tuple[tuple[int, ...], ...] = ()  # per sequence its latest tokens (the repeat penalty's window)
+    report_s: float = REPORT_SECONDS  # the least seconds between two reports
+    board: str = ""  # the coordinator's token board's path (transport/board.py), "" none
+
+
 @_message(MsgType.GENERATE)
 @dataclass(frozen=True)
 class Generate:
@@ -396,9 +415,7 @@ class Generate:
     stored tensors `tokens` (chosen tokens) and `positions` (+1) in place, run the program
     (inputs and outputs as in RunProgram), read the candidate pairs it stored as `values` and
     `indices`, and choose every sequence's next token the same way on every rank (`sampling`:
-    temperature, top_p, the generator's state `rng`, `stop` token ids, `done` flags per
-    sequence; `report_s`, optional: the least seconds between two reports; `board`, optional:
-    the path of the coordinator's token board, transport/board.py). Rank 0 reports the chosen
+    GenerateSettings). Rank 0 reports the chosen
     tokens on the board where it can map it (and the first step in a Tokens message too), else
     in Tokens messages under the request's id; it stops at a Cancel (or the board's cancel
     word); every rank stops at the same step."""
@@ -412,15 +429,10 @@ class Generate:
     positions: int
     values: int
     indices: int
-    sampling: Params
+    sampling: GenerateSettings
     feeds: list[Feed] = field(default_factory=list)
     feed_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), compare=False)
     KIND: ClassVar[MsgType]
-
-
-# the least time between two reports of a generation's tokens (Tokens messages) or two looks of
-# the coordinator at its token board (transport/board.py), unless the Generate says (`report_s`)
-REPORT_SECONDS = 0.05
 
 
 @_message(MsgType.TOKENS)
@@ -764,6 +776,44 @@ def _step(v: Any, name: str, limits: Limits, params: list[Params]) -> Step:
     _fail(f"{name}: malformed step {str(v)[:80]}")
 
 
+def _encode_settings(g: GenerateSettings) -> dict:
+    return {
+        "rule": g.rule.as_wire(),
+        "rng": list(g.rng),
+        "stop": [int(t) for t in g.stop],
+        "done": [bool(d) for d in g.done],
+        "recent": [[int(t) for t in r] for r in g.recent],
+        "report_s": float(g.report_s),
+        "board": g.board,
+    }
+
+
+def _settings(v: Any, name: str, limits: Limits) -> GenerateSettings:
+    """A Generate's settings, each field checked: a wrong one is named."""
+    keys = {"rule", "rng", "stop", "done", "recent", "report_s", "board"}
+    if not isinstance(v, dict) or set(v) != keys:
+        _fail(f"field {name!r} must be a map of {sorted(keys)}")
+    rule = v["rule"]
+    if not isinstance(rule, dict) or set(rule) != {f.name for f in fields(Rule)}:
+        _fail(f"field {name!r}: 'rule' must be a map of {sorted(f.name for f in fields(Rule))}")
+    rule = Rule.from_wire(rule)
+    rng = _list(_str)(v["rng"], "rng", limits)
+    if len(rng) != 4 or not all(x.isascii() and x.isdigit() for x in rng):
+        _fail(f"field {name!r}: 'rng' must be a generator's state, four decimal strings")
+    done = v["done"]
+    if not isinstance(done, list) or not all(type(d) is bool for d in done):
+        _fail(f"field {name!r}: 'done' must be a list of true or false")
+    recent = [tuple(r) for r in _list(_ints)(v["recent"], "recent", limits)]
+    if recent and len(recent) != len(done):
+        _fail(f"field {name!r}: 'recent' holds {len(recent)} sequences, 'done' {len(done)}")
+    report_s = v["report_s"]
+    if type(report_s) not in (int, float) or not 0 <= report_s < float("inf"):
+        _fail(f"field {name!r}: 'report_s' must be a number of seconds, 0 or more")
+    stop = tuple(_ints(v["stop"], "stop", limits))
+    board = _str(v["board"], "board", limits)
+    return GenerateSettings(rule, tuple(rng), stop, tuple(done), tuple(recent), float(report_s), board)
+
+
 # annotation -> (encode, decode); arrays are handled apart from the header fields
 _CODECS: dict[Any, tuple[Callable[[Any], Any], Decoder]] = {
     int: (lambda v: int(v), _int),
@@ -779,6 +829,7 @@ _CODECS: dict[Any, tuple[Callable[[Any], Any], Decoder]] = {
     list[SlotPairs]: (lambda v: [_encode_pairs(x) for x in v], _list(_pairs)),
     list[Step]: (_encode_steps, _steps),
     list[Feed]: (lambda v: [[f.tensor, f.dtype, list(f.shape), f.offset] for f in v], _list(_feed)),
+    GenerateSettings: (_encode_settings, _settings),
 }
 _ARRAY = np.ndarray
 

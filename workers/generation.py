@@ -34,7 +34,7 @@ from collections.abc import Callable
 import numpy as np
 
 from split_state.errors import ProtocolError, TransportError, WorkerLost
-from split_state.sampling import Rule, choose, restore_generator
+from split_state.sampling import choose, restore_generator
 from transport import protocol as p
 from transport.board import TokenBoard
 from transport.deadline import Deadline
@@ -51,17 +51,11 @@ def run_generation(
 ) -> p.Message:
     """The loop of one Generate on this worker; the reply says how many steps ran."""
     executor, store, backend = server.executor, server.store, server.backend
-    try:
-        sampling = m.sampling
-        done = [bool(d) for d in sampling["done"]]
-        stop = {int(t) for t in sampling["stop"]}
-        rule = Rule.from_wire(sampling["rule"])
-        rng = restore_generator(sampling["rng"])
-        given = sampling.get("recent", [[]] * len(done))
-        recent = [collections.deque(map(int, r), maxlen=rule.penalized) for r in given]
-        interval = float(sampling.get("report_s", p.REPORT_SECONDS))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ProtocolError(f"generate: malformed settings ({exc!r} missing or wrong)") from None
+    sampling = m.sampling  # checked as it was decoded (transport.protocol.GenerateSettings)
+    done, stop, rule = list(sampling.done), set(sampling.stop), sampling.rule
+    rng = restore_generator(sampling.rng)
+    recent = [collections.deque(r, maxlen=rule.penalized) for r in sampling.recent or [()] * len(done)]
+    interval = sampling.report_s
     tokens, positions = store.get(m.tokens), store.get(m.positions)
     count = len(done)
     if tokens.shape[0] < count or positions.shape[0] < count:
@@ -83,7 +77,7 @@ def run_generation(
     steps = 0
     cancel = False
     run_step = executor.repeated(m.program, m.run, m.inputs, m.outputs, runs=m.steps)  # checked and bound once
-    board = _board(sampling.get("board"), count) if rank == 0 else None
+    board = _board(sampling.board, count) if rank == 0 else None
     report = Reports(emit, interval, board, executor.collective_timeout)
     if board is not None:  # the coordinator writes the board's cancel word when it sends a Cancel
         cancelled = board.is_cancelled
