@@ -234,6 +234,13 @@ class MetaDevice(Placement, Capturing):
             raise
         return CompiledPlan(program, planned)
 
+    def reserve_runs(self, count: int) -> int:
+        """The first of `count` consecutive run ids, none of them given out again (a worker-driven
+        generation's steps each take one)."""
+        first = next(self._run_ids)
+        self._run_ids = itertools.count(first + count)
+        return first
+
     def _call(self, messages: dict[int, p.Message], on_message=None, watch=None) -> dict[int, p.Message]:
         start = time.perf_counter()
         try:

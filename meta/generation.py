@@ -6,7 +6,6 @@ board (transport/board.py) or Tokens messages, and cancels when told to."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -45,8 +44,7 @@ def run_generation(
         raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
     bound = dev._bind(step, (tokens, positions))
     inputs, fed, out_ids, fresh = bound.inputs, {**bound.fed, **bound.sent}, bound.out_ids, bound.fresh
-    run = next(dev._run_ids)
-    dev._run_ids = itertools.count(run + steps + 1)  # one run id per step, none reused
+    run = dev.reserve_runs(steps + 1)  # one run id per step, none reused
     feeds, data = p.pack_arrays(fed)
     token_id, position_id = (inputs[slot] for slot in step.feed_slots)
     board = token_board(len(sampling.done), steps)
