@@ -1,6 +1,6 @@
 """Collective latency and bandwidth on CPU workers, side by side with a raw pyzmq exchange.
 
-    python bench/collectives.py [--quick] [--json results/collectives.json] [--workers 2 4] [--data-plane zmq]
+    python bench/collectives.py [--quick] [--json PATH] [--workers 2 4] [--data-plane zmq] [--transport ipc|tcp|curve]
 
 Ours: a program of K all-reduces (Partial -> Mirrored) or all-gathers (even Split -> Mirrored) runs
 on real worker processes; the time is the collective steps as the workers time them, divided by
@@ -70,10 +70,11 @@ def raw_rank(rank: int, endpoints: list[str], nbytes: int, reps: int, trials: in
         ctx.term()
 
 
-def raw_all_reduce(n: int, nbytes: int, reps: int, trials: int = 1) -> float:
-    """The median over `trials` loops of the time per direct exchange, on the slowest process."""
+def raw_all_reduce(n: int, nbytes: int, reps: int, trials: int = 1, tcp: bool = False) -> float:
+    """The median over `trials` loops of the time per direct exchange, on the slowest process
+    (over ipc, or with `tcp` over the loopback's tcp)."""
     ipc = IpcDir()
-    endpoints = [ipc.endpoint(f"raw{d}") for d in range(n)]
+    endpoints = [f"tcp://127.0.0.1:{_free_port()}" if tcp else ipc.endpoint(f"raw{d}") for d in range(n)]
     results: mp.Queue = mp.get_context("spawn").Queue()
     procs = [
         mp.get_context("spawn").Process(target=raw_rank, args=(d, endpoints, nbytes, reps, trials, results))
@@ -131,13 +132,32 @@ def ours(dev: MetaDevice, kind: str, nbytes: int, reps: int, trials: int) -> flo
     return float(np.median(best))
 
 
-def run(quick: bool, worker_counts: list[int], backend: str = "cpu", data_plane: str = "auto") -> list[dict]:
+# how the workers reach one another: (ClusterConfig's host and insecure, the raw exchange over tcp)
+TRANSPORTS = {"ipc": ("", False, False), "tcp": ("127.0.0.1", True, True), "curve": ("127.0.0.1", False, True)}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(
+    quick: bool, worker_counts: list[int], backend: str = "cpu", data_plane: str = "auto", transport: str = "ipc"
+) -> list[dict]:
+    """`transport`: ipc on this host; tcp over the loopback; curve: tcp with CURVE (the keys a
+    tcp cluster makes for the workers it spawns)."""
     sizes = (
         [4 << 10, 1 << 20, 16 << 20] if quick else [1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     )
     rows = []
     for n in worker_counts:
-        config = ClusterConfig(workers=n, backend=backend, devices=(0,) * n, data_plane=data_plane)
+        host, insecure, raw_tcp = TRANSPORTS[transport]
+        config = ClusterConfig(
+            workers=n, backend=backend, devices=(0,) * n, data_plane=data_plane, host=host, insecure=insecure
+        )
         with MetaDevice(ProcessCluster(config)) as dev:
             wait_until_prepared(dev)
             for nbytes in sizes:
@@ -153,7 +173,7 @@ def run(quick: bool, worker_counts: list[int], backend: str = "cpu", data_plane:
         for row in rows:
             if row["workers"] == n:
                 reps = 200 if row["bytes"] <= 64 << 10 else 10
-                seconds = raw_all_reduce(n, row["bytes"], reps)
+                seconds = raw_all_reduce(n, row["bytes"], reps, tcp=raw_tcp)
                 row["raw_us"], row["raw_GBps"] = seconds * 1e6, row["bytes"] / seconds / 1e9
                 row["ratio"] = row["all_reduce_GBps"] / row["raw_GBps"]
     return rows
@@ -244,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     def measure(args) -> dict:
         if args.under_load:
             return {"under_load": under_load(data_plane=args.data_plane)}
-        return {"rows": run(args.quick, args.workers, data_plane=args.data_plane)}
+        return {"rows": run(args.quick, args.workers, data_plane=args.data_plane, transport=args.transport)}
 
     def show_any(results: dict) -> None:
         show_under_load(results["under_load"]) if "under_load" in results else show(results["rows"])
@@ -255,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
 def _options(ap) -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--data-plane", default="auto", choices=["auto", "shm", "zmq"], help="between the workers")
+    ap.add_argument(
+        "--transport",
+        default="ipc",
+        choices=sorted(TRANSPORTS),
+        help="the zmq plane's: ipc on this host, tcp over the loopback, or tcp with CURVE (default: %(default)s)",
+    )
     ap.add_argument(
         "--under-load",
         action="store_true",

@@ -347,13 +347,13 @@ def worker_driven(dev, net, token: np.ndarray, pos: int):
     token back themselves; and of those, the time outside the program. Positions go on from
     `pos`, one run after the other."""
     from split_state.sampling import Rule, generator_state
+    from transport.protocol import GenerateSettings
 
     step, _ = net.capture_decode(token, np.array([[pos]]), build=lambda logits: list(logits.top_k(1)))
     at = [pos + 1]
 
     def run(steps: int) -> tuple[float, float]:
-        settings = {"rule": Rule().as_wire(), "rng": generator_state(np.random.default_rng(0))}
-        settings |= {"stop": [], "done": [False]}
+        settings = GenerateSettings(Rule(), tuple(generator_state(np.random.default_rng(0))), (), (False,))
         start = time.perf_counter()
         info = dev.generate(step, token, np.array([at], np.int32), steps, settings, lambda k, t: True)
         wall = (time.perf_counter() - start) / info["steps"]
@@ -450,6 +450,7 @@ def resident_memory(path: str, workers: int, tokens: int) -> dict:
         return out
 
     from split_state.sampling import Rule, generator_state
+    from transport.protocol import GenerateSettings
 
     model = GGUFModel(path)
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
@@ -458,8 +459,7 @@ def resident_memory(path: str, workers: int, tokens: int) -> dict:
             np.array([[1]], np.int32), np.array([[0]]), build=lambda logits: list(logits.top_k(1))
         )
         token = indices.numpy().astype(np.int32).reshape(1, 1)
-        settings = {"rule": Rule().as_wire(), "rng": generator_state(np.random.default_rng(0))}
-        settings |= {"stop": [], "done": [False]}
+        settings = GenerateSettings(Rule(), tuple(generator_state(np.random.default_rng(0))), (), (False,))
         samples, pos, last = {}, 1, []
         for upto in (100, tokens - 1):  # generation driven by the workers, in two runs
             dev.generate(
