@@ -829,10 +829,28 @@ def test_a_busy_port_is_said_before_any_worker_starts():
     assert "[worker" not in out.stderr and time.monotonic() - start < 30
 
 
-@pytest.mark.parametrize("flag, value", [("--read-timeout", "0"), ("--read-timeout", "inf"), ("--grace", "-1")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--read-timeout", "0"),
+        ("--read-timeout", "inf"),
+        ("--grace", "-1"),
+        ("--port", "70000"),  # was a traceback (bind's OverflowError)
+        ("--max-connections", "0"),  # would answer only 503s
+    ],
+)
 def test_serve_options_that_cannot_work_are_refused_in_one_line(flag, value):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", "2", "--port", "1", flag, value],
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "serve",
+            "--workers",
+            "2",
+            *(("--port", "1") if flag != "--port" else ()),
+            flag,
+            value,
+        ],
         capture_output=True,
         text=True,
         timeout=60,
