@@ -274,16 +274,11 @@ class GGUFModel:
             qkv_bias="blk.0.attn_q.bias" in self.tensors,
             head_size=head_size if head_size is not None and head_size * heads != hidden else None,
             qk_norm=self.arch in QK_NORM_ARCHITECTURES,
-            window=self._window(),
+            # no sliding window: Phi-3 files carry one (attention.sliding_window) that llama.cpp reads
+            # and turns off ("Phi SWA is currently disabled"), so its logits are those of none
+            # (tests/llama_cpp_cases.py's phi3 case holds a window of 6 that they show unapplied)
+            window=None,
         )
-
-    def _window(self) -> int | None:
-        """The sliding window of every layer's attention, or None. Phi-3 files carry one
-        (attention.sliding_window, 2047 in Phi-3-mini-4k) that llama.cpp reads and then turns off
-        ("Phi SWA is currently disabled": every position attends to all before it), so its logits
-        are those of no window, and so are ours (tests/llama_cpp_cases.py's phi3 case holds a
-        window of 6 that llama.cpp's logits show unapplied)."""
-        return None
 
     def check(self) -> None:
         """The configuration, and every tensor's shape against it: what would otherwise surface as
@@ -415,8 +410,8 @@ class GGUFModel:
         tensor, index = fused
         if tensor == "attn_qkv" and "blk.0.attn_qkv.weight" not in self.tensors:
             return None
-        if tensor == "ffn_up" and "blk.0.ffn_gate.weight" in self.tensors:
-            return None
+        if tensor == "ffn_up" and (self.arch != "phi3" or "blk.0.ffn_gate.weight" in self.tensors):
+            return None  # only Phi-3 writes gate | up in ffn_up
         cfg = self.config
         q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         sizes = (q, kv, kv) if tensor == "attn_qkv" else (cfg.ffn, cfg.ffn)
