@@ -31,6 +31,10 @@ class IntFormat:
     bias: int  # what each unsigned quant exceeds the true one by (times the activation's sum)
     factors: tuple[int, ...]  # bytes of the float16 factors (d, then m or dmin)
     scales: Callable | None = None  # (builder, row, sub-block) -> (scale, min or None), <lanes x i32>
+    # v -> (p, high): values v .. v + 3 are the low or high nibbles of byte rows p .. p + 3, for
+    # formats whose quants are nibbles alone and whose sub-blocks pair on the same bytes (q4_k):
+    # those byte rows are transposed once for both halves (int8_products._Block.paired)
+    nibbles: Callable | None = None
 
 
 INT_FORMATS = {
@@ -41,7 +45,7 @@ INT_FORMATS = {
         IntFormat("q5_0", 2, Partner.Q8_0, legacy_blocks.q5_0, 32, 16, (0,)),
         IntFormat("q5_1", 3, Partner.Q8_1, legacy_blocks.q5_1, 32, 0, (0, 2)),
         IntFormat("q8_0", 4, Partner.Q8_0, legacy_blocks.q8_0, 32, 128, (0,)),
-        IntFormat("q4_k", 5, Partner.Q8_K, k_blocks.q4_k, 32, 0, (0, 2), k_blocks.k4_scales),
+        IntFormat("q4_k", 5, Partner.Q8_K, k_blocks.q4_k, 32, 0, (0, 2), k_blocks.k4_scales, k_blocks.q4_k_source),
         IntFormat("q5_k", 6, Partner.Q8_K, k_blocks.q5_k, 32, 0, (0, 2), k_blocks.k4_scales),
         IntFormat("q6_k", 7, Partner.Q8_K, k_blocks.q6_k, 16, 32, (208,), k_blocks.q6_k_scales),
     )

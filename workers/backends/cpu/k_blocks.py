@@ -31,6 +31,13 @@ def _k_quant(builder, row, first: int, fifth_at: int | None, v: int):
     return builder.or_(q, builder.shl(bit, byte_splat(4, lanes)))
 
 
+def q4_k_source(v: int) -> tuple[int, bool]:
+    """Where q4_k's values v .. v + 3 (v a multiple of 4) lie: the low (False) or high (True)
+    halves of bytes p .. p + 3, as (p, high)."""
+    chunk, within = divmod(v, 64)
+    return 16 + 32 * chunk + within % 32, within >= 32
+
+
 def q4_k(builder, row, v):
     return _k_quant(builder, row, 16, None, v)
 

@@ -172,6 +172,16 @@ def transposed(builder: ir.IRBuilder, rows: list) -> list:
     return pieces
 
 
+def nibble_of(builder: ir.IRBuilder, piece, high: bool):
+    """The low (or, `high`, the high) half of each byte of `piece` (any integer vector), as bytes."""
+    kind = piece.type
+    width = kind.element.width // 8
+    mask = ir.Constant(kind, [int("0f" * width, 16)] * kind.count)
+    if high:
+        piece = builder.lshr(piece, ir.Constant(kind, [4] * kind.count))
+    return builder.and_(piece, mask)
+
+
 def _dpbusd(builder: ir.IRBuilder, acc, unsigned, signed):
     kind = vector(I32, CHUNK)
     name = "llvm.x86.avx512.vpdpbusd.512"
