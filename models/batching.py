@@ -32,7 +32,7 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,9 +90,24 @@ class Ticket:
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.first_token_s: float | None = None
+        self._wake: Callable[[], None] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def put(self, event: Token | Finished) -> None:
+        """An event for the ticket's reader (from the batcher's thread), and its wake-up call."""
+        self.events.put(event)
+        wake = self._wake
+        if wake is not None:
+            wake()
+
+    def listen(self, wake: Callable[[], None] | None) -> None:
+        """`wake()` called after each event is put (None: no more): an event loop's reader waits
+        for it rather than a thread of its own blocked on the queue (the server's requests, all
+        of them, queued ones too, polled on the event loop's few threads and held the running
+        streams' events behind them)."""
+        self._wake = wake
 
     def next(self, wait: float) -> Token | Finished | None:
         """The next event, or None when none came within `wait` seconds (the job goes on)."""
@@ -251,10 +266,10 @@ class ContinuousBatcher:
             reason = ("error", self.lost) if self.lost else ("cancelled", "the server is stopping")
             for slot in self.slots:
                 if slot is not None:
-                    slot.ticket.events.put(Finished(*reason))
+                    slot.ticket.put(Finished(*reason))
             with self._wake:
                 while self.waiting:
-                    self.waiting.popleft().events.put(Finished(*reason))
+                    self.waiting.popleft().put(Finished(*reason))
             self.slots = [None] * len(self.slots)
 
     def _admit(self) -> None:
@@ -295,7 +310,7 @@ class ContinuousBatcher:
         try:
             values, indices, *whole = self.net.prefill([chunk], slot.position, POOL, logits=logits, slot=index)
         except (TransportError, ConsistencyError) as exc:  # the cluster's failure: the job is told now
-            ticket.events.put(Finished("error", f"{type(exc).__name__}: {exc}"))
+            ticket.put(Finished("error", f"{type(exc).__name__}: {exc}"))
             raise
         except MetaError as exc:  # this prompt's own failure (a worker refused it): this job alone
             self._finish(index, ticket, "error", f"{type(exc).__name__}: {exc}")
@@ -371,11 +386,11 @@ class ContinuousBatcher:
             self.counters.first_token_seconds = self.counters.first_token_seconds[-999:] + [ticket.first_token_s]
         self.counters.generated_tokens += 1
         if job.top_logprobs is None or normalizer is None:
-            ticket.events.put(Token(token))
+            ticket.put(Token(token))
         else:
             chosen = float(values[int(np.flatnonzero(indices == token)[0])]) - normalizer
             top = tuple((int(t), float(v) - normalizer) for v, t in zip(values[: job.top_logprobs], indices))
-            ticket.events.put(Token(token, chosen, top))
+            ticket.put(Token(token, chosen, top))
         if job.stop_at_eos and token in self.stop_ids:
             self._finish(index, ticket, "stop")
         elif job.stop_strings and stop_string_at(self._text(slot), job.stop_strings) is not None:
@@ -389,4 +404,4 @@ class ContinuousBatcher:
     def _finish(self, index: int, ticket: Ticket, reason: str, error: str = "") -> None:
         self.slots[index] = None
         self.counters.finished[reason] += 1
-        ticket.events.put(Finished(reason, error))
+        ticket.put(Finished(reason, error))

@@ -229,7 +229,7 @@ COMPLETION_FIELDS = {"best_of": 2, "echo": True, "logprobs": 2, "suffix": "!"}
     + [("/v1/completions", f, v) for f, v in COMPLETION_FIELDS.items()],
 )
 def test_every_openai_field_is_honoured_or_refused_by_name(server, path, field, value):
-    from models.openai_server import HONOURED
+    from models.openai_protocol import HONOURED
 
     body = {"max_tokens": 2, "temperature": 0, field: value}
     if field == "top_logprobs":

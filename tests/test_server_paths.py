@@ -1,11 +1,14 @@
 """The completion server's error paths on its app alone (models/openai_server.py build_app), over
 a stand-in batcher whose tickets play out a script: a lost cluster, the silence timer, the body
-bound of a chunked body. And the cluster's health check, which the server's watcher reads."""
+bound of a chunked body, a crowd of waiting requests beside a running one. And the cluster's
+health check, which the server's watcher reads."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -16,7 +19,7 @@ pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from models import batching, openai_server  # noqa: E402
+from models import batching, openai_server, openai_serving  # noqa: E402
 from models.batching import Finished, Token  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,10 +33,10 @@ class ScriptedTicket:
         self.script, self.cancelled = list(script), False
 
     def next(self, timeout: float):
-        item = self.script.pop(0) if self.script else None
-        if item is None:
-            time.sleep(timeout)
-        return item
+        return self.script.pop(0) if self.script else None
+
+    def listen(self, wake):  # never woken: each None is a wait of the whole poll
+        pass
 
     def cancel(self):
         self.cancelled = True
@@ -72,7 +75,7 @@ def test_the_silence_timer_starts_again_at_each_token(monkeypatch):
     """A generation may pause between tokens (other slots' prefill); only a silence of the whole
     bound in a row fails it: here tokens come after 2 empty waits each, 5 times, the bound being
     3 waits: it must finish, though its pauses add up to more than the bound."""
-    monkeypatch.setattr(openai_server, "EVENT_POLL_SECONDS", 0.02)
+    monkeypatch.setattr(openai_serving, "EVENT_POLL_SECONDS", 0.02)
     monkeypatch.setattr(batching, "TOKEN_SECONDS", 0.06)
     script = [None, None, Token(5)] * 5 + [Finished("length")]
     reply = app_over(StandInBatcher(script)).post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5})
@@ -81,6 +84,39 @@ def test_the_silence_timer_starts_again_at_each_token(monkeypatch):
     silent = [None] * 4 + [Token(5), Finished("length")]
     reply = app_over(StandInBatcher(silent)).post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 5})
     assert reply.status_code == 503 and "no token within" in reply.json()["error"]["message"]
+
+
+class StillThere:
+    """A request whose client stays."""
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def test_a_crowd_of_waiting_requests_does_not_hold_back_a_running_streams_token():
+    """40 requests waiting for a slot (their tickets silent) and one running: a token the batcher
+    puts on the running one's ticket reaches its reader at once. (Each waiting request's reader
+    once held one of the event loop's few worker threads for a poll of 0.25 s, and the running
+    stream's token waited behind them: up to seconds with 56 queued.)"""
+    serving = openai_serving.CompletionServing(StandInBatcher(), "m", None)
+
+    async def scenario() -> tuple[Token, float]:
+        crowd = [asyncio.ensure_future(anext(serving._events(batching.Ticket(None), StillThere()))) for _ in range(40)]
+        running = batching.Ticket(None)
+        first = asyncio.ensure_future(anext(serving._events(running, StillThere())))
+        await asyncio.sleep(0.6)  # every reader in its wait, twice over
+        start = time.monotonic()
+        threading.Thread(target=running.put, args=(Token(7),)).start()  # as the batcher's thread puts it
+        event = await asyncio.wait_for(first, 5)
+        took = time.monotonic() - start
+        for reader in crowd:
+            reader.cancel()
+        await asyncio.gather(*crowd, return_exceptions=True)
+        return event, took
+
+    event, took = asyncio.run(scenario())
+    assert event == Token(7)
+    assert took < 0.1, f"the running stream's token took {took:.3f} s to reach its reader"
 
 
 def test_a_chunked_body_is_cut_at_the_bound_as_a_declared_one_is():

@@ -152,7 +152,7 @@ def test_a_tokens_bytes_are_its_own_even_where_its_text_is_part_of_a_character(m
     the single bytes 0xC3 and 0xE9 (the first halves of two-byte characters; their decoded text is
     U+FFFD), "Ġthe" for " the", and a control token for its text."""
     from models.batching import Token
-    from models.openai_server import logprob_fields
+    from models.openai_protocol import logprob_fields
 
     tokenizer, vocabulary = model.tokenizer, model.vocabulary
     cases = {
