@@ -3,13 +3,15 @@ to first token, beside the prefill time of `launch.py generate` (LLM.generate) f
 on as many workers, in the same run.
 
     python bench/serve.py [--quick] [--json results/serve.json] [--workers 2] [--clients 1 4 8] [--soak 120]
-                          [--join 2000]
+                          [--join 2000] [--queued 56]
 
 Every client streams a greedy completion of a short prompt for a fixed number of tokens
 (ignore_eos, as llama-server's benchmarks do). The server runs with as many slots as the most
 clients. `--join N`: then four streams run while a prompt of N tokens joins; each stream's
 longest gap between two tokens while it goes in (its prefill goes in chunks between their decode
-steps: models/batching.py), beside their median gap before it.
+steps: models/batching.py), beside their median gap before it. `--queued N`: then as many
+streams as slots run while N more requests arrive and wait for a slot; the running streams'
+longest gap between two tokens over the next 3 s, beside their median gap before.
 """
 
 from __future__ import annotations
@@ -117,17 +119,16 @@ def soak(url: str, seconds: float, clients: int, tokens: int = 16) -> dict:
     return {"seconds": seconds, "clients": clients, **counts}
 
 
-def join_stall(url: str, prompt_tokens: int, streams: int = 4, tokens: int = 2000) -> dict:
-    """`streams` greedy streams, then a prompt of `prompt_tokens` token ids joining once each has
-    5 tokens: each stream's longest gap between tokens from the join's submission to its answer."""
+def _running_streams(url: str, streams: int, tokens: int):
+    """`streams` greedy streams started on threads, each token's arrival time recorded; returns
+    (the arrival times per stream, an event that stops them, their threads) once each has 5."""
     import httpx
 
     arrivals: list[list[float]] = [[] for _ in range(streams)]
     done = threading.Event()
 
     def stream(k: int) -> None:
-        body = stream_body(tokens)
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as reply:
+        with httpx.stream("POST", url + "/v1/completions", json=stream_body(tokens), timeout=600) as reply:
             for line in reply.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     arrivals[k].append(time.perf_counter())
@@ -140,6 +141,27 @@ def join_stall(url: str, prompt_tokens: int, streams: int = 4, tokens: int = 200
     deadline = time.monotonic() + 120
     while min(len(a) for a in arrivals) < 5 and time.monotonic() < deadline:
         time.sleep(0.01)
+    return arrivals, done, threads
+
+
+def _gaps(arrivals: list[list[float]], start: float, end: float) -> tuple[float, float]:
+    """(the longest gap between a stream's tokens arriving within (start, end], the median gap
+    of those before start)."""
+    during, before = [], []
+    for times in arrivals:
+        gaps = [(b - a, b) for a, b in zip(times, times[1:])]
+        during += [gap for gap, at in gaps if start < at <= end]
+        before += [gap for gap, at in gaps if at <= start]
+    before.sort()
+    return max(during, default=0.0), before[len(before) // 2] if before else 0.0
+
+
+def join_stall(url: str, prompt_tokens: int, streams: int = 4, tokens: int = 2000) -> dict:
+    """`streams` greedy streams, then a prompt of `prompt_tokens` token ids joining once each has
+    5 tokens: each stream's longest gap between tokens from the join's submission to its answer."""
+    import httpx
+
+    arrivals, done, threads = _running_streams(url, streams, tokens)
     ids = [504 + i % 1000 for i in range(prompt_tokens)]  # any tokens of the vocabulary
     joined = time.perf_counter()
     reply = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0}, timeout=600)
@@ -149,19 +171,46 @@ def join_stall(url: str, prompt_tokens: int, streams: int = 4, tokens: int = 200
     for t in threads:
         t.join(600)
     reply.raise_for_status()
-    during, before = [], []
-    for times in arrivals:
-        gaps = [(b - a, b) for a, b in zip(times, times[1:])]
-        during += [gap for gap, at in gaps if joined < at <= answered + 0.5]
-        before += [gap for gap, at in gaps if at <= joined]
-    before.sort()
+    longest, median = _gaps(arrivals, joined, answered + 0.5)
     return {
         "streams": streams,
         "prompt_tokens": prompt_tokens,
         "join_s": answered - joined,
-        "max_gap_s": max(during, default=0.0),
-        "median_gap_before_s": before[len(before) // 2] if before else 0.0,
+        "max_gap_s": longest,
+        "median_gap_before_s": median,
     }
+
+
+def queue_stall(url: str, queued: int, streams: int, seconds: float = 3.0, tokens: int = 400) -> dict:
+    """`streams` greedy streams fill every slot, then `queued` more requests arrive and wait for
+    one (each a streamed request whose client keeps waiting): the running streams' longest gap
+    between tokens over the next `seconds`, beside their median gap before."""
+    import httpx
+
+    arrivals, done, threads = _running_streams(url, streams, tokens)
+    gone = threading.Event()
+
+    def waiting() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=stream_body(4), timeout=seconds + 60) as reply:
+                for _ in reply.iter_lines():
+                    if gone.is_set():
+                        break
+        except httpx.HTTPError:
+            pass
+
+    queue = [threading.Thread(target=waiting) for _ in range(queued)]
+    arrived = time.perf_counter()
+    for t in queue:
+        t.start()
+    time.sleep(seconds)
+    done.set()
+    gone.set()
+    for t in threads + queue:
+        t.join(600)
+    longest, median = _gaps(arrivals, arrived, arrived + seconds)
+    figures = {"streams": streams, "queued": queued, "seconds": seconds}
+    return figures | {"max_gap_s": longest, "median_gap_before_s": median}
 
 
 def generate_prefill(workers: int) -> float:
@@ -176,14 +225,17 @@ def generate_prefill(workers: int) -> float:
         return min(llm.generate([PROMPT], max_new_tokens=2)[0].prefill_s for _ in range(3))
 
 
-def run(quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0, join: int = 0) -> dict:
+def run(
+    quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0, join: int = 0, queued: int = 0
+) -> dict:
     import httpx
 
     tokens = 24 if quick else 64
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", str(workers), "--port", str(port)]
-    cmd += ["--max-slots", str(max(clients + [5 if join else 1])), "--ctx", str(max(512, join + 256))]
+    slots = max(clients + [5 if join else 1])
+    cmd += ["--max-slots", str(slots), "--ctx", str(max(512, join + 256))]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     rows = []
     try:
@@ -225,6 +277,7 @@ def run(quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0
             )
         soaked = soak(url, soak_seconds, max(clients)) if soak_seconds > 0 else None
         joined = join_stall(url, join) if join else None
+        waited = queue_stall(url, queued, slots) if queued else None
         metrics = httpx.get(url + "/metrics", timeout=10).text
         inside = [line for line in metrics.splitlines() if 'first_token_seconds{quantile="0.5"}' in line]
     finally:
@@ -241,6 +294,7 @@ def run(quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0
         "server_ttft_median_s": server_ttft,
         "soak": soaked,
         "join": joined,
+        "queue": waited,
     }
 
 
@@ -255,6 +309,11 @@ def show(results: dict) -> None:
         title = f"a {joined['prompt_tokens']}-token prompt joining {joined['streams']} running streams"
         cols = {"join_s": "join answered s", "max_gap_s": "longest gap between a stream's tokens s"}
         _one_row(title, joined, cols | {"median_gap_before_s": "median gap before s"})
+    waited = results.get("queue")
+    if waited:
+        title = f"{waited['queued']} requests queued behind {waited['streams']} running streams (every slot busy)"
+        cols = {"max_gap_s": f"longest gap between a stream's tokens over {waited['seconds']:.0f} s"}
+        _one_row(title, waited, cols | {"median_gap_before_s": "median gap before s"})
     if soaked:
         title = f"soak: {soaked['clients']} clients, {soaked['seconds']:.0f} s, answers against their prompt's alone"
         _one_row(title, soaked, {"requests": "requests", "lost": "lost", "wrong_text": "wrong text"})
@@ -283,7 +342,7 @@ def show(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     def measure(args):
-        return run(args.quick, args.workers, args.clients, args.soak, args.join)
+        return run(args.quick, args.workers, args.clients, args.soak, args.join, args.queued)
 
     def options(ap) -> None:
         ap.add_argument("--workers", type=int, default=2)
@@ -292,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             "--soak", type=float, default=0.0, help="then as many clients as the most for this many seconds"
         )
         ap.add_argument("--join", type=int, default=0, help="then a prompt of this many tokens joins 4 streams")
+        ap.add_argument("--queued", type=int, default=0, help="then this many requests queue behind full slots")
 
     return cli(__doc__, "serve", measure, show, argv, options)
 
