@@ -43,12 +43,13 @@ import sys  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
 import cli  # noqa: E402
+from bench import commands as bench_commands  # noqa: E402
 from cli.tools import current  # noqa: E402
 from meta.api import cluster as _cluster  # noqa: E402
 from meta.device import MetaDevice  # noqa: E402
 from meta.launchers import LaunchEnv, blas_threads, detect_launcher, worker_cpus  # noqa: E402
 
-__all__ = ["LaunchEnv", "blas_threads", "cluster", "current", "detect_launcher", "main", "worker_cpus"]
+__all__ = ["LaunchEnv", "blas_threads", "cluster", "current", "detect_launcher", "main", "parser", "worker_cpus"]
 
 
 @contextlib.contextmanager
@@ -65,8 +66,16 @@ def cluster(
         yield dev
 
 
+def parser():
+    """launch.py's whole command line: cli/'s commands and the benchmarks' (bench/commands.py)."""
+    return cli.parser(__doc__, EXTRA_COMMANDS)
+
+
+EXTRA_COMMANDS = (bench_commands,)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(argv, os.environ, __doc__)
+    return cli.main(argv, os.environ, __doc__, EXTRA_COMMANDS)
 
 
 if __name__ == "__main__":

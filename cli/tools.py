@@ -1,4 +1,4 @@
-"""The smaller commands: devices, run, bench, stress, keys, worker."""
+"""The smaller commands: devices, run, keys, worker."""
 
 from __future__ import annotations
 
@@ -68,21 +68,6 @@ def worker(args: argparse.Namespace) -> int:
     return exec_worker(args.connect, rank, args)
 
 
-def bench(args: argparse.Namespace) -> int:
-    from bench import suite
-
-    return suite.main((["--quick"] if args.quick else []) + ["--out", args.out or "results", "--backend", args.backend])
-
-
-def stress(args: argparse.Namespace) -> int:
-    from bench import stress as stress_run
-
-    if args.workers is None:
-        args.workers = 2
-    with open_cluster(args) as dev:
-        return stress_run.run(dev, args.seconds, args.seed)
-
-
 def add(sub) -> None:
     sub.add_parser("devices", help="list backends and devices").set_defaults(fn=devices)
     p = sub.add_parser("run", help="run a script with a connected MetaDevice `dev`")
@@ -90,16 +75,6 @@ def add(sub) -> None:
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     add_cluster_options(p)
     p.set_defaults(fn=run_script)
-    p = sub.add_parser("bench", help="the benchmark suite")
-    p.add_argument("--quick", action="store_true", help="small sizes, a few repeats")
-    p.add_argument("--out", default="results", help="folder for JSON and plots")
-    p.add_argument("--backend", default="cpu", choices=backends.names(), help="(default: %(default)s)")
-    p.set_defaults(fn=bench)
-    p = sub.add_parser("stress", help="random graphs on real workers against NumPy")
-    p.add_argument("--seconds", type=float, default=60.0, help="how long to run (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="the graphs' seed (default: %(default)s)")
-    add_cluster_options(p)
-    p.set_defaults(fn=stress)
     p = sub.add_parser("keys", help="make a CURVE key file")
     p.add_argument("path", help="where to write the key file")
     p.add_argument("--force", action="store_true", help="replace an existing key file")

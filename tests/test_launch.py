@@ -57,7 +57,7 @@ def test_a_directory_with_its_own_workers_models_and_cli_packages_does_not_shado
 def test_every_option_has_help_and_help_shows_the_defaults():
     import argparse
 
-    from cli import parser
+    from launch import parser
 
     top = parser()
     commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices

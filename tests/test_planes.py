@@ -43,7 +43,7 @@ def test_only_a_worker_started_by_an_mpi_jobs_rank_can_join_mpi(monkeypatch):
 
 
 def test_workers_say_which_planes_they_can_join_and_the_cli_offers_the_registry(fresh_cluster):
-    from cli import parser
+    from launch import parser
 
     cluster = fresh_cluster(2)
     assert [h.planes for h in cluster.devices] == [planes.joinable_planes("cpu")] * 2
