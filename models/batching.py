@@ -42,10 +42,10 @@ from models.errors import ModelError
 from models.generate import (
     POOL,
     Sampling,
+    Stopping,
     candidates,
     log_normalizer,
     place_model,
-    stop_string_at,
 )
 from models.gguf_model import GGUFModel
 from models.llama import PREFILL_CHUNK
@@ -138,6 +138,7 @@ class _Slot:
     position: int  # where the next token's keys and values go
     pending: list[int]  # the prompt's tokens not prefilled yet: none once it decodes
     admitted: int  # the order it was admitted in: chunks go to the earliest first
+    stopping: Stopping  # when its job ends
     tokens: list[int] = field(default_factory=list)
 
 
@@ -287,7 +288,9 @@ class ContinuousBatcher:
             job = ticket.job
             self._admitted += 1
             rng = np.random.default_rng(job.sampling.seed)
-            self.slots[index] = _Slot(ticket, rng, 0, list(job.prompt), self._admitted)
+            ends = self.stop_ids if job.stop_at_eos else frozenset()
+            stopping = Stopping(ends, tuple(job.stop_strings), job.max_tokens)
+            self.slots[index] = _Slot(ticket, rng, 0, list(job.prompt), self._admitted, stopping)
 
     def _prefill_chunk(self) -> None:
         """One chunk of the prompt admitted first among those not all in; its last chunk gives
@@ -391,12 +394,9 @@ class ContinuousBatcher:
             chosen = float(values[int(np.flatnonzero(indices == token)[0])]) - normalizer
             top = tuple((int(t), float(v) - normalizer) for v, t in zip(values[: job.top_logprobs], indices))
             ticket.put(Token(token, chosen, top))
-        if job.stop_at_eos and token in self.stop_ids:
-            self._finish(index, ticket, "stop")
-        elif job.stop_strings and stop_string_at(self._text(slot), job.stop_strings) is not None:
-            self._finish(index, ticket, "stop")
-        elif len(slot.tokens) >= job.max_tokens or slot.position >= self.ctx:  # no room to feed it back
-            self._finish(index, ticket, "length")
+        reason = slot.stopping.reason(slot.tokens, lambda: self._text(slot), room=slot.position < self.ctx)
+        if reason is not None:
+            self._finish(index, ticket, reason)
 
     def _text(self, slot) -> str:
         return self.tokenizer.decode(slot.tokens, continuation=True)  # a generation's: its first space kept

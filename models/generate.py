@@ -119,6 +119,30 @@ def stop_string_at(text: str, stop_strings: Sequence[str]) -> int | None:
     return min(found) if found else None
 
 
+@dataclass(frozen=True)
+class Stopping:
+    """When a sequence ends and why, the one rule LLM.generate and the server's batcher keep:
+    its last token one of `end_ids` (the model's end-of-generation tokens; none where EOS is
+    ignored) or its text holding one of `stop_strings`: "stop"; `max_tokens` generated, or no
+    room left in the context to feed the token back: "length". (The workers' own loop checks
+    the end ids too, to stop without a word from the coordinator.)"""
+
+    end_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    max_tokens: int | None = None  # None: the caller's loop counts them
+
+    def reason(self, tokens: Sequence[int], text: Callable[[], str], room: bool = True) -> str | None:
+        """Why a sequence of `tokens` so far ends now, or None; `text()` its text (decoded only
+        where there are stop strings), `room` whether the context can take the last token."""
+        if tokens and tokens[-1] in self.end_ids:
+            return "stop"
+        if self.stop_strings and stop_string_at(text(), self.stop_strings) is not None:
+            return "stop"
+        if (self.max_tokens is not None and len(tokens) >= self.max_tokens) or not room:
+            return "length"
+        return None
+
+
 class TextStream:
     """A generation's text as its tokens arrive: each `push` returns the new text that is safe
     to show (whole characters only, nothing past a stop string, and the end that may still begin
@@ -425,7 +449,9 @@ class LLM:
         prefill_s = time.perf_counter() - clock
         positions = np.array(lengths)
         done = [max_new_tokens == 0] * len(out)
-        stop = sorted(self.model.end_of_generation) if stop_at_eos else []
+        ends = frozenset(self.model.end_of_generation) if stop_at_eos else frozenset()
+        stopping = Stopping(ends, tuple(stop_strings))
+        stop = sorted(stopping.end_ids)
 
         def record(chosen: Sequence[int]) -> bool:
             """Take one step's tokens; True once every sequence is done."""
@@ -435,12 +461,13 @@ class LLM:
                     recent[b].append(chosen[b])
                     if on_token is not None:
                         on_token(b, chosen[b])
-                    done[b] = chosen[b] in stop
-                    if stop_strings and not done[b]:
-                        text = self.tokenizer.decode(g.tokens, skip_special=not special, continuation=True)
-                        done[b] = stop_string_at(text, stop_strings) is not None
-                    if done[b]:
-                        g.finish_reason = "stop"
+
+                    def text(g=g) -> str:
+                        return self.tokenizer.decode(g.tokens, skip_special=not special, continuation=True)
+
+                    reason = stopping.reason(g.tokens, text)
+                    if reason is not None:
+                        done[b], g.finish_reason = True, reason
             return all(done)
 
         clock = time.perf_counter()
