@@ -28,8 +28,9 @@ from typing import Any, TextIO
 import numpy as np
 
 from meta.compiler import compile_plan, structural_key
-from meta.generation import run_generation
+from meta.generation import Generating
 from meta.graph import Node, last_writes, topo_order, written_into
+from meta.ledger import Ledger
 from meta.placement import Placement, Policy
 from meta.planner import Plan, plan
 from meta.remote_errors import exception_from
@@ -50,7 +51,7 @@ class CompiledPlan:
     plan: Plan
 
 
-class MetaDevice(Placement, Capturing):
+class MetaDevice(Placement, Capturing, Generating):
     def __init__(
         self,
         cluster: Any,
@@ -68,7 +69,6 @@ class MetaDevice(Placement, Capturing):
         self.check_mirrored = check_mirrored
         self._tensor_ids = itertools.count(1)
         self._program_ids = itertools.count(1)
-        self._run_ids = itertools.count(1)
         # compiled plans by structure, least recently used first; past max_plans the oldest is
         # evicted and unloaded from every worker, so shapes that change every step cannot leak
         self.plans: OrderedDict[tuple, CompiledPlan] = OrderedDict()
@@ -78,9 +78,8 @@ class MetaDevice(Placement, Capturing):
         # workers time every step of every run (compute_s); off, they run untimed between
         # collectives. Benchmarks switch it on for their breakdowns and measure what it costs.
         self.profile = False
-        self._released: list[int] = []  # resident tensors whose handles were collected
+        self.ledger = Ledger()  # tensors to free, pinned programs, run ids (meta/ledger.py)
         self._feeds: dict[int, np.ndarray] = {}  # fed tensors not yet sent: they go with the next run
-        self._pinned: set[int] = set()  # programs of captured steps: never evicted while they live
         self._lock = threading.RLock()
         self._depth = 0
         self.clock = Clock()
@@ -160,11 +159,11 @@ class MetaDevice(Placement, Capturing):
         run outlives its deadline, its `fresh` outputs are released with the next run (a worker
         serves in order: by then it has stored them). `read`: indices of outputs whose global
         values come back in the run's replies (no Get of their own): returned by tensor id."""
-        released, self._released[:] = list(self._released), []
+        released = self.ledger.take()
         feeds, data = p.pack_arrays(fed)
         message = p.RunProgram(
             compiled.program,
-            next(self._run_ids),
+            self.ledger.next_run(),
             slot_pairs(range(len(inputs)), inputs),
             slot_pairs(compiled.plan.outputs, out_ids),
             released,
@@ -176,7 +175,7 @@ class MetaDevice(Placement, Capturing):
         try:
             replies = self._call({d: replace(message, read=self._asked(states, d)) for d in range(self.n)})
         except errors.DeadlineExceeded:
-            self._released.extend(fresh)
+            self.ledger.release(fresh)
             raise
         self.last_timings = {d: dict(r.info) for d, r in replies.items()}
         return self._read_back(replies, states)
@@ -207,15 +206,12 @@ class MetaDevice(Placement, Capturing):
         (unless mirrored copies are checked)."""
         return self.n == 1 or (state == MIRRORED and not self.check_mirrored)
 
-    # run captured decode steps on the workers, which choose and feed back the tokens (meta/generation.py)
-    generate = serialized(run_generation)
-
     def _evict(self) -> None:
         evicted = []
         for key in list(self.plans):
             if len(self.plans) <= self.max_plans:
                 break
-            if self.plans[key].program not in self._pinned:  # captured steps keep theirs
+            if not self.ledger.pinned(self.plans[key].program):  # captured steps keep theirs
                 evicted.append(self.plans.pop(key).program)
         if evicted:
             self._call({d: p.Unload(evicted) for d in range(self.n)})
@@ -233,13 +229,6 @@ class MetaDevice(Placement, Capturing):
                 self._call({d: p.Unload([program]) for d in range(self.n)})
             raise
         return CompiledPlan(program, planned)
-
-    def reserve_runs(self, count: int) -> int:
-        """The first of `count` consecutive run ids, none of them given out again (a worker-driven
-        generation's steps each take one)."""
-        first = next(self._run_ids)
-        self._run_ids = itertools.count(first + count)
-        return first
 
     def _call(self, messages: dict[int, p.Message], on_message=None, watch=None) -> dict[int, p.Message]:
         start = time.perf_counter()
@@ -262,7 +251,7 @@ class MetaDevice(Placement, Capturing):
         (the CUDA IPC plane's operation counts differ when one rank failed before a collective
         that its peers began). If that fails too, the next run says so; the run's own error is
         the one raised."""
-        message = p.Resync(next(self._run_ids))  # one run id for all: it tags their exchange
+        message = p.Resync(self.ledger.next_run())  # one run id for all: it tags their exchange
         with contextlib.suppress(errors.MetaError):
             self.cluster.call_all({d: message for d in range(self.n)})
 

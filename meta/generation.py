@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from meta.serialized import serialized
 from meta.steps import Step, slot_pairs
 from split_state import errors
 from split_state.errors import ShapeError
@@ -19,67 +19,68 @@ from transport.board import TokenBoard
 from transport.board import supported as board_supported
 from transport.replies import Watch
 
-if TYPE_CHECKING:
-    from meta.device import MetaDevice
 
+class Generating:
+    """MetaDevice's worker-driven generation (a part of it, as Placement and Capturing are)."""
 
-def run_generation(
-    dev: MetaDevice,
-    step: Step,
-    tokens: np.ndarray,
-    positions: np.ndarray,
-    steps: int,
-    sampling: p.GenerateSettings,
-    on_tokens: Callable[[int, list[int]], bool],
-) -> dict:
-    """Run captured decode `step` up to `steps` times on the workers, which feed each step's
-    chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
-    (tokens, positions), its first two outputs the candidates (values, indices) of
-    Tensor.top_k. `on_tokens(step, tokens)` gets each step's tokens as they come (read
-    from the token board every `sampling.report_s` seconds, or from Tokens messages that
-    gather steps for that long: workers/generation.py); False cancels after the step under
-    way (as Ctrl-C does), and the steps reported with it are not shown. Returns rank 0's
-    account (steps run, cancelled, times)."""
-    if len(step.specs) != 2 or None in step.feed_slots:
-        raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
-    bound = dev._bind(step, (tokens, positions))
-    inputs, fed, out_ids, fresh = bound.inputs, {**bound.fed, **bound.sent}, bound.out_ids, bound.fresh
-    run = dev.reserve_runs(steps + 1)  # one run id per step, none reused
-    feeds, data = p.pack_arrays(fed)
-    token_id, position_id = (inputs[slot] for slot in step.feed_slots)
-    board = token_board(len(sampling.done), steps)
-    if board is not None:
-        sampling = dataclasses.replace(sampling, board=str(board.path))
-    shown = Shown(on_tokens)
-    message = p.Generate(
-        step.compiled.program,
-        run,
-        steps,
-        slot_pairs(range(len(inputs)), inputs),
-        slot_pairs(step.compiled.plan.outputs, out_ids),
-        token_id,
-        position_id,
-        out_ids[0],
-        out_ids[1],
-        sampling,
-        feeds,
-        data,
-    )
-    watch = None
-    if board is not None:
-        every_ms = int(1000 * sampling.report_s)
-        watch = Watch(every_ms, lambda show: shown.steps(*board.take(), show=show), board.cancel)
-    try:
-        replies = dev._call(
-            {d: message for d in range(dev.n)}, lambda rank, m: shown.steps(m.step, m.tokens) is not False, watch
-        )
-        if board is not None:  # what rank 0 published after the last look: before its reply
-            shown.steps(*board.take())
-    finally:
-        dev._released.extend([*bound.fed, *fresh])  # freed with the next message that runs
+    @serialized
+    def generate(
+        self,
+        step: Step,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        steps: int,
+        sampling: p.GenerateSettings,
+        on_tokens: Callable[[int, list[int]], bool],
+    ) -> dict:
+        """Run captured decode `step` up to `steps` times on the workers, which feed each step's
+        chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
+        (tokens, positions), its first two outputs the candidates (values, indices) of
+        Tensor.top_k. `on_tokens(step, tokens)` gets each step's tokens as they come (read
+        from the token board every `sampling.report_s` seconds, or from Tokens messages that
+        gather steps for that long: workers/generation.py); False cancels after the step under
+        way (as Ctrl-C does), and the steps reported with it are not shown. Returns rank 0's
+        account (steps run, cancelled, times)."""
+        if len(step.specs) != 2 or None in step.feed_slots:
+            raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
+        bound = self._bind(step, (tokens, positions))
+        inputs, fed, out_ids, fresh = bound.inputs, {**bound.fed, **bound.sent}, bound.out_ids, bound.fresh
+        run = self.ledger.reserve_runs(steps + 1)  # one run id per step, none reused
+        feeds, data = p.pack_arrays(fed)
+        token_id, position_id = (inputs[slot] for slot in step.feed_slots)
+        board = token_board(len(sampling.done), steps)
         if board is not None:
-            board.close()
-    return dict(replies[0].info)
+            sampling = dataclasses.replace(sampling, board=str(board.path))
+        shown = Shown(on_tokens)
+        message = p.Generate(
+            step.compiled.program,
+            run,
+            steps,
+            slot_pairs(range(len(inputs)), inputs),
+            slot_pairs(step.compiled.plan.outputs, out_ids),
+            token_id,
+            position_id,
+            out_ids[0],
+            out_ids[1],
+            sampling,
+            feeds,
+            data,
+        )
+        watch = None
+        if board is not None:
+            every_ms = int(1000 * sampling.report_s)
+            watch = Watch(every_ms, lambda show: shown.steps(*board.take(), show=show), board.cancel)
+        try:
+            replies = self._call(
+                {d: message for d in range(self.n)}, lambda rank, m: shown.steps(m.step, m.tokens) is not False, watch
+            )
+            if board is not None:  # what rank 0 published after the last look: before its reply
+                shown.steps(*board.take())
+        finally:
+            self.ledger.release([*bound.fed, *fresh])  # freed with the next message that runs
+            if board is not None:
+                board.close()
+        return dict(replies[0].info)
 
 
 class Shown:

@@ -122,7 +122,7 @@ class Placement:
         """Mark `node` resident; when nothing references it any more its storage is released on
         the workers with the next run (no message of its own)."""
         node.tensor, node.state = tensor, state
-        node.finalizer = weakref.finalize(node, self._released.append, tensor)
+        node.finalizer = weakref.finalize(node, self.ledger.release_one, tensor)
         return node
 
     @serialized
@@ -152,7 +152,7 @@ class Placement:
     @serialized
     def collect(self) -> None:
         """Release now the storage of tensors whose handles are gone (runs do it anyway)."""
-        released, self._released[:] = list(self._released), []
+        released = self.ledger.take()
         self._free_ids(released)
 
     def _free_ids(self, ids: list[int]) -> None:

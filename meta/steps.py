@@ -5,7 +5,6 @@ nothing: it binds the step's compiled program to fresh ids and sends one message
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -145,7 +144,7 @@ class Capturing:
                 step.compiled, bound.inputs, bound.out_ids, {**bound.fed, **bound.sent}, bound.fresh, read
             )
         finally:
-            self._released.extend(bound.fed)  # fed values are single-use
+            self.ledger.release(bound.fed)  # fed values are single-use
         return self._outputs(step, bound, got)
 
     def _outputs(self, step: Step, bound: _Bound, values: dict[int, np.ndarray]) -> list[Tensor]:
@@ -201,13 +200,13 @@ class Capturing:
                         last_read[t] = at
                 made_by.update(dict.fromkeys(bound.fresh, at))
                 programs.append(step.compiled.program)
-                runs.append(next(self._run_ids))
+                runs.append(self.ledger.next_run())
                 inputs.append(slot_pairs(range(len(bound.inputs)), bound.inputs))
                 outputs.append(slot_pairs(step.compiled.plan.outputs, bound.out_ids))
                 results.append(self._outputs(step, bound, {}))
             last, last_ids = calls[-1][0], outputs[-1][:, 1].tolist()
             states = {last_ids[j]: last.compiled.plan.out_states[j] for j in read}
-            released = list(self._released)
+            released = self.ledger.pending()
             feeds, data = p.pack_arrays({**fed, **sent})
             frees: list[list[int]] = [[] for _ in calls] if not keep else []
             dropped = [t for t, at in made_by.items() if at < len(calls) - 1] if not keep else []
@@ -215,13 +214,13 @@ class Capturing:
                 frees[last_read.get(t, made_by[t])].append(t)
             message = p.RunChain(programs, runs, inputs, outputs, released, feeds, data, int(self.profile), frees=frees)
             messages = {d: replace(message, read=self._asked(states, d)) for d in range(self.n)}
-            del self._released[: len(released)]  # they go with it
+            self.ledger.sent(len(released))  # they go with it
         except BaseException:
             self._feeds.update(sent)  # nothing left: the caller's fed tensors go with a later run
             self._discard(calls, results, fresh)
             raise
         finally:
-            self._released.extend(fed)
+            self.ledger.release(fed)
         try:
             replies = self._call(messages)
         except BaseException:
@@ -243,7 +242,7 @@ class Capturing:
             for j in step.made:
                 handles[j].node.finalizer.detach()
                 handles[j].node.tensor = handles[j].node.state = None
-        self._released.extend(fresh)
+        self.ledger.release(fresh)
 
 
 class Step:
@@ -272,8 +271,7 @@ class Step:
                 node = Node("", (), {}, *self.outs[j])
                 node.tensor, node.state, node.alias = root.tensor, plan.out_states[j], root
                 self.written[j] = Tensor(dev, node)
-        dev._pinned.add(compiled.program)
-        weakref.finalize(self, dev._pinned.discard, compiled.program)
+        dev.ledger.pin(compiled.program, self)
 
     def __call__(self, *values: np.ndarray | Tensor, read: Sequence[int] = ()) -> list[Tensor]:
         """The outputs of a run with these arguments; those at indices `read` come back with
