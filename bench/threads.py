@@ -56,8 +56,8 @@ def one_worker(
     in alternating rounds after the same `length`-token prompt: a prefill of it, then a greedy
     decode of `steps` tokens, each round's ours right before theirs. tok/s of the rounds'
     medians, and each ratio the median of the rounds' pairs."""
-    from models.generate import fuses_qkv
     from models.llama import TensorParallelLlama
+    from models.loading import fuses_qkv
 
     with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=threads))) as dev:
         net = TensorParallelLlama(

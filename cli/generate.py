@@ -28,8 +28,10 @@ EXIT = "/exit"
 
 
 def generate(args: argparse.Namespace) -> int:
-    from models.generate import LLM, Sampling, check_context, check_lengths, check_text_fits, prompt_text
+    from models.generate import LLM
     from models.gguf_model import GGUFModel, ModelError
+    from models.loading import check_context, check_lengths, check_text_fits, prompt_text
+    from models.requests import Sampling
 
     model = GGUFModel(args.model or None)
     model.check()
@@ -115,7 +117,7 @@ def gather_prompts(args: argparse.Namespace, most: int) -> list[str]:
     return prompts
 
 
-# the flag of each sampling field (models/generate.py's SAMPLING_RANGES says what each takes)
+# the flag of each sampling field (models/requests.py's SAMPLING_RANGES says what each takes)
 SAMPLING_FLAGS = {
     "temperature": "--temp",
     "top_k": "--top-k",
@@ -128,8 +130,8 @@ SAMPLING_FLAGS = {
 
 def check_sampling_flags(args: argparse.Namespace) -> None:
     """A sampling flag out of range, named (the Sampling's own check would name its field)."""
-    from models.generate import sampling_refusal
     from models.gguf_model import ModelError
+    from models.requests import sampling_refusal
 
     for name, flag in SAMPLING_FLAGS.items():
         refusal = sampling_refusal(name, getattr(args, name))
@@ -256,7 +258,7 @@ class _Stream:
     """Prints one text as its tokens arrive (whole characters only)."""
 
     def __init__(self, tokenizer, special: bool = False, stop: Sequence[str] = ()):
-        from models.generate import TextStream
+        from models.requests import TextStream
 
         self.text = TextStream(tokenizer, special, stop)
 
@@ -331,7 +333,7 @@ def add(sub) -> None:
     )
     p.add_argument(
         "--weights",
-        choices=("native", "f32"),  # models.generate.WEIGHTS, without importing the models here
+        choices=("native", "f32"),  # models.loading.WEIGHTS, without importing the models here
         default="native",
         help="native: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and BF16 matrices stay in the file's blocks "
         "on the workers (a fifth of the memory and about twice the decode speed of float32 here), other types "

@@ -39,16 +39,10 @@ import numpy as np
 
 from meta.device import MetaDevice
 from models.errors import ModelError
-from models.generate import (
-    POOL,
-    Sampling,
-    Stopping,
-    candidates,
-    log_normalizer,
-    place_model,
-)
 from models.gguf_model import GGUFModel
 from models.llama import PREFILL_CHUNK
+from models.loading import place_model
+from models.requests import POOL, Sampling, Stopping, candidates, log_normalizer
 from split_state.errors import ConsistencyError, MetaError, TransportError, WorkerLost
 from split_state.sampling import choose
 

@@ -208,7 +208,7 @@ def job_from(body: dict, prompt_ids: list[int], default_seed: int, room: int, ch
     """The batcher's Job for an OpenAI request body (completions or chat); `room`: the tokens the
     context leaves after the prompt."""
     from models.batching import Job
-    from models.generate import Sampling
+    from models.requests import Sampling
 
     if number(body, "n", 1, int) != 1:
         raise RequestError(400, "only n = 1 is supported", param="n")

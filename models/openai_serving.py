@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from models import batching
 from models.batching import Finished, Token
 from models.errors import TemplateError
-from models.generate import TextStream
 from models.openai_protocol import (
     EVENT_POLL_SECONDS,
     MAX_EMBEDDING_INPUTS,
@@ -33,6 +32,7 @@ from models.openai_protocol import (
     number,
     usage_chunk_asked,
 )
+from models.requests import TextStream
 from split_state.errors import MetaError, WorkerLost
 
 

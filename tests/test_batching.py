@@ -13,8 +13,8 @@ import pytest
 from meta import MetaDevice
 from models import synthetic
 from models.batching import ContinuousBatcher, Finished, Job, Token
-from models.generate import Sampling
 from models.gguf_model import GGUFModel, ModelError
+from models.requests import Sampling
 from split_state.errors import RemoteError, WorkerLost
 from workers.simulator import SimulatedCluster
 

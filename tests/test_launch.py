@@ -471,8 +471,8 @@ def test_a_text_longer_than_the_context_could_hold_is_refused_before_it_is_token
     before the tokenizer sees it."""
     import types
 
-    from models.generate import check_text_fits
     from models.gguf_model import ModelError
+    from models.loading import check_text_fits
 
     model = types.SimpleNamespace(longest_token_bytes=3)
     assert check_text_fits("abcdef", 2, model) == "abcdef"

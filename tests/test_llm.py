@@ -322,7 +322,7 @@ def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_refe
     replays the same prefill step, and three requests at once (slots 0, 1 and 2: the slot is
     fed to the same steps) plan nothing either and each get the reference's tokens."""
     from models.batching import ContinuousBatcher, Finished, Job, Token
-    from models.generate import Sampling
+    from models.requests import Sampling
 
     dev = MetaDevice(SimulatedCluster(2))
     try:
@@ -355,7 +355,8 @@ def test_a_repeat_penalty_gives_the_tokens_of_the_reference_with_the_penalty_by_
     """Greedy with llama.cpp's repeat penalty over the last 8 tokens (the prompt's included), the
     workers choosing the later tokens themselves: equal to the NumPy reference's whole logits,
     penalised here by hand."""
-    from models.generate import LLM, Sampling
+    from models.generate import LLM
+    from models.requests import Sampling
 
     penalty, window, steps = 1.8, 8, 14
     ref = ReferenceDecoder(model.config, weights, CTX)

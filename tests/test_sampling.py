@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.generate import POOL, Sampling
 from models.gguf_model import ModelError
+from models.requests import POOL, Sampling
 from split_state.errors import NonFiniteLogits
 from split_state.sampling import Rule, choose
 

@@ -1,4 +1,4 @@
-"""The one rule for when a sequence ends (models/generate.py Stopping), which LLM.generate and the
+"""The one rule for when a sequence ends (models/requests.py Stopping), which LLM.generate and the
 server's batcher both keep: each reason on its own, their order where two hold at once, and the
 text decoded only where stop strings ask for it."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.generate import Stopping
+from models.requests import Stopping
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -300,8 +300,8 @@ def test_the_memory_check_sizes_each_cache_by_its_own_type(tmp_path, types, fits
     cache beside two float32 ones admits the first two and refuses the last, worked out by hand."""
     import types as namespaces
 
-    from models.generate import check_fits
     from models.gguf_model import ModelError
+    from models.loading import check_fits
 
     shape = synthetic.Shape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=300)
     model = GGUFModel(synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape, weights="f32"), None).path)

@@ -1,4 +1,4 @@
-"""Streamed text (models/generate.py's TextStream): whole characters only, nothing past a stop
+"""Streamed text (models/requests.py's TextStream): whole characters only, nothing past a stop
 string, and the stop string found earliest in the text wins (whichever is listed first). The
 tokenizer here maps each id to bytes of UTF-8, an oracle independent of any model."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.generate import TextStream, stop_string_at
+from models.requests import TextStream, stop_string_at
 
 PIECES = {1: b"hel", 2: b"lo ", 3: b"wor", 4: b"ld", 5: "é".encode()[:1], 6: "é".encode()[1:], 7: b"!"}
 

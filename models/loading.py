@@ -1,0 +1,164 @@
+"""A model placed on a MetaDevice and what fits it: the weights kept in the file's blocks or
+widened (WEIGHTS, fuses_qkv, place_model), a prompt as the model reads it (a text, or chat
+messages rendered by its template: prompt_text), and the checks that refuse in one line a
+prompt, a context or cache types that do not fit (check_*).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from meta.device import MetaDevice
+from models.errors import ModelError
+from models.gguf_model import GGUFModel
+from models.llama import CACHE_TYPES, TensorParallelLlama, qkv_fusable
+from split_state.ops import ACTIVATIONS
+
+Prompt = str | Sequence[Mapping[str, str]]  # text, or a conversation: [{"role": ..., "content": ...}]
+
+
+def messages_of(prompt: Prompt, system: str = "") -> list[dict]:
+    """A prompt as chat messages: text is one user turn; `system` goes first unless the
+    conversation has its own system message."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = [dict(m) for m in prompt]
+        for m in messages:
+            if set(m) != {"role", "content"} or not all(isinstance(v, str) for v in m.values()):
+                raise ModelError(f"a chat message is a {{'role': str, 'content': str}} mapping; got {m!r}")
+    if system and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def prompt_text(model: GGUFModel, prompt: Prompt, chat: bool, system: str = "") -> str:
+    """The text the model reads for `prompt`: text as given, or (with `chat`, and always for a
+    list of messages) the conversation in the file's chat template, rendered in a sandbox (an
+    unsafe or broken template is a TemplateError naming the file)."""
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = prompt[exc.start : exc.end].encode("utf-8", "surrogateescape")
+            raise ModelError(f"the prompt is not UTF-8 text: byte(s) {bad!r} at character {exc.start}") from None
+        if not chat:
+            return prompt
+    template = model.chat_template
+    if template is None:
+        raise ModelError(f"{model.path.name} has no chat template; drop --chat (and --system, --interactive)")
+    return template.render(messages_of(prompt, system))
+
+
+def check_text_fits(text: str, ctx: int, model: GGUFModel, what: str = "the prompt") -> str:
+    """`text`, refused before it is tokenized where it is longer than any `ctx` tokens of the
+    model could be (tokenizing megabytes costs seconds and gigabytes, to then say it does not fit)."""
+    most = ctx * model.longest_token_bytes
+    if len(text) > most or len(text.encode("utf-8", "surrogatepass")) > most:
+        raise ModelError(f"{what} is longer than a context of {ctx} tokens could hold ({most} bytes at most)")
+    return text
+
+
+def check_context(ctx: int, model_ctx: int) -> None:
+    if not 0 < ctx <= model_ctx:
+        raise ModelError(f"--ctx {ctx}: give 1 to the model's context length, {model_ctx}")
+
+
+def check_lengths(lengths: Sequence[int], max_new_tokens: int, ctx: int, model_ctx: int) -> None:
+    """Prompts of these token counts, and `max_new_tokens` more each, fit in `ctx`."""
+    if min(lengths) == 0:
+        raise ModelError("an empty prompt: give at least one token of text")
+    if max_new_tokens < 0:
+        raise ModelError(f"--max-new-tokens {max_new_tokens}: give 0 or more")
+    if max(lengths) + max_new_tokens > ctx:
+        raise ModelError(
+            f"a prompt of {max(lengths)} tokens plus {max_new_tokens} new ones exceeds the context of "
+            f"{ctx} tokens; raise --ctx (up to {model_ctx}) or shorten the prompt"
+        )
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
+
+
+def check_fits(
+    dev: MetaDevice, model: GGUFModel, weights: str, ctx: int, batch: int, cache_types: tuple[str, str] = ("f32", "f32")
+) -> None:
+    """Refuse, before any weight moves, a model that cannot fit the workers' memory budgets:
+    each worker holds at least its share of the weights (1/N of them) and the KV cache of its
+    whole KV heads (the worker with the most: ceil(kv heads / N)) at `ctx` positions. A model
+    that passes may still run short by the uneven part of the split, the worker's programs and
+    its working memory: that is the workers' OutOfMemory, as before."""
+    cfg, n = model.config, dev.n
+    share = model.resident_bytes(weights) / n
+    position = sum(np.dtype(CACHE_TYPES[c]).itemsize for c in cache_types) * cfg.head_dim  # a key and a value
+    kv = cfg.layers * batch * -(-cfg.kv_heads // n) * ctx * position
+    budget = min(info["budget"] for info in dev.stats().values())
+    if share + kv > budget:
+        mib = 1 << 20
+        raise ModelError(
+            f"{model.path.name} cannot fit: each of {n} workers needs at least {share / mib:.0f} MiB of "
+            f"{weights} weights and {kv / mib:.0f} MiB of KV cache at --ctx {ctx}"
+            + (f" for {batch} sequences" if batch > 1 else "")
+            + f", over its {budget / mib:.0f} MiB budget; use more workers"
+            + (", --weights native" if weights != "native" else "")
+            + " or a smaller --ctx"
+        )
+
+
+def check_cache_types(cache_types: Sequence[str]) -> None:
+    for flag, kind in zip(("--cache-type-k", "--cache-type-v"), cache_types):
+        if kind not in CACHE_TYPES:
+            raise ModelError(f"{flag} {kind!r}: one of {', '.join(CACHE_TYPES)}")
+
+
+WEIGHTS = ("native", "f32")  # kept in the file's blocks where the workers compute on them; all float32
+
+
+def fuses_qkv(model: GGUFModel, weights: str) -> bool:
+    """Whether the model's q, k and v weights become one (TensorParallelLlama's fuse_qkv): where
+    every layer's are of one kind as `weights` keeps them (a Q4_K_M file's V is often Q6_K where
+    its Q and K are Q4_K: then they stay three)."""
+    return qkv_fusable(lambda name: model.kept_format(name, weights), model.config)
+
+
+def place_model(
+    dev: MetaDevice,
+    model: GGUFModel,
+    ctx: int,
+    batch: int,
+    weights: str = "native",
+    cache_types: Sequence[str] = ("f32", "f32"),
+    progress=None,
+    activations: str = "q8",
+) -> TensorParallelLlama:
+    """The model's weights and caches (`batch` rows of `ctx` positions) placed on the workers,
+    after every check that can refuse it first (context, weights, cache types, the workers'
+    memory); the coordinator's copy of the file then goes. The one loader of LLM and the
+    server's ContinuousBatcher."""
+    check_context(ctx, model.context_length)
+    if weights not in WEIGHTS:
+        raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
+    if activations not in ACTIVATIONS:
+        raise ModelError(f"--activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
+    check_cache_types(cache_types)
+    check_fits(dev, model, weights, ctx, batch, tuple(cache_types))
+    source = model.native if weights == "native" else model.weight
+    fuse = fuses_qkv(model, weights)
+    net = TensorParallelLlama(
+        dev,
+        model.config,
+        source,
+        ctx,
+        batch,
+        progress=progress,
+        cache_types=tuple(cache_types),
+        fuse_qkv=fuse,
+        activations=activations,
+    )
+    model.release_pages()  # the workers hold the weights: the coordinator's copy of the file goes
+    return net
