@@ -24,7 +24,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cli, human_bytes, table  # noqa: E402
+from bench.report import cli, free_port, human_bytes, table  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 from split_state import MIRRORED, PARTIAL, Split  # noqa: E402
 from transport import protocol as p  # noqa: E402
@@ -74,7 +74,7 @@ def raw_all_reduce(n: int, nbytes: int, reps: int, trials: int = 1, tcp: bool = 
     """The median over `trials` loops of the time per direct exchange, on the slowest process
     (over ipc, or with `tcp` over the loopback's tcp)."""
     ipc = IpcDir()
-    endpoints = [f"tcp://127.0.0.1:{_free_port()}" if tcp else ipc.endpoint(f"raw{d}") for d in range(n)]
+    endpoints = [f"tcp://127.0.0.1:{free_port()}" if tcp else ipc.endpoint(f"raw{d}") for d in range(n)]
     results: mp.Queue = mp.get_context("spawn").Queue()
     procs = [
         mp.get_context("spawn").Process(target=raw_rank, args=(d, endpoints, nbytes, reps, trials, results))
@@ -134,14 +134,6 @@ def ours(dev: MetaDevice, kind: str, nbytes: int, reps: int, trials: int) -> flo
 
 # how the workers reach one another: (ClusterConfig's host and insecure, the raw exchange over tcp)
 TRANSPORTS = {"ipc": ("", False, False), "tcp": ("127.0.0.1", True, True), "curve": ("127.0.0.1", False, True)}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(

@@ -341,19 +341,24 @@ def alternate(decoders: dict, llama, rounds: int, steps: int) -> dict[str, list[
     return seconds
 
 
+def greedy_settings():
+    """A worker-driven generation's settings for one greedy sequence that never stops early."""
+    from split_state.sampling import Rule, generator_state
+    from transport.protocol import GenerateSettings
+
+    return GenerateSettings(Rule(), tuple(generator_state(np.random.default_rng(0))), (), (False,))
+
+
 def worker_driven(dev, net, token: np.ndarray, pos: int):
     """A function of `steps` giving the seconds per token of greedy generation driven by the
     workers (as `generate` runs it): one Generate for `steps` tokens, the workers feeding each
     token back themselves; and of those, the time outside the program. Positions go on from
     `pos`, one run after the other."""
-    from split_state.sampling import Rule, generator_state
-    from transport.protocol import GenerateSettings
-
     step, _ = net.capture_decode(token, np.array([[pos]]), build=lambda logits: list(logits.top_k(1)))
     at = [pos + 1]
 
     def run(steps: int) -> tuple[float, float]:
-        settings = GenerateSettings(Rule(), tuple(generator_state(np.random.default_rng(0))), (), (False,))
+        settings = greedy_settings()
         start = time.perf_counter()
         info = dev.generate(step, token, np.array([at], np.int32), steps, settings, lambda k, t: True)
         wall = (time.perf_counter() - start) / info["steps"]
@@ -449,9 +454,6 @@ def resident_memory(path: str, workers: int, tokens: int) -> dict:
             out[f"worker {rank}"] = s["rss_kib"] / 1024
         return out
 
-    from split_state.sampling import Rule, generator_state
-    from transport.protocol import GenerateSettings
-
     model = GGUFModel(path)
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
         net = TensorParallelLlama(dev, model.config, model.weight, tokens + 16, fuse_qkv=fuses_qkv(model, "f32"))
@@ -459,7 +461,7 @@ def resident_memory(path: str, workers: int, tokens: int) -> dict:
             np.array([[1]], np.int32), np.array([[0]]), build=lambda logits: list(logits.top_k(1))
         )
         token = indices.numpy().astype(np.int32).reshape(1, 1)
-        settings = GenerateSettings(Rule(), tuple(generator_state(np.random.default_rng(0))), (), (False,))
+        settings = greedy_settings()
         samples, pos, last = {}, 1, []
         for upto in (100, tokens - 1):  # generation driven by the workers, in two runs
             dev.generate(

@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import collectives  # noqa: E402
-from bench.report import BLAS_THREAD_VARS, cli, human_bytes, table  # noqa: E402
+from bench.report import BLAS_THREAD_VARS, cli, free_port, human_bytes, table  # noqa: E402
 from bench.tp_matmul import breakdown, column_slice, median_step, numpy_child_server, weights  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 from split_state import MIRRORED, Split  # noqa: E402
@@ -71,12 +70,6 @@ def mpirun() -> list[str] | None:
     version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
     # Open MPI refuses more ranks than cores and a root user unless told; MPICH needs neither flag
     return [path, "--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else [path]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PeerGroup:

@@ -10,6 +10,7 @@ import os
 import platform
 import queue
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,13 @@ def write_json(path: str | Path | None, name: str, results: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": name, "machine": machine(), "results": results}, indent=2))
     print(f"wrote {path}")
+
+
+def free_port() -> int:
+    """A TCP port of the loopback free now (a server or a cluster binds it next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def human_bytes(n: int) -> str:

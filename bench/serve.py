@@ -17,7 +17,6 @@ longest gap between two tokens over the next 3 s, beside their median gap before
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -26,19 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cli, table  # noqa: E402
+from bench.report import cli, free_port, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # a prompt whose continuation starts with text: the model's first token after "Write a short story
 # about ..." was <|im_end|>, which has no text, so the first chunk waited a decode step more and the
 # time to first token was measured as the time to the second
 PROMPT = "Once upon a time, a lighthouse keeper found a message in a bottle. It said"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream_once(url: str, tokens: int) -> dict:
@@ -231,7 +224,7 @@ def run(
     import httpx
 
     tokens = 24 if quick else 64
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", str(workers), "--port", str(port)]
     slots = max(clients + [5 if join else 1])

@@ -396,15 +396,15 @@ class GGUFModel:
             layer, key = name.split(".", 1)
             if key in LAYER_BIASES:
                 return f"blk.{layer[1:]}.{LAYER_BIASES[key]}.bias"
-            if self._part(key) is not None:
+            if self._part(name) is not None:
                 return f"blk.{layer[1:]}.{FUSED_PARTS[key][0]}.weight"
             return f"blk.{layer[1:]}.{LAYER_TENSORS[key]}.weight"
         return f"{TOP_TENSORS[name]}.weight"
 
-    def _part(self, key: str) -> slice | None:
-        """The rows of layer weight `key` in the fused tensor that holds it (FUSED_PARTS), or None
-        where the file holds it alone."""
-        fused = FUSED_PARTS.get(key)
+    def _part(self, name: str) -> slice | None:
+        """The rows of weight `name` ("l{i}.key") in the fused tensor that holds it (FUSED_PARTS),
+        or None where the file holds it alone (and for the top-level weights)."""
+        fused = FUSED_PARTS.get(name.split(".", 1)[1]) if "." in name else None
         if fused is None:
             return None
         tensor, index = fused
@@ -422,11 +422,12 @@ class GGUFModel:
         """Weight `name`'s shape in ggml order: its tensor's, or its rows' of a fused tensor (whose
         rows must then be all its parts')."""
         shape = self._tensor(name).shape
-        rows = self._part(name.split(".", 1)[1]) if "." in name else None
+        rows = self._part(name)
         if rows is None:
             return shape
-        fused, _ = FUSED_PARTS[name.split(".", 1)[1]]
-        parts = [self._part(k) for k, (t, _) in FUSED_PARTS.items() if t == fused]
+        layer, key = name.split(".", 1)
+        fused, _ = FUSED_PARTS[key]
+        parts = [self._part(f"{layer}.{k}") for k, (t, _) in FUSED_PARTS.items() if t == fused]
         if len(shape) != 2 or shape[1] != max(p.stop for p in parts):
             raise ModelError(
                 f"{self.path.name}: tensor {self._gguf_name(name)} has shape {list(shape)}, but the metadata "
@@ -463,7 +464,7 @@ class GGUFModel:
         if fmt is None or t.data.ndim != 2:
             return self.weight(name)
         data = t.data.view(np.uint8)  # the file's bytes (F16 reads as float16)
-        part = self._part(name.split(".", 1)[1]) if "." in name else None
+        part = self._part(name)
         if part is not None:  # its rows of a fused tensor: a view still
             data = data[part]
         rows, row_bytes = data.shape
@@ -501,7 +502,7 @@ class GGUFModel:
         t = self._tensor(name)
         array = self._gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(reversed(t.shape)))
-        part = self._part(name.split(".", 1)[1]) if "." in name else None
+        part = self._part(name)
         if part is not None:  # its rows of a fused tensor
             array = array[part]
         if array.ndim == 2 and name != "embed":

@@ -211,8 +211,9 @@ class _Gate:
             raise RequestError(
                 404, f"the model '{shown}' does not exist; this server has '{self.model_id}'", param="model"
             )
-        if self.why_down():
-            raise RequestError(503, f"the cluster cannot serve: {self.why_down()}", "server_error")
+        why = self.why_down()
+        if why:
+            raise RequestError(503, f"the cluster cannot serve: {why}", "server_error")
         return body
 
 
