@@ -11,7 +11,9 @@ clients. `--join N`: then four streams run while a prompt of N tokens joins; eac
 longest gap between two tokens while it goes in (its prefill goes in chunks between their decode
 steps: models/batching.py), beside their median gap before it. `--queued N`: then as many
 streams as slots run while N more requests arrive and wait for a slot; the running streams'
-longest gap between two tokens over the next 3 s, beside their median gap before.
+longest gap between two tokens over the next 3 s, beside their median gap before. Last, one
+stream's decode rate (200 tokens, its first token's wait left out) beside `launch.py generate`'s on
+as many workers of their own, in alternating rounds.
 """
 
 from __future__ import annotations
@@ -206,16 +208,40 @@ def queue_stall(url: str, queued: int, streams: int, seconds: float = 3.0, token
     return figures | {"max_gap_s": longest, "median_gap_before_s": median}
 
 
-def generate_prefill(workers: int) -> float:
-    """Prefill seconds of LLM.generate (what `launch.py generate` reports) for the prompt."""
+def _llm(workers: int):
     from meta import ClusterConfig, MetaDevice, ProcessCluster
     from models.generate import LLM
     from models.gguf_model import GGUFModel
 
-    with MetaDevice(ProcessCluster(ClusterConfig(workers=workers))) as dev:
-        llm = LLM(dev, GGUFModel(), ctx=512)
+    dev = MetaDevice(ProcessCluster(ClusterConfig(workers=workers)))
+    return dev, LLM(dev, GGUFModel(), ctx=512)
+
+
+def generate_prefill(workers: int) -> float:
+    """Prefill seconds of LLM.generate (what `launch.py generate` reports) for the prompt."""
+    dev, llm = _llm(workers)
+    with dev:
         llm.generate([PROMPT], max_new_tokens=2)  # the first prompt of a length also plans it
         return min(llm.generate([PROMPT], max_new_tokens=2)[0].prefill_s for _ in range(3))
+
+
+def stream_against_generate(url: str, workers: int, tokens: int, rounds: int = 3) -> dict:
+    """One stream's decode rate (its tokens after the first, over the time after the first)
+    beside LLM.generate's (what `launch.py generate` reports: tokens after the first over its
+    decode time) on as many workers of their own, in alternating rounds; medians."""
+    import httpx
+
+    served, generated = [], []
+    dev, llm = _llm(workers)
+    with dev, httpx.Client(timeout=300) as session:
+        llm.generate([PROMPT], max_new_tokens=4, stop_at_eos=False)  # plans its steps
+        for _ in range(rounds):
+            r = _timed_stream(session, url, stream_body(tokens))
+            served.append((r["tokens"] - 1) / (r["wall_s"] - r["ttft_s"]))
+            g = llm.generate([PROMPT], max_new_tokens=tokens, stop_at_eos=False)[0]
+            generated.append((len(g.tokens) - 1) / g.decode_s)
+    median = sorted(served)[len(served) // 2], sorted(generated)[len(generated) // 2]
+    return {"tokens": tokens, "served_tokens_per_s": median[0], "generate_tokens_per_s": median[1]}
 
 
 def run(
@@ -271,6 +297,7 @@ def run(
         soaked = soak(url, soak_seconds, max(clients)) if soak_seconds > 0 else None
         joined = join_stall(url, join) if join else None
         waited = queue_stall(url, queued, slots) if queued else None
+        against = stream_against_generate(url, workers, tokens=48 if quick else 200)
         metrics = httpx.get(url + "/metrics", timeout=10).text
         inside = [line for line in metrics.splitlines() if 'first_token_seconds{quantile="0.5"}' in line]
     finally:
@@ -288,6 +315,7 @@ def run(
         "soak": soaked,
         "join": joined,
         "queue": waited,
+        "one_stream": against,
     }
 
 
@@ -310,6 +338,15 @@ def show(results: dict) -> None:
     if soaked:
         title = f"soak: {soaked['clients']} clients, {soaked['seconds']:.0f} s, answers against their prompt's alone"
         _one_row(title, soaked, {"requests": "requests", "lost": "lost", "wrong_text": "wrong text"})
+    against = results.get("one_stream")
+    if against:
+        title = f"one stream of {against['tokens']} tokens against launch.py generate's decode (medians of 3 rounds)"
+        cols = {"served_tokens_per_s": "served tok/s", "generate_tokens_per_s": "generate tok/s"}
+        _one_row(
+            title,
+            against | {"ratio": against["served_tokens_per_s"] / against["generate_tokens_per_s"]},
+            cols | {"ratio": "served / generate"},
+        )
     prefill = results["generate_prefill_s"]
     print(
         table(

@@ -32,6 +32,7 @@ class Generating:
         steps: int,
         sampling: p.GenerateSettings,
         on_tokens: Callable[[int, list[int]], bool],
+        every_step: bool = False,
     ) -> dict:
         """Run captured decode `step` up to `steps` times on the workers, which feed each step's
         chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
@@ -39,8 +40,11 @@ class Generating:
         Tensor.top_k. `on_tokens(step, tokens)` gets each step's tokens as they come (read
         from the token board every `sampling.report_s` seconds, or from Tokens messages that
         gather steps for that long: workers/generation.py); False cancels after the step under
-        way (as Ctrl-C does), and the steps reported with it are not shown. Returns rank 0's
-        account (steps run, cancelled, times)."""
+        way (as Ctrl-C does), and the steps reported with it are not shown, unless
+        `every_step`: then every step the workers ran is shown, those after the refusal too (a
+        caller that goes on from where the workers stopped needs every token they fed back).
+        Returns rank 0's account (steps run, cancelled, times; with `sampling.own`, each
+        sequence's generator state at the end)."""
         if len(step.specs) != 2 or None in step.feed_slots:
             raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
         bound = self._bind(step, (tokens, positions))
@@ -51,7 +55,7 @@ class Generating:
         board = token_board(len(sampling.done), steps)
         if board is not None:
             sampling = dataclasses.replace(sampling, board=str(board.path))
-        shown = Shown(on_tokens)
+        shown = Shown(on_tokens, every_step)
         message = p.Generate(
             step.compiled.program,
             run,
@@ -86,10 +90,10 @@ class Generating:
 class Shown:
     """The steps of a generation as `on_tokens` sees them: each once and in order, whichever
     way it came (rank 0 sends the first in a Tokens message and puts it on the token board
-    too), none after a refusal."""
+    too), none after a refusal unless `every_step`."""
 
-    def __init__(self, on_tokens: Callable[[int, list[int]], bool]):
-        self.on_tokens = on_tokens
+    def __init__(self, on_tokens: Callable[[int, list[int]], bool], every_step: bool = False):
+        self.on_tokens, self.every_step = on_tokens, every_step
         self.next = 0  # the first step not shown yet
         self.refused = False
 
@@ -98,11 +102,11 @@ class Shown:
         if not tokens:
             return None
         for k, chosen in enumerate(tokens, first):
-            if not show or self.refused:
+            if (not show or self.refused) and not self.every_step:
                 break
             if k >= self.next:  # else shown already, from the other way
                 self.next = k + 1
-                self.refused = not self.on_tokens(k, list(chosen))
+                self.refused = not self.on_tokens(k, list(chosen)) or self.refused
         return not self.refused
 
 

@@ -22,8 +22,19 @@ prefilling. A
 row's tokens do not depend on the other rows: a greedy job gives the same tokens alone and in a
 full batch.
 
+Between changes of the batch the workers drive the decode (`_drive`: MetaDevice.generate, as
+LLM.generate's loop): they run the step, choose every running job's token with its own rule,
+generator and pool, feed the tokens back and report them, the coordinator off the per-token
+path; it hands each token to its job as it is reported, and cuts the workers' run short (after
+the step under way) when a queued job can take a freed slot, every job has ended or the server
+stops. Then each job's position, last token and generator go on from where the workers left
+them, so a job gets the same tokens whichever side chose them. A prompt going in by chunks and a
+job asking for log-probabilities (which need each row's logits' normalizer) take the step-by-step
+path, the coordinator choosing.
+
 Every job draws from its own generator (its seed), so a sampled job is reproducible too. The
-decode step proposes POOL candidates per row; a job's top_k cuts them further.
+decode step proposes POOL candidates per row (one where every job in it is greedy); a job's
+top_k cuts them further.
 """
 
 from __future__ import annotations
@@ -43,10 +54,16 @@ from models.gguf_model import GGUFModel
 from models.llama import PREFILL_CHUNK
 from models.loading import place_model
 from models.requests import POOL, Sampling, Stopping, candidates, log_normalizer
-from split_state.errors import ConsistencyError, MetaError, TransportError, WorkerLost
-from split_state.sampling import choose
+from split_state.errors import ConsistencyError, MetaError, RemoteError, TransportError, WorkerLost
+from split_state.sampling import Rule, choose, generator_state, restore_generator
+from transport.protocol import GenerateSettings, OwnChoice
 
 TOKEN_SECONDS = 120.0  # a job waiting longer than this for its next token gives up (no hang)
+# how often the coordinator looks for the tokens of steps the workers drive: a stream's tokens
+# come at most this late, and a queued job's slot is seen free this soon
+DRIVEN_REPORT_S = 0.02
+# a free row of a step the workers drive: greedy over one candidate, its tokens nobody's
+_DUMMY_ROW = OwnChoice(Rule(), tuple(generator_state(np.random.default_rng(0))), 1)
 
 
 @dataclass(frozen=True)
@@ -160,10 +177,14 @@ class ContinuousBatcher:
         weights: str = "native",
         cache_types: tuple[str, str] = ("f32", "f32"),
         activations: str = "q8",
+        drive_on_workers: bool = True,
     ):
         if slots < 1:
             raise ModelError(f"--max-slots {slots}: at least one")
         self.dev, self.model, self.ctx = dev, model, ctx
+        # whether running slots decode on the workers between changes of the batch (`_drive`),
+        # else one step from here per token
+        self.drive_on_workers = drive_on_workers
         self.net = place_model(dev, model, ctx, slots, weights, cache_types, activations=activations)
         self.tokenizer = model.tokenizer
         self.stop_ids = frozenset(model.end_of_generation)
@@ -173,8 +194,8 @@ class ContinuousBatcher:
         self.lost: str = ""  # why the cluster can no longer serve, once it cannot
         self._wake = threading.Condition()
         self._stopping = False
-        # (rows, with the normalizer) -> the captured decode step of the first rows
-        self._decodes: dict[tuple[int, bool], object] = {}
+        # (rows, with the normalizer, candidates) -> the captured decode step of the first rows
+        self._decodes: dict[tuple[int, bool, int], object] = {}
         self._admitted = 0  # jobs admitted so far
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
 
@@ -183,17 +204,19 @@ class ContinuousBatcher:
     def warm_up(self) -> int:
         """Load, without running, the steps requests run: the slots' prefill step of every
         padded prompt length up to a chunk (the slot is fed: one step serves them all), and the
-        decode steps of 1, 2, 4, ... rows, so the first requests plan nothing (as vLLM captures its
-        batch sizes at start). Before start(): the batcher's thread owns the device after it.
-        Returns how many steps were loaded."""
+        decode steps of 1, 2, 4, ... rows (of POOL candidates, and of one for greedy batches), so
+        the first requests plan nothing (as vLLM captures its batch sizes at start). Before
+        start(): the batcher's thread owns the device after it. Returns how many steps were
+        loaded."""
         if self._thread.is_alive():
             raise RuntimeError("warm_up() goes before start(): the batcher's thread owns the device")
         loaded = self.net.warm_up(POOL, slots=True)
         rows = 1
         while True:
-            if (rows, False) not in self._decodes:
-                self._decodes[rows, False] = self.net.prepare_decode(rows, build=candidates(POOL))
-                loaded += 1
+            for pool in (POOL, 1):
+                if (rows, False, pool) not in self._decodes:
+                    self._decodes[rows, False, pool] = self.net.prepare_decode(rows, build=candidates(pool))
+                    loaded += 1
             if rows >= len(self.slots):
                 return loaded
             rows = min(len(self.slots), rows * 2)
@@ -253,7 +276,8 @@ class ContinuousBatcher:
                         break
                 self._admit()
                 self._prefill_chunk()
-                self._step()
+                if not self._drive():
+                    self._step()
         except Exception as exc:  # noqa: BLE001 - the cluster failed, or this loop did: every job is told,
             # later ones refused (a request's own error never comes here: _admit and _take fail that job alone)
             self.lost = f"{type(exc).__name__}: {exc}"
@@ -334,11 +358,12 @@ class ContinuousBatcher:
                 positions[index, 0] = slot.position
         # a step with a job asking for log-probabilities also sums each row's distribution
         mass = any(self._decoding(s) and s.ticket.job.top_logprobs is not None for s in self.slots[:rows])
+        pool = self._pool(rows, mass)
         start = time.perf_counter()
-        decode = self._decodes.get((rows, mass))
+        decode = self._decodes.get((rows, mass, pool))
         if decode is None:
-            build = candidates(POOL, mass)
-            self._decodes[rows, mass], (values, indices, *rest) = self.net.capture_decode(
+            build = candidates(pool, mass)
+            self._decodes[rows, mass, pool], (values, indices, *rest) = self.net.capture_decode(
                 tokens, positions, build=build
             )
         else:
@@ -355,6 +380,95 @@ class ContinuousBatcher:
                 normalizer = float(v[index, 0, 0]) + float(np.log(sums[index, 0])) if mass else None
                 self._take(index, v[index, 0], i[index, 0], normalizer)
 
+    def _drive(self) -> bool:
+        """Decode the running slots on the workers (MetaDevice.generate: they choose each
+        slot's token with its job's rule and generator, feed it back and report it) until the
+        batch must change: a queued job can take a freed slot, every job has ended, the server
+        stops. False where the batch cannot be left to the workers now (a prompt still going in
+        by chunks, a job asking for log-probabilities, a decode step not captured yet): then the
+        coordinator runs one step (`_step`). A job's tokens are those `_step` gives it."""
+        if not self.drive_on_workers or any(s is not None and s.pending for s in self.slots):
+            return False
+        decoding = [i for i, s in enumerate(self.slots) if self._decoding(s)]
+        if not decoding or self._regroup() or any(self.slots[i].ticket.job.top_logprobs is not None for i in decoding):
+            return False
+        rows = self._rows()
+        step = self._decodes.get((rows, False, self._pool(rows, False)))
+        if step is None:
+            return False
+        running = {i: self.slots[i] for i in decoding}
+        tokens, positions = np.zeros((rows, 1), np.int32), np.zeros((rows, 1), np.int32)
+        own = [_DUMMY_ROW] * rows  # a free row decodes a dummy token (the module docstring says where)
+        recent: list[tuple[int, ...]] = [()] * rows
+        for index, slot in running.items():
+            tokens[index, 0], positions[index, 0] = slot.tokens[-1], slot.position
+            s = slot.ticket.job.sampling
+            own[index] = OwnChoice(s.rule, tuple(generator_state(slot.rng)), s.pool)
+            recent[index] = self._recent(slot)
+        # as many steps as the longest job wants, and the context of every row can take
+        steps = min(
+            min(self.ctx - s.position for s in running.values()),
+            max(s.stopping.max_tokens - len(s.tokens) for s in running.values()),
+        )
+        ends = all(s.ticket.job.stop_at_eos for s in running.values())
+        settings = GenerateSettings(
+            Rule(),
+            _DUMMY_ROW.rng,
+            tuple(sorted(self.stop_ids)) if ends else (),
+            tuple(i not in running for i in range(rows)),
+            tuple(recent),
+            DRIVEN_REPORT_S,
+            own=tuple(own),
+        )
+        ran = 0
+
+        def on_tokens(k: int, chosen: list[int]) -> bool:
+            nonlocal ran
+            ran += 1
+            for index, slot in running.items():
+                if self.slots[index] is slot:  # else its job ended: the row's tokens are not its
+                    slot.position += 1
+                    self._deliver(index, chosen[index])
+            return not self._regroup()
+
+        start = time.perf_counter()
+        try:
+            info = self.dev.generate(step, tokens, positions, steps, settings, on_tokens, every_step=True)
+        except RemoteError:
+            # a worker's own failure in a step (a job's logits not finite): the steps shown are
+            # taken; the coordinator runs the next one, where the job it belongs to fails alone
+            return False
+        finally:
+            self.counters.decode_steps += ran
+            self.counters.decode_rows += rows * ran
+            self.counters.decode_seconds += time.perf_counter() - start
+        if ran != info["steps"]:
+            raise ConsistencyError(f"the workers ran {info['steps']} decode steps, {ran} were reported")
+        for index, slot in running.items():
+            if self.slots[index] is slot:
+                slot.rng = restore_generator(info["generators"][index])
+        return True
+
+    def _pool(self, rows: int, mass: bool) -> int:
+        """Candidates a decode step of the first `rows` proposes: one where every job decoding
+        there takes the best (greedy, no penalty: `Sampling.pool`; ties go to the lower index
+        either way, so its tokens are the same), else POOL."""
+        pools = [s.ticket.job.sampling.pool for s in self.slots[:rows] if self._decoding(s)]
+        return 1 if not mass and max(pools, default=1) == 1 else POOL
+
+    def _regroup(self) -> bool:
+        """Whether the running batch must change before its next step: the server stops, a
+        queued job can take a free slot, or no slot decodes any more."""
+        if self._stopping or not any(self._decoding(s) for s in self.slots):
+            return True
+        return bool(self.waiting) and any(s is None for s in self.slots)
+
+    def _recent(self, slot: _Slot) -> tuple[int, ...]:
+        """The tokens its job's repeat penalty lowers: the last repeat_last_n of its prompt and
+        its tokens together, as llama.cpp's and the CLI's."""
+        n = slot.ticket.job.sampling.penalized
+        return tuple([*slot.ticket.job.prompt[-n:], *slot.tokens[-n:]][-n:]) if n else ()
+
     def _rows(self) -> int:
         """The rows the next decode step runs: up to the highest decoding slot, rounded up to a
         power of two (at most every slot), so a handful of captured steps serve every mix of slots."""
@@ -370,24 +484,33 @@ class ContinuousBatcher:
         if ticket.cancelled.is_set():
             self._finish(index, ticket, "cancelled")
             return
-        s, n = job.sampling, job.sampling.penalized
-        recent = [*job.prompt[-n:], *slot.tokens[-n:]][-n:] if n else ()
+        s = job.sampling
         try:
-            token = choose(values[: s.pool], indices[: s.pool], s.rule, slot.rng, recent)
+            token = choose(values[: s.pool], indices[: s.pool], s.rule, slot.rng, self._recent(slot))
         except (ValueError, FloatingPointError) as exc:  # this job's sampling failed (its logits): it alone ends
             self._finish(index, ticket, "error", f"sampling failed: {exc}")
+            return
+        if job.top_logprobs is None or normalizer is None:
+            self._deliver(index, token)
+        else:
+            chosen = float(values[int(np.flatnonzero(indices == token)[0])]) - normalizer
+            top = tuple((int(t), float(v) - normalizer) for v, t in zip(values[: job.top_logprobs], indices))
+            self._deliver(index, token, chosen, top)
+
+    def _deliver(self, index: int, token: int, logprob: float | None = None, top: tuple = ()) -> None:
+        """Slot `index`'s next token (chosen here or by the workers) to its job; the slot is freed
+        when the job is done."""
+        slot = self.slots[index]
+        ticket = slot.ticket
+        if ticket.cancelled.is_set():
+            self._finish(index, ticket, "cancelled")
             return
         slot.tokens.append(token)
         if ticket.first_token_s is None:
             ticket.first_token_s = time.perf_counter() - ticket.submitted
             self.counters.first_token_seconds = self.counters.first_token_seconds[-999:] + [ticket.first_token_s]
         self.counters.generated_tokens += 1
-        if job.top_logprobs is None or normalizer is None:
-            ticket.put(Token(token))
-        else:
-            chosen = float(values[int(np.flatnonzero(indices == token)[0])]) - normalizer
-            top = tuple((int(t), float(v) - normalizer) for v, t in zip(values[: job.top_logprobs], indices))
-            ticket.put(Token(token, chosen, top))
+        ticket.put(Token(token, logprob, top))
         reason = slot.stopping.reason(slot.tokens, lambda: self._text(slot), room=slot.position < self.ctx)
         if reason is not None:
             self._finish(index, ticket, reason)

@@ -163,32 +163,44 @@ class CompletionServing:
 
     async def _stream(self, reply: _Reply, ticket, request, usage_chunk: bool):
         """Server-sent events: a chunk per piece of text, the last with the finish reason (and
-        usage), then `data: [DONE]`."""
+        usage), then `data: [DONE]`. The events of tokens that came together (the workers report
+        a few steps at a time) go out in one write: a write per token woke the client and this
+        loop once a token each, and on a host whose cores the workers fill every wake-up
+        preempts one of them (its peers then wait for it at the next all-reduce)."""
+        lines: list[str] = []
 
-        def event_line(payload: dict) -> str:
-            return f"data: {json.dumps(payload)}\n\n"
+        def event_line(payload: dict) -> None:
+            lines.append(f"data: {json.dumps(payload)}\n\n")
+
+        def ready() -> str:
+            out = "".join(lines)
+            lines.clear()
+            return out
 
         try:
             if reply.chat:
-                yield event_line(
+                event_line(
                     reply.envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
                 )
+                yield ready()  # at once, as OpenAI's
             async for event in self._events(ticket, request):
                 if isinstance(event, Token):
                     piece = reply.text.push(event.token)
                     reply.scored.append(event)
                     if piece:
-                        yield event_line(reply.envelope([reply.choice(piece, None, False)]))
+                        event_line(reply.envelope([reply.choice(piece, None, False)]))
+                    if lines and not ticket.events.qsize():  # nothing more has come: send what is ready
+                        yield ready()
                     continue
                 if event.reason == "error":
                     failed = RequestError(503, f"generation failed: {event.error}", "server_error")
-                    yield event_line(error_body(failed))
+                    event_line(error_body(failed))
                     break  # then [DONE], as after any last event
                 rest = reply.text.finish()
-                yield event_line(reply.envelope([reply.choice(rest, event.reason, False)], usage=reply.usage()))
+                event_line(reply.envelope([reply.choice(rest, event.reason, False)], usage=reply.usage()))
                 if usage_chunk:
-                    yield event_line(reply.envelope([], usage=reply.usage()))
-            yield "data: [DONE]\n\n"
+                    event_line(reply.envelope([], usage=reply.usage()))
+            yield ready() + "data: [DONE]\n\n"
         finally:
             ticket.cancel()  # the client left (or the stream ended): the slot is freed
 

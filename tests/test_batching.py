@@ -142,25 +142,30 @@ def test_submit_refuses_what_cannot_run(batcher, job, says):
         batcher.submit(job)
 
 
-def test_the_repeat_penalty_window_takes_the_prompts_end_with_the_tokens(batcher, monkeypatch):
+@pytest.mark.parametrize("on_workers", [False, True], ids=["stepwise", "driven"])
+def test_the_repeat_penalty_window_takes_the_prompts_end_with_the_tokens(batcher, monkeypatch, on_workers):
     """A slot's penalized tokens are the last repeat_last_n of its prompt and its tokens
-    together, as llama.cpp's and the CLI's are (worked out here from the job)."""
+    together, as llama.cpp's and the CLI's are (worked out here from the job), whether the
+    coordinator chooses each token or the workers do (both ranks' choices recorded)."""
     import models.batching as batching
+    import workers.generation as generation
 
     windows = []
     real = batching.choose
 
     def choose(values, indices, rule, rng, recent=()):
-        windows.append(list(recent))
+        windows.append(tuple(recent))
         return real(values, indices, rule, rng, recent)
 
     monkeypatch.setattr(batching, "choose", choose)
+    monkeypatch.setattr(generation, "choose", choose)
+    batcher.drive_on_workers = on_workers
     batcher.start()
-    job = Job(PROMPT, 4, Sampling(repeat_penalty=1.3, repeat_last_n=7), stop_at_eos=False)
+    job = Job(PROMPT, 6, Sampling(repeat_penalty=1.3, repeat_last_n=7), stop_at_eos=False)
     tokens = [e.token for e in events_of(batcher.submit(job)) if isinstance(e, Token)]
-    assert len(windows) == 4
-    for step, window in enumerate(windows):
-        assert window == [*PROMPT, *tokens[:step]][-7:]
+    assert len(tokens) == 6
+    assert set(windows) == {tuple([*PROMPT, *tokens[:step]][-7:]) for step in range(6)}
+    assert len(windows) == (6 if not on_workers else 2 + 2 * 4)  # prefill and a captured step here, then both ranks
 
 
 def test_health_is_answered_while_a_call_holds_the_device(batcher):
@@ -301,6 +306,102 @@ def test_joining_prompts_go_in_by_admission_whatever_their_slots(tiny, monkeypat
         log_p = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
         token = got[second][0]
         assert token.logprob is not None and abs(token.logprob - log_p[token.token]) < 1e-3
+    finally:
+        made.stop()
+        dev.close()
+
+
+# jobs of every kind of choice: greedy, sampled with seeds, a top_k pool, the repeat penalty,
+# top_p and min_p, an end at EOS
+MIXED_JOBS = (
+    Job(PROMPT, 14, Sampling(), stop_at_eos=False),
+    Job(PROMPT[:3], 12, Sampling(temperature=0.8, seed=3), stop_at_eos=False),
+    Job(
+        PROMPT[1:],
+        10,
+        Sampling(temperature=1.1, top_k=5, seed=11, repeat_penalty=1.3, repeat_last_n=6),
+        stop_at_eos=False,
+    ),
+    Job(PROMPT[::-1], 11, Sampling(temperature=0.9, top_p=0.8, min_p=0.05, seed=4)),
+)
+
+
+def _tokens(ticket) -> list[int]:
+    events = events_of(ticket, 60)
+    assert isinstance(events[-1], Finished) and events[-1].reason in ("stop", "length"), events[-1]
+    return [e.token for e in events if isinstance(e, Token)]
+
+
+def test_jobs_decoded_on_the_workers_get_the_tokens_they_get_alone_from_the_coordinator(tiny):
+    """The oracle: each job alone, every token chosen by the coordinator (one step per token).
+    Then the four together, decoded on the workers (each with its own rule, seed and pool),
+    joining one after another while the others run, so the workers' runs are cut short at
+    each join and resume with every job's generator where it stood: the same tokens."""
+
+    def batcher(on_workers: bool) -> ContinuousBatcher:
+        return ContinuousBatcher(
+            MetaDevice(SimulatedCluster(2)), tiny, slots=4, ctx=48, weights="f32", drive_on_workers=on_workers
+        )
+
+    alone = batcher(False).start()
+    try:
+        expected = [_tokens(alone.submit(job)) for job in MIXED_JOBS]
+    finally:
+        alone.stop()
+        alone.dev.close()
+    together = batcher(True)
+    together.warm_up()
+    runs, generate = [], together.dev.generate
+
+    def counted(*args, **kw):
+        info = generate(*args, **kw)
+        runs.append(info["steps"])
+        return info
+
+    together.dev.generate = counted
+    together.start()
+    try:
+        tickets = []
+        for job in MIXED_JOBS:
+            tickets.append(together.submit(job))
+            first = tickets[-1].events.get(timeout=TOLD_WITHIN)  # it runs: the next one joins a running batch
+            tickets[-1].events.queue.appendleft(first)
+        got = [_tokens(t) for t in tickets]
+    finally:
+        together.stop()
+        together.dev.close()
+    assert got == expected
+    assert len(runs) >= 4 and sum(runs) >= max(len(t) for t in expected) - 2  # cut at joins, most steps there
+
+
+def test_a_queued_job_takes_the_first_slot_freed_while_the_workers_decode(tiny):
+    """Two slots decoding on the workers, a long job A and a short one B, and a job C queued
+    behind them: when B ends its slot is free, so the workers' run is cut short there and C
+    runs (its tokens the reference's) while A goes on: C ends before A. A fourth job D queued
+    behind C is cancelled while it waits: told at once, never run."""
+    dev = MetaDevice(SimulatedCluster(2))
+    made = ContinuousBatcher(dev, tiny, slots=2, ctx=64, weights="f32")
+    made.warm_up()
+    told = []  # (job, event) in the order the batcher's thread put them
+
+    def submit(name: str, job: Job):
+        ticket = made.submit(job)
+        put = ticket.put
+        ticket.put = lambda event: told.append((name, type(event).__name__)) or put(event)
+        return ticket
+
+    made.start()
+    try:
+        a = submit("A", Job(PROMPT, 40, Sampling(), stop_at_eos=False))
+        b = submit("B", Job(PROMPT[:2], 6, Sampling(), stop_at_eos=False))
+        assert isinstance(b.events.get(timeout=TOLD_WITHIN), Token)  # both run
+        c = submit("C", Job(PROMPT[:4], 3, Sampling(), stop_at_eos=False))
+        d = submit("D", Job(PROMPT[:4], 3, Sampling(), stop_at_eos=False))
+        d.cancel()
+        assert _tokens(c) == reference_greedy(tiny, list(PROMPT[:4]), 3, 64)
+        assert list(d.stream(TOLD_WITHIN)) == [Finished("cancelled")]
+        assert len(_tokens(a)) == 40
+        assert told.index(("C", "Finished")) < told.index(("A", "Finished"))
     finally:
         made.stop()
         dev.close()

@@ -1,3 +1,4 @@
+import dataclasses
 import re
 
 import msgpack
@@ -87,6 +88,10 @@ EXAMPLES = [
     p.Stats(),
     p.Abort(rank=1, run=-1, kind="WorkerLost", message="worker 1 lost"),
 ]
+# a Generate whose sequences each choose their own way (a server's batch)
+_GENERATE = next(m for m in EXAMPLES if isinstance(m, p.Generate))
+_OWN_CHOICES = (p.OwnChoice(Rule(0.5, top_k=3), ("9", "7", "1", "5"), 5), p.OwnChoice(Rule(), ("1", "2", "0", "0"), 1))
+EXAMPLES.append(dataclasses.replace(_GENERATE, sampling=dataclasses.replace(_GENERATE.sampling, own=_OWN_CHOICES)))
 
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
@@ -411,8 +416,12 @@ def _settings_body(**changes):
         "recent": [],
         "report_s": 0.05,
         "board": "",
+        "own": [],
     }
     return body | changes
+
+
+_OWN = {"rule": Rule(0.7).as_wire(), "rng": ["1", "2", "0", "0"], "pool": 40}
 
 
 @pytest.mark.parametrize(
@@ -428,6 +437,13 @@ def _settings_body(**changes):
         ({"stop": ["2"]}, "'stop' must be an int"),
         ({"board": 3}, "'board' must be a string"),
         ({"extra": 1}, "must be a map of"),
+        ({"own": {}}, "'own' must be a list"),
+        ({"own": [_OWN, _OWN]}, "'own' holds 2 sequences, 'done' 1"),
+        ({"own": [_OWN | {"pool": 0}]}, "pool must be a count of candidates"),
+        ({"own": [_OWN | {"pool": True}]}, "pool must be a count of candidates"),
+        ({"own": [_OWN | {"rng": ["1"]}]}, "four decimal strings"),
+        ({"own": [_OWN | {"rule": {}}]}, "'rule' must be a map of"),
+        ({"own": [{"rule": _OWN["rule"]}]}, "each of 'own' must be a map of"),
     ],
 )
 def test_a_generates_settings_are_checked_field_by_field(changes, says):

@@ -747,12 +747,14 @@ def test_a_lost_worker_fails_the_waiting_request_turns_health_503_and_exits_non_
     """A worker SIGKILLed under a running non-streamed request: that request gets a 503 OpenAI
     body (not a 200 with finish_reason "error"), /health says so, and the server exits with code 3
     within 10 s (for a supervisor to restart it) leaving no worker behind."""
-    proc, url = start_server("--max-slots", "1", "--ctx", str(CTX), "--no-warmup", "--liveness", "2")
+    # a context long enough that the request still runs when the worker is killed (its 4,000
+    # tokens take seconds on the workers' own loop)
+    proc, url = start_server("--max-slots", "1", "--ctx", "4096", "--no-warmup", "--liveness", "2")
     try:
         workers = _children(proc.pid)
         assert len(workers) == 2
         replies = {}
-        body = {"prompt": PROMPTS[0], "max_tokens": CTX - 8, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 
         def ask() -> None:
             replies["long"] = httpx.post(url + "/v1/completions", json=body, timeout=60)

@@ -395,16 +395,30 @@ REPORT_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
+class OwnChoice:
+    """One sequence's own way of choosing in a Generate (a server's batch: each job its own
+    sampling and seed): its rule, its generator's exact state, and how many of the step's
+    candidates (best first) it chooses among."""
+
+    rule: Rule
+    rng: tuple[str, ...]
+    pool: int
+
+
+@dataclass(frozen=True)
 class GenerateSettings:
     """How a Generate's workers choose, stop and report, the same on every rank."""
 
-    rule: Rule  # how each sequence's next token is chosen
+    rule: Rule  # how each sequence's next token is chosen (unless `own` says)
     rng: tuple[str, ...]  # the generator's exact state (split_state.sampling.generator_state)
     stop: tuple[int, ...]  # token ids that end a sequence
     done: tuple[bool, ...]  # per sequence: already ended (its tokens still fed, never reported)
     recent: tuple[tuple[int, ...], ...] = ()  # per sequence its latest tokens (the repeat penalty's window)
     report_s: float = REPORT_SECONDS  # the least seconds between two reports
     board: str = ""  # the coordinator's token board's path (transport/board.py), "" none
+    # per sequence its own rule, generator and pool (then `rule` and `rng` are not used); empty:
+    # every sequence follows `rule` over all the candidates, drawing from the one `rng` in turn
+    own: tuple[OwnChoice, ...] = ()
 
 
 @_message(MsgType.GENERATE)
@@ -785,21 +799,44 @@ def _encode_settings(g: GenerateSettings) -> dict:
         "recent": [[int(t) for t in r] for r in g.recent],
         "report_s": float(g.report_s),
         "board": g.board,
+        "own": [{"rule": c.rule.as_wire(), "rng": list(c.rng), "pool": int(c.pool)} for c in g.own],
     }
+
+
+def _rule(v: Any, name: str) -> Rule:
+    if not isinstance(v, dict) or set(v) != {f.name for f in fields(Rule)}:
+        _fail(f"field {name!r}: 'rule' must be a map of {sorted(f.name for f in fields(Rule))}")
+    return Rule.from_wire(v)
+
+
+def _generator(v: Any, name: str, limits: Limits) -> tuple[str, ...]:
+    rng = _list(_str)(v, "rng", limits)
+    if len(rng) != 4 or not all(x.isascii() and x.isdigit() for x in rng):
+        _fail(f"field {name!r}: 'rng' must be a generator's state, four decimal strings")
+    return tuple(rng)
+
+
+def _own(v: Any, name: str, limits: Limits) -> tuple[OwnChoice, ...]:
+    if not isinstance(v, list) or len(v) > limits.max_items:
+        _fail(f"field {name!r}: 'own' must be a list of at most {limits.max_items} choices")
+    out = []
+    for choice in v:
+        if not isinstance(choice, dict) or set(choice) != {"rule", "rng", "pool"}:
+            _fail(f"field {name!r}: each of 'own' must be a map of ['pool', 'rng', 'rule']")
+        pool = choice["pool"]
+        if type(pool) is not int or pool < 1:
+            _fail(f"field {name!r}: an 'own' pool must be a count of candidates, 1 or more")
+        out.append(OwnChoice(_rule(choice["rule"], name), _generator(choice["rng"], name, limits), pool))
+    return tuple(out)
 
 
 def _settings(v: Any, name: str, limits: Limits) -> GenerateSettings:
     """A Generate's settings, each field checked: a wrong one is named."""
-    keys = {"rule", "rng", "stop", "done", "recent", "report_s", "board"}
+    keys = {"rule", "rng", "stop", "done", "recent", "report_s", "board", "own"}
     if not isinstance(v, dict) or set(v) != keys:
         _fail(f"field {name!r} must be a map of {sorted(keys)}")
-    rule = v["rule"]
-    if not isinstance(rule, dict) or set(rule) != {f.name for f in fields(Rule)}:
-        _fail(f"field {name!r}: 'rule' must be a map of {sorted(f.name for f in fields(Rule))}")
-    rule = Rule.from_wire(rule)
-    rng = _list(_str)(v["rng"], "rng", limits)
-    if len(rng) != 4 or not all(x.isascii() and x.isdigit() for x in rng):
-        _fail(f"field {name!r}: 'rng' must be a generator's state, four decimal strings")
+    rule = _rule(v["rule"], name)
+    rng = _generator(v["rng"], name, limits)
     done = v["done"]
     if not isinstance(done, list) or not all(type(d) is bool for d in done):
         _fail(f"field {name!r}: 'done' must be a list of true or false")
@@ -811,7 +848,10 @@ def _settings(v: Any, name: str, limits: Limits) -> GenerateSettings:
         _fail(f"field {name!r}: 'report_s' must be a number of seconds, 0 or more")
     stop = tuple(_ints(v["stop"], "stop", limits))
     board = _str(v["board"], "board", limits)
-    return GenerateSettings(rule, tuple(rng), stop, tuple(done), tuple(recent), float(report_s), board)
+    own = _own(v["own"], name, limits)
+    if own and len(own) != len(done):
+        _fail(f"field {name!r}: 'own' holds {len(own)} sequences, 'done' {len(done)}")
+    return GenerateSettings(rule, rng, stop, tuple(done), tuple(recent), float(report_s), board, own)
 
 
 # annotation -> (encode, decode); arrays are handled apart from the header fields

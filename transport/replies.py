@@ -82,10 +82,10 @@ def gather_replies(
             if rank not in ranks or rank in replies:
                 continue  # not asked, or after this worker's reply (the Ok of a late Cancel)
             if isinstance(message, p.Tokens) and on_message is not None:
-                if cancelled:  # reports of steps already under way when the Cancel left
-                    continue
                 deadline = Deadline(seconds)
-                if not on_message(rank, message):
+                # after the Cancel left, reports of the steps already under way are still handed
+                # over (a caller may want every step the workers ran), their answer not asked
+                if not on_message(rank, message) and not cancelled:
                     cancel_all([rank])
                 continue
             replies[rank] = message

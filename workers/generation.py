@@ -3,7 +3,9 @@
 Each step runs the captured decode program, which leaves the candidate (value, index) pairs
 Mirrored (bitwise identical on every rank), and each sequence's next token is chosen by the same
 rule (split_state/sampling.py) with the same seeded generator on every rank, so all ranks feed
-back the same tokens with no message between them. On a backend with a device sampler (CUDA:
+back the same tokens with no message between them: one rule and generator for every sequence
+(LLM.generate), or each sequence its own rule, generator and pool (`own`: a server's batch of
+jobs), whose generators' states the reply gives back. On a backend with a device sampler (CUDA:
 workers/backends/cuda/kernels/sample.py) the choice runs on the device, which writes the token and position
 the next step reads, and the host reads only the chosen ids; elsewhere the host reads the
 candidates, chooses, and writes the fed tokens back. With the device sampler and no peers the
@@ -30,11 +32,12 @@ import collections
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from split_state.errors import ProtocolError, TransportError, WorkerLost
-from split_state.sampling import choose, restore_generator
+from split_state.sampling import Rule, choose, generator_state, restore_generator
 from transport import protocol as p
 from transport.board import TokenBoard
 from transport.deadline import Deadline
@@ -54,7 +57,10 @@ def run_generation(
     sampling = m.sampling  # checked as it was decoded (transport.protocol.GenerateSettings)
     done, stop, rule = list(sampling.done), set(sampling.stop), sampling.rule
     rng = restore_generator(sampling.rng)
-    recent = [collections.deque(r, maxlen=rule.penalized) for r in sampling.recent or [()] * len(done)]
+    choosers = _choosers(sampling, rng)
+    recent = [
+        collections.deque(r, maxlen=c.rule.penalized) for r, c in zip(sampling.recent or [()] * len(done), choosers)
+    ]
     interval = sampling.report_s
     tokens, positions = store.get(m.tokens), store.get(m.positions)
     count = len(done)
@@ -86,7 +92,8 @@ def run_generation(
     fed_tokens, fed_positions = tokens[:count, 0], positions[:count, 0]
     # on a GPU the tokens are chosen there and written where the next step reads them
     # (workers/backends/cuda/kernels/sample.py); the host reads only the chosen ids
-    make_sampler = getattr(backend, "device_sampler", None)
+    # (one rule for every sequence: a server's batch, each job its own, chooses on the host)
+    make_sampler = None if sampling.own else getattr(backend, "device_sampler", None)
     sampler = None
     # with the sampler on the device and no peers, step s + 1 is issued before step s's tokens
     # are waited for (its inputs are written on the device): the host's work between tokens
@@ -122,7 +129,10 @@ def run_generation(
                 timings["program_s"] += time.perf_counter() - waited
             else:
                 values, indices = backend.to_host(values), backend.to_host(indices)
-                chosen = [choose(values[b, 0], indices[b, 0], rule, rng, recent[b]) for b in range(count)]
+                chosen = [
+                    choose(values[b, 0, : c.pool], indices[b, 0, : c.pool], c.rule, c.rng, recent[b])
+                    for b, c in enumerate(choosers[:count])
+                ]
                 for b, token in enumerate(chosen):
                     recent[b].append(token)
             done = [d or token in stop for d, token in zip(done, chosen)]
@@ -166,7 +176,25 @@ def run_generation(
     finally:
         if board is not None:
             board.close()
-    return p.Ok({"steps": steps, "cancelled": cancel, "issued_ahead": issued_ahead, **timings})
+    info = {"steps": steps, "cancelled": cancel, "issued_ahead": issued_ahead, **timings}
+    if sampling.own:  # where each sequence's generator stands: its job goes on from there
+        info["generators"] = [generator_state(c.rng) for c in choosers]
+    return p.Ok(info)
+
+
+@dataclass(frozen=True)
+class _Chooser:
+    rule: Rule
+    rng: np.random.Generator
+    pool: int | None  # the first `pool` candidates; None: all of them
+
+
+def _choosers(sampling: p.GenerateSettings, shared: np.random.Generator) -> list[_Chooser]:
+    """Each sequence's rule, generator and pool: its own (`own`), or the shared rule over every
+    candidate with the one generator, drawn from in sequence order."""
+    if sampling.own:
+        return [_Chooser(c.rule, restore_generator(c.rng), c.pool) for c in sampling.own]
+    return [_Chooser(sampling.rule, shared, None)] * len(sampling.done)
 
 
 class Reports:
