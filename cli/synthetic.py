@@ -24,6 +24,8 @@ def make(args: argparse.Namespace) -> int:
         architecture=args.architecture,
         rope_factors=args.rope_factors,
         rope_scale=args.rope_scale,
+        window=args.window,
+        window_pattern=args.window_pattern,
     )
     if args.vocabulary == "none":
         vocabulary = None
@@ -61,7 +63,12 @@ def add(sub) -> None:
         "--architecture",
         default="llama",
         choices=synthetic.ARCHITECTURES,
-        help="qwen2: q/k/v biases; qwen3: q/k norms; phi3: fused qkv and gate|up (%(default)s)",
+        help="qwen2: q/k/v biases; qwen3: q/k norms; phi3: fused qkv and gate|up; gemma3: q/k norms, post-norms, "
+        "a GELU gate, the embedding scaled (%(default)s)",
+    )
+    p.add_argument("--window", type=int, default=None, help="phi3 or gemma3: the sliding window's positions")
+    p.add_argument(
+        "--window-pattern", type=int, default=None, help="gemma3: every N-th layer global, the others windowed"
     )
     p.add_argument("--rope-factors", action="store_true", help="Llama 3.1's rope frequency factors (rope_freqs)")
     p.add_argument("--rope-scale", type=float, default=1.0, help="linear rope scaling's factor (%(default)s)")

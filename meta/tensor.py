@@ -134,6 +134,11 @@ class Tensor:
     def gelu_erf(self) -> Tensor:
         return apply("gelu_erf", self)
 
+    def gelu_f16(self) -> Tensor:
+        """GELU (tanh) as llama.cpp computes it on the CPU: x rounded to float16 and looked up in
+        a table of float16 results (Gemma's gate; models.reference.gelu_f16)."""
+        return apply("gelu_f16", self)
+
     def silu(self) -> Tensor:
         return apply("silu", self)
 

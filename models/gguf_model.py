@@ -61,16 +61,20 @@ LAYER_TENSORS = {
     "w_gate": "ffn_gate",
     "w_up": "ffn_up",
     "w_down": "ffn_down",
-    "q_norm": "attn_q_norm",  # Qwen3's: each head's query and key RMS-normed before rope
+    "q_norm": "attn_q_norm",  # Qwen3's and Gemma 3's: each head's query and key RMS-normed before rope
     "k_norm": "attn_k_norm",
+    "attn_post_norm": "post_attention_norm",  # Gemma's: attention's and the FFN's outputs normed
+    "ffn_post_norm": "post_ffw_norm",
 }
 TOP_TENSORS = {"embed": "token_embd", "norm": "output_norm", "output": "output"}
 LAYER_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # blk.N.*.bias: Qwen2's, optional in llama's
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency factors
 # general.architecture -> how llama.cpp rotates its q and k (llama_model_rope_type): adjacent pairs
 # for llama (its converter permutes the rows for it), the halves (NeoX) for qwen2 and qwen3
-ARCHITECTURES = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "phi3": "neox"}
-QK_NORM_ARCHITECTURES = ("qwen3",)  # whose layers RMS-norm each head's query and key (attn_q_norm, attn_k_norm)
+ARCHITECTURES = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "phi3": "neox", "gemma3": "neox"}
+# whose layers RMS-norm each head's query and key (attn_q_norm, attn_k_norm)
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
+GEMMA_SWA_PATTERN = 6  # Gemma 3: five windowed layers, then a global one (llama.cpp's default for it)
 # weights a file may hold fused in one GGUF tensor, its rows one part after another (Phi-3's):
 # q | k | v in attn_qkv, and gate | up in ffn_up where the file has no ffn_gate
 FUSED_PARTS = {"wq": ("attn_qkv", 0), "wk": ("attn_qkv", 1), "wv": ("attn_qkv", 2)}
@@ -152,7 +156,7 @@ class GGUFModel:
             raise ModelError(
                 f"{self.path.name}: architecture {shown} is not supported; this decoder runs "
                 f"{', '.join(ARCHITECTURES)} GGUF files "
-                "(Llama 2 and 3, Mistral, TinyLlama, SmolLM, Qwen2, Qwen3, Phi-3)"
+                "(Llama 2 and 3, Mistral, TinyLlama, SmolLM, Qwen2, Qwen3, Phi-3, Gemma 3)"
             )
         self.arch = arch
         self._check_types()
@@ -259,9 +263,10 @@ class GGUFModel:
         if self._key("attention.key_length") in self.file.fields:
             head_size = self.meta_int(self._key("attention.key_length"), low=0, high=MAX_SIZE)
         head_dim = head_size if head_size is not None else hidden // heads if heads else 0
+        layers = self.meta_int(self._key("block_count"), low=0, high=MAX_LAYERS)
         return LlamaConfig(
             hidden=hidden,
-            layers=self.meta_int(self._key("block_count"), low=0, high=MAX_LAYERS),
+            layers=layers,
             heads=heads,
             kv_heads=self.meta_int(self._key("attention.head_count_kv"), heads, low=0),
             ffn=self.meta_int(self._key("feed_forward_length"), low=0),
@@ -274,11 +279,39 @@ class GGUFModel:
             qkv_bias="blk.0.attn_q.bias" in self.tensors,
             head_size=head_size if head_size is not None and head_size * heads != hidden else None,
             qk_norm=self.arch in QK_NORM_ARCHITECTURES,
-            # no sliding window: Phi-3 files carry one (attention.sliding_window) that llama.cpp reads
-            # and turns off ("Phi SWA is currently disabled"), so its logits are those of none
+            # Phi-3 files carry a sliding window (attention.sliding_window) that llama.cpp reads and
+            # turns off ("Phi SWA is currently disabled"), so its logits are those of none
             # (tests/llama_cpp_cases.py's phi3 case holds a window of 6 that they show unapplied)
-            window=None,
+            **(self._gemma(hidden, heads, head_dim, layers) if self.arch == "gemma3" else {}),
         )
+
+    def _gemma(self, hidden: int, heads: int, head_dim: int, layers: int) -> dict:
+        """A Gemma 3 file's settings, as llama.cpp's gemma3 reads them (src/models/gemma3.cpp): the
+        embedding times sqrt(hidden), post-norms, a GELU gate, each head's query times
+        1 / sqrt(head size) (the 27B, of 62 layers: 1 / sqrt(hidden / heads)), a window on the
+        layers of attention.sliding_window_pattern (every one but each sixth, or a list) at a
+        rope base of their own, and the logits soft-capped where the file says so."""
+        out = dict(embed_scale=math.sqrt(hidden), post_norms=True, gate="gelu")
+        if layers == 62 and heads:
+            out["attn_scale"] = 1.0 / math.sqrt(hidden // heads)
+        window = self.meta_int(self._key("attention.sliding_window"), 0, low=0)
+        if window:
+            pattern = self.meta(self._key("attention.sliding_window_pattern"), GEMMA_SWA_PATTERN)
+            if isinstance(pattern, list):
+                windowed = tuple(self.meta_list(self._key("attention.sliding_window_pattern"), bool))
+                if len(windowed) != layers:
+                    raise self._refuse(
+                        self._key("attention.sliding_window_pattern"), f"{layers} layers' flags", pattern
+                    )
+            else:
+                n = self.meta_int(self._key("attention.sliding_window_pattern"), GEMMA_SWA_PATTERN, low=0)
+                windowed = tuple(n == 0 or i % n < n - 1 for i in range(layers))
+            out |= dict(window=window, windowed=windowed)
+            out["window_rope_base"] = self.meta_float(self._key("rope.freq_base_swa"), 10000.0)
+        cap = self.meta(self._key("final_logit_softcapping"), 0.0)
+        if cap:
+            out["final_softcap"] = self.meta_float(self._key("final_logit_softcapping"))
+        return out
 
     def check(self) -> None:
         """The configuration, and every tensor's shape against it: what would otherwise surface as
@@ -380,6 +413,8 @@ class GGUFModel:
         layer.update(wk=(cfg.hidden, kv), wv=(cfg.hidden, kv), wo=(q, cfg.hidden))
         if cfg.qk_norm:
             layer.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+        if cfg.post_norms:
+            layer.update(attn_post_norm=(cfg.hidden,), ffn_post_norm=(cfg.hidden,))
         layer.update(w_gate=(cfg.hidden, cfg.ffn), w_up=(cfg.hidden, cfg.ffn), w_down=(cfg.ffn, cfg.hidden))
         if cfg.qkv_bias:
             layer.update(bq=(q,), bk=(kv,), bv=(kv,))

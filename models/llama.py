@@ -58,13 +58,41 @@ class LlamaConfig:
     # the file's attention.key_length), None: hidden / heads
     head_size: int | None = None
     qk_norm: bool = False  # each head's query and key RMS-normed (times q_norm, k_norm) before rope (Qwen3)
-    # sliding-window attention on every layer (Phi-3's attention.sliding_window): a token sees the
+    # sliding-window attention (Phi-3's attention.sliding_window, Gemma's): a token sees the
     # positions less than `window` before its own, as llama.cpp's standard SWA; None: all before it
     window: int | None = None
+    # which layers the window applies to (Gemma 3: five of every six); empty: every layer
+    windowed: tuple[bool, ...] = ()
+    # a windowed layer's rope base (Gemma 3's 10,000 beside its global layers' 1,000,000); its rope
+    # is never scaled (rope_freqs are the global layers'); None: rope_base, scaled as the others
+    window_rope_base: float | None = None
+    # Gemma's: the embedding scaled by sqrt(hidden); attention's and the FFN's outputs RMS-normed
+    # (attn_post_norm, ffn_post_norm) before they join the residual; the gate "gelu" (ggml's tanh
+    # GELU through its float16 table, Tensor.gelu_f16) rather than "silu"; the query scaled by
+    # `attn_scale` rather than 1 / sqrt(head_dim); the logits soft-capped: c * tanh(logits / c)
+    embed_scale: float | None = None
+    post_norms: bool = False
+    gate: str = "silu"
+    attn_scale: float | None = None
+    final_softcap: float | None = None
 
     @property
     def head_dim(self) -> int:
         return self.head_size if self.head_size is not None else self.hidden // self.heads
+
+    @property
+    def scale(self) -> float:
+        """What a query times a key is scaled by before the softmax."""
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def is_windowed(self, layer: int) -> bool:
+        return self.window is not None and (not self.windowed or self.windowed[layer])
+
+    def rope_of(self, layer: int) -> tuple[float, tuple[float, ...] | None]:
+        """Layer `layer`'s rope base and frequency multipliers."""
+        if self.window_rope_base is not None and self.is_windowed(layer):
+            return self.window_rope_base, None
+        return self.rope_base, self.rope_freqs
 
     @property
     def group(self) -> int:
@@ -94,6 +122,8 @@ def random_weights(cfg: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict[st
         }
         if cfg.qk_norm:
             out |= {f"l{i}.{n}": (1 + 0.1 * rng.standard_normal(hd)).astype(dtype) for n in QK_NORMS}
+        if cfg.post_norms:
+            out |= {f"l{i}.{n}": (1 + 0.1 * rng.standard_normal(h)).astype(dtype) for n in POST_NORMS}
         if cfg.qkv_bias:
             out |= {f"l{i}.bq": w((cfg.heads * hd,), 4.0)}
             out |= {f"l{i}.{b}": w((cfg.kv_heads * hd,), 4.0) for b in ("bk", "bv")}
@@ -138,15 +168,20 @@ class ReferenceDecoder:
         cfg, w, hd = self.cfg, self.w, self.cfg.head_dim
         batch, t = tokens.shape
         x = w["embed"][tokens]  # (batch, tokens, hidden)
+        if cfg.embed_scale is not None:
+            x = x * np.float32(cfg.embed_scale)
         keep = np.arange(self.ctx)[None, None, :] <= positions[:, :, None]  # (batch, tokens, ctx)
+        masks = {False: np.where(keep, 0.0, -np.inf).astype(np.float32)}
         if cfg.window is not None:
             keep &= np.arange(self.ctx)[None, None, :] > positions[:, :, None] - cfg.window
-        mask = np.where(keep, 0.0, -np.inf).astype(np.float32)
+            masks[True] = np.where(keep, 0.0, -np.inf).astype(np.float32)
         for i in range(cfg.layers):
             p = f"l{i}."
+            mask = masks[cfg.is_windowed(i)]
             h = self._norm(x, w[p + "attn_norm"])
             q, k, v = (h @ w[p + n] + (w[p + b] if cfg.qkv_bias else 0) for n, b in QKV)
-            rotate = (positions, cfg.rope_base, cfg.rope_mode, cfg.rope_freqs)
+            base, freqs = cfg.rope_of(i)
+            rotate = (positions, base, cfg.rope_mode, freqs)
             q, k = q.reshape(batch, t, cfg.heads, hd), k.reshape(batch, t, cfg.kv_heads, hd)
             if cfg.qk_norm:  # each head's vector RMS-normed, before rope
                 q, k = self._norm(q, w[p + "q_norm"]), self._norm(k, w[p + "k_norm"])
@@ -158,17 +193,25 @@ class ReferenceDecoder:
             q = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
             # a Python float: a NumPy float64 scalar would turn every later value into float64
             keys, values = self.k[i].astype(np.float32), self.v[i].astype(np.float32)
-            scores = q @ keys[:, :, None].transpose(0, 1, 2, 4, 3) / math.sqrt(hd) + mask[:, None, None]
+            scores = q @ keys[:, :, None].transpose(0, 1, 2, 4, 3)
+            scores = (scores / math.sqrt(hd) if cfg.attn_scale is None else scores * np.float32(cfg.scale)) + mask[
+                :, None, None
+            ]
             scores = np.exp(scores - scores.max(-1, keepdims=True))
             attn = (scores / scores.sum(-1, keepdims=True)) @ values[:, :, None]  # (b, kv, g, t, hd)
-            x = x + attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd) @ w[p + "wo"]
+            out = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd) @ w[p + "wo"]
+            x = x + (self._norm(out, w[p + "attn_post_norm"]) if cfg.post_norms else out)
             h = self._norm(x, w[p + "ffn_norm"])
             gate, up = h @ w[p + "w_gate"], h @ w[p + "w_up"]
-            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[p + "w_down"]
+            out = (ref.gelu_f16(gate) if cfg.gate == "gelu" else gate / (1.0 + np.exp(-gate))) * up
+            out = out @ w[p + "w_down"]
+            x = x + (self._norm(out, w[p + "ffn_post_norm"]) if cfg.post_norms else out)
         if last is not None:
             x = x[np.arange(batch), np.asarray(last)][:, None]
         x = self._norm(x, w["norm"])
         logits = x @ (w["embed"].T if cfg.tied else w["output"])
+        if cfg.final_softcap is not None:
+            logits = np.tanh(logits / np.float32(cfg.final_softcap)) * np.float32(cfg.final_softcap)
         assert logits.dtype == np.float32, "the reference computes in float32 throughout"
         return logits
 
@@ -246,6 +289,7 @@ LAYER_WEIGHTS_FUSED = ("attn_norm", "w_qkv", "wo", "ffn_norm", "w_gate_up", "w_d
 QKV = (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))  # the attention's input products and their biases
 QKV_BIASES = tuple(b for _, b in QKV)  # a layer's further weights with LlamaConfig.qkv_bias
 QK_NORMS = ("q_norm", "k_norm")  # a layer's further weights with LlamaConfig.qk_norm: one head's size each
+POST_NORMS = ("attn_post_norm", "ffn_post_norm")  # a layer's further weights with LlamaConfig.post_norms
 PREFILL_STEPS = 16  # prefill chains a model keeps (one per padded length, pool, logits, slot or not)
 PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
 
@@ -426,6 +470,8 @@ class TensorParallelLlama:
             place(p + "ffn_norm", MIRRORED)
             for norm in QK_NORMS if cfg.qk_norm else ():
                 place(p + norm, MIRRORED)  # a head's size: every device's heads use all of it
+            for norm in POST_NORMS if cfg.post_norms else ():
+                place(p + norm, MIRRORED)
             if fuse_qkv:
                 qkv_parts = (("wq", q_cols), ("wk", kv_cols), ("wv", kv_cols))
                 self.w[p + "w_qkv"] = self._fused(source, p, qkv_parts, "w_qkv")
@@ -456,6 +502,9 @@ class TensorParallelLlama:
         self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, 1, 1, 1, ctx))
         # each cached position plus the window: the first position that no longer sees it
         self.window_ends = None
+        # the masks a step makes: False, the causal one, for layers without a window; True, the
+        # causal one within the window, for layers with one
+        self.mask_kinds = sorted({cfg.is_windowed(i) for i in range(cfg.layers)})
         if cfg.window is not None:
             self.window_ends = dev.tensor(
                 (np.arange(ctx, dtype=np.int64) + cfg.window).astype(np.int32).reshape(self.positions_ctx.shape)
@@ -542,17 +591,21 @@ class TensorParallelLlama:
         pos = positions if isinstance(positions, Tensor) else dev.feed(np.asarray(positions, np.int32))
         if last is not None and not isinstance(last, Tensor):
             last = dev.feed(np.array([b * t + i for b, i in enumerate(last)], np.int32))
-        x = self._layers(self._embed(ids), pos, self._mask(pos))
+        x = self._layers(self._embed(ids), pos, self._masks(pos))
         return self._head(x, last)
 
-    def _mask(self, pos: Tensor) -> Tensor:
+    def _masks(self, pos: Tensor) -> list[Tensor]:
+        """The masks of `mask_kinds`, in their order (`_mask`)."""
+        return [self._mask(pos, windowed) for windowed in self.mask_kinds]
+
+    def _mask(self, pos: Tensor, windowed: bool) -> Tensor:
         """The attention mask of tokens at `pos` (batch, tokens): 0 where a token sees a cache
-        position (up to its own), -inf elsewhere; (batch, 1, 1, tokens, ctx), as the GQA layout's
-        scores broadcast it, or (batch, tokens, ctx) for gqa_attention (a cut KV group): made once
-        a step, so every layer reads the same one (the attention kernels find its used positions
-        once a run)."""
+        position (up to its own; `windowed`: and within the window), -inf elsewhere; (batch, 1,
+        1, tokens, ctx), as the GQA layout's scores broadcast it, or (batch, tokens, ctx) for
+        gqa_attention (a cut KV group): made once a step, so every layer reads the same one (the
+        attention kernels find its used positions once a run)."""
         batch, t = pos.shape
-        cached, ends = self.positions_ctx, self.window_ends
+        cached, ends = self.positions_ctx, self.window_ends if windowed else None
         if self.heads.shared:
             seeing = pos.reshape(batch, t, 1)
             cached = cached.reshape(1, 1, self.ctx)
@@ -624,7 +677,8 @@ class TensorParallelLlama:
         for i, layer in enumerate(chain.layers):
             weights, _ = self._layer_weights(i)
             x = Earlier(len(calls) - 1, 0)  # the last call's x: the embedding's, then each layer's
-            calls.append((layer, (x, pos, Earlier(0, 1), *weights.values(), self.k[i], self.v[i], *fed_slot)))
+            mask = Earlier(0, 1 + self.mask_kinds.index(self.cfg.is_windowed(i)))
+            calls.append((layer, (x, pos, mask, *weights.values(), self.k[i], self.v[i], *fed_slot)))
         calls.append((chain.head, (Earlier(len(calls) - 1, 0), rows)))
         # the caches are written in place (the same handles); the candidates (and logits) come
         # back with the chain: reading them sends nothing; the residual between layers is freed
@@ -641,16 +695,20 @@ class TensorParallelLlama:
         dev = self.dev
         embed = dev.prepare(self._embed_graph(), tokens, positions)
         plan = embed.compiled.plan
-        x, mask = (dev.placeholder(*embed.outs[j], plan.out_states[j]) for j in (0, 1))  # stand for any value
+        # stand for any value
+        x, *masks = (dev.placeholder(*embed.outs[j], plan.out_states[j]) for j in range(1 + len(self.mask_kinds)))
         slot = (np.int32(0),) if slotted else ()  # any row: it is fed
         kinds: dict[tuple, Step] = {}
         layers = []
         for i in range(self.cfg.layers):
             weights, formats = self._layer_weights(i)
             held = [*weights.values(), self.k[i], self.v[i]]
-            kind = (tuple(formats.values()), x.state, *((a.shape, a.node.dtype, a.state) for a in held))
+            windowed = self.cfg.is_windowed(i)
+            kind = (tuple(formats.values()), x.state, windowed, *((a.shape, a.node.dtype, a.state) for a in held))
             if kind not in kinds:
-                kinds[kind] = dev.prepare(self._layer_graph(formats, slotted), x, positions, mask, *held, *slot)
+                mask = masks[self.mask_kinds.index(windowed)]
+                graph = self._layer_graph(formats, slotted, i)
+                kinds[kind] = dev.prepare(graph, x, positions, mask, *held, *slot)
             layers.append(kinds[kind])
             state = kinds[kind].compiled.plan.out_states[0]  # the residual's: Partial over 2 or more devices
             if state != x.state:
@@ -659,26 +717,27 @@ class TensorParallelLlama:
         return PrefillChain(embed, layers, head)
 
     def _embed_graph(self):
-        """(ids, positions) -> [x (rows, tokens, hidden), the attention mask]: a prompt
+        """(ids, positions) -> [x (rows, tokens, hidden), the attention masks]: a prompt
         attends to the positions up to its own in the cache (a slot's prompt: in its row)."""
 
         def graph(ids: Tensor, pos: Tensor) -> list[Tensor]:
-            return [self._embed(ids), self._mask(pos)]
+            return [self._embed(ids), *self._masks(pos)]
 
         return graph
 
-    def _layer_graph(self, formats: dict[str, str | None], slotted: bool):
+    def _layer_graph(self, formats: dict[str, str | None], slotted: bool, layer: int):
         """(x, positions, mask, *a layer's weights, cache K, cache V[, slot]) -> [x after the layer,
-        the caches written in place]. The residual stays as the planner leaves it between
-        layers (Partial over several devices: each adds its share, one all-reduce before each
-        norm), the same sums in the same order as one program of every layer."""
+        the caches written in place], for a layer of the kind of layer `layer` (its rope, its
+        window). The residual stays as the planner leaves it between layers (Partial over
+        several devices: each adds its share, one all-reduce before each norm), the same sums in
+        the same order as one program of every layer."""
         names = self._layer_names
         count = len(names)
 
         def graph(x: Tensor, pos: Tensor, mask: Tensor, *rest: Tensor) -> list[Tensor]:
             weights = dict(zip(names, rest[:count]))
             cache_k, cache_v, *slot = rest[count:]
-            x, cache_k, cache_v = self._layer(weights, formats, x, pos, mask, cache_k, cache_v, *slot)
+            x, cache_k, cache_v = self._layer(weights, formats, x, pos, mask, cache_k, cache_v, *slot, layer=layer)
             return [x, cache_k, cache_v]
 
         return graph
@@ -729,16 +788,19 @@ class TensorParallelLlama:
             self.k, self.v = k, v
 
     def _embed(self, ids: Tensor) -> Tensor:
-        """(batch, tokens, hidden), Partial over the vocabulary split."""
+        """(batch, tokens, hidden), Partial over the vocabulary split (times embed_scale)."""
         fmt = self.formats.get("embed")
-        return get_rows(self.w["embed"], ids) if fmt is None else qget_rows(self.w["embed"], ids, fmt)
+        x = get_rows(self.w["embed"], ids) if fmt is None else qget_rows(self.w["embed"], ids, fmt)
+        return x if self.cfg.embed_scale is None else x * float(np.float32(self.cfg.embed_scale))
 
-    def _layers(self, x: Tensor, pos: Tensor, mask: Tensor, slot: Tensor | None = None) -> Tensor:
-        """Every layer over x (batch, tokens, hidden), writing the caches at `pos` (see _layer)."""
+    def _layers(self, x: Tensor, pos: Tensor, masks: list[Tensor], slot: Tensor | None = None) -> Tensor:
+        """Every layer over x (batch, tokens, hidden), writing the caches at `pos` (see _layer);
+        `masks` those of `mask_kinds`."""
         new_k, new_v = [], []
         for i in range(self.cfg.layers):
             weights, formats = self._layer_weights(i)
-            x, cache_k, cache_v = self._layer(weights, formats, x, pos, mask, self.k[i], self.v[i], slot)
+            mask = masks[self.mask_kinds.index(self.cfg.is_windowed(i))]
+            x, cache_k, cache_v = self._layer(weights, formats, x, pos, mask, self.k[i], self.v[i], slot, layer=i)
             new_k.append(cache_k)
             new_v.append(cache_v)
         self.k, self.v = new_k, new_v
@@ -748,7 +810,13 @@ class TensorParallelLlama:
     def _layer_names(self) -> tuple[str, ...]:
         """A layer's weights: LAYER_WEIGHTS, and the q, k, v biases of a model with them."""
         names = LAYER_WEIGHTS_FUSED if self.fuse_qkv else LAYER_WEIGHTS
-        return names + (QKV_BIASES if self.cfg.qkv_bias else ()) + (QK_NORMS if self.cfg.qk_norm else ())
+        cfg = self.cfg
+        return (
+            names
+            + (QKV_BIASES if cfg.qkv_bias else ())
+            + (QK_NORMS if cfg.qk_norm else ())
+            + (POST_NORMS if cfg.post_norms else ())
+        )
 
     def _layer_weights(self, i: int) -> tuple[dict[str, Tensor], dict[str, str | None]]:
         """Layer i's weights and the format of each kept quantized (None: float), by name."""
@@ -765,13 +833,14 @@ class TensorParallelLlama:
         cache_k: Tensor,
         cache_v: Tensor,
         slot: Tensor | None = None,
+        layer: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One layer over x (batch, tokens, hidden) with weights `w`, writing its caches at `pos`:
         (x after it, the caches written). Attention reads the caches (masked), or with `slot`,
         writes batch row `slot` only and reads the new keys and values themselves (a prompt
         starting a sequence). Fewer rows than the caches hold are their first rows (a server's
         busy slots): written and read there, the others left as they are, and nothing is
-        computed for them."""
+        computed for them. `layer`: whose rope (base, frequencies) it takes."""
         cfg, hd = self.cfg, self.cfg.head_dim
         batch, t = x.shape[:2]
         first_rows = slot is None and batch < self.batch
@@ -788,7 +857,8 @@ class TensorParallelLlama:
             q, k, v = (mm(h, n) for n, _ in QKV)
         if cfg.qkv_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-        rotate = (pos, cfg.rope_base, cfg.rope_mode, cfg.rope_freqs)
+        base, freqs = cfg.rope_of(layer)
+        rotate = (pos, base, cfg.rope_mode, freqs)
         q, k = q.reshape(batch, t, cfg.heads, hd), k.reshape(batch, t, self.kv_heads, hd)
         if cfg.qk_norm:  # each head's vector RMS-normed, before rope (llama.cpp's qwen3)
             q = q.rms_norm(eps=cfg.eps) * w["q_norm"]
@@ -804,19 +874,21 @@ class TensorParallelLlama:
         if first_rows:  # views of the rows in use: the workers copy nothing
             keys, values = cache_k[:batch], cache_v[:batch]
         if self.heads.shared:  # groups cut between devices: each query head reads its KV head by index
-            attn = q.gqa_attention(keys, values, mask, self.heads.kv_of_head, scale=1.0 / np.sqrt(hd))
+            attn = q.gqa_attention(keys, values, mask, self.heads.kv_of_head, scale=cfg.scale)
             merged = attn.reshape(batch, t, cfg.heads * hd)
         else:
             qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
             keys = keys.reshape(batch, cfg.kv_heads, 1, seen, hd).transpose(0, 1, 2, 4, 3)  # a view
-            scores = (qg @ keys).softmax_masked(mask, scale=1.0 / np.sqrt(hd))  # (b, kv, g, t, seen)
+            scores = (qg @ keys).softmax_masked(mask, scale=cfg.scale)  # (b, kv, g, t, seen)
             attn = scores @ values.reshape(batch, cfg.kv_heads, 1, seen, hd)  # (b, kv, g, t, hd)
             merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)
-        x = x + mm(merged, "wo")
+        out = mm(merged, "wo")
+        x = x + (out.rms_norm(eps=cfg.eps) * w["attn_post_norm"] if cfg.post_norms else out)
         h = x.rms_norm(eps=cfg.eps) * w["ffn_norm"]
         gate_up = mm(h, "w_gate_up")  # two segments: gate | up, both split alike
         gate, up = gate_up[:, :, : cfg.ffn], gate_up[:, :, cfg.ffn :]
-        x = x + mm(gate.silu() * up, "w_down")
+        out = mm((gate.gelu_f16() if cfg.gate == "gelu" else gate.silu()) * up, "w_down")
+        x = x + (out.rms_norm(eps=cfg.eps) * w["ffn_post_norm"] if cfg.post_norms else out)
         return x, cache_k, cache_v
 
     def _head(self, x: Tensor, rows: Tensor | None) -> Tensor:
@@ -830,11 +902,16 @@ class TensorParallelLlama:
             t = 1
         x = self._norm(x, "norm")
         if cfg.tied and embed_format is not None:  # the table's rows are the head's outputs
-            return qmatmul(x, self.w["embed"], embed_format, self.activations)
-        if cfg.tied:  # (vocab, hidden) @ (hidden, b*t), then transposed: logits split by vocabulary
+            logits = qmatmul(x, self.w["embed"], embed_format, self.activations)
+        elif cfg.tied:  # (vocab, hidden) @ (hidden, b*t), then transposed: logits split by vocabulary
             flat = x.reshape(batch * t, cfg.hidden)
-            return (self.w["embed"] @ flat.T).T.reshape(batch, t, cfg.vocab)
-        return self._mm(x, "output")
+            logits = (self.w["embed"] @ flat.T).T.reshape(batch, t, cfg.vocab)
+        else:
+            logits = self._mm(x, "output")
+        if cfg.final_softcap is None:
+            return logits
+        cap = float(np.float32(cfg.final_softcap))
+        return (logits * (1.0 / cap)).tanh() * cap  # as llama.cpp: scaled, tanh, scaled back
 
     def capture_decode(self, tokens: np.ndarray, positions: np.ndarray, build=None):
         """Run one decode step (tokens, positions: (rows, 1), rows up to the caches' batch: the

@@ -38,6 +38,21 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return (0.5 * w * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (w + 0.044715 * w**3)))).astype(np.asarray(x).dtype)
 
 
+def gelu_f16(x: np.ndarray) -> np.ndarray:
+    """GELU as llama.cpp computes it on the CPU (ggml's GGML_GELU_FP16): x rounded to float16, its
+    tanh GELU rounded to float16 (ggml reads it from a table of every float16); 0 at or below
+    -10, x at or above 10. Here each value's GELU is worked out, in float32 arithmetic in the
+    order ggml's ggml_gelu_f32 writes it (in float64, 371 of the 65,536 float16 inputs round
+    to the neighbouring float16)."""
+    x = np.asarray(x, np.float32)
+    half = x.astype(np.float16).astype(np.float32)
+    f = np.float32
+    with np.errstate(over="ignore", invalid="ignore"):
+        inner = f(math.sqrt(2.0 / math.pi)) * half * (f(1) + f(0.044715) * half * half)
+        g = (f(0.5) * half * (f(1) + np.tanh(inner))).astype(np.float16)
+    return np.where(x <= -10, f(0), np.where(x >= 10, x, g.astype(np.float32)))
+
+
 def erf(x: np.ndarray) -> np.ndarray:
     """erf in float64 by Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7): another
     formula than the kernels' (a Chebyshev fit of erfc), checked against math.erf in the tests."""
@@ -334,6 +349,7 @@ REFERENCES: dict[str, Callable[[Sequence[np.ndarray], Params], np.ndarray]] = {
     "neg": lambda i, p: np.negative(i[0]),
     "gelu": lambda i, p: gelu_tanh(i[0]),
     "gelu_erf": lambda i, p: gelu_erf(i[0]),
+    "gelu_f16": lambda i, p: gelu_f16(i[0]).astype(i[0].dtype),
     "silu": lambda i, p: silu(i[0]),
     "relu": lambda i, p: np.where(i[0] > 0, i[0], np.zeros((), i[0].dtype)).astype(i[0].dtype),
     "exp": _float_unary(np.exp),

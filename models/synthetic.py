@@ -111,8 +111,12 @@ _FACTORS = {
 
 # qwen2: biases on q, k and v; qwen3: each head's query and key RMS-normed (attn_q_norm,
 # attn_k_norm); phi3: q | k | v in one tensor (attn_qkv) and gate | up in ffn_up, a sliding window
-# with Recipe.window; llama.cpp rotates the three's halves (NeoX)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
+# with Recipe.window; gemma3: qwen3's norms, norms after attention and the FFN (post_attention_norm,
+# post_ffw_norm), a GELU gate, the embedding scaled, a window on the layers of its pattern
+# (Recipe.window, Recipe.window_pattern) at a rope base of their own (10,000 beside the global
+# layers' 1,000,000); llama.cpp rotates all but llama's halves (NeoX)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+WINDOWED = ("phi3", "gemma3")  # the architectures whose files may carry a sliding window
 
 
 @dataclass(frozen=True)
@@ -131,13 +135,28 @@ class Recipe:
     architecture: str = "llama"
     rope_factors: bool = False
     rope_scale: float = 1.0
-    window: int | None = None  # phi3's attention.sliding_window
+    window: int | None = None  # phi3's and gemma3's attention.sliding_window
+    # gemma3's attention.sliding_window_pattern: every n-th layer global, the others windowed
+    # (None: not written, llama.cpp's 6)
+    window_pattern: int | None = None
 
     def __post_init__(self):
         if self.window is not None and (
-            self.architecture != "phi3" or not isinstance(self.window, int) or self.window < 1
+            self.architecture not in WINDOWED or not isinstance(self.window, int) or self.window < 1
         ):
-            raise SyntheticError(f"synthetic window {self.window!r}: a positive integer, for --architecture phi3")
+            raise SyntheticError(
+                f"synthetic window {self.window!r}: a positive integer, for --architecture {' or '.join(WINDOWED)}"
+            )
+        if self.window_pattern is not None and (
+            self.architecture != "gemma3"
+            or self.window is None
+            or not isinstance(self.window_pattern, int)
+            or self.window_pattern < 1
+        ):
+            raise SyntheticError(
+                f"synthetic window pattern {self.window_pattern!r}: a positive integer, for --architecture gemma3 "
+                "with a window"
+            )
         if self.architecture not in ARCHITECTURES:
             known = ", ".join(ARCHITECTURES)
             raise SyntheticError(f"synthetic architecture {self.architecture!r}: choose one of {known}")
@@ -172,10 +191,12 @@ class Recipe:
                 yield f"blk.{i}.attn_q.bias", (q,), "f32"
                 yield f"blk.{i}.attn_k.bias", (kv,), "f32"
                 yield f"blk.{i}.attn_v.bias", (kv,), "f32"
-            if self.architecture == "qwen3":
+            if self.architecture in ("qwen3", "gemma3"):
                 yield f"blk.{i}.attn_q_norm.weight", (s.head_dim,), "f32"
                 yield f"blk.{i}.attn_k_norm.weight", (s.head_dim,), "f32"
             yield f"blk.{i}.attn_output.weight", (s.hidden, q), self.weights
+            if self.architecture == "gemma3":
+                yield f"blk.{i}.post_attention_norm.weight", (s.hidden,), "f32"
             yield f"blk.{i}.ffn_norm.weight", (s.hidden,), "f32"
             if self.architecture == "phi3":
                 yield f"blk.{i}.ffn_up.weight", (2 * s.ffn, s.hidden), self.weights
@@ -183,6 +204,8 @@ class Recipe:
                 yield f"blk.{i}.ffn_gate.weight", (s.ffn, s.hidden), self.weights
                 yield f"blk.{i}.ffn_up.weight", (s.ffn, s.hidden), self.weights
             yield f"blk.{i}.ffn_down.weight", (s.hidden, s.ffn), self.weights
+            if self.architecture == "gemma3":
+                yield f"blk.{i}.post_ffw_norm.weight", (s.hidden,), "f32"
 
     def check(self, vocab: int) -> None:
         """Every matrix's rows must be whole blocks of its type: said before a byte is written."""
@@ -237,13 +260,17 @@ def write(path: str | Path, recipe: Recipe, vocabulary: str | Path | None = None
     writer.add_uint32(f"{arch}.rope.dimension_count", s.head_dim)
     writer.add_uint32(f"{arch}.attention.head_count", s.heads)
     writer.add_uint32(f"{arch}.attention.head_count_kv", s.kv_heads)
-    if s.head_size is not None or arch == "qwen3":  # as Qwen3's converter writes them
+    if s.head_size is not None or arch in ("qwen3", "gemma3"):  # as their converters write them
         writer.add_uint32(f"{arch}.attention.key_length", s.head_dim)
         writer.add_uint32(f"{arch}.attention.value_length", s.head_dim)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{arch}.rope.freq_base", 1e6 if arch == "gemma3" else 10000.0)
     if recipe.window is not None:
         writer.add_uint32(f"{arch}.attention.sliding_window", recipe.window)
+    if arch == "gemma3" and recipe.window is not None:
+        writer.add_float32(f"{arch}.rope.freq_base_swa", 10000.0)
+    if recipe.window_pattern is not None:
+        writer.add_uint32(f"{arch}.attention.sliding_window_pattern", recipe.window_pattern)
     if recipe.rope_scale != 1.0:
         writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_float32(f"{arch}.rope.scaling.factor", float(recipe.rope_scale))
@@ -261,7 +288,7 @@ def write(path: str | Path, recipe: Recipe, vocabulary: str | Path | None = None
         # one generator per tensor, seeded by (seed, index): a tensor's values do not depend on
         # the types of the tensors before it
         rng = np.random.default_rng([recipe.seed, index])
-        writer.write_tensor_data(_values(rng, name, shape, kind))
+        writer.write_tensor_data(_values(rng, name, shape, kind, _shrink(recipe, name)))
     writer.close()
     return Written(path, path.stat().st_size, time.perf_counter() - start, vocab, origin)
 
@@ -281,7 +308,15 @@ def _layout(shape: tuple[int, ...], kind: str):
     return rows * row_bytes, (rows, row_bytes), gguf.GGMLQuantizationType[kind.upper()]
 
 
-def _values(rng: np.random.Generator, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+def _shrink(recipe: Recipe, name: str) -> float:
+    """What a tensor's spread is divided by: Gemma's embedding by sqrt(hidden), which llama.cpp
+    multiplies it by (gemma3.cpp), so that the scaled rows have the spread of other families'."""
+    if recipe.architecture == "gemma3" and name == "token_embd.weight":
+        return math.sqrt(recipe.shape.hidden)
+    return 1.0
+
+
+def _values(rng: np.random.Generator, name: str, shape: tuple[int, ...], kind: str, shrink: float = 1.0) -> np.ndarray:
     if name == "rope_freqs.weight":  # as Llama 3.1's: the highest frequencies kept, the lowest slowed 8x
         return np.geomspace(1.0, 8.0, shape[0]).astype(np.float32)
     if name.endswith(".bias"):
@@ -292,7 +327,7 @@ def _values(rng: np.random.Generator, name: str, shape: tuple[int, ...], kind: s
     # The embedding's rows (also the tied head's) get the same spread, so each row has norm ~1:
     # with spread 1 a token's own row dominated the residual stream and the tied head chose the
     # input token again (greedy repeated one token for ever), a useless decode to compare paths on.
-    spread = 1 / math.sqrt(shape[1])
+    spread = 1 / math.sqrt(shape[1]) / shrink
     if kind in _FLOAT_DTYPE:
         return (spread * rng.standard_normal(shape, np.float32)).astype(_FLOAT_DTYPE[kind])
     if kind == "bf16":  # bfloat16: the top half of float32

@@ -758,6 +758,7 @@ OPS: dict[str, OpSpec] = {
     "neg": OpSpec("neg", 1, _infer_unary("neg"), _LINEAR_UNARY),
     "gelu": OpSpec("gelu", 1, _infer_unary_float("gelu"), _NONLINEAR_UNARY),
     "gelu_erf": OpSpec("gelu_erf", 1, _infer_unary_float("gelu_erf"), _NONLINEAR_UNARY),
+    "gelu_f16": OpSpec("gelu_f16", 1, _infer_unary_float("gelu_f16"), _NONLINEAR_UNARY),
     "silu": OpSpec("silu", 1, _infer_unary_float("silu"), _NONLINEAR_UNARY),
     "relu": OpSpec("relu", 1, _infer_unary("relu"), _NONLINEAR_UNARY),
     "exp": OpSpec("exp", 1, _infer_unary_float("exp"), _NONLINEAR_UNARY),

@@ -286,7 +286,7 @@ def test_the_command_makes_a_vocabulary_where_no_model_is_installed(tmp_path, mo
     args = argparse.Namespace(
         out=str(tmp_path / "m.gguf"), shape="tiny", layers=1, hidden=None, ffn=None, heads=None, kv_heads=None,
         vocab=1000, context=None, head_size=None, weights="q8_0", embedding="q8_0", output=None, seed=0, vocabulary="",
-        architecture="llama", rope_factors=False, rope_scale=1.0,
+        architecture="llama", rope_factors=False, rope_scale=1.0, window=None, window_pattern=None,
     )  # fmt: skip
     assert command.make(args) == 0
     assert (
@@ -375,11 +375,38 @@ def test_the_newer_families_decode_alike_native_and_float(tmp_path, architecture
     cfg = GGUFModel(path).config
     assert (cfg.head_dim, cfg.qk_norm, cfg.rope_mode) == (head or 32, architecture == "qwen3", "neox")
 
+    _decode_alike(path, 12)
+
+
+def _decode_alike(path, tokens: int) -> None:
+    """`launch.py generate` on two workers: the file's native weights with exact and 8-bit
+    activations give the float32 weights' text."""
+
     def text(*flags: str) -> str:
-        args = ("generate", "-m", str(path), "Once upon a time", "-n", "12", "-c", "64", "--workers", "2", *flags)
-        done = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, timeout=240)
+        args = ("generate", "-m", str(path), "Once upon a time", "-n", str(tokens), "-c", "64", "--workers", "2")
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "launch.py"), *args, *flags], capture_output=True, timeout=240
+        )
         assert done.returncode == 0, done.stderr.decode()[-2000:]
         return done.stdout.decode()
 
     float32 = text("--weights", "f32")
     assert float32.strip() and text("--activations", "f32") == float32 == text("--activations", "q8")
+
+
+def test_gemma3_decodes_alike_native_and_float_past_its_window(tmp_path):
+    """Gemma 3 (embedding scale, q/k norms, post-norms, the float16-table GELU, heads of 64 where
+    hidden / heads is 32, a window of 8 on every other layer at a rope base of its own), its
+    matrices in Q8_0 on two workers: 24 greedy tokens after the prompt, well past the window,
+    equal to the float32 path's (which tests/test_llama_cpp_logits.py holds to llama.cpp's
+    logits), with exact and 8-bit activations; prefill by chunks and decode both go through
+    the two masks."""
+    shape = synthetic.Shape(layers=2, hidden=256, ffn=512, heads=8, kv_heads=2, context=128, head_size=64)
+    recipe = synthetic.Recipe(
+        shape, weights="q8_0", embedding="q8_0", seed=3, architecture="gemma3", window=8, window_pattern=2
+    )
+    path = synthetic.write(tmp_path / "m.gguf", recipe, synthetic.default_vocabulary() or synthetic.BYTES).path
+    cfg = GGUFModel(path).config
+    assert (cfg.head_dim, cfg.window, cfg.windowed, cfg.gate, cfg.post_norms) == (64, 8, (True, False), "gelu", True)
+
+    _decode_alike(path, 24)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,33 @@ def _unary_float(fn: Callable) -> Callable:
 
 def _gelu_tanh(xp, x):
     return 0.5 * x * (1.0 + xp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def _gelu_f16_table() -> np.ndarray:
+    """ggml's GELU table (ggml-cpu.c: ggml_table_gelu_f16): for every float16 bit pattern, its
+    value's tanh GELU in float32 arithmetic as ggml's ggml_gelu_f32 writes it, rounded to float16;
+    as float32."""
+    half = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    c, a, one = np.float32(0.79788456080286535587989211986876), np.float32(0.044715), np.float32(1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        gelu = np.float32(0.5) * half * (one + np.tanh(c * half * (one + a * half * half)))
+    return gelu.astype(np.float16).astype(np.float32)
+
+
+_GELU_TABLES: dict[int, Any] = {}  # per array module: the table where its arrays live
+
+
+def _gelu_f16(xp, inputs, params, out=None):
+    """llama.cpp's CPU GELU (GGML_GELU_FP16): the table's value at x's float16; 0 at or below -10,
+    x at or above 10."""
+    (x,) = inputs
+    table = _GELU_TABLES.get(id(xp))
+    if table is None:
+        table = _GELU_TABLES[id(xp)] = xp.asarray(_gelu_f16_table())
+    wide = x.astype(xp.float32, copy=False)
+    looked = table[wide.astype(xp.float16).view(xp.uint16)]
+    y = xp.where(wide <= -10, xp.float32(0), xp.where(wide >= 10, wide, looked))
+    return emit(y, out, x.dtype)
 
 
 def _erf(xp, x):
@@ -521,6 +549,7 @@ KERNELS: dict[str, Callable] = {
     "neg": lambda xp, i, p, out=None: xp.negative(i[0], out=out),
     "gelu": _unary_float(_gelu_tanh),
     "gelu_erf": _unary_float(_gelu_erf),
+    "gelu_f16": _gelu_f16,
     "silu": _silu,
     "relu": _relu,
     "exp": _unary_float(lambda xp, x: xp.exp(x)),
