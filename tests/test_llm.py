@@ -317,7 +317,8 @@ def test_a_warmed_up_model_plans_nothing_for_its_first_prompt_and_gives_the_refe
 
 def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_reference_tokens(model, reference_run):
     """ContinuousBatcher.warm_up loads the slots' prefill steps (a 64-position context: 16, 32,
-    48, 64 tokens) and the decode steps of 1, 2 and 3 rows (3 slots); a lone greedy request after
+    48, 64 tokens) and the decode steps of 1, 2 and 3 rows (3 slots), each of POOL candidates
+    and of one (a batch of greedy jobs); a lone greedy request after
     it plans nothing and gets the NumPy reference's tokens, a sampled one (another pool)
     replays the same prefill step, and three requests at once (slots 0, 1 and 2: the slot is
     fed to the same steps) plan nothing either and each get the reference's tokens."""
@@ -327,7 +328,7 @@ def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_refe
     dev = MetaDevice(SimulatedCluster(2))
     try:
         batcher = ContinuousBatcher(dev, model, slots=3, ctx=CTX, weights="f32")
-        assert batcher.warm_up() == 4 + 3
+        assert batcher.warm_up() == 4 + 2 * 3
         plans = len(dev.plans)
         batcher.start()
         try:

@@ -41,7 +41,7 @@ def test_replies_by_rank_reports_to_on_message_and_a_refusal_cancels_that_worker
         (1, p.Ok({"a": 1})),
         (7, p.Ok({})),  # a rank not asked
         (0, p.Tokens(1, [[6]])),  # refused: rank 0 is cancelled
-        (0, p.Tokens(2, [[7]])),  # after the cancel: dropped
+        (0, p.Tokens(2, [[7]])),  # after the cancel: handed over all the same, its answer not asked
         (0, p.Ok({"b": 2})),
         (1, p.Ok({"late": True})),  # after rank 1's reply: dropped
     )
@@ -52,7 +52,7 @@ def test_replies_by_rank_reports_to_on_message_and_a_refusal_cancels_that_worker
 
     got = gather_replies([0, 1], 5.0, receive, cancelled.append, on_message)
     assert got == {0: p.Ok({"b": 2}), 1: p.Ok({"a": 1})}
-    assert seen == [(0, 0), (0, 1)] and cancelled == [[0]]
+    assert seen == [(0, 0), (0, 1), (0, 2)] and cancelled == [[0]]  # one Cancel
 
 
 def test_ctrl_c_cancels_everyone_waits_a_grace_for_the_replies_then_raises_it(monkeypatch):
