@@ -63,12 +63,15 @@ def add(sub) -> None:
         "--architecture",
         default="llama",
         choices=synthetic.ARCHITECTURES,
-        help="qwen2: q/k/v biases; qwen3: q/k norms; phi3: fused qkv and gate|up; gemma3: q/k norms, post-norms, "
-        "a GELU gate, the embedding scaled (%(default)s)",
+        help="qwen2: q/k/v biases; qwen3: q/k norms; phi3: fused qkv and gate|up; gemma2: post-norms, a GELU "
+        "gate, the embedding scaled, soft caps; gemma3: gemma2's without soft caps, with q/k norms (%(default)s)",
     )
-    p.add_argument("--window", type=int, default=None, help="phi3 or gemma3: the sliding window's positions")
+    p.add_argument("--window", type=int, default=None, help="phi3, gemma2 or gemma3: the sliding window's positions")
     p.add_argument(
-        "--window-pattern", type=int, default=None, help="gemma3: every N-th layer global, the others windowed"
+        "--window-pattern",
+        type=int,
+        default=None,
+        help="gemma2 or gemma3: every N-th layer global, the others windowed",
     )
     p.add_argument("--rope-factors", action="store_true", help="Llama 3.1's rope frequency factors (rope_freqs)")
     p.add_argument("--rope-scale", type=float, default=1.0, help="linear rope scaling's factor (%(default)s)")

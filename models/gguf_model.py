@@ -71,10 +71,20 @@ LAYER_BIASES = {"bq": "attn_q", "bk": "attn_k", "bv": "attn_v"}  # blk.N.*.bias:
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's per-frequency factors
 # general.architecture -> how llama.cpp rotates its q and k (llama_model_rope_type): adjacent pairs
 # for llama (its converter permutes the rows for it), the halves (NeoX) for qwen2 and qwen3
-ARCHITECTURES = {"llama": "normal", "qwen2": "neox", "qwen3": "neox", "phi3": "neox", "gemma3": "neox"}
+ARCHITECTURES = {
+    "llama": "normal",
+    "qwen2": "neox",
+    "qwen3": "neox",
+    "phi3": "neox",
+    "gemma2": "neox",
+    "gemma3": "neox",
+}
 # whose layers RMS-norm each head's query and key (attn_q_norm, attn_k_norm)
 QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
-GEMMA_SWA_PATTERN = 6  # Gemma 3: five windowed layers, then a global one (llama.cpp's default for it)
+# llama.cpp's defaults for Gemma: every n-th layer global, the others windowed (Gemma 2: every other
+# one; Gemma 3: five of six), and Gemma 2's window and soft caps where its file does not say
+GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA2_WINDOW, GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 4096, 50.0, 30.0
 # weights a file may hold fused in one GGUF tensor, its rows one part after another (Phi-3's):
 # q | k | v in attn_qkv, and gate | up in ffn_up where the file has no ffn_gate
 FUSED_PARTS = {"wq": ("attn_qkv", 0), "wk": ("attn_qkv", 1), "wv": ("attn_qkv", 2)}
@@ -156,7 +166,7 @@ class GGUFModel:
             raise ModelError(
                 f"{self.path.name}: architecture {shown} is not supported; this decoder runs "
                 f"{', '.join(ARCHITECTURES)} GGUF files "
-                "(Llama 2 and 3, Mistral, TinyLlama, SmolLM, Qwen2, Qwen3, Phi-3, Gemma 3)"
+                "(Llama 2 and 3, Mistral, TinyLlama, SmolLM, Qwen2, Qwen3, Phi-3, Gemma 2 and 3)"
             )
         self.arch = arch
         self._check_types()
@@ -282,35 +292,41 @@ class GGUFModel:
             # Phi-3 files carry a sliding window (attention.sliding_window) that llama.cpp reads and
             # turns off ("Phi SWA is currently disabled"), so its logits are those of none
             # (tests/llama_cpp_cases.py's phi3 case holds a window of 6 that they show unapplied)
-            **(self._gemma(hidden, heads, head_dim, layers) if self.arch == "gemma3" else {}),
+            **(self._gemma(hidden, heads, layers) if self.arch in GEMMA_SWA_PATTERN else {}),
         )
 
-    def _gemma(self, hidden: int, heads: int, head_dim: int, layers: int) -> dict:
-        """A Gemma 3 file's settings, as llama.cpp's gemma3 reads them (src/models/gemma3.cpp): the
-        embedding times sqrt(hidden), post-norms, a GELU gate, each head's query times
-        1 / sqrt(head size) (the 27B, of 62 layers: 1 / sqrt(hidden / heads)), a window on the
-        layers of attention.sliding_window_pattern (every one but each sixth, or a list) at a
-        rope base of their own, and the logits soft-capped where the file says so."""
+    def _gemma(self, hidden: int, heads: int, layers: int) -> dict:
+        """A Gemma 2 or 3 file's settings, as llama.cpp's gemma2 and gemma3 read them
+        (src/models/gemma2.cpp, gemma3.cpp): the embedding times sqrt(hidden), post-norms, a GELU
+        gate, each head's query times 1 / sqrt(head size) (their 27B: 1 / sqrt(hidden / heads)),
+        a window on the layers of attention.sliding_window_pattern (every one but each n-th, or a
+        list of flags) at rope.freq_base_swa where the file gives one (Gemma 3: else 10,000 and
+        unscaled; Gemma 2: else the global layers' rope), the logits soft-capped (Gemma 2 always,
+        at 30 unless the file says; Gemma 3 where the file says) and Gemma 2's attention scores
+        (at 50 unless the file says)."""
+        gemma2 = self.arch == "gemma2"
         out = dict(embed_scale=math.sqrt(hidden), post_norms=True, gate="gelu")
-        if layers == 62 and heads:
+        if layers == (46 if gemma2 else 62) and heads:
             out["attn_scale"] = 1.0 / math.sqrt(hidden // heads)
-        window = self.meta_int(self._key("attention.sliding_window"), 0, low=0)
+        window = self.meta_int(self._key("attention.sliding_window"), GEMMA2_WINDOW if gemma2 else 0, low=0)
         if window:
-            pattern = self.meta(self._key("attention.sliding_window_pattern"), GEMMA_SWA_PATTERN)
+            key = self._key("attention.sliding_window_pattern")
+            pattern = self.meta(key, GEMMA_SWA_PATTERN[self.arch])
             if isinstance(pattern, list):
-                windowed = tuple(self.meta_list(self._key("attention.sliding_window_pattern"), bool))
+                windowed = tuple(self.meta_list(key, bool))
                 if len(windowed) != layers:
-                    raise self._refuse(
-                        self._key("attention.sliding_window_pattern"), f"{layers} layers' flags", pattern
-                    )
+                    raise self._refuse(key, f"{layers} layers' flags", pattern)
             else:
-                n = self.meta_int(self._key("attention.sliding_window_pattern"), GEMMA_SWA_PATTERN, low=0)
+                n = self.meta_int(key, GEMMA_SWA_PATTERN[self.arch], low=0)
                 windowed = tuple(n == 0 or i % n < n - 1 for i in range(layers))
             out |= dict(window=window, windowed=windowed)
-            out["window_rope_base"] = self.meta_float(self._key("rope.freq_base_swa"), 10000.0)
-        cap = self.meta(self._key("final_logit_softcapping"), 0.0)
-        if cap:
-            out["final_softcap"] = self.meta_float(self._key("final_logit_softcapping"))
+            if self._key("rope.freq_base_swa") in self.file.fields or not gemma2:
+                out["window_rope_base"] = self.meta_float(self._key("rope.freq_base_swa"), 10000.0)
+        final = self.meta(self._key("final_logit_softcapping"), GEMMA2_FINAL_SOFTCAP if gemma2 else 0.0)
+        if final:
+            out["final_softcap"] = self.meta_float(self._key("final_logit_softcapping"), final)
+        if gemma2:
+            out["attn_softcap"] = self.meta_float(self._key("attn_logit_softcapping"), GEMMA2_ATTN_SOFTCAP)
         return out
 
     def check(self) -> None:

@@ -75,6 +75,8 @@ class LlamaConfig:
     gate: str = "silu"
     attn_scale: float | None = None
     final_softcap: float | None = None
+    # Gemma 2's: each attention score (scaled) soft-capped, c * tanh(score / c), before the mask
+    attn_softcap: float | None = None
 
     @property
     def head_dim(self) -> int:
@@ -194,9 +196,11 @@ class ReferenceDecoder:
             # a Python float: a NumPy float64 scalar would turn every later value into float64
             keys, values = self.k[i].astype(np.float32), self.v[i].astype(np.float32)
             scores = q @ keys[:, :, None].transpose(0, 1, 2, 4, 3)
-            scores = (scores / math.sqrt(hd) if cfg.attn_scale is None else scores * np.float32(cfg.scale)) + mask[
-                :, None, None
-            ]
+            scores = scores / math.sqrt(hd) if cfg.attn_scale is None else scores * np.float32(cfg.scale)
+            if cfg.attn_softcap is not None:
+                cap = np.float32(cfg.attn_softcap)
+                scores = np.tanh(scores / cap) * cap
+            scores = scores + mask[:, None, None]
             scores = np.exp(scores - scores.max(-1, keepdims=True))
             attn = (scores / scores.sum(-1, keepdims=True)) @ values[:, :, None]  # (b, kv, g, t, hd)
             out = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd) @ w[p + "wo"]
@@ -326,9 +330,9 @@ class HeadSplit:
         KV heads do not divide among the devices, else whole_groups (the same split where they
         divide). Both backends run the gqa_attention op a shared KV head needs inside a decode
         step's device graph (the CUDA backend's mapped attention kernels)."""
-        if cfg.kv_heads % n and cfg.heads % unit == 0:
+        if cfg.kv_heads % n and cfg.heads % unit == 0 and cfg.attn_softcap is None:
             return cls.even_queries(cfg, n, unit)
-        return cls.whole_groups(cfg, n)
+        return cls.whole_groups(cfg, n)  # soft-capped scores: the fused gqa_attention has no cap
 
     @classmethod
     def _holding(cls, cfg: LlamaConfig, query: Sequence[int]) -> HeadSplit:
@@ -874,12 +878,22 @@ class TensorParallelLlama:
         if first_rows:  # views of the rows in use: the workers copy nothing
             keys, values = cache_k[:batch], cache_v[:batch]
         if self.heads.shared:  # groups cut between devices: each query head reads its KV head by index
+            if cfg.attn_softcap is not None:
+                raise ShapeError(
+                    "soft-capped attention scores need whole KV groups per device (HeadSplit.whole_groups)"
+                )
             attn = q.gqa_attention(keys, values, mask, self.heads.kv_of_head, scale=cfg.scale)
             merged = attn.reshape(batch, t, cfg.heads * hd)
         else:
             qg = q.reshape(batch, t, cfg.kv_heads, cfg.group, hd).transpose(0, 2, 3, 1, 4)  # (b, kv, g, t, hd)
             keys = keys.reshape(batch, cfg.kv_heads, 1, seen, hd).transpose(0, 1, 2, 4, 3)  # a view
-            scores = (qg @ keys).softmax_masked(mask, scale=cfg.scale)  # (b, kv, g, t, seen)
+            scores = qg @ keys  # (b, kv, g, t, seen)
+            if cfg.attn_softcap is None:
+                scores = scores.softmax_masked(mask, scale=cfg.scale)
+            else:  # as llama.cpp: scaled, capped, then the mask and the softmax
+                cap = float(np.float32(cfg.attn_softcap))
+                scores = ((scores * cfg.scale) * (1.0 / cap)).tanh() * cap
+                scores = scores.softmax_masked(mask, scale=1.0)
             attn = scores @ values.reshape(batch, cfg.kv_heads, 1, seen, hd)  # (b, kv, g, t, hd)
             merged = attn.transpose(0, 3, 1, 2, 4).reshape(batch, t, cfg.heads * hd)
         out = mm(merged, "wo")

@@ -114,9 +114,12 @@ _FACTORS = {
 # with Recipe.window; gemma3: qwen3's norms, norms after attention and the FFN (post_attention_norm,
 # post_ffw_norm), a GELU gate, the embedding scaled, a window on the layers of its pattern
 # (Recipe.window, Recipe.window_pattern) at a rope base of their own (10,000 beside the global
-# layers' 1,000,000); llama.cpp rotates all but llama's halves (NeoX)
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
-WINDOWED = ("phi3", "gemma3")  # the architectures whose files may carry a sliding window
+# layers' 1,000,000); gemma2: gemma3's but for the q/k norms, the rope base of every layer
+# 10,000, attention scores soft-capped at 50 and the logits at 30; llama.cpp rotates all but
+# llama's halves (NeoX)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+WINDOWED = ("phi3", "gemma2", "gemma3")  # the architectures whose files may carry a sliding window
+GEMMA = ("gemma2", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -148,14 +151,14 @@ class Recipe:
                 f"synthetic window {self.window!r}: a positive integer, for --architecture {' or '.join(WINDOWED)}"
             )
         if self.window_pattern is not None and (
-            self.architecture != "gemma3"
+            self.architecture not in GEMMA
             or self.window is None
             or not isinstance(self.window_pattern, int)
             or self.window_pattern < 1
         ):
             raise SyntheticError(
-                f"synthetic window pattern {self.window_pattern!r}: a positive integer, for --architecture gemma3 "
-                "with a window"
+                f"synthetic window pattern {self.window_pattern!r}: a positive integer, for --architecture "
+                f"{' or '.join(GEMMA)} with a window"
             )
         if self.architecture not in ARCHITECTURES:
             known = ", ".join(ARCHITECTURES)
@@ -195,7 +198,7 @@ class Recipe:
                 yield f"blk.{i}.attn_q_norm.weight", (s.head_dim,), "f32"
                 yield f"blk.{i}.attn_k_norm.weight", (s.head_dim,), "f32"
             yield f"blk.{i}.attn_output.weight", (s.hidden, q), self.weights
-            if self.architecture == "gemma3":
+            if self.architecture in GEMMA:
                 yield f"blk.{i}.post_attention_norm.weight", (s.hidden,), "f32"
             yield f"blk.{i}.ffn_norm.weight", (s.hidden,), "f32"
             if self.architecture == "phi3":
@@ -204,7 +207,7 @@ class Recipe:
                 yield f"blk.{i}.ffn_gate.weight", (s.ffn, s.hidden), self.weights
                 yield f"blk.{i}.ffn_up.weight", (s.ffn, s.hidden), self.weights
             yield f"blk.{i}.ffn_down.weight", (s.hidden, s.ffn), self.weights
-            if self.architecture == "gemma3":
+            if self.architecture in GEMMA:
                 yield f"blk.{i}.post_ffw_norm.weight", (s.hidden,), "f32"
 
     def check(self, vocab: int) -> None:
@@ -260,7 +263,7 @@ def write(path: str | Path, recipe: Recipe, vocabulary: str | Path | None = None
     writer.add_uint32(f"{arch}.rope.dimension_count", s.head_dim)
     writer.add_uint32(f"{arch}.attention.head_count", s.heads)
     writer.add_uint32(f"{arch}.attention.head_count_kv", s.kv_heads)
-    if s.head_size is not None or arch in ("qwen3", "gemma3"):  # as their converters write them
+    if s.head_size is not None or arch in ("qwen3", *GEMMA):  # as their converters write them
         writer.add_uint32(f"{arch}.attention.key_length", s.head_dim)
         writer.add_uint32(f"{arch}.attention.value_length", s.head_dim)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
@@ -269,6 +272,9 @@ def write(path: str | Path, recipe: Recipe, vocabulary: str | Path | None = None
         writer.add_uint32(f"{arch}.attention.sliding_window", recipe.window)
     if arch == "gemma3" and recipe.window is not None:
         writer.add_float32(f"{arch}.rope.freq_base_swa", 10000.0)
+    if arch == "gemma2":  # as its converter writes them
+        writer.add_float32(f"{arch}.attn_logit_softcapping", 50.0)
+        writer.add_float32(f"{arch}.final_logit_softcapping", 30.0)
     if recipe.window_pattern is not None:
         writer.add_uint32(f"{arch}.attention.sliding_window_pattern", recipe.window_pattern)
     if recipe.rope_scale != 1.0:
@@ -311,8 +317,8 @@ def _layout(shape: tuple[int, ...], kind: str):
 def _shrink(recipe: Recipe, name: str) -> float:
     """What a tensor's spread is divided by: Gemma's embedding by sqrt(hidden), which llama.cpp
     multiplies it by (gemma3.cpp), so that the scaled rows have the spread of other families'."""
-    if recipe.architecture == "gemma3" and name == "token_embd.weight":
-        return math.sqrt(recipe.shape.hidden)
+    if recipe.architecture in GEMMA and name == "token_embd.weight":
+        return recipe.shape.hidden**0.25
     return 1.0
 
 

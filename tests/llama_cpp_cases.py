@@ -43,6 +43,8 @@ class Case:
     head_size: int | None = None  # a head's size where it is not hidden / heads (Qwen3's)
     window: int | None = None  # Phi-3's and Gemma 3's sliding window
     window_pattern: int | None = None  # Gemma 3's: every n-th layer global
+    # how far from llama.cpp's logits ours may be (see the Gemma cases for why theirs is wider)
+    tolerance: float = 1e-4
 
     def recipe(self):
         from models import synthetic
@@ -69,6 +71,27 @@ class Case:
 
         vocabulary = ROOT / "tests" / "data" / self.vocabulary if self.vocabulary else synthetic.BYTES
         return synthetic.write(folder / f"{self.name}.gguf", self.recipe(), vocabulary).path
+
+
+def gemma_case(architecture: str, seed: int) -> Case:
+    """A Gemma file of 3 layers, heads of 96 where hidden / heads is 64, a window of 8 on layers
+    0 and 2 (pattern 2), over 40 prompt positions (the window's five times), tolerance 3e-4."""
+    return Case(
+        f"{architecture}-window-8",
+        3,
+        256,
+        512,
+        4,
+        2,
+        output=None,
+        seed=seed,
+        architecture=architecture,
+        head_size=96,
+        window=8,
+        window_pattern=2,
+        prompt=tuple(range(40, 80)),
+        tolerance=3e-4,
+    )
 
 
 LONG = tuple(range(40, 56))  # 16 positions: where scaled frequencies turn far enough to tell apart
@@ -104,24 +127,16 @@ CASES = (
     # ggml's float16-table GELU gate, heads of 96 where hidden / heads is 64, a window of 8 on
     # layers 0 and 2 (pattern 2) at rope base 10,000 beside layer 1's 1,000,000, over 40 prompt
     # positions. The table's rounding of each gate input to float16 turns the last bits in which
-    # llama.cpp's products and ours differ into a float16 step now and then: on an untied variant
-    # (logits' RMS 1.0) we stay within 5e-4 of llama.cpp (an exact GELU: 1.9e-3); this tied one's
-    # logits are of RMS 0.06, within 4e-5
-    Case(
-        "gemma3-window-8",
-        3,
-        256,
-        512,
-        4,
-        2,
-        output=None,
-        seed=10,
-        architecture="gemma3",
-        head_size=96,
-        window=8,
-        window_pattern=2,
-        prompt=tuple(range(40, 80)),
-    ),
+    # llama.cpp's products and ours differ into a float16 step now and then, so its logits (of
+    # RMS 0.25 here) come within 3e-4 of llama.cpp's, not 1e-4 (measured 1.6e-4; on an untied
+    # variant of logits' RMS 1.0, 5e-4). Each of these off gives 4e-4 or more: an exact GELU, one
+    # mask or one rope base for every layer, Gemma 2's caps left out
+    gemma_case("gemma3", seed=10),
+    # Gemma 2: Gemma 3's embedding scale, post-norms and GELU gate without the q/k norms; every
+    # layer's rope at 10,000; the attention's scores soft-capped at 50 and the logits at 30 (each
+    # left out moves the logits 9e-4 or more from llama.cpp's; tests/test_soft_caps.py holds
+    # the final cap on its own too)
+    gemma_case("gemma2", seed=11),
 )
 
 

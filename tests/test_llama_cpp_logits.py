@@ -5,7 +5,8 @@ its SentencePiece vocabulary) made again
 here from their recipes, and the logits llama.cpp gave on them (stored, with each file's
 SHA-256, in tests/data/llama_cpp_logits.npz; llama.cpp itself is not needed to run this). The
 NumPy reference decoder and the tensor-parallel one on 1 to 3 devices, fed llama.cpp's tokens,
-give its logits at every position within 1e-4 (its float32 path; the issue's bound was 2e-3)."""
+give its logits at every position within 1e-4 (its float32 path; the issue's bound was 2e-3), Gemma's
+within 3e-4 (tests/llama_cpp_cases.py says why)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from workers.simulator import SimulatedCluster
 
 pytestmark = pytest.mark.timeout(300)
 pytest.importorskip("gguf")
-TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_the_reference_decoder_gives_llama_cpps_logits(case, files, stored):
     model = GGUFModel(files[case.name])
     ref = ReferenceDecoder(model.config, weights_of(model), 64)
     got = ref.forward(tokens[None, :-1], np.arange(len(tokens) - 1)[None])[0]
-    np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
+    np.testing.assert_allclose(got, expected, atol=case.tolerance, rtol=0)
     assert list(np.argmax(got[len(case.prompt) - 1 :], -1)) == list(tokens[len(case.prompt) :])
 
 
@@ -78,4 +78,4 @@ def test_tensor_parallel_decoding_gives_llama_cpps_logits(case, n, files, stored
             got.append(step.numpy()[0, 0])
     finally:
         dev.close()
-    np.testing.assert_allclose(np.stack(got), expected, atol=TOLERANCE, rtol=0)
+    np.testing.assert_allclose(np.stack(got), expected, atol=case.tolerance, rtol=0)
