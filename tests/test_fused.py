@@ -660,7 +660,12 @@ def test_the_unfused_switch_names_patterns_and_refuses_others(monkeypatch):
     from workers.kernels.fused import PATTERNS, UNFUSED_ENV, left_fused
 
     assert [p.name for p in left_fused("")] == [p.name for p in PATTERNS]
-    assert [p.name for p in left_fused(" swiglu , rope_set_rows")] == ["attention", "rms_norm_mul", "qmatmul_add"]
+    assert [p.name for p in left_fused(" swiglu , rope_set_rows")] == [
+        "attention",
+        "geglu",
+        "rms_norm_mul",
+        "qmatmul_add",
+    ]
     assert left_fused("all") == ()
     with pytest.raises(ValueError, match=r"no pattern \['rope'\]; the patterns: .*rope_set_rows.*, or all"):
         left_fused("rope,swiglu")
@@ -699,7 +704,7 @@ def test_a_worker_told_an_unknown_pattern_stops_at_once_in_one_line(monkeypatch)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "worker 3: META_TP_UNFUSED: no pattern ['rope_set_row']; the patterns: "
-        "['attention', 'qmatmul_add', 'rms_norm_mul', 'rope_set_rows', 'swiglu'], or all"
+        "['attention', 'geglu', 'qmatmul_add', 'rms_norm_mul', 'rope_set_rows', 'swiglu'], or all"
     ]
 
 
@@ -760,6 +765,10 @@ def _planned_case(name):
         both = f32(2, 1, 32)
         oracle = lambda: ref.silu(both[..., :16].astype(np.float64)) * both[..., 16:]  # noqa: E731
         return (both,), {"gate": (0, 16), "up": (16, 32)}, np.empty((2, 1, 16), np.float32), {}, [both], oracle
+    if name == "geglu":
+        both = f32(2, 1, 32) * 4
+        oracle = lambda: ref.gelu_f16(both[..., :16]) * both[..., 16:]  # noqa: E731
+        return (both,), {"gate": (0, 16), "up": (16, 32)}, np.empty((2, 1, 16), np.float32), {}, [both], oracle
     if name in ("set_rows", "rope_set_rows"):
         cache, x, positions, spec = cache_write_case(2, 1)
         if name == "set_rows":
@@ -814,7 +823,7 @@ def _open_next(mask):
         row[int(np.argmin(np.isfinite(row)))] = 0.0
 
 
-PLANNED = ["rms_norm_mul", "rope", "swiglu", "set_rows", "rope_set_rows", "attention", "gqa_attention"]
+PLANNED = ["rms_norm_mul", "rope", "swiglu", "geglu", "set_rows", "rope_set_rows", "attention", "gqa_attention"]
 
 
 @pytest.mark.parametrize("name", PLANNED)
@@ -907,6 +916,32 @@ def swiglu_steps(gate_of: int, up_of: int):
         op("slice", [up_of], 12, (2, 8), axis=1, start=8, stop=16),
         op("mul", [11, 12], 13, (2, 8)),
     ]
+
+
+def test_geglu_fuses_the_float16_table_gelu_of_the_gate_times_up():
+    from workers.kernels.fused import _match_geglu, _match_swiglu
+
+    steps = swiglu_steps(0, 0)
+    steps[1] = op("gelu_f16", [10], 11, (2, 8))
+    fusion = matched(_match_geglu, steps)
+    assert fusion.params == {"gate": (0, 8), "up": (8, 16)} and sorted(fusion.absorbed) == [0, 1, 2]
+    assert matched(_match_swiglu, steps) is None and matched(_match_geglu, swiglu_steps(0, 0)) is None
+
+
+def test_geglu_kernels_give_the_tables_gelu_times_up_bit_for_bit_at_every_float16():
+    """Every float16 value (and values past +-10, and between float16s) as a gate: NumPy's fused
+    kernel and the CPU's one-pass loop both give models.reference.gelu_f16(gate) * up's bits."""
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    gates = np.concatenate([every[np.isfinite(every)], f32(4096) * 12, [10, -10, 9.999, -9.999, 1e30, -1e30]])
+    gates = gates.astype(np.float32)
+    gates = np.concatenate([gates, np.nextafter(gates, np.float32(np.inf))])  # just past each float16
+    n = len(gates)
+    both = np.concatenate([gates, f32(n)])[None]
+    want = (ref.gelu_f16(gates) * both[0, n:]).view(np.uint32)
+    params = {"gate": (0, n), "up": (n, 2 * n)}
+    for kernel in (FUSED_KERNELS["geglu"], cpu_overrides()["geglu"]):
+        got = kernel(np, (both,), params, np.empty((1, n), np.float32))
+        assert np.array_equal(got[0].view(np.uint32), want)
 
 
 def test_swiglu_fuses_gate_and_up_from_one_tensor_only():

@@ -64,7 +64,8 @@ def _gelu_tanh(xp, x):
     return 0.5 * x * (1.0 + xp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
-def _gelu_f16_table() -> np.ndarray:
+@functools.cache
+def gelu_f16_table() -> np.ndarray:
     """ggml's GELU table (ggml-cpu.c: ggml_table_gelu_f16): for every float16 bit pattern, its
     value's tanh GELU in float32 arithmetic as ggml's ggml_gelu_f32 writes it, rounded to float16;
     as float32."""
@@ -84,9 +85,9 @@ def _gelu_f16(xp, inputs, params, out=None):
     (x,) = inputs
     table = _GELU_TABLES.get(id(xp))
     if table is None:
-        table = _GELU_TABLES[id(xp)] = xp.asarray(_gelu_f16_table())
+        table = _GELU_TABLES[id(xp)] = xp.asarray(gelu_f16_table())
     wide = x.astype(xp.float32, copy=False)
-    looked = table[wide.astype(xp.float16).view(xp.uint16)]
+    looked = table[xp.clip(wide, -10, 10).astype(xp.float16).view(xp.uint16)]  # past 10: the where below
     y = xp.where(wide <= -10, xp.float32(0), xp.where(wide >= 10, wide, looked))
     return emit(y, out, x.dtype)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from split_state.ops import OPS
 from transport import protocol as p
-from workers.kernels.basic import rms_norm_into, silu_into, softmax_masked_into
+from workers.kernels.basic import KERNELS, rms_norm_into, silu_into, softmax_masked_into
 
 # cached positions are read in multiples of this, as llama.cpp pads n_kv (32; 256 for its flash-attention
 # kernels, which need it): a 128-token prompt's first chunk reads 128 positions, not 256
@@ -92,26 +92,34 @@ def _rms_norm_mul(xp, inputs, params, out=None):
     return out
 
 
-# -- silu(gate) * up, gate and up slices of one tensor ---------------------------------------------
+# -- act(gate) * up, gate and up slices of one tensor: silu (swiglu) or gelu_f16 (geglu) -----------
 
 
-def _match_swiglu(view: ProgramView, i: int) -> Fusion | None:
+def _match_gated(view: ProgramView, i: int, act: str) -> Fusion | None:
     mul = view.steps[i]
     for side in (0, 1):
-        silu = view.single_use(mul.inputs[side], "silu")
+        gated = view.single_use(mul.inputs[side], act)
         up = view.single_use(mul.inputs[1 - side], "slice")
-        if silu is None or up is None:
+        if gated is None or up is None:
             continue
-        gate = view.single_use(view.steps[silu].inputs[0], "slice")
-        if gate is None or not view.float32(i, silu, gate, up):
+        gate = view.single_use(view.steps[gated].inputs[0], "slice")
+        if gate is None or not view.float32(i, gated, gate, up):
             continue
         g, u = view.steps[gate], view.steps[up]
         last = len(mul.shape) - 1
         if g.inputs != u.inputs or g.params["axis"] != last or u.params["axis"] != last or g.shape != mul.shape:
             continue
         params = {"gate": (g.params["start"], g.params["stop"]), "up": (u.params["start"], u.params["stop"])}
-        return Fusion(g.inputs, params, (gate, silu, up))
+        return Fusion(g.inputs, params, (gate, gated, up))
     return None
+
+
+def _match_swiglu(view: ProgramView, i: int) -> Fusion | None:
+    return _match_gated(view, i, "silu")
+
+
+def _match_geglu(view: ProgramView, i: int) -> Fusion | None:
+    return _match_gated(view, i, "gelu_f16")
 
 
 def _swiglu(xp, inputs, params, out=None):
@@ -120,6 +128,13 @@ def _swiglu(xp, inputs, params, out=None):
     out = xp.empty(gate.shape, gate.dtype) if out is None else out
     silu_into(xp, gate, out)
     return xp.multiply(out, up, out=out)
+
+
+def _geglu(xp, inputs, params, out=None):
+    """gelu_f16(gate) * up (Gemma's gate): the unfused steps' bits."""
+    (both,) = inputs
+    gate, up = both[..., slice(*params["gate"])], both[..., slice(*params["up"])]
+    return xp.multiply(KERNELS["gelu_f16"](xp, [gate], {}), up, out=out)
 
 
 # -- attention: softmax(q @ k * scale + mask) @ v over the used cache ------------------------------
@@ -489,6 +504,7 @@ class Pattern:
 PATTERNS: tuple[Pattern, ...] = (
     Pattern("attention", "matmul", _match_attention, _attention, scratch=True),
     Pattern("swiglu", "mul", _match_swiglu, _swiglu),
+    Pattern("geglu", "mul", _match_geglu, _geglu),
     Pattern("rms_norm_mul", "mul", _match_rms_norm_mul, _rms_norm_mul),
     # its kernels: the CPU's numba loop (workers/backends/cpu/numba_cpu.py), the GPU's
     # (workers/backends/cuda/kernels/rope.py)

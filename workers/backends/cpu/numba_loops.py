@@ -233,6 +233,19 @@ def _widen_half(typingctx, bits):
 
 
 @intrinsic
+def _narrow_half(typingctx, value):
+    """float32 `value` as float16 bits in an int32: LLVM's fptrunc (round to nearest even, as
+    NumPy's astype(float16) and ggml's FP32_TO_FP16), one vcvtps2ph where the CPU has F16C
+    (NATIVE_HALVES; elsewhere the caller does not use it)."""
+
+    def codegen(context, builder, signature, args):
+        half = builder.fptrunc(args[0], ir.HalfType())
+        return builder.zext(builder.bitcast(half, ir.IntType(16)), ir.IntType(32))
+
+    return numba.types.int32(numba.types.float32), codegen
+
+
+@intrinsic
 def _quant_bits(typingctx, low_byte, low_shift, top_byte, top_shift, top_mask):
     """((low_byte >> low_shift) & 15) | (((top_byte >> top_shift) & top_mask) << 4) as float32: a
     Q6_K quant from its low four bits and top two (top_mask 3), a Q5 / Q5_K one from its nibble
@@ -861,6 +874,25 @@ def swiglu_rows(both, gate, up, n, out):
             o_row[j] = _exp(-g_row[j])
         for j in range(n):
             o_row[j] = g_row[j] / (np.float32(1) + o_row[j]) * u_row[j]
+
+
+@fast
+def geglu_rows(both, gate, up, n, out, table):
+    """out[r, j] = gelu_f16(both[r, gate + j]) * both[r, up + j]: ggml's GELU, the value of
+    `table` (workers/kernels/basic.py's, one float32 per float16) at the gate's float16; 0 at or
+    below -10 and the gate itself at or above 10. Its bits are the unfused steps'."""
+    ten, zero = np.float32(10), np.float32(0)
+    for r in range(both.shape[0]):
+        g_row, u_row, o_row = both[r, gate : gate + n], both[r, up : up + n], out[r]
+        for j in range(n):
+            g = g_row[j]
+            if g <= -ten:
+                value = zero
+            elif g >= ten:
+                value = g
+            else:
+                value = table[_narrow_half(g)]
+            o_row[j] = value * u_row[j]
 
 
 # -- attention over float16 caches (llama.cpp's --cache-type-k / -v f16) --------------------------
