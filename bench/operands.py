@@ -136,6 +136,10 @@ def random_case(rng: np.random.Generator, name: str) -> tuple[list[tuple[int, ..
     if name in COMPARISONS:
         other = partner_shape(rng, x)
         return ([x, other] if rng.random() < 0.5 else [other, x]), [f32, f32], {}
+    if name == "mod":
+        other = partner_shape(rng, x)
+        kind = str(rng.choice(["int32", "int64"]))
+        return ([x, other] if rng.random() < 0.5 else [other, x]), [kind, kind], {}
     if name == "where":
         shapes = [x, partner_shape(rng, x), partner_shape(rng, x)]
         order = rng.permutation(3)  # the full shape may come from any operand
@@ -201,6 +205,9 @@ def random_operands(rng: np.random.Generator, name: str, shapes, dtypes, params:
             out.append(rng.random(s) < 0.5)
         elif name in ("sqrt", "rsqrt"):
             out.append(np.abs(values(rng, s, t)) + np.float32(0.1))
+        elif name == "mod":  # a divisor of either sign, never 0
+            span = rng.integers(1, 9, size=s) * rng.choice([-1, 1], size=s) if i == 1 else rng.integers(-50, 51, size=s)
+            out.append(np.asarray(span).astype(dtype_from_name(t)))
         elif name == "eq":  # a few distinct values, so that equal pairs occur
             out.append(rng.integers(-2, 3, size=s).astype(dtype_from_name(t)))
         else:

@@ -157,6 +157,9 @@ class Tensor:
     def rsqrt(self) -> Tensor:
         return apply("rsqrt", self)
 
+    def __mod__(self, other: Any) -> Tensor:
+        return apply("mod", self, _operand(self, other))
+
     def __lt__(self, other: Any) -> Tensor:
         return apply("lt", self, _operand(self, other))
 

@@ -298,6 +298,16 @@ PREFILL_STEPS = 16  # prefill chains a model keeps (one per padded length, pool,
 PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
 
 
+def cache_lengths(cfg: LlamaConfig, ctx: int) -> list[int]:
+    """The positions each layer's K and V caches hold: `ctx`, or, on a windowed layer, a ring of
+    the window plus a prefill step's tokens (its padding included) where that is fewer (position p in slot p % ring: a
+    step's writes never reach a slot a query of it still sees). So a long context costs memory
+    on the global layers only (Gemma 3 at 32,768: a sixth of its layers' caches)."""
+    step = padded_length(PREFILL_CHUNK, 1 << 30)  # a prefill step's most tokens, its padding included
+    ring = None if cfg.window is None else cfg.window + step
+    return [ring if ring is not None and ring < ctx and cfg.is_windowed(i) else ctx for i in range(cfg.layers)]
+
+
 @dataclass(frozen=True)
 class HeadSplit:
     """The attention heads each device holds: `query[d]` query heads (in order) and the KV heads
@@ -498,8 +508,11 @@ class TensorParallelLlama:
         # in one piece, and the used positions are one contiguous block per head (read in half
         # the time of the first n columns of (hd, ctx), 64 strided runs at 256 positions)
         k_type, v_type = (CACHE_TYPES[c] for c in cache_types)
-        self.k = [self._zeros((batch, self.kv_heads, ctx, hd), cache, k_type) for _ in range(cfg.layers)]
-        self.v = [self._zeros((batch, self.kv_heads, ctx, hd), cache, v_type) for _ in range(cfg.layers)]
+        lengths = cache_lengths(cfg, ctx)
+        self.k = [self._zeros((batch, self.kv_heads, n, hd), cache, k_type) for n in lengths]
+        self.v = [self._zeros((batch, self.kv_heads, n, hd), cache, v_type) for n in lengths]
+        # the windowed layers' ring (cache_lengths), None where their caches hold the context
+        self.ring = next((n for n in lengths if n < ctx), None)
         # (padded length, pool, logits, for a slot) -> captured step; a slot is fed, so one step
         # serves every slot of a server (8 slots x 8 lengths were 64 steps for 16 kept)
         self._prefills: dict[tuple, object] = {}
@@ -515,6 +528,11 @@ class TensorParallelLlama:
             )
         self.zero = dev.tensor(np.float32(0))
         self.minus_inf = dev.tensor(np.float32(-np.inf))
+        if self.ring is not None:  # the ring's slots, its length and the window, as the masks use them
+            self.ring_slots = dev.tensor(np.arange(self.ring, dtype=np.int32).reshape(1, self.ring))
+            self.ring_length = dev.tensor(np.int32(self.ring))
+            self.window_length = dev.tensor(np.int32(cfg.window))
+            self.no_position = dev.tensor(np.int32(-1))
 
     def _placer(self, source: Source):
         def place(name: str, state) -> None:
@@ -590,6 +608,11 @@ class TensorParallelLlama:
         tensor `last` holds those tokens' rows of the flattened (batch * tokens) instead."""
         dev = self.dev
         batch, t = tokens.shape
+        if self.ring is not None and t > self.ring - self.cfg.window:
+            raise ShapeError(
+                f"a step of {t} tokens: the windowed layers' rings of {self.ring} take at most "
+                f"{self.ring - self.cfg.window} a step (prefill() takes a longer prompt by chunks)"
+            )
         # host values travel with the run: no round trip of their own
         ids = tokens if isinstance(tokens, Tensor) else dev.feed(np.asarray(tokens, np.int32))
         pos = positions if isinstance(positions, Tensor) else dev.feed(np.asarray(positions, np.int32))
@@ -609,6 +632,8 @@ class TensorParallelLlama:
         gqa_attention (a cut KV group): made once a step, so every layer reads the same one (the
         attention kernels find its used positions once a run)."""
         batch, t = pos.shape
+        if windowed and self.ring is not None:
+            return self._ring_mask(pos)
         cached, ends = self.positions_ctx, self.window_ends if windowed else None
         if self.heads.shared:
             seeing = pos.reshape(batch, t, 1)
@@ -620,6 +645,22 @@ class TensorParallelLlama:
         if ends is not None:  # and only the last `window` positions (sliding-window attention)
             mask = where(ends > seeing, mask, self.minus_inf)
         return mask
+
+    def _ring_mask(self, pos: Tensor) -> Tensor:
+        """`_mask` of a windowed layer whose cache is a ring (cache_lengths): slot j of a row
+        holds the latest position written there, P - (P - j) % ring, P the row's last position
+        in this step (positions rise along a row); a token at q sees the slots holding positions
+        in (q - window, q], none before the row's first (a negative position: never written)."""
+        batch, t = pos.shape
+        last = pos[:, t - 1 :]  # (batch, 1)
+        held = last - (last - self.ring_slots) % self.ring_length  # (batch, ring)
+        if self.heads.shared:
+            seeing, held = pos.reshape(batch, t, 1), held.reshape(batch, 1, self.ring)
+        else:
+            seeing, held = pos.reshape(batch, 1, 1, t, 1), held.reshape(batch, 1, 1, 1, self.ring)
+        mask = where(held <= seeing, self.zero, self.minus_inf)
+        mask = where(held > seeing - self.window_length, mask, self.minus_inf)
+        return where(held > self.no_position, mask, self.minus_inf)
 
     def prefill(
         self, prompts: Sequence[Sequence[int]], start: int, pool: int, logits: bool = False, slot: int | None = None
@@ -870,9 +911,10 @@ class TensorParallelLlama:
         q, k = q.rope(*rotate), k.rope(*rotate)
         v = v.reshape(batch, t, self.kv_heads, hd)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, kv, t, hd)
-        cache_k = cache_k.set_rows(pos, k, axis=2, **at)  # in place, (b, kv, ctx, hd)
-        cache_v = cache_v.set_rows(pos, v, axis=2, **at)  # in place, (b, kv, ctx, hd)
-        keys, values, seen = cache_k, cache_v, self.ctx
+        rows = pos if cache_k.shape[2] == self.ctx else pos % self.ring_length  # a ring: the slots
+        cache_k = cache_k.set_rows(rows, k, axis=2, **at)  # in place, (b, kv, ctx or ring, hd)
+        cache_v = cache_v.set_rows(rows, v, axis=2, **at)  # in place, (b, kv, ctx or ring, hd)
+        keys, values, seen = cache_k, cache_v, cache_k.shape[2]
         if slot is not None:  # the slot's row of each cache, up to this chunk's positions (the mask)
             keys, values = _row_of(cache_k, slot), _row_of(cache_v, slot)
         if first_rows:  # views of the rows in use: the workers copy nothing

@@ -13,7 +13,7 @@ import numpy as np
 from meta.device import MetaDevice
 from models.errors import ModelError
 from models.gguf_model import GGUFModel
-from models.llama import CACHE_TYPES, TensorParallelLlama, qkv_fusable
+from models.llama import CACHE_TYPES, TensorParallelLlama, cache_lengths, qkv_fusable
 from split_state.ops import ACTIVATIONS
 
 Prompt = str | Sequence[Mapping[str, str]]  # text, or a conversation: [{"role": ..., "content": ...}]
@@ -90,13 +90,14 @@ def check_fits(
 ) -> None:
     """Refuse, before any weight moves, a model that cannot fit the workers' memory budgets:
     each worker holds at least its share of the weights (1/N of them) and the KV cache of its
-    whole KV heads (the worker with the most: ceil(kv heads / N)) at `ctx` positions. A model
+    whole KV heads (the worker with the most: ceil(kv heads / N)) at `ctx` positions (a windowed
+    layer's: its ring, models.llama.cache_lengths). A model
     that passes may still run short by the uneven part of the split, the worker's programs and
     its working memory: that is the workers' OutOfMemory, as before."""
     cfg, n = model.config, dev.n
     share = model.resident_bytes(weights) / n
     position = sum(np.dtype(CACHE_TYPES[c]).itemsize for c in cache_types) * cfg.head_dim  # a key and a value
-    kv = cfg.layers * batch * -(-cfg.kv_heads // n) * ctx * position
+    kv = sum(cache_lengths(cfg, ctx)) * batch * -(-cfg.kv_heads // n) * position  # windowed layers: rings
     budget = min(info["budget"] for info in dev.stats().values())
     if share + kv > budget:
         mib = 1 << 20

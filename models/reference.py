@@ -38,6 +38,13 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return (0.5 * w * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (w + 0.044715 * w**3)))).astype(np.asarray(x).dtype)
 
 
+def _python_mod(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Python's integer %, element by element (the floor division's remainder)."""
+    x, y = np.broadcast_arrays(a, b)
+    flat = [int(u) % int(v) for u, v in zip(x.reshape(-1), y.reshape(-1))]
+    return np.array(flat, dtype=np.result_type(a, b)).reshape(x.shape)
+
+
 def gelu_f16(x: np.ndarray) -> np.ndarray:
     """GELU as llama.cpp computes it on the CPU (ggml's GGML_GELU_FP16): x rounded to float16, its
     tanh GELU rounded to float16 (ggml reads it from a table of every float16); 0 at or below
@@ -345,6 +352,7 @@ REFERENCES: dict[str, Callable[[Sequence[np.ndarray], Params], np.ndarray]] = {
     "sub": _binary(np.subtract),
     "mul": _binary(np.multiply),
     "div": _binary(np.divide),
+    "mod": lambda i, p: _python_mod(*i),
     "scale": lambda i, p: _float_unary(lambda w: w * p["factor"])(i, p),
     "neg": lambda i, p: np.negative(i[0]),
     "gelu": lambda i, p: gelu_tanh(i[0]),

@@ -412,6 +412,13 @@ def _localize_get_rows(params, in_states, in_shapes, out_state, out_shape, n, d)
 # -- decoder ops: comparisons, where, masked softmax, rope, in-place row writes, top-k --------------
 
 
+def _infer_mod(shapes, dtypes, params):
+    dtype = _numeric(_same_dtype(dtypes, "mod"), "mod")
+    if dtype in FLOAT_NAMES:
+        raise ShapeError(f"mod: integers only (a position's ring slot), got {dtype}")
+    return _broadcast(shapes, "mod"), dtype, {}
+
+
 def _infer_compare(name):
     def infer(shapes, dtypes, params):
         _same_dtype(dtypes, name)
@@ -778,6 +785,8 @@ OPS: dict[str, OpSpec] = {
     "qget_rows": OpSpec("qget_rows", 2, _infer_qget_rows, _labels_rule(_qget_rows_labels), _localize_qget_rows),
     "sqrt": OpSpec("sqrt", 1, _infer_unary_float("sqrt"), _NONLINEAR_UNARY),
     "rsqrt": OpSpec("rsqrt", 1, _infer_unary_float("rsqrt"), _NONLINEAR_UNARY),
+    # the remainder of floor division (Python's %, the divisor's sign): not linear, so no Partial
+    "mod": OpSpec("mod", 2, _infer_mod, _binary_rule(())),
     "lt": OpSpec("lt", 2, _infer_compare("lt"), _binary_rule(())),
     "le": OpSpec("le", 2, _infer_compare("le"), _binary_rule(())),
     "eq": OpSpec("eq", 2, _infer_compare("eq"), _binary_rule(())),

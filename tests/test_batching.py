@@ -5,6 +5,7 @@ out a timer), and what submit refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -405,3 +406,37 @@ def test_a_queued_job_takes_the_first_slot_freed_while_the_workers_decode(tiny):
     finally:
         made.stop()
         dev.close()
+
+
+def test_a_gemma3_server_with_rings_gives_the_references_tokens_past_them(model, tmp_path, monkeypatch):
+    """Gemma 3 with a window of 4 on layers 0 and 2, prefill steps of 8 tokens (padded to 16):
+    those layers' caches are rings of 20 positions. A 30-token prompt goes in by chunks into slot 1 while a
+    stream decodes in slot 0, then both decode on the workers to position 50: each job gets
+    the NumPy reference's greedy tokens (its caches the whole context)."""
+    import models.batching as batching
+    import models.llama as llama
+
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 8)
+    shape = synthetic.Shape(layers=3, hidden=64, ffn=128, heads=2, kv_heads=1, context=64, head_size=32)
+    recipe = synthetic.Recipe(shape, weights="f32", embedding="f32", seed=6, architecture="gemma3", window=4)
+    recipe = dataclasses.replace(recipe, window_pattern=2)
+    gemma = GGUFModel(synthetic.write(tmp_path / "g.gguf", recipe, model.path).path)
+    ctx, long_prompt = 64, tuple(int(t) for t in np.random.default_rng(8).integers(0, 49152, 30))
+    dev = MetaDevice(SimulatedCluster(2))
+    made = ContinuousBatcher(dev, gemma, slots=2, ctx=ctx, weights="f32")
+    try:
+        assert [k.shape[2] for k in made.net.k] == [20, ctx, 20]
+        made.warm_up()
+        made.start()
+        stream = made.submit(Job(PROMPT, 40, Sampling(), stop_at_eos=False))
+        first = stream.next(TOLD_WITHIN)
+        assert isinstance(first, Token)
+        joining = made.submit(Job(long_prompt, 20, Sampling(), stop_at_eos=False))
+        joined = [e.token for e in events_of(joining, 60) if isinstance(e, Token)]
+        streamed = [first.token] + [e.token for e in events_of(stream, 60) if isinstance(e, Token)]
+    finally:
+        made.stop()
+        dev.close()
+    assert joined == reference_greedy(gemma, list(long_prompt), 20, ctx)
+    assert streamed == reference_greedy(gemma, list(PROMPT), 40, ctx)

@@ -14,6 +14,7 @@ import pytest
 
 from meta import MetaDevice
 from models.llama import LlamaConfig, ReferenceDecoder, TensorParallelLlama, random_weights
+from split_state.errors import ShapeError
 from workers.simulator import SimulatedCluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,3 +61,59 @@ def test_tensor_parallel_prefill_and_decode_attend_to_the_window(weights, n):
         dev.close()
     for p, row in enumerate(rows):
         np.testing.assert_allclose(row, seen_alone(weights, p), atol=1e-4, rtol=0)
+
+
+# Gemma's layout: a window on some layers (0 and 2), a global one between, rope bases of their own
+MIXED = dataclasses.replace(
+    CFG, layers=3, windowed=(True, False, True), window_rope_base=100.0, qk_norm=True, post_norms=True, gate="gelu"
+)
+LONG_TOKENS = np.random.default_rng(5).integers(0, CFG.vocab, 50)
+
+
+@pytest.fixture(scope="module")
+def mixed_weights():
+    return random_weights(MIXED, seed=4)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_windowed_layers_in_rings_give_the_whole_caches_logits(mixed_weights, n, monkeypatch):
+    """Prefill steps made small (chunks of 8, padded to 16): the windowed layers' caches are
+    rings of 4 + 16 = 20 positions, the global layer's the context's 64; 30 tokens in steps of
+    8 and 16 (the last of 6), then 20 one at a time, the rings wrapping twice: every position's
+    logits those of the NumPy reference, whose caches hold the whole context."""
+    import models.llama as llama
+
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 8)
+    ctx = 64
+    dev = MetaDevice(SimulatedCluster(n), check_mirrored=True)
+    try:
+        net = TensorParallelLlama(dev, MIXED, mixed_weights.__getitem__, ctx)
+        assert [k.shape[2] for k in net.k] == [20, ctx, 20]
+        rows = []
+        for start, stop in [(0, 8), (8, 24), (24, 30), *((p, p + 1) for p in range(30, 50))]:
+            step = net.step(LONG_TOKENS[None, start:stop], np.arange(start, stop)[None])
+            dev.run(step, *net.caches())
+            rows.extend(step.numpy()[0])
+        with pytest.raises(ShapeError, match="at most 16 a step"):
+            net.step(LONG_TOKENS[None, :17], np.arange(17)[None])
+    finally:
+        dev.close()
+    whole = ReferenceDecoder(MIXED, mixed_weights, ctx).forward(LONG_TOKENS[None], np.arange(50)[None])[0]
+    np.testing.assert_allclose(np.array(rows), whole, atol=1e-4, rtol=0)
+
+
+def test_a_gemma3_shaped_cache_at_32k_positions_is_under_a_quarter_of_every_layers_whole_cache():
+    """Five windowed layers in six (window 512): the caches the workers allocate (each layer's
+    K and V handle) hold 32,768 positions on the global layers and 640 on the others."""
+    cfg = dataclasses.replace(
+        CFG, layers=6, heads=1, kv_heads=1, window=512, windowed=(True,) * 5 + (False,), hidden=16, ffn=32
+    )
+    ctx = 32768
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        net = TensorParallelLlama(dev, cfg, random_weights(cfg, seed=1).__getitem__, ctx)
+        held = sum(k.shape[2] + v.shape[2] for k, v in zip(net.k, net.v))
+    finally:
+        dev.close()
+    assert held == 2 * (ctx + 5 * 640)
+    assert held <= 2 * cfg.layers * ctx / 4

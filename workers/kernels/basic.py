@@ -546,6 +546,7 @@ KERNELS: dict[str, Callable] = {
     "sub": _binary("subtract"),
     "mul": _binary("multiply"),
     "div": _binary("divide"),
+    "mod": _binary("remainder"),
     "scale": _scale,
     "neg": lambda xp, i, p, out=None: xp.negative(i[0], out=out),
     "gelu": _unary_float(_gelu_tanh),
