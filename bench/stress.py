@@ -212,8 +212,15 @@ def matches(got: np.ndarray, ref: np.ndarray, precision: str | None = None) -> b
     return bool(np.allclose(g[finite], r[finite], rtol=tolerance(dtype, 0), atol=tolerance(dtype, scale)))
 
 
+# ops a chain does not take, each held alone in tests/test_meta.py: gelu_f16's result steps with the
+# last bits of its input (it rounds it to float16), so in a chain the last-bit differences of the
+# ops before it (our kernels against NumPy's reference) become whole steps; mod wants integer
+# divisors other than 0, which a chain's values are not
+UNCHAINED = {"gelu_f16", "mod"}
 # every op with a standalone oracle, plus the composites: top_k and an explicit redistribution
-NAMES = sorted([name for name, op in OPS.items() if not op.internal] + ["top_k", "redistribute"])
+NAMES = sorted(
+    [name for name, op in OPS.items() if not op.internal and name not in UNCHAINED] + ["top_k", "redistribute"]
+)
 COMPOSITES = ("top_k", "redistribute")
 MAX_OPS = 20
 
