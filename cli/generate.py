@@ -49,13 +49,17 @@ def generate(args: argparse.Namespace) -> int:
     sampling = Sampling(
         args.temperature, args.top_k, args.top_p, args.seed, args.min_p, args.repeat_penalty, args.repeat_last_n
     )
-    chat = args.chat or bool(args.system) or interactive
+    args.template_kwargs = template_kwargs(args.chat_template_kwargs)
+    chat = args.chat or bool(args.system) or interactive or bool(args.template_kwargs)
     if interactive:  # the template must render and the tokenizer load before the workers start
-        prompt_text(model, [{"role": "user", "content": "hello"}], True, args.system)
+        prompt_text(model, [{"role": "user", "content": "hello"}], True, args.system, args.template_kwargs)
         model.tokenizer  # noqa: B018 - built now: a file whose text it cannot split is refused here
     else:
         new = 32 if args.max_new_tokens is None else args.max_new_tokens
-        texts = [check_text_fits(prompt_text(model, p, chat, args.system), args.ctx, model) for p in prompts]
+        texts = [
+            check_text_fits(prompt_text(model, p, chat, args.system, args.template_kwargs), args.ctx, model)
+            for p in prompts
+        ]
         lengths = [len(model.tokenizer.encode(text)) for text in texts]
         check_lengths(lengths, new, args.ctx, model.context_length)
     widening_notice(model, args.weights)
@@ -139,6 +143,23 @@ def check_sampling_flags(args: argparse.Namespace) -> None:
             raise ModelError(f"{flag} {getattr(args, name)}: {refusal}")
 
 
+def template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object of the template's further variables ("": none)."""
+    from models.gguf_model import ModelError
+    from models.template_sandbox import variables_refusal
+
+    if not text:
+        return {}
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"--chat-template-kwargs is not JSON: {exc}") from None
+    why = variables_refusal(given)
+    if why is not None:
+        raise ModelError(f"--chat-template-kwargs {why}")
+    return given
+
+
 def _one_batch(llm, args, prompts: list[str], new: int, sampling, chat: bool):
     lines = args.json == "-"
     quiet = lines or (len(prompts) > 1 and not sys.stdout.isatty())
@@ -154,6 +175,7 @@ def _one_batch(llm, args, prompts: list[str], new: int, sampling, chat: bool):
         keep_logits=bool(args.logits_out),
         on_token=None if live is None else (lambda b, token: b == 0 and live(b, token)),
         system=args.system,
+        template_kwargs=args.template_kwargs,
     )
     if lines:
         for g in out:
@@ -207,7 +229,7 @@ def converse(llm, args, sampling) -> int:
         if not text.strip():
             continue
         messages.append({"role": "user", "content": text})
-        room = llm.ctx - len(llm.prompt_ids(messages, True, args.system))
+        room = llm.ctx - len(llm.prompt_ids(messages, True, args.system, args.template_kwargs))
         new = room if args.max_new_tokens is None else min(args.max_new_tokens, max(room, 0))
         stream = _Stream(llm.tokenizer, args.special, args.stop)
         try:
@@ -216,6 +238,7 @@ def converse(llm, args, sampling) -> int:
                 new,
                 sampling=sampling,
                 system=args.system,
+                template_kwargs=args.template_kwargs,
                 stop_at_eos=not args.ignore_eos,
                 special=args.special,
                 stop_strings=args.stop,
@@ -309,6 +332,12 @@ def add(sub) -> None:
     p.add_argument("-s", "--seed", type=int, default=0, help="the sampler's seed")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("-sys", "--system", default="", help="a system message (implies --chat)")
+    p.add_argument(
+        "--chat-template-kwargs",
+        default="",
+        help="a JSON object of more variables for the chat template, as llama-server's "
+        "(Qwen3's '{\"enable_thinking\": false}'; implies --chat)",
+    )
     p.add_argument(
         "-i", "--interactive", action="store_true", help="a conversation read from the input (default on a terminal)"
     )

@@ -95,10 +95,9 @@ class LLM:
             loaded += 1
         return loaded
 
-    def prompt_ids(self, prompt: Prompt, chat: bool, system: str = "") -> list[int]:
-        return self.tokenizer.encode(
-            check_text_fits(prompt_text(self.model, prompt, chat, system), self.ctx, self.model)
-        )
+    def prompt_ids(self, prompt: Prompt, chat: bool, system: str = "", template_kwargs=None) -> list[int]:
+        text = prompt_text(self.model, prompt, chat, system, template_kwargs)
+        return self.tokenizer.encode(check_text_fits(text, self.ctx, self.model))
 
     def chat(self, messages: Sequence[Mapping[str, str]], max_new_tokens: int = 256, **options) -> Generation:
         """The next assistant turn of a conversation, `[{"role": "user", "content": ...}, ...]`,
@@ -120,6 +119,7 @@ class LLM:
         on_token: Callable[[int, int], None] | None = None,
         system: str = "",
         reuse_prefix: bool = False,
+        template_kwargs: Mapping[str, object] | None = None,
     ) -> list[Generation]:
         """Generate for every prompt (at most `batch` of them): text, or a conversation (a list
         of messages, always in the chat template; `system` is the system message of each that
@@ -127,12 +127,13 @@ class LLM:
         at the model's end-of-generation tokens (EOS, end of turn) unless `stop_at_eos` is
         False, and where its text first contains one of `stop_strings` (the text ends before
         it); control tokens are left out of the text unless `special`. `reuse_prefix` (one
-        prompt): prefill only what follows the tokens batch row 0's caches already hold."""
+        prompt): prefill only what follows the tokens batch row 0's caches already hold.
+        `template_kwargs`: more variables for the chat template (Qwen3's enable_thinking)."""
         if any(not s for s in stop_strings):
             raise ModelError("an empty stop string would stop before the first token; give text to stop at")
         if not 1 <= len(prompts) <= self.batch:
             raise ModelError(f"{len(prompts)} prompts for a model placed for a batch of {self.batch}")
-        out = [Generation(_shown(p), self.prompt_ids(p, chat, system)) for p in prompts]
+        out = [Generation(_shown(p), self.prompt_ids(p, chat, system, template_kwargs)) for p in prompts]
         lengths = [len(g.prompt_tokens) for g in out]
         check_lengths(lengths, max_new_tokens, self.ctx, self.model.context_length)
         start = 0

@@ -109,12 +109,16 @@ class ChatTemplate:
     eos_token: str = ""
     strip_bos: bool = False
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None) -> str:
+        """`variables`: more of the template's variables (chat_template_kwargs: Qwen3's
+        enable_thinking)."""
         require("jinja2")
         from models.template_sandbox import RenderFailed, renderer
 
         try:
-            text = renderer().render(self.source, messages, add_generation_prompt, self.bos_token, self.eos_token)
+            text = renderer().render(
+                self.source, messages, add_generation_prompt, self.bos_token, self.eos_token, variables
+            )
             if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
                 text = text[len(self.bos_token) :]
             try:

@@ -34,10 +34,13 @@ def messages_of(prompt: Prompt, system: str = "") -> list[dict]:
     return messages
 
 
-def prompt_text(model: GGUFModel, prompt: Prompt, chat: bool, system: str = "") -> str:
+def prompt_text(
+    model: GGUFModel, prompt: Prompt, chat: bool, system: str = "", variables: Mapping[str, object] | None = None
+) -> str:
     """The text the model reads for `prompt`: text as given, or (with `chat`, and always for a
     list of messages) the conversation in the file's chat template, rendered in a sandbox (an
-    unsafe or broken template is a TemplateError naming the file)."""
+    unsafe or broken template is a TemplateError naming the file); `variables`: more of the
+    template's (chat_template_kwargs: Qwen3's enable_thinking)."""
     if isinstance(prompt, str):
         try:
             prompt.encode("utf-8")
@@ -49,7 +52,7 @@ def prompt_text(model: GGUFModel, prompt: Prompt, chat: bool, system: str = "") 
     template = model.chat_template
     if template is None:
         raise ModelError(f"{model.path.name} has no chat template; drop --chat (and --system, --interactive)")
-    return template.render(messages_of(prompt, system))
+    return template.render(messages_of(prompt, system), variables=dict(variables or {}))
 
 
 def check_text_fits(text: str, ctx: int, model: GGUFModel, what: str = "the prompt") -> str:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from models.template_sandbox import variables_refusal
+
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_BODY_BYTES = 16 << 20  # a body larger is refused unread (413)
 BODY_SECONDS = 30.0  # a body not all in within this is refused (408): a slow client holds no connection for ever
@@ -42,6 +44,7 @@ HONOURED = (
     "top_logprobs",
     "user",
     "parallel_tool_calls",
+    "chat_template_kwargs",
 )
 # the rest of OpenAI's fields, each with the values that ask for nothing: any other is refused
 UNSUPPORTED = {
@@ -140,6 +143,24 @@ def refuse_unsupported(body: dict) -> None:
         raise RequestError(
             400, "'response_format' is not supported by this server (only {'type': 'text'})", param="response_format"
         )
+
+
+def template_variables(body: dict, chat: bool) -> dict:
+    """A chat's `chat_template_kwargs` (vLLM's and llama-server's): more variables for the chat
+    template (Qwen3's `enable_thinking`), an object of names to JSON values; none of the
+    template's own (`messages`, `bos_token`, ...)."""
+    given = body.get("chat_template_kwargs")
+    if given is None:
+        return {}
+    param = "chat_template_kwargs"
+    if not chat:
+        raise RequestError(
+            400, "'chat_template_kwargs' is a chat field: a completion's prompt has no template", param=param
+        )
+    why = variables_refusal(given)
+    if why is not None:
+        raise RequestError(400, f"'chat_template_kwargs' {why}", param=param)
+    return given
 
 
 def usage_chunk_asked(body: dict, streamed: bool) -> bool:

@@ -30,6 +30,7 @@ from models.openai_protocol import (
     job_from,
     logprob_fields,
     number,
+    template_variables,
     usage_chunk_asked,
 )
 from models.requests import TextStream
@@ -74,6 +75,7 @@ class CompletionServing:
             raise RequestError(400, str(exc)) from None
 
     async def completion(self, request, body: dict):
+        template_variables(body, chat=False)  # refused: a completion has no template
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -114,7 +116,7 @@ class CompletionServing:
             raise RequestError(400, "this model has no chat template: use /v1/completions", param="messages")
         try:
             turns = [{"role": m["role"], "content": m["content"]} for m in messages]
-            text = await self._prepared(self.chat_template.render, turns)
+            text = await self._prepared(self.chat_template.render, turns, True, template_variables(body, chat=True))
         except TemplateError as exc:
             raise RequestError(400, f"the chat template refused the messages: {exc}", param="messages") from None
         return await self._respond(request, body, await self._encode(text, "messages"), chat=True)

@@ -22,6 +22,8 @@ import threading
 import time
 
 TIME_LIMIT = 2.0  # seconds one render may take
+# what a template is given by the renderer itself: a caller's variables may not replace them
+RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"})
 MEMORY_LIMIT = 512 << 20  # bytes a child may add to its address space beyond its start
 
 # The child: reads one JSON request a line, renders it in Jinja's immutable sandbox, and answers
@@ -47,6 +49,7 @@ for line in sys.stdin:
     try:
         req = json.loads(line)
         text = env.from_string(req["source"]).render(
+            **req.get("variables", {}),
             messages=req["messages"],
             add_generation_prompt=req["add_generation_prompt"],
             bos_token=req.get("bos_token", ""),
@@ -70,6 +73,15 @@ for line in sys.stdin:
 """
 
 
+def variables_refusal(given) -> str | None:
+    """Why `given` cannot be a template's further variables (an object of names, none of those
+    the renderer gives it: RESERVED), or None."""
+    if not isinstance(given, dict) or not all(isinstance(k, str) and k.isidentifier() for k in given):
+        return "must be an object whose keys are variable names"
+    taken = sorted(RESERVED & set(given))
+    return f"cannot set the template's own {', '.join(taken)}" if taken else None
+
+
 class RenderFailed(Exception):
     """A render the child refused or could not finish: `kind` is "unsafe", "template" or "limit"."""
 
@@ -88,9 +100,21 @@ class TemplateRenderer:
         self._lock = threading.Lock()
 
     def render(
-        self, source: str, messages: list[dict], add_generation_prompt: bool, bos_token: str = "", eos_token: str = ""
+        self,
+        source: str,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        bos_token: str = "",
+        eos_token: str = "",
+        variables: dict | None = None,
     ) -> str:
-        """The template's text for `messages`, its `bos_token` and `eos_token` variables those texts."""
+        """The template's text for `messages`, its `bos_token` and `eos_token` variables those texts;
+        `variables`: more of them (a chat's chat_template_kwargs: Qwen3's enable_thinking), none
+        of those names (RESERVED)."""
+        variables = dict(variables or {})
+        why = variables_refusal(variables)
+        if why is not None:
+            raise RenderFailed("template", f"the variables given {why}")
         request = json.dumps(
             {
                 "source": source,
@@ -98,6 +122,7 @@ class TemplateRenderer:
                 "add_generation_prompt": add_generation_prompt,
                 "bos_token": bos_token,
                 "eos_token": eos_token,
+                "variables": variables,
             }
         )
         with self._lock:

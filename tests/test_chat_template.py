@@ -234,3 +234,50 @@ def test_bos_is_taken_off_only_where_the_rendered_text_starts_with_it():
     assert ChatTemplate(source, "t.gguf", **strip).render([{"role": "user", "content": "<s>hi"}]) == "hi"
     assert ChatTemplate(source, "t.gguf", **strip).render([{"role": "user", "content": "s>hi<s>"}]) == "s>hi<s>"
     assert ChatTemplate(source, "t.gguf", bos_token="<s>").render([{"role": "user", "content": "<s>hi"}]) == "<s>hi"
+
+
+# a thinking switch in the style of Qwen3's: the generation prompt closes an empty thought where
+# the caller turns thinking off
+THINKING = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{% endif %}"
+)
+
+
+def test_a_templates_further_variables_are_given_and_its_own_cannot_be_replaced():
+    hi = [{"role": "user", "content": "hi"}]
+    assert ChatTemplate(THINKING).render(hi) == "<user>hi<assistant>"
+    assert ChatTemplate(THINKING).render(hi, variables={"enable_thinking": True}) == "<user>hi<assistant>"
+    off = ChatTemplate(THINKING).render(hi, variables={"enable_thinking": False})
+    assert off == "<user>hi<assistant><think></think>"
+    for bad, says in (({"messages": []}, "the template's own messages"), ({"a-b": 1}, "variable names")):
+        with pytest.raises(TemplateError, match=says):
+            ChatTemplate(THINKING, "t.gguf").render(hi, variables=bad)
+
+
+def test_generate_gives_the_chat_template_kwargs_to_the_template(packaged, tmp_path):
+    """`launch.py generate --chat-template-kwargs` (llama-server's flag): the prompt the model
+    reads is the template's with the variables (two tokens of '<think></think>' more here);
+    JSON that is not an object of names is one line."""
+    import json
+
+    path = copy_with_metadata(packaged, tmp_path / "thinking.gguf", {"tokenizer.chat_template": THINKING})
+
+    def prompt_tokens(*flags: str) -> int:
+        args = ("generate", "-m", str(path), "hi", "-n", "1", "--workers", "1", "--json", "-", *flags)
+        done = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        return len(json.loads(done.stdout.decode().splitlines()[-1])["prompt_tokens"])
+
+    on = prompt_tokens("--chat")
+    off = prompt_tokens("--chat-template-kwargs", '{"enable_thinking": false}')
+    assert off > on
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "generate", "-m", str(path), "hi", "--chat-template-kwargs", "[1]"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0
+    assert refused.stderr.strip().splitlines()[-1].endswith("must be an object whose keys are variable names")

@@ -463,6 +463,21 @@ def test_bad_requests_get_openai_error_bodies(server, headers, body, status, kin
     assert error["type"] == kind and says in error["message"]
 
 
+USER_X = [{"role": "user", "content": "x"}]
+
+
+def test_chat_template_kwargs_are_the_templates_variables(server, client):
+    """vLLM's and llama-server's chat_template_kwargs: the packaged SmolLM2's template reads no
+    variable of that name, so the answer is the one without them."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model="", messages=messages, max_tokens=6, temperature=0)
+    with_kwargs = client.chat.completions.create(
+        model="", messages=messages, max_tokens=6, temperature=0, extra_body={"chat_template_kwargs": {"x": True}}
+    )
+    assert with_kwargs.choices[0].message.content == plain.choices[0].message.content
+    assert with_kwargs.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
@@ -472,6 +487,14 @@ def test_bad_requests_get_openai_error_bodies(server, headers, body, status, kin
         ("/v1/completions", {"prompt": "x", "top_p": 2}, "top_p"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/completions", {"prompt": "x", "chat_template_kwargs": {"a": 1}}, "chat_template_kwargs"),
+        ("/v1/chat/completions", {"messages": USER_X, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+        ("/v1/chat/completions", {"messages": USER_X, "chat_template_kwargs": {"a b": 1}}, "chat_template_kwargs"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER_X, "chat_template_kwargs": {"messages": []}},
+            "chat_template_kwargs",
+        ),
     ],
 )
 def test_a_refused_field_is_named_in_the_errors_param(server, path, body, param):
