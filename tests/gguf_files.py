@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def copy_with_metadata(source: Path, target: Path, replace: dict[str, str]) -> Path:
-    """Copy GGUF `source` to `target`, string fields in `replace` set to the given values."""
+def copy_with_metadata(source: Path, target: Path, replace: dict[str, str | bool]) -> Path:
+    """Copy GGUF `source` to `target`, fields in `replace` set to the given strings or booleans."""
     import gguf
 
     reader = gguf.GGUFReader(str(source))
@@ -21,11 +21,11 @@ def copy_with_metadata(source: Path, target: Path, replace: dict[str, str]) -> P
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         value = pending.pop(field.name, None)
         if value is not None:
-            writer.add_key_value(field.name, value, gguf.GGUFValueType.STRING)
+            writer.add_key_value(field.name, value, _kind(value))
         else:
             writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
     for key, value in pending.items():
-        writer.add_key_value(key, value, gguf.GGUFValueType.STRING)
+        writer.add_key_value(key, value, _kind(value))
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     writer.write_header_to_file()
@@ -89,3 +89,9 @@ def tiny_llama(
         data = target.read_bytes()
         target.write_bytes(data[:-truncate])
     return target
+
+
+def _kind(value: str | bool):
+    import gguf
+
+    return gguf.GGUFValueType.BOOL if isinstance(value, bool) else gguf.GGUFValueType.STRING

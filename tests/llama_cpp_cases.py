@@ -1,4 +1,5 @@
-"""Synthetic llama files checked against llama.cpp's own logits (tests/test_llama_cpp_logits.py).
+"""Synthetic llama files checked against llama.cpp's own logits (tests/test_llama_cpp_logits.py),
+and llama.cpp's tokens of a vocabulary file made here (tests/test_llama_cpp_vocab.py).
 
 Each case is a recipe (models/synthetic.py: shape, types, seed, architecture, rope scaling, a
 byte-level vocabulary made from nothing or a family's real one from tests/data), a prompt of token
@@ -172,10 +173,37 @@ def llama_cpp_run(path: Path, case: Case) -> tuple[np.ndarray, np.ndarray]:
     return np.array(tokens, np.int32), np.array(llm.scores[: len(tokens) - 1], np.float32)
 
 
+# Llama 2's SentencePiece vocabulary with Gemma's rule: no space put before the text
+# (tokenizer.ggml.add_space_prefix false); its test texts tokenized by llama.cpp on that file
+NO_SPACE_PREFIX = ROOT / "tests" / "data" / "ggml-vocab-llama-spm-no-space-prefix.out"
+
+
+def no_space_prefix_vocabulary(folder: Path) -> Path:
+    from tests.gguf_files import copy_with_metadata
+
+    source = ROOT / "tests" / "data" / "ggml-vocab-llama-spm.gguf"
+    return copy_with_metadata(source, folder / "no-space-prefix.gguf", {"tokenizer.ggml.add_space_prefix": False})
+
+
+def write_no_space_prefix_vectors(folder: Path) -> None:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(no_space_prefix_vocabulary(folder)), vocab_only=True, verbose=False)
+    texts = (ROOT / "tests" / "data" / "ggml-vocab-llama-spm.gguf.inp").read_text(encoding="utf-8")
+    lines = [" ".join(map(str, llm.tokenize(t.encode(), add_bos=False, special=False))) for t in texts.split(SEPARATOR)]
+    NO_SPACE_PREFIX.write_text("\n".join(lines) + "\n")
+    print(f"wrote {NO_SPACE_PREFIX}: {len(lines)} texts")
+
+
+SEPARATOR = "\n__ggml_vocab_test__\n"
+
+
 def main() -> int:
     import tempfile
 
     sys.path.insert(0, str(ROOT))
+    with tempfile.TemporaryDirectory() as folder:
+        write_no_space_prefix_vectors(Path(folder))
     stored = {}
     with tempfile.TemporaryDirectory() as folder:
         for case in CASES:

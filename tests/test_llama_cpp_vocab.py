@@ -43,3 +43,19 @@ def test_every_test_vector_decodes_back_to_its_text(vocabulary):
     name, tokenizer = vocabulary
     for text, ids in vectors(name):
         assert tokenizer.decode(ids) == text, (name, text)
+
+
+def test_a_sentencepiece_vocabulary_without_the_space_prefix_tokenizes_as_llama_cpp_does(tmp_path):
+    """Gemma's rule (tokenizer.ggml.add_space_prefix false) on Llama 2's vocabulary, a copy of
+    its file with that flag (tests/llama_cpp_cases.py makes it): every test text tokenized to the
+    ids llama.cpp gave on that copy, and decoded back to the text."""
+    from tests.llama_cpp_cases import NO_SPACE_PREFIX, no_space_prefix_vocabulary
+
+    tokenizer = GGUFModel(no_space_prefix_vocabulary(tmp_path), vocabulary_only=True).tokenizer
+    tokenizer.add_bos = False
+    texts = [text for text, _ in vectors("llama-spm")]
+    expected = [[int(i) for i in line.split()] for line in NO_SPACE_PREFIX.read_text().split("\n")[: len(texts)]]
+    assert any(a != b for a, b in zip(expected, (ids for _, ids in vectors("llama-spm"))))  # the flag matters
+    for text, ids in zip(texts, expected):
+        assert tokenizer.encode(text) == ids, text
+        assert tokenizer.decode(ids) == text, text
