@@ -92,7 +92,8 @@ def run_generation(
     fed_tokens, fed_positions = tokens[:count, 0], positions[:count, 0]
     # on a GPU the tokens are chosen there and written where the next step reads them
     # (workers/backends/cuda/kernels/sample.py); the host reads only the chosen ids
-    # (one rule for every sequence: a server's batch, each job its own, chooses on the host)
+    # (the device sampler takes one rule for every sequence: a server's batch, each job with a
+    # rule of its own, chooses on the host)
     make_sampler = None if sampling.own else getattr(backend, "device_sampler", None)
     sampler = None
     # with the sampler on the device and no peers, step s + 1 is issued before step s's tokens
