@@ -238,6 +238,10 @@ class ContinuousBatcher:
         bad = next((t for t in job.prompt if type(t) is not int or not 0 <= t < vocab), None)
         if bad is not None:  # refused here: on the workers it would fail the prefill of a slot
             raise ModelError(f"token id {bad!r} is not in the vocabulary [0, {vocab})")
+        stops = job.stop_strings
+        if not isinstance(stops, (tuple, list)) or not all(isinstance(t, str) and t for t in stops):
+            # refused here: admitted, it would fail the batcher's loop and so every job
+            raise ModelError(f"stop strings {stops!r}: give a sequence of non-empty strings")
         ticket = Ticket(job)
         with self._wake:
             self.waiting.append(ticket)

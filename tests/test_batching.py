@@ -136,6 +136,8 @@ def test_lose_tells_every_waiting_request_at_once(batcher):
         (Job((49152,), 4), "token id 49152"),
         (Job((2**64,), 4), "token id 18446744073709551616"),
         (Job(tuple(range(40)), 4), "does not fit the context"),
+        (Job(PROMPT, 4, Sampling(), False), "stop strings False"),
+        (Job(PROMPT, 4, Sampling(), ("",)), "non-empty strings"),
     ],
 )
 def test_submit_refuses_what_cannot_run(batcher, job, says):
