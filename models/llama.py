@@ -479,28 +479,7 @@ class TensorParallelLlama:
         if not cfg.tied:
             place("output", Split.even(1, cfg.vocab, n))
         for i in range(cfg.layers):
-            p = f"l{i}."
-            place(p + "attn_norm", MIRRORED)
-            place(p + "ffn_norm", MIRRORED)
-            for norm in QK_NORMS if cfg.qk_norm else ():
-                place(p + norm, MIRRORED)  # a head's size: every device's heads use all of it
-            for norm in POST_NORMS if cfg.post_norms else ():
-                place(p + norm, MIRRORED)
-            if fuse_qkv:
-                qkv_parts = (("wq", q_cols), ("wk", kv_cols), ("wv", kv_cols))
-                self.w[p + "w_qkv"] = self._fused(source, p, qkv_parts, "w_qkv")
-            else:
-                place(p + "wq", Split(1, (q_cols,)))
-                place(p + "wk", Split(1, (kv_cols,)))
-                place(p + "wv", Split(1, (kv_cols,)))
-            if cfg.qkv_bias:  # split as their product's columns
-                place(p + "bq", Split(0, (q_cols,)))
-                place(p + "bk", Split(0, (kv_cols,)))
-                place(p + "bv", Split(0, (kv_cols,)))
-            place(p + "wo", Split(0, (q_cols,)))
-            place(p + "w_down", Split(0, (self.ffn_extents,)))
-            ffn_parts = (("w_gate", self.ffn_extents), ("w_up", self.ffn_extents))
-            self.w[p + "w_gate_up"] = self._fused(source, p, ffn_parts, "w_gate_up")
+            self._place_layer(source, place, f"l{i}.", q_cols, kv_cols)
             if progress is not None:
                 progress(i + 1, cfg.layers)
         cache = Split(1, (tuple(len(kv) for kv in self.heads.kv),))  # split by KV heads
@@ -517,6 +496,37 @@ class TensorParallelLlama:
         # serves every slot of a server (8 slots x 8 lengths were 64 steps for 16 kept)
         self._prefills: dict[tuple, object] = {}
         self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, 1, 1, 1, ctx))
+        self._mask_tensors()
+
+    def _place_layer(self, source: Source, place, p: str, q_cols: tuple, kv_cols: tuple) -> None:
+        """Layer p's weights on the devices, each split as its products take it (q_cols, kv_cols:
+        each device's query and KV columns)."""
+        place(p + "attn_norm", MIRRORED)
+        place(p + "ffn_norm", MIRRORED)
+        for norm in QK_NORMS if self.cfg.qk_norm else ():
+            place(p + norm, MIRRORED)  # a head's size: every device's heads use all of it
+        for norm in POST_NORMS if self.cfg.post_norms else ():
+            place(p + norm, MIRRORED)
+        if self.fuse_qkv:
+            qkv_parts = (("wq", q_cols), ("wk", kv_cols), ("wv", kv_cols))
+            self.w[p + "w_qkv"] = self._fused(source, p, qkv_parts, "w_qkv")
+        else:
+            place(p + "wq", Split(1, (q_cols,)))
+            place(p + "wk", Split(1, (kv_cols,)))
+            place(p + "wv", Split(1, (kv_cols,)))
+        if self.cfg.qkv_bias:  # split as their product's columns
+            place(p + "bq", Split(0, (q_cols,)))
+            place(p + "bk", Split(0, (kv_cols,)))
+            place(p + "bv", Split(0, (kv_cols,)))
+        place(p + "wo", Split(0, (q_cols,)))
+        place(p + "w_down", Split(0, (self.ffn_extents,)))
+        ffn_parts = (("w_gate", self.ffn_extents), ("w_up", self.ffn_extents))
+        self.w[p + "w_gate_up"] = self._fused(source, p, ffn_parts, "w_gate_up")
+
+    def _mask_tensors(self) -> None:
+        """What a step's masks are made from (the positions, the window's ends, the ring's slots),
+        on the devices once."""
+        cfg, ctx, dev = self.cfg, self.ctx, self.dev
         # each cached position plus the window: the first position that no longer sees it
         self.window_ends = None
         # the masks a step makes: False, the causal one, for layers without a window; True, the
