@@ -394,17 +394,21 @@ def _decode_alike(path, tokens: int) -> None:
     assert float32.strip() and text("--activations", "f32") == float32 == text("--activations", "q8")
 
 
-@pytest.mark.parametrize("architecture", ["gemma2", "gemma3"])
-def test_gemma_decodes_alike_native_and_float_past_its_window(tmp_path, architecture):
+@pytest.mark.parametrize(
+    ("architecture", "weights", "embedding"),
+    [("gemma2", "q8_0", "q8_0"), ("gemma3", "q8_0", "q8_0"), ("gemma3", "q4_k", "q6_k")],
+)
+def test_gemma_decodes_alike_native_and_float_past_its_window(tmp_path, architecture, weights, embedding):
     """Gemma 2 and 3 (embedding scale, post-norms, the float16-table GELU, heads of 64 where
     hidden / heads is 32, a window of 8 on every other layer; Gemma 3's q/k norms and rope base
-    of its own there, Gemma 2's soft caps), matrices in Q8_0 on two workers: 24 greedy tokens
-    after the prompt, well past the window, equal to the float32 path's (which
+    of its own there, Gemma 2's soft caps), matrices in Q8_0, or in Q4_K with a Q6_K embedding
+    and head (the main parts of the Q4_K_M files people download), on two workers: 24 greedy
+    tokens after the prompt, well past the window, equal to the float32 path's (which
     tests/test_llama_cpp_logits.py holds to llama.cpp's logits), with exact and 8-bit
     activations; prefill by chunks and decode both go through the two masks."""
     shape = synthetic.Shape(layers=2, hidden=256, ffn=512, heads=8, kv_heads=2, context=128, head_size=64)
     recipe = synthetic.Recipe(
-        shape, weights="q8_0", embedding="q8_0", seed=3, architecture=architecture, window=8, window_pattern=2
+        shape, weights=weights, embedding=embedding, seed=3, architecture=architecture, window=8, window_pattern=2
     )
     path = synthetic.write(tmp_path / "m.gguf", recipe, synthetic.default_vocabulary() or synthetic.BYTES).path
     cfg = GGUFModel(path).config
