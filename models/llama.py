@@ -397,6 +397,12 @@ def _row_of(cache: Tensor, row: Tensor) -> Tensor:
     return get_rows(cache.reshape(batch, math.prod(rest)), row.reshape(1)).reshape(1, *rest)
 
 
+def _as_cached(new: Tensor, cache: Tensor) -> Tensor:
+    """New keys or values as the cache holds them (rounded to float16 in a float16 cache), so
+    that attention over them sees what it would read back from the cache."""
+    return new if new.dtype == cache.dtype else new.astype(cache.dtype)
+
+
 def padded_length(tokens: int, room: int) -> int:
     """The length a prompt of `tokens` is padded to, at most `room` (the positions left in the
     cache): a multiple of 16 up to 64, then of a quarter of the power of two below it (80, 96,
@@ -538,10 +544,11 @@ class TensorParallelLlama:
             )
         self.zero = dev.tensor(np.float32(0))
         self.minus_inf = dev.tensor(np.float32(-np.inf))
-        if self.ring is not None:  # the ring's slots, its length and the window, as the masks use them
+        if cfg.window is not None:  # as the masks of the ring and of a first chunk use it
+            self.window_length = dev.tensor(np.int32(cfg.window))
+        if self.ring is not None:  # the ring's slots and its length
             self.ring_slots = dev.tensor(np.arange(self.ring, dtype=np.int32).reshape(1, self.ring))
             self.ring_length = dev.tensor(np.int32(self.ring))
-            self.window_length = dev.tensor(np.int32(cfg.window))
             self.no_position = dev.tensor(np.int32(-1))
 
     def _placer(self, source: Source):
@@ -672,6 +679,22 @@ class TensorParallelLlama:
         mask = where(held > seeing - self.window_length, mask, self.minus_inf)
         return where(held > self.no_position, mask, self.minus_inf)
 
+    def _fresh_mask(self, pos: Tensor, windowed: bool) -> Tensor:
+        """`_mask` of a sequence's first chunk, over its own tokens (batch, 1, 1, tokens, tokens),
+        or (batch, tokens, tokens) for gqa_attention: a token sees those up to its own
+        (`windowed`: and within the window). A slot's first chunk reads its new keys and values,
+        not its row of the caches: copying that row out for every layer took a fifth of a short
+        prompt's prefill on a server of 8 slots and 512 positions, and grows with the context."""
+        batch, t = pos.shape
+        if self.heads.shared:
+            seeing, seen = pos.reshape(batch, t, 1), pos.reshape(batch, 1, t)
+        else:
+            seeing, seen = pos.reshape(batch, 1, 1, t, 1), pos.reshape(batch, 1, 1, 1, t)
+        mask = where(seen <= seeing, self.zero, self.minus_inf)
+        if windowed:
+            mask = where(seen > seeing - self.window_length, mask, self.minus_inf)
+        return mask
+
     def prefill(
         self, prompts: Sequence[Sequence[int]], start: int, pool: int, logits: bool = False, slot: int | None = None
     ) -> list[Tensor]:
@@ -722,8 +745,8 @@ class TensorParallelLlama:
             tokens[b, : len(prompt)] = prompt
             rows[b] = b * t + max(len(prompt), 1) - 1
         positions = np.tile(np.arange(start, start + t, dtype=np.int32), (rows_fed, 1))
-        key = (t, pool, logits, slot is not None)
-        chain = self._prefills.pop(key, None) or self._prefill_chain(t, pool, logits, slot is not None)
+        key = (t, pool, logits, slot is not None, slot is not None and start == 0)
+        chain = self._prefills.pop(key, None) or self._prefill_chain(*key)
         self._keep_prefill(key, chain)
         dev = self.dev
         pos = dev.feed(positions)  # one fed tensor that every layer reads
@@ -740,15 +763,16 @@ class TensorParallelLlama:
         # after the layer that reads it
         return dev.chain(calls, read=range(3 if logits else 2), keep=False)[-1]
 
-    def _prefill_chain(self, t: int, pool: int, logits: bool, slotted: bool) -> PrefillChain:
+    def _prefill_chain(self, t: int, pool: int, logits: bool, slotted: bool, fresh: bool = False) -> PrefillChain:
         """The steps of a prefill of `t` tokens a row, planned, compiled and loaded on the
         workers (not run): the embedding, one step per kind of layer (its weights' shapes,
-        states and formats: every layer of SmolLM2 is one kind), the head."""
+        states and formats: every layer of SmolLM2 is one kind), the head. `fresh`: a slot's
+        first chunk (from position 0), whose attention reads its own keys and values (_layer)."""
         rows_fed = 1 if slotted else self.batch
         tokens = np.zeros((rows_fed, t), np.int32)
         positions = np.tile(np.arange(t, dtype=np.int32), (rows_fed, 1))
         dev = self.dev
-        embed = dev.prepare(self._embed_graph(), tokens, positions)
+        embed = dev.prepare(self._embed_graph(fresh), tokens, positions)
         plan = embed.compiled.plan
         # stand for any value
         x, *masks = (dev.placeholder(*embed.outs[j], plan.out_states[j]) for j in range(1 + len(self.mask_kinds)))
@@ -762,7 +786,7 @@ class TensorParallelLlama:
             kind = (tuple(formats.values()), x.state, windowed, *((a.shape, a.node.dtype, a.state) for a in held))
             if kind not in kinds:
                 mask = masks[self.mask_kinds.index(windowed)]
-                graph = self._layer_graph(formats, slotted, i)
+                graph = self._layer_graph(formats, i, fresh)
                 kinds[kind] = dev.prepare(graph, x, positions, mask, *held, *slot)
             layers.append(kinds[kind])
             state = kinds[kind].compiled.plan.out_states[0]  # the residual's: Partial over 2 or more devices
@@ -771,16 +795,18 @@ class TensorParallelLlama:
         head = dev.prepare(self._head_graph(pool, logits), x, np.zeros(rows_fed, np.int32))
         return PrefillChain(embed, layers, head)
 
-    def _embed_graph(self):
+    def _embed_graph(self, fresh: bool = False):
         """(ids, positions) -> [x (rows, tokens, hidden), the attention masks]: a prompt
-        attends to the positions up to its own in the cache (a slot's prompt: in its row)."""
+        attends to the positions up to its own in the cache (a slot's prompt: in its row; a
+        slot's first chunk: among its own tokens, `fresh`)."""
 
         def graph(ids: Tensor, pos: Tensor) -> list[Tensor]:
-            return [self._embed(ids), *self._masks(pos)]
+            masks = [self._fresh_mask(pos, windowed) for windowed in self.mask_kinds] if fresh else self._masks(pos)
+            return [self._embed(ids), *masks]
 
         return graph
 
-    def _layer_graph(self, formats: dict[str, str | None], slotted: bool, layer: int):
+    def _layer_graph(self, formats: dict[str, str | None], layer: int, fresh: bool = False):
         """(x, positions, mask, *a layer's weights, cache K, cache V[, slot]) -> [x after the layer,
         the caches written in place], for a layer of the kind of layer `layer` (its rope, its
         window). The residual stays as the planner leaves it between layers (Partial over
@@ -792,7 +818,9 @@ class TensorParallelLlama:
         def graph(x: Tensor, pos: Tensor, mask: Tensor, *rest: Tensor) -> list[Tensor]:
             weights = dict(zip(names, rest[:count]))
             cache_k, cache_v, *slot = rest[count:]
-            x, cache_k, cache_v = self._layer(weights, formats, x, pos, mask, cache_k, cache_v, *slot, layer=layer)
+            x, cache_k, cache_v = self._layer(
+                weights, formats, x, pos, mask, cache_k, cache_v, *slot, layer=layer, fresh=fresh
+            )
             return [x, cache_k, cache_v]
 
         return graph
@@ -822,13 +850,13 @@ class TensorParallelLlama:
         padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
         loaded = 0
         for t in reversed(padded[-PREFILL_STEPS:]):  # the longest first: it sizes the arena the others bind to
-            key = (t, pool, False, slots)
+            key = (t, pool, False, slots, slots)  # a slot's prompt from position 0: its first chunk
             if key in self._prefills:
                 continue
-            self._keep_prefill(key, self._prefill_chain(t, pool, False, slots))
+            self._keep_prefill(key, self._prefill_chain(*key))
             loaded += 1
         for t in padded[-PREFILL_STEPS:]:  # the longest (a long prompt's chunks) the last to go
-            key = (t, pool, False, slots)
+            key = (t, pool, False, slots, slots)
             if key in self._prefills:
                 self._prefills[key] = self._prefills.pop(key)
         return loaded
@@ -889,13 +917,14 @@ class TensorParallelLlama:
         cache_v: Tensor,
         slot: Tensor | None = None,
         layer: int = 0,
+        fresh: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One layer over x (batch, tokens, hidden) with weights `w`, writing its caches at `pos`:
         (x after it, the caches written). Attention reads the caches (masked), or with `slot`,
-        writes batch row `slot` only and reads the new keys and values themselves (a prompt
-        starting a sequence). Fewer rows than the caches hold are their first rows (a server's
-        busy slots): written and read there, the others left as they are, and nothing is
-        computed for them. `layer`: whose rope (base, frequencies) it takes."""
+        writes batch row `slot` only and reads that row (`fresh`, a sequence's first chunk: the
+        new keys and values themselves). Fewer rows than the caches hold are their first rows (a
+        server's busy slots): written and read there, the others left as they are, and nothing
+        is computed for them. `layer`: whose rope (base, frequencies) it takes."""
         cfg, hd = self.cfg, self.cfg.head_dim
         batch, t = x.shape[:2]
         first_rows = slot is None and batch < self.batch
@@ -925,7 +954,9 @@ class TensorParallelLlama:
         cache_k = cache_k.set_rows(rows, k, axis=2, **at)  # in place, (b, kv, ctx or ring, hd)
         cache_v = cache_v.set_rows(rows, v, axis=2, **at)  # in place, (b, kv, ctx or ring, hd)
         keys, values, seen = cache_k, cache_v, cache_k.shape[2]
-        if slot is not None:  # the slot's row of each cache, up to this chunk's positions (the mask)
+        if slot is not None and fresh:  # a sequence's first chunk: its own keys and values (the mask: _fresh_mask)
+            keys, values, seen = _as_cached(k, cache_k), _as_cached(v, cache_v), t
+        elif slot is not None:  # the slot's row of each cache, up to this chunk's positions (the mask)
             keys, values = _row_of(cache_k, slot), _row_of(cache_v, slot)
         if first_rows:  # views of the rows in use: the workers copy nothing
             keys, values = cache_k[:batch], cache_v[:batch]

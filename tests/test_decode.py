@@ -395,17 +395,19 @@ def test_llama_with_four_query_heads_per_kv_head_equals_the_reference(sim, n):
     np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=2e-4, atol=2e-4)
 
 
-def check_float16_caches(dev, cache_types):
+def check_float16_caches(dev, cache_types, slot: int | None = None):
     """llama.cpp's --cache-type-k / -v f16: keys and values rounded to float16 as they are
-    cached, attention in float32. Prefilled, then decoded one token at a time, against the
-    reference with the same caches; the float32 reference differs by more than the tolerance,
-    so a cache that stayed float32 (or a rounding in the wrong place) fails."""
+    cached, attention in float32. Prefilled (with `slot`: into that row of a server's two, whose
+    first chunk reads its new keys and values, rounded as cached), then decoded one token at a
+    time, against the reference with the same caches; the float32 reference differs by more
+    than the tolerance, so a cache that stayed float32 (or a rounding in the wrong place) fails."""
     weights = {k: v * (4.0 if k.endswith(("wk", "wv")) else 1.0) for k, v in random_weights(GQA_CFG, seed=5).items()}
     ctx, prompt = 24, [3, 70, 15, 8, 41, 9, 2]
     ref_dec = ReferenceDecoder(GQA_CFG, weights, ctx, cache_types=cache_types)
     exact = ReferenceDecoder(GQA_CFG, weights, ctx)
-    net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx, cache_types=cache_types)
-    got = [net.prefill([prompt], 0, pool=1, logits=True)[2].numpy()[0, 0]]
+    rows = 1 if slot is None else 2
+    net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx, batch=rows, cache_types=cache_types)
+    got = [net.prefill([prompt], 0, pool=1, logits=True, slot=slot)[2].numpy()[0, 0]]
     expected = [ref_dec.forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1]]
     far = [exact.forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1]]
     for pos, token in zip(range(len(prompt), ctx), (11, 60, 2, 33, 5, 17)):
@@ -421,8 +423,9 @@ def check_float16_caches(dev, cache_types):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 @pytest.mark.parametrize("cache_types", [("f16", "f16"), ("f16", "f32"), ("f32", "f16")])
-def test_float16_caches_equal_the_reference_that_rounds_what_it_caches(sim, n, cache_types):
-    check_float16_caches(sim(n), cache_types)
+@pytest.mark.parametrize("slot", [None, 0])
+def test_float16_caches_equal_the_reference_that_rounds_what_it_caches(sim, n, cache_types, slot):
+    check_float16_caches(sim(n), cache_types, slot)
 
 
 def test_float16_caches_on_the_cuda_backend(cuda2):
