@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import cli, free_port, table  # noqa: E402
@@ -229,26 +231,35 @@ def generate_prefill(workers: int) -> float:
     dev, llm = _llm(workers)
     with dev:
         llm.generate([PROMPT], max_new_tokens=2)  # the first prompt of a length also plans it
-        return min(llm.generate([PROMPT], max_new_tokens=2)[0].prefill_s for _ in range(3))
+        return float(np.median([llm.generate([PROMPT], max_new_tokens=2)[0].prefill_s for _ in range(5)]))
 
 
-def stream_against_generate(url: str, workers: int, tokens: int, rounds: int = 3) -> dict:
+def stream_against_generate(url: str, workers: int, tokens: int, rounds: int = 5) -> dict:
     """One stream's decode rate (its tokens after the first, over the time after the first)
-    beside LLM.generate's (what `launch.py generate` reports: tokens after the first over its
-    decode time) on as many workers of their own, in alternating rounds; medians."""
+    and time to first token beside LLM.generate's decode rate (what `launch.py generate`
+    reports: tokens after the first over its decode time) and prefill, on as many workers of
+    their own, in alternating rounds; medians."""
     import httpx
 
-    served, generated = [], []
+    served, generated, firsts, prefills = [], [], [], []
     dev, llm = _llm(workers)
     with dev, httpx.Client(timeout=300) as session:
         llm.generate([PROMPT], max_new_tokens=4, stop_at_eos=False)  # plans its steps
         for _ in range(rounds):
             r = _timed_stream(session, url, stream_body(tokens))
             served.append((r["tokens"] - 1) / (r["wall_s"] - r["ttft_s"]))
+            firsts.append(r["ttft_s"])
             g = llm.generate([PROMPT], max_new_tokens=tokens, stop_at_eos=False)[0]
             generated.append((len(g.tokens) - 1) / g.decode_s)
-    median = sorted(served)[len(served) // 2], sorted(generated)[len(generated) // 2]
-    return {"tokens": tokens, "served_tokens_per_s": median[0], "generate_tokens_per_s": median[1]}
+            prefills.append(g.prefill_s)
+    return {
+        "tokens": tokens,
+        "rounds": rounds,
+        "served_tokens_per_s": float(np.median(served)),
+        "generate_tokens_per_s": float(np.median(generated)),
+        "served_ttft_s": float(np.median(firsts)),
+        "generate_prefill_s": float(np.median(prefills)),
+    }
 
 
 def run(
@@ -347,13 +358,21 @@ def show(results: dict) -> None:
         _one_row(title, soaked, {"requests": "requests", "lost": "lost", "wrong_text": "wrong text"})
     against = results.get("one_stream")
     if against:
-        title = f"one stream of {against['tokens']} tokens against launch.py generate's decode (medians of 3 rounds)"
-        cols = {"served_tokens_per_s": "served tok/s", "generate_tokens_per_s": "generate tok/s"}
-        _one_row(
-            title,
-            against | {"ratio": against["served_tokens_per_s"] / against["generate_tokens_per_s"]},
-            cols | {"ratio": "served / generate"},
+        title = (
+            f"one stream of {against['tokens']} tokens against launch.py generate's decode and prefill "
+            f"(medians of {against.get('rounds', 3)} alternating rounds)"
         )
+        cols = {"served_tokens_per_s": "served tok/s", "generate_tokens_per_s": "generate tok/s"}
+        figures = against | {"ratio": against["served_tokens_per_s"] / against["generate_tokens_per_s"]}
+        cols |= {"ratio": "served / generate"}
+        if "served_ttft_s" in against:
+            figures |= {
+                "ttft_ms": against["served_ttft_s"] * 1e3,
+                "prefill_ms": against["generate_prefill_s"] * 1e3,
+                "ttft_ratio": against["served_ttft_s"] / against["generate_prefill_s"],
+            }
+            cols |= {"ttft_ms": "TTFT ms", "prefill_ms": "generate prefill ms", "ttft_ratio": "TTFT / prefill"}
+        _one_row(title, figures, cols)
     prefill = results["generate_prefill_s"]
     print(
         table(
