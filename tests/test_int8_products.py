@@ -280,7 +280,7 @@ def test_both_instruction_sets_give_the_models_integer_sums(isa, rows):
     def runner(sums_of_block):
         @numba.njit
         def run(code, w, x8, sums, out):
-            sums_of_block(code, w, 0, x8, 0, x8.shape[1], sums, 0, sums.shape[1], out)
+            sums_of_block(code, w, 0, 16384, x8, 0, x8.shape[1], sums, 0, sums.shape[1], out)
 
         return run
 
@@ -288,7 +288,7 @@ def test_both_instruction_sets_give_the_models_integer_sums(isa, rows):
         @numba.njit
         def run(code, w, x8, sums, out):
             scratch = np.empty(int8_products.SCRATCH_BYTES, np.uint8)
-            unpack_block(code, w, 0, scratch)
+            unpack_block(code, w, 0, 16384, scratch)
             sums_of_unpacked(code, scratch, x8, 0, x8.shape[1], sums, 0, sums.shape[1], out)
 
         return run

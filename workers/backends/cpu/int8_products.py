@@ -36,26 +36,36 @@ from workers.backends.cpu.activations import quantize_q8_0, quantize_q8_k
 from workers.backends.cpu.formats import ACTIVATION_BLOCK, INT_FORMATS, SUM_SPAN, Partner
 
 LANES = 64
-# Each byte row of the block PREFETCH_BYTES on (whole blocks) is asked for as the block is read:
-# the blocks' rows are read out of order (sub-block by sub-block, the scales last), and the
-# hardware's prefetcher alone fed a K-quant product from DRAM at 9.5 GB/s. 16384 bytes ahead:
-# 16,384 x 2,048 products streamed from DRAM, one / two threads, q4_k 26 / 34 GB/s, q4_0 34 /
-# 42-52 (one block ahead: 28 / 31 and 31 / 30; 32 and 64 KiB ahead no better); the machine's
-# plain read 40 / 46 GB/s.
-PREFETCH_BYTES = 16384
+# Each byte row of the block `ahead` bytes on (whole blocks, ahead_bytes) is asked for as the
+# block is read: the blocks' rows are read out of order (sub-block by sub-block, the scales
+# last), and the hardware's prefetcher alone fed a K-quant product from DRAM at 9.5 GB/s. How far
+# ahead depends on the threads that share the memory: 6 products of 16,384 x 2,048 from DRAM
+# (2026-11-29, two alternating runs), one thread, 8 KiB ahead against 16: q6_k 28.2 against 23.8-24.4
+# GB/s, q4_k 33.3-33.6 against 29.8-30.7, q8_0 33.9 against 30.7, q5_k 26.3 against 23.0, q4_0
+# 39.1 against 37.1; two threads, 16 KiB against 8: q4_0 54.2-56.5 against 46.7-50.1, q8_0
+# 42.1-43.5 against 38.6-40.4, q4_k and q6_k within noise. (32 and 64 KiB no better.)
+PREFETCH_BYTES = {1: 8192}  # by the worker's threads; more than one: MANY_PREFETCH_BYTES
+MANY_PREFETCH_BYTES = 16384
+
+
+def ahead_bytes(fmt: str, threads: int) -> int:
+    """How far ahead a product of `fmt` asks for its weight's rows: whole blocks of 64 lanes,
+    at least PREFETCH_BYTES for `threads`."""
+    size = FORMATS[fmt].block_bytes * LANES
+    return size * -(-PREFETCH_BYTES.get(threads, MANY_PREFETCH_BYTES) // size)
+
+
 QUAD = 4  # activation rows per pass over a block's value rows
 
 
 class _Block:
     """The values and factors of one block, read from the weight (each sub-block reading the
-    block's byte rows anew: vector_ir.load_once; the rows PREFETCH_BYTES on asked for)."""
+    block's byte rows anew: vector_ir.load_once; the rows at["ahead"] bytes on asked for)."""
 
     ready = False  # values as value rows, for dot4 to transpose
 
     def __init__(self, builder, fmt, lanes: int, at: dict):
         self.builder, self.fmt, self.lanes, self.at = builder, fmt, lanes, at
-        size = FORMATS[fmt.name].block_bytes * lanes
-        self.ahead = size * -(-PREFETCH_BYTES // size)
         self.fetched: set[int] = set()
 
     def reader(self):
@@ -68,7 +78,7 @@ class _Block:
                 offset = builder.add(at["w_at"], ir.Constant(at["w_at"].type, p * self.lanes))
                 if p not in self.fetched:
                     self.fetched.add(p)
-                    vir.prefetch(builder, at["w"], builder.add(offset, ir.Constant(offset.type, self.ahead)))
+                    vir.prefetch(builder, at["w"], builder.add(offset, at["ahead"]))
                 read[p] = vir.load_once(builder, at["w"], offset, wide)
             return read[p]
 
@@ -317,7 +327,7 @@ def _data(context, builder, sig, args, i):
 # block's values come from (the weight, or a block unpacked once into scratch), the activation
 # rows and their partner sums, and where the results go (int32 sums for a numba loop; or, for the
 # legacy formats, scaled and added into the float sums by the block code itself: _add_scaled).
-FROM_WEIGHT = ("w", "w_at")
+FROM_WEIGHT = ("w", "w_at", "ahead")
 FROM_SCRATCH = ("scratch",)
 ROWS = ("x8", "x_at", "x_stride", "sums", "sums_at", "sums_stride")
 INTO_SUMS = ("out",)
@@ -335,10 +345,10 @@ def block_sums(
     """An intrinsic `sums(code, *arguments)` running _block_code for the format whose code is
     `code` (one of `family`'s, a switch in the code) against `rows` activation rows. Its
     arguments, arrays or int64 offsets, are named by FROM_WEIGHT (w the weight, uint8 of 64
-    lanes, w_at its block's first byte) or, `unpacked`, FROM_SCRATCH (a block block_unpack
-    wrote); then ROWS (x8 int8 rows from element x_at, x_stride apart; sums int32 their
-    partner sums from sums_at, sums_stride apart); then INTO_SUMS (out int32 (rows, 2, lanes))
-    or, `scaled`, INTO_ACC (_add_scaled's)."""
+    lanes, w_at its block's first byte, ahead how far on its rows are asked for) or,
+    `unpacked`, FROM_SCRATCH (a block block_unpack wrote); then ROWS (x8 int8 rows from
+    element x_at, x_stride apart; sums int32 their partner sums from sums_at, sums_stride
+    apart); then INTO_SUMS (out int32 (rows, 2, lanes)) or, `scaled`, INTO_ACC (_add_scaled's)."""
     formats = [INT_FORMATS[name] for name in family]
     names = (FROM_SCRATCH if unpacked else FROM_WEIGHT) + ROWS + (INTO_ACC if scaled else INTO_SUMS)
 
@@ -374,18 +384,18 @@ def block_sums(
 
 
 def block_unpack(family: tuple[str, ...], lanes: int = LANES, isa: int = vir.ISA):
-    """An intrinsic `unpack(code, w, w_at, scratch)`: the block at w_at unpacked into scratch
-    (uint8, SCRATCH_BYTES) for block_sums(..., unpacked=True)."""
+    """An intrinsic `unpack(code, w, w_at, ahead, scratch)`: the block at w_at unpacked into
+    scratch (uint8, SCRATCH_BYTES) for block_sums(..., unpacked=True) (ahead: as block_sums')."""
     formats = [INT_FORMATS[name] for name in family]
 
     @intrinsic
-    def unpack_block(typingctx, code, w, w_at, scratch):
+    def unpack_block(typingctx, code, w, w_at, ahead, scratch):
         i64 = types.int64
-        signature = types.void(i64, w, i64, scratch)
+        signature = types.void(i64, w, i64, i64, scratch)
 
         def codegen(context, builder, sig, args):
-            at = {"w": _data(context, builder, sig, args, 1), "w_at": args[2]}
-            at["scratch"] = _data(context, builder, sig, args, 3)
+            at = {"w": _data(context, builder, sig, args, 1), "w_at": args[2], "ahead": args[3]}
+            at["scratch"] = _data(context, builder, sig, args, 4)
 
             def emit(builder, fmt):
                 _unpack_code(builder, fmt, lanes, isa, at)
@@ -452,11 +462,11 @@ def _add_k(acc, part, i, count, dw, dmin, d, b):
 
 
 @parallel
-def legacy_rows(code, x8, d, sums, s, w, out):
+def legacy_rows(code, x8, d, sums, s, w, ahead, out):
     """out (rows, groups * 64) = the rows of x8 (rows, width) int8 times the weight's rows, for
     legacy format `code`: each block's d_w * d_x * (its integer sum) (+ m_w * s_x for q4_1 and
     q5_1), d (rows, blocks), sums and s the partner's (activations.quantize_q8_0); the float
-    work is the block code's (_add_scaled)."""
+    work is the block code's (_add_scaled); the weight's rows asked for `ahead` bytes on."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     with_min = code == 1 or code == 3
@@ -469,7 +479,7 @@ def legacy_rows(code, x8, d, sums, s, w, out):
                 _factors(w, g, b, 2, mw)
             i = 0
             if rows >= UNPACK_ROWS:
-                _legacy_unpack(code, w, at, unpacked)
+                _legacy_unpack(code, w, at, ahead, unpacked)
                 while i + QUAD <= rows:
                     x_at, k, acc_at = i * width + b * 32, i * blocks + b, i * lanes
                     _legacy_unpacked_quad(
@@ -480,19 +490,21 @@ def legacy_rows(code, x8, d, sums, s, w, out):
                 x_at, k, acc_at = i * width + b * 32, i * blocks + b, i * lanes
                 if i + QUAD <= rows:
                     _legacy_quad(
-                        code, w, at, x8, x_at, width, sums, k, blocks, d, k, blocks, s, dw, mw, acc, acc_at, lanes
-                    )
+                        code, w, at, ahead, x8, x_at, width, sums, k, blocks,
+                        d, k, blocks, s, dw, mw, acc, acc_at, lanes,
+                    )  # fmt: skip
                     i += QUAD
                 else:
                     _legacy_one(
-                        code, w, at, x8, x_at, width, sums, k, blocks, d, k, blocks, s, dw, mw, acc, acc_at, lanes
-                    )
+                        code, w, at, ahead, x8, x_at, width, sums, k, blocks,
+                        d, k, blocks, s, dw, mw, acc, acc_at, lanes,
+                    )  # fmt: skip
                     i += 1
         out[:, g * lanes : (g + 1) * lanes] = acc
 
 
 @parallel
-def k_rows(code, x8, d, sums, w, out):
+def k_rows(code, x8, d, sums, w, ahead, out):
     """legacy_rows for the K-quants (`code` 5 q4_k, 6 q5_k, 7 q6_k): each block's d_x * (d_w * (its
     sub-blocks' integer sums times their scales) - dmin_w * (its minimums times the activation's
     sub-block sums)); d (rows, blocks) and sums (rows, width / 16) are Q8_K's."""
@@ -510,7 +522,7 @@ def k_rows(code, x8, d, sums, w, out):
                 _factors(w, g, b, 2, dmin)
             i = 0
             if rows >= UNPACK_ROWS:
-                _k_unpack(code, w, at, unpacked)
+                _k_unpack(code, w, at, ahead, unpacked)
                 while i + QUAD <= rows:
                     _k_unpacked_quad(
                         code, unpacked, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part
@@ -519,11 +531,11 @@ def k_rows(code, x8, d, sums, w, out):
                     i += QUAD
             while i < rows:
                 if i + QUAD <= rows:
-                    _k_quad(code, w, at, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
+                    _k_quad(code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
                     _add_k(acc, part, i, QUAD, dw, dmin, d, b)
                     i += QUAD
                 else:
-                    _k_one(code, w, at, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
+                    _k_one(code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
                     _add_k(acc, part, i, 1, dw, dmin, d, b)
                     i += 1
         out[:, g * lanes : (g + 1) * lanes] = acc
@@ -601,23 +613,24 @@ def activations_for(partner: Partner, rows: int, width: int) -> Activations:
     return found
 
 
-def product(fmt: str, rows: int, width: int):
+def product(fmt: str, rows: int, width: int, threads: int = 1):
     """A function (x (rows, width) float32, w, out (rows, groups * 64)) running the product on
-    the running thread's activation buffers (activations_for)."""
+    the running thread's activation buffers (activations_for), over `threads` threads (how far
+    ahead it asks for the weight: ahead_bytes)."""
     spec = INT_FORMATS[fmt]
-    code, partner = spec.code, spec.partner
+    code, partner, ahead = spec.code, spec.partner, ahead_bytes(fmt, threads)
     if spec.scales is None:
 
         def run_legacy(x, w, out):
             act = activations_for(partner, rows, width)
             act.quantize(x)
-            legacy_rows(code, act.q, act.d, act.sums, act.s, w, out)
+            legacy_rows(code, act.q, act.d, act.sums, act.s, w, ahead, out)
 
         return run_legacy
 
     def run_k(x, w, out):
         act = activations_for(partner, rows, width)
         act.quantize(x)
-        k_rows(code, act.q, act.d, act.sums, w, out)
+        k_rows(code, act.q, act.d, act.sums, w, ahead, out)
 
     return run_k

@@ -325,7 +325,7 @@ def _int8_run(fmt: str, x, w, flat, out) -> Callable:
     of rows: its integer loops beat the float32 loops from one row and BLAS on dequantized tiles
     at 64 (2,048 x 8,192 on one thread, one row 1.5-3.7x, 64 rows 1.3-1.8x, every format). The
     activation buffers are the running thread's (int8_products.activations_for)."""
-    product = _int8().product(fmt, x.shape[0], x.shape[1])
+    product = _int8().product(fmt, x.shape[0], x.shape[1], _THREADS[0])
 
     def run():
         _use_threads()
