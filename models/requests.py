@@ -104,8 +104,9 @@ class Stopping:
 
 # the tokens a stream decodes again at each push, at least: those before are decoded once, into
 # TextStream.settled (decoding every token at every push made a stream of n tokens cost n^2 / 2
-# token decodes: 0.2 ms a token at 2,000 tokens, on the cores the workers decode on)
-SETTLED_AFTER = 16
+# token decodes: 0.2 ms a token at 2,000 tokens, on the cores the workers decode on). A character
+# is at most 4 bytes: 4 byte tokens at most
+SETTLED_AFTER = 4
 
 
 class TextStream:
