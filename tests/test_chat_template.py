@@ -188,6 +188,37 @@ def test_the_families_templates_render_their_documented_format(source, bos, eos,
     assert template.render(TURNS) == expected
 
 
+# Gemma's turn format as its model card documents it (written here from that format): no system
+# role, a system message folded into the first user turn, the assistant's turns under "model",
+# roles that do not alternate refused
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] | trim + '\\n\\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] | trim }}"
+    "{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+def test_a_gemma_style_template_folds_the_system_message_and_refuses_turns_out_of_order():
+    """What Gemma's template asks of the sandbox: a slice of the messages, names set inside a
+    branch, a conditional expression, the trim filter and raise_exception. The BOS it writes is
+    dropped where the tokenizer adds one (Gemma's does)."""
+    template = ChatTemplate(GEMMA, "gemma.gguf", "<bos>", "<eos>", strip_bos=True)
+    system = [{"role": "system", "content": "Be brief. "}]
+    assert template.render(system + TURNS) == (
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert template.render(TURNS[:1]) == "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+    with pytest.raises(TemplateError, match=r"^gemma\.gguf: .*refused the messages: roles must alternate"):
+        template.render([TURNS[0], TURNS[0]])
+
+
 def test_a_mistral_conversation_tokenizes_with_one_bos_and_its_turns_eos():
     """Through Llama 2's SentencePiece vocabulary (llama.cpp's file): BOS once, at the start,
     and </s> after the assistant's turn, parsed as the control token it is."""
