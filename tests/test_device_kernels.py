@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import re
 import shutil
 import subprocess
 
@@ -1013,3 +1014,28 @@ def test_the_set_rows_twin_skips_a_negative_position_as_the_kernel_does(cache):
     expected[0, 0, 1] = [3, 4]  # row 0's second token
     expected[1, 0, 2] = [5, 6]  # row 1's first token
     np.testing.assert_array_equal(dst, expected)
+
+
+# the C library's constants a kernel might use: NVRTC (CuPy's compiler) has no math.h, so each
+# must come from the prelude where the source compiles for a device
+LIBRARY_MACROS = ("INFINITY", "NAN", "HUGE_VALF", "HUGE_VAL", "FLT_MAX", "M_PI")
+
+
+@pytest.mark.skipif(cuda_on_host.compiler() is None, reason="no C++ compiler to preprocess the kernels with")
+def test_every_kernel_source_preprocessed_as_nvrtc_sees_it_uses_no_math_h_constant():
+    """Each kernel module's full source through the C preprocessor as NVRTC compiles it
+    (__CUDACC_RTC__ defined, no headers): no constant of math.h is left undefined. CUDA 13's
+    NVRTC on an H200 refused the attention and top-k kernels' INFINITY, and every CUDA worker
+    with them."""
+    preprocessor = cuda_on_host.compiler()
+    for source in {kernel.source for kernel in device.table().values()}:
+        done = subprocess.run(
+            [preprocessor, "-E", "-P", "-x", "c++", "-nostdinc", "-D__CUDACC_RTC__", "-"],
+            input=device.full_source(source),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        words = set(re.findall(r"[A-Za-z_]\w*", done.stdout))
+        assert not words & set(LIBRARY_MACROS), sorted(words & set(LIBRARY_MACROS))

@@ -47,6 +47,10 @@ OPTIONS = ("--std=c++14",)
 # runs the kernels' own arithmetic on the CPU in CI), the host defines half_to_float instead.
 PRELUDE = r"""
 typedef unsigned char u8;
+/* NVRTC has no math.h: infinity from its bits (CUDA 13's NVRTC refused INFINITY, an H200 found) */
+#if (defined(__CUDACC__) || defined(__CUDACC_RTC__)) && !defined(INFINITY)
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 __device__ __forceinline__ float half_at(const u8* p, long stride) {
     unsigned short bits = (unsigned short)p[0] | ((unsigned short)p[stride] << 8);
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
