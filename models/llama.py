@@ -501,7 +501,7 @@ class TensorParallelLlama:
         # (padded length, pool, logits, for a slot) -> captured step; a slot is fed, so one step
         # serves every slot of a server (8 slots x 8 lengths were 64 steps for 16 kept)
         self._prefills: dict[tuple, object] = {}
-        self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, 1, 1, 1, ctx))
+        self.positions_ctx = dev.tensor(np.arange(ctx, dtype=np.int32).reshape(1, ctx))
         self._mask_tensors()
 
     def _place_layer(self, source: Source, place, p: str, q_cols: tuple, kv_cols: tuple) -> None:
@@ -530,21 +530,14 @@ class TensorParallelLlama:
         self.w[p + "w_gate_up"] = self._fused(source, p, ffn_parts, "w_gate_up")
 
     def _mask_tensors(self) -> None:
-        """What a step's masks are made from (the positions, the window's ends, the ring's slots),
-        on the devices once."""
-        cfg, ctx, dev = self.cfg, self.ctx, self.dev
-        # each cached position plus the window: the first position that no longer sees it
-        self.window_ends = None
+        """What a step's masks are made from (the window, the ring's slots), on the devices once."""
+        cfg, dev = self.cfg, self.dev
         # the masks a step makes: False, the causal one, for layers without a window; True, the
         # causal one within the window, for layers with one
         self.mask_kinds = sorted({cfg.is_windowed(i) for i in range(cfg.layers)})
-        if cfg.window is not None:
-            self.window_ends = dev.tensor(
-                (np.arange(ctx, dtype=np.int64) + cfg.window).astype(np.int32).reshape(self.positions_ctx.shape)
-            )
         self.zero = dev.tensor(np.float32(0))
         self.minus_inf = dev.tensor(np.float32(-np.inf))
-        if cfg.window is not None:  # as the masks of the ring and of a first chunk use it
+        if cfg.window is not None:
             self.window_length = dev.tensor(np.int32(cfg.window))
         if self.ring is not None:  # the ring's slots and its length
             self.ring_slots = dev.tensor(np.arange(self.ring, dtype=np.int32).reshape(1, self.ring))
@@ -638,29 +631,37 @@ class TensorParallelLlama:
         x = self._layers(self._embed(ids), pos, self._masks(pos))
         return self._head(x, last)
 
-    def _masks(self, pos: Tensor) -> list[Tensor]:
+    def _masks(self, pos: Tensor, fresh: bool = False) -> list[Tensor]:
         """The masks of `mask_kinds`, in their order (`_mask`)."""
-        return [self._mask(pos, windowed) for windowed in self.mask_kinds]
+        return [self._mask(pos, windowed, fresh) for windowed in self.mask_kinds]
 
-    def _mask(self, pos: Tensor, windowed: bool) -> Tensor:
-        """The attention mask of tokens at `pos` (batch, tokens): 0 where a token sees a cache
-        position (up to its own; `windowed`: and within the window), -inf elsewhere; (batch, 1,
-        1, tokens, ctx), as the GQA layout's scores broadcast it, or (batch, tokens, ctx) for
-        gqa_attention (a cut KV group): made once a step, so every layer reads the same one (the
-        attention kernels find its used positions once a run)."""
-        batch, t = pos.shape
+    def _mask(self, pos: Tensor, windowed: bool, fresh: bool = False) -> Tensor:
+        """The attention mask of tokens at `pos` (batch, tokens) over the cache's positions
+        (_seeing), made once a step, so every layer reads the same one (the attention kernels
+        find its used positions once a run). `fresh`: a slot's first chunk, which attends over
+        its own new keys and values, not its row of the caches (copying that row out for every
+        layer took a fifth of a short prompt's prefill on a server of 8 slots and 512
+        positions, and grows with the context): over its own tokens' positions."""
+        if fresh:
+            return self._seeing(pos, pos, windowed)
         if windowed and self.ring is not None:
             return self._ring_mask(pos)
-        cached, ends = self.positions_ctx, self.window_ends if windowed else None
+        return self._seeing(pos, self.positions_ctx, windowed)
+
+    def _seeing(self, pos: Tensor, held: Tensor, windowed: bool) -> Tensor:
+        """0 where a token at `pos` (batch, tokens) sees the position each key holds (`held`,
+        (batch or 1, keys)): up to its own, and with `windowed` within the window; -inf
+        elsewhere. (batch, 1, 1, tokens, keys), as the GQA layout's scores broadcast it, or
+        (batch, tokens, keys) for gqa_attention (a cut KV group)."""
+        batch, t = pos.shape
+        rows, keys = held.shape
         if self.heads.shared:
-            seeing = pos.reshape(batch, t, 1)
-            cached = cached.reshape(1, 1, self.ctx)
-            ends = ends.reshape(1, 1, self.ctx) if ends is not None else None
+            seeing, held = pos.reshape(batch, t, 1), held.reshape(rows, 1, keys)
         else:
-            seeing = pos.reshape(batch, 1, 1, t, 1)
-        mask = where(cached <= seeing, self.zero, self.minus_inf)
-        if ends is not None:  # and only the last `window` positions (sliding-window attention)
-            mask = where(ends > seeing, mask, self.minus_inf)
+            seeing, held = pos.reshape(batch, 1, 1, t, 1), held.reshape(rows, 1, 1, 1, keys)
+        mask = where(held <= seeing, self.zero, self.minus_inf)
+        if windowed:  # and only the last `window` positions (sliding-window attention)
+            mask = where(held > seeing - self.window_length, mask, self.minus_inf)
         return mask
 
     def _ring_mask(self, pos: Tensor) -> Tensor:
@@ -671,29 +672,9 @@ class TensorParallelLlama:
         batch, t = pos.shape
         last = pos[:, t - 1 :]  # (batch, 1)
         held = last - (last - self.ring_slots) % self.ring_length  # (batch, ring)
-        if self.heads.shared:
-            seeing, held = pos.reshape(batch, t, 1), held.reshape(batch, 1, self.ring)
-        else:
-            seeing, held = pos.reshape(batch, 1, 1, t, 1), held.reshape(batch, 1, 1, 1, self.ring)
-        mask = where(held <= seeing, self.zero, self.minus_inf)
-        mask = where(held > seeing - self.window_length, mask, self.minus_inf)
+        mask = self._seeing(pos, held, True)
+        held = held.reshape(batch, *[1] * (mask.ndim - 2), self.ring)  # as the mask broadcasts it
         return where(held > self.no_position, mask, self.minus_inf)
-
-    def _fresh_mask(self, pos: Tensor, windowed: bool) -> Tensor:
-        """`_mask` of a sequence's first chunk, over its own tokens (batch, 1, 1, tokens, tokens),
-        or (batch, tokens, tokens) for gqa_attention: a token sees those up to its own
-        (`windowed`: and within the window). A slot's first chunk reads its new keys and values,
-        not its row of the caches: copying that row out for every layer took a fifth of a short
-        prompt's prefill on a server of 8 slots and 512 positions, and grows with the context."""
-        batch, t = pos.shape
-        if self.heads.shared:
-            seeing, seen = pos.reshape(batch, t, 1), pos.reshape(batch, 1, t)
-        else:
-            seeing, seen = pos.reshape(batch, 1, 1, t, 1), pos.reshape(batch, 1, 1, 1, t)
-        mask = where(seen <= seeing, self.zero, self.minus_inf)
-        if windowed:
-            mask = where(seen > seeing - self.window_length, mask, self.minus_inf)
-        return mask
 
     def prefill(
         self, prompts: Sequence[Sequence[int]], start: int, pool: int, logits: bool = False, slot: int | None = None
@@ -801,8 +782,7 @@ class TensorParallelLlama:
         slot's first chunk: among its own tokens, `fresh`)."""
 
         def graph(ids: Tensor, pos: Tensor) -> list[Tensor]:
-            masks = [self._fresh_mask(pos, windowed) for windowed in self.mask_kinds] if fresh else self._masks(pos)
-            return [self._embed(ids), *masks]
+            return [self._embed(ids), *self._masks(pos, fresh)]
 
         return graph
 
@@ -954,7 +934,7 @@ class TensorParallelLlama:
         cache_k = cache_k.set_rows(rows, k, axis=2, **at)  # in place, (b, kv, ctx or ring, hd)
         cache_v = cache_v.set_rows(rows, v, axis=2, **at)  # in place, (b, kv, ctx or ring, hd)
         keys, values, seen = cache_k, cache_v, cache_k.shape[2]
-        if slot is not None and fresh:  # a sequence's first chunk: its own keys and values (the mask: _fresh_mask)
+        if slot is not None and fresh:  # a sequence's first chunk: its own keys and values (_mask's `fresh`)
             keys, values, seen = _as_cached(k, cache_k), _as_cached(v, cache_v), t
         elif slot is not None:  # the slot's row of each cache, up to this chunk's positions (the mask)
             keys, values = _row_of(cache_k, slot), _row_of(cache_v, slot)

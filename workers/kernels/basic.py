@@ -220,14 +220,10 @@ def look_up_rows(xp, op: str, table, ids, params, out, width: int, dtype, read=N
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= params["rows"]):
         raise ShapeError(f"{op}: ids must lie in [0, {params['rows']}), got [{int(ids.min())}, {int(ids.max())}]")
     spans = params.get("spans", [(0, params["rows"], 0)])
-    if read is None and len(spans) == 1 and spans[0][0] == 0 and spans[0][1] == params["rows"]:
-        # every row held from local row spans[0][2] on (a table split on another axis: a cache
-        # row of a server's slot, 1 / 4 of a prefill of 17 tokens in zeros, a masked copy and
-        # the copy): one pass into out
-        rows = ids + spans[0][2] if spans[0][2] else ids
-        if out is None:
-            return xp.take(table, rows, axis=0)
-        return xp.take(table, rows, axis=0, out=out)
+    if read is None and len(spans) == 1 and tuple(spans[0]) == (0, params["rows"], 0):
+        # the table held whole (split on another axis, or not at all): one pass into out, not
+        # zeros, a masked copy and the copy
+        return xp.take(table, ids, axis=0) if out is None else xp.take(table, ids, axis=0, out=out)
     read = table.__getitem__ if read is None else read
     if out is None:
         out = xp.zeros(ids.shape + (width,), dtype=dtype)

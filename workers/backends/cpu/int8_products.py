@@ -44,15 +44,16 @@ LANES = 64
 # GB/s, q4_k 33.3-33.6 against 29.8-30.7, q8_0 33.9 against 30.7, q5_k 26.3 against 23.0, q4_0
 # 39.1 against 37.1; two threads, 16 KiB against 8: q4_0 54.2-56.5 against 46.7-50.1, q8_0
 # 42.1-43.5 against 38.6-40.4, q4_k and q6_k within noise. (32 and 64 KiB no better.)
-PREFETCH_BYTES = {1: 8192}  # by the worker's threads; more than one: MANY_PREFETCH_BYTES
-MANY_PREFETCH_BYTES = 16384
+ONE_THREAD_PREFETCH_BYTES = 8192
+PREFETCH_BYTES = 16384  # two threads or more
 
 
 def ahead_bytes(fmt: str, threads: int) -> int:
-    """How far ahead a product of `fmt` asks for its weight's rows: whole blocks of 64 lanes,
-    at least PREFETCH_BYTES for `threads`."""
+    """How far ahead a product of `fmt` on `threads` threads asks for its weight's rows: whole
+    blocks of 64 lanes, at least the prefetch bytes for that many threads."""
     size = FORMATS[fmt].block_bytes * LANES
-    return size * -(-PREFETCH_BYTES.get(threads, MANY_PREFETCH_BYTES) // size)
+    least = ONE_THREAD_PREFETCH_BYTES if threads == 1 else PREFETCH_BYTES
+    return size * -(-least // size)
 
 
 QUAD = 4  # activation rows per pass over a block's value rows
