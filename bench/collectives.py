@@ -1,13 +1,18 @@
-"""Collective latency and bandwidth on CPU workers, side by side with a raw pyzmq exchange.
+"""Collective latency and bandwidth on CPU workers, side by side with a raw pyzmq exchange and a
+raw exchange over plain TCP sockets.
 
-    python bench/collectives.py [--quick] [--json PATH] [--workers 2 4] [--data-plane zmq] [--transport ipc|tcp|curve]
+    python bench/collectives.py [--quick] [--json PATH] [--workers 2 4] [--data-plane zmq|tcp]
+        [--transport ipc|tcp|curve]
 
 Ours: a program of K all-reduces (Partial -> Mirrored) or all-gathers (even Split -> Mirrored) runs
 on real worker processes; the time is the collective steps as the workers time them, divided by
 K, so the coordinator's control round trip is not counted. It is taken on the worker that started
 last, as after a barrier: the others' first step also waits for the coordinator to reach it. Raw: the
 same number of processes, each PUSHing the same bytes to every peer over ipc and summing what
-arrives (a direct all-reduce), K times. Bandwidth is algorithm bandwidth: tensor bytes / time.
+arrives (a direct all-reduce), K times; raw sockets: the same over one loopback TCP connection a
+pair, non-blocking and read by a spinning process (the floor of the tcp plane). AR/raw compares
+the all-reduce with the raw exchange of its own plane (sockets for tcp, pyzmq otherwise).
+Bandwidth is algorithm bandwidth: tensor bytes / time.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import socket
 import sys
 import time
 from pathlib import Path
@@ -29,6 +35,19 @@ from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 from split_state import MIRRORED, PARTIAL, Split  # noqa: E402
 from transport import protocol as p  # noqa: E402
 from transport.sockets import IpcDir  # noqa: E402
+
+
+def timed(exchange, reps: int, trials: int) -> list[float]:
+    """The time per call of `trials` loops of `reps` calls, after two to connect and warm up."""
+    for _ in range(2):
+        exchange()
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(reps):
+            exchange()
+        times.append((time.perf_counter() - start) / reps)
+    return times
 
 
 def raw_rank(rank: int, endpoints: list[str], nbytes: int, reps: int, trials: int, results: mp.Queue) -> None:
@@ -54,15 +73,7 @@ def raw_rank(rank: int, endpoints: list[str], nbytes: int, reps: int, trials: in
             acc += np.frombuffer(pending[d].pop(0).buffer, dtype=np.float32)
 
     try:
-        for _ in range(2):
-            exchange()  # connect and warm up
-        times = []
-        for _ in range(trials):
-            start = time.perf_counter()
-            for _ in range(reps):
-                exchange()
-            times.append((time.perf_counter() - start) / reps)
-        results.put((rank, times))
+        results.put((rank, timed(exchange, reps, trials)))
     finally:
         inbox.close(0)
         for s in peers.values():
@@ -70,15 +81,71 @@ def raw_rank(rank: int, endpoints: list[str], nbytes: int, reps: int, trials: in
         ctx.term()
 
 
-def raw_all_reduce(n: int, nbytes: int, reps: int, trials: int = 1, tcp: bool = False) -> float:
+def socket_rank(rank: int, ports: list[int], nbytes: int, reps: int, trials: int, results: mp.Queue) -> None:
+    """One raw process over plain TCP: a connection to every peer (the higher rank dials), and
+    every round each buffer sent to each peer and one summed from each, the sockets
+    non-blocking and polled in a spin (sends and receives interleaved, so large buffers cannot
+    deadlock). Reports as raw_rank does."""
+    listener = socket.create_server(("127.0.0.1", ports[rank]))
+    links: dict[int, socket.socket] = {}
+    for d in range(rank):
+        for _ in range(200):
+            try:
+                links[d] = socket.create_connection(("127.0.0.1", ports[d]))
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+        links[d].sendall(bytes([rank]))
+    while len(links) < len(ports) - 1:
+        sock, _ = listener.accept()
+        links[sock.recv(1)[0]] = sock
+    listener.close()
+    for sock in links.values():
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+    data = np.random.default_rng(rank).standard_normal(nbytes // 4).astype(np.float32)
+    out = memoryview(data.view(np.uint8))
+    inbound = {d: np.empty_like(data) for d in links}
+
+    def exchange() -> None:
+        sent = dict.fromkeys(links, 0)
+        got = dict.fromkeys(links, 0)
+        views = {d: memoryview(inbound[d].view(np.uint8)) for d in links}
+        while any(v < nbytes for v in sent.values()) or any(v < nbytes for v in got.values()):
+            for d, sock in links.items():
+                try:
+                    if sent[d] < nbytes:
+                        sent[d] += sock.send(out[sent[d] :])
+                except BlockingIOError:
+                    pass
+                try:
+                    if got[d] < nbytes:
+                        got[d] += sock.recv_into(views[d][got[d] :])
+                except BlockingIOError:
+                    pass
+        acc = data.copy()
+        for d in sorted(links):
+            acc += inbound[d]
+
+    try:
+        results.put((rank, timed(exchange, reps, trials)))
+    finally:
+        for sock in links.values():
+            sock.close()
+
+
+def raw_all_reduce(n: int, nbytes: int, reps: int, trials: int = 1, tcp: bool = False, sockets: bool = False) -> float:
     """The median over `trials` loops of the time per direct exchange, on the slowest process
-    (over ipc, or with `tcp` over the loopback's tcp)."""
+    (pyzmq over ipc, or with `tcp` over the loopback's tcp; with `sockets`, plain TCP sockets)."""
     ipc = IpcDir()
-    endpoints = [f"tcp://127.0.0.1:{free_port()}" if tcp else ipc.endpoint(f"raw{d}") for d in range(n)]
+    if sockets:
+        target, place = socket_rank, [free_port() for _ in range(n)]
+    else:
+        target = raw_rank
+        place = [f"tcp://127.0.0.1:{free_port()}" if tcp else ipc.endpoint(f"raw{d}") for d in range(n)]
     results: mp.Queue = mp.get_context("spawn").Queue()
     procs = [
-        mp.get_context("spawn").Process(target=raw_rank, args=(d, endpoints, nbytes, reps, trials, results))
-        for d in range(n)
+        mp.get_context("spawn").Process(target=target, args=(d, place, nbytes, reps, trials, results)) for d in range(n)
     ]
     for proc in procs:
         proc.start()
@@ -167,7 +234,10 @@ def run(
                 reps = 200 if row["bytes"] <= 64 << 10 else 10
                 seconds = raw_all_reduce(n, row["bytes"], reps, tcp=raw_tcp)
                 row["raw_us"], row["raw_GBps"] = seconds * 1e6, row["bytes"] / seconds / 1e9
-                row["ratio"] = row["all_reduce_GBps"] / row["raw_GBps"]
+                seconds = raw_all_reduce(n, row["bytes"], reps, sockets=True)
+                row["raw_sockets_us"], row["raw_sockets_GBps"] = seconds * 1e6, row["bytes"] / seconds / 1e9
+                floor = "raw_sockets_GBps" if data_plane == "tcp" else "raw_GBps"
+                row["ratio"] = row["all_reduce_GBps"] / row[floor]
     return rows
 
 
@@ -177,7 +247,8 @@ def _spin() -> None:
 
 
 def under_load(backend: str = "cpu", data_plane: str = "auto", nbytes: int = 4 << 10, runs: int = 7) -> list[dict]:
-    """A small all-reduce, median of `runs` runs, ours and the raw pyzmq exchange in the same
+    """A small all-reduce, median of `runs` runs, ours and the raw exchange (plain sockets for
+    the tcp plane, else pyzmq) in the same
     conditions: 2 workers on an idle machine, 2 workers beside a CPU-bound neighbour process,
     and twice as many workers as cores. Waits that spin would lose the core their peer needs."""
     cores = os.cpu_count() or 1
@@ -197,7 +268,7 @@ def under_load(backend: str = "cpu", data_plane: str = "auto", nbytes: int = 4 <
             with MetaDevice(ProcessCluster(config)) as dev:
                 wait_until_prepared(dev)
                 mine = ours(dev, "all_reduce", nbytes, 20, runs)
-            raw = raw_all_reduce(n, nbytes, 200, runs)
+            raw = raw_all_reduce(n, nbytes, 200, runs, sockets=data_plane == "tcp")
         finally:
             if spinner is not None:
                 spinner.kill()
@@ -218,7 +289,8 @@ def under_load(backend: str = "cpu", data_plane: str = "auto", nbytes: int = 4 <
 def show_under_load(rows: list[dict]) -> None:
     print(
         table(
-            "small all-reduce under load (median of 7 runs; raw = direct pyzmq exchange + sum; > 1: ours is faster)",
+            "small all-reduce under load (median of 7 runs; raw = direct exchange + sum on the plane's own "
+            "transport; > 1: ours is faster)",
             ["condition", "workers", "size", "ours us", "raw us", "raw/ours"],
             [
                 [r["condition"], r["workers"], human_bytes(r["bytes"]), r["ours_us"], r["raw_us"], r["raw_over_ours"]]
@@ -229,10 +301,12 @@ def show_under_load(rows: list[dict]) -> None:
 
 
 def show(rows: list[dict]) -> None:
-    cols = ["workers", "size", "all-reduce us", "GB/s", "all-gather us", "GB/s", "raw exchange us", "GB/s", "AR/raw"]
+    cols = ["workers", "size", "all-reduce us", "GB/s", "all-gather us", "GB/s", "raw pyzmq us", "GB/s"]
+    cols += ["raw sockets us", "GB/s", "AR/raw"]
     print(
         table(
-            "collectives on CPU workers (time inside the workers; raw = direct pyzmq exchange + sum)",
+            "collectives on CPU workers (time inside the workers; raw = direct exchange + sum over pyzmq, "
+            "and over plain TCP sockets; AR/raw against the plane's own)",
             cols,
             [
                 [
@@ -244,6 +318,8 @@ def show(rows: list[dict]) -> None:
                     r["all_gather_GBps"],
                     r["raw_us"],
                     r["raw_GBps"],
+                    r["raw_sockets_us"],
+                    r["raw_sockets_GBps"],
                     r["ratio"],
                 ]
                 for r in rows
@@ -266,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _options(ap) -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--data-plane", default="auto", choices=["auto", "shm", "zmq"], help="between the workers")
+    ap.add_argument("--data-plane", default="auto", choices=["auto", "shm", "zmq", "tcp"], help="between the workers")
     ap.add_argument(
         "--transport",
         default="ipc",

@@ -56,9 +56,10 @@ def add_cluster_options(ap: argparse.ArgumentParser) -> None:
         "--data-plane",
         default="auto",
         choices=["auto", *planes.names()],
-        help="between workers: shared memory on one host (ZeroMQ across hosts), ZeroMQ only, NCCL "
-        "(CuPy workers on distinct GPUs), CUDA IPC (CuPy workers on one host), MPI (under mpiexec/srun); "
-        "auto: NCCL where it applies, MPI under an MPI launcher, else shared memory",
+        help="between workers: shared memory on one host (ZeroMQ across hosts), plain TCP sockets (any "
+        "host; not encrypted, so not with keys), ZeroMQ only, NCCL (CuPy workers on distinct GPUs), CUDA IPC "
+        "(CuPy workers on one host), MPI (under mpiexec/srun); auto: NCCL where it applies, MPI under an MPI "
+        "launcher, tcp for workers on several hosts without keys, else shared memory",
     )
 
 

@@ -29,7 +29,7 @@ from transport.deadline import Deadline, Liveness
 from transport.environment import CPUS_ENV
 from transport.replies import OnMessage, Watch, gather_replies
 from transport.shm import remove_session
-from transport.sockets import CurveKeys, IpcDir, Security, bind, pull, push, recv_frames, router, send
+from transport.sockets import CurveKeys, IpcDir, Security, bind, is_local, pull, push, recv_frames, router, send
 from transport.stop_signal import StopSignal
 
 POLL_MS = 100
@@ -147,9 +147,11 @@ class ProcessCluster:
     def _data_plane(self) -> str:
         """The plane the workers say they can all join: NCCL for CuPy workers each on its own GPU
         (one host, spawned here) when every one has NCCL; MPI for the workers of an MPI job's
-        ranks; CUDA IPC for CuPy workers spawned here sharing one GPU (NCCL refuses that); else
-        shared memory (ZeroMQ where it cannot be shared). The coordinator decides from their
-        Hellos, not from its own imports."""
+        ranks; CUDA IPC for CuPy workers spawned here sharing one GPU (NCCL refuses that); plain
+        TCP sockets for workers on several hosts without keys (a small all-reduce about one
+        exchange of its bytes, against several through ZeroMQ); else shared memory (ZeroMQ
+        where it cannot be shared, and for every peer on another host when the cluster has
+        CURVE keys). The coordinator decides from their Hellos, not from its own imports."""
         config = self.config
         lacking = lambda plane: [h.rank for h in self.devices if plane not in h.planes]  # noqa: E731
         if config.data_plane != "auto":
@@ -172,6 +174,8 @@ class ProcessCluster:
             return "ipc"
         if self.world_size > 1 and not lacking("mpi"):  # workers that are an MPI job's ranks
             return "mpi"
+        if self.keys is None and len(worker_hosts(self.devices)) > 1 and not lacking("tcp"):
+            return "tcp"  # workers on several hosts, no keys: plain sockets (CURVE stays on ZeroMQ)
         return "shm"
 
     def _endpoint(self, name: str) -> str:
@@ -591,3 +595,13 @@ def alive(pids: Sequence[int]) -> list[int]:
         except OSError:
             pass
     return out
+
+
+def worker_hosts(hellos) -> set[str]:
+    """The hosts the workers' data endpoints name; an ipc endpoint or loopback is this host."""
+    hosts = set()
+    for hello in hellos:
+        endpoint = hello.data_endpoint
+        host = endpoint[len("tcp://") :].rsplit(":", 1)[0] if endpoint.startswith("tcp://") else ""
+        hosts.add("" if is_local(host) else host)
+    return hosts

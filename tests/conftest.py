@@ -93,6 +93,12 @@ def procs3_zmq():
     yield from _process_device(3, data_plane="zmq")
 
 
+@pytest.fixture(scope="module")
+def procs3_tcp():
+    """Three workers whose collectives go over plain TCP sockets (workers/planes/tcp/)."""
+    yield from _process_device(3, data_plane="tcp")
+
+
 IPC_REGION_MIB = 1  # the IPC plane's halves in the stand-in fixtures: small /dev/shm files, many pieces
 
 

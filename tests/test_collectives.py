@@ -129,10 +129,12 @@ def resolve(name, n, shape):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}->{c[1]}")
-@pytest.mark.parametrize("devname", ["procs2", "procs3", "procs3_zmq", "cuda3", "cuda3_shm", "cuda_nccl2"])
+@pytest.mark.parametrize(
+    "devname", ["procs2", "procs3", "procs3_zmq", "procs3_tcp", "cuda3", "cuda3_shm", "cuda_nccl2"]
+)
 def test_process_collectives_match_reference_and_simulator(case, devname, request):
     dev = request.getfixturevalue(devname)
-    plane = {"procs3_zmq": "zmq", "cuda_nccl2": "nccl", "cuda3": "ipc"}.get(devname, "shm")
+    plane = {"procs3_zmq": "zmq", "procs3_tcp": "tcp", "cuda_nccl2": "nccl", "cuda3": "ipc"}.get(devname, "shm")
     assert {d["data_plane"] for d in dev.cluster.data_planes} == {plane}
     n = dev.n
     shape = (7, 5)

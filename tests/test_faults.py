@@ -33,8 +33,9 @@ def test_worker_killed_during_a_collective_raises_worker_lost_naming_it(fresh_cl
     assert time.monotonic() - start < 5.0
 
 
-def test_worker_killed_mid_run_then_a_new_cluster_works(fresh_cluster):
-    cluster = fresh_cluster(3, liveness=3.0)
+@pytest.mark.parametrize("data_plane", ["shm", "tcp"])
+def test_worker_killed_mid_run_then_a_new_cluster_works(fresh_cluster, data_plane):
+    cluster = fresh_cluster(3, liveness=3.0, data_plane=data_plane)
     dev = MetaDevice(cluster)
     pids = list(cluster.pids.values())
     a = dev.tensor(np.random.default_rng(0).standard_normal((800, 800)).astype(np.float32), Split.even(1, 800, 3))

@@ -211,10 +211,11 @@ def test_a_sequence_that_stopped_stays_stopped_and_the_loop_waits_for_every_sequ
 
 
 @pytest.mark.parametrize("how", ["refuse", "interrupt"])
-@pytest.mark.parametrize("devname", ["procs2", "procs3_zmq", "cuda1"])
+@pytest.mark.parametrize("devname", ["procs2", "procs3_zmq", "procs3_tcp", "cuda1"])
 def test_a_cancel_stops_within_a_token_and_the_workers_stay_usable(devname, how, request):
     """Rank 0 tells its peers of the cancel in their stop words (one host, the shm plane) or in
-    messages (over ZeroMQ, as between hosts): either way every rank stops after the same step."""
+    messages (over ZeroMQ or the tcp plane, as between hosts): either way every rank stops after
+    the same step."""
     dev = request.getfixturevalue(devname)
     seen = []
 

@@ -207,10 +207,11 @@ def test_a_peer_abort_ends_an_nccl_wait_at_once(nccl_comm):
 def test_data_plane_choice_follows_what_the_workers_say_they_can_join():
     from transport import protocol as p
 
-    def choose(planes=(("shm", "zmq"), ("shm", "zmq")), on=None, **config):
+    def choose(planes=(("shm", "zmq"), ("shm", "zmq")), on=None, at=None, keys=None, **config):
         on = on or [-1] * len(planes)  # the GPU each worker says it runs on
-        hellos = [p.Hello(r, 1, "x", "", 0, 0, "", list(joins), on[r]) for r, joins in enumerate(planes)]
-        cluster = SimpleNamespace(config=ClusterConfig(**config), world_size=len(planes), devices=hellos)
+        at = at or ["ipc://here"] * len(planes)  # where each worker's data inbox is
+        hellos = [p.Hello(r, 1, "x", "", 0, 0, at[r], list(joins), on[r]) for r, joins in enumerate(planes)]
+        cluster = SimpleNamespace(config=ClusterConfig(**config), world_size=len(planes), devices=hellos, keys=keys)
         return ProcessCluster._data_plane(cluster)
 
     nccl = (("shm", "zmq", "nccl"), ("shm", "zmq", "nccl"))
@@ -235,6 +236,14 @@ def test_data_plane_choice_follows_what_the_workers_say_they_can_join():
     assert choose((mpi[0], ("shm", "zmq"))) == "shm"  # rank 1 was not started by the job
     assert choose((mpi[0], mpi[0]), data_plane="shm") == "shm"
     assert choose(mpi[:1]) == "shm"  # one worker: nobody to reduce with
+    tcp = (("shm", "tcp", "zmq"), ("shm", "tcp", "zmq"))
+    two_hosts = ["tcp://127.0.0.1:5000", "tcp://10.1.2.3:5000"]
+    assert choose(tcp) == "shm"  # one host
+    assert choose(tcp, at=["tcp://127.0.0.1:5000", "tcp://127.0.0.1:5001"]) == "shm"
+    assert choose(tcp, at=["tcp://10.1.2.3:5000", "tcp://10.1.2.3:5001"]) == "shm"
+    assert choose(tcp, at=two_hosts) == "tcp"  # several hosts: plain sockets
+    assert choose(tcp, at=two_hosts, keys=object()) == "shm"  # with keys the data stays on CURVE
+    assert choose((tcp[0], ("shm", "zmq")), at=two_hosts) == "shm"  # rank 1 cannot join it
     with pytest.raises(MetaError, match=r"workers \[0, 1\] cannot join it"):
         choose(data_plane="nccl")
     with pytest.raises(MetaError, match=r"'carrier_pigeon': workers \[0, 1\] cannot join it"):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_every_plane_module_declares_itself():
-    assert planes.names() == ("ipc", "mpi", "nccl", "shm", "zmq")
+    assert planes.names() == ("ipc", "mpi", "nccl", "shm", "tcp", "zmq")
     for name in planes.names():
         plane = planes.plane(name)
         assert plane.name == name and plane.hosts in ("one", "many") and set(plane.kinds) <= {"cpu", "gpu"}
@@ -23,9 +23,9 @@ def test_every_plane_module_declares_itself():
         planes.plane("pigeon")
 
 
-def test_a_cpu_worker_can_join_shared_memory_and_zeromq_not_nccl():
+def test_a_cpu_worker_can_join_shared_memory_tcp_and_zeromq_not_nccl():
     shared = ["shm"] if platform.machine() in ("x86_64", "AMD64") else []
-    assert planes.joinable_planes("cpu") == [*shared, "zmq"]
+    assert planes.joinable_planes("cpu") == [*shared, "tcp", "zmq"]
     assert "cuda backend" in planes.plane("nccl").joinable("cpu")
     assert "cuda backend" in planes.plane("ipc").joinable("cpu")
 

@@ -287,7 +287,7 @@ class Hello:
 class Configure:
     world_size: int
     peers: list[str]  # data endpoints by rank
-    collective: str  # data plane: a name of workers/planes/ ("shm", "zmq", "nccl", "mpi", "ipc")
+    collective: str  # data plane: a name of workers/planes/ ("shm", "tcp", "zmq", "nccl", "mpi", "ipc")
     nccl_id: bytes = b""
     memory_budget: int = 0  # bytes; 0 keeps the worker's default
     session: str = ""  # names this cluster's shared-memory files

@@ -304,6 +304,18 @@ class Waiter:
         self.checked = now
         return True
 
+    def spun(self, check_signals) -> bool | None:
+        """One turn of the spin, if it is not over: looks for aborts when due (`check_signals()`)
+        and, when polite, yields the core. None once the spin is over (then block); else whether
+        the deadline is still ahead."""
+        if not self.spinning():
+            return None
+        if self.signals_due():
+            check_signals()
+        if self.polite:
+            os.sched_yield()
+        return not self.deadline.expired()
+
     def pause(self) -> bool:
         waited = time.perf_counter() - self.since
         if waited > self.spin:
@@ -412,12 +424,9 @@ class HostComm(ZmqComm):
         BLOCK_SECONDS, then look for aborts. `ready()` says whether what is awaited has come.
         False once the deadline has passed."""
         self._pump()
-        if waiter.spinning():
-            if waiter.signals_due():
-                self._check_signals(run)
-            if waiter.polite:
-                os.sched_yield()
-            return not waiter.deadline.expired()
+        spun = waiter.spun(lambda: self._check_signals(run))
+        if spun is not None:
+            return spun
         if peer is not None and self._writer(peer) is None:  # it sends over ZeroMQ, which wakes a poll
             self._poller.poll(waiter.block_ms())
         else:

@@ -14,7 +14,8 @@ own comm and collective engine: nccl/, ipc/, mpi/), found by its name; each defi
 
 Every worker says in its Hello which planes it can join (`joinable_planes`); the coordinator
 picks one they all can (`--data-plane`, or auto: NCCL for GPU workers on distinct GPUs, then
-MPI for the ranks of an MPI job, else shared memory), without importing this package. Adding a
+MPI for the ranks of an MPI job, then plain TCP sockets for workers on several hosts without
+keys, else shared memory), without importing this package. Adding a
 plane that moves bytes through workers/comm.py's HostComm and the shared HostEngine (as shm and
 zmq do) is one file here plus tests; a plane with a transport of its own is a folder here: its
 entry, and an engine.py with its comm (workers/comm.py's contract) and, where its collectives

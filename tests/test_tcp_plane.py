@@ -1,0 +1,249 @@
+"""The tcp data plane's comm (workers/planes/tcp/engine.py) on its own: rendezvous, messages of
+every shape matched by (source, run, step), large messages both ways at once, the bound small
+all-reduce against NumPy's sums in rank order, and what a broken peer looks like (a closed
+connection, garbage, an abort). Whole clusters on the plane: tests/test_collectives.py (every
+algorithm against the host reference), tests/test_generation.py, tests/test_hosts.py (across
+network namespaces)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from split_state.errors import ProtocolError, RemoteError, TransportError, WorkerLost
+from tests.test_shm import receive_array
+from transport import protocol as p
+from transport.deadline import Deadline
+from transport.sockets import IpcDir, Security, pull
+from workers import planes
+from workers.planes.tcp import engine
+from workers.planes.tcp.engine import TcpComm
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def tcp_comms():
+    """make(n) -> n TcpComms of one cluster, connected (each rank's rendezvous on its own thread,
+    as each worker runs its own)."""
+    ctx, ipc, made, inboxes = zmq.Context(), IpcDir(), [], []
+    security = Security(ctx, None)
+    session = f"s{os.getpid()}{time.monotonic_ns()}"[-16:]
+
+    def make(n: int) -> list[TcpComm]:
+        pairs = [pull(ctx, ipc.endpoint(f"t{len(inboxes)}-{r}"), security) for r in range(n)]
+        inboxes.extend(sock for sock, _ in pairs)
+        endpoints = [ep for _, ep in pairs]
+        comms: list = [None] * n
+        errors: list = []
+
+        def connect(rank: int) -> None:
+            try:
+                comms[rank] = TcpComm(rank, pairs[rank][0], endpoints, ctx, security, session)
+            except Exception as exc:  # pragma: no cover - shown by the assertion below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=connect, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        made.extend(comms)
+        return comms
+
+    yield make
+    for comm in made:
+        comm.close()
+    for sock in inboxes:
+        sock.close(0)
+    ctx.term()
+    ipc.close()
+
+
+def test_the_plane_is_found_and_every_worker_can_join_it():
+    assert "tcp" in planes.names()
+    plane = planes.plane("tcp")
+    assert plane.hosts == "many" and plane.joinable("cpu") == "" and plane.joinable("cuda") == ""
+
+
+def test_messages_of_every_shape_arrive_matched_by_run_and_step(tcp_comms):
+    a, b = tcp_comms(2)
+    assert a.routes() == {"1": "tcp"} and b.routes() == {"0": "tcp"}
+    rng = np.random.default_rng(0)
+    arrays = [
+        np.float32(3.5).reshape(()),  # 0-d
+        np.empty((0, 4), np.float32),  # empty
+        rng.integers(-128, 127, (5, 3), dtype=np.int8),
+        rng.standard_normal((2, 3, 4)).astype(np.float16),
+        rng.standard_normal((7, 5)).astype(np.float32)[:, 1:4],  # not contiguous
+    ]
+    a.send(1, 3, 0, np.ones(2, np.float32))  # a failed run's leftover: dropped
+    for step, array in enumerate(arrays):
+        a.send(1, 4, step, array)
+    for step in reversed(range(len(arrays))):  # the last first: the others are set aside meanwhile
+        got = receive_array(b, 0, 4, step, arrays[step].shape, arrays[step].dtype)
+        assert got.dtype == arrays[step].dtype and np.array_equal(got, arrays[step])
+    a.flush(4, Deadline(5))
+
+
+def test_a_message_of_another_shape_than_the_plan_is_a_protocol_error(tcp_comms):
+    a, b = tcp_comms(2)
+    a.send(1, 1, 0, np.zeros((2, 3), np.float32))
+    with pytest.raises(ProtocolError, match=r"worker 0 sent \(2, 3\) float32, the plan expects \(6,\) float32"):
+        receive_array(b, 0, 1, 0, (6,))
+
+
+def test_large_messages_both_ways_at_once_do_not_deadlock(tcp_comms):
+    """Each sends 24 MiB before either reads: more than the kernel's buffers hold, so the sends
+    queue and are pumped while each waits for the other's bytes."""
+    a, b = tcp_comms(2)
+    rng = np.random.default_rng(1)
+    big = [rng.standard_normal(6 << 20).astype(np.float32) for _ in range(2)]
+    got: dict = {}
+
+    def side(comm, peer):
+        comm.send(peer, 1, 0, big[comm.rank])
+        got[comm.rank] = receive_array(comm, peer, 1, 0, big[peer].shape, seconds=20)
+        comm.flush(1, Deadline(20))
+
+    threads = [threading.Thread(target=side, args=(c, 1 - c.rank)) for c in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert np.array_equal(got[0], big[1]) and np.array_equal(got[1], big[0])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_bound_all_reduce_sums_in_rank_order(tcp_comms, n):
+    """Every rank's result is NumPy's (x0 + x1) + x2 ..., bit for bit, call after call; with an
+    unrelated message (a generation's stop flag) ahead of a step's contribution, and with the
+    results written into the caller's buffer."""
+    comms = tcp_comms(n)
+    shape = (3, 257)
+    rng = np.random.default_rng(n)
+    results: dict = {}
+
+    def side(comm):
+        out = np.empty(shape, np.float32)
+        run = comm.bound_all_reduce(np.dtype(np.float32), shape, out)
+        mine = []
+        for call in range(5):
+            if comm.rank == 0 and call == 2:
+                for d in range(1, n):
+                    comm.send(d, 10 + call, 1 << 30, np.array([0, 1], np.int8))
+            x = np.random.default_rng((comm.rank, call)).standard_normal(shape).astype(np.float32)
+            assert run(x, 10 + call, 3, Deadline(10)) is out
+            mine.append(out.copy())
+        results[comm.rank] = mine
+
+    threads = [threading.Thread(target=side, args=(c,)) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for call in range(5):
+        xs = [np.random.default_rng((r, call)).standard_normal(shape).astype(np.float32) for r in range(n)]
+        expected = xs[0] + xs[1]
+        for x in xs[2:]:
+            expected = expected + x
+        for r in range(n):
+            assert results[r][call].tobytes() == expected.tobytes(), (r, call)
+    for d in range(1, n):  # the stop flags were kept for their own step
+        flag = receive_array(comms[d], 0, 12, 1 << 30, (2,), np.int8)
+        assert flag.tolist() == [0, 1]
+    del rng
+
+
+def test_a_peer_that_closes_its_connection_is_lost_at_once(tcp_comms):
+    a, b = tcp_comms(2)
+    a.links[1].sock.close()
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match="worker 0 closed its connection") as caught:
+        receive_array(b, 0, 1, 0, (4,), seconds=20)
+    assert caught.value.rank == 0 and time.monotonic() - start < 1
+    with pytest.raises(WorkerLost):  # and stays lost
+        receive_array(b, 0, 2, 0, (4,), seconds=1)
+
+
+def test_garbage_on_the_connection_is_a_protocol_error_naming_the_sender(tcp_comms):
+    a, b = tcp_comms(2)
+    header = bytearray(engine.HEADER.pack(1, 0, 8, b"float99", 1) + engine.DIM.pack(2))
+    a.links[1].sock.sendall(bytes(header) + bytes(8))
+    with pytest.raises(ProtocolError, match="worker 0 sent a message of dtype b'float99'"):
+        receive_array(b, 0, 1, 0, (2,))
+    good = engine.HEADER.pack(1, 0, 12, b"float32", 1) + engine.DIM.pack(2)  # 12 bytes is not 2 floats
+    _, c = tcp_comms(2)
+    c.links[0].sock.sendall(good)
+    with pytest.raises(ProtocolError, match=r"claims shape \(2,\)"):
+        receive_array(_, 1, 1, 0, (2,))
+
+
+def test_an_abort_ends_a_wait_for_data(tcp_comms):
+    a, b = tcp_comms(2)
+    threading.Timer(0.2, a.abort, args=(7, "ValueError", "boom")).start()
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="run 7 aborted: worker 0 reports ValueError: boom"):
+        receive_array(b, 0, 7, 0, (4,), seconds=20)
+    assert time.monotonic() - start < 2
+
+
+def test_a_wait_broken_off_midway_skips_the_rest_of_that_message(tcp_comms):
+    """An abort that ends a wait while a message is half read (its sender stalled) leaves the
+    connection where the next message starts."""
+    a, b = tcp_comms(2)
+    message = np.arange(1000, dtype=np.float32)
+    whole = bytes(engine.header_bytes(5, 0, message)) + message.tobytes()
+    a.links[1].sock.sendall(whole[:1500])  # the header and part of the payload
+    threading.Timer(0.2, a.abort, args=(5, "ValueError", "stalled")).start()
+    with pytest.raises(RemoteError):
+        receive_array(b, 0, 5, 0, (1000,), seconds=20)
+    a.links[1].sock.sendall(whole[1500:])
+    b.forget_aborts()
+    a.send(1, 6, 0, message * 2)
+    assert np.array_equal(receive_array(b, 0, 6, 0, (1000,)), message * 2)
+
+
+def test_a_connection_that_does_not_greet_with_the_session_is_dropped():
+    session = b"0123456789abcdef"
+    for greeting, expected in [
+        (engine.GREETING.pack(engine.MAGIC, 2, session), 2),
+        (engine.GREETING.pack(b"HTTP", 2, session), -1),  # a stranger
+        (engine.GREETING.pack(engine.MAGIC, 2, b"x" * 16), -1),  # another cluster
+        (engine.GREETING.pack(engine.MAGIC, 0, session), -1),  # not a higher rank
+        (b"MTP", -1),  # closed before greeting
+    ]:
+        mine, theirs = socket.socketpair()
+        theirs.sendall(greeting)
+        theirs.close()
+        assert engine._greeting(mine, session, rank=1, size=4, links={}) == expected, greeting
+        mine.close()
+
+
+def test_with_curve_keys_the_plane_falls_back_to_zeromq_and_says_why(monkeypatch):
+    class Keys:
+        keys = object()
+
+    with pytest.raises(planes.PlaneUnavailable, match="does not encrypt"):
+        planes.plane("tcp").connect(0, p.Configure(2, ["ipc://a", "ipc://b"], "tcp", session="s"), None, None, Keys())
+
+
+def test_a_rendezvous_without_its_peers_fails_in_time(monkeypatch):
+    ctx, ipc = zmq.Context(), IpcDir()
+    security = Security(ctx, None)
+    inbox, ep = pull(ctx, ipc.endpoint("alone"), security)
+    monkeypatch.setattr(engine, "RENDEZVOUS_SECONDS", 0.5)
+    try:
+        with pytest.raises(TransportError, match=r"workers \[0\] did not say where their tcp plane listens"):
+            TcpComm(1, inbox, [ipc.endpoint("gone"), ep], ctx, security, "s")
+    finally:
+        inbox.close(0)
+        ctx.term()
+        ipc.close()

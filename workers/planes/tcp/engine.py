@@ -1,0 +1,644 @@
+"""The tcp plane's comm: one TCP connection between every pair of workers, carrying that pair's
+data both ways; ZeroMQ (the ZmqComm underneath) carries the aborts and the rendezvous.
+
+Rendezvous, when the coordinator's Configure names the plane: every worker listens on the host
+its ZeroMQ inbox is reached at, tells each higher rank where over ZeroMQ, connects to each lower
+rank and greets it with its rank and the cluster's session; the lower rank accepts (a stranger's
+connection, or one with the wrong greeting, is closed and the wait goes on).
+
+On the wire a message is a header (run, step, payload bytes, dtype name, dims) and the array's
+bytes. Messages of a pair arrive in order, so the matching, stashing and aborts are the shared
+`Inbox`'s, as over the shared-memory rings (workers/comm.py HostComm, whose receive this
+mirrors). Sends never block: what the kernel does not take at once is queued and pumped while
+the worker waits for anything, so two workers sending each other large messages cannot deadlock.
+A waiting worker spins on its socket for SPIN_SECONDS (a peer's bytes usually come within
+microseconds of its turn) and then sleeps in a poll of that socket and the ZeroMQ inbox.
+
+A small all-reduce (<= DIRECT_BYTES a contribution) has its own bound path, as the postboxes
+have on shared memory: send the contribution to every peer, read each peer's straight into a
+buffer of the step's, and add them in rank order (the first two in one pass, as HostEngine.reduce
+adds them), so the bits equal every other plane's.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import socket
+import struct
+import time
+from math import prod
+
+import numpy as np
+import zmq
+
+from split_state.dtypes import dtype_from_name, dtype_name
+from split_state.errors import ProtocolError, TransportError, UnsupportedDtype, WorkerLost
+from transport import protocol as p
+from transport.deadline import Deadline
+from transport.shm import Sink
+from transport.sockets import Security
+from workers.binding import bound
+from workers.comm import POLITE_SPIN_SECONDS, Waiter, ZmqComm, check_arrival
+
+RENDEZVOUS_RUN = -2  # the run id of the ZeroMQ message that tells a peer where to connect
+RENDEZVOUS_SECONDS = 60.0  # every worker gets its Configure at once; a peer slower than this is lost
+GREETING = struct.Struct("<4sI16s")  # magic, the connecting worker's rank, the session
+MAGIC = b"MTPd"
+HEADER = struct.Struct("<qqQ16sB")  # run, step, payload bytes, dtype name, number of dims
+RUN_STEP = struct.Struct("<qq")
+DIM = struct.Struct("<q")
+MAX_DIMS = 8
+MAX_PAYLOAD = 1 << 40  # a header claiming more is garbage
+DIRECT_BYTES = 64 << 10  # contributions up to this take the bound all-reduce
+STREAM_BYTES = 1 << 20  # a larger message reaches its sink in pieces of this size
+READ_AHEAD_BYTES = 256 << 10  # a link's read buffer; a read of at least half this goes straight to its target
+
+
+class Link:
+    """One peer's connection: the socket, and the bytes queued for it."""
+
+    def __init__(self, peer: int, sock: socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        self.peer, self.sock, self.fd = peer, sock, sock.fileno()
+        self.queue: collections.deque[memoryview] = collections.deque()
+        self.header = bytearray(HEADER.size + MAX_DIMS * DIM.size)
+        # bytes read ahead of what was asked for: one recv takes a small message's header and
+        # payload together (three system calls a message otherwise)
+        self.buffer = bytearray(READ_AHEAD_BYTES)
+        self.view = memoryview(self.buffer)
+        self.start = self.end = 0
+        self.broken = ""  # why this link can carry nothing more
+        # the message being read: bytes of it read so far, its header once whole (its size, and
+        # the payload bytes still to read)
+        self.got, self.arrival, self.header_size = 0, None, 0
+
+    def finished(self) -> None:
+        self.got, self.arrival = 0, None
+
+    def left(self) -> int:
+        """The payload bytes of the current message still to read."""
+        return self.header_size + self.arrival.nbytes - self.got
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Arrival:
+    """A parsed message header: what the next bytes from a peer are."""
+
+    __slots__ = ("run", "step", "nbytes", "dtype", "shape")
+
+    def __init__(self, run: int, step: int, nbytes: int, dtype: np.dtype, shape: tuple[int, ...]):
+        self.run, self.step, self.nbytes, self.dtype, self.shape = run, step, nbytes, dtype, shape
+
+
+@functools.lru_cache(maxsize=1024)
+def header_template(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The header of an array of `dtype` and `shape`, run and step zero: a program sends the same
+    few shapes every run, so each is packed once and run and step are written per message."""
+    nbytes = prod(shape) * dtype.itemsize
+    return HEADER.pack(0, 0, nbytes, dtype_name(dtype).encode(), len(shape)) + b"".join(DIM.pack(d) for d in shape)
+
+
+def header_bytes(run: int, step: int, array: np.ndarray) -> bytearray:
+    header = bytearray(header_template(array.dtype, array.shape))
+    RUN_STEP.pack_into(header, 0, run, step)
+    return header
+
+
+def parse_header(head: bytes | bytearray, dims: bytes | bytearray) -> Arrival:
+    run, step, nbytes, name, ndim = HEADER.unpack(head)
+    dtype, shape = _described(name, bytes(dims[: ndim * DIM.size]), nbytes)
+    return Arrival(run, step, nbytes, dtype, shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _described(name: bytes, dims: bytes, nbytes: int) -> tuple[np.dtype, tuple[int, ...]]:
+    """A header's dtype and shape, checked once per distinct header."""
+    shape = tuple(DIM.unpack_from(dims, at)[0] for at in range(0, len(dims), DIM.size))
+    try:
+        dtype = dtype_from_name(name.rstrip(b"\0").decode("ascii"))
+    except (UnsupportedDtype, UnicodeDecodeError):
+        raise ProtocolError(f"a message of dtype {name.rstrip(bytes(1))!r}") from None
+    if any(d < 0 for d in shape) or prod(shape) * dtype.itemsize != nbytes:
+        raise ProtocolError(f"a message of {nbytes} bytes claims shape {shape} of {dtype}")
+    return dtype, shape
+
+
+class TcpComm(ZmqComm):
+    plane = "tcp"
+
+    def __init__(
+        self, rank: int, inbox: zmq.Socket, peers: list[str], context: zmq.Context, security: Security, session: str
+    ):
+        super().__init__(rank, inbox, peers, context, security)
+        self.links: dict[int, Link] = {}
+        try:
+            self.links = rendezvous(self, peers, session.encode()[:16].ljust(16, b"\0"), Deadline(RENDEZVOUS_SECONDS))
+        except BaseException:
+            self.close()
+            raise
+        self._backlog: set[int] = set()
+        # more workers than cores (this host's): yield while spinning, as HostComm does
+        cores = self.size if bound() else len(os.sched_getaffinity(0))
+        self._polite = self.size > cores
+        self._sleep = zmq.Poller()
+        self._sleep.register(inbox, zmq.POLLIN)
+        for link in self.links.values():
+            self._sleep.register(link.fd, zmq.POLLIN)
+
+    # -- sending --------------------------------------------------------------------------------
+
+    def send(self, dst: int, run: int, step: int, array: np.ndarray) -> None:
+        """Queue `array` for `dst` behind a header; the caller leaves it unchanged until flush
+        (HostEngine flushes before a collective returns)."""
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array).reshape(array.shape)
+        self.bytes_sent += array.nbytes
+        link = self.links[dst]
+        payload = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
+        parts = [memoryview(header_bytes(run, step, array)), payload]
+        if not link.queue:
+            sent = self._write(link, parts)
+            parts = _after(parts, sent)
+        link.queue.extend(part for part in parts if len(part))
+        if link.queue:
+            self._backlog.add(dst)
+
+    def _write(self, link: Link, parts: list[memoryview]) -> int:
+        """As many of `parts`' bytes as the kernel takes now."""
+        if link.broken:
+            raise WorkerLost(f"worker {self.rank}: the connection to worker {link.peer} {link.broken}", rank=link.peer)
+        try:
+            return link.sock.sendmsg(parts)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            link.broken = f"failed: {exc.strerror or exc}"
+            raise WorkerLost(
+                f"worker {self.rank}: sending to worker {link.peer} failed: {exc}", rank=link.peer
+            ) from None
+
+    def _pump(self) -> bool:
+        """Move queued bytes to the kernel; True when nothing is left queued."""
+        for dst in list(self._backlog):
+            link = self.links[dst]
+            while link.queue:
+                sent = self._write(link, list(link.queue)[:64])
+                if not sent:
+                    break
+                while sent:
+                    head = link.queue[0]
+                    if sent >= len(head):
+                        sent -= len(head)
+                        link.queue.popleft()
+                    else:
+                        link.queue[0] = head[sent:]
+                        sent = 0
+            if not link.queue:
+                self._backlog.discard(dst)
+        return not self._backlog
+
+    def flush(self, run: int, deadline: Deadline) -> None:
+        waiter = None
+        while not self._pump():
+            waiter = waiter or self._waiter(deadline)
+            if not self._idle(waiter, run, None):
+                stuck = sorted(self._backlog)
+                raise WorkerLost(
+                    f"worker {self.rank}: workers {stuck} took no data for {deadline.seconds:.1f} s", rank=stuck[0]
+                )
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    def receive(
+        self, src: int, run: int, step: int, deadline: Deadline, shape: tuple[int, ...], dtype: np.dtype, sink: Sink
+    ) -> None:
+        start = time.perf_counter()
+        try:
+            while True:
+                if self._aborts or self._stash.get(src):
+                    chunk = self._stashed(src, run, step)
+                    if chunk is not None:  # set aside earlier
+                        check_arrival(chunk.array.shape, chunk.array.dtype, shape, dtype, src, step)
+                        sink(0, chunk.array.reshape(-1))
+                        return
+                arrival = self._arrival(src, run, step, deadline)
+                if arrival.run == run and arrival.step == step:
+                    check_arrival(arrival.shape, arrival.dtype, shape, dtype, src, step)
+                    self._stream(src, arrival, sink, run, step, deadline)
+                    return
+                self._set_aside(src, arrival, run, step, deadline)  # another message: kept, or stale
+        finally:
+            self.waited += time.perf_counter() - start
+
+    def _arrival(self, src: int, run: int, step: int, deadline: Deadline) -> Arrival:
+        """The header of the next message from `src` whose payload is still to read. Reading is
+        resumable: a wait broken off (an abort, a deadline) leaves the link's count of the
+        message's bytes read, and a message whose payload was broken off midway belonged to a
+        failed run, so the rest of it is skipped here."""
+        link = self.links[src]
+        while link.arrival is not None and link.got > link.header_size:
+            self._payload(src, memoryview(bytearray(min(STREAM_BYTES, link.left()))), run, step, deadline)
+        if link.arrival is None:
+            view = memoryview(link.header)
+            if link.got < HEADER.size:
+                self._read(link, view[link.got : HEADER.size], run, step, deadline)
+            ndim = link.header[HEADER.size - 1]
+            if ndim > MAX_DIMS:
+                self._garbled(link, f"a message of {ndim} dims")
+            size = HEADER.size + ndim * DIM.size
+            if link.got < size:
+                self._read(link, view[link.got : size], run, step, deadline)
+            try:
+                arrival = parse_header(view[: HEADER.size], view[HEADER.size : size])
+            except ProtocolError as exc:
+                self._garbled(link, str(exc))
+            if arrival.nbytes > MAX_PAYLOAD:
+                self._garbled(link, f"a message of {arrival.nbytes} bytes")
+            link.arrival, link.header_size = arrival, size
+        return link.arrival
+
+    def _garbled(self, link: Link, what: str):
+        link.broken = f"sent {what}"
+        raise ProtocolError(f"worker {self.rank}: worker {link.peer} sent {what} over the tcp plane")
+
+    def _stream(self, src: int, arrival: Arrival, sink: Sink, run: int, step: int, deadline: Deadline) -> None:
+        """The payload into `sink` in pieces of whole elements, each read completely first."""
+        if arrival.nbytes <= STREAM_BYTES:
+            array = np.empty(arrival.shape, arrival.dtype)
+            self._payload(src, _bytes_of(array), run, step, deadline)
+            sink(0, array.reshape(-1))
+            return
+        piece = STREAM_BYTES - STREAM_BYTES % arrival.dtype.itemsize
+        scratch = np.empty(piece // arrival.dtype.itemsize, arrival.dtype)
+        at, left = 0, arrival.nbytes
+        while left:
+            fragment = scratch[: min(piece, left) // arrival.dtype.itemsize]
+            self._payload(src, _bytes_of(fragment), run, step, deadline)
+            sink(at, fragment)
+            at += fragment.size
+            left -= fragment.nbytes
+
+    def _payload(self, src: int, view: memoryview, run: int, step: int, deadline: Deadline) -> None:
+        """The next len(view) bytes of the current message's payload into `view`; the message is
+        done with when its last byte is read."""
+        link = self.links[src]
+        self._read(link, view, run, step, deadline)
+        if not link.left():
+            link.finished()
+
+    def _read(self, link: Link, view: memoryview, run: int, step: int, deadline: Deadline) -> None:
+        """Fill `view` with the next bytes from the link (counted in `link.got` as they come):
+        spin, then sleep; WorkerLost at the deadline, or at once when the peer's connection
+        closes."""
+        src, got, total, waiter = link.peer, 0, len(view), None
+        if link.broken:
+            raise WorkerLost(f"worker {self.rank}: the connection to worker {src} {link.broken}", rank=src)
+        while got < total:
+            if link.end > link.start:  # read ahead earlier
+                n = min(total - got, link.end - link.start)
+                view[got : got + n] = link.view[link.start : link.start + n]
+                link.start += n
+                got += n
+                link.got += n
+                continue
+            direct = total - got >= READ_AHEAD_BYTES // 2
+            n = self._recv(link, view[got:] if direct else link.view, run, step)
+            if n > 0:
+                if direct:
+                    got += n
+                    link.got += n
+                else:
+                    link.start, link.end = 0, n
+                if waiter is not None:
+                    waiter.progressed()
+                continue
+            waiter = waiter or self._waiter(deadline)
+            if not self._idle(waiter, run, link):
+                self._lost(src, run, step, deadline)
+
+    def _recv(self, link: Link, into: memoryview, run: int, step: int) -> int:
+        """The bytes from `link` now, into `into`: how many (-1: none yet); WorkerLost when the
+        connection failed or the peer closed it (it exited)."""
+        try:
+            n = link.sock.recv_into(into)
+        except (BlockingIOError, InterruptedError):
+            return -1
+        except OSError as exc:
+            link.broken = f"failed: {exc.strerror or exc}"
+            raise WorkerLost(
+                f"worker {self.rank}: receiving from worker {link.peer} failed: {exc}", rank=link.peer
+            ) from None
+        if n == 0:
+            link.broken = "was closed by that worker"
+            raise WorkerLost(
+                f"worker {self.rank}: worker {link.peer} closed its connection (run {run}, step {step})", rank=link.peer
+            )
+        return n
+
+    def _lost(self, src: int, run: int, step: int, deadline: Deadline):
+        raise WorkerLost(
+            f"worker {self.rank}: no data from worker {src} within {deadline.seconds:.1f} s (run {run}, step {step})",
+            rank=src,
+        )
+
+    # -- waiting --------------------------------------------------------------------------------
+
+    def _waiter(self, deadline: Deadline) -> Waiter:
+        return Waiter(deadline, POLITE_SPIN_SECONDS, polite=True) if self._polite else Waiter(deadline)
+
+    def _idle(self, waiter: Waiter, run: int, link: Link | None) -> bool:
+        """One turn of waiting for `link`'s bytes (None: for room to send): pump our queued bytes,
+        spin, looking for aborts when due; once the spin is over, sleep until the socket or the
+        ZeroMQ inbox has something, at most BLOCK_SECONDS. False once the deadline has passed."""
+        self._pump()
+        spun = waiter.spun(lambda: self._check_signals(run))
+        if spun is not None:
+            return spun
+        if self._backlog:  # also wake when a peer makes room for our bytes
+            poller = zmq.Poller()
+            poller.register(self.inbox, zmq.POLLIN)
+            for dst in self._backlog:
+                poller.register(self.links[dst].fd, zmq.POLLOUT)
+            if link is not None:
+                poller.register(link.fd, zmq.POLLIN | (zmq.POLLOUT if link.peer in self._backlog else 0))
+            poller.poll(waiter.block_ms())
+        else:
+            self._sleep.poll(waiter.block_ms())
+        self._check_signals(run)
+        return not waiter.deadline.expired()
+
+    # -- the small all-reduce -------------------------------------------------------------------
+
+    def posts(self, dtype: np.dtype, shape: tuple[int, ...]) -> bool:
+        """Whether an all-reduce of `shape` arrays of `dtype` takes `bound_all_reduce`."""
+        return self.size > 1 and prod(shape) * dtype.itemsize <= DIRECT_BYTES
+
+    def bound_all_reduce(self, dtype: np.dtype, shape: tuple[int, ...], out: np.ndarray | None = None):
+        """A direct all-reduce of arrays of one dtype and shape (workers/comm.py HostComm's
+        contract): sent to every peer, each peer's read straight into a buffer of this call's,
+        summed in rank order into `out` (else a new array). The input is sent before the call
+        returns, so the caller may write over it at once."""
+        if not self.posts(dtype, shape):
+            return None
+        if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous):
+            raise ProtocolError(f"all-reduce into a {out.shape} {out.dtype} buffer: needs C-order {shape} {dtype}")
+        rank, n, size = self.rank, self.size, prod(shape)
+        peers = [self.links[d] for d in range(n) if d != rank]
+        theirs = {link.peer: np.empty(shape, dtype) for link in peers}
+        target = None if out is None else out.reshape(-1)
+        header = bytearray(header_template(dtype, tuple(shape)))  # run and step written per call
+        expected = memoryview(header)
+        need = len(header) + size * dtype.itemsize  # a whole message: header and payload
+        buffered = need <= READ_AHEAD_BYTES
+
+        def run_direct(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
+            flat = np.ascontiguousarray(local).reshape(-1)
+            RUN_STEP.pack_into(header, 0, run, step)
+            self.bytes_sent += flat.nbytes * len(peers)
+            for link in peers:
+                self._send_parts(link, [expected, flat])
+            parts, taken = [], []
+            for link in peers:
+                part = None
+                while buffered and (part := self._buffered(link, expected, need, run, step, deadline)) is False:
+                    arrival = self._arrival(link.peer, run, step, deadline)  # another message came first
+                    self._set_aside(link.peer, arrival, run, step, deadline)
+                if not part:
+                    self._receive_into(link.peer, theirs[link.peer], run, step, deadline)
+                    part = theirs[link.peer].reshape(-1)
+                else:
+                    part, offset = np.frombuffer(link.buffer, dtype, size, link.start + len(header)), need
+                    taken.append((link, offset))
+                parts.append(part)
+            if self._backlog:  # the header and `local` are reused: everything leaves before we return
+                self.flush(run, deadline)
+            parts.insert(rank, flat)
+            total = np.add(parts[0], parts[1], out=target)
+            for part in parts[2:]:
+                total += part
+            for link, offset in taken:
+                link.start += offset
+            return out if out is not None else total.reshape(shape)
+
+        return run_direct
+
+    def _send_parts(self, link: Link, parts: list) -> None:
+        """Send a header and payload (whole messages, on the bound path); what the kernel does
+        not take now is queued."""
+        if not link.queue:
+            sent = self._write(link, parts)
+            if sent == sum(memoryview(part).nbytes for part in parts):
+                return
+            views = _after([memoryview(part).cast("B") for part in parts], sent)
+        else:
+            views = [memoryview(part).cast("B") for part in parts]
+        link.queue.extend(view for view in views if len(view))
+        self._backlog.add(link.peer)
+
+    def _buffered(
+        self, link: Link, expected: memoryview, need: int, run: int, step: int, deadline: Deadline
+    ) -> bool | None:
+        """True once the next message from `link` is the one `expected` heads, whole in the
+        link's read buffer (read until it is: its payload starts len(expected) bytes after
+        link.start); False where another message comes first; None where the general path must
+        take it (a message half read, or the awaited one set aside earlier)."""
+        if self._aborts:
+            self._raise_if_aborted(run)
+        stash = self._stash.get(link.peer)
+        if link.arrival is not None or link.got or link.broken or (stash and _holds(stash, run, step)):
+            return None
+        waiter, start = None, time.perf_counter()
+        try:
+            while link.end - link.start < need:
+                if (
+                    link.end - link.start >= HEADER.size
+                    and link.view[link.start : link.start + HEADER.size] != expected[: HEADER.size]
+                ):
+                    return False
+                if READ_AHEAD_BYTES - link.start < need:  # room for the whole message at the front
+                    held = link.end - link.start
+                    link.view[:held] = link.view[link.start : link.end]
+                    link.start, link.end = 0, held
+                got = self._recv(link, link.view[link.end :], run, step)
+                if got > 0:
+                    link.end += got
+                    if waiter is not None:
+                        waiter.progressed()
+                    continue
+                waiter = waiter or self._waiter(deadline)
+                if not self._idle(waiter, run, link):
+                    self._lost(link.peer, run, step, deadline)
+        finally:
+            self.waited += time.perf_counter() - start
+        return link.view[link.start : link.start + len(expected)] == expected
+
+    def _set_aside(self, src: int, arrival: Arrival, run: int, step: int, deadline: Deadline) -> None:
+        """Read the payload of the message `arrival` heads and keep it for its own step (or drop
+        it, stale)."""
+        array = np.empty(arrival.shape, arrival.dtype)
+        self._payload(src, _bytes_of(array), run, step, deadline)
+        self._take(p.Chunk(src, arrival.run, arrival.step, array), run)
+
+    def _receive_into(self, src: int, buffer: np.ndarray, run: int, step: int, deadline: Deadline) -> None:
+        """The message (src, run, step) straight into `buffer` when it is the next to come."""
+        start = time.perf_counter()
+        try:
+            if not (self._aborts or self._stash.get(src)):
+                arrival = self._arrival(src, run, step, deadline)
+                if arrival.run == run and arrival.step == step:
+                    check_arrival(arrival.shape, arrival.dtype, buffer.shape, buffer.dtype, src, step)
+                    self._payload(src, _bytes_of(buffer), run, step, deadline)
+                    return
+        finally:
+            self.waited += time.perf_counter() - start
+        self.receive(src, run, step, deadline, buffer.shape, buffer.dtype, _into(buffer))
+
+    def routes(self) -> dict[int, str]:
+        return {str(dst): "tcp" for dst in sorted(self.links)}
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links, self._backlog = {}, set()
+        super().close()
+
+
+def rendezvous(comm: TcpComm, peers: list[str], session: bytes, deadline: Deadline) -> dict[int, Link]:
+    """Connections to every peer (see the module's doc): listen, tell the higher ranks where over
+    ZeroMQ, connect to the lower ranks, accept the higher ones."""
+    rank, size = comm.rank, comm.size
+    links: dict[int, Link] = {}
+    listener = _listen(_host_of(peers[rank]), size)
+    try:
+        host, port = _host_of(peers[rank]), listener.getsockname()[1]
+        where = np.frombuffer(f"{host}|{port}".encode(), np.uint8)
+        for dst in range(rank + 1, size):
+            comm._send(dst, p.Chunk(rank, RENDEZVOUS_RUN, 0, where))
+        for src, address in _addresses(comm, range(rank), deadline).items():
+            links[src] = _dial(address, GREETING.pack(MAGIC, rank, session), src, deadline)
+        while len(links) < size - 1:
+            sock = _accept(listener, deadline, rank, size - 1 - len(links))
+            greeted = _greeting(sock, session, rank, size, links)
+            if greeted < 0:
+                sock.close()
+            else:
+                links[greeted] = Link(greeted, sock)
+        return links
+    except BaseException:
+        for link in links.values():
+            link.close()
+        raise
+    finally:
+        listener.close()
+
+
+def _host_of(endpoint: str) -> str:
+    """The host a worker's ZeroMQ inbox is reached at (loopback for an ipc inbox)."""
+    if not endpoint.startswith("tcp://"):
+        return "127.0.0.1"
+    return endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+
+
+def _listen(host: str, backlog: int) -> socket.socket:
+    """A listener on `host`, or on every interface where `host` is a name this host does not
+    hold (an advertised address behind a NAT)."""
+    for where in (host, "0.0.0.0"):
+        try:
+            family = socket.AF_INET6 if ":" in where else socket.AF_INET
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            listener.bind((where, 0))
+            listener.listen(backlog)
+            return listener
+        except OSError as exc:
+            listener.close()
+            failure = exc
+    raise TransportError(f"the tcp plane cannot listen on {host}: {failure}")
+
+
+def _addresses(comm: TcpComm, sources: range, deadline: Deadline) -> dict[int, tuple[str, int]]:
+    """Where each worker of `sources` listens, from its ZeroMQ message."""
+    found: dict[int, tuple[str, int]] = {}
+    while len(found) < len(sources):
+        message = comm._next(deadline.remaining())
+        if message is None:
+            missing = [s for s in sources if s not in found]
+            raise TransportError(f"worker {comm.rank}: workers {missing} did not say where their tcp plane listens")
+        if isinstance(message, p.Chunk) and message.run == RENDEZVOUS_RUN and message.src in sources:
+            host, _, port = bytes(message.array).decode("ascii", "replace").rpartition("|")
+            if port.isdigit():
+                found[message.src] = (host, int(port))
+    return found
+
+
+def _dial(address: tuple[str, int], greeting: bytes, peer: int, deadline: Deadline) -> Link:
+    try:
+        sock = socket.create_connection(address, timeout=max(0.1, deadline.remaining()))
+        sock.sendall(greeting)
+    except OSError as exc:
+        raise TransportError(f"the tcp plane cannot reach worker {peer} at {address[0]}:{address[1]}: {exc}") from None
+    return Link(peer, sock)
+
+
+def _accept(listener: socket.socket, deadline: Deadline, rank: int, missing: int) -> socket.socket:
+    listener.settimeout(max(0.01, deadline.remaining()))
+    try:
+        sock, _ = listener.accept()
+    except TimeoutError:
+        raise TransportError(f"worker {rank}: {missing} higher ranks did not connect to its tcp plane") from None
+    return sock
+
+
+def _greeting(sock: socket.socket, session: bytes, rank: int, size: int, links: dict[int, Link]) -> int:
+    """The rank a new connection greets as, or -1 for a connection to drop (a stranger, a wrong
+    session, a rank that is not a higher peer or already connected)."""
+    sock.settimeout(2.0)
+    data = b""
+    try:
+        while len(data) < GREETING.size:
+            more = sock.recv(GREETING.size - len(data))
+            if not more:
+                return -1
+            data += more
+    except OSError:
+        return -1
+    magic, peer, theirs = GREETING.unpack(data)
+    if magic != MAGIC or theirs != session or not rank < peer < size or peer in links:
+        return -1
+    return peer
+
+
+def _holds(stash, run: int, step: int) -> bool:
+    return any(chunk.run == run and chunk.step == step for chunk in stash)
+
+
+def _after(parts: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of `parts` once `sent` bytes of them have gone."""
+    left = []
+    for part in parts:
+        if sent >= len(part):
+            sent -= len(part)
+        else:
+            left.append(part[sent:])
+            sent = 0
+    return left
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    return memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(bytearray(0))
+
+
+def _into(buffer: np.ndarray) -> Sink:
+    flat = buffer.reshape(-1)
+
+    def sink(at: int, fragment: np.ndarray) -> None:
+        flat[at : at + fragment.size] = fragment
+
+    return sink
