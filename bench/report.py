@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cli.display import table  # noqa: F401 - the one table printer, which the benchmarks print with
+from transport.environment import BLAS_THREAD_VARS
 
 
 def machine() -> dict[str, Any]:
@@ -64,9 +65,6 @@ def cli(doc: str, name: str, run, show, argv: list[str] | None = None, extra=Non
     show(results)
     write_json(args.json, name, results)
     return 0
-
-
-BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from meta.device import MetaDevice
 from meta.launchers import LaunchEnv, detect_launcher, job_directory
 from split_state.errors import MetaError, WorkerLost
 from transport import protocol as p
-from transport.environment import MPI_RANK_ENV
+from transport.environment import BLAS_THREAD_VARS, MPI_RANK_ENV
 from transport.sockets import private_dir
 from workers import backends, planes
 
@@ -43,7 +43,13 @@ def add_cluster_options(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--devices", default="", help="device indices, one worker each, e.g. 0,2,3")
     ap.add_argument("--listen", default="", help="coordinator endpoint for remote workers, e.g. tcp://0.0.0.0:5555")
-    ap.add_argument("--spawn", type=int, default=None, help="with --listen: 0 waits for remote workers")
+    ap.add_argument(
+        "--spawn",
+        type=int,
+        default=None,
+        help="with --listen: start ranks 0..N-1 here and wait for the rest (launch.py worker --connect); "
+        "0 waits for every worker (default: all here)",
+    )
     ap.add_argument("--keys", default="", help="CURVE key file (launch.py keys)")
     ap.add_argument("--insecure", action="store_true", help="tcp without keys: anyone who can reach the ports joins")
     ap.add_argument(
@@ -131,10 +137,14 @@ def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
             advertise=args.advertise,
         )
     spawn = args.spawn if args.spawn is not None else (args.workers or 0)
-    if listen and spawn == 0:
-        config["spawn"] = False
+    if listen and args.workers and 0 < spawn < args.workers:
+        config["local_workers"] = spawn
+    if listen and (spawn == 0 or spawn < (args.workers or 0)):
+        config["spawn"] = spawn > 0
+        ranks = f" (R = {spawn}..{args.workers - 1})" if spawn else ""
         print(
-            f"waiting for {args.workers} workers: python launch.py worker --connect {listen} --rank R"
+            f"waiting for {(args.workers or 0) - spawn or args.workers} workers: python launch.py worker "
+            f"--connect {listen} --rank R{ranks}"
             + (f" --keys {args.keys}" if args.keys else " --insecure" if args.insecure else ""),
             file=sys.stderr,
             flush=True,
@@ -205,6 +215,8 @@ def exec_worker(
             "or --insecure if the coordinator runs without keys"
         )
     beat, beat_in = p.endpoints_from_control(connect)
+    # this host's cores unless told (-t): a worker joining from elsewhere is usually its host's one
+    threads = getattr(args, "threads", None) or len(os.sched_getaffinity(0))
     launch = p.WorkerLaunch(
         connect=connect,
         beat=beat,
@@ -216,8 +228,14 @@ def exec_worker(
         advertise=getattr(args, "advertise", ""),
         liveness=args.liveness,
         parent_pid=os.getpid(),  # the worker ends with this process (a launcher may kill it)
+        threads=threads,
     )
     env = dict(args.environ, PYTHONPATH=ROOT + os.pathsep + args.environ.get("PYTHONPATH", ""), **(extra_env or {}))
+    # BLAS reads its pool size once, at start: as many threads as the worker's loops, as a spawned
+    # worker gets (left to itself OpenBLAS takes every core, and its sums' order, so a step's
+    # bits, followed the thread count: a remote worker's greedy tokens differed from a spawned one's)
+    for var in BLAS_THREAD_VARS:
+        env.setdefault(var, str(threads))
     try:
         code = subprocess.call(launch.command(), env=env)
         if code != 0:

@@ -88,4 +88,11 @@ def add(sub) -> None:
     p.add_argument("--insecure", action="store_true", help="join a coordinator that runs without keys")
     p.add_argument("--advertise", default="", help="this host's address as the other workers reach it")
     p.add_argument("--liveness", type=float, default=5.0, help="seconds to wait on a silent coordinator (%(default)s)")
+    p.add_argument(
+        "-t",
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for BLAS and the quantized loops (default: this host's cores)",
+    )
     p.set_defaults(fn=worker)

@@ -26,7 +26,7 @@ from meta.launchers import worker_cpus
 from split_state.errors import DeadlineExceeded, MetaError, ProtocolError, TransportError, WorkerLost, WorkerTimeout
 from transport import protocol as p
 from transport.deadline import Deadline, Liveness
-from transport.environment import CPUS_ENV
+from transport.environment import BLAS_THREAD_VARS, CPUS_ENV
 from transport.replies import OnMessage, Watch, gather_replies
 from transport.shm import remove_session
 from transport.sockets import CurveKeys, IpcDir, Security, bind, is_local, pull, push, recv_frames, router, send
@@ -259,7 +259,7 @@ class ProcessCluster:
                 env[CPUS_ENV] = ",".join(map(str, cpus[rank]))
             env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
             threads = str(self.config.blas_threads)
-            for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            for var in BLAS_THREAD_VARS:
                 env[var] = threads  # one worker per core: BLAS must not oversubscribe
             cmd = self.worker_command(rank)
             if self.config.log_dir:

@@ -148,6 +148,18 @@ def test_coordinator_and_workers_on_three_hosts(hosts, tmp_path, secure, plane, 
     assert f"JOB OK 2 workers ['{used}'] ['{SUBNET}.2', '{SUBNET}.3']" in out
 
 
+def test_a_coordinator_spawns_some_workers_and_waits_for_the_rest(hosts, tmp_path):
+    """--spawn 1 of --workers 2: rank 0 starts beside the coordinator (host A), rank 1 joins from
+    host B; on auto, without keys, the two hosts' workers take the tcp plane."""
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    listen = f"tcp://{SUBNET}.1:29651"
+    coordinator = hosts("a", "run", "--listen", listen, "--spawn", "1", "--workers", "2", "--insecure", str(job))
+    worker = hosts("b", "worker", "--connect", listen, "--rank", "1", "--backend", "cpu", "--insecure", "-t", "1")
+    out = finish(coordinator, [worker])
+    assert f"JOB OK 2 workers ['tcp'] ['{SUBNET}.1', '{SUBNET}.2']" in out
+
+
 LAUNCHERS = {  # what each launcher tells rank R of 2 (the coordinator's port travels as MASTER_PORT)
     "torchrun": lambda r: {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": f"{SUBNET}.1"},
     "slurm": lambda r: {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": f"{SUBNET}.1"},
@@ -169,3 +181,64 @@ def test_a_batch_launcher_starts_the_same_command_everywhere(hosts, tmp_path, la
     rank1 = hosts("b", *args, env={**LAUNCHERS[launcher](1), "MASTER_PORT": port})
     out = finish(rank0, [rank1])
     assert f"JOB OK 2 workers ['zmq'] ['{SUBNET}.1', '{SUBNET}.2']" in out
+
+
+PING = textwrap.dedent("""
+    import socket, sys, time
+    role, host = sys.argv[1], sys.argv[2]
+    if role == "serve":
+        with socket.create_server((host, 29690)) as server:
+            conn, _ = server.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while data := conn.recv(64):
+                conn.sendall(data)
+    else:
+        for _ in range(100):
+            try:
+                sock = socket.create_connection((host, 29690))
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        trips = []
+        for _ in range(20):
+            start = time.perf_counter()
+            sock.sendall(b"x")
+            sock.recv(64)
+            trips.append(time.perf_counter() - start)
+        print(sorted(trips)[len(trips) // 2])
+""")
+
+
+def test_the_hosts_bench_delays_each_way_by_what_it_is_told(tmp_path):
+    """bench/hosts.py's path between two namespaces: forwarded by the kernel a round trip takes
+    well under a millisecond; through its relay at 1 ms one way, at least 2 ms (and not much
+    more)."""
+    from bench import hosts as bench_hosts
+
+    reason = bench_hosts.why_not()
+    if reason:
+        pytest.skip(reason)
+    script = tmp_path / "ping.py"
+    script.write_text(PING)
+    where = bench_hosts.Hosts()
+    try:
+        trips = {}
+        for delay in (None, 1.0):
+            where.link(delay, None)
+            server = subprocess.Popen(
+                ["ip", "netns", "exec", where.b, sys.executable, str(script), "serve", f"{bench_hosts.NET_B}.1"]
+            )
+            try:
+                out = subprocess.run(
+                    ["ip", "netns", "exec", where.a, sys.executable, str(script), "ping", f"{bench_hosts.NET_B}.1"],
+                    capture_output=True, text=True, timeout=60, check=True,
+                )  # fmt: skip
+            finally:
+                server.kill()
+                server.wait()
+            trips[delay] = float(out.stdout)
+    finally:
+        where.close()
+    assert trips[None] < 1e-3, trips
+    assert 2e-3 <= trips[1.0] < 10e-3, trips

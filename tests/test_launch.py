@@ -1,5 +1,6 @@
 """launch.py end to end: demo, Ctrl-C, orphans, two hosts on loopback with CURVE, launchers."""
 
+import argparse
 import os
 import random
 import signal
@@ -401,6 +402,28 @@ def test_threads_reach_the_workers_command_line():
 
     launch = p.WorkerLaunch("ipc:///x/c", "ipc:///x/b", "ipc:///x/i", 0, threads=3)
     assert "--threads" in launch.argv() and p.WorkerLaunch.parse(launch.argv()).threads == 3
+
+
+@pytest.mark.parametrize("threads, preset, blas", [(None, None, "ALL"), (3, None, "3"), (3, "1", "1")])
+def test_a_remote_worker_gets_its_threads_and_blas_pools_of_that_size(monkeypatch, threads, preset, blas):
+    """`launch.py worker -t N`: the worker's loops and its BLAS pools take N threads (default: this
+    host's cores), unless the user set a pool's size; left alone, OpenBLAS took every core and
+    its sums' order with it, so a remote worker's greedy tokens differed from a spawned one's."""
+    import cli.options
+    from transport import protocol as p
+
+    cores = len(os.sched_getaffinity(0))
+    started = {}
+    monkeypatch.setattr(cli.options.subprocess, "call", lambda cmd, env: started.update(cmd=cmd, env=env) or 0)
+    environ = {} if preset is None else {"OPENBLAS_NUM_THREADS": preset}
+    args = argparse.Namespace(
+        backend="cpu", keys="", insecure=True, liveness=5.0, threads=threads, environ=environ, advertise=""
+    )
+    assert cli.options.exec_worker("tcp://127.0.0.1:5000", 1, args) == 0
+    told = p.WorkerLaunch.parse(started["cmd"][started["cmd"].index("workers") + 1 :])
+    assert told.threads == (threads or cores) and told.rank == 1
+    assert started["env"]["OPENBLAS_NUM_THREADS"] == (str(cores) if blas == "ALL" else blas)
+    assert started["env"]["OMP_NUM_THREADS"] == str(threads or cores)
 
 
 def test_a_prompt_file_loses_one_trailing_newline_as_llama_cpps_does(tmp_path):

@@ -4,6 +4,9 @@ Nothing is imported here: a worker reads these before anything in it starts a th
 threads keep the CPUs of the thread that started them).
 """
 
+# the BLAS pools' sizes, read once when BLAS loads: a worker is started with them set to its
+# threads (a spawned one by the coordinator, a remote one by `launch.py worker`)
+BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 CPUS_ENV = "META_TP_CPUS"  # a spawned worker's CPUs, "0,1"; absent when workers are not bound
 # set by the command line for a worker started by rank R of an MPI job (mpiexec, srun): the worker
 # may join MPI as rank R (workers/planes/mpi/__init__.py); a worker without it never initializes MPI

@@ -1,0 +1,264 @@
+"""Tensor parallelism across hosts: two network namespaces on this machine, a router namespace
+between them that delays every packet (and a token bucket that caps the rate), SmolLM2 decoded
+by two workers, one in each, beside the same two workers on one host.
+
+    python bench/hosts.py [--quick] [--json PATH] [--tokens 48] [--delays 0 0.05 0.2 1] [--rates 10 1]
+
+Hosts: namespace A holds the coordinator and worker 0 (spawned there), B worker 1 (`launch.py
+worker --connect`); they reach each other only through namespace R, which forwards between its
+two veth pairs. Delay: this kernel may lack `sch_netem`, so R routes every packet it forwards
+into a TUN device that a relay of ours (this file, `--relay-delay-us`) reads and writes back
+after the one-way delay; written back, the kernel forwards it on. Rate: `tc tbf` on R's two
+egress links. Rows: the same two workers on one host (shared memory; the tcp plane over the
+loopback), across the namespaces forwarded by the kernel (no relay), and through the relay at
+each delay (0 ms: the relay's own cost). Each row is `launch.py generate` (greedy, `--tokens`
+tokens of a fixed prompt, one thread a worker) as a user runs it, its printed prefill and decode
+rates. The relay is a Python process on the same two cores as the workers: it costs them CPU
+and adds its own latency per packet (the 0 ms relay row shows how much). Layer split across hosts
+(`--split layer`) is not built yet: its column says so.
+
+Needs root (network namespaces) and iproute2 (ip, tc); without them it says why and exits 0.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import cli, table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based inks and a wooden press adapted from those used for "
+    "wine. Within fifty years printing had spread to more than two hundred cities, and"
+)
+NET_A, NET_B = "10.66.1", "10.66.2"  # A's and B's links to the router R (.1 the host, .254 R)
+TUN = "mtpdly"
+TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
+RATE = re.compile(r"prefill (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\), decode (\d+) tokens in [\d.]+ s \(([\d.]+)")
+
+
+def why_not() -> str:
+    """Why this machine cannot run the bench ("" if it can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    if not os.path.exists("/dev/net/tun"):
+        return "no /dev/net/tun for the delaying relay"
+    return ""
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+def in_ns(ns: str, *cmd: str) -> None:
+    sh("ip", "netns", "exec", ns, *cmd)
+
+
+class Hosts:
+    """Namespaces A and B joined through router R; `link(delay_ms, rate_gbit)` sets the path."""
+
+    def __init__(self) -> None:
+        tag = f"mtph{os.getpid() % 10000}"
+        self.a, self.b, self.r = f"{tag}a", f"{tag}b", f"{tag}r"
+        self.relay: subprocess.Popen | None = None
+        try:
+            for ns in (self.a, self.b, self.r):
+                sh("ip", "netns", "add", ns)
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+            for ns, net, side in ((self.a, NET_A, "ra"), (self.b, NET_B, "rb")):
+                sh("ip", "link", "add", f"{tag}{side}", "type", "veth", "peer", "name", f"{tag}h{side}")
+                sh("ip", "link", "set", f"{tag}{side}", "netns", self.r)
+                sh("ip", "link", "set", f"{tag}h{side}", "netns", ns)
+                sh("ip", "-n", self.r, "link", "set", f"{tag}{side}", "name", side)
+                sh("ip", "-n", ns, "link", "set", f"{tag}h{side}", "name", "eth0")
+                sh("ip", "-n", self.r, "addr", "add", f"{net}.254/24", "dev", side)
+                sh("ip", "-n", ns, "addr", "add", f"{net}.1/24", "dev", "eth0")
+                sh("ip", "-n", self.r, "link", "set", side, "up")
+                sh("ip", "-n", ns, "link", "set", "eth0", "up")
+                sh("ip", "-n", ns, "route", "add", "default", "via", f"{net}.254")
+            for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"):
+                name, value = key.split("=")
+                in_ns(self.r, "sh", "-c", f"echo {value} > /proc/sys/{name.replace('.', '/')}")
+        except BaseException:
+            self.close()
+            raise
+
+    def link(self, delay_ms: float | None, rate_gbit: float | None) -> None:
+        """Route R's forwarding through the relay at `delay_ms` (None: the kernel forwards), and
+        cap each direction at `rate_gbit` (None: no cap)."""
+        self._stop_relay()
+        for side in ("ra", "rb"):
+            subprocess.run(
+                ["ip", "netns", "exec", self.r, "tc", "qdisc", "del", "dev", side, "root"], capture_output=True
+            )
+            if rate_gbit is not None:
+                burst = max(32_000, int(rate_gbit * 1e9 / 8 / 1000))  # a millisecond's bytes
+                in_ns(self.r, "tc", "qdisc", "add", "dev", side, "root", "tbf", "rate", f"{rate_gbit}gbit",
+                      "burst", str(burst), "latency", "20ms")  # fmt: skip
+        if delay_ms is None:
+            return
+        cmd = ["ip", "netns", "exec", self.r, sys.executable, __file__, "--relay-delay-us", str(int(delay_ms * 1000))]
+        self.relay = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.relay.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"the relay did not start: {line}{self.relay.stderr.read()}")
+        in_ns(self.r, "ip", "link", "set", TUN, "up")
+        in_ns(self.r, "sh", "-c", f"echo 0 > /proc/sys/net/ipv4/conf/{TUN}/rp_filter")
+        for side in ("ra", "rb"):  # what arrives from a host goes to the relay; what it writes back is routed on
+            in_ns(self.r, "ip", "rule", "add", "iif", side, "lookup", "100")
+        in_ns(self.r, "ip", "route", "add", "default", "dev", TUN, "table", "100")
+
+    def _stop_relay(self) -> None:
+        if self.relay is not None:
+            self.relay.kill()
+            self.relay.wait()
+            self.relay = None
+            for side in ("ra", "rb"):
+                subprocess.run(["ip", "netns", "exec", self.r, "ip", "rule", "del", "iif", side, "lookup", "100"],
+                               capture_output=True)  # fmt: skip
+
+    def close(self) -> None:
+        self._stop_relay()
+        for ns in (self.a, self.b, self.r):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def relay(delay_us: int) -> int:
+    """The delaying relay (run inside R): every packet read from the TUN device is written back
+    `delay_us` microseconds later, in order. It runs at real-time priority and sleeps in a
+    select until the next packet or the next one due: a network takes no CPU from the hosts, and
+    on a machine whose cores the workers' spinning waits fill, an ordinary process forwarding
+    for them would wait its turn behind them (each packet milliseconds late)."""
+    fd = os.open("/dev/net/tun", os.O_RDWR)
+    fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", TUN.encode(), IFF_TUN | IFF_NO_PI))
+    os.set_blocking(fd, False)
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    except OSError as exc:
+        print(f"the relay runs at normal priority ({exc}): its delays will be late", file=sys.stderr)
+    print("ready", flush=True)
+    delay, held = delay_us / 1e6, deque()
+    while True:
+        select.select([fd], [], [], max(0.0, held[0][0] - time.perf_counter()) if held else 1.0)
+        while True:
+            try:
+                packet = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            held.append((time.perf_counter() + delay, packet))
+        now = time.perf_counter()
+        while held and held[0][0] <= now:
+            os.write(fd, held.popleft()[1])
+
+
+def generate(ns_cmd: list[str], extra: list[str], tokens: int, worker: list[str] | None = None) -> dict:
+    """One `launch.py generate` (in a namespace where `ns_cmd` says), with a remote worker
+    started by `worker`; its prefill and decode rates."""
+    args = [sys.executable, str(ROOT / "launch.py"), "generate", PROMPT, "-n", str(tokens), "--temp", "0", "-t", "1"]
+    coordinator = subprocess.Popen([*ns_cmd, *args, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    remote = subprocess.Popen(worker, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) if worker else None
+    try:
+        out, err = coordinator.communicate(timeout=300)
+    finally:
+        if remote is not None:
+            try:
+                remote.wait(20)
+            except subprocess.TimeoutExpired:
+                remote.kill()
+    found = RATE.search(err) or RATE.search(out)
+    if coordinator.returncode != 0 or found is None:
+        raise RuntimeError(f"generate failed ({coordinator.returncode}): {err[-2000:]}")
+    return {"prefill_tps": float(found.group(2)), "decode_tps": float(found.group(4)), "text": out.strip()}
+
+
+def across(hosts: Hosts, plane: str, tokens: int, port: int) -> dict:
+    listen = f"tcp://{NET_A}.1:{port}"
+    coordinator = ["ip", "netns", "exec", hosts.a]
+    extra = ["--listen", listen, "--spawn", "1", "--workers", "2", "--insecure", "--data-plane", plane]
+    worker = ["ip", "netns", "exec", hosts.b, sys.executable, str(ROOT / "launch.py"), "worker", "--connect", listen,
+              "--rank", "1", "--backend", "cpu", "--insecure", "-t", "1"]  # fmt: skip
+    return generate(coordinator, extra, tokens, worker)
+
+
+def measure(args) -> dict:
+    reason = why_not()
+    if reason:
+        print(f"bench/hosts.py cannot run here: {reason}", file=sys.stderr)
+        return {"skipped": reason}
+    tokens = 16 if args.quick else args.tokens
+    delays = [0.2] if args.quick else args.delays
+    rows = []
+
+    def row(name: str, delay, rate, result: dict) -> None:
+        print(f"  {name}: decode {result['decode_tps']:.1f} tok/s", file=sys.stderr, flush=True)
+        rows.append({"path": name, "delay_ms": delay, "rate_gbit": rate, **result})
+
+    for plane in ("shm", "tcp"):
+        row(f"one host, {plane}", 0, None, generate([], ["--workers", "2", "--data-plane", plane], tokens))
+    hosts, port = Hosts(), 29700
+    try:
+        hosts.link(None, None)
+        row("2 hosts, kernel forwards", 0, None, across(hosts, "tcp", tokens, port))
+        for rate in [None, *args.rates] if not args.quick else [None]:
+            for delay in delays if rate is None else [0.2]:
+                port += 3
+                hosts.link(delay, rate)
+                name = f"2 hosts, relay {delay} ms" + (f", {rate:g} Gb/s" if rate else "")
+                row(name, delay, rate, across(hosts, "tcp", tokens, port))
+    finally:
+        hosts.close()
+    base = rows[0]["decode_tps"]
+    for r in rows:
+        r["decode_vs_one_host"] = r["decode_tps"] / base
+    return {"tokens": tokens, "rows": rows, "reference": rows[0]["text"]}
+
+
+def show(results: dict) -> None:
+    if "skipped" in results:
+        print(f"skipped: {results['skipped']}")
+        return
+    print(
+        table(
+            f"SmolLM2-135M Q4_1, 2 CPU workers x 1 thread, {results['tokens']} greedy tokens; "
+            "TP over the tcp plane; decode / one host (shm)",
+            ["path", "prefill tok/s", "decode tok/s", "TP / one host", "layer split", "same text"],
+            [
+                [
+                    r["path"],
+                    r["prefill_tps"],
+                    r["decode_tps"],
+                    r["decode_vs_one_host"],
+                    "not built",
+                    "yes" if r["text"] == results["reference"] else "NO",
+                ]
+                for r in results["rows"]
+            ],
+        )
+    )
+
+
+def _options(ap) -> None:
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--delays", type=float, nargs="+", default=[0, 0.05, 0.2, 1], help="one-way, ms")
+    ap.add_argument("--rates", type=float, nargs="+", default=[10, 1], help="Gb/s, each at 0.2 ms")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--relay-delay-us":
+        sys.exit(relay(int(sys.argv[2])))
+    sys.exit(cli(__doc__, "hosts", measure, show, None, _options))
