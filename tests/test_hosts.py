@@ -11,9 +11,11 @@ reason otherwise.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,52 @@ def test_a_coordinator_spawns_some_workers_and_waits_for_the_rest(hosts, tmp_pat
     worker = hosts("b", "worker", "--connect", listen, "--rank", "1", "--backend", "cpu", "--insecure", "-t", "1")
     out = finish(coordinator, [worker])
     assert f"JOB OK 2 workers ['tcp'] ['{SUBNET}.1', '{SUBNET}.2']" in out
+
+
+KILL_JOB = textwrap.dedent("""
+    import os, signal, sys, time
+    import numpy as np
+    from split_state import PARTIAL, MIRRORED
+    x = dev.tensor(np.ones(4, np.float32), PARTIAL)
+    x.redistribute(MIRRORED).numpy()
+    pids = " ".join(str(h.pid) for h in dev.cluster.devices)
+    print("killing", time.time(), pids, file=sys.stderr, flush=True)
+    os.kill(dev.cluster.devices[1].pid, signal.SIG{sig})  # the worker in the other namespace
+    while True:
+        x.redistribute(MIRRORED).numpy()
+""")
+
+
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+def test_a_worker_lost_on_another_host_is_reported_in_time_and_nothing_is_left(hosts, tmp_path, sig):
+    """As on one host (tests/test_launch.py): a killed worker in namespace B is seen at once (its
+    tcp connection closes), a stopped one within the liveness window; the coordinator exits 3
+    and no worker process is left on either host."""
+    from meta.cluster import alive
+
+    job = tmp_path / "kill.py"
+    job.write_text(KILL_JOB.format(sig=sig))
+    listen = f"tcp://{SUBNET}.1:{29661 if sig == 'KILL' else 29671}"
+    coordinator = hosts(
+        "a", "run", "--listen", listen, "--spawn", "1", "--workers", "2", "--insecure", "--liveness", "1", str(job)
+    )
+    remote = hosts("b", "worker", "--connect", listen, "--rank", "1", "--backend", "cpu", "--insecure", "-t", "1")
+    _, err = coordinator.communicate(timeout=60)
+    seen = {}
+    for line in err.splitlines():
+        if line.startswith("killing"):
+            _, at, *pids = line.split()
+            seen["kill"], seen["pids"] = float(at), [int(pid) for pid in pids]
+    assert coordinator.returncode == 3 and "kill" in seen and "error:" in err, err[-3000:]
+    finished = time.time()
+    assert finished - seen["kill"] < (0.0 if sig == "KILL" else 1.0) + 2.0, err[-3000:]
+    if sig == "STOP":
+        os.kill(seen["pids"][1], signal.SIGKILL)  # a stopped process cannot act on being told to go
+    remote.wait(10)
+    deadline = time.monotonic() + 5
+    while alive(seen["pids"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive(seen["pids"]) == [], "a worker outlived the coordinator"
 
 
 LAUNCHERS = {  # what each launcher tells rank R of 2 (the coordinator's port travels as MASTER_PORT)
