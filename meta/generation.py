@@ -33,6 +33,7 @@ class Generating:
         sampling: p.GenerateSettings,
         on_tokens: Callable[[int, list[int]], bool],
         every_step: bool = False,
+        on_logprobs: Callable[[int, np.ndarray], None] | None = None,
     ) -> dict:
         """Run captured decode `step` up to `steps` times on the workers, which feed each step's
         chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
@@ -43,8 +44,11 @@ class Generating:
         way (as Ctrl-C does), and the steps reported with it are not shown, unless
         `every_step`: then every step the workers ran is shown, those after the refusal too (a
         caller that goes on from where the workers stopped needs every token they fed back).
-        Returns rank 0's account (steps run, cancelled, times; with `sampling.own`, each
-        sequence's generator state at the end)."""
+        With `sampling.logprobs`, the step's third output is each row's probability mass (the
+        sum of exp(logit - best)) and `on_logprobs(step, rows)` gets each step's
+        log-probabilities (transport.protocol.Tokens.logprobs, one row per sequence) just before
+        its tokens. Returns rank 0's account (steps run, cancelled, times; with `sampling.own`,
+        each sequence's generator state at the end)."""
         if len(step.specs) != 2 or None in step.feed_slots:
             raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
         bound = self._bind(step, (tokens, positions))
@@ -52,10 +56,15 @@ class Generating:
         run = self.ledger.reserve_runs(steps + 1)  # one run id per step, none reused
         feeds, data = p.pack_arrays(fed)
         token_id, position_id = (inputs[slot] for slot in step.feed_slots)
-        board = token_board(len(sampling.done), steps)
+        if sampling.logprobs and (len(out_ids) < 3 or on_logprobs is None):
+            raise ShapeError(
+                "generate: log-probabilities need a step whose third output is each row's mass, and on_logprobs"
+            )
+        # the board carries token ids only: log-probabilities come in Tokens messages
+        board = None if sampling.logprobs else token_board(len(sampling.done), steps)
         if board is not None:
             sampling = dataclasses.replace(sampling, board=str(board.path))
-        shown = Shown(on_tokens, every_step)
+        shown = Shown(on_tokens, every_step, on_logprobs)
         message = p.Generate(
             step.compiled.program,
             run,
@@ -69,6 +78,7 @@ class Generating:
             sampling,
             feeds,
             data,
+            out_ids[2] if sampling.logprobs else -1,
         )
         watch = None
         if board is not None:
@@ -76,7 +86,9 @@ class Generating:
             watch = Watch(every_ms, lambda show: shown.steps(*board.take(), show=show), board.cancel)
         try:
             replies = self._call(
-                {d: message for d in range(self.n)}, lambda rank, m: shown.steps(m.step, m.tokens) is not False, watch
+                {d: message for d in range(self.n)},
+                lambda rank, m: shown.steps(m.step, m.tokens, logprobs=m.logprobs) is not False,
+                watch,
             )
             if board is not None:  # what rank 0 published after the last look: before its reply
                 shown.steps(*board.take())
@@ -92,20 +104,34 @@ class Shown:
     way it came (rank 0 sends the first in a Tokens message and puts it on the token board
     too), none after a refusal unless `every_step`."""
 
-    def __init__(self, on_tokens: Callable[[int, list[int]], bool], every_step: bool = False):
-        self.on_tokens, self.every_step = on_tokens, every_step
+    def __init__(
+        self,
+        on_tokens: Callable[[int, list[int]], bool],
+        every_step: bool = False,
+        on_logprobs: Callable[[int, np.ndarray], None] | None = None,
+    ):
+        self.on_tokens, self.every_step, self.on_logprobs = on_tokens, every_step, on_logprobs
         self.next = 0  # the first step not shown yet
         self.refused = False
 
-    def steps(self, first: int, tokens: Sequence[Sequence[int]], show: bool = True) -> bool | None:
-        """None: nothing new; False: refused (now or before)."""
+    def steps(
+        self, first: int, tokens: Sequence[Sequence[int]], show: bool = True, logprobs: np.ndarray | None = None
+    ) -> bool | None:
+        """None: nothing new; False: refused (now or before). `logprobs`: the steps' rows of
+        log-probabilities, where the generation reports them."""
         if not tokens:
             return None
+        if logprobs is not None and len(logprobs) and len(logprobs) != len(tokens):
+            raise errors.ProtocolError(
+                f"worker 0 reported {len(tokens)} steps with {len(logprobs)} of log-probabilities"
+            )
         for k, chosen in enumerate(tokens, first):
             if (not show or self.refused) and not self.every_step:
                 break
             if k >= self.next:  # else shown already, from the other way
                 self.next = k + 1
+                if self.on_logprobs is not None and logprobs is not None and len(logprobs):
+                    self.on_logprobs(k, logprobs[k - first])
                 self.refused = not self.on_tokens(k, list(chosen)) or self.refused
         return not self.refused
 

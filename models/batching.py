@@ -28,9 +28,10 @@ generator and pool, feed the tokens back and report them, the coordinator off th
 path; it hands each token to its job as it is reported, and cuts the workers' run short (after
 the step under way) when a queued job can take a freed slot, every job has ended or the server
 stops. Then each job's position, last token and generator go on from where the workers left
-them, so a job gets the same tokens whichever side chose them. A prompt going in by chunks and a
-job asking for log-probabilities (which need each row's logits' normalizer) take the step-by-step
-path, the coordinator choosing.
+them, so a job gets the same tokens whichever side chose them. A job asking for
+log-probabilities gets them from rank 0 beside its tokens (the step's third output, each row's
+mass, Mirrored: workers/generation.py log_probabilities works them out as `_take` does, bit for
+bit). A prompt going in by chunks takes the step-by-step path, the coordinator choosing.
 
 Every job draws from its own generator (its seed), so a sampled job is reproducible too. The
 decode step proposes POOL candidates per row (one where every job in it is greedy); a job's
@@ -389,15 +390,18 @@ class ContinuousBatcher:
         slot's token with its job's rule and generator, feed it back and report it) until the
         batch must change: a queued job can take a freed slot, every job has ended, the server
         stops. False where the batch cannot be left to the workers now (a prompt still going in
-        by chunks, a job asking for log-probabilities, a decode step not captured yet): then the
-        coordinator runs one step (`_step`). A job's tokens are those `_step` gives it."""
+        by chunks, a decode step not captured yet): then the coordinator runs one step (`_step`).
+        A job's tokens are those `_step` gives it; a job asking for log-probabilities gets them
+        from the workers too (worked out as `_take` does)."""
         if not self.drive_on_workers or any(s is not None and s.pending for s in self.slots):
             return False
         decoding = [i for i, s in enumerate(self.slots) if self._decoding(s)]
-        if not decoding or self._regroup() or any(self.slots[i].ticket.job.top_logprobs is not None for i in decoding):
+        if not decoding or self._regroup():
             return False
         rows = self._rows()
-        step = self._decodes.get((rows, False, self._pool(rows, False)))
+        tops = [self.slots[i].ticket.job.top_logprobs if i in decoding else None for i in range(rows)]
+        mass = any(top is not None for top in tops)
+        step = self._decodes.get((rows, mass, self._pool(rows, mass)))
         if step is None:
             return False
         running = {i: self.slots[i] for i in decoding}
@@ -423,21 +427,32 @@ class ContinuousBatcher:
             tuple(recent),
             DRIVEN_REPORT_S,
             own=tuple(own),
+            logprobs=tuple(-1 if top is None else top for top in tops) if mass else (),
         )
         ran = 0
+        reported: dict[int, np.ndarray] = {}  # a step's log-probabilities, until its tokens come
 
         def on_tokens(k: int, chosen: list[int]) -> bool:
             nonlocal ran
             ran += 1
+            rows_of_step = reported.pop(k, None)
             for index, slot in running.items():
                 if self.slots[index] is slot:  # else its job ended: the row's tokens are not its
                     slot.position += 1
-                    self._deliver(index, chosen[index])
+                    top = tops[index]
+                    if top is None or rows_of_step is None:
+                        self._deliver(index, chosen[index])
+                    else:
+                        row = rows_of_step[index]
+                        pairs = tuple((int(row[1 + 2 * j]), float(row[2 + 2 * j])) for j in range(top))
+                        self._deliver(index, chosen[index], float(row[0]), pairs)
             return not self._regroup()
 
         start = time.perf_counter()
         try:
-            info = self.dev.generate(step, tokens, positions, steps, settings, on_tokens, every_step=True)
+            info = self.dev.generate(
+                step, tokens, positions, steps, settings, on_tokens, every_step=True, on_logprobs=reported.__setitem__
+            )
         except RemoteError:
             # a worker's own failure in a step (a job's logits not finite): the steps shown are
             # taken; the coordinator runs the next one, where the job it belongs to fails alone

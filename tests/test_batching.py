@@ -377,6 +377,49 @@ def test_jobs_decoded_on_the_workers_get_the_tokens_they_get_alone_from_the_coor
     assert len(runs) >= 4 and sum(runs) >= max(len(t) for t in expected) - 2  # cut at joins, most steps there
 
 
+LOGPROB_JOBS = (  # one length, so every step of either path runs the same rows
+    Job(PROMPT, 9, Sampling(), stop_at_eos=False, top_logprobs=3),
+    Job(PROMPT[:3], 9, Sampling(temperature=0.8, seed=3), stop_at_eos=False, top_logprobs=0),
+    Job(PROMPT[1:], 9, Sampling(temperature=1.1, top_k=5, seed=11), stop_at_eos=False),
+    Job(PROMPT[::-1], 9, Sampling(temperature=0.9, top_p=0.8, seed=4), stop_at_eos=False, top_logprobs=5),
+)
+
+
+def test_log_probabilities_from_the_workers_equal_the_coordinators_own(tiny):
+    """Jobs asking for log-probabilities decode on the workers too (their tokens chosen there,
+    each row's log-probabilities worked out there from the step's candidates and mass): the same
+    tokens, and the same log-probabilities bit for bit, as when the coordinator runs every step
+    (models/batching.py _take, the oracle; its values against the NumPy reference decoder's:
+    the chunked-prefill test above), beside a job that asks for none."""
+
+    def run(on_workers: bool):
+        made = ContinuousBatcher(
+            MetaDevice(SimulatedCluster(2)), tiny, slots=4, ctx=48, weights="f32", drive_on_workers=on_workers
+        )
+        driven, generate = [], made.dev.generate
+
+        def counted(*args, **kw):
+            driven.append(args[4].logprobs)
+            return generate(*args, **kw)
+
+        made.dev.generate = counted
+        tickets = [made.submit(job) for job in LOGPROB_JOBS]  # all admitted at the first turn
+        made.start()
+        try:
+            return [[e for e in events_of(t, 60) if isinstance(e, Token)] for t in tickets], driven
+        finally:
+            made.stop()
+            made.dev.close()
+
+    expected, none = run(False)
+    got, driven = run(True)
+    assert none == [] and driven and all(lp == (3, 0, -1, 5) for lp in driven), driven
+    assert [[e.token for e in job] for job in got] == [[e.token for e in job] for job in expected]
+    assert got == expected  # logprob and top, exactly
+    assert all(e.logprob is None for e in got[2]) and all(len(e.top) == 5 for e in got[3])
+    assert all(e.top == () and e.logprob <= 0 for e in got[1])
+
+
 def test_a_queued_job_takes_the_first_slot_freed_while_the_workers_decode(tiny):
     """Two slots decoding on the workers, a long job A and a short one B, and a job C queued
     behind them: when B ends its slot is free, so the workers' run is cut short there and C

@@ -417,6 +417,7 @@ def _settings_body(**changes):
         "report_s": 0.05,
         "board": "",
         "own": [],
+        "logprobs": [],
     }
     return body | changes
 
@@ -444,6 +445,10 @@ _OWN = {"rule": Rule(0.7).as_wire(), "rng": ["1", "2", "0", "0"], "pool": 40}
         ({"own": [_OWN | {"rng": ["1"]}]}, "four decimal strings"),
         ({"own": [_OWN | {"rule": {}}]}, "'rule' must be a map of"),
         ({"own": [{"rule": _OWN["rule"]}]}, "each of 'own' must be a map of"),
+        ({"logprobs": [2, 2]}, "'logprobs' must be one count per sequence (1)"),
+        ({"logprobs": [21]}, "each -1 (none) to 20"),
+        ({"logprobs": [-2]}, "each -1 (none) to 20"),
+        ({"logprobs": ["2"]}, "'logprobs' must be an int"),
     ],
 )
 def test_a_generates_settings_are_checked_field_by_field(changes, says):

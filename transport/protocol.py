@@ -419,6 +419,10 @@ class GenerateSettings:
     # per sequence its own rule, generator and pool (then `rule` and `rng` are not used); empty:
     # every sequence follows `rule` over all the candidates, drawing from the one `rng` in turn
     own: tuple[OwnChoice, ...] = ()
+    # per sequence how many of the best tokens' log-probabilities to report beside its chosen
+    # token's (-1: none); empty: none at all. Where given, the Generate's `sums` holds each
+    # row's sum of exp(logit - best), and the reports are Tokens messages (Tokens.logprobs)
+    logprobs: tuple[int, ...] = ()
 
 
 @_message(MsgType.GENERATE)
@@ -446,6 +450,7 @@ class Generate:
     sampling: GenerateSettings
     feeds: list[Feed] = field(default_factory=list)
     feed_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), compare=False)
+    sums: int = -1  # the stored output of each row's probability mass, where `sampling.logprobs` asks
     KIND: ClassVar[MsgType]
 
 
@@ -458,6 +463,10 @@ class Tokens:
 
     step: int
     tokens: list[list[int]]
+    # where the Generate asked for them: per step and sequence, the chosen token's log-probability,
+    # then (token, log-probability) of the best `GenerateSettings.logprobs[sequence]` (NaN beyond
+    # them, and in a row that asked for none): shape (steps, sequences, 1 + 2 * the most asked)
+    logprobs: np.ndarray = field(default_factory=lambda: np.empty((0, 0, 0), np.float64), compare=False)
     KIND: ClassVar[MsgType]
 
 
@@ -790,6 +799,9 @@ def _step(v: Any, name: str, limits: Limits, params: list[Params]) -> Step:
     _fail(f"{name}: malformed step {str(v)[:80]}")
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs; a decode step's pool holds at least this many
+
+
 def _encode_settings(g: GenerateSettings) -> dict:
     return {
         "rule": g.rule.as_wire(),
@@ -800,6 +812,7 @@ def _encode_settings(g: GenerateSettings) -> dict:
         "report_s": float(g.report_s),
         "board": g.board,
         "own": [{"rule": c.rule.as_wire(), "rng": list(c.rng), "pool": int(c.pool)} for c in g.own],
+        "logprobs": [int(n) for n in g.logprobs],
     }
 
 
@@ -832,7 +845,7 @@ def _own(v: Any, name: str, limits: Limits) -> tuple[OwnChoice, ...]:
 
 def _settings(v: Any, name: str, limits: Limits) -> GenerateSettings:
     """A Generate's settings, each field checked: a wrong one is named."""
-    keys = {"rule", "rng", "stop", "done", "recent", "report_s", "board", "own"}
+    keys = {"rule", "rng", "stop", "done", "recent", "report_s", "board", "own", "logprobs"}
     if not isinstance(v, dict) or set(v) != keys:
         _fail(f"field {name!r} must be a map of {sorted(keys)}")
     rule = _rule(v["rule"], name)
@@ -851,7 +864,13 @@ def _settings(v: Any, name: str, limits: Limits) -> GenerateSettings:
     own = _own(v["own"], name, limits)
     if own and len(own) != len(done):
         _fail(f"field {name!r}: 'own' holds {len(own)} sequences, 'done' {len(done)}")
-    return GenerateSettings(rule, rng, stop, tuple(done), tuple(recent), float(report_s), board, own)
+    logprobs = tuple(_ints(v["logprobs"], "logprobs", limits))
+    if logprobs and (len(logprobs) != len(done) or not all(-1 <= n <= MAX_TOP_LOGPROBS for n in logprobs)):
+        _fail(
+            f"field {name!r}: 'logprobs' must be one count per sequence ({len(done)}), each -1 (none) to "
+            f"{MAX_TOP_LOGPROBS}"
+        )
+    return GenerateSettings(rule, rng, stop, tuple(done), tuple(recent), float(report_s), board, own, logprobs)
 
 
 # annotation -> (encode, decode); arrays are handled apart from the header fields

@@ -83,7 +83,7 @@ def run_generation(
     steps = 0
     cancel = False
     run_step = executor.repeated(m.program, m.run, m.inputs, m.outputs, runs=m.steps)  # checked and bound once
-    board = _board(sampling.board, count) if rank == 0 else None
+    board = _board(sampling.board, count) if rank == 0 and not sampling.logprobs else None
     report = Reports(emit, interval, board, executor.collective_timeout)
     if board is not None:  # the coordinator writes the board's cancel word when it sends a Cancel
         cancelled = board.is_cancelled
@@ -94,7 +94,10 @@ def run_generation(
     # (workers/backends/cuda/kernels/sample.py); the host reads only the chosen ids
     # (the device sampler takes one rule for every sequence: a server's batch, each job with a
     # rule of its own, chooses on the host)
-    make_sampler = None if sampling.own else getattr(backend, "device_sampler", None)
+    # (nor a generation reporting log-probabilities: they are worked out from the candidates on
+    # the host)
+    wanted = sampling.logprobs
+    make_sampler = None if sampling.own or wanted else getattr(backend, "device_sampler", None)
     sampler = None
     # with the sampler on the device and no peers, step s + 1 is issued before step s's tokens
     # are waited for (its inputs are written on the device): the host's work between tokens
@@ -134,6 +137,9 @@ def run_generation(
                     choose(values[b, 0, : c.pool], indices[b, 0, : c.pool], c.rule, c.rng, recent[b])
                     for b, c in enumerate(choosers[:count])
                 ]
+                if wanted and rank == 0:
+                    mass = backend.to_host(store.get(m.sums))
+                    report.logprobs(log_probabilities(values, indices, mass, chosen, wanted))
                 for b, token in enumerate(chosen):
                     recent[b].append(token)
             done = [d or token in stop for d, token in zip(done, chosen)]
@@ -198,6 +204,25 @@ def _choosers(sampling: p.GenerateSettings, shared: np.random.Generator) -> list
     return [_Chooser(sampling.rule, shared, None)] * len(sampling.done)
 
 
+def log_probabilities(values, indices, mass, chosen: list[int], wanted: tuple[int, ...]) -> np.ndarray:
+    """A step's log-probabilities, as Tokens.logprobs holds them: per sequence b that asked
+    (wanted[b] >= 0), its chosen token's and its best wanted[b] (token, log-probability) pairs,
+    from the step's candidates (values, indices: best first) and its row's mass (the sum of
+    exp(logit - best)). The log sum exp of the row's logits is its best logit plus log mass, in
+    float64 as the coordinator's own steps work it out (models/batching.py)."""
+    out = np.full((len(wanted), 1 + 2 * max(wanted)), np.nan)
+    for b, top in enumerate(wanted):
+        if top < 0:
+            continue
+        normalizer = float(values[b, 0, 0]) + float(np.log(np.float64(mass[b, 0])))
+        at = np.flatnonzero(indices[b, 0] == chosen[b])
+        out[b, 0] = float(values[b, 0, at[0]]) - normalizer if at.size else -np.inf
+        for k in range(top):
+            out[b, 1 + 2 * k] = int(indices[b, 0, k])
+            out[b, 2 + 2 * k] = float(values[b, 0, k]) - normalizer
+    return out
+
+
 class Reports:
     """Rank 0's reports of the chosen tokens. On a token board, every step as it comes (a store
     to shared memory), and the first step also in a Tokens message, so the coordinator shows it
@@ -210,7 +235,12 @@ class Reports:
     def __init__(self, emit: Callable[[p.Message], None], interval: float, board: TokenBoard | None, timeout: float):
         self.emit, self.interval, self.board, self.timeout = emit, interval, board, timeout
         self.first, self.steps = 0, []
+        self.rows: list[np.ndarray] = []  # the steps' log-probabilities, where asked for (no board then)
         self.sent_at = -math.inf
+
+    def logprobs(self, rows: np.ndarray) -> None:
+        """The log-probabilities of the step whose tokens `add` takes next."""
+        self.rows.append(rows)
 
     def add(self, step: int, chosen: list[int], final: bool) -> None:
         if self.board is not None:
@@ -226,8 +256,11 @@ class Reports:
 
     def send(self) -> None:
         if self.steps:
-            self.emit(p.Tokens(self.first, self.steps))
-            self.steps = []
+            if self.rows:
+                self.emit(p.Tokens(self.first, self.steps, np.stack(self.rows)))
+            else:
+                self.emit(p.Tokens(self.first, self.steps))
+            self.steps, self.rows = [], []
             self.sent_at = time.monotonic()
 
 
