@@ -402,9 +402,10 @@ class TcpComm(ZmqComm):
         def run_direct(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
             flat = np.ascontiguousarray(local).reshape(-1)
             RUN_STEP.pack_into(header, 0, run, step)
+            head = bytes(header)  # what a send left queued (a run broken off) is its own, not the next call's
             self.bytes_sent += flat.nbytes * len(peers)
             for link in peers:
-                self._send_parts(link, [expected, flat])
+                self._send_parts(link, [head, flat])
             parts, taken = [], []
             for link in peers:
                 part = None
