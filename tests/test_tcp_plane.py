@@ -186,6 +186,14 @@ def test_garbage_on_the_connection_is_a_protocol_error_naming_the_sender(tcp_com
         receive_array(_, 1, 1, 0, (2,))
 
 
+def test_a_message_claiming_more_than_the_cap_is_refused_before_anything_is_allocated(tcp_comms):
+    a, b = tcp_comms(2)
+    huge = engine.MAX_PAYLOAD + 4
+    a.links[1].sock.sendall(engine.HEADER.pack(1, 0, huge, b"uint8", 1) + engine.DIM.pack(huge))
+    with pytest.raises(ProtocolError, match=f"a message of {huge} bytes"):
+        receive_array(b, 0, 1, 0, (4,))
+
+
 def test_an_abort_ends_a_wait_for_data(tcp_comms):
     a, b = tcp_comms(2)
     threading.Timer(0.2, a.abort, args=(7, "ValueError", "boom")).start()
