@@ -151,10 +151,12 @@ def test_process_collectives_match_reference_and_simulator(case, devname, reques
     assert_bitwise(got, sim_got)
 
 
-@pytest.mark.parametrize("n", [1, 4, 5])
-def test_every_case_on_one_four_and_five_processes(n, fresh_cluster):
-    """The cases above on the remaining world sizes, each on one cluster (shared memory)."""
-    cluster = fresh_cluster(n)
+@pytest.mark.parametrize("n, data_plane", [(1, "shm"), (4, "shm"), (5, "shm"), (5, "tcp")])
+def test_every_case_on_one_four_and_five_processes(n, data_plane, fresh_cluster):
+    """The cases above on the remaining world sizes, each on one cluster (shared memory; five
+    workers over the tcp plane too)."""
+    cluster = fresh_cluster(n, data_plane=data_plane)
+    assert {d["data_plane"] for d in cluster.data_planes} == {data_plane if n > 1 else "zmq"}
     shape = (7, 5)
     x = np.random.default_rng(n).standard_normal(shape).astype(np.float32)
     for index, case in enumerate(CASES):

@@ -121,7 +121,7 @@ def test_large_messages_both_ways_at_once_do_not_deadlock(tcp_comms):
     assert np.array_equal(got[0], big[1]) and np.array_equal(got[1], big[0])
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 5])
 def test_the_bound_all_reduce_sums_in_rank_order(tcp_comms, n):
     """Every rank's result is NumPy's (x0 + x1) + x2 ..., bit for bit, call after call; with an
     unrelated message (a generation's stop flag) ahead of a step's contribution, and with the
