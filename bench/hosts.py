@@ -3,6 +3,7 @@ between them that delays every packet (and a token bucket that caps the rate), S
 by two workers, one in each, beside the same two workers on one host.
 
     python bench/hosts.py [--quick] [--json PATH] [--tokens 48] [--delays 0 0.05 0.2 1] [--rates 10 1]
+        [--per-host 1 2]
 
 Hosts: namespace A holds the coordinator and worker 0 (spawned there), B worker 1 (`launch.py
 worker --connect`); they reach each other only through namespace R, which forwards between its
@@ -11,11 +12,14 @@ into a TUN device that a relay of ours (this file, `--relay-delay-us`) reads and
 after the one-way delay; written back, the kernel forwards it on. Rate: `tc tbf` on R's two
 egress links. Rows: the same two workers on one host (shared memory; the tcp plane over the
 loopback), across the namespaces forwarded by the kernel (no relay), and through the relay at
-each delay (0 ms: the relay's own cost). Each row is `launch.py generate` (greedy, `--tokens`
-tokens of a fixed prompt, one thread a worker) as a user runs it, its printed prefill and decode
-rates. The relay is a Python process on the same two cores as the workers: it costs them CPU
-and adds its own latency per packet (the 0 ms relay row shows how much). Layer split across hosts
-(`--split layer`) is not built yet: its column says so.
+each delay (0 ms: the relay's own cost); and 2 workers in each namespace (4 on one host beside
+them), their small all-reduces host by host (the tcp plane's default there) or direct. Each row
+is `launch.py generate` (greedy, `--tokens` tokens of a fixed prompt, one thread a worker) as a
+user runs it, its printed prefill and decode rates. The relay is a Python process on the same
+cores as the workers: it costs them CPU and adds its own latency per packet (the 0 ms relay row
+shows how much); on a 2-core machine 2 x 2 workers take turns on the cores, which no real pair of
+hosts would make them do. Layer split across hosts (`--split layer`) is not built yet: its
+column says so.
 
 Needs root (network namespaces) and iproute2 (ip, tc); without them it says why and exits 0.
 """
@@ -37,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import cli, table  # noqa: E402
+from transport.environment import TCP_DIRECT_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = (
@@ -166,33 +171,58 @@ def relay(delay_us: int) -> int:
             os.write(fd, held.popleft()[1])
 
 
-def generate(ns_cmd: list[str], extra: list[str], tokens: int, worker: list[str] | None = None) -> dict:
-    """One `launch.py generate` (in a namespace where `ns_cmd` says), with a remote worker
-    started by `worker`; its prefill and decode rates."""
+def generate(ns_cmd: list[str], extra: list[str], tokens: int, workers=(), env=None) -> dict:
+    """One `launch.py generate` (in a namespace where `ns_cmd` says), with remote workers
+    started by the commands `workers`; its prefill and decode rates."""
     args = [sys.executable, str(ROOT / "launch.py"), "generate", PROMPT, "-n", str(tokens), "--temp", "0", "-t", "1"]
-    coordinator = subprocess.Popen([*ns_cmd, *args, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    remote = subprocess.Popen(worker, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) if worker else None
+    env = {**os.environ, **(env or {})}
+    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    coordinator = subprocess.Popen([*ns_cmd, *args, *extra], **popen)
+    remote = [subprocess.Popen(cmd, **popen) for cmd in workers]
     try:
         out, err = coordinator.communicate(timeout=300)
     finally:
-        if remote is not None:
+        for proc in remote:
             try:
-                remote.wait(20)
+                proc.wait(20)
             except subprocess.TimeoutExpired:
-                remote.kill()
+                proc.kill()
     found = RATE.search(err) or RATE.search(out)
     if coordinator.returncode != 0 or found is None:
         raise RuntimeError(f"generate failed ({coordinator.returncode}): {err[-2000:]}")
     return {"prefill_tps": float(found.group(2)), "decode_tps": float(found.group(4)), "text": out.strip()}
 
 
-def across(hosts: Hosts, plane: str, tokens: int, port: int) -> dict:
+def across(hosts: Hosts, tokens: int, port: int, per_host: int = 1, direct: bool = False) -> dict:
+    """TP over the tcp plane with `per_host` workers in each namespace: A's spawned beside the
+    coordinator, B's joining; `direct`: the small all-reduces exchange with every peer, not host
+    by host."""
     listen = f"tcp://{NET_A}.1:{port}"
     coordinator = ["ip", "netns", "exec", hosts.a]
-    extra = ["--listen", listen, "--spawn", "1", "--workers", "2", "--insecure", "--data-plane", plane]
-    worker = ["ip", "netns", "exec", hosts.b, sys.executable, str(ROOT / "launch.py"), "worker", "--connect", listen,
-              "--rank", "1", "--backend", "cpu", "--insecure", "-t", "1"]  # fmt: skip
-    return generate(coordinator, extra, tokens, worker)
+    extra = ["--listen", listen, "--spawn", str(per_host), "--workers", str(2 * per_host), "--insecure"]
+    extra += ["--data-plane", "tcp"]
+    workers = [
+        [
+            "ip",
+            "netns",
+            "exec",
+            hosts.b,
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "worker",
+            "--connect",
+            listen,
+            "--rank",
+            str(rank),
+            "--backend",
+            "cpu",
+            "--insecure",
+            "-t",
+            "1",
+        ]  # fmt: skip
+        for rank in range(per_host, 2 * per_host)
+    ]
+    return generate(coordinator, extra, tokens, workers, {TCP_DIRECT_ENV: "1"} if direct else None)
 
 
 def measure(args) -> dict:
@@ -204,28 +234,40 @@ def measure(args) -> dict:
     delays = [0.2] if args.quick else args.delays
     rows = []
 
-    def row(name: str, delay, rate, result: dict) -> None:
+    def row(name: str, workers: int, delay, rate, result: dict) -> None:
         print(f"  {name}: decode {result['decode_tps']:.1f} tok/s", file=sys.stderr, flush=True)
-        rows.append({"path": name, "delay_ms": delay, "rate_gbit": rate, **result})
+        rows.append({"path": name, "workers": workers, "delay_ms": delay, "rate_gbit": rate, **result})
 
     for plane in ("shm", "tcp"):
-        row(f"one host, {plane}", 0, None, generate([], ["--workers", "2", "--data-plane", plane], tokens))
+        row(f"one host, {plane}", 2, 0, None, generate([], ["--workers", "2", "--data-plane", plane], tokens))
+    if 2 in args.per_host:
+        row("one host, 4 workers, shm", 4, 0, None, generate([], ["--workers", "4"], tokens))
     hosts, port = Hosts(), 29700
     try:
-        hosts.link(None, None)
-        row("2 hosts, kernel forwards", 0, None, across(hosts, "tcp", tokens, port))
-        for rate in [None, *args.rates] if not args.quick else [None]:
-            for delay in delays if rate is None else [0.2]:
-                port += 3
-                hosts.link(delay, rate)
-                name = f"2 hosts, relay {delay} ms" + (f", {rate:g} Gb/s" if rate else "")
-                row(name, delay, rate, across(hosts, "tcp", tokens, port))
+        if 1 in args.per_host:
+            hosts.link(None, None)
+            row("2 hosts, kernel forwards", 2, 0, None, across(hosts, tokens, port))
+            for rate in [None, *args.rates] if not args.quick else [None]:
+                for delay in delays if rate is None else [0.2]:
+                    port += 3
+                    hosts.link(delay, rate)
+                    name = f"2 hosts, relay {delay} ms" + (f", {rate:g} Gb/s" if rate else "")
+                    row(name, 2, delay, rate, across(hosts, tokens, port))
+        if 2 in args.per_host:
+            for delay in (None, 0.2):
+                hosts.link(delay, None)
+                for direct in (False, True):
+                    port += 3
+                    name = f"2 hosts x 2, {'kernel forwards' if delay is None else f'relay {delay} ms'}, "
+                    name += "direct" if direct else "host by host"
+                    row(name, 4, delay or 0, None, across(hosts, tokens, port, 2, direct))
     finally:
         hosts.close()
-    base = rows[0]["decode_tps"]
     for r in rows:
-        r["decode_vs_one_host"] = r["decode_tps"] / base
-    return {"tokens": tokens, "rows": rows, "reference": rows[0]["text"]}
+        base = next(b for b in rows if b["workers"] == r["workers"] and b["path"].startswith("one host"))
+        r["decode_vs_one_host"] = r["decode_tps"] / base["decode_tps"]
+        r["same_text"] = r["text"] == base["text"]
+    return {"tokens": tokens, "rows": rows}
 
 
 def show(results: dict) -> None:
@@ -234,17 +276,18 @@ def show(results: dict) -> None:
         return
     print(
         table(
-            f"SmolLM2-135M Q4_1, 2 CPU workers x 1 thread, {results['tokens']} greedy tokens; "
-            "TP over the tcp plane; decode / one host (shm)",
-            ["path", "prefill tok/s", "decode tok/s", "TP / one host", "layer split", "same text"],
+            f"SmolLM2-135M Q4_1, CPU workers x 1 thread, {results['tokens']} greedy tokens; TP over the tcp "
+            "plane; decode and text against one host's (shm) with as many workers",
+            ["path", "workers", "prefill tok/s", "decode tok/s", "TP / one host", "layer split", "same text"],
             [
                 [
                     r["path"],
+                    r["workers"],
                     r["prefill_tps"],
                     r["decode_tps"],
                     r["decode_vs_one_host"],
                     "not built",
-                    "yes" if r["text"] == results["reference"] else "NO",
+                    "yes" if r["same_text"] else "NO",
                 ]
                 for r in results["rows"]
             ],
@@ -256,6 +299,7 @@ def _options(ap) -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--delays", type=float, nargs="+", default=[0, 0.05, 0.2, 1], help="one-way, ms")
     ap.add_argument("--rates", type=float, nargs="+", default=[10, 1], help="Gb/s, each at 0.2 ms")
+    ap.add_argument("--per-host", type=int, nargs="+", default=[1, 2], choices=[1, 2], help="workers in each namespace")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ JOB = textwrap.dedent("""
     for part in parts[1:]:
         total = total + part
     assert np.array_equal(p.redistribute(MIRRORED).numpy(), total)  # all-reduce, bit for bit
-    s = dev.tensor(x, Split(0, ((4, 2),)))
+    s = dev.tensor(x, Split(0, (tuple([6 - (n - 1)] + [1] * (n - 1)),)))  # uneven on any n
     assert np.array_equal(s.redistribute(Split.even(1, 16, n)).numpy(), x)  # all-to-all
     w_up = rng.standard_normal((16, 32)).astype(np.float32)
     w_down = rng.standard_normal((32, 16)).astype(np.float32)
@@ -160,6 +160,22 @@ def test_a_coordinator_spawns_some_workers_and_waits_for_the_rest(hosts, tmp_pat
     worker = hosts("b", "worker", "--connect", listen, "--rank", "1", "--backend", "cpu", "--insecure", "-t", "1")
     out = finish(coordinator, [worker])
     assert f"JOB OK 2 workers ['tcp'] ['{SUBNET}.1', '{SUBNET}.2']" in out
+
+
+def test_two_hosts_of_two_workers_reduce_host_by_host_to_the_same_bits(hosts, tmp_path):
+    """2 hosts x 2 workers on the tcp plane: the small all-reduces go host by host (each host's
+    first worker exchanges with the other's), and the job's all-reduce, MLP and all-to-all hold
+    (the all-reduce bit for bit against NumPy's rank-order sum)."""
+    job = tmp_path / "job.py"
+    job.write_text(JOB)
+    listen = f"tcp://{SUBNET}.1:29681"
+    coordinator = hosts("a", "run", "--listen", listen, "--spawn", "2", "--workers", "4", "--insecure", str(job))
+    remote = [
+        hosts("b", "worker", "--connect", listen, "--rank", str(r), "--backend", "cpu", "--insecure", "-t", "1")
+        for r in (2, 3)
+    ]
+    out = finish(coordinator, remote)
+    assert f"JOB OK 4 workers ['tcp'] ['{SUBNET}.1', '{SUBNET}.2']" in out
 
 
 KILL_JOB = textwrap.dedent("""

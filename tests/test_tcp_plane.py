@@ -36,8 +36,11 @@ def tcp_comms():
     security = Security(ctx, None)
     session = f"s{os.getpid()}{time.monotonic_ns()}"[-16:]
 
-    def make(n: int) -> list[TcpComm]:
-        pairs = [pull(ctx, ipc.endpoint(f"t{len(inboxes)}-{r}"), security) for r in range(n)]
+    def make(n: int, hosts: list[str] | None = None) -> list[TcpComm]:
+        """`hosts`: each rank's loopback address (127.0.0.x), its inbox there over tcp: ranks at
+        different addresses count as on different hosts."""
+        where = [f"tcp://{h}:*" for h in hosts] if hosts else [ipc.endpoint(f"t{len(inboxes)}-{r}") for r in range(n)]
+        pairs = [pull(ctx, where[r], security) for r in range(n)]
         inboxes.extend(sock for sock, _ in pairs)
         endpoints = [ep for _, ep in pairs]
         comms: list = [None] * n
@@ -121,6 +124,31 @@ def test_large_messages_both_ways_at_once_do_not_deadlock(tcp_comms):
     assert np.array_equal(got[0], big[1]) and np.array_equal(got[1], big[0])
 
 
+def contribution(rank: int, call: int, shape) -> np.ndarray:
+    return np.random.default_rng((rank, call)).standard_normal(shape).astype(np.float32)
+
+
+def on_every_rank(comms, side) -> None:
+    threads = [threading.Thread(target=side, args=(c,)) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+
+def assert_rank_order_sums(results: dict, calls: int, shape) -> None:
+    """Each rank's result of each call is NumPy's ((x0 + x1) + x2) + ... of the contributions,
+    bit for bit (the oracle: nothing of the plane's)."""
+    n = len(results)
+    for call in range(calls):
+        xs = [contribution(r, call, shape) for r in range(n)]
+        expected = xs[0] + xs[1]
+        for x in xs[2:]:
+            expected = expected + x
+        for r in range(n):
+            assert results[r][call].tobytes() == expected.tobytes(), (r, call)
+
+
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_the_bound_all_reduce_sums_in_rank_order(tcp_comms, n):
     """Every rank's result is NumPy's (x0 + x1) + x2 ..., bit for bit, call after call; with an
@@ -128,7 +156,6 @@ def test_the_bound_all_reduce_sums_in_rank_order(tcp_comms, n):
     results written into the caller's buffer."""
     comms = tcp_comms(n)
     shape = (3, 257)
-    rng = np.random.default_rng(n)
     results: dict = {}
 
     def side(comm):
@@ -139,27 +166,49 @@ def test_the_bound_all_reduce_sums_in_rank_order(tcp_comms, n):
             if comm.rank == 0 and call == 2:
                 for d in range(1, n):
                     comm.send(d, 10 + call, 1 << 30, np.array([0, 1], np.int8))
-            x = np.random.default_rng((comm.rank, call)).standard_normal(shape).astype(np.float32)
-            assert run(x, 10 + call, 3, Deadline(10)) is out
+            assert run(contribution(comm.rank, call, shape), 10 + call, 3, Deadline(10)) is out
             mine.append(out.copy())
         results[comm.rank] = mine
 
-    threads = [threading.Thread(target=side, args=(c,)) for c in comms]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for call in range(5):
-        xs = [np.random.default_rng((r, call)).standard_normal(shape).astype(np.float32) for r in range(n)]
-        expected = xs[0] + xs[1]
-        for x in xs[2:]:
-            expected = expected + x
-        for r in range(n):
-            assert results[r][call].tobytes() == expected.tobytes(), (r, call)
+    on_every_rank(comms, side)
+    assert_rank_order_sums(results, 5, shape)
     for d in range(1, n):  # the stop flags were kept for their own step
         flag = receive_array(comms[d], 0, 12, 1 << 30, (2,), np.int8)
         assert flag.tolist() == [0, 1]
-    del rng
+
+
+@pytest.mark.parametrize("hosts", [[1, 1, 2, 2], [1, 2, 1, 3, 2]], ids=["2x2", "2+2+1"])
+def test_across_hosts_the_small_all_reduce_goes_host_by_host_with_the_same_bits(tcp_comms, hosts):
+    """Ranks at different addresses count as different hosts: each host's first rank gathers
+    its host's contributions, exchanges them with the other hosts' first ranks in one message
+    each, adds all of them in rank order and sends the sum back; every rank gets NumPy's
+    ((x0 + x1) + x2) + ... bit for bit, and the bytes each rank sends follow that pattern (a
+    direct exchange would send n - 1 contributions from every rank)."""
+    n, shape = len(hosts), (2, 300)
+    comms = tcp_comms(n, [f"127.0.0.{h}" for h in hosts])
+    assert comms[0].hosts == tuple(sorted(set(hosts)).index(h) for h in hosts)
+    results: dict = {}
+
+    def side(comm):
+        run = comm.bound_all_reduce(np.dtype(np.float32), shape)
+        got = []
+        for call in range(3):
+            got.append(run(contribution(comm.rank, call, shape), 20 + call, 1, Deadline(10)))
+        results[comm.rank] = got
+
+    on_every_rank(comms, side)
+    assert_rank_order_sums(results, 3, shape)
+    for call in range(3):
+        assert len({id(results[r][call]) for r in range(n)}) == n  # each call's result its own
+    one = 2 * 300 * 4
+    for r in range(n):
+        host = [q for q in range(n) if hosts[q] == hosts[r]]
+        others = [[q for q in range(n) if hosts[q] == h] for h in sorted(set(hosts)) if h != hosts[r]]
+        if r == host[0]:  # its host's contributions to each other host's first rank, the sum to its own
+            want = sum(len(host) * one for _ in others) + (len(host) - 1) * one
+        else:
+            want = one
+        assert comms[r].bytes_sent == 3 * want, (r, comms[r].bytes_sent, want)
 
 
 def test_a_peer_that_closes_its_connection_is_lost_at_once(tcp_comms):

@@ -17,7 +17,12 @@ microseconds of its turn) and then sleeps in a poll of that socket and the ZeroM
 A small all-reduce (<= DIRECT_BYTES a contribution) has its own bound path, as the postboxes
 have on shared memory: send the contribution to every peer, read each peer's straight into a
 buffer of the step's, and add them in rank order (the first two in one pass, as HostEngine.reduce
-adds them), so the bits equal every other plane's.
+adds them), so the bits equal every other plane's. Where the ranks sit on several hosts (told
+apart by the addresses their inboxes are reached at), some with several workers, it goes host
+by host: each host's first rank gathers its host's contributions and exchanges them with the
+other hosts' first ranks, one message a pair of hosts, adds all of them in rank order (the same
+bits) and sends the sum back to its host's ranks (`_hierarchical_all_reduce`; TCP_DIRECT_ENV
+turns it off).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import ProtocolError, TransportError, UnsupportedDtype, WorkerLost
 from transport import protocol as p
 from transport.deadline import Deadline
+from transport.environment import TCP_DIRECT_ENV
 from transport.shm import Sink
 from transport.sockets import Security
 from workers.binding import bound
@@ -145,6 +151,8 @@ class TcpComm(ZmqComm):
             self.close()
             raise
         self._backlog: set[int] = set()
+        self.hosts = host_groups(peers)  # each rank's host, by the address its inbox is reached at
+        self.host_by_host = hierarchical(self.hosts) and os.environ.get(TCP_DIRECT_ENV, "") != "1"
         # more workers than cores (this host's): yield while spinning, as HostComm does
         cores = self.size if bound() else len(os.sched_getaffinity(0))
         self._polite = self.size > cores
@@ -390,6 +398,8 @@ class TcpComm(ZmqComm):
             return None
         if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous):
             raise ProtocolError(f"all-reduce into a {out.shape} {out.dtype} buffer: needs C-order {shape} {dtype}")
+        if self.host_by_host:
+            return self._hierarchical_all_reduce(dtype, tuple(shape), out)
         rank, n, size = self.rank, self.size, prod(shape)
         peers = [self.links[d] for d in range(n) if d != rank]
         theirs = {link.peer: np.empty(shape, dtype) for link in peers}
@@ -488,6 +498,51 @@ class TcpComm(ZmqComm):
         self._payload(src, _bytes_of(array), run, step, deadline)
         self._take(p.Chunk(src, arrival.run, arrival.step, array), run)
 
+    def _hierarchical_all_reduce(self, dtype: np.dtype, shape: tuple[int, ...], out: np.ndarray | None):
+        """The direct all-reduce across hosts with one exchange a pair of hosts: each host's
+        first rank (its leader) gathers its host's contributions, sends them to every other
+        leader in one message and takes theirs, adds all n in rank order (the first two in one
+        pass: the bits of every other plane's direct all-reduce) and sends the sum to its host's
+        other ranks. Across H hosts of n workers H (H - 1) messages cross, where a direct
+        exchange sends n (n - m) (m: a host's workers): 2 hosts x 2 workers, 2 against 8."""
+        rank, n, size = self.rank, self.size, prod(shape)
+        groups = [[q for q in range(n) if self.hosts[q] == h] for h in sorted(set(self.hosts))]
+        mine = next(g for g in groups if rank in g)
+        leader = mine[0]
+        target = None if out is None else out.reshape(-1)
+        gathered = {q: np.empty(shape, dtype) for q in mine[1:]}
+        bundles = {g[0]: np.empty((len(g), size), dtype) for g in groups if g[0] != leader}
+
+        def run_member(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
+            result = np.empty(shape, dtype) if out is None else out  # a new array each call, else `out`
+            self.send(leader, run, step, np.ascontiguousarray(local))
+            self._receive_into(leader, result, run, step, deadline)
+            if self._backlog:
+                self.flush(run, deadline)
+            return result
+
+        def run_leader(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
+            flat = np.ascontiguousarray(local).reshape(-1)
+            for q in mine[1:]:
+                self._receive_into(q, gathered[q], run, step, deadline)
+            own = np.stack([flat, *(gathered[q].reshape(-1) for q in mine[1:])])
+            for other in bundles:
+                self.send(other, run, step, own)
+            parts = dict(zip(mine, own))
+            for other, bundle in bundles.items():
+                self._receive_into(other, bundle, run, step, deadline)
+                parts.update(zip(next(g for g in groups if g[0] == other), bundle))
+            total = np.add(parts[0], parts[1], out=target)
+            for q in range(2, n):
+                total += parts[q]
+            for q in mine[1:]:
+                self.send(q, run, step, total.reshape(shape))
+            if self._backlog:
+                self.flush(run, deadline)
+            return out if out is not None else total.reshape(shape)
+
+        return run_leader if rank == leader else run_member
+
     def _receive_into(self, src: int, buffer: np.ndarray, run: int, step: int, deadline: Deadline) -> None:
         """The message (src, run, step) straight into `buffer` when it is the next to come."""
         start = time.perf_counter()
@@ -510,6 +565,18 @@ class TcpComm(ZmqComm):
             link.close()
         self.links, self._backlog = {}, set()
         super().close()
+
+
+def host_groups(peers: list[str]) -> tuple[int, ...]:
+    """Each rank's host as an index, in order of first appearance: ranks whose inboxes are
+    reached at one address share a host (an ipc inbox is on the coordinator's, as loopback)."""
+    seen: dict[str, int] = {}
+    return tuple(seen.setdefault(_host_of(endpoint), len(seen)) for endpoint in peers)
+
+
+def hierarchical(hosts: tuple[int, ...]) -> bool:
+    """Whether a small all-reduce goes host by host: several hosts, one with several workers."""
+    return len(set(hosts)) > 1 and len(set(hosts)) < len(hosts)
 
 
 def rendezvous(comm: TcpComm, peers: list[str], session: bytes, deadline: Deadline) -> dict[int, Link]:
