@@ -417,3 +417,31 @@ def test_prepared_decode_replayed_and_driven_gives_the_reference_tokens(devname,
                 assert "redistribute" in run["outside"], run
             # each captured segment's own pool holds its temporaries: 20-47 KiB here in all
             assert 0 < graph["pool_bytes"] < 1 << 20, graph["pool_bytes"]
+
+
+def test_log_probabilities_from_candidates_and_mass_equal_a_log_softmax():
+    """Rank 0's log-probabilities (workers/generation.py) from a step's outputs, the candidates
+    (best first) and each row's mass sum(exp(logit - best)), against NumPy's log-softmax of the
+    whole rows (float64): the chosen token's, the best N pairs, NaN where a row asked for fewer,
+    a row that asked for none all NaN."""
+    from workers.generation import log_probabilities
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 50)).astype(np.float32) * 3
+    order = np.argsort(-logits, axis=1, kind="stable")[:, :8]
+    values = np.take_along_axis(logits, order, 1)[:, None, :]
+    indices = order[:, None, :].astype(np.int64)
+    mass = np.exp(logits - logits.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True)
+    chosen = [int(order[0, 2]), int(order[1, 0]), int(order[2, 5])]
+    got = log_probabilities(values, indices, mass, chosen, (3, -1, 1))
+    wide = logits.astype(np.float64)
+    log_p = (
+        wide - wide.max(axis=1, keepdims=True) - np.log(np.exp(wide - wide.max(axis=1, keepdims=True)).sum(1))[:, None]
+    )
+    assert got.shape == (3, 7)
+    np.testing.assert_allclose(got[0, 0], log_p[0, chosen[0]], atol=1e-6)
+    np.testing.assert_array_equal(got[0, 1::2], order[0, :3])
+    np.testing.assert_allclose(got[0, 2::2], log_p[0, order[0, :3]], atol=1e-6)
+    assert np.isnan(got[1]).all()
+    np.testing.assert_allclose(got[2, :3], [log_p[2, chosen[2]], order[2, 0], log_p[2, order[2, 0]]], atol=1e-6)
+    assert np.isnan(got[2, 3:]).all()

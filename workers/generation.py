@@ -210,7 +210,7 @@ def log_probabilities(values, indices, mass, chosen: list[int], wanted: tuple[in
     from the step's candidates (values, indices: best first) and its row's mass (the sum of
     exp(logit - best)). The log sum exp of the row's logits is its best logit plus log mass, in
     float64 as the coordinator's own steps work it out (models/batching.py)."""
-    out = np.full((len(wanted), 1 + 2 * max(wanted)), np.nan)
+    out = np.full((len(wanted), 1 + 2 * max(0, *wanted)), np.nan)
     for b, top in enumerate(wanted):
         if top < 0:
             continue
