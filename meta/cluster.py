@@ -29,7 +29,19 @@ from transport.deadline import Deadline, Liveness
 from transport.environment import BLAS_THREAD_VARS, CPUS_ENV
 from transport.replies import OnMessage, Watch, gather_replies
 from transport.shm import remove_session
-from transport.sockets import CurveKeys, IpcDir, Security, bind, is_local, pull, push, recv_frames, router, send
+from transport.sockets import (
+    CurveKeys,
+    IpcDir,
+    Security,
+    bind,
+    endpoint_host,
+    is_local,
+    pull,
+    push,
+    recv_frames,
+    router,
+    send,
+)
 from transport.stop_signal import StopSignal
 
 POLL_MS = 100
@@ -599,9 +611,5 @@ def alive(pids: Sequence[int]) -> list[int]:
 
 def worker_hosts(hellos) -> set[str]:
     """The hosts the workers' data endpoints name; an ipc endpoint or loopback is this host."""
-    hosts = set()
-    for hello in hellos:
-        endpoint = hello.data_endpoint
-        host = endpoint[len("tcp://") :].rsplit(":", 1)[0] if endpoint.startswith("tcp://") else ""
-        hosts.add("" if is_local(host) else host)
-    return hosts
+    hosts = {endpoint_host(hello.data_endpoint) for hello in hellos}
+    return {"" if is_local(host) else host for host in hosts}

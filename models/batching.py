@@ -56,7 +56,7 @@ from models.llama import PREFILL_CHUNK
 from models.loading import place_model
 from models.requests import POOL, Sampling, Stopping, candidates, log_normalizer
 from split_state.errors import ConsistencyError, MetaError, RemoteError, TransportError, WorkerLost
-from split_state.sampling import Rule, choose, generator_state, restore_generator
+from split_state.sampling import Rule, choose, generator_state, mass_normalizer, restore_generator, scored
 from transport.protocol import GenerateSettings, OwnChoice
 
 TOKEN_SECONDS = 120.0  # a job waiting longer than this for its next token gives up (no hang)
@@ -374,7 +374,7 @@ class ContinuousBatcher:
         else:
             values, indices, *rest = decode(tokens, positions, read=(0, 1, 2)[: 2 + mass])  # back with the run
         v, i = values.numpy(), indices.numpy()
-        sums = rest[0].numpy().astype(np.float64) if mass else None
+        sums = rest[0].numpy() if mass else None
         self.counters.decode_steps += 1
         self.counters.decode_rows += rows
         self.counters.decode_seconds += time.perf_counter() - start
@@ -382,7 +382,7 @@ class ContinuousBatcher:
             if self._decoding(slot):
                 slot.position += 1
                 # log sum exp of the row's logits: its best, and the sum of exp(logit - best)
-                normalizer = float(v[index, 0, 0]) + float(np.log(sums[index, 0])) if mass else None
+                normalizer = mass_normalizer(v[index, 0, 0], sums[index, 0]) if mass else None
                 self._take(index, v[index, 0], i[index, 0], normalizer)
 
     def _drive(self) -> bool:
@@ -512,9 +512,7 @@ class ContinuousBatcher:
         if job.top_logprobs is None or normalizer is None:
             self._deliver(index, token)
         else:
-            chosen = float(values[int(np.flatnonzero(indices == token)[0])]) - normalizer
-            top = tuple((int(t), float(v) - normalizer) for v, t in zip(values[: job.top_logprobs], indices))
-            self._deliver(index, token, chosen, top)
+            self._deliver(index, token, *scored(values, indices, token, normalizer, job.top_logprobs))
 
     def _deliver(self, index: int, token: int, logprob: float | None = None, top: tuple = ()) -> None:
         """Slot `index`'s next token (chosen here or by the workers) to its job; the slot is freed

@@ -75,6 +75,22 @@ def choose(values: np.ndarray, indices: np.ndarray, rule: Rule, rng, recent: Seq
     return pick(values, indices, rule, None if rule.greedy else rng.random(), recent)
 
 
+def mass_normalizer(best: float, mass: float) -> float:
+    """A row's log sum exp from its best logit and its mass (the sum over the row of exp(logit -
+    best)), in float64: log p(token) = logit - this."""
+    return float(best) + float(np.log(np.float64(mass)))
+
+
+def scored(values: np.ndarray, indices: np.ndarray, token: int, normalizer: float, top: int):
+    """(`token`'s log-probability, the best `top` (token, log-probability) pairs) from a row's
+    candidates (best first) and its normalizer: what a job asking for log-probabilities gets,
+    whether the coordinator chose its token (models/batching.py) or the workers did
+    (workers/generation.py)."""
+    at = np.flatnonzero(indices == token)
+    chosen = float(values[at[0]]) - normalizer if at.size else -np.inf
+    return chosen, tuple((int(t), float(v) - normalizer) for v, t in zip(values[:top], indices[:top]))
+
+
 def pick(values: np.ndarray, indices: np.ndarray, rule: Rule, uniform: float | None, recent: Sequence[int] = ()) -> int:
     """`choose` with its uniform draw given (None where the rule is greedy)."""
     values = np.asarray(values).astype(np.float64)

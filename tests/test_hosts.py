@@ -35,7 +35,10 @@ JOB = textwrap.dedent("""
     total = parts[0].copy()
     for part in parts[1:]:
         total = total + part
-    assert np.array_equal(p.redistribute(MIRRORED).numpy(), total)  # all-reduce, bit for bit
+    mirrored = p.redistribute(MIRRORED).realize()
+    assert np.array_equal(mirrored.numpy(), total)  # all-reduce, bit for bit
+    # every worker's copy, not only the one read back: each keeps its own rows of it
+    assert np.array_equal(mirrored.redistribute(Split.even(0, 6, n)).numpy(), total)
     s = dev.tensor(x, Split(0, (tuple([6 - (n - 1)] + [1] * (n - 1)),)))  # uneven on any n
     assert np.array_equal(s.redistribute(Split.even(1, 16, n)).numpy(), x)  # all-to-all
     w_up = rng.standard_normal((16, 32)).astype(np.float32)

@@ -170,6 +170,14 @@ def private_dir(path: str) -> str:
     return path
 
 
+def endpoint_host(endpoint: str) -> str:
+    """The host a tcp endpoint names (tcp://HOST:PORT; an IPv6 address without its brackets);
+    "" for an ipc endpoint (this host)."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    return endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+
+
 def is_local(host: str) -> bool:
     """A wildcard or loopback address: the coordinator is on this host."""
     return host in ("", "*", "0.0.0.0", "::", "localhost") or host.startswith("127.") or host == "::1"

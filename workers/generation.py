@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from split_state.errors import ProtocolError, TransportError, WorkerLost
-from split_state.sampling import Rule, choose, generator_state, restore_generator
+from split_state.sampling import Rule, choose, generator_state, mass_normalizer, restore_generator, scored
 from transport import protocol as p
 from transport.board import TokenBoard
 from transport.deadline import Deadline
@@ -208,18 +208,13 @@ def log_probabilities(values, indices, mass, chosen: list[int], wanted: tuple[in
     """A step's log-probabilities, as Tokens.logprobs holds them: per sequence b that asked
     (wanted[b] >= 0), its chosen token's and its best wanted[b] (token, log-probability) pairs,
     from the step's candidates (values, indices: best first) and its row's mass (the sum of
-    exp(logit - best)). The log sum exp of the row's logits is its best logit plus log mass, in
-    float64 as the coordinator's own steps work it out (models/batching.py)."""
+    exp(logit - best)), as the coordinator's own steps work them out (split_state.sampling)."""
     out = np.full((len(wanted), 1 + 2 * max(0, *wanted)), np.nan)
     for b, top in enumerate(wanted):
-        if top < 0:
-            continue
-        normalizer = float(values[b, 0, 0]) + float(np.log(np.float64(mass[b, 0])))
-        at = np.flatnonzero(indices[b, 0] == chosen[b])
-        out[b, 0] = float(values[b, 0, at[0]]) - normalizer if at.size else -np.inf
-        for k in range(top):
-            out[b, 1 + 2 * k] = int(indices[b, 0, k])
-            out[b, 2 + 2 * k] = float(values[b, 0, k]) - normalizer
+        if top >= 0:
+            normalizer = mass_normalizer(values[b, 0, 0], mass[b, 0])
+            out[b, 0], pairs = scored(values[b, 0], indices[b, 0], chosen[b], normalizer, top)
+            out[b, 1 : 1 + 2 * top] = np.ravel(pairs)
     return out
 
 

@@ -27,6 +27,7 @@ from transport.sockets import (
     HandshakeWatch,
     Security,
     dealer,
+    endpoint_host,
     is_local,
     local_address,
     pull,
@@ -62,7 +63,7 @@ def data_endpoint(args: p.WorkerLaunch) -> tuple[str, str]:
         return args.data, args.advertise
     if args.connect.startswith("ipc://"):
         return args.connect.rsplit("/", 1)[0] + f"/data-{args.rank}-{os.getpid()}", ""
-    host = args.connect[len("tcp://") :].rsplit(":", 1)[0]
+    host = endpoint_host(args.connect)
     if is_local(host):
         return ("tcp://0.0.0.0:*", args.advertise) if args.advertise else ("tcp://127.0.0.1:*", "")
     return f"tcp://{local_address(host)}:*", args.advertise

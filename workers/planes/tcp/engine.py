@@ -44,7 +44,7 @@ from transport import protocol as p
 from transport.deadline import Deadline
 from transport.environment import TCP_DIRECT_ENV
 from transport.shm import Sink
-from transport.sockets import Security
+from transport.sockets import Security, endpoint_host
 from workers.binding import bound
 from workers.comm import POLITE_SPIN_SECONDS, Waiter, ZmqComm, check_arrival
 
@@ -614,9 +614,7 @@ def rendezvous(comm: TcpComm, peers: list[str], session: bytes, deadline: Deadli
 
 def _host_of(endpoint: str) -> str:
     """The host a worker's ZeroMQ inbox is reached at (loopback for an ipc inbox)."""
-    if not endpoint.startswith("tcp://"):
-        return "127.0.0.1"
-    return endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    return endpoint_host(endpoint) or "127.0.0.1"
 
 
 def _listen(host: str, backlog: int) -> socket.socket:
