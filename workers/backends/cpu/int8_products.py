@@ -36,9 +36,15 @@ from workers.backends.cpu.activations import quantize_q8_0, quantize_q8_k
 from workers.backends.cpu.formats import ACTIVATION_BLOCK, INT_FORMATS, SUM_SPAN, Partner
 
 LANES = 64
-# Each byte row of the block `ahead` bytes on (whole blocks, ahead_bytes) is asked for as the
-# block is read: the blocks' rows are read out of order (sub-block by sub-block, the scales
-# last), and the hardware's prefetcher alone fed a K-quant product from DRAM at 9.5 GB/s. How far
+# The block `ahead` bytes on (whole blocks, ahead_bytes) is asked for as the block is read, one
+# byte row (a cache line) each time the block code first reads one of its own rows, in the
+# order of the rows' addresses, and what is left at the block's end: the blocks' rows are read
+# out of order (sub-block by sub-block, the scales last, the float16 factors by the numba loop),
+# and the hardware's prefetcher alone fed a K-quant product from DRAM at 9.5 GB/s. Asked for in
+# the order the block code read them (and the factors' rows not at all), 6 products of 16,384 x
+# 2,048 on two threads ran at q4_k 43.8-44.8, q6_k 39.6-41.2, q4_0 46.0-46.9 GB/s; in address
+# order 50.0-51.7, 44.6-46.3, 46.9-47.7 (2026-11-29, alternating in one process; one thread
+# within noise: q4_k 32.2 against 32.5, q6_k 26.8 against 27.9). How far
 # ahead depends on the threads that share the memory: 6 products of 16,384 x 2,048 from DRAM
 # (2026-11-29, two alternating runs), one thread, 8 KiB ahead against 16: q6_k 28.2 against 23.8-24.4
 # GB/s, q4_k 33.3-33.6 against 29.8-30.7, q8_0 33.9 against 30.7, q5_k 26.3 against 23.0, q4_0
@@ -67,20 +73,29 @@ class _Block:
 
     def __init__(self, builder, fmt, lanes: int, at: dict):
         self.builder, self.fmt, self.lanes, self.at = builder, fmt, lanes, at
-        self.fetched: set[int] = set()
+        self.touched: set[int] = set()  # the block's rows read so far
+        self.asked = 0  # the rows of the block ahead asked for: rows 0 .. asked - 1
+
+    def _offset(self, p: int):
+        return self.builder.add(self.at["w_at"], ir.Constant(self.at["w_at"].type, p * self.lanes))
+
+    def ask_ahead(self, count: int) -> None:
+        """Ask for the next `count` rows of the block `ahead` bytes on, in address order."""
+        for p in range(self.asked, min(self.asked + count, FORMATS[self.fmt.name].block_bytes)):
+            vir.prefetch(self.builder, self.at["w"], self.builder.add(self._offset(p), self.at["ahead"]))
+            self.asked = p + 1
 
     def reader(self):
         """A reader of the block's byte rows for one sub-block: each row read once."""
-        builder, at, read = self.builder, self.at, {}
+        read = {}
         wide = vir.vector(vir.I8, self.lanes)
 
         def row(p):  # byte p of the block, of every lane
             if p not in read:
-                offset = builder.add(at["w_at"], ir.Constant(at["w_at"].type, p * self.lanes))
-                if p not in self.fetched:
-                    self.fetched.add(p)
-                    vir.prefetch(builder, at["w"], builder.add(offset, at["ahead"]))
-                read[p] = vir.load_once(builder, at["w"], offset, wide)
+                if p not in self.touched:
+                    self.touched.add(p)
+                    self.ask_ahead(1)
+                read[p] = vir.load_once(self.builder, self.at["w"], self._offset(p), wide)
             return read[p]
 
         return row
@@ -149,6 +164,9 @@ class _Unpacked(_Block):
     def reader(self):
         return None
 
+    def ask_ahead(self, count: int) -> None:  # (unpack_code asked for the weight's rows)
+        pass
+
     def _load(self, offset: int, kind):
         return vir.load(self.builder, self.at["scratch"], ir.Constant(ir.IntType(64), offset), kind)
 
@@ -192,6 +210,7 @@ def _unpack_code(builder, fmt, lanes: int, isa: int, at: dict) -> None:
         for value, first in ((source.scale(row, s), scales_at), (source.minimum(row, s), minimums_at)):
             if value is not None:
                 put(value, first + s * lanes * 4)
+    source.ask_ahead(FORMATS[fmt.name].block_bytes)
 
 
 def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source: _Block) -> None:
@@ -251,6 +270,7 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
             _sub_block_epilogue(builder, fmt, rows, isa, at, source, row, s, sums_of_rows, activation_sum, add_into)
     row = source.reader()
     minimums = [source.minimum(row, s) for s in range(subs)]
+    source.ask_ahead(FORMATS[fmt.name].block_bytes)  # the rows not read here (the factors')
     if minimums[0] is None:
         return
     for r in range(rows):
