@@ -22,6 +22,18 @@ class Partner(Enum):
 
 
 @dataclass(frozen=True)
+class Transposed:
+    """How a format's values are made from its byte rows after their transpose, for a one-row
+    product whose sub-blocks share byte rows (int8_products._Block.shares): each byte row is
+    transposed once for every sub-block of a pass (byte operations commute with a permute of the
+    bytes), where each four values' rows were made, then transposed, one four at a time."""
+
+    sources: Callable  # v -> (p, ...): values v .. v + 3 are made from byte rows p .. p + 3 of each p
+    value: Callable  # (builder, the sources' transposed pieces in that order, v) -> the values' piece
+    passes: tuple[tuple[int, ...], ...]  # the sub-blocks of each pass: those sharing their rows
+
+
+@dataclass(frozen=True)
 class IntFormat:
     name: str
     code: int  # the intrinsic's compile-time selector
@@ -31,12 +43,11 @@ class IntFormat:
     bias: int  # what each unsigned quant exceeds the true one by (times the activation's sum)
     factors: tuple[int, ...]  # bytes of the float16 factors (d, then m or dmin)
     scales: Callable | None = None  # (builder, row, sub-block) -> (scale, min or None), <lanes x i32>
-    # v -> (p, high): values v .. v + 3 are the low or high nibbles of byte rows p .. p + 3, for
-    # formats whose quants are nibbles alone and whose sub-blocks pair on the same bytes (q4_k):
-    # those byte rows are transposed once for both halves (int8_products._Block.paired)
-    nibbles: Callable | None = None
+    transposed: Transposed | None = None  # for formats whose sub-blocks share byte rows
 
 
+_Q4_K = Transposed(k_blocks.q4_k_sources, k_blocks.q4_k_transposed, k_blocks.Q4_K_PASSES)
+_Q6_K = Transposed(k_blocks.q6_k_sources, k_blocks.q6_k_transposed, k_blocks.Q6_K_PASSES)
 INT_FORMATS = {
     f.name: f
     for f in (
@@ -45,9 +56,9 @@ INT_FORMATS = {
         IntFormat("q5_0", 2, Partner.Q8_0, legacy_blocks.q5_0, 32, 16, (0,)),
         IntFormat("q5_1", 3, Partner.Q8_1, legacy_blocks.q5_1, 32, 0, (0, 2)),
         IntFormat("q8_0", 4, Partner.Q8_0, legacy_blocks.q8_0, 32, 128, (0,)),
-        IntFormat("q4_k", 5, Partner.Q8_K, k_blocks.q4_k, 32, 0, (0, 2), k_blocks.k4_scales, k_blocks.q4_k_source),
+        IntFormat("q4_k", 5, Partner.Q8_K, k_blocks.q4_k, 32, 0, (0, 2), k_blocks.k4_scales, _Q4_K),
         IntFormat("q5_k", 6, Partner.Q8_K, k_blocks.q5_k, 32, 0, (0, 2), k_blocks.k4_scales),
-        IntFormat("q6_k", 7, Partner.Q8_K, k_blocks.q6_k, 16, 32, (208,), k_blocks.q6_k_scales),
+        IntFormat("q6_k", 7, Partner.Q8_K, k_blocks.q6_k, 16, 32, (208,), k_blocks.q6_k_scales, _Q6_K),
     )
 }
 BY_CODE = {f.code: f for f in INT_FORMATS.values()}

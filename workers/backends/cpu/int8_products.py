@@ -103,38 +103,37 @@ class _Block:
     def values(self, row, v: int) -> list:
         return [self.fmt.value_row(self.builder, row, v + k) for k in range(4)]
 
-    def paired(self, rows: int, isa: int) -> bool:
-        """Whether two sub-blocks go in one pass, their byte rows transposed once for both: the
-        format's values are nibbles alone and sub-blocks s and s + 1 the low and high halves of
-        the same bytes (q4_k's), and there is one activation row, whose two sets of sums fit the
-        registers beside the transposed bytes. The permutes are most of such a block's work:
-        one pass for both took q4_k's one-row product from 113-116 to 102 us (4,096 x 2,048,
-        one thread). (Four rows' sums would spill; the legacy formats' halves, in one sub-block,
-        gained nothing shared: 97-99 us either way, and four rows 197 against 251-270.)"""
-        fmt = self.fmt
-        if fmt.nibbles is None or isa != vir.VNNI or self.ready or rows != 1:
-            return False
-        return 2 * fmt.sub <= FORMATS[fmt.name].block and fmt.nibbles(0)[0] == fmt.nibbles(fmt.sub)[0]
+    def shares(self, rows: int, isa: int) -> bool:
+        """Whether sub-blocks that share byte rows go in one pass, each row transposed once for
+        all of them (formats.Transposed): with VNNI, for one activation row, whose sums of the
+        pass's sub-blocks fit the registers beside the transposed bytes. (Four rows' sums would
+        spill; the legacy formats' halves, in one sub-block, gained nothing shared: 97-99 us
+        either way, and four rows 197 against 251-270.)"""
+        return self.fmt.transposed is not None and isa == vir.VNNI and not self.ready and rows == 1
 
-    def fours(self, row, subs: list[int], shared: bool):
+    def passes(self, shared: bool) -> tuple[tuple[int, ...], ...]:
+        if shared:
+            return self.fmt.transposed.passes
+        return tuple((s,) for s in range(FORMATS[self.fmt.name].block // self.fmt.sub))
+
+    def fours(self, row, subs: tuple[int, ...], shared: bool):
         """(sub-block, v, the values v .. v + 3 as dot4 takes them, whether transposed) for every
-        four values of `subs`; `shared` (`paired`): the four byte rows holding values v .. v + 3
-        transposed once and both halves taken from the transposed bytes (byte operations commute
-        with a permute of the bytes), the fours of one byte row one after the other, so that no
-        more than one transposed four is live."""
+        four values of `subs`; `shared` (`shares`): the fours in the order of their sources, each
+        source's four byte rows transposed once and the values made from the transposed bytes."""
         sub = self.fmt.sub
         fours = [(s, v) for s in subs for v in range(s * sub, (s + 1) * sub, 4)]
         if not shared:
             for s, v in fours:
                 yield s, v, self.values(row, v), self.ready
             return
-        source, builder = self.fmt.nibbles, self.builder
-        last, raw = None, None
-        for s, v in sorted(fours, key=lambda sv: source(sv[1])):
-            first, high = source(v)
-            if first != last:
-                last, raw = first, vir.transposed(builder, [row(first + k) for k in range(4)])
-            yield s, v, [vir.nibble_of(builder, piece, high) for piece in raw], True
+        spec, builder, raw = self.fmt.transposed, self.builder, {}
+        for s, v in sorted(fours, key=lambda sv: spec.sources(sv[1])):
+            sources = spec.sources(v)
+            for p in sources:
+                if p not in raw:
+                    raw[p] = vir.transposed(builder, [row(p + k) for k in range(4)])
+            pieces = zip(*(raw[p] for p in sources))
+            yield s, v, [spec.value(builder, list(chunk), v) for chunk in pieces], True
 
     def scale(self, row, s: int):
         return self.fmt.scales(self.builder, row, s)[0] if self.fmt.scales is not None else None
@@ -245,8 +244,7 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
 
     block = FORMATS[fmt.name].block
     subs = block // fmt.sub
-    shared = source.paired(rows, isa)
-    step = 2 if shared else 1
+    shared = source.shares(rows, isa)
 
     def start(r, s):
         """Row r's sums of sub-block s before its products: 0, or less the bias times the
@@ -260,10 +258,10 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
         biased = builder.mul(activation_sum(r, s), ir.Constant(vir.I32, -fmt.bias))
         return [vir.splat(builder, biased, piece.type.count) for piece in vir.zeros(lanes, isa)]
 
-    for passed in range(0, subs, step):
+    for group in source.passes(shared):
         row = source.reader()
-        accs = {s: [start(r, s) for r in range(rows)] for s in range(passed, passed + step)}
-        for s, v, values, ready in source.fours(row, list(accs), shared):
+        accs = {s: [start(r, s) for r in range(rows)] for s in group}
+        for s, v, values, ready in source.fours(row, group, shared):
             words = [activation_word(r, v) for r in range(rows)]
             accs[s] = vir.dot4(builder, accs[s], values, words, isa, ready)
         for s, sums_of_rows in accs.items():

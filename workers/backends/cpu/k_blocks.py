@@ -13,7 +13,7 @@ every lane.
 
 from __future__ import annotations
 
-from workers.backends.cpu.vector_ir import I32, byte_splat, vector
+from workers.backends.cpu.vector_ir import I8, I32, byte_splat, nibble_of, vector
 
 
 def _k_quant(builder, row, first: int, fifth_at: int | None, v: int):
@@ -29,13 +29,6 @@ def _k_quant(builder, row, first: int, fifth_at: int | None, v: int):
     bits = row(fifth_at + within % 32)
     bit = builder.and_(builder.lshr(bits, byte_splat(sub, lanes)), byte_splat(1, lanes))
     return builder.or_(q, builder.shl(bit, byte_splat(4, lanes)))
-
-
-def q4_k_source(v: int) -> tuple[int, bool]:
-    """Where q4_k's values v .. v + 3 (v a multiple of 4) lie: the low (False) or high (True)
-    halves of bytes p .. p + 3, as (p, high)."""
-    chunk, within = divmod(v, 64)
-    return 16 + 32 * chunk + within % 32, within >= 32
 
 
 def q4_k(builder, row, v):
@@ -89,3 +82,45 @@ def q6_k_scales(builder, row, s: int):
     """q6_k's signed scale of sub-block s as <lanes x i32>, and no minimum."""
     scale = row(192 + s)
     return builder.sext(scale, vector(I32, scale.type.count)), None
+
+
+# How the one-row products make the values from transposed byte rows (formats.Transposed).
+# q4_k's sub-blocks 2c and 2c + 1 are the low and high halves of chunk c's bytes: one pass a chunk
+# took q4_k's one-row product from 113-116 to 102 us (4,096 x 2,048, one thread). q6_k's
+# sub-blocks s and s + 4 (s 0-3 and 8-11) are the low and high halves of the same ql bytes, and
+# their top two bits come from the same qh bytes: in pairs, its one-row product from L3 (2,048 x
+# 2,048, one thread) took 380-398 against 449-457 ns a super-block (made and transposed a four
+# at a time); in fours (s, s + 2, s + 4, s + 6, each qh byte transposed once) 387, its 16
+# accumulators spilling (2026-11-29).
+Q4_K_PASSES = ((0, 1), (2, 3), (4, 5), (6, 7))
+Q6_K_PASSES = ((0, 4), (2, 6), (1, 5), (3, 7), (8, 12), (10, 14), (9, 13), (11, 15))
+
+
+def q4_k_sources(v: int) -> tuple[int]:
+    """The bytes p .. p + 3 whose low (within a chunk, values 0-31) or high halves (32-63) are
+    q4_k's values v .. v + 3 (v a multiple of 4), as (p,)."""
+    chunk, within = divmod(v, 64)
+    return (16 + 32 * chunk + within % 32,)
+
+
+def q4_k_transposed(builder, pieces, v):
+    return nibble_of(builder, pieces[0], v % 64 >= 32)
+
+
+def q6_k_sources(v: int) -> tuple[int, int]:
+    """q6_k's values v .. v + 3 from (their qh bytes, their ql bytes), as `q6_k` reads them."""
+    half, rest = divmod(v, 128)
+    quarter, at = divmod(rest, 32)
+    return 128 + 32 * half + at, 64 * half + 32 * (quarter % 2) + at
+
+
+def q6_k_transposed(builder, pieces, v):
+    """Values v .. v + 3 from their transposed qh and ql pieces: the nibble, and bits 2 quarter,
+    2 quarter + 1 of the qh byte above it."""
+    top, low = pieces
+    quarter = v % 128 // 32
+    low = nibble_of(builder, low, quarter >= 2)
+    bytes_ = vector(I8, low.type.count * 4)
+    top = builder.lshr(builder.bitcast(top, bytes_), byte_splat(2 * quarter, bytes_.count))
+    top = builder.shl(builder.and_(top, byte_splat(3, bytes_.count)), byte_splat(4, bytes_.count))
+    return builder.or_(low, builder.bitcast(top, low.type))
