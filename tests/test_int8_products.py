@@ -245,6 +245,22 @@ def _close_to_model(out: np.ndarray, expected: np.ndarray, magnitude: np.ndarray
     assert excess.max() <= 0, f"{np.abs(out - expected).max()} off at most, {excess.max()} past the bound"
 
 
+def test_a_format_whose_passes_miss_a_sub_block_is_refused():
+    """A format's passes over shared byte rows must take each sub-block once: one left out would
+    silently add nothing to the products."""
+    from dataclasses import replace
+
+    from workers.backends.cpu.formats import INT_FORMATS, Transposed
+
+    q6_k = INT_FORMATS["q6_k"]
+    passes = q6_k.transposed.passes
+    with pytest.raises(ValueError, match="q6_k"):
+        replace(q6_k, transposed=Transposed(q6_k.transposed.sources, q6_k.transposed.value, passes[1:]))
+    with pytest.raises(ValueError, match="q6_k"):
+        replace(q6_k, transposed=Transposed(q6_k.transposed.sources, q6_k.transposed.value, passes + passes[:1]))
+    assert replace(q6_k, transposed=Transposed(q6_k.transposed.sources, q6_k.transposed.value, passes[::-1]))
+
+
 @pytest.mark.parametrize("name", INT_TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 5, 9])
 def test_each_format_equals_the_model_of_llama_cpps_arithmetic(name, rows):

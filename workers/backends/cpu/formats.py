@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from split_state.quant import FORMATS
 from workers.backends.cpu import k_blocks, legacy_blocks
 
 
@@ -44,6 +45,12 @@ class IntFormat:
     factors: tuple[int, ...]  # bytes of the float16 factors (d, then m or dmin)
     scales: Callable | None = None  # (builder, row, sub-block) -> (scale, min or None), <lanes x i32>
     transposed: Transposed | None = None  # for formats whose sub-blocks share byte rows
+
+    def __post_init__(self) -> None:
+        if self.transposed is not None:  # a sub-block left out of the passes would add nothing
+            taken = sorted(s for group in self.transposed.passes for s in group)
+            if taken != list(range(FORMATS[self.name].block // self.sub)):
+                raise ValueError(f"{self.name}: the passes take sub-blocks {taken}, not each once")
 
 
 _Q4_K = Transposed(k_blocks.q4_k_sources, k_blocks.q4_k_transposed, k_blocks.Q4_K_PASSES)
