@@ -5,12 +5,15 @@ is ~600 of them, and calling them one after the other cost rank 0 190 us a token
 280 on 2 before any kernel ran (`bench/executor.py`: the loop, each closure's call, its argument
 tuple, the wrapper that drops dead slots). The same steps written out as one function's
 statements (`s[12] = c3(xp, (s[4], s[9]), c4, c5)`; a dead slot `s[4] = None`; a view of a KV
-cache kept from run to run behind an identity test) run in 80 and 115 us. CPython compiles such
-a function at 20-30 us a statement (17-30 ms for a decode step) and a run saves ~0.2 us a call,
-so writing out pays for itself after ~150 runs whatever the program's size: a binding is
-written out once its runs done and announced (a Generate says how many steps it will run,
-`CompiledProgram.expect`) reach `WORTH_RUNS`. A prompt's prefill run a few times, or a short
-generation, never pays for it; a long generation pays at its first step, once per load.
+cache kept from run to run behind an identity test) run in 80 and 115 us, and what saves most is
+that a written-out step runs its kernel's plan (below): ~4 us a planned step of a decode step.
+CPython compiles such a function at ~8 us a statement (four a planned step: 14 ms for SmolLM2's
+decode step of 1,853 statements), so writing out pays for itself after ~8 runs whatever the
+program's size (SmolLM2's Q4_K_M decode on one thread: 135 tok/s run as closures, 178 written
+out, 2026-11-30). A binding is written out once its runs done and announced (a Generate says how
+many steps it will run, `CompiledProgram.expect`) reach `WORTH_RUNS`, twice the break-even: a
+prompt's prefill run a few times never pays for it; a generation of 16 tokens or more pays at
+its first step, once per load.
 
 A line says what its closure does, nothing more: the closures stay the reference, and what the
 first runs, profiling, the checks, a run that keeps every slot and device graphs use.
@@ -30,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-WORTH_RUNS = 128  # a binding's unprofiled runs, done and announced, from which it is written out
+WORTH_RUNS = 16  # a binding's unprofiled runs, done and announced, from which it is written out
 
 
 # The lines are NamedTuples: every bind makes one a step (~2,000 for a prefill) whether or not
