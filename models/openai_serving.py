@@ -210,8 +210,14 @@ class CompletionServing:
         """The ticket's events as the batcher puts them (it wakes this loop: no thread waits for
         them); a client that left cancels it (its slot is free before the next token)."""
         loop, ready = asyncio.get_running_loop(), asyncio.Event()
+        # one wake-up on its way at a time: the events of a report's steps come together, and a
+        # wake-up each (a write to the loop's pipe, a pass of the loop) took the workers' cores
+        woken = [False]
 
         def wake() -> None:  # on the batcher's thread
+            if woken[0]:
+                return  # this loop looks at the queue after that wake-up: it sees this event too
+            woken[0] = True
             try:
                 loop.call_soon_threadsafe(ready.set)
             except RuntimeError:  # the loop closed: nobody reads this ticket
@@ -221,7 +227,8 @@ class CompletionServing:
         silent, looked = 0.0, time.monotonic()
         try:
             while True:
-                ready.clear()  # before looking: an event put after the look wakes the wait
+                woken[0] = False  # before looking: an event put after the look wakes the wait
+                ready.clear()
                 event = ticket.next(0)
                 if event is None:
                     try:
