@@ -110,6 +110,10 @@ def test_a_generation_announcing_enough_steps_is_written_out_at_once_with_the_sa
     decode = [p for s in dev.cluster.servers for p in s.executor.programs.values() if len(p.calls) == 1]
     assert len(decode) == 2  # the decode program on both devices; the prefill's never
     assert all(p.replays < 30 for p in decode)  # written out on the steps' announcement, not their count
+    for program in decode:  # its KV-cache writes (in place) run their plans, as its attention does
+        planned = [v.__self__ for v in program.calls[0].__globals__.values() if hasattr(v, "__self__")]
+        ops = {p.line.kernel.__name__ for p in planned if isinstance(p, straight._Planned) and p.planned}
+        assert {"rope_set_rows", "set_rows", "attention"} <= ops, ops
 
 
 def planned_scale(xp, inputs, params, out):
@@ -145,12 +149,67 @@ def test_a_planned_line_runs_its_plan_while_its_inputs_are_the_same_arrays():
     run.forget({id(a): a})  # the store freed it: planned again
     run([a, None])
     assert len(made) == 2
-    for k in range(6):  # a new array every run: planned twice more, then the plain call
+    for k in range(6):  # a new array every run: planned on REPLANS runs in a row, then the plain call
         b = np.full(4, k, np.float32)
         s = [b, None]
         run(s)
         np.testing.assert_array_equal(s[1], np.full(4, 2.0 * k))
-    assert len(made) == straight._Planned.REPLANS
+    assert len(made) == 1 + straight._Planned.REPLANS
+
+
+def test_an_input_that_changes_now_and_then_is_planned_again_each_time():
+    """A new array every other run (the fed positions a rope reads, new with each Generate) is
+    planned again each time, however often over the program's life: the count is of runs in a
+    row."""
+    made.clear()
+    out = np.empty(4, np.float32)
+    run = straight.write_out([(OpLine(planned_scale, (0,), 1, {"scale": 2.0}, out), ())], np, "test")
+    arrays = 3 * straight._Planned.REPLANS
+    for k in range(arrays):
+        a = np.full(4, k, np.float32)
+        for _ in range(2):
+            s = [a, None]
+            run(s)
+            np.testing.assert_array_equal(s[1], np.full(4, 2.0 * k))
+        assert made[-1] is a
+    assert len(made) == arrays
+
+
+def scale_in_place(xp, inputs, params, out):
+    return xp.multiply(inputs[0], params["scale"], out=inputs[0])
+
+
+def _plan_in_place(xp, inputs, params, out):
+    made.append(inputs[0])
+    (x,) = inputs
+    factor = params["scale"]
+    return lambda: xp.multiply(x, factor, out=x)
+
+
+scale_in_place.plan = _plan_in_place
+
+
+def test_a_line_writing_its_input_in_place_runs_its_plan_and_a_fresh_result_never_does():
+    """A KV cache's set_rows writes its first input and returns it: the same array every run, so
+    its plan serves; a line whose result is a new array each run (`fresh`) never runs a plan (it
+    would hand every run the array it was planned with)."""
+    made.clear()
+    cache = np.ones(4, np.float32)
+    lines = [
+        (OpLine(scale_in_place, (0,), 1, {"scale": 2.0}, None, inplace=True), ()),
+        (OpLine(planned_scale, (1,), 2, {"scale": 3.0}, None, fresh=((4,), np.float32)), ()),
+    ]
+    run = straight.write_out(lines, np, "test")
+    results = []
+    for k in range(3):
+        s = [cache, None, None]
+        run(s)
+        assert s[1] is cache
+        np.testing.assert_array_equal(cache, np.full(4, 2.0 ** (k + 1)))
+        np.testing.assert_array_equal(s[2], np.full(4, 3 * 2.0 ** (k + 1)))
+        results.append(s[2])
+    assert made == [cache]  # planned once, the in-place line only
+    assert results[0] is not results[1] is not results[2]
 
 
 def test_forget_lets_go_of_exactly_the_plans_that_hold_a_freed_array():

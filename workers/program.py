@@ -179,7 +179,8 @@ class CompiledProgram:
                 if memo is not None:
                     extra["memo"] = memo
             shape_dtype = (tuple(step.shape), dtype_from_name(step.dtype)) if fresh else None
-            lines.append(straight.OpLine(kernel, step.inputs, step.output, step.params, out, extra, shape_dtype))
+            line = straight.OpLine(kernel, step.inputs, step.output, step.params, out, extra, shape_dtype)
+            lines.append(line._replace(inplace=True) if writes_in_place(step.op) else line)
         # the calls that drop per-run memory after its last read; the plain ones (`keep`) for a run
         # that asks for slots the load did not declare (they must stay until the run ends)
         dropping = []

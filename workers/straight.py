@@ -51,6 +51,7 @@ class OpLine(NamedTuple):
     out: Any
     extra: dict | None = None
     fresh: tuple | None = None
+    inplace: bool = False  # the kernel writes its first input and returns it (a KV cache's set_rows)
 
 
 class ViewLine(NamedTuple):
@@ -81,12 +82,13 @@ def write_out(lines: Sequence[tuple[Line, Sequence[int]]], xp, name: str) -> Cal
         names[key] = value
         return key
 
-    body = []
+    body = ["runs[0] += 1"]  # the plans' clock (_Planned.replan)
+    runs = names["runs"] = [0]
     planned: list[_Planned] = []
     holders: dict[int, set] = {}  # id of an array -> the plans made for it (what `forget` looks up)
     for line, dead in lines:
-        if isinstance(line, OpLine) and line.out is not None and getattr(line.kernel, "plan", None) is not None:
-            plan = _Planned(line, xp, names, f"p{len(planned)}", holders)
+        if _plannable(line):
+            plan = _Planned(line, xp, names, f"p{len(planned)}", holders, runs)
             planned.append(plan)
             ins = ", ".join(f"s[{i}]" for i in line.inputs)
             same = " and ".join(f"s[{i}] is {plan.name}_{k}" for k, i in enumerate(line.inputs))
@@ -112,7 +114,7 @@ def write_out(lines: Sequence[tuple[Line, Sequence[int]]], xp, name: str) -> Cal
         else:
             body.append(f"{const(line.call)}(s)")
         body.extend(f"s[{slot}] = None" for slot in dead)
-    source = "def run(s):\n" + "".join(f"    {statement}\n" for statement in body or ["pass"])
+    source = "def run(s):\n" + "".join(f"    {statement}\n" for statement in body)
     exec(compile(source, f"<{name}>", "exec"), names)
     run = names["run"]
 
@@ -124,6 +126,17 @@ def write_out(lines: Sequence[tuple[Line, Sequence[int]]], xp, name: str) -> Cal
 
     run.forget = forget
     return run
+
+
+def _plannable(line: Line) -> bool:
+    """Whether a line runs its kernel's plan: the kernel has one, and its result is the same array
+    every run (the program's buffer, or the first input it writes in place), never a fresh one
+    (a plan returns the array it was made with)."""
+    return (
+        isinstance(line, OpLine)
+        and (line.out is not None or line.inplace)
+        and getattr(line.kernel, "plan", None) is not None
+    )
 
 
 def _listed(line: OpLine) -> bool:
@@ -138,17 +151,22 @@ _NOT_SEEN = object()  # no array is this: a plan's inputs before its first call
 class _Planned:
     """A planned line's state, kept in the written-out function's globals (`names`): its inputs
     as `<name>_<k>`, the plan as `<name>`, and what runs when the inputs are others as
-    `<name>_other`: `replan`, until the line has been planned REPLANS times; after that its
-    inputs are new arrays most runs (the sum an all-reduce makes, say) and planning costs more
-    than it saves, so the kernel is called as the closure calls it."""
+    `<name>_other`: `replan`, until the line has been planned on REPLANS runs in a row; after
+    that its inputs are new arrays every run (the sum an all-reduce makes, say) and planning
+    costs more than it saves, so the kernel is called as the closure calls it. Inputs that
+    change now and then (the fed positions a rope reads, new with each Generate) are planned
+    again each time: a run with no replan between two replans starts the count again (counted
+    over the program's life, every rope of a decode step went unplanned from a server's third
+    request on)."""
 
     REPLANS = 3
 
-    def __init__(self, line: OpLine, xp, names: dict, name: str, holders: dict[int, set]):
+    def __init__(self, line: OpLine, xp, names: dict, name: str, holders: dict[int, set], runs: list[int]):
         self.line, self.xp, self.names, self.name = line, xp, names, name
         self.holders = holders  # shared by a written-out function's plans: id of an array -> its plans
         self.held: tuple[int, ...] = ()  # the ids of the inputs it is planned for
-        self.planned = 0
+        self.runs = runs  # [runs of the written-out function so far]
+        self.planned, self.last_run = 0, -2  # replans on runs in a row; the run of the last one
         self.names[f"{name}_other"] = self.replan
         self._unset()
 
@@ -173,7 +191,9 @@ class _Planned:
     def replan(self, *inputs):
         line = self.line
         extra = line.extra or {}
-        self.planned += 1
+        run = self.runs[0]
+        self.planned = self.planned + 1 if run <= self.last_run + 1 else 1
+        self.last_run = run
         if self.planned > self.REPLANS:
             self._unset()
             self.names[f"{self.name}_other"] = call = self._unplanned()
