@@ -589,6 +589,31 @@ def test_the_cache_write_loop_writes_the_values_as_they_are():
 
 
 @pytest.mark.parametrize("kernel", ["set_rows", "rope_set_rows"])
+@pytest.mark.parametrize("pairs", [[(0, 1), (1, 2)], [(0, 0), (1, 1)], [(0, 2), (1, 0)], [(0, 3)]])
+def test_rows_written_to_some_of_the_caches_batch_go_there_and_nowhere_else(kernel, pairs):
+    """A server's step of its first slots writes rows fewer than the cache's batch (`batches`:
+    row j to element b): each to its element, the others untouched, in-order runs from an offset
+    through the loop and any other mapping through the shared kernel alike."""
+    rows = len(pairs)
+    cache, x, positions, spec = cache_write_case(rows, 1, batch=4)
+    spec = dict(spec, batches=pairs)
+    rotation = {"base": 500.0, "mode": "normal"}
+    values = ref.rope(x.astype(np.float64), positions, 500.0, "normal") if kernel == "rope_set_rows" else x
+    expected = cache.astype(np.float64)
+    for j, b in pairs:
+        expected[b, :, positions[j, 0], :] = values[j, 0]
+    if kernel == "set_rows":
+        inputs, params = [cache, positions, x.transpose(0, 2, 1, 3)], spec
+    else:
+        inputs, params = [cache, positions, x, positions], {"set_rows": spec, "rope": rotation, "axes": (0, 2, 1, 3)}
+    in_order = all(b == pairs[0][1] + j for j, b in pairs)
+    assert (cpu_overrides()[kernel].plan(np, inputs, params, None, memo={}) is not None) == in_order  # the loop's
+    got = cpu_overrides()[kernel](np, inputs, params, None, memo={})
+    assert got is cache
+    np.testing.assert_allclose(cache, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("kernel", ["set_rows", "rope_set_rows"])
 @pytest.mark.parametrize("bad", [-1, 12, 2**31 - 1])
 def test_a_position_outside_the_cache_is_refused_and_nothing_is_written(kernel, bad):
     from split_state.errors import ShapeError

@@ -165,19 +165,35 @@ _NO_ROTATION = np.zeros((1, 1), np.float32)
 _IDS = (np.dtype(np.int32), np.dtype(np.int64))
 
 
-def _writes_rows(xp, dst, ids, rows, params) -> bool:
-    """Whether write_rows takes this set_rows: the decoder's KV-cache write (a float32 cache
-    (batch, heads, ctx, d) whole here, rows (rows, tokens, heads, d) going to the cache's first
-    batch rows, contiguous)."""
+def _rows_target(xp, dst, ids, rows, params):
+    """The cache that write_rows writes `rows` into, or None where it does not take this set_rows.
+    It takes the decoder's KV-cache write: a float32 cache (batch, heads, ctx, d) whole here,
+    rows (rows, tokens, heads, d) contiguous, row j going to the cache's batch element j, or
+    offset + j (`batches`: a server's step of its first slots, rows fewer than the cache's batch;
+    the target is then the cache from element offset on, a view)."""
     if xp is not np or dst.ndim != 4 or ids.ndim != 2 or rows.ndim != 4 or params["axis"] != 2:
-        return False
-    if params.get("batches") is not None or ids.dtype not in _IDS or not _plain(dst, rows):
-        return False
+        return None
+    if ids.dtype not in _IDS or not _plain(dst, rows):
+        return None
     batch, heads, ctx, d = dst.shape
     spans = params["spans"]
     if params["rows"] != ctx or len(spans) != 1 or tuple(spans[0]) != (0, ctx, 0):  # the whole context here
-        return False
-    return rows.shape == (ids.shape[0], ids.shape[1], heads, d) and ids.shape[0] <= batch
+        return None
+    offset = _batch_offset(params.get("batches"), ids.shape[0])
+    if offset is None or rows.shape != (ids.shape[0], ids.shape[1], heads, d) or offset + ids.shape[0] > batch:
+        return None
+    return dst[offset:] if offset else dst
+
+
+def _batch_offset(pairs, count: int) -> int | None:
+    """The cache's batch element of row 0 when row j goes to element offset + j for every row
+    (pairs (row, element), set_rows's `batches`; none given: row j to element j), else None."""
+    if pairs is None:
+        return 0
+    if len(pairs) != count or not count:
+        return None
+    offset = pairs[0][1]
+    return offset if all(tuple(pair) == (j, offset + j) for j, pair in enumerate(pairs)) else None
 
 
 def _write_rows(dst, ids, rows, cos, sin, rotate: bool, neox: bool) -> None:
@@ -193,11 +209,12 @@ def _plan_set_rows(xp, inputs, params, out=None, memo=None):
         return None
     dst, ids, value = inputs
     rows = value.transpose(0, 2, 1, 3)  # the decoder's (b, t, heads, d)
-    if not _writes_rows(xp, dst, ids, rows, params):
+    target = _rows_target(xp, dst, ids, rows, params)
+    if target is None:
         return None
 
     def run():
-        _write_rows(dst, ids, rows, _NO_ROTATION, _NO_ROTATION, False, False)
+        _write_rows(target, ids, rows, _NO_ROTATION, _NO_ROTATION, False, False)
         return dst
 
     return run
@@ -216,13 +233,14 @@ def _plan_rope_set_rows(xp, inputs, params, out=None, memo=None):
     rows written straight into the cache (the bits of the two steps); other layouts run the two."""
     dst, ids, x, positions, *fed = inputs
     spec, rotation = params["set_rows"], params["rope"]
-    if fed or positions.shape != x.shape[:2] or not _writes_rows(xp, dst, ids, x, spec):
+    target = None if fed or positions.shape != x.shape[:2] else _rows_target(xp, dst, ids, x, spec)
+    if target is None:
         return None
     d, neox = x.shape[-1], rotation["mode"] == "neox"
 
     def run():
         cos, sin = _rotation(positions, d, rotation, memo)
-        _write_rows(dst, ids, x, cos, sin, True, neox)
+        _write_rows(target, ids, x, cos, sin, True, neox)
         return dst
 
     return run
