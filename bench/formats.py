@@ -14,7 +14,9 @@ loops and BLAS on --threads threads) and llama.cpp (llama-cpp-python, the same t
 loaded and take turns, round by round: a prefill of the same prompt, then a greedy decode
 (bench/threads.py's one_worker). The figures are the rounds' medians, the ratios the medians of
 each round's pairs. Without llama-cpp-python our columns stand alone. --activations: our
-quantized products' (q8, llama.cpp's 8-bit activations, the default; f32, exact).
+quantized products' (q8, llama.cpp's 8-bit activations, the default; f32, exact); our KV caches
+are what generate gives those activations by default (float16 with q8, as llama.cpp's; float32
+with f32).
 """
 
 from __future__ import annotations

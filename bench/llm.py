@@ -144,6 +144,15 @@ RSS_CTX = 1024  # the caches' positions in the main rows: the peak RSS column is
 ACTIVATIONS = "q8"
 
 
+def default_caches(activations: str = ACTIVATIONS, weights: str = "native") -> tuple[str, ...]:
+    """The KV caches' element types generate and serve give a model by default with these
+    activations and weights (models.loading.cache_types_for: float16 with the file's blocks and
+    8-bit activations, as llama.cpp's; float32 on the float32 paths)."""
+    from models.loading import AUTO_CACHE, cache_types_for
+
+    return cache_types_for((AUTO_CACHE, AUTO_CACHE), activations, weights)
+
+
 def have_llama_cpp() -> bool:
     import importlib.util
 
@@ -175,7 +184,13 @@ def ours(
     with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
         needed = length + (6 + 4 * rounds) * steps + 8
         net = TensorParallelLlama(
-            dev, model.config, source, max(RSS_CTX, needed), fuse_qkv=fuses_qkv(model, weights), activations=ACTIVATIONS
+            dev,
+            model.config,
+            source,
+            max(RSS_CTX, needed),
+            cache_types=default_caches(weights=weights),
+            fuse_qkv=fuses_qkv(model, weights),
+            activations=ACTIVATIONS,
         )
         tokens = [list(prompt_ids(model, length)[0])]
         _, best = net.prefill(tokens, 0, pool=1)  # as generate prefills: the candidates travel
@@ -262,7 +277,15 @@ def fresh_models(path: str, workers: int, length: int, weights: str, reference=N
         kind = "warmed" if warmed else "first"
         with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
             fuse = fuses_qkv(model, weights)
-            net = TensorParallelLlama(dev, model.config, source, RSS_CTX, fuse_qkv=fuse, activations=ACTIVATIONS)
+            net = TensorParallelLlama(
+                dev,
+                model.config,
+                source,
+                RSS_CTX,
+                cache_types=default_caches(weights=weights),
+                fuse_qkv=fuse,
+                activations=ACTIVATIONS,
+            )
             if warmed:
                 start = time.perf_counter()
                 net.warm_up(pool=1)
@@ -307,7 +330,13 @@ def side_by_side(path: str, workers: int, variants: dict, rounds: int, quick: bo
             devices.append(dev)
             fuse = fuses_qkv(model, "native")
             net = TensorParallelLlama(
-                dev, model.config, model.native, ctx, fuse_qkv=fuse, activations=ACTIVATIONS, **options
+                dev,
+                model.config,
+                model.native,
+                ctx,
+                fuse_qkv=fuse,
+                activations=ACTIVATIONS,
+                **({"cache_types": default_caches()} | options),
             )
             _, best = net.prefill([list(prompt_ids(model, length)[0])], 0, pool=1)
             first[name] = int(best.numpy().reshape(-1)[0])

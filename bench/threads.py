@@ -7,8 +7,9 @@ The file defaults to a SmolLM2-1.7B-shaped synthetic one (Q4_1 layers, Q8_0 embe
 under results/). For each thread count, our worker (its quantized loops and BLAS on that many
 threads, `--threads`) and llama.cpp (llama-cpp-python, `n_threads`) stay loaded and take turns
 in rounds, each a prefill of the same prompt and a greedy decode after it, timed over its tokens
-(ours driven by the worker, as `generate` runs it); the figures are the rounds' medians, the
-ratio the median of each round's pair. Without llama-cpp-python our rows stand alone. `--weights f32`:
+(ours driven by the worker, as `generate` runs it, its KV caches generate's default: float16
+with the file's blocks and 8-bit activations, as llama.cpp's); the figures are the rounds' medians, the ratio the
+median of each round's pair. Without llama-cpp-python our rows stand alone. `--weights f32`:
 our worker on the file's weights widened to float32 (BLAS's products; llama.cpp still on the
 file's blocks).
 """
@@ -23,7 +24,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.llm import have_llama_cpp, model_path, paired_ratio, prompt_ids, warm_llama_cpp, worker_driven  # noqa: E402
+from bench.llm import (  # noqa: E402
+    default_caches,
+    have_llama_cpp,
+    model_path,
+    paired_ratio,
+    prompt_ids,
+    warm_llama_cpp,
+    worker_driven,
+)
 from bench.report import cli, table  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
@@ -65,6 +74,7 @@ def one_worker(
             model.config,
             model.native if weights == "native" else model.weight,
             length + (rounds + 1) * steps + 8,
+            cache_types=default_caches(activations, weights),
             fuse_qkv=fuses_qkv(model, weights),
             activations=activations,
         )

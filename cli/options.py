@@ -75,11 +75,12 @@ def add_cache_type_options(ap: argparse.ArgumentParser) -> None:
         ap.add_argument(
             short,
             f"--cache-type-{which}",
-            choices=("f32", "f16"),  # models.llama.CACHE_TYPES, without importing the models here
-            default="f32",
+            choices=("auto", "f32", "f16"),  # models.llama.CACHE_TYPES and loading.AUTO_CACHE, not imported here
+            default="auto",
             help=f"element type of the KV cache's {'keys' if which == 'k' else 'values'} (llama.cpp's flag): f16 "
             "halves the cache and what a decode step reads of it (llama.cpp's default); f32 keeps the logits equal "
-            "to the float32 reference's (default: %(default)s)",
+            "to the float32 reference's; auto: f16 with --weights native and --activations q8, f32 on the float32 "
+            "paths (--weights f32 or --activations f32) (default: %(default)s)",
         )
 
 

@@ -53,7 +53,7 @@ from meta.device import MetaDevice
 from models.errors import ModelError
 from models.gguf_model import GGUFModel
 from models.llama import PREFILL_CHUNK
-from models.loading import place_model
+from models.loading import AUTO_CACHE, place_model
 from models.requests import POOL, Sampling, Stopping, candidates, log_normalizer
 from split_state.errors import ConsistencyError, MetaError, RemoteError, TransportError, WorkerLost
 from split_state.sampling import Rule, choose, generator_state, mass_normalizer, restore_generator, scored
@@ -176,7 +176,7 @@ class ContinuousBatcher:
         slots: int = 8,
         ctx: int = 2048,
         weights: str = "native",
-        cache_types: tuple[str, str] = ("f32", "f32"),
+        cache_types: tuple[str, str] = (AUTO_CACHE, AUTO_CACHE),
         activations: str = "q8",
         drive_on_workers: bool = True,
     ):

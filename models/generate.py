@@ -26,7 +26,15 @@ import numpy as np
 from meta.device import MetaDevice
 from models.errors import ModelError
 from models.gguf_model import GGUFModel
-from models.loading import Prompt, check_lengths, check_text_fits, common_prefix, place_model, prompt_text
+from models.loading import (
+    AUTO_CACHE,
+    Prompt,
+    check_lengths,
+    check_text_fits,
+    common_prefix,
+    place_model,
+    prompt_text,
+)
 from models.requests import Sampling, Stopping, candidates, stop_string_at
 from split_state.sampling import choose, generator_state
 from transport.protocol import GenerateSettings
@@ -69,10 +77,12 @@ class LLM:
         batch: int = 1,
         progress=None,
         weights: str = "native",
-        cache_types: tuple[str, str] = ("f32", "f32"),
+        cache_types: tuple[str, str] = (AUTO_CACHE, AUTO_CACHE),
         activations: str = "q8",
     ):
-        """`cache_types`: the KV caches' element types (K, V), models.llama.CACHE_TYPES's names.
+        """`cache_types`: the KV caches' element types (K, V), models.llama.CACHE_TYPES's names,
+        or "auto": float16 with the file's blocks and 8-bit activations (llama.cpp's), float32
+        on the float32 paths (models.loading.cache_types_for).
         `activations`: the quantized products' ("q8", llama.cpp's 8-bit activations and integer
         products, or "f32", exact float32 products)."""
         self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch

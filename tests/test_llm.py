@@ -483,13 +483,37 @@ def test_a_model_that_cannot_fit_says_so_before_any_weight_moves(model, fresh_cl
         halved = f"{kv / 2 / 2**20:.0f} MiB of KV cache at --ctx 256"  # float16 keys and values: 2 bytes each
         with pytest.raises(ModelError, match=halved):
             LLM(dev, model, ctx=256, weights="f32", cache_types=("f16", "f16"))
-        with pytest.raises(ModelError, match="--cache-type-v 'q8_0': one of f32, f16"):
+        with pytest.raises(ModelError, match="--cache-type-v 'q8_0': one of auto, f32, f16"):
             LLM(dev, model, ctx=256, cache_types=("f16", "q8_0"))
         assert [info["used"] for info in dev.stats().values()] == [0, 0]  # no weight was placed
         llm = LLM(dev, model, ctx=256, weights="native")
         assert "Paris" in llm.generate(["The capital of France is"], max_new_tokens=4)[0].text
     finally:
         dev.close()
+
+
+@pytest.mark.parametrize(
+    "weights, activations, asked, kept",
+    [
+        ("native", "q8", ("auto", "auto"), ("float16", "float16")),  # llama.cpp's arithmetic, its caches
+        ("native", "f32", ("auto", "auto"), ("float32", "float32")),  # the exact paths: float32
+        ("f32", "q8", ("auto", "auto"), ("float32", "float32")),
+        ("native", "q8", ("f32", "f16"), ("float32", "float16")),  # as asked
+    ],
+)
+def test_the_default_caches_are_llama_cpps_float16_on_its_arithmetic_and_float32_on_the_exact_paths(
+    sim, model, weights, activations, asked, kept
+):
+    from models.generate import LLM
+
+    llm = LLM(sim(1), model, ctx=16, weights=weights, activations=activations, cache_types=asked)
+    assert (str(llm.net.k[0].dtype), str(llm.net.v[0].dtype)) == kept
+    import inspect
+
+    from models.batching import ContinuousBatcher
+
+    for made_by in (LLM, ContinuousBatcher):  # the API and generate, serve: auto unless told
+        assert inspect.signature(made_by).parameters["cache_types"].default == ("auto", "auto")
 
 
 def test_a_first_run_that_compiles_the_loops_says_so_in_one_line(tmp_path, monkeypatch, capsys):
