@@ -536,9 +536,9 @@ def test_the_layers_of_a_run_find_the_used_positions_once_and_each_run_again(mon
 # -- the KV-cache write: rope_set_rows (the rotated keys into the cache) and set_rows -------------
 
 
-def cache_write_case(rows=2, tokens=1, heads=3, d=8, ctx=12, batch=3):
+def cache_write_case(rows=2, tokens=1, heads=3, d=8, ctx=12, batch=3, cached=np.float32):
     """A cache (batch, heads, ctx, d) of random rows, keys x (rows, tokens, heads, d), positions."""
-    cache = f32(batch, heads, ctx, d)
+    cache = f32(batch, heads, ctx, d).astype(cached)
     x = f32(rows, tokens, heads, d)
     positions = np.array([[4 + j + 2 * t for t in range(tokens)] for j in range(rows)], np.int32)
     return cache, x, positions, {"axis": 2, "rows": ctx, "spans": ((0, ctx, 0),)}
@@ -567,9 +567,10 @@ def test_rope_set_rows_writes_the_rotated_keys_and_nothing_else(mode, rows, toke
     np.testing.assert_allclose(cache, expected, rtol=1e-5, atol=2e-6)
 
 
-def test_rope_set_rows_gives_the_bits_of_its_two_steps():
+@pytest.mark.parametrize("cached", [np.float32, np.float16])
+def test_rope_set_rows_gives_the_bits_of_its_two_steps(cached):
     kernels = cpu_overrides()
-    cache, x, positions, spec = cache_write_case(2, 1)
+    cache, x, positions, spec = cache_write_case(2, 1, cached=cached)
     rotation = {"base": 10000.0, "mode": "normal", "freqs": [1.0, 0.5, 0.25, 0.125]}
     two = cache.copy()
     roped = kernels["rope"](np, (x, positions), rotation)
@@ -580,12 +581,23 @@ def test_rope_set_rows_gives_the_bits_of_its_two_steps():
     assert cache.tobytes() == two.tobytes()
 
 
-def test_the_cache_write_loop_writes_the_values_as_they_are():
-    cache, x, positions, spec = cache_write_case(2, 1)
-    expected = written_oracle(cache, x, positions)
-    got = cpu_overrides()["set_rows"](np, [cache, positions, x.transpose(0, 2, 1, 3)], spec, None, memo={})
+@pytest.mark.parametrize("cached", [np.float32, np.float16])
+def test_the_cache_write_loop_writes_the_values_as_they_are(cached):
+    """float16 caches (llama.cpp's -ctk / -ctv f16): the values rounded to nearest even, as
+    NumPy's astype, at the edges too (the largest half, overflow to infinity, halfway cases,
+    subnormals, signed zero); the loop takes them where the CPU converts halves."""
+    from workers.backends.cpu import numba_loops
+
+    cache, x, positions, spec = cache_write_case(2, 1, cached=cached)
+    edges = [65504.0, 65520.0, -70000.0, 1 + 2**-11, 1 + 3 * 2**-11, 2**-24, 2**-25, 3 * 2**-26, 1e-7, -0.0]
+    x.reshape(-1)[: len(edges) + 2] = [*edges, np.inf, -np.inf]
+    expected = written_oracle(cache, x, positions).astype(cached)
+    inputs = [cache, positions, x.transpose(0, 2, 1, 3)]
+    planned = cpu_overrides()["set_rows"].plan(np, inputs, spec, None, memo={})
+    assert (planned is not None) == (cached is np.float32 or numba_loops.NATIVE_HALVES)
+    got = cpu_overrides()["set_rows"](np, inputs, spec, None, memo={})
     assert got is cache
-    np.testing.assert_array_equal(cache, expected)
+    assert cache.tobytes() == expected.tobytes()
 
 
 @pytest.mark.parametrize("kernel", ["set_rows", "rope_set_rows"])

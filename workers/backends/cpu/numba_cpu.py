@@ -167,13 +167,15 @@ _IDS = (np.dtype(np.int32), np.dtype(np.int64))
 
 def _rows_target(xp, dst, ids, rows, params):
     """The cache that write_rows writes `rows` into, or None where it does not take this set_rows.
-    It takes the decoder's KV-cache write: a float32 cache (batch, heads, ctx, d) whole here,
-    rows (rows, tokens, heads, d) contiguous, row j going to the cache's batch element j, or
-    offset + j (`batches`: a server's step of its first slots, rows fewer than the cache's batch;
-    the target is then the cache from element offset on, a view)."""
+    It takes the decoder's KV-cache write: a float32 cache (batch, heads, ctx, d) whole here (or
+    a float16 one, as its bits, where the CPU converts halves), rows (rows, tokens, heads, d)
+    contiguous, row j going to the cache's batch element j, or offset + j (`batches`: a server's
+    step of its first slots, rows fewer than the cache's batch; the target is then the cache
+    from element offset on, a view)."""
     if xp is not np or dst.ndim != 4 or ids.ndim != 2 or rows.ndim != 4 or params["axis"] != 2:
         return None
-    if ids.dtype not in _IDS or not _plain(dst, rows):
+    halves = dst.dtype is _FLOAT16 and dst.flags.c_contiguous and _loops().NATIVE_HALVES
+    if ids.dtype not in _IDS or not _plain(rows) or not (halves or _plain(dst)):
         return None
     batch, heads, ctx, d = dst.shape
     spans = params["spans"]
@@ -182,7 +184,8 @@ def _rows_target(xp, dst, ids, rows, params):
     offset = _batch_offset(params.get("batches"), ids.shape[0])
     if offset is None or rows.shape != (ids.shape[0], ids.shape[1], heads, d) or offset + ids.shape[0] > batch:
         return None
-    return dst[offset:] if offset else dst
+    target = dst.view(np.uint16) if halves else dst
+    return target[offset:] if offset else target
 
 
 def _batch_offset(pairs, count: int) -> int | None:

@@ -46,9 +46,10 @@ def rope_rows(x, cos, sin, neox, out):  # x (tokens, heads, d); cos, sin (tokens
 @jit
 def write_rows(cache, ids, x, cos, sin, rotate, neox):
     """A decode step's KV-cache write: cache[j, h, ids[j, t]] = x[j, t, h] for cache (batch, heads,
-    ctx, d) float32 and x (rows, tokens, heads, d), rotated on the way as rope_rows rotates (the
-    same arithmetic, so the same bits) when `rotate`, by cos, sin (rows * tokens, d / 2). False,
-    with nothing written, when an id lies outside [0, ctx)."""
+    ctx, d) float32, or float16 bits (uint16: rounded to nearest even, as NumPy's astype; only
+    where NATIVE_HALVES), and x (rows, tokens, heads, d), rotated on the way as rope_rows rotates
+    (the same arithmetic, so the same bits) when `rotate`, by cos, sin (rows * tokens, d / 2).
+    False, with nothing written, when an id lies outside [0, ctx)."""
     rows, tokens, heads, d = x.shape
     ctx = cache.shape[2]
     for j in range(rows):
@@ -65,12 +66,23 @@ def write_rows(cache, ids, x, cos, sin, rotate, neox):
                         ia, ib = (i, i + half) if neox else (2 * i, 2 * i + 1)
                         a, b = x[j, t, h, ia], x[j, t, h, ib]
                         c, s = cos[r, i], sin[r, i]
-                        cache[j, h, pos, ia] = a * c - b * s
-                        cache[j, h, pos, ib] = a * s + b * c
+                        cache[j, h, pos, ia] = _as_cached(a * c - b * s, cache)
+                        cache[j, h, pos, ib] = _as_cached(a * s + b * c, cache)
                 else:
                     for i in range(d):
-                        cache[j, h, pos, i] = x[j, t, h, i]
+                        cache[j, h, pos, i] = _as_cached(x[j, t, h, i], cache)
     return True
+
+
+def _as_cached(value, cache):
+    """float32 `value` as `cache` holds it: itself, or float16 bits (_narrow_half)."""
+
+
+@numba.extending.overload(_as_cached, inline="always")
+def _as_cached_typed(value, cache):
+    if cache.dtype == numba.types.float32:
+        return lambda value, cache: value
+    return lambda value, cache: np.uint16(_narrow_half(np.float32(value)))
 
 
 # -- the candidates of a decode step: each row's best k logits, without NumPy's dozen calls ----
