@@ -5,7 +5,8 @@
 For each file (the packaged SmolLM2-135M Q4_1 and, where llama-cpp-python is installed, that file
 requantized by llama.cpp's own quantizer to Q4_K_M, made once under results/) and each prompt: the
 last prompt position's logits of our exact products (`activations="f32"`), of our 8-bit ones
-(`"q8"`, the default) and of llama.cpp (its KV caches float32, as ours), and the RMS distances
+(`"q8"`, the default) and of llama.cpp (its KV caches float32, as ours here: the default
+float16 caches would add their own rounding), and the RMS distances
 between them. The issue's bound: ours from the exact path no farther than llama.cpp's. The runs
 are in-process (the simulator runs the workers' kernels: the same numerics as worker processes).
 """
@@ -72,7 +73,8 @@ def distances(path: str, prompts, workers: int) -> list[dict]:
     dev = MetaDevice(SimulatedCluster(workers))
     rows = []
     try:
-        llms = {a: LLM(dev, model, ctx=64, activations=a) for a in ("f32", "q8")}
+        # float32 caches on both paths (and llama.cpp's): the activations' rounding alone
+        llms = {a: LLM(dev, model, ctx=64, activations=a, cache_types=("f32", "f32")) for a in ("f32", "q8")}
         for prompt in prompts:
             logits = {}
             for activations, llm in llms.items():
