@@ -114,7 +114,7 @@ def check_fits(
         )
 
 
-AUTO_CACHE = "auto"  # the default cache type: follows the activations (cache_types_for)
+AUTO_CACHE = "auto"  # the default cache type: float16 on llama.cpp's arithmetic, else float32 (cache_types_for)
 
 
 def cache_types_for(cache_types: Sequence[str], activations: str, weights: str = "native") -> tuple[str, ...]:
