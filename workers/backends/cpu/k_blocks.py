@@ -32,7 +32,7 @@ def _k_quant(builder, row, first: int, fifth_at: int | None, v: int):
 
 
 def q4_k(builder, row, v):
-    return _k_quant(builder, row, 16, None, v)
+    return q4_k_transposed(builder, [row(p) for p in q4_k_sources(v)], v)
 
 
 def q5_k(builder, row, v):
@@ -42,17 +42,8 @@ def q5_k(builder, row, v):
 def q6_k(builder, row, v):
     """Value v: half h = v // 128; at = v % 32; quarter i = (v % 128) // 32 takes the low (i 0, 1)
     or high (i 2, 3) nibble of ql byte 64 h + at (i even) or 64 h + 32 + at (i odd), and bits
-    2 i, 2 i + 1 of qh byte 128 + 32 h + at as its top two."""
-    half, rest = divmod(v, 128)
-    quarter, at = divmod(rest, 32)
-    low = row(64 * half + 32 * (quarter % 2) + at)
-    lanes = low.type.count
-    if quarter >= 2:
-        low = builder.lshr(low, byte_splat(4, lanes))
-    low = builder.and_(low, byte_splat(15, lanes))
-    top = builder.lshr(row(128 + 32 * half + at), byte_splat(2 * quarter, lanes))
-    top = builder.and_(top, byte_splat(3, lanes))
-    return builder.or_(low, builder.shl(top, byte_splat(4, lanes)))
+    2 i, 2 i + 1 of qh byte 128 + 32 h + at as its top two (q6_k_sources, q6_k_transposed)."""
+    return q6_k_transposed(builder, [row(p) for p in q6_k_sources(v)], v)
 
 
 def _k4_scale_bytes(builder, row, s: int):
@@ -84,7 +75,9 @@ def q6_k_scales(builder, row, s: int):
     return builder.sext(scale, vector(I32, scale.type.count)), None
 
 
-# How the one-row products make the values from transposed byte rows (formats.Transposed).
+# Where q4_k's and q6_k's values come from and how they are made from those bytes: the value code
+# above reads the byte rows as they are; the one-row products pass them transposed
+# (formats.Transposed), the same byte operations on every piece.
 # q4_k's sub-blocks 2c and 2c + 1 are the low and high halves of chunk c's bytes: one pass a chunk
 # took q4_k's one-row product from 113-116 to 102 us (4,096 x 2,048, one thread). q6_k's
 # sub-blocks s and s + 4 (s 0-3 and 8-11) are the low and high halves of the same ql bytes, and
@@ -104,6 +97,7 @@ def q4_k_sources(v: int) -> tuple[int]:
 
 
 def q4_k_transposed(builder, pieces, v):
+    """Values v .. v + 3 (or value v) from their bytes' piece (transposed, or a row as read)."""
     return nibble_of(builder, pieces[0], v % 64 >= 32)
 
 
@@ -115,12 +109,12 @@ def q6_k_sources(v: int) -> tuple[int, int]:
 
 
 def q6_k_transposed(builder, pieces, v):
-    """Values v .. v + 3 from their transposed qh and ql pieces: the nibble, and bits 2 quarter,
-    2 quarter + 1 of the qh byte above it."""
+    """Values v .. v + 3 (or value v) from their qh and ql pieces (transposed, or rows as read):
+    the nibble, and bits 2 quarter, 2 quarter + 1 of the qh byte above it."""
     top, low = pieces
     quarter = v % 128 // 32
     low = nibble_of(builder, low, quarter >= 2)
-    bytes_ = vector(I8, low.type.count * 4)
+    bytes_ = vector(I8, low.type.count * low.type.element.width // 8)
     top = builder.lshr(builder.bitcast(top, bytes_), byte_splat(2 * quarter, bytes_.count))
     top = builder.shl(builder.and_(top, byte_splat(3, bytes_.count)), byte_splat(4, bytes_.count))
     return builder.or_(low, builder.bitcast(top, low.type))

@@ -58,7 +58,7 @@ def _int8():
     return importlib.import_module("workers.backends.cpu.int8_products")
 
 
-_FLOAT32 = np.dtype(np.float32)
+_FLOAT32, _FLOAT16 = np.dtype(np.float32), np.dtype(np.float16)
 
 
 def _plain(*arrays) -> bool:
@@ -419,9 +419,6 @@ def _softmax_columns(xp, scores, mask, group: int, scale: float, out):
     flat_mask = mask.reshape(mask.shape[0], mask.shape[3], mask.shape[4])
     _loops().softmax_columns(scores, flat_mask, group, np.float32(scale), out)
     return out
-
-
-_FLOAT16 = np.dtype(np.float16)
 
 
 def _half_rows(key_rows, out) -> bool:
