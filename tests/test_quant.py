@@ -261,6 +261,37 @@ def test_the_cuda_backends_kernels_on_the_cupy_standin_match_the_dequantized_pro
     np.testing.assert_array_equal(backend.to_host(got), dequantized[ids].astype(np.float32))
 
 
+@pytest.mark.skipif(not numba_cpu.AVAILABLE, reason="needs numba")
+@pytest.mark.parametrize("name", sorted(numba_cpu.ROW_CODES))
+@pytest.mark.parametrize("id_type", [np.int32, np.int64])
+def test_the_cpu_loop_looks_up_rows_with_ggufs_bits(name, id_type, monkeypatch):
+    """numba_cpu.qget_rows (one loop, no NumPy dequantization) gives each held row gguf's values
+    bit for bit and zeros for rows another device holds: a table of 20 rows in groups of 8 lanes
+    (the last group ragged), holding global rows [3, 9) at local 0 and [12, 26) at local 6."""
+    rng = np.random.default_rng(11)
+    block = FORMATS[name].block
+    blocks, dequantized = quantized(rng.standard_normal((24, 2 * block)), name)
+    table = on_workers(blocks, 8)
+    params = {"rows": 30, "format": name, "spans": [(3, 9, 0), (12, 26, 6)]}
+    ids = np.array([[25, 3, 10], [12, 8, 0]], id_type)
+
+    def shared(*args, **kwargs):
+        raise AssertionError("the shared kernel ran")
+
+    monkeypatch.setattr(quant, "qget_rows", shared)
+    out = np.full((2, 3, 2 * block), np.nan, np.float32)
+    got = numba_cpu.qget_rows(np, [table, ids], params, out)
+    assert got is out
+    expected = np.zeros((2, 3, 2 * block), np.float32)
+    for at, row in np.ndenumerate(ids):
+        local = row - 3 if 3 <= row < 9 else row - 12 + 6 if 12 <= row < 26 else None
+        if local is not None:
+            expected[at] = dequantized[local]
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    with pytest.raises(ShapeError, match=r"ids must lie in \[0, 30\), got \[-1, 12\]"):
+        numba_cpu.qget_rows(np, [table, np.array([[12, -1]], id_type)], params, out[:1, :2].copy())
+
+
 def test_looked_up_rows_are_dequantized_alone():
     blocks, dequantized = quantized(np.random.default_rng(2).standard_normal((10, 64)), "q8_0")
     ids = np.array([[9, 0, 4], [4, 4, 1]])

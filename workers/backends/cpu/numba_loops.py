@@ -682,6 +682,109 @@ def q6_k_lanes(x, w, half, out):
             out[i, g * lanes : (g + 1) * lanes] = acc
 
 
+# -- rows of a quantized table (an embedding's lookup), with quant.values' arithmetic -----------
+# Not fastmath: each value is made by the operations workers/kernels/quant.py's `values` makes,
+# in its order and in float32 (no fused multiply-adds), so a row looked up here has the bits of
+# NumPy's (and gguf's) dequantization. A decode step looks up one row: NumPy's dozen calls on it
+# cost 120-180 us on a 1.7B-shaped step (the step's weight products had pushed their code and
+# data out of the caches; ~20 us warm), this loop a few.
+EIGHT, THIRTY_TWO = np.float32(8), np.float32(32)
+
+
+@jit
+def looked_up_rows(w, ids, spans, rows, half, code, out):
+    """out[r] = row ids[r] of a (rows, width) weight held as w (groups, blocks, block bytes, lanes),
+    where a span (start, stop, local) of `spans` holds it (at local row id - start + local), else
+    zeros; False (nothing written) where an id lies outside [0, rows). code: 0 q4_0, 1 q4_1,
+    2 q8_0, 3 q5_0, 4 q5_1, 5 q4_k, 6 q5_k, 7 q6_k."""
+    for r in range(ids.shape[0]):
+        if ids[r] < 0 or ids[r] >= rows:
+            return False
+    lanes = w.shape[3]
+    for r in range(ids.shape[0]):
+        local = -1
+        for s in range(spans.shape[0]):
+            if spans[s, 0] <= ids[r] < spans[s, 1]:
+                local = ids[r] - spans[s, 0] + spans[s, 2]
+        if local < 0:
+            out[r, :] = 0
+            continue
+        for b in range(w.shape[1]):
+            block = w[local // lanes, b, :, local % lanes]
+            if code >= 5:
+                _k_block_values(block, half, code, out[r, b * 256 : (b + 1) * 256])
+            else:
+                _legacy_block_values(block, half, code, out[r, b * 32 : (b + 1) * 32])
+    return True
+
+
+@jit
+def _half_at(block, at, half):
+    return _half_value(np.int32(block[at]) | (np.int32(block[at + 1]) << 8), half)
+
+
+@jit
+def _legacy_block_values(block, half, code, out):
+    """quant.values of one legacy block (32 values): q8_0 d * q; q4_0 d * (q - 8); q4_1 d * q +
+    m; q5_0 d * (q - 16); q5_1 d * q + m (q5's q: its nibble + 16 * its fifth bit)."""
+    d = _half_at(block, 0, half)
+    if code == 2:
+        for j in range(32):
+            q = np.int32(block[2 + j])
+            out[j] = d * np.float32(q - 256 if q > 127 else q)
+        return
+    with_min, fifth = code == 1 or code == 4, code >= 3
+    m = _half_at(block, 2, half) if with_min else np.float32(0)
+    word = 4 if with_min else 2
+    first = word + 4 if fifth else word
+    for j in range(32):
+        byte = np.int32(block[first + j % 16])
+        q = np.float32(byte & 15 if j < 16 else byte >> 4)
+        if fifth:
+            q = q + np.float32(16) * np.float32((np.int32(block[word + j // 8]) >> (j % 8)) & 1)
+        if with_min:
+            out[j] = d * q + m
+        elif fifth:
+            out[j] = d * (q - np.float32(16))
+        else:
+            out[j] = d * (q - EIGHT)
+
+
+@jit
+def _k_block_values(block, half, code, out):
+    """quant.values of one K-quant block (256 values): Q4_K / Q5_K (d * scale) * q - dmin * min
+    per 32-value sub-block (quant.k4_scales' six-bit scales and minimums); Q6_K (d * scale) *
+    (q - 32) per 16-value sub-block."""
+    d = _half_at(block, 208 if code == 7 else 0, half)
+    if code == 7:
+        for h in range(2):
+            for k in range(4):
+                for at in range(32):
+                    low = np.int32(block[64 * h + 32 * (k % 2) + at])
+                    low = low & 15 if k < 2 else low >> 4
+                    top = (np.int32(block[128 + 32 * h + at]) >> (2 * k)) & 3
+                    index = 128 * h + 32 * k + at
+                    scale = np.int32(block[192 + index // 16])
+                    factor = d * np.float32(scale - 256 if scale > 127 else scale)
+                    out[index] = factor * (np.float32(low | (top << 4)) - THIRTY_TWO)
+        return
+    dmin = _half_at(block, 2, half)
+    first = 48 if code == 6 else 16
+    for s in range(8):
+        low, mid, top = np.int32(block[4 + s % 4]), np.int32(block[8 + s % 4]), np.int32(block[12 + s % 4])
+        if s < 4:
+            scale, least = low & 63, mid & 63
+        else:
+            scale, least = (top & 15) | ((low >> 6) << 4), (top >> 4) | ((mid >> 6) << 4)
+        factor, offset = d * np.float32(scale), dmin * np.float32(least)
+        for j in range(32):
+            byte = np.int32(block[first + (s // 2) * 32 + j])
+            q = np.float32(byte & 15 if s % 2 == 0 else byte >> 4)
+            if code == 6:
+                q = q + np.float32(16) * np.float32((np.int32(block[16 + j]) >> s) & 1)
+            out[32 * s + j] = factor * q - offset
+
+
 # -- dequantizing tiles for prefill's BLAS products ---------------------------------------------
 @fast
 def dequantize_lanes(w, start, half, kind, out):
