@@ -751,6 +751,7 @@ def qget_rows(xp, inputs, params, out=None):
         or out.dtype != np.float32
         or not out.flags.c_contiguous
         or out.shape != ids.shape + (width,)
+        or not out.size
     ):
         return quant.qget_rows(xp, inputs, params, out)
     spans = np.asarray(params.get("spans", [(0, params["rows"], 0)]), np.int64).reshape(-1, 3)
