@@ -12,6 +12,7 @@ seeded generation draws the same numbers and makes the same choices as it always
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,14 +66,30 @@ def choose(values: np.ndarray, indices: np.ndarray, rule: Rule, rng, recent: Seq
     repeat penalty lowers. A candidate that is not finite is refused (NonFiniteLogits): the
     choice would be arbitrary, and log-probabilities NaN; only padding (index -1, value -inf: a
     device with fewer than k candidates) is not a candidate."""
+    if len(values) == 1 and rule.greedy:  # a greedy step's one candidate: no NumPy (see _the_one)
+        return _the_one(float(values[0]), int(indices[0]))
     values = np.asarray(values)
     unfit = ~np.isfinite(values) & ((np.asarray(indices) >= 0) | (values != -np.inf))
     if unfit.any():
-        bad = values[unfit][0]
-        raise NonFiniteLogits(
-            f"the logits hold {bad} (the model's weights hold NaN or infinity, or its activations overflowed)"
-        )
+        raise _refused(values[unfit][0])
     return pick(values, indices, rule, None if rule.greedy else rng.random(), recent)
+
+
+def _the_one(value: float, index: int) -> int:
+    """`choose` of a greedy step's single candidate (its pool is 1: models/requests.py), in
+    Python: the workers choose right after a decode step whose weight products pushed NumPy's code
+    and data out of the caches, and the general path's NumPy calls on one value cost ~110 us a
+    token there (~6 us warm), a fiftieth of a SmolLM2 token. Its rule and errors: the general
+    path's (the repeat penalty reorders candidates, of which there is one)."""
+    if math.isfinite(value) or (index < 0 and value == -math.inf):
+        return index
+    raise _refused(value)
+
+
+def _refused(bad) -> NonFiniteLogits:
+    return NonFiniteLogits(
+        f"the logits hold {bad} (the model's weights hold NaN or infinity, or its activations overflowed)"
+    )
 
 
 def mass_normalizer(best: float, mass: float) -> float:

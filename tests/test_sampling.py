@@ -136,3 +136,20 @@ def test_padding_past_a_devices_candidates_is_not_refused():
     indices[2] = 12  # a real candidate at -inf: refused
     with pytest.raises(NonFiniteLogits):
         choose(values, indices, Rule(), None)
+
+
+@pytest.mark.parametrize(
+    ("value", "index", "expected"),
+    [(3.5, 17, 17), (-1e30, 0, 0), (-np.inf, -1, -1), (np.nan, 4, None), (np.inf, 4, None), (-np.inf, 4, None)],
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_greedy_steps_one_candidate_is_chosen_or_refused_as_any_pool(value, index, expected, dtype):
+    """A greedy step proposes one candidate (models/requests.py's pool): it is the token, padding
+    (-1 at -inf) is not refused, a candidate that is not finite is, as in a pool of several."""
+    values, indices = np.array([value], dtype), np.array([index], np.int64)
+    for rule in (Rule(), Rule(top_k=5), Rule(repeat_penalty=1.3)):
+        if expected is None:
+            with pytest.raises(NonFiniteLogits, match="the logits hold"):
+                choose(values, indices, rule, None, recent=[index])
+        else:
+            assert choose(values, indices, rule, None, recent=[index]) == expected
