@@ -740,13 +740,10 @@ def qget_rows(xp, inputs, params, out=None):
     step against ~20 warm. Other formats and layouts: the shared kernel."""
     table, ids = inputs
     code = ROW_CODES.get(params["format"])
-    width = table.shape[1] * FORMATS[params["format"]].block
+    usable = xp is np and code is not None and table.ndim == 4 and table.dtype == np.uint8 and ids.dtype in _IDS
+    width = table.shape[1] * FORMATS[params["format"]].block if usable else 0
     if (
-        xp is not np
-        or code is None
-        or table.ndim != 4
-        or table.dtype != np.uint8
-        or ids.dtype not in _IDS
+        not usable
         or out is None
         or out.dtype != np.float32
         or not out.flags.c_contiguous
