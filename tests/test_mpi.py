@@ -84,6 +84,17 @@ def test_collectives_under_mpiexec_equal_the_shared_memory_planes(n, tmp_path):
 
 
 @needs_mpi
+def test_a_worker_leaving_without_teardown_still_finalizes_mpi(tmp_path):
+    """A worker whose job ends while its kernels still compile exits without the interpreter's
+    teardown (workers/main.py's leave): mpi4py's atexit MPI_Finalize never runs there, and
+    mpiexec failed the finished job ("exited without calling finalize"), one CI run in two."""
+    run = mpiexec(2, "tests/mpi_hard_exit.py", str(tmp_path), timeout=60)
+    left = {r: (tmp_path / f"left-{r}").read_text() for r in (0, 1) if (tmp_path / f"left-{r}").exists()}
+    assert left == {0: "True", 1: "True"}, run.stderr[-3000:]  # both ranks took the exit without teardown
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@needs_mpi
 def test_generate_under_mpiexec_gives_the_default_paths_tokens(tmp_path):
     args = ["launch.py", "generate", "The capital of France is", "-n", "8", "--json", "-"]
     ours = mpiexec(2, *args)

@@ -23,13 +23,6 @@ import faulthandler  # noqa: E402
 # stderr (the worker's log) instead of ending the process without a word
 faulthandler.enable()
 
-import os  # noqa: E402
+from workers.main import leave, main  # noqa: E402
 
-from workers.main import main, still_compiling  # noqa: E402
-
-code = main()  # every socket closed, every file of its own removed
-if still_compiling():  # no teardown under a thread inside LLVM (workers/main.still_compiling)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-sys.exit(code)
+leave(main())  # main(): every socket closed, every file of its own removed

@@ -156,8 +156,21 @@ def still_compiling() -> bool:
     """Whether the kernels' compilation is still under way: a job that ends within a cold
     cache's first 40 s (a demo, a short generation) ends with it inside LLVM, and a daemon thread
     in native code crashes the interpreter's teardown (SIGSEGV, seen): the process then exits
-    without one (workers/__main__.py)."""
+    without one (`leave`)."""
     return any(thread.is_alive() for thread in PREPARING)
+
+
+def leave(code: int) -> None:
+    """End the worker process with `code` once `main` returned. While the kernels still compile
+    it exits without the interpreter's teardown (`still_compiling`), so atexit's handlers do not
+    run: the planes' exit duties run in their place (the MPI plane's MPI_Finalize, without which
+    mpiexec fails the whole job however well it went)."""
+    if still_compiling():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        planes.exit_duties()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

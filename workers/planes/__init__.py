@@ -49,6 +49,20 @@ class Plane:
 
 FALLBACK = "zmq"  # every worker can join it, on any host
 
+_EXIT_DUTIES: list[Callable[[], None]] = []
+
+
+def at_hard_exit(duty: Callable[[], None]) -> None:
+    """Have `duty` run when the worker process exits without the interpreter's teardown
+    (workers/main.py's `leave`), where atexit's handlers never run: what a plane's transport must
+    still do before the process goes. Each duty runs once at most, in the order given."""
+    _EXIT_DUTIES.append(duty)
+
+
+def exit_duties() -> None:
+    while _EXIT_DUTIES:
+        _EXIT_DUTIES.pop(0)()
+
 
 @functools.cache
 def names() -> tuple[str, ...]:

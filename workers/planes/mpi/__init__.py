@@ -6,13 +6,14 @@ never touch it."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
 
 from split_state.errors import TransportError
 from transport.environment import MPI_RANK_ENV
-from workers.planes import Plane, PlaneUnavailable
+from workers.planes import Plane, PlaneUnavailable, at_hard_exit
 
 
 def _joinable(backend: str) -> str:
@@ -39,6 +40,7 @@ def _connect(rank, configure, inbox, context, security):
     try:
         from mpi4py import MPI  # initializes MPI: the job's launcher says who we are
 
+        at_hard_exit(functools.partial(_finalize, MPI))
         world = MPI.COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (rank, configure.world_size):
             raise PlaneUnavailable(
@@ -56,6 +58,13 @@ def _connect(rank, configure, inbox, context, security):
     except ImportError as exc:
         raise PlaneUnavailable(f"mpi4py cannot start MPI here: {exc}") from None
     return MpiComm(rank, inbox, configure.peers, context, security, own)
+
+
+def _finalize(MPI) -> None:
+    """MPI_Finalize, which mpi4py leaves to atexit: a rank that exits without it fails the whole
+    job (mpiexec: "exited without calling finalize"), however well the job went."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 JOIN_SECONDS = 30.0
