@@ -266,8 +266,8 @@ def test_the_cuda_backends_kernels_on_the_cupy_standin_match_the_dequantized_pro
 @pytest.mark.parametrize("id_type", [np.int32, np.int64])
 def test_the_cpu_loop_looks_up_rows_with_ggufs_bits(name, id_type, monkeypatch):
     """numba_cpu.qget_rows (one loop, no NumPy dequantization) gives each held row gguf's values
-    bit for bit and zeros for rows another device holds: a table of 20 rows in groups of 8 lanes
-    (the last group ragged), holding global rows [3, 9) at local 0 and [12, 26) at local 6."""
+    bit for bit and zeros for rows another device holds: a table of 24 local rows in three groups
+    of 8 lanes, holding global rows [3, 9) at local 0 and [12, 26) at local 6."""
     rng = np.random.default_rng(11)
     block = FORMATS[name].block
     blocks, dequantized = quantized(rng.standard_normal((24, 2 * block)), name)

@@ -211,6 +211,12 @@ def _scale(xp, inputs, params, out=None):
     return emit(_wide(xp, x) * params["factor"], out, x.dtype)
 
 
+def ids_outside(op: str, rows: int, lowest: int, highest: int) -> ShapeError:
+    """The error of a row op (get_rows, set_rows, qget_rows) given ids outside [0, rows): the
+    lowest and highest it was given."""
+    return ShapeError(f"{op}: ids must lie in [0, {rows}), got [{lowest}, {highest}]")
+
+
 def look_up_rows(xp, op: str, table, ids, params, out, width: int, dtype, read=None):
     """Rows `ids` of `table` as (ids..., width), zeros for the rows this device does not hold
     (params["spans"]: which global rows it holds, where); `read`, given local row numbers, gives
@@ -218,7 +224,7 @@ def look_up_rows(xp, op: str, table, ids, params, out, width: int, dtype, read=N
     up)."""
     ids = ids.astype(xp.int64, copy=False)
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= params["rows"]):
-        raise ShapeError(f"{op}: ids must lie in [0, {params['rows']}), got [{int(ids.min())}, {int(ids.max())}]")
+        raise ids_outside(op, params["rows"], int(ids.min()), int(ids.max()))
     spans = params.get("spans", [(0, params["rows"], 0)])
     if read is None and len(spans) == 1 and tuple(spans[0]) == (0, params["rows"], 0):
         # the table held whole (split on another axis, or not at all): one pass into out, not
@@ -380,7 +386,7 @@ def _set_rows(xp, inputs, params, out=None, memo=None):
             memo[key] = (bounds, held)  # holding the ids: their id is not reused this run
     lo, hi = bounds
     if ids.size and (lo < 0 or hi >= rows):
-        raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{lo}, {hi}]")
+        raise ids_outside("set_rows", rows, lo, hi)
     axis = params["axis"]
     if ids.ndim == 2:  # one row list per batch element (axis 0)
         for j, b in pairs:
@@ -411,7 +417,7 @@ def _set_few_rows(dst, ids, value, rows: int, axis: int, spans, pairs):
     listed = ids.tolist()
     flat = [r for row in listed for r in row] if ids.ndim == 2 else listed
     if flat and (min(flat) < 0 or max(flat) >= rows):
-        raise ShapeError(f"set_rows: ids must lie in [0, {rows}), got [{min(flat)}, {max(flat)}]")
+        raise ids_outside("set_rows", rows, min(flat), max(flat))
     if ids.ndim == 2:
         batches = [(dst[b], listed[j], value[j], axis - 1) for j, b in pairs]
     else:

@@ -201,8 +201,7 @@ def _batch_offset(pairs, count: int) -> int | None:
 
 def _write_rows(dst, ids, rows, cos, sin, rotate: bool, neox: bool) -> None:
     if not _loops().write_rows(dst, ids, rows, cos, sin, rotate, neox):
-        ctx = dst.shape[2]
-        raise ShapeError(f"set_rows: ids must lie in [0, {ctx}), got [{int(ids.min())}, {int(ids.max())}]")
+        raise basic.ids_outside("set_rows", dst.shape[2], int(ids.min()), int(ids.max()))
 
 
 def _plan_set_rows(xp, inputs, params, out=None, memo=None):
@@ -754,8 +753,7 @@ def qget_rows(xp, inputs, params, out=None):
     spans = np.asarray(params.get("spans", [(0, params["rows"], 0)]), np.int64).reshape(-1, 3)
     flat = ids.reshape(-1)
     if not _loops().looked_up_rows(table, flat, spans, params["rows"], _halves(), code, out.reshape(-1, width)):
-        rows = params["rows"]
-        raise ShapeError(f"qget_rows: ids must lie in [0, {rows}), got [{int(flat.min())}, {int(flat.max())}]")
+        raise basic.ids_outside("qget_rows", params["rows"], int(flat.min()), int(flat.max()))
     return out
 
 
