@@ -294,7 +294,7 @@ QKV = (("wq", "bq"), ("wk", "bk"), ("wv", "bv"))  # the attention's input produc
 QKV_BIASES = tuple(b for _, b in QKV)  # a layer's further weights with LlamaConfig.qkv_bias
 QK_NORMS = ("q_norm", "k_norm")  # a layer's further weights with LlamaConfig.qk_norm: one head's size each
 POST_NORMS = ("attn_post_norm", "ffn_post_norm")  # a layer's further weights with LlamaConfig.post_norms
-PREFILL_STEPS = 16  # prefill chains a model keeps (one per padded length, pool, logits, slot or not)
+PREFILL_STEPS = 24  # prefill chains a model keeps (one per padded length, pool, logits, slot or not)
 PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
 
 
@@ -405,10 +405,13 @@ def _as_cached(new: Tensor, cache: Tensor) -> Tensor:
 
 def padded_length(tokens: int, room: int) -> int:
     """The length a prompt of `tokens` is padded to, at most `room` (the positions left in the
-    cache): a multiple of 16 up to 64, then of a quarter of the power of two below it (80, 96,
-    112, 128, 160, ...), so at most a quarter of a prompt is padding and a context of n
-    positions has about 4 log2(n / 16) lengths, each planned once."""
-    granule = max(16, 1 << max(0, tokens.bit_length() - 3))
+    cache): a multiple of 8 up to 32, then of a quarter of the power of two below it (40, 48,
+    ..., 64, 80, ..., 128, 160, ...), so at most a quarter of a prompt past 32 tokens is padding
+    and a context of n positions has about 4 log2(n / 8) lengths, each planned once. A prefill
+    step costs its padded rows: with a floor of 16, a 17-token prompt took 32 rows and a 1-token
+    one 16, 1.3-1.9x the time of 24 and 8 on two workers of SmolLM2 (a server's time to first
+    token, and the time every prompt of a burst holds the running streams up)."""
+    granule = max(8, 1 << max(0, tokens.bit_length() - 3))
     return max(tokens, min(room, -(-tokens // granule) * granule))
 
 
@@ -696,7 +699,7 @@ class TensorParallelLlama:
 
         Long prompts go in chunks of PREFILL_CHUNK tokens (as llama.cpp's micro-batches), each
         reading what the ones before it cached, while every prompt goes past the chunk: so the
-        steps of any prompt length come from a few padded lengths (16 to 128), all planned
+        steps of any prompt length come from a few padded lengths (8 to 128), all planned
         once, and a step's buffers (its attention scores above all) stay the size of a chunk.
         The last step holds every prompt's last token."""
         rows_fed = self.batch if slot is None else 1

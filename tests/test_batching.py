@@ -454,15 +454,15 @@ def test_a_queued_job_takes_the_first_slot_freed_while_the_workers_decode(tiny):
 
 
 def test_a_gemma3_server_with_rings_gives_the_references_tokens_past_them(model, tmp_path, monkeypatch):
-    """Gemma 3 with a window of 4 on layers 0 and 2, prefill steps of 8 tokens (padded to 16):
-    those layers' caches are rings of 20 positions. A 30-token prompt goes in by chunks into slot 1 while a
+    """Gemma 3 with a window of 4 on layers 0 and 2, prefill steps of 16 tokens: those layers'
+    caches are rings of 20 positions. A 30-token prompt goes in by chunks into slot 1 while a
     stream decodes in slot 0, then both decode on the workers to position 50: each job gets
     the NumPy reference's greedy tokens (its caches the whole context)."""
     import models.batching as batching
     import models.llama as llama
 
-    monkeypatch.setattr(batching, "PREFILL_CHUNK", 8)
-    monkeypatch.setattr(llama, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 16)
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 16)
     shape = synthetic.Shape(layers=3, hidden=64, ffn=128, heads=2, kv_heads=1, context=64, head_size=32)
     recipe = synthetic.Recipe(shape, weights="f32", embedding="f32", seed=6, architecture="gemma3", window=4)
     recipe = dataclasses.replace(recipe, window_pattern=2)

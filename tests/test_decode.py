@@ -476,14 +476,14 @@ def test_sequences_prefilled_into_their_own_slots_decode_as_if_alone(sim, n):
 def test_a_prompt_is_padded_by_at_most_a_quarter_within_the_room_left():
     from models.llama import padded_length
 
-    lengths = {1: 16, 16: 16, 17: 32, 64: 64, 65: 80, 100: 112, 128: 128, 129: 160, 1000: 1024}
+    lengths = {1: 8, 8: 8, 9: 16, 16: 16, 17: 24, 33: 40, 64: 64, 65: 80, 100: 112, 128: 128, 129: 160, 1000: 1024}
     assert {t: padded_length(t, 4096) for t in lengths} == lengths
     assert padded_length(100, 105) == 105 and padded_length(100, 100) == 100
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_padded_prefills_replay_one_plan_and_equal_the_reference(sim, n):
-    """Prompts of 5 and 3 tokens, then of 12 and 9, are padded to 16 tokens: the second pair
+    """Prompts of 5 and 3 tokens, then of 7 and 6, are padded to 8 tokens: the second pair
     replays the first's captured step (no new plan). Every logit equals the reference run on the
     unpadded prompt, and so does decoding after it: the padding's cache writes past each prompt
     are never read. A continuation near the end of the context pads only to what fits."""
@@ -512,11 +512,12 @@ def test_padded_prefills_replay_one_plan_and_equal_the_reference(sim, n):
             np.testing.assert_allclose(logits[b, 0], want, rtol=2e-4, atol=2e-4)
     plans = len(dev.plans)
     refs = [ReferenceDecoder(GQA_CFG, weights, ctx) for _ in range(2)]
-    check([list(rng.integers(0, 72, 12)), list(rng.integers(0, 72, 9))], 0, refs)
-    assert len(dev.plans) == plans  # the 16-token step replayed
-    # row 0 goes on from its 12 cached tokens (row 1 gets padding only)
-    check([list(rng.integers(0, 72, 5))], 12, refs)  # padded to 16
-    check([list(rng.integers(0, 72, 16))], 17, refs)  # 16: no padding
+    check([list(rng.integers(0, 72, 7)), list(rng.integers(0, 72, 6))], 0, refs)
+    assert len(dev.plans) == plans  # the 8-token step replayed
+    # row 0 goes on from its 7 cached tokens (row 1 gets padding only)
+    check([list(rng.integers(0, 72, 5))], 7, refs)  # padded to 8
+    check([list(rng.integers(0, 72, 16))], 12, refs)  # 16: no padding
+    check([list(rng.integers(0, 72, 5))], 28, refs)  # padded to 8
     check([list(rng.integers(0, 72, 6))], 33, refs)  # 7 positions left: padded to 7
     with pytest.raises(ShapeError, match="prefill: 1 prompts of up to 8 tokens from position 33"):
         net.prefill([[1] * 8], 33, pool=4)
@@ -524,8 +525,8 @@ def test_padded_prefills_replay_one_plan_and_equal_the_reference(sim, n):
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_warmed_up_steps_run_nothing_until_called_then_plan_nothing_and_equal_the_reference(sim, n):
-    """warm_up loads the prefill step of every padded length within a 40-position context (16,
-    32 and 40) and prepare_decode the decode step, without running them: the caches keep their
+    """warm_up loads the prefill step of every padded length within a 40-position context (8,
+    16, 24, 32 and 40) and prepare_decode the decode step, without running them: the caches keep their
     handles and stay zero. The prompts and decoding after it plan nothing, and their
     candidates equal the reference's."""
     weights = random_weights(GQA_CFG, seed=25)
@@ -533,8 +534,8 @@ def test_warmed_up_steps_run_nothing_until_called_then_plan_nothing_and_equal_th
     dev = sim(n)
     net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx, batch=2)
     caches = net.caches()
-    assert net.warm_up(pool=4) == 3
-    assert [key[0] for key in net._prefills] == [16, 32, 40]  # the longest (the chunks') the last evicted
+    assert net.warm_up(pool=4) == 5
+    assert [key[0] for key in net._prefills] == [8, 16, 24, 32, 40]  # the longest (the chunks') the last evicted
     decode = net.prepare_decode(2, build=lambda logits: list(logits.top_k(4)))
     assert all(a is b for a, b in zip(net.caches(), caches, strict=True))
     assert not any(np.any(c.numpy()) for c in caches)  # nothing ran
@@ -544,7 +545,7 @@ def test_warmed_up_steps_run_nothing_until_called_then_plan_nothing_and_equal_th
     def best(logits):
         return np.argsort(-logits, kind="stable")[:4]
 
-    prompts = [list(rng.integers(0, 72, 20)), list(rng.integers(0, 72, 7))]  # padded to 32
+    prompts = [list(rng.integers(0, 72, 20)), list(rng.integers(0, 72, 7))]  # padded to 24
     indices = net.prefill(prompts, 0, pool=4)[1].numpy()
     for b, prompt in enumerate(prompts):
         want = refs[b].forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1]
@@ -602,7 +603,7 @@ def test_long_prompts_go_in_chunks_that_equal_the_reference(sim, n, monkeypatch)
 def test_padded_prefills_into_slots_leave_the_other_rows_and_equal_the_reference(sim, n):
     """A server's slots through captured, padded prefills: a prompt into slot 1, then prompts of
     5 and 3 tokens into slots 2 and 0, then decoding all three; then slot 2 takes a new prompt
-    of 9 tokens (the same padded step, no new plan) while slot 1 goes on. Every logit equals
+    of 6 tokens (the same padded step, no new plan) while slot 1 goes on. Every logit equals
     the reference run on each sequence alone."""
     weights = random_weights(GQA_CFG, seed=17)
     ctx, rng = 24, np.random.default_rng(5)
@@ -633,8 +634,8 @@ def test_padded_prefills_into_slots_leave_the_other_rows_and_equal_the_reference
     decode()
     decode()
     plans = len(dev.plans)
-    admit(2, 9)
-    assert len(dev.plans) == plans  # slot 2's 16-token step replayed
+    admit(2, 6)
+    assert len(dev.plans) == plans  # slot 2's 8-token step replayed
     decode()
     with pytest.raises(ShapeError, match="prefill of slot 3: a slot is one of the rows 0..2"):
         net.prefill([[1, 2]], 0, pool=3, slot=3)

@@ -299,14 +299,14 @@ def test_8_bit_activations_move_the_logits_no_more_than_llama_cpps_do(model, wor
 
 def test_a_warmed_up_model_plans_nothing_for_its_first_prompt_and_gives_the_reference_tokens(model, reference_run):
     """LLM.warm_up loads the prefill steps of every prompt length up to the context and the
-    greedy decode step (5 in a 64-position context); the first generation after it plans
+    greedy decode step (9 in a 64-position context); the first generation after it plans
     nothing and gives the NumPy reference's tokens."""
     from models.generate import LLM
 
     dev = MetaDevice(SimulatedCluster(2))
     try:
         llm = LLM(dev, model, ctx=CTX, weights="f32")
-        assert llm.warm_up() == 5  # prompts padded to 16, 32, 48 and 64 tokens, and decoding
+        assert llm.warm_up() == 9  # prompts padded to 8, 16, ..., 64 tokens, and decoding
         plans = len(dev.plans)
         (got,) = llm.generate([PROMPT], STEPS + 1, stop_at_eos=False)
         assert len(dev.plans) == plans
@@ -316,8 +316,8 @@ def test_a_warmed_up_model_plans_nothing_for_its_first_prompt_and_gives_the_refe
 
 
 def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_reference_tokens(model, reference_run):
-    """ContinuousBatcher.warm_up loads the slots' prefill steps (a 64-position context: 16, 32,
-    48, 64 tokens) and the decode steps of 1, 2 and 3 rows (3 slots), each of POOL candidates
+    """ContinuousBatcher.warm_up loads the slots' prefill steps (a 64-position context: 8, 16,
+    ..., 64 tokens) and the decode steps of 1, 2 and 3 rows (3 slots), each of POOL candidates
     and of one (a batch of greedy jobs); a lone greedy request after
     it plans nothing and gets the NumPy reference's tokens, a sampled one (another pool)
     replays the same prefill step, and three requests at once (slots 0, 1 and 2: the slot is
@@ -328,7 +328,7 @@ def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_refe
     dev = MetaDevice(SimulatedCluster(2))
     try:
         batcher = ContinuousBatcher(dev, model, slots=3, ctx=CTX, weights="f32")
-        assert batcher.warm_up() == 4 + 2 * 3
+        assert batcher.warm_up() == 8 + 2 * 3
         plans = len(dev.plans)
         batcher.start()
         try:

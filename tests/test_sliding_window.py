@@ -77,13 +77,13 @@ def mixed_weights():
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_windowed_layers_in_rings_give_the_whole_caches_logits(mixed_weights, n, monkeypatch):
-    """Prefill steps made small (chunks of 8, padded to 16): the windowed layers' caches are
+    """Prefill steps made small (chunks of 16): the windowed layers' caches are
     rings of 4 + 16 = 20 positions, the global layer's the context's 64; 30 tokens in steps of
     8 and 16 (the last of 6), then 20 one at a time, the rings wrapping twice: every position's
     logits those of the NumPy reference, whose caches hold the whole context."""
     import models.llama as llama
 
-    monkeypatch.setattr(llama, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 16)
     ctx = 64
     dev = MetaDevice(SimulatedCluster(n), check_mirrored=True)
     try:
