@@ -9,7 +9,9 @@ The caches hold `slots` sequences (batch rows). One thread owns the device: betw
 steps it admits queued jobs into the lowest free slots and prefills one chunk of PREFILL_CHUNK
 prompt tokens (128) of the job admitted first whose prompt is not all in yet, into its own row
 (`prefill(..., start, slot=...)`, the other rows untouched; chunks padded to a few lengths, each
-a captured step serving every slot, the slot fed to it), then runs one captured decode step for
+a captured step serving every slot, the slot fed to it), with it the new prompts of the slots
+after it that fit one step (`_joining`: requests that come together cost one pass over the
+weights, not one each), then runs one captured decode step for
 the first rows up to the highest slot that is decoding, rounded up to a power of two (1, 2, 4,
 ... slots: as vLLM pads a batch to its captured sizes), each row at its own position, and hands
 each decoding slot its next token. So a long prompt joining (chunked prefill, as vLLM's) holds
@@ -52,7 +54,7 @@ import numpy as np
 from meta.device import MetaDevice
 from models.errors import ModelError
 from models.gguf_model import GGUFModel
-from models.llama import PREFILL_CHUNK
+from models.llama import PREFILL_CHUNK, padded_length
 from models.loading import AUTO_CACHE, place_model
 from models.requests import POOL, Sampling, Stopping, candidates, log_normalizer
 from split_state.errors import ConsistencyError, MetaError, RemoteError, TransportError, WorkerLost
@@ -60,6 +62,9 @@ from split_state.sampling import Rule, choose, generator_state, mass_normalizer,
 from transport.protocol import GenerateSettings, OwnChoice
 
 TOKEN_SECONDS = 120.0  # a job waiting longer than this for its next token gives up (no hang)
+# the most padded tokens of a prefill step taking several slots' new prompts: the running
+# streams wait for the step, so it stays about two chunks (8 prompts of up to 24 tokens)
+PREFILL_BATCH_TOKENS = 2 * PREFILL_CHUNK
 # how often the coordinator looks for the tokens of steps the workers drive: a stream's tokens
 # come at most this late, and a queued job's slot is seen free this soon
 DRIVEN_REPORT_S = 0.02
@@ -166,6 +171,7 @@ class Counters:
     decode_steps: int = 0
     decode_rows: int = 0  # summed over the steps: the rows each decoded (busy slots and padding)
     decode_seconds: float = 0.0
+    prefill_steps: int = 0  # a step can take the prompts of several slots (_joining)
 
 
 class ContinuousBatcher:
@@ -316,37 +322,73 @@ class ContinuousBatcher:
             self.slots[index] = _Slot(ticket, rng, 0, list(job.prompt), self._admitted, stopping)
 
     def _prefill_chunk(self) -> None:
-        """One chunk of the prompt admitted first among those not all in; its last chunk gives
-        the job its first token."""
+        """One chunk of the prompt admitted first among those not all in, with the new prompts
+        of the slots after it that go in the same step (`_joining`); a prompt's last chunk gives
+        its job its first token."""
         waiting = [(s.admitted, i) for i, s in enumerate(self.slots) if s is not None and s.pending]
         if not waiting:
             return
         index = min(waiting)[1]
         slot = self.slots[index]
-        ticket = slot.ticket
-        if ticket.cancelled.is_set():
-            self._finish(index, ticket, "cancelled")
+        if slot.ticket.cancelled.is_set():
+            self._finish(index, slot.ticket, "cancelled")
             return
-        chunk = slot.pending[:PREFILL_CHUNK]
+        group = self._joining(index)
+        chunks = [self.slots[i].pending[:PREFILL_CHUNK] for i in group]
         # the last chunk of a job asking for log-probabilities brings the whole logits (for the
-        # normalizer of its first token's)
-        logits = ticket.job.top_logprobs is not None and len(chunk) == len(slot.pending)
+        # normalizer of its first token's); such a job goes in alone (_joining)
+        logits = slot.ticket.job.top_logprobs is not None and len(chunks[0]) == len(slot.pending)
         # POOL candidates whatever the job's sampling, cut to its pool when chosen (as a decode
-        # step's are): one prefill step per length serves every slot and request
+        # step's are): one prefill step per length (and slots) serves every slot and request
         try:
-            values, indices, *whole = self.net.prefill([chunk], slot.position, POOL, logits=logits, slot=index)
-        except (TransportError, ConsistencyError) as exc:  # the cluster's failure: the job is told now
-            ticket.put(Finished("error", f"{type(exc).__name__}: {exc}"))
+            values, indices, *whole = self.net.prefill(chunks, slot.position, POOL, logits=logits, slot=index)
+        except (TransportError, ConsistencyError) as exc:  # the cluster's failure: the jobs are told now
+            for i in group:
+                self.slots[i].ticket.put(Finished("error", f"{type(exc).__name__}: {exc}"))
             raise
-        except MetaError as exc:  # this prompt's own failure (a worker refused it): this job alone
-            self._finish(index, ticket, "error", f"{type(exc).__name__}: {exc}")
+        except MetaError as exc:  # these prompts' own failure (a worker refused them): these jobs alone
+            for i in group:
+                self._finish(i, self.slots[i].ticket, "error", f"{type(exc).__name__}: {exc}")
             return
-        self.counters.prompt_tokens += len(chunk)
-        slot.position += len(chunk)
-        del slot.pending[: len(chunk)]
-        if not slot.pending:
-            normalizer = log_normalizer(whole[0].numpy()[0, 0]) if logits else None
-            self._take(index, values.numpy()[0, 0], indices.numpy()[0, 0], normalizer)
+        self.counters.prefill_steps += 1
+        values, indices = values.numpy(), indices.numpy()
+        for row, (i, chunk) in enumerate(zip(group, chunks)):
+            joined = self.slots[i]
+            self.counters.prompt_tokens += len(chunk)
+            joined.position += len(chunk)
+            del joined.pending[: len(chunk)]
+            if not joined.pending:
+                normalizer = log_normalizer(whole[0].numpy()[row, 0]) if logits else None
+                self._take(i, values[row, 0], indices[row, 0], normalizer)
+
+    def _joining(self, index: int) -> list[int]:
+        """Slot `index` and the slots after it whose new prompts go into the caches with its own
+        in one prefill step: each a whole prompt from position 0 within a chunk, no
+        log-probabilities asked, not cancelled; as many as keep the step within
+        PREFILL_BATCH_TOKENS padded tokens (the running streams wait for it). Requests that
+        come together (a burst, a client's parallel calls) then cost one pass over the weights,
+        not one each with a decode step between (as vLLM batches its prefills)."""
+
+        def fresh(slot: _Slot | None) -> bool:
+            return (
+                slot is not None
+                and 0 < len(slot.pending) <= PREFILL_CHUNK
+                and slot.position == 0
+                and slot.ticket.job.top_logprobs is None
+                and not slot.ticket.cancelled.is_set()
+            )
+
+        group, longest = [index], len(self.slots[index].pending)
+        if not fresh(self.slots[index]):
+            return group
+        for i in range(index + 1, len(self.slots)):
+            if not fresh(self.slots[i]):
+                break
+            longest = max(longest, len(self.slots[i].pending))
+            if (len(group) + 1) * padded_length(longest, self.ctx) > PREFILL_BATCH_TOKENS:
+                break
+            group.append(i)
+        return group
 
     def _decoding(self, slot: _Slot | None) -> bool:
         return slot is not None and not slot.pending

@@ -689,6 +689,9 @@ class TensorParallelLlama:
         server's slot) from position `start` (0: a new one), attending to that row's cache up
         to its own positions, the other rows left as they are: a long prompt can go in chunks,
         each a call of its own (the server interleaves them with its streams' decode steps).
+        Several prompts with `slot`: new sequences (from position 0, each within a chunk) in
+        rows slot, slot + 1, ...: the prompts that join a server together go in one step (one
+        pass over the weights, as vLLM batches its prefills), each attending to its own tokens.
 
         Through a captured step per padded length: the prompts are padded to `padded_length`,
         so prompts of similar lengths replay one compiled program (no graph to build, plan or
@@ -702,15 +705,24 @@ class TensorParallelLlama:
         steps of any prompt length come from a few padded lengths (8 to 128), all planned
         once, and a step's buffers (its attention scores above all) stay the size of a chunk.
         The last step holds every prompt's last token."""
-        rows_fed = self.batch if slot is None else 1
+        rows_fed = self.batch if slot is None else len(prompts)
         longest = max((len(p) for p in prompts), default=0)
-        if not 1 <= len(prompts) <= rows_fed or not longest or start < 0 or start + longest > self.ctx:
+        if not 1 <= len(prompts) <= self.batch or not longest or start < 0 or start + longest > self.ctx:
             raise ShapeError(
                 f"prefill: {len(prompts)} prompts of up to {longest} tokens from position {start}; give 1 to "
-                f"{rows_fed} prompts of 1 or more tokens within the caches' {self.ctx} positions"
+                f"{self.batch} prompts of 1 or more tokens within the caches' {self.ctx} positions"
             )
-        if slot is not None and not 0 <= slot < self.batch:
-            raise ShapeError(f"prefill of slot {slot}: a slot is one of the rows 0..{self.batch - 1}")
+        if slot is not None and not (0 <= slot and slot + rows_fed <= self.batch):
+            raise ShapeError(
+                f"prefill of slot {slot}"
+                + (f" and the {rows_fed - 1} after it" if rows_fed > 1 else "")
+                + f": a slot is one of the rows 0..{self.batch - 1}"
+            )
+        if slot is not None and rows_fed > 1 and (start or longest > PREFILL_CHUNK):
+            raise ShapeError(
+                f"prefill of {rows_fed} slots from position {start}, up to {longest} tokens: several slots "
+                f"take new prompts only (position 0), each within a chunk of {PREFILL_CHUNK} tokens"
+            )
         shortest = min(len(p) for p in prompts)
         ahead = max(0, shortest - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # in whole chunks
         for at in range(0, ahead, PREFILL_CHUNK):
@@ -720,7 +732,7 @@ class TensorParallelLlama:
     def _prefill_step(
         self, prompts: Sequence[Sequence[int]], start: int, pool: int, logits: bool, slot: int | None
     ) -> list[Tensor]:
-        rows_fed = self.batch if slot is None else 1
+        rows_fed = self.batch if slot is None else len(prompts)
         longest = max(len(p) for p in prompts)
         t = padded_length(longest, self.ctx - start)
         tokens = np.zeros((rows_fed, t), np.int32)
@@ -729,7 +741,7 @@ class TensorParallelLlama:
             tokens[b, : len(prompt)] = prompt
             rows[b] = b * t + max(len(prompt), 1) - 1
         positions = np.tile(np.arange(start, start + t, dtype=np.int32), (rows_fed, 1))
-        key = (t, pool, logits, slot is not None, slot is not None and start == 0)
+        key = (t, pool, logits, 0 if slot is None else rows_fed, slot is not None and start == 0)
         chain = self._prefills.pop(key, None) or self._prefill_chain(*key)
         self._keep_prefill(key, chain)
         dev = self.dev
@@ -747,12 +759,13 @@ class TensorParallelLlama:
         # after the layer that reads it
         return dev.chain(calls, read=range(3 if logits else 2), keep=False)[-1]
 
-    def _prefill_chain(self, t: int, pool: int, logits: bool, slotted: bool, fresh: bool = False) -> PrefillChain:
+    def _prefill_chain(self, t: int, pool: int, logits: bool, slots: int, fresh: bool = False) -> PrefillChain:
         """The steps of a prefill of `t` tokens a row, planned, compiled and loaded on the
         workers (not run): the embedding, one step per kind of layer (its weights' shapes,
-        states and formats: every layer of SmolLM2 is one kind), the head. `fresh`: a slot's
-        first chunk (from position 0), whose attention reads its own keys and values (_layer)."""
-        rows_fed = 1 if slotted else self.batch
+        states and formats: every layer of SmolLM2 is one kind), the head. `slots`: 0 for every
+        row of the caches, else the rows of that many slots from a fed one. `fresh`: slots'
+        first chunks (from position 0), whose attention reads their own keys and values (_layer)."""
+        slotted, rows_fed = slots > 0, slots or self.batch
         tokens = np.zeros((rows_fed, t), np.int32)
         positions = np.tile(np.arange(t, dtype=np.int32), (rows_fed, 1))
         dev = self.dev
@@ -833,13 +846,13 @@ class TensorParallelLlama:
         padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
         loaded = 0
         for t in reversed(padded[-PREFILL_STEPS:]):  # the longest first: it sizes the arena the others bind to
-            key = (t, pool, False, slots, slots)  # a slot's prompt from position 0: its first chunk
+            key = (t, pool, False, int(slots), slots)  # a slot's prompt from position 0: its first chunk
             if key in self._prefills:
                 continue
             self._keep_prefill(key, self._prefill_chain(*key))
             loaded += 1
         for t in padded[-PREFILL_STEPS:]:  # the longest (a long prompt's chunks) the last to go
-            key = (t, pool, False, slots, slots)
+            key = (t, pool, False, int(slots), slots)
             if key in self._prefills:
                 self._prefills[key] = self._prefills.pop(key)
         return loaded
@@ -904,10 +917,11 @@ class TensorParallelLlama:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One layer over x (batch, tokens, hidden) with weights `w`, writing its caches at `pos`:
         (x after it, the caches written). Attention reads the caches (masked), or with `slot`,
-        writes batch row `slot` only and reads that row (`fresh`, a sequence's first chunk: the
-        new keys and values themselves). Fewer rows than the caches hold are their first rows (a
-        server's busy slots): written and read there, the others left as they are, and nothing
-        is computed for them. `layer`: whose rope (base, frequencies) it takes."""
+        writes batch row `slot` only (with x of several rows, `fresh`: the rows from `slot` on)
+        and reads that row (`fresh`, sequences' first chunks: the new keys and values
+        themselves). Fewer rows than the caches hold are their first rows (a server's busy
+        slots): written and read there, the others left as they are, and nothing is computed
+        for them. `layer`: whose rope (base, frequencies) it takes."""
         cfg, hd = self.cfg, self.cfg.head_dim
         batch, t = x.shape[:2]
         first_rows = slot is None and batch < self.batch

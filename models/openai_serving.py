@@ -305,6 +305,7 @@ def metrics_text(batcher) -> str:
     plain = [  # (name, type, help, value)
         ("requests_total", "counter", "Requests submitted.", c.requests),
         ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", c.prompt_tokens),
+        ("prefill_steps_total", "counter", "Prefill steps run (one can take several prompts).", c.prefill_steps),
         ("generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens),
         ("active_slots", "gauge", "Slots decoding a request.", batcher.active()),
         ("slots", "gauge", "Slots in all.", len(batcher.slots)),

@@ -291,11 +291,11 @@ def test_joining_prompts_go_in_by_admission_whatever_their_slots(tiny, monkeypat
         stream = made.submit(Job(PROMPT, 40, Sampling(), stop_at_eos=False))
         other = made.submit(Job(PROMPT[:3], 40, Sampling(), stop_at_eos=False))
         first = made.submit(Job(p1, 4, Sampling(), stop_at_eos=False))
-        for _ in range(4):  # both streams' prompts, then two of P1's chunks
+        for _ in range(4):  # both streams' prompts (in one step: _joining), then three of P1's chunks
             cycle()
-        assert order == [0, 1, 2, 2] and [s.ticket for s in made.slots] == [stream, other, first]
+        assert order == [0, 1, 2, 2, 2] and [s.ticket for s in made.slots] == [stream, other, first]
         other.cancel()
-        cycle()  # slot 1 is freed at its next token; P1's third chunk
+        cycle()  # slot 1 is freed at its next token; P1's fourth chunk
         second = made.submit(Job(p2, 3, Sampling(), stop_at_eos=False, top_logprobs=1))
         for _ in range(12):
             cycle()
@@ -312,6 +312,35 @@ def test_joining_prompts_go_in_by_admission_whatever_their_slots(tiny, monkeypat
     finally:
         made.stop()
         dev.close()
+
+
+def test_prompts_that_come_together_go_in_one_step_and_get_the_references_tokens(tiny, monkeypatch):
+    """Five jobs queued before the loop starts (slots 0-4): new prompts of 5, 3 and 9 tokens go
+    into slots 0-2 in one prefill step; slot 3's would pass the step's budget (made 48 padded
+    tokens here: three rows of 16) and goes in the next; slot 4's job asks for log-probabilities
+    (its prompt brings the whole logits) and goes alone. Every job gets the NumPy reference's
+    greedy tokens."""
+    import models.batching as batching
+
+    monkeypatch.setattr(batching, "PREFILL_BATCH_TOKENS", 48)
+    ctx = 32
+    prompts = [PROMPT, PROMPT[:3], (PROMPT * 2)[:9], PROMPT[1:], PROMPT[::-1]]
+    dev = MetaDevice(SimulatedCluster(2))
+    made = ContinuousBatcher(dev, tiny, slots=5, ctx=ctx, weights="f32")
+    try:
+        tickets = [
+            made.submit(Job(prompt, 3, Sampling(), stop_at_eos=False, top_logprobs=1 if i == 4 else None))
+            for i, prompt in enumerate(prompts)
+        ]
+        made.start()
+        got = [[e.token for e in events_of(t, 60) if isinstance(e, Token)] for t in tickets]
+        assert made.counters.prefill_steps == 3, made.counters
+        assert made.counters.prompt_tokens == sum(len(p) for p in prompts)
+    finally:
+        made.stop()
+        dev.close()
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == reference_greedy(tiny, list(prompt), 3, ctx)
 
 
 # jobs of every kind of choice: greedy, sampled with seeds, a top_k pool, the repeat penalty,

@@ -641,6 +641,43 @@ def test_padded_prefills_into_slots_leave_the_other_rows_and_equal_the_reference
         net.prefill([[1, 2]], 0, pool=3, slot=3)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_new_prompts_of_several_slots_go_in_one_step_and_leave_the_other_rows(sim, n):
+    """A server's burst: slot 0 holds a sequence; prompts of 5, 9 and 3 tokens go into slots 1,
+    2 and 3 in one prefill (one step of three rows, padded to 16; slot 2 held another prompt).
+    Each row's logits equal the reference on its prompt alone; then all four rows decode as the
+    reference does (slot 0 untouched by the step). Several slots take new prompts only: from
+    position 0, within the slots there are."""
+    weights = random_weights(GQA_CFG, seed=31)
+    ctx, rng = 32, np.random.default_rng(11)
+    dev = sim(n)
+    net = TensorParallelLlama(dev, GQA_CFG, weights.__getitem__, ctx, batch=4)
+    prompts = [[int(x) for x in rng.integers(0, 72, length)] for length in (6, 5, 9, 3)]
+    refs = [ReferenceDecoder(GQA_CFG, weights, ctx) for _ in range(4)]
+    at = [len(prompt) for prompt in prompts]
+    wants = [r.forward(np.array([prompt]), np.arange(len(prompt))[None])[0, -1] for r, prompt in zip(refs, prompts)]
+    net.prefill([prompts[0]], 0, pool=3, slot=0)
+    net.prefill([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]], 0, pool=3, slot=2)  # until the burst writes slot 2
+    plans = len(dev.plans)
+    values, indices, logits = (t.numpy() for t in net.prefill(prompts[1:], 0, pool=3, logits=True, slot=1))
+    assert len(dev.plans) == plans + 3  # one step of three slots: the embedding, one layer, the head
+    assert logits.shape == (3, 1, GQA_CFG.vocab) and indices.shape == (3, 1, 3)
+    for row, b in enumerate((1, 2, 3)):
+        np.testing.assert_allclose(logits[row, 0], wants[b], rtol=2e-4, atol=2e-4)
+        np.testing.assert_array_equal(indices[row, 0], np.argsort(-wants[b], kind="stable")[:3])
+    for _ in range(2):
+        tokens = np.array([[int(rng.integers(0, 72))] for _ in range(4)], np.int32)
+        got = net.step(tokens, np.array([[a] for a in at], np.int32)).numpy()
+        for b in range(4):
+            want = refs[b].forward(tokens[b : b + 1], np.array([[at[b]]]))[0, -1]
+            np.testing.assert_allclose(got[b, 0], want, rtol=2e-4, atol=2e-4)
+            at[b] += 1
+    with pytest.raises(ShapeError, match="several slots take new prompts only"):
+        net.prefill([[1, 2], [3]], 4, pool=3, slot=1)
+    with pytest.raises(ShapeError, match="prefill of slot 2 and the 2 after it: a slot is one of the rows 0..3"):
+        net.prefill([[1], [2], [3]], 0, pool=3, slot=2)
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_slots_prompt_in_chunks_reads_its_earlier_chunks_from_its_row(sim, n):
     """A server's chunked prefill: a 21-token prompt given to slot 1 in three calls (positions

@@ -321,7 +321,8 @@ def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_refe
     and of one (a batch of greedy jobs); a lone greedy request after
     it plans nothing and gets the NumPy reference's tokens, a sampled one (another pool)
     replays the same prefill step, and three requests at once (slots 0, 1 and 2: the slot is
-    fed to the same steps) plan nothing either and each get the reference's tokens."""
+    fed to the same steps) each get the reference's tokens, planning at most one prefill step
+    of several slots' prompts (those the loop found waiting together: timing decides)."""
     from models.batching import ContinuousBatcher, Finished, Job, Token
     from models.requests import Sampling
 
@@ -336,6 +337,7 @@ def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_refe
             for sampling in (Sampling(), Sampling(temperature=0.8, top_k=5, seed=3)):
                 job = Job(tuple(PROMPT_IDS), STEPS + 1, sampling, stop_at_eos=False)
                 events[sampling.temperature] = list(batcher.submit(job).stream())
+            assert len(dev.plans) == plans
             greedy = Job(tuple(PROMPT_IDS), STEPS + 1, Sampling(), stop_at_eos=False)
             tickets = [batcher.submit(greedy) for _ in range(3)]
             together = [[e.token for e in t.stream() if isinstance(e, Token)] for t in tickets]
@@ -343,7 +345,8 @@ def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_refe
                 batcher.warm_up()
         finally:
             batcher.stop()
-        assert len(dev.plans) == plans
+        # none, or one step of 2 or 3 slots' prompts: its embedding, one layer and its head
+        assert len(dev.plans) - plans in (0, 3)
     finally:
         dev.close()
     greedy = events[0.0]
