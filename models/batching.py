@@ -363,7 +363,9 @@ class ContinuousBatcher:
 
     def _joining(self, index: int) -> list[int]:
         """Slot `index` and the slots after it whose new prompts go into the caches with its own
-        in one prefill step: each a whole prompt from position 0 within a chunk, no
+        in one prefill step: each a whole prompt from position 0 within a chunk, padded to the
+        same length (a row's sums and attention are then those it gets alone, bit for bit: the
+        products' and attention's paths follow the rows and tokens a step has), no
         log-probabilities asked, not cancelled; as many as keep the step within
         PREFILL_BATCH_TOKENS padded tokens (the running streams wait for it). Requests that
         come together (a burst, a client's parallel calls) then cost one pass over the weights,
@@ -378,14 +380,15 @@ class ContinuousBatcher:
                 and not slot.ticket.cancelled.is_set()
             )
 
-        group, longest = [index], len(self.slots[index].pending)
-        if not fresh(self.slots[index]):
+        group, first = [index], self.slots[index]
+        if not fresh(first):
             return group
+        padded = padded_length(len(first.pending), self.ctx)
         for i in range(index + 1, len(self.slots)):
-            if not fresh(self.slots[i]):
+            slot = self.slots[i]
+            if not fresh(slot) or padded_length(len(slot.pending), self.ctx) != padded:
                 break
-            longest = max(longest, len(self.slots[i].pending))
-            if (len(group) + 1) * padded_length(longest, self.ctx) > PREFILL_BATCH_TOKENS:
+            if (len(group) + 1) * padded > PREFILL_BATCH_TOKENS:
                 break
             group.append(i)
         return group

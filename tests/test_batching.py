@@ -315,27 +315,31 @@ def test_joining_prompts_go_in_by_admission_whatever_their_slots(tiny, monkeypat
 
 
 def test_prompts_that_come_together_go_in_one_step_and_get_the_references_tokens(tiny, monkeypatch):
-    """Five jobs queued before the loop starts (slots 0-4): new prompts of 5, 3 and 9 tokens go
-    into slots 0-2 in one prefill step; slot 3's would pass the step's budget (made 48 padded
-    tokens here: three rows of 16) and goes in the next; slot 4's job asks for log-probabilities
-    (its prompt brings the whole logits) and goes alone. Every job gets the NumPy reference's
-    greedy tokens."""
+    """Nine jobs queued before the loop starts, one a slot, their prompts' lengths 3, 9, 10, 5,
+    7, 6, 2, 8 and 4 tokens (padded to 8 or 16), the step's budget made 32 padded tokens: slot
+    0 goes alone (slot 1's prompt pads to 16), slots 1-2 together, 3-6 together (32 tokens),
+    7 alone (past the budget), 8 alone (its job asks for log-probabilities: its prompt brings
+    the whole logits). Every job gets the NumPy reference's greedy tokens."""
     import models.batching as batching
 
-    monkeypatch.setattr(batching, "PREFILL_BATCH_TOKENS", 48)
-    ctx = 32
-    prompts = [PROMPT, PROMPT[:3], (PROMPT * 2)[:9], PROMPT[1:], PROMPT[::-1]]
+    monkeypatch.setattr(batching, "PREFILL_BATCH_TOKENS", 32)
+    ctx, rng = 32, np.random.default_rng(4)
+    prompts = [tuple(int(t) for t in rng.integers(0, 49152, n)) for n in (3, 9, 10, 5, 7, 6, 2, 8, 4)]
     dev = MetaDevice(SimulatedCluster(2))
-    made = ContinuousBatcher(dev, tiny, slots=5, ctx=ctx, weights="f32")
+    made = ContinuousBatcher(dev, tiny, slots=9, ctx=ctx, weights="f32")
+    steps, prefill = [], made.net.prefill
+    monkeypatch.setattr(
+        made.net, "prefill", lambda p, *a, **k: (steps.append((k["slot"], len(p))), prefill(p, *a, **k))[1]
+    )
     try:
         tickets = [
-            made.submit(Job(prompt, 3, Sampling(), stop_at_eos=False, top_logprobs=1 if i == 4 else None))
+            made.submit(Job(prompt, 3, Sampling(), stop_at_eos=False, top_logprobs=1 if i == 8 else None))
             for i, prompt in enumerate(prompts)
         ]
         made.start()
         got = [[e.token for e in events_of(t, 60) if isinstance(e, Token)] for t in tickets]
-        assert made.counters.prefill_steps == 3, made.counters
-        assert made.counters.prompt_tokens == sum(len(p) for p in prompts)
+        assert steps == [(0, 1), (1, 2), (3, 4), (7, 1), (8, 1)]  # (first slot, slots) of each step
+        assert made.counters.prefill_steps == 5 and made.counters.prompt_tokens == sum(map(len, prompts))
     finally:
         made.stop()
         dev.close()

@@ -149,10 +149,9 @@ def test_gqa_attention_reads_each_query_heads_own_kv_head(
     monkeypatch, threads, cached, batch, tokens, kv_of_head, last_positions
 ):
     """The gqa_attention op (query heads mapped to KV heads one by one, as a split that cuts a
-    KV group leaves them): a decode step's heads in the one threaded loop (counted), several
-    tokens' by runs of heads through the attention kernel, on the CPU backend's kernels and the
-    shared ones; each equals the float64 oracle (models/reference.py, head by head), float16
-    caches and KV heads nobody reads included."""
+    KV group leaves them): up to MAX_LOOP_QUERIES tokens every head in the one threaded loop
+    (counted), on the CPU backend's kernels and the shared ones; each equals the float64 oracle
+    (models/reference.py, head by head), float16 caches and KV heads nobody reads included."""
     from workers.backends.cpu import numba_cpu
 
     rng = np.random.default_rng(7)
@@ -178,8 +177,41 @@ def test_gqa_attention_reads_each_query_heads_own_kv_head(
         got = kernel(np, (q, keys, values, mask), params, out, memo={})
         assert got is out
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=name)
-    if numba_cpu.AVAILABLE:  # a decode step: one call with the map; several tokens: runs of one KV head each
-        assert calls == [kv_of_head] if tokens == 1 else all(set(c) == {0} for c in calls)
+    if numba_cpu.AVAILABLE:  # a decode step or a short prompt: one call with the map
+        assert calls == [kv_of_head]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 12])
+def test_a_rows_gqa_attention_is_the_bits_it_gets_alone_in_a_batch(tokens):
+    """A server prefills the prompts that join together in one step (models/batching.py
+    _joining): a row's attention must be the bits it gets alone. Three rows of float16 keys and
+    values, causal masks (a fresh prompt's, its padding included): each row of the batch's
+    result equals the same row run alone, bit for bit, on the CPU kernels (a batch of several
+    rows went to BLAS where one row took the loop, up to MAX_LOOP_QUERIES tokens), and the
+    float64 oracle within rounding."""
+    from workers.backends.cpu import numba_cpu
+
+    if not numba_cpu.AVAILABLE:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(3)
+    batch, kv, hd, kv_of_head = 3, 2, 64, [0, 0, 0, 1, 1]
+    q = rng.standard_normal((batch, tokens, len(kv_of_head), hd)).astype(np.float32)
+    keys, values = (rng.standard_normal((batch, kv, tokens, hd)).astype(np.float16) for _ in range(2))
+    mask = np.full((batch, tokens, tokens), -np.inf, np.float32)
+    for j in range(tokens):
+        mask[:, j, : j + 1] = 0.0
+    params = {"scale": 0.125, "kv_of_head": kv_of_head}
+    kernel = numba_cpu.OVERRIDES["gqa_attention"]
+    together = kernel(np, (q, keys, values, mask), params, np.empty(q.shape, np.float32), memo={})
+    np.testing.assert_allclose(
+        together, ref.reference("gqa_attention", [q, keys, values, mask], params), rtol=1e-5, atol=1e-6
+    )
+    for b in range(batch):
+        alone = kernel(
+            np, tuple(a[b : b + 1].copy() for a in (q, keys, values, mask)), params, np.empty(q[:1].shape, np.float32),
+            memo={},
+        )  # fmt: skip
+        np.testing.assert_array_equal(together[b : b + 1].view(np.uint32), alone.view(np.uint32), err_msg=f"row {b}")
 
 
 @pytest.mark.parametrize("kernel", ["numpy", "numba softmax"])

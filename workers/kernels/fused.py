@@ -299,16 +299,19 @@ def head_runs(kv_of_head) -> list[tuple[int, int, int]]:
 
 
 def gqa_attention_with(
-    attention: Callable, one_pass: Callable | None = None, one_plan: Callable | None = None
+    attention: Callable, one_pass: Callable | None = None, one_plan: Callable | None = None, one_pass_tokens: int = 1
 ) -> Callable:
     """The gqa_attention op's kernel (query heads mapped to KV heads one by one, as a split that
     shares a KV head between devices leaves them) from an attention kernel of attention_with's:
     each run of query heads sharing a KV head is one call of it, in GQA's layout of that one KV
     head, so both give the same arithmetic. `one_pass(xp, rows, kv_of, keys, values, mask, n,
-    scale, out) -> bool`, where given, may take a decode step's heads all in one call: rows
-    (batch, heads, 1, d), kv_of an int64 array, mask (1 or batch, 1, >= n), out like rows;
-    `one_plan(xp, rows, kv_of, keys, values, mask, scale, out)` plans it (workers/straight.py):
-    a function of n, or None."""
+    scale, out) -> bool`, where given, may take every head of up to `one_pass_tokens` tokens a
+    row in one call: rows (batch, heads, tokens, d), kv_of an int64 array, mask (1 or batch,
+    tokens, >= n), out like rows; `one_plan(xp, rows, kv_of, keys, values, mask, scale, out)`
+    plans it for one token (workers/straight.py): a function of n, or None. One call over the
+    whole batch keeps a row's bits those it gets alone: the runs' calls read each KV head's
+    slice of a batch of several rows, which a loop that wants whole blocks refused (BLAS then),
+    and took for one row, so a short prompt prefilled beside others differed in its last bits."""
 
     def gqa_attention(xp, inputs, params, out=None, memo=None):
         q, keys, values, mask = inputs
@@ -321,6 +324,13 @@ def gqa_attention_with(
             n = _used_positions_of_run(xp, mask, KV_BUCKET, memo)
             rows, kv_of = q.reshape(batch, heads, 1, width), _kv_index(kv_of_head)
             if one_pass(xp, rows, kv_of, keys, values, mask, n, params["scale"], out.reshape(rows.shape)):
+                return out
+        elif one_pass is not None and tokens <= one_pass_tokens and mask.ndim == 3:
+            n = _used_positions_of_run(xp, mask, KV_BUCKET, memo)
+            rows = xp.ascontiguousarray(q.transpose(0, 2, 1, 3))  # (batch, heads, tokens, d)
+            result = xp.empty(rows.shape, xp.float32)
+            if one_pass(xp, rows, _kv_index(kv_of_head), keys, values, mask, n, params["scale"], result):
+                out[...] = result.transpose(0, 2, 1, 3)
                 return out
         mask5 = _grouped_mask(mask, memo)
         each = {"scale": params["scale"], "bucket": KV_BUCKET}

@@ -563,7 +563,7 @@ def _heads_one_plan(xp, rows, kv_of, keys, values, mask, scale: float, out):
 
 
 attention = fused.attention_with(_softmax_columns, _scores_by_key, _weighted_values, _one_pass, _one_plan)
-gqa_attention = fused.gqa_attention_with(attention, _heads_one_pass, _heads_one_plan)
+gqa_attention = fused.gqa_attention_with(attention, _heads_one_pass, _heads_one_plan, MAX_LOOP_QUERIES)
 
 
 def prepare() -> None:
