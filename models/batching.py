@@ -324,7 +324,8 @@ class ContinuousBatcher:
     def _prefill_chunk(self) -> None:
         """One chunk of the prompt admitted first among those not all in, with the new prompts
         of the slots after it that go in the same step (`_joining`); a prompt's last chunk gives
-        its job its first token."""
+        its job its first token. Prompts the workers refuse together go again one by one: only
+        the one at fault fails."""
         waiting = [(s.admitted, i) for i, s in enumerate(self.slots) if s is not None and s.pending]
         if not waiting:
             return
@@ -334,6 +335,15 @@ class ContinuousBatcher:
             self._finish(index, slot.ticket, "cancelled")
             return
         group = self._joining(index)
+        if not self._prefill(group):
+            for i in group:
+                self._prefill([i])
+
+    def _prefill(self, group: list[int]) -> bool:
+        """The next chunk of each slot of `group` (its first slot's prompt, or new prompts from
+        position 0 in consecutive slots) in one prefill step; False where the workers refused the
+        prompts of several slots (nothing is told then), a refused prompt alone fails its job."""
+        slot = self.slots[group[0]]
         chunks = [self.slots[i].pending[:PREFILL_CHUNK] for i in group]
         # the last chunk of a job asking for log-probabilities brings the whole logits (for the
         # normalizer of its first token's); such a job goes in alone (_joining)
@@ -341,15 +351,16 @@ class ContinuousBatcher:
         # POOL candidates whatever the job's sampling, cut to its pool when chosen (as a decode
         # step's are): one prefill step per length (and slots) serves every slot and request
         try:
-            values, indices, *whole = self.net.prefill(chunks, slot.position, POOL, logits=logits, slot=index)
+            values, indices, *whole = self.net.prefill(chunks, slot.position, POOL, logits=logits, slot=group[0])
         except (TransportError, ConsistencyError) as exc:  # the cluster's failure: the jobs are told now
             for i in group:
                 self.slots[i].ticket.put(Finished("error", f"{type(exc).__name__}: {exc}"))
             raise
-        except MetaError as exc:  # these prompts' own failure (a worker refused them): these jobs alone
-            for i in group:
-                self._finish(i, self.slots[i].ticket, "error", f"{type(exc).__name__}: {exc}")
-            return
+        except MetaError as exc:  # a prompt's own failure (a worker refused it): that job alone
+            if len(group) > 1:
+                return False
+            self._finish(group[0], slot.ticket, "error", f"{type(exc).__name__}: {exc}")
+            return True
         self.counters.prefill_steps += 1
         values, indices = values.numpy(), indices.numpy()
         for row, (i, chunk) in enumerate(zip(group, chunks)):
@@ -360,6 +371,7 @@ class ContinuousBatcher:
             if not joined.pending:
                 normalizer = log_normalizer(whole[0].numpy()[row, 0]) if logits else None
                 self._take(i, values[row, 0], indices[row, 0], normalizer)
+        return True
 
     def _joining(self, index: int) -> list[int]:
         """Slot `index` and the slots after it whose new prompts go into the caches with its own

@@ -70,6 +70,36 @@ def test_a_prompt_the_workers_refuse_fails_alone_and_the_next_is_served(batcher,
     assert batcher.lost == ""
 
 
+def test_a_refused_prompt_among_prompts_that_came_together_fails_alone(tiny, monkeypatch):
+    """Three jobs queued before the loop starts go in one prefill step; the workers refuse it
+    (the middle prompt's fault): the prompts go again one by one, the middle job fails with the
+    workers' error, the others get the NumPy reference's greedy tokens."""
+    ctx = 32
+    dev = MetaDevice(SimulatedCluster(2))
+    made = ContinuousBatcher(dev, tiny, slots=3, ctx=ctx, weights="f32")
+    real, steps = made.net.prefill, []
+
+    def prefill(prompts, *args, **kwargs):
+        steps.append(len(prompts))
+        if any(p[0] == 7 for p in prompts):
+            raise RemoteError("ShapeError: get_rows: ids must lie in [0, 49152)", rank=1)
+        return real(prompts, *args, **kwargs)
+
+    monkeypatch.setattr(made.net, "prefill", prefill)
+    prompts = [PROMPT, (7, 8, 9), PROMPT[:3]]
+    try:
+        tickets = [made.submit(Job(p, 3, Sampling(), stop_at_eos=False)) for p in prompts]
+        made.start()
+        seen = [events_of(t, 60) for t in tickets]
+    finally:
+        made.stop()
+        dev.close()
+    assert steps == [3, 1, 1, 1] and made.lost == ""
+    assert seen[1][-1].reason == "error" and "ids must lie" in seen[1][-1].error
+    for i in (0, 2):
+        assert [e.token for e in seen[i] if isinstance(e, Token)] == reference_greedy(tiny, list(prompts[i]), 3, ctx)
+
+
 def test_a_cluster_lost_while_admitting_tells_that_request_at_once(batcher, monkeypatch):
     def prefill(*args, **kwargs):
         raise WorkerLost("worker 1 exited with code -9", rank=1)
