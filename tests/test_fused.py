@@ -923,6 +923,71 @@ def test_a_cpu_kernels_plan_reads_each_runs_values(name):
         np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6, err_msg=f"run {turn}")
 
 
+ROW_WISE = {"rms_norm_mul": "rms_norm_mul_rows", "rope": "rope_rows", "swiglu": "swiglu_rows", "geglu": "geglu_rows"}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_WISE))
+def test_a_prefills_rows_go_over_the_threads_each_with_its_one_thread_bits(name, monkeypatch):
+    """From row_threads.PARALLEL_VALUES values (here every size) on a worker of two threads, a
+    row-wise loop runs its twin over the threads: the oracle's values, and each row's bits those
+    of the one-thread loop (a greedy request's tokens must not depend on its batch)."""
+    from workers.backends.cpu import numba_cpu, numba_loops, row_threads
+
+    kernel = cpu_overrides()[name]
+    if name == "geglu" and not numba_loops.NATIVE_HALVES:
+        pytest.skip("the CPU does not narrow float32 to float16: geglu has no loop")
+    inputs, params, out, extra, _, oracle = _planned_case(name)
+    memo = {"memo": {}} if getattr(kernel, "memo", False) else {}
+    alone = kernel.plan(np, inputs, params, np.empty_like(out), **extra, **memo)()
+    twin = getattr(numba_loops, ROW_WISE[name] + "_parallel")
+    ran = []
+    monkeypatch.setattr(numba_loops, ROW_WISE[name] + "_parallel", lambda *a: ran.append(1) or twin(*a))
+    monkeypatch.setattr(row_threads, "PARALLEL_VALUES", 1)
+    monkeypatch.setattr(numba_cpu, "_THREADS", [2])
+    got = kernel.plan(np, inputs, params, out, **extra, **memo)()
+    assert ran, "the twin over threads did not run"
+    np.testing.assert_allclose(got, oracle(), rtol=2e-5, atol=2e-6)
+    assert got.tobytes() == alone.tobytes()
+
+
+@pytest.mark.parametrize("mode", ["normal", "neox"])
+def test_rope_and_the_cache_writes_read_a_fused_products_rows_where_they_lie(mode):
+    """A prefill's queries, keys and values are views of one product's rows (q | k | v, tokens
+    apart by the three's width): the loops take them as they lie, no copy (a plan made once sees
+    each run's values) and no NumPy fallback."""
+    kernels = cpu_overrides()
+    heads, kv, d, tokens = 4, 2, 16, 5
+    qkv = f32(1, tokens, (heads + 2 * kv) * d)
+    q = qkv[..., : heads * d].reshape(1, tokens, heads, d)
+    k = qkv[..., heads * d : (heads + kv) * d].reshape(1, tokens, kv, d)
+    v = qkv[..., (heads + kv) * d :].reshape(1, tokens, kv, d)
+    positions = np.arange(3, 3 + tokens, dtype=np.int32)[None]
+    rotation = {"base": 500.0, "mode": mode}
+    cache, _, _, spec = cache_write_case(1, tokens, heads=kv, d=d, ctx=12, batch=1)
+    values = np.zeros_like(cache)
+    turned = np.empty(q.shape, np.float32)
+    plans = [
+        kernels["rope"].plan(np, (q, positions), rotation, turned, memo={}),
+        kernels["rope_set_rows"].plan(
+            np,
+            [cache, positions, k, positions],
+            {"set_rows": spec, "rope": rotation, "axes": (0, 2, 1, 3)},
+            None,
+            memo={},
+        ),
+        kernels["set_rows"].plan(np, [values, positions, v.transpose(0, 2, 1, 3)], spec, None, memo={}),
+    ]
+    assert None not in plans, "a view of the fused rows fell back to NumPy"
+    for _ in range(2):
+        qkv[...] = f32(*qkv.shape)  # the next run's values, in place
+        for run in plans:
+            run()
+        np.testing.assert_allclose(turned, ref.rope(q.astype(np.float64), positions, 500.0, mode), rtol=2e-5, atol=2e-6)
+        keys = ref.rope(k.astype(np.float64), positions, 500.0, mode)
+        np.testing.assert_allclose(cache, written_oracle(cache, keys, positions), rtol=2e-5, atol=2e-6)
+        np.testing.assert_array_equal(values, written_oracle(values, v, positions))
+
+
 def test_a_plan_is_refused_where_the_loop_does_not_take_the_arrays():
     kernels = cpu_overrides()
     x = f32(3, 8)[:, ::2]  # not contiguous

@@ -212,9 +212,14 @@ def test_round_half_is_ieees_float16_rounding():
 
 
 @pytest.mark.parametrize("partner", ["q8_0", "q8_1", "q8_k"])
-def test_the_activations_round_as_ggml_rounds_them(partner):
-    from workers.backends.cpu.activations import quantize_q8_0, quantize_q8_k
+@pytest.mark.parametrize("threaded", [False, True], ids=["one thread", "rows over threads"])
+def test_the_activations_round_as_ggml_rounds_them(partner, threaded):
+    """The one-thread quantizers and their twins over a prefill's rows (row_threads.py)."""
+    from workers.backends.cpu import activations
 
+    twin = "_parallel" if threaded else ""
+    quantize_q8_0 = getattr(activations, "quantize_q8_0" + twin)
+    quantize_q8_k = getattr(activations, "quantize_q8_k" + twin)
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((3, 512)) * 3).astype(np.float32)
     x[1, :256] = 0  # a zero block: d 0, quants 0

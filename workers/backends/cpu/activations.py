@@ -18,6 +18,8 @@ from llvmlite import ir
 from numba.extending import intrinsic
 
 jit = numba.njit(cache=True, nogil=True)  # no fastmath: the rounding is ggml's, step for step
+# twins over the worker's threads (row_threads.py): each row the one-thread loop on that row
+row_parallel = numba.njit(cache=True, nogil=True, parallel=True)
 inline = numba.njit(cache=True, nogil=True, inline="always")
 
 
@@ -117,3 +119,19 @@ def quantize_q8_k(x, q, d, sums):
                     total += np.int32(q[r, at + 16 * k + j])
                 sums[r, b * 16 + k] = total
             d[r, b] = np.float32(1) / iscale
+
+
+@row_parallel
+def quantize_q8_0_parallel(x, q, d, sums, s, with_s):
+    for r in numba.prange(x.shape[0]):
+        a = np.int64(r)  # (prange's index may be unsigned)
+        b = a + 1
+        quantize_q8_0(x[a:b], q[a:b], d[a:b], sums[a:b], s[a:b], with_s)
+
+
+@row_parallel
+def quantize_q8_k_parallel(x, q, d, sums):
+    for r in numba.prange(x.shape[0]):
+        a = np.int64(r)  # (prange's index may be unsigned)
+        b = a + 1
+        quantize_q8_k(x[a:b], q[a:b], d[a:b], sums[a:b])

@@ -31,9 +31,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from split_state.quant import FORMATS
+from workers.backends.cpu import activations as quantizers
 from workers.backends.cpu import vector_ir as vir
-from workers.backends.cpu.activations import quantize_q8_0, quantize_q8_k
 from workers.backends.cpu.formats import ACTIVATION_BLOCK, INT_FORMATS, SUM_SPAN, Partner
+from workers.backends.cpu.row_threads import over_threads
 
 LANES = 64
 # The block `ahead` bytes on (whole blocks, ahead_bytes) is asked for as the block is read, one
@@ -610,11 +611,15 @@ class Activations:
         self.sums = np.empty((rows, width // SUM_SPAN[partner]), np.int32)
         self.s = np.zeros((rows, width // block), np.float32)
 
-    def quantize(self, x: np.ndarray) -> None:
+    def quantize(self, x: np.ndarray, threads: int = 1) -> None:
+        """x's rows into the buffers, over `threads` threads where row_threads wants them."""
+        threaded = over_threads(x.size, threads)
         if self.partner is Partner.Q8_K:
-            quantize_q8_k(x, self.q, self.d, self.sums)
+            quantize = quantizers.quantize_q8_k_parallel if threaded else quantizers.quantize_q8_k
+            quantize(x, self.q, self.d, self.sums)
         else:
-            quantize_q8_0(x, self.q, self.d, self.sums, self.s, self.partner is Partner.Q8_1)
+            quantize = quantizers.quantize_q8_0_parallel if threaded else quantizers.quantize_q8_0
+            quantize(x, self.q, self.d, self.sums, self.s, self.partner is Partner.Q8_1)
 
 
 def takes(fmt: str, width: int, lanes: int) -> bool:
@@ -651,14 +656,14 @@ def product(fmt: str, rows: int, width: int, threads: int = 1):
 
         def run_legacy(x, w, out):
             act = activations_for(partner, rows, width)
-            act.quantize(x)
+            act.quantize(x, threads)
             legacy_rows(code, act.q, act.d, act.sums, act.s, w, ahead, out)
 
         return run_legacy
 
     def run_k(x, w, out):
         act = activations_for(partner, rows, width)
-        act.quantize(x)
+        act.quantize(x, threads)
         k_rows(code, act.q, act.d, act.sums, w, ahead, out)
 
     return run_k

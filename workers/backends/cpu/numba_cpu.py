@@ -42,6 +42,7 @@ import numpy as np
 
 from split_state.errors import ShapeError
 from split_state.quant import FORMATS
+from workers.backends.cpu.row_threads import over_threads
 from workers.kernels import basic, fused, quant
 
 AVAILABLE = importlib.util.find_spec("numba") is not None
@@ -66,6 +67,32 @@ def _plain(*arrays) -> bool:
         if a.dtype is not _FLOAT32 or not a.flags.c_contiguous:
             return False
     return True
+
+
+def _token_rows(x, inner: int = 2):
+    """x (..., tokens, *inner axes) float32 as a view (tokens, *inner) whose inner axes lie
+    contiguous and whose tokens are any stride apart, or None: a prefill's queries, keys and
+    values are such views of one fused product's rows (q | k | v), which a loop reads where
+    they lie, not after NumPy's copy (a prefill's rope ran in NumPy for them: 9 ms of a 150 ms
+    1.7B-shaped 64-token step)."""
+    if x.dtype is not _FLOAT32 or x.ndim < inner or not x.size:
+        return None
+    expected = x.itemsize
+    for axis in range(x.ndim - 1, x.ndim - 1 - inner, -1):
+        if x.shape[axis] > 1 and x.strides[axis] != expected:
+            return None
+        expected *= x.shape[axis]
+    flat = x.reshape((-1, *x.shape[x.ndim - inner :]))
+    return flat if np.may_share_memory(flat, x) else None  # a copy would not see the next run's values
+
+
+def _row_loop(serial, parallel, values: int):
+    """The row-wise loop `serial` or, for as many values as row_threads wants threaded, its twin
+    over the worker's threads (the same rows' bits)."""
+    if over_threads(values, _THREADS[0]):
+        _use_threads()
+        return parallel
+    return serial
 
 
 # Each kernel here has a plan (workers/straight.py): `plan(xp, inputs, params, out, **extra)`, a
@@ -103,8 +130,9 @@ def _plan_rms_norm_mul(xp, inputs, params, out=None):
     )
     if not usable:
         return None
+    loops = _loops()
     loop, rows, weights, eps, result = (
-        _loops().rms_norm_mul_rows,
+        _row_loop(loops.rms_norm_mul_rows, loops.rms_norm_mul_rows_parallel, x.size),
         x.reshape(-1, n),
         weight.reshape(-1, n),
         params["eps"],
@@ -139,11 +167,14 @@ def _rotation(positions, d: int, params: dict, memo: dict | None):
 def _plan_rope(xp, inputs, params, out=None, memo=None):
     x, positions = inputs
     out = xp.empty_like(x) if out is None else out
-    if xp is not np or x.ndim < 2 or not x.size or positions.shape != x.shape[:-2] or not _plain(x, out):
+    if xp is not np or x.ndim < 2 or not x.size or positions.shape != x.shape[:-2] or not _plain(out):
         return None
-    d = x.shape[-1]
-    flat = x.reshape(-1, x.shape[-2], d)
-    loop, neox, result = _loops().rope_rows, params["mode"] == "neox", out.reshape(flat.shape)
+    d, flat = x.shape[-1], _token_rows(x)
+    if flat is None:
+        return None
+    loops = _loops()
+    loop = _row_loop(loops.rope_rows, loops.rope_rows_parallel, x.size)
+    neox, result = params["mode"] == "neox", out.reshape(flat.shape)
 
     def run():
         cos, sin = _rotation(positions, d, params, memo)  # the positions' values: this run's
@@ -169,13 +200,14 @@ def _rows_target(xp, dst, ids, rows, params):
     """The cache that write_rows writes `rows` into, or None where it does not take this set_rows.
     It takes the decoder's KV-cache write: a float32 cache (batch, heads, ctx, d) whole here (or
     a float16 one, as its bits, where the CPU converts halves), rows (rows, tokens, heads, d)
-    contiguous, row j going to the cache's batch element j, or offset + j (`batches`: a server's
+    (each token's heads and values contiguous, the tokens any stride apart), row j going to the
+    cache's batch element j, or offset + j (`batches`: a server's
     step of its first slots, rows fewer than the cache's batch; the target is then the cache
     from element offset on, a view)."""
     if xp is not np or dst.ndim != 4 or ids.ndim != 2 or rows.ndim != 4 or params["axis"] != 2:
         return None
     halves = dst.dtype is _FLOAT16 and dst.flags.c_contiguous and _loops().NATIVE_HALVES
-    if ids.dtype not in _IDS or not _plain(rows) or not (halves or _plain(dst)):
+    if ids.dtype not in _IDS or _token_rows(rows) is None or not (halves or _plain(dst)):
         return None
     batch, heads, ctx, d = dst.shape
     spans = params["spans"]
@@ -628,6 +660,7 @@ def _warm() -> None:
                 qmatmul(np, (x, w), {"format": name, "activations": "q8"}, np.empty((rows, 1, 64), np.float32))
     for gated in (swiglu, geglu):
         gated(np, (np.ones((1, 8), np.float32),), {"gate": (0, 4), "up": (4, 8)}, np.empty((1, 4), np.float32))
+    _warm_row_twins()
     # decode's one loop, prefill's softmax and float16 widening, each cache type
     for tokens, cached in itertools.product((1, 2, MAX_LOOP_QUERIES + 1), (np.float32, np.float16)):
         q = np.ones((1, 2, 3, tokens, 8), np.float32)
@@ -639,6 +672,27 @@ def _warm() -> None:
         heads = {"scale": 0.5, "kv_of_head": [0, 1, 1]}
         gqa_attention(np, (q, cache, cache, mask[:, 0, 0]), heads, np.empty(q.shape, np.float32), memo={})
     release_compiler_code()
+
+
+def _warm_row_twins() -> None:
+    """The row-wise loops' twins over threads (a prefill's: row_threads.py), and the cache
+    writes of a fused product's rows (a prefill's keys and values), every cache type."""
+    loops, activations = _loops(), _int8().quantizers
+    both, out = np.ones((2, 8), np.float32), np.empty((2, 4), np.float32)
+    loops.swiglu_rows_parallel(both, 0, 4, 4, out)
+    if loops.NATIVE_HALVES:
+        loops.geglu_rows_parallel(both, 0, 4, 4, out, basic.gelu_f16_table())
+        fused = np.ones((1, 3, 2, 4), np.float32)
+        cos, sin = np.ones((3, 2), np.float32), np.zeros((3, 2), np.float32)
+        for ids in (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64)):
+            for rows in (fused[:, :1], fused[:, :, :1]):
+                loops.write_rows(np.zeros((1, 2, 3, 4), np.uint16), ids, rows, cos, sin, True, False)
+    x = np.ones((2, 256), np.float32)
+    q, sums = np.empty((2, 256), np.int8), np.empty((2, 16), np.int32)
+    activations.quantize_q8_k_parallel(x, q, np.empty((2, 1), np.float32), sums)
+    for with_s in (False, True):
+        blocks = np.empty((2, 8), np.float32)
+        activations.quantize_q8_0_parallel(x, q, blocks, sums[:, :8], blocks.copy(), with_s)
 
 
 MADV_DONTNEED = 4
@@ -695,7 +749,7 @@ def _plan_swiglu(xp, inputs, params, out=None):
     args = _gated_rows(xp, inputs, params, out)
     if args is None:
         return None
-    loop = _loops().swiglu_rows
+    loop = _row_loop(_loops().swiglu_rows, _loops().swiglu_rows_parallel, out.size)
 
     def run():
         loop(*args)
@@ -713,7 +767,7 @@ def _plan_geglu(xp, inputs, params, out=None):
     args = _gated_rows(xp, inputs, params, out) if loops.NATIVE_HALVES else None
     if args is None:
         return None
-    loop, table = loops.geglu_rows, basic.gelu_f16_table()
+    loop, table = _row_loop(loops.geglu_rows, loops.geglu_rows_parallel, out.size), basic.gelu_f16_table()
 
     def run():
         loop(*args, table)

@@ -15,6 +15,9 @@ from numba.extending import intrinsic
 from workers.backends.cpu import vector_ir
 
 jit = numba.njit(cache=True, nogil=True)
+# the row-wise loops' twins over the worker's threads (row_threads.py): each row the one-thread
+# loop itself on that row, so a row's bits are the same either way
+row_parallel = numba.njit(cache=True, nogil=True, parallel=True)
 
 
 @jit
@@ -31,8 +34,16 @@ def rms_norm_mul_rows(x, weight, eps, out):  # (rows, n), (1 or rows, n)
             out[r, i] = np.float32(x[r, i] * scale) * w[i]
 
 
+@row_parallel
+def rms_norm_mul_rows_parallel(x, weight, eps, out):
+    for r in numba.prange(x.shape[0]):
+        a = np.int64(r)  # (prange's index may be unsigned)
+        b = a + 1
+        rms_norm_mul_rows(x[a:b], weight if weight.shape[0] == 1 else weight[a:b], eps, out[a:b])
+
+
 @jit
-def rope_rows(x, cos, sin, neox, out):  # x (tokens, heads, d); cos, sin (tokens, d / 2)
+def rope_rows(x, cos, sin, neox, out):  # x (tokens, heads, d), its tokens any stride; cos, sin (tokens, d / 2)
     tokens, heads, d = x.shape
     half = d // 2
     for t in range(tokens):
@@ -43,6 +54,14 @@ def rope_rows(x, cos, sin, neox, out):  # x (tokens, heads, d); cos, sin (tokens
                 c, s = cos[t, i], sin[t, i]
                 out[t, h, ia] = a * c - b * s
                 out[t, h, ib] = a * s + b * c
+
+
+@row_parallel
+def rope_rows_parallel(x, cos, sin, neox, out):
+    for r in numba.prange(x.shape[0]):
+        a = np.int64(r)  # (prange's index may be unsigned)
+        b = a + 1
+        rope_rows(x[a:b], cos[a:b], sin[a:b], neox, out[a:b])
 
 
 @jit
@@ -179,13 +198,19 @@ def best_of_pairs(pairs, k, out):
 def warm() -> None:
     """Compile (or load from the cache) every loop for the argument types the kernels pass."""
     x = np.ones((2, 4), np.float32)
-    rms_norm_mul_rows(x, np.ones((1, 4), np.float32), 1e-5, np.empty_like(x))
-    y = np.ones((1, 2, 4), np.float32)
-    cos, sin = np.ones((1, 2), np.float32), np.zeros((1, 2), np.float32)
-    rope_rows(y, cos, sin, False, np.empty_like(y))
+    for norm in (rms_norm_mul_rows, rms_norm_mul_rows_parallel):
+        norm(x, np.ones((1, 4), np.float32), 1e-5, np.empty_like(x))
+    rms_norm_mul_rows_parallel(x, x, 1e-5, np.empty_like(x))  # (a weight a row)
+    fused = np.ones((1, 3, 2, 4), np.float32)  # a prefill's q | k | v: each a view of its tokens' rows
+    y, strided = fused[0, :1], fused[0, :, :1]
+    cos, sin = np.ones((3, 2), np.float32), np.zeros((3, 2), np.float32)
+    for rows in (y, strided):
+        for rope in (rope_rows, rope_rows_parallel):
+            rope(rows, cos[: len(rows)], sin[: len(rows)], False, np.empty(rows.shape, np.float32))
     cache = np.zeros((1, 2, 3, 4), np.float32)
     for ids in (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64)):  # fed positions; the workers' own
-        write_rows(cache, ids, y.reshape(1, 1, 2, 4), cos, sin, True, False)
+        for rows in (y.reshape(1, 1, 2, 4), fused[:, :, :1]):
+            write_rows(cache, ids, rows, cos, sin, True, False)
     best = np.zeros((2, 2, 2))
     best_of_rows(x, 1, 2, 0, 2, best)
     best_of_pairs(best, 1, np.empty((2, 1, 2)))
@@ -993,6 +1018,14 @@ def swiglu_rows(both, gate, up, n, out):
             o_row[j] = g_row[j] / (np.float32(1) + o_row[j]) * u_row[j]
 
 
+@row_parallel
+def swiglu_rows_parallel(both, gate, up, n, out):
+    for r in numba.prange(both.shape[0]):
+        a = np.int64(r)  # (prange's index may be unsigned)
+        b = a + 1
+        swiglu_rows(both[a:b], gate, up, n, out[a:b])
+
+
 @fast
 def geglu_rows(both, gate, up, n, out, table):
     """out[r, j] = gelu_f16(both[r, gate + j]) * both[r, up + j]: ggml's GELU, the value of
@@ -1010,6 +1043,14 @@ def geglu_rows(both, gate, up, n, out, table):
             else:
                 value = table[_narrow_half(g)]
             o_row[j] = value * u_row[j]
+
+
+@row_parallel
+def geglu_rows_parallel(both, gate, up, n, out, table):
+    for r in numba.prange(both.shape[0]):
+        a = np.int64(r)  # (prange's index may be unsigned)
+        b = a + 1
+        geglu_rows(both[a:b], gate, up, n, out[a:b], table)
 
 
 # -- attention over float16 caches (llama.cpp's --cache-type-k / -v f16) --------------------------
