@@ -186,13 +186,22 @@ def nibble_of(builder: ir.IRBuilder, piece, high: bool):
     return builder.and_(piece, ir.Constant(kind, [int("0f" * width, 16)] * kind.count))
 
 
-def _dpbusd(builder: ir.IRBuilder, acc, unsigned, signed):
+def _vnni(builder: ir.IRBuilder, name: str, acc, a, b):
     kind = vector(I32, CHUNK)
-    name = "llvm.x86.avx512.vpdpbusd.512"
     function = builder.module.globals.get(name)
     if function is None:
         function = ir.Function(builder.module, ir.FunctionType(kind, [kind, kind, kind]), name=name)
-    return builder.call(function, [acc, unsigned, signed])
+    return builder.call(function, [acc, a, b])
+
+
+def _dpbusd(builder: ir.IRBuilder, acc, unsigned, signed):
+    return _vnni(builder, "llvm.x86.avx512.vpdpbusd.512", acc, unsigned, signed)
+
+
+def dot_pairs(builder: ir.IRBuilder, acc, pairs, word):
+    """acc + each 32-bit element's two signed 16-bit halves of `pairs` times those of `word`
+    (an i32 splat), summed (vpdpwssd)."""
+    return _vnni(builder, "llvm.x86.avx512.vpdpwssd.512", acc, pairs, splat(builder, word, CHUNK))
 
 
 def dot4(builder: ir.IRBuilder, accs: list, rows: list, activations, isa: int, ready: bool = False) -> list:
