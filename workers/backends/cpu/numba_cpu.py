@@ -684,8 +684,9 @@ def _warm_row_twins() -> None:
         loops.geglu_rows_parallel(both, 0, 4, 4, out, basic.gelu_f16_table())
         fused = np.ones((1, 3, 2, 4), np.float32)
         cos, sin = np.ones((3, 2), np.float32), np.zeros((3, 2), np.float32)
-        for ids in (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64)):
-            for rows in (fused[:, :1], fused[:, :, :1]):
+        for kind in (np.int32, np.int64):
+            for rows in (fused[:, :1], fused[:, :, :1]):  # (the loop reads an id a token: as many)
+                ids = np.zeros(rows.shape[:2], kind)
                 loops.write_rows(np.zeros((1, 2, 3, 4), np.uint16), ids, rows, cos, sin, True, False)
     x = np.ones((2, 256), np.float32)
     q, sums = np.empty((2, 256), np.int8), np.empty((2, 16), np.int32)

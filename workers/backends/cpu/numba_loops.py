@@ -208,9 +208,9 @@ def warm() -> None:
         for rope in (rope_rows, rope_rows_parallel):
             rope(rows, cos[: len(rows)], sin[: len(rows)], False, np.empty(rows.shape, np.float32))
     cache = np.zeros((1, 2, 3, 4), np.float32)
-    for ids in (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64)):  # fed positions; the workers' own
-        for rows in (y.reshape(1, 1, 2, 4), fused[:, :, :1]):
-            write_rows(cache, ids, rows, cos, sin, True, False)
+    for kind in (np.int32, np.int64):  # fed positions; the workers' own
+        for rows in (y.reshape(1, 1, 2, 4), fused[:, :, :1]):  # (the loop reads an id a token: as many)
+            write_rows(cache, np.zeros(rows.shape[:2], kind), rows, cos, sin, True, False)
     best = np.zeros((2, 2, 2))
     best_of_rows(x, 1, 2, 0, 2, best)
     best_of_pairs(best, 1, np.empty((2, 1, 2)))
