@@ -282,6 +282,30 @@ def test_each_format_equals_the_model_of_llama_cpps_arithmetic(name, rows):
     _close_to_model(out, expected, np.abs(x) @ np.abs(values_of(name, unpack(name, blocks))).T)
 
 
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q4_k"])
+def test_a_product_over_two_threads_quantizes_its_rows_by_the_twin_with_the_same_bits(name, monkeypatch):
+    """A product made for two threads and as many values as row_threads wants threaded
+    (here every size) quantizes its rows with the twin over the threads: the bits of the
+    product made for one thread, and the model's values."""
+    from workers.backends.cpu import activations, int8_products, row_threads
+
+    blocks = random_blocks(name, 128, 512, seed=5)
+    w = interleaved(blocks)
+    x = (np.random.default_rng(5).standard_normal((9, 512)) * 2).astype(np.float32)
+    alone = np.full((9, 128), np.nan, np.float32)
+    int8_products.product(name, 9, 512, threads=1)(x, w, alone)
+    twin = "quantize_q8_k_parallel" if name == "q4_k" else "quantize_q8_0_parallel"
+    ran, original = [], getattr(activations, twin)
+    monkeypatch.setattr(activations, twin, lambda *a: ran.append(1) or original(*a))
+    monkeypatch.setattr(row_threads, "PARALLEL_VALUES", 1)
+    threaded = np.full((9, 128), np.nan, np.float32)
+    int8_products.product(name, 9, 512, threads=2)(x, w, threaded)
+    assert ran, "the quantizer's twin did not run"
+    assert threaded.tobytes() == alone.tobytes()
+    expected = product_model(name, blocks, x)
+    _close_to_model(threaded, expected, np.abs(x) @ np.abs(values_of(name, unpack(name, blocks))).T)
+
+
 @pytest.mark.parametrize("isa", ["generic", "vnni"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_both_instruction_sets_give_the_models_integer_sums(isa, rows):

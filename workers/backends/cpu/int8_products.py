@@ -652,9 +652,9 @@ class Activations:
         self.sums = np.empty((rows, width // SUM_SPAN[partner]), np.int32)
         self.s = np.zeros((rows, width // block), np.float32)
 
-    def quantize(self, x: np.ndarray, threads: int = 1) -> None:
-        """x's rows into the buffers, over `threads` threads where row_threads wants them."""
-        threaded = over_threads(x.size, threads)
+    def quantize(self, x: np.ndarray, threaded: bool = False) -> None:
+        """x's rows into the buffers; `threaded`: by the twin over the worker's threads (what
+        row_threads.over_threads says for the product's size, decided once per product)."""
         if self.partner is Partner.Q8_K:
             quantize = quantizers.quantize_q8_k_parallel if threaded else quantizers.quantize_q8_k
             quantize(x, self.q, self.d, self.sums)
@@ -693,18 +693,19 @@ def product(fmt: str, rows: int, width: int, threads: int = 1):
     ahead it asks for the weight: ahead_bytes)."""
     spec = INT_FORMATS[fmt]
     code, partner, ahead = spec.code, spec.partner, ahead_bytes(fmt, threads)
+    threaded = over_threads(rows * width, threads)
     if spec.scales is None:
 
         def run_legacy(x, w, out):
             act = activations_for(partner, rows, width)
-            act.quantize(x, threads)
+            act.quantize(x, threaded)
             legacy_rows(code, act.q, act.d, act.sums, act.s, w, ahead, out)
 
         return run_legacy
 
     def run_k(x, w, out):
         act = activations_for(partner, rows, width)
-        act.quantize(x, threads)
+        act.quantize(x, threaded)
         k_rows(code, act.q, act.d, act.sums, w, ahead, out)
 
     return run_k
