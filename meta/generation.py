@@ -34,6 +34,7 @@ class Generating:
         on_tokens: Callable[[int, list[int]], bool],
         every_step: bool = False,
         on_logprobs: Callable[[int, np.ndarray], None] | None = None,
+        on_report: Callable[[], None] | None = None,
     ) -> dict:
         """Run captured decode `step` up to `steps` times on the workers, which feed each step's
         chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
@@ -47,8 +48,10 @@ class Generating:
         With `sampling.logprobs`, the step's third output is each row's probability mass (the
         sum of exp(logit - best)) and `on_logprobs(step, rows)` gets each step's
         log-probabilities (transport.protocol.Tokens.logprobs, one row per sequence) just before
-        its tokens. Returns rank 0's account (steps run, cancelled, times; with `sampling.own`,
-        each sequence's generator state at the end)."""
+        its tokens. `on_report()` is called once the steps of each report are all shown (a
+        caller that hands tokens to readers wakes them once a report, not once a step).
+        Returns rank 0's account (steps run, cancelled, times; with `sampling.own`, each
+        sequence's generator state at the end)."""
         if len(step.specs) != 2 or None in step.feed_slots:
             raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
         bound = self._bind(step, (tokens, positions))
@@ -64,7 +67,7 @@ class Generating:
         board = None if sampling.logprobs else token_board(len(sampling.done), steps)
         if board is not None:
             sampling = dataclasses.replace(sampling, board=str(board.path))
-        shown = Shown(on_tokens, every_step, on_logprobs)
+        shown = Shown(on_tokens, every_step, on_logprobs, on_report)
         message = p.Generate(
             step.compiled.program,
             run,
@@ -109,8 +112,10 @@ class Shown:
         on_tokens: Callable[[int, list[int]], bool],
         every_step: bool = False,
         on_logprobs: Callable[[int, np.ndarray], None] | None = None,
+        on_report: Callable[[], None] | None = None,
     ):
         self.on_tokens, self.every_step, self.on_logprobs = on_tokens, every_step, on_logprobs
+        self.on_report = on_report
         self.next = 0  # the first step not shown yet
         self.refused = False
 
@@ -125,14 +130,17 @@ class Shown:
             raise errors.ProtocolError(
                 f"worker 0 reported {len(tokens)} steps with {len(logprobs)} of log-probabilities"
             )
+        shown = False
         for k, chosen in enumerate(tokens, first):
             if (not show or self.refused) and not self.every_step:
                 break
             if k >= self.next:  # else shown already, from the other way
-                self.next = k + 1
+                self.next, shown = k + 1, True
                 if self.on_logprobs is not None and logprobs is not None and len(logprobs):
                     self.on_logprobs(k, logprobs[k - first])
                 self.refused = not self.on_tokens(k, list(chosen)) or self.refused
+        if shown and self.on_report is not None:
+            self.on_report()
         return not self.refused
 
 

@@ -112,9 +112,14 @@ class Ticket:
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def put(self, event: Token | Finished) -> None:
-        """An event for the ticket's reader (from the batcher's thread), and its wake-up call."""
+    def put(self, event: Token | Finished, wake: bool = True) -> None:
+        """An event for the ticket's reader (from the batcher's thread), and its wake-up call
+        unless `wake` is False (the caller wakes it later: `wake_reader`)."""
         self.events.put(event)
+        if wake:
+            self.wake_reader()
+
+    def wake_reader(self) -> None:
         wake = self._wake
         if wake is not None:
             wake()
@@ -204,6 +209,9 @@ class ContinuousBatcher:
         # (rows, with the normalizer, candidates) -> the captured decode step of the first rows
         self._decodes: dict[tuple[int, bool, int], object] = {}
         self._admitted = 0  # jobs admitted so far
+        # tickets given tokens of a report of the workers' steps not yet all delivered, their
+        # readers woken once it is (None: outside a driven run, every event wakes its reader)
+        self._unwoken: set[Ticket] | None = None
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
 
     # -- the requests' side -------------------------------------------------------------------------
@@ -506,15 +514,26 @@ class ContinuousBatcher:
             return not self._regroup()
 
         start = time.perf_counter()
+        self._unwoken = set()
         try:
             info = self.dev.generate(
-                step, tokens, positions, steps, settings, on_tokens, every_step=True, on_logprobs=reported.__setitem__
+                step,
+                tokens,
+                positions,
+                steps,
+                settings,
+                on_tokens,
+                every_step=True,
+                on_logprobs=reported.__setitem__,
+                on_report=self._wake_readers,
             )
         except RemoteError:
             # a worker's own failure in a step (a job's logits not finite): the steps shown are
             # taken; the coordinator runs the next one, where the job it belongs to fails alone
             return False
         finally:
+            self._wake_readers()
+            self._unwoken = None
             self.counters.decode_steps += ran
             self.counters.decode_rows += rows * ran
             self.counters.decode_seconds += time.perf_counter() - start
@@ -584,7 +603,7 @@ class ContinuousBatcher:
             ticket.first_token_s = time.perf_counter() - ticket.submitted
             self.counters.first_token_seconds = self.counters.first_token_seconds[-999:] + [ticket.first_token_s]
         self.counters.generated_tokens += 1
-        ticket.put(Token(token, logprob, top))
+        self._put(ticket, Token(token, logprob, top))
         reason = slot.stopping.reason(slot.tokens, lambda: self._text(slot), room=slot.position < self.ctx)
         if reason is not None:
             self._finish(index, ticket, reason)
@@ -595,4 +614,20 @@ class ContinuousBatcher:
     def _finish(self, index: int, ticket: Ticket, reason: str, error: str = "") -> None:
         self.slots[index] = None
         self.counters.finished[reason] += 1
-        ticket.put(Finished(reason, error))
+        self._put(ticket, Finished(reason, error))
+
+    def _put(self, ticket: Ticket, event: Token | Finished) -> None:
+        """An event to its job; within a report of several steps its reader is woken at the
+        report's end (`_wake_readers`): a wake-up a token raced the reader, which took one token
+        a write while the rest were still coming, and on a host whose cores the workers fill
+        each wake-up and write preempts one of them."""
+        if self._unwoken is None:
+            ticket.put(event)
+        else:
+            ticket.put(event, wake=False)
+            self._unwoken.add(ticket)
+
+    def _wake_readers(self) -> None:
+        unwoken, self._unwoken = self._unwoken or set(), set()
+        for ticket in unwoken:
+            ticket.wake_reader()

@@ -232,7 +232,9 @@ class CompletionServing:
                 event = ticket.next(0)
                 if event is None:
                     try:
-                        await asyncio.wait_for(ready.wait(), EVENT_POLL_SECONDS)
+                        # a deadline on this task, not wait_for's task of its own every wait
+                        async with asyncio.timeout(EVENT_POLL_SECONDS):
+                            await ready.wait()
                         event = ticket.next(0)
                     except TimeoutError:
                         pass

@@ -496,7 +496,7 @@ def test_a_queued_job_takes_the_first_slot_freed_while_the_workers_decode(tiny):
     def submit(name: str, job: Job):
         ticket = made.submit(job)
         put = ticket.put
-        ticket.put = lambda event: told.append((name, type(event).__name__)) or put(event)
+        ticket.put = lambda event, **kw: told.append((name, type(event).__name__)) or put(event, **kw)
         return ticket
 
     made.start()
@@ -514,6 +514,33 @@ def test_a_queued_job_takes_the_first_slot_freed_while_the_workers_decode(tiny):
     finally:
         made.stop()
         dev.close()
+
+
+def test_a_reader_is_woken_once_a_report_with_all_of_its_tokens(tiny, monkeypatch):
+    """The workers report their steps a few at a time; the job's reader (the server's stream) is
+    woken once a report, when all of its tokens are in the queue, not once a token (a wake-up a
+    token raced the reader, which then wrote one token at a time). Reports of a second: the 16
+    tokens come in a report or two besides the first (chosen at the prefill)."""
+    from models import batching
+
+    monkeypatch.setattr(batching, "DRIVEN_REPORT_S", 1.0)
+    dev = MetaDevice(SimulatedCluster(2))
+    made = ContinuousBatcher(dev, tiny, slots=2, ctx=32, weights="f32")
+    made.warm_up()
+    ticket = made.submit(greedy(16))
+    put, seen = ticket.events.put, []  # the events put by each wake-up
+    ticket.events.put = lambda event: put(event) or seen.append(None)
+    woken = []
+    ticket.listen(lambda: woken.append(len(seen)))
+    made.start()
+    try:
+        events = events_of(ticket, 60)
+    finally:
+        made.stop()
+        dev.close()
+    assert len(events) == 17 and isinstance(events[-1], Finished)
+    assert 2 <= len(woken) <= 4, woken
+    assert woken[0] == 1 and woken[-1] == 17, woken  # each wake-up after its report's last event
 
 
 def test_a_gemma3_server_with_rings_gives_the_references_tokens_past_them(model, tmp_path, monkeypatch):
