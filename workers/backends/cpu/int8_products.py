@@ -71,6 +71,7 @@ class _Block:
     block's byte rows anew: vector_ir.load_once; the rows at["ahead"] bytes on asked for)."""
 
     ready = False  # values as value rows, for dot4 to transpose
+    paired = False  # minimums two sub-blocks a lane (an unpacked block's, with VNNI)
 
     def __init__(self, builder, fmt, lanes: int, at: dict):
         self.builder, self.fmt, self.lanes, self.at = builder, fmt, lanes, at
@@ -286,7 +287,7 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
             accs[s] = vir.dot4(builder, accs[s], values, words, isa, ready)
         for s, sums_of_rows in accs.items():
             _sub_block_epilogue(builder, fmt, rows, isa, at, source, row, s, sums_of_rows, activation_sum, add_into)
-    if getattr(source, "paired", False):
+    if source.paired:
         _paired_minimums(builder, rows, lanes, source, subs, activation_sum, add_into)
         return
     row = source.reader()
