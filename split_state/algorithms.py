@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any, ClassVar, NamedTuple
 
+from split_state.errors import SplitError
 from split_state.layout import Box, box_shape, local_shape, pieces
-from split_state.states import MIRRORED, Mirrored, Partial, Split, State, validate
+from split_state.states import MIRRORED, Mirrored, Partial, Split, State, holders, restrict, validate
 from split_state.transitions import (
     Collective,
     Transfer,
@@ -212,15 +213,18 @@ class Keep(Algorithm):
 
 
 class LocalSlice(Algorithm):
-    """Mirrored -> Split: every device cuts its own pieces."""
+    """Mirrored -> Split, or to Mirrored on a group of the devices: every device cuts its own
+    pieces (those outside the group keep nothing)."""
 
     name = "local_slice"
 
     def applies(self, r: Request) -> bool:
-        return isinstance(r.src, Mirrored) and isinstance(r.dst, Split)
+        return isinstance(r.src, Mirrored) and r.src.on is None and not isinstance(r.dst, Partial)
 
     def run(self, engine, local, r, tag):
         ndim = len(r.shape)
+        if isinstance(r.dst, Mirrored):
+            return local if r.dst.on is None or engine.rank in r.dst.on else local[(slice(0, 0),) * ndim]
         out = engine.xp.empty(local_shape(r.dst, r.shape, r.n, engine.rank), dtype=local.dtype)
         for p in pieces(r.dst, r.shape, r.n, engine.rank):
             out[p.local_index(ndim)] = local[p.global_index(ndim)]
@@ -381,13 +385,15 @@ class ReduceScatter(Algorithm):
 
 
 class Exchange(Algorithm):
-    """Split -> Mirrored (all-gather) or Split -> another split (all-to-all): each box goes
-    straight from a device that holds it to every device that needs it."""
+    """Split -> Mirrored (all-gather) or Split -> another split (all-to-all), and a hand-over
+    from the devices of one group to those of another: each box goes straight from a device
+    that holds it to every device that needs it."""
 
     name = "exchange"
 
     def applies(self, r: Request) -> bool:
-        return isinstance(r.src, Split) and not isinstance(r.dst, Partial)
+        held_by_some = isinstance(r.src, Mirrored) and r.src.on is not None
+        return (isinstance(r.src, Split) or held_by_some) and not isinstance(r.dst, Partial)
 
     def phases(self, r: Request) -> tuple[Phase, ...]:
         return (Phase(PhaseKind.EXCHANGE, r.shape, r.dst, cached_exchange_plan(r.src, r.dst, r.shape, r.n)),)
@@ -431,6 +437,34 @@ def select(r: Request) -> Algorithm:
     raise AssertionError(f"no algorithm for {r.src} -> {r.dst}")  # the table covers every pair
 
 
+def universe(src: State, dst: State, n: int) -> tuple[int, ...] | None:
+    """The devices a redistribution involves (those holding the tensor before or after it), or
+    None when that is every device."""
+    if src.on is None or dst.on is None:
+        return None
+    devices = tuple(sorted(set(src.on) | set(dst.on)))
+    return None if len(devices) == n else devices
+
+
+def grouped(r: Request) -> tuple[tuple[int, ...] | None, Request]:
+    """A redistribution as its devices run it: renumbered over its universe (the devices of
+    both groups), where the algorithms written for a whole cluster apply, or as it is when it
+    involves every device. A group's collective cannot use a plane's native collectives (they
+    span every rank), so its plane is left unnamed. A partial sum changes holders only once
+    summed: the planner moves it to Mirrored on its own group first."""
+    if isinstance(r.src, Partial) or isinstance(r.dst, Partial):
+        if r.src.on != r.dst.on:
+            raise SplitError(
+                f"{r.src} -> {r.dst}: a partial sum is reduced on its own devices before it moves to "
+                f"others (move it to Mirrored on {holders(r.src, r.n)} first)"
+            )
+    devices = universe(r.src, r.dst, r.n)
+    if devices is None:
+        return None, r
+    inner = Request(restrict(r.src, devices), restrict(r.dst, devices), r.shape, len(devices), r.itemsize, r.dtype)
+    return devices, inner
+
+
 @dataclass(frozen=True)
 class Transition:
     kind: Collective
@@ -448,6 +482,6 @@ def transition(
     shape = tuple(shape)
     validate(src, shape, n)
     validate(dst, shape, n)
-    r = Request(src, dst, shape, n, itemsize, dtype, plane)
+    _, r = grouped(Request(src, dst, shape, n, itemsize, dtype, plane))
     algorithm = select(r)
     return Transition(classify(src, dst), algorithm.charge(r), algorithm.name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from split_state.states import Split, State, validate
+from split_state.states import Split, State, holds, validate
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,12 @@ def _index(axis: int | None, ndim: int, start: int, stop: int) -> tuple[slice, .
 
 
 def pieces(state: State, shape: Sequence[int], n_devices: int, device: int) -> tuple[Piece, ...]:
-    """The non-empty pieces device `device` holds, in local order."""
+    """The non-empty pieces device `device` holds, in local order (none outside the state's group)."""
     validate(state, shape, n_devices)
     if not 0 <= device < n_devices:
         raise IndexError(f"device {device} out of range for {n_devices} devices")
+    if not holds(state, device):
+        return ()
     if not isinstance(state, Split):
         return (Piece(None, 0, 0, 0),)
     out = []
@@ -62,8 +64,11 @@ def pieces(state: State, shape: Sequence[int], n_devices: int, device: int) -> t
 
 
 def local_shape(state: State, shape: Sequence[int], n_devices: int, device: int) -> tuple[int, ...]:
+    """Device `device`'s local tensor's shape: empty on every axis outside the state's group."""
     validate(state, shape, n_devices)
     shape = tuple(int(s) for s in shape)
+    if not holds(state, device):
+        return (0,) * len(shape)
     if not isinstance(state, Split):
         return shape
     return shape[: state.axis] + (state.extent(device),) + shape[state.axis + 1 :]

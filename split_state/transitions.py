@@ -18,7 +18,7 @@ import numpy as np
 
 from split_state.layout import Box, box_shape, intersect, pieces, to_local
 from split_state.scatter import gather, scatter
-from split_state.states import Mirrored, Partial, Split, State
+from split_state.states import Mirrored, Partial, Split, State, holders, holds
 
 
 class Collective(enum.Enum):
@@ -29,6 +29,7 @@ class Collective(enum.Enum):
     ALL_TO_ALL = "all_to_all"  # Split -> Split on another axis, or other extents/segments
     REDUCE_SCATTER = "reduce_scatter"  # Partial -> Split
     ALL_REDUCE = "all_reduce"  # Partial -> Mirrored (reduce-scatter then all-gather)
+    HAND_OVER = "hand_over"  # to devices of another group: each box from one holder to each taker
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Transfer:
 def classify(src: State, dst: State) -> Collective:
     if src == dst:
         return Collective.NONE
+    if not _within(dst.on, src.on):
+        return Collective.HAND_OVER
     if isinstance(dst, Partial):
         return Collective.NONE if isinstance(src, Partial) else Collective.LOCAL_EMBED
     if isinstance(src, Partial):
@@ -53,17 +56,29 @@ def classify(src: State, dst: State) -> Collective:
     return Collective.ALL_GATHER if isinstance(dst, Mirrored) else Collective.ALL_TO_ALL
 
 
+def _within(inner: tuple[int, ...] | None, outer: tuple[int, ...] | None) -> bool:
+    """Whether every device of group `inner` is in group `outer` (None: every device)."""
+    return outer is None or (inner is not None and set(inner) <= set(outer))
+
+
 def exchange_plan(src: State, dst: State, shape: Sequence[int], n: int) -> list[Transfer]:
     """Transfers that turn a Split/Mirrored tensor into `dst` (not Partial).
 
-    A Mirrored source is local: every device already holds every box it needs.
+    A Mirrored source is local to its holders: each of them already holds every box it needs,
+    and a device outside the source's group takes its boxes from one holder (the holders taking
+    turns, so a hand-over to a group of k devices spreads over the givers).
     """
     ndim = len(shape)
     plan = []
+    givers = holders(src, n)
+    takers = [e for e in range(n) if not holds(src, e)]
     for e in range(n):
         for q in pieces(dst, shape, n, e):
-            holders = [e] if isinstance(src, Mirrored) else range(n)
-            for d in holders:
+            if isinstance(src, Mirrored):
+                sources = [e] if holds(src, e) else [givers[takers.index(e) % len(givers)]]
+            else:
+                sources = range(n)
+            for d in sources:
                 for p in pieces(src, shape, n, d):
                     box = intersect(p, q, ndim)
                     if box is not None and prod(box_shape(box, shape)) > 0:
@@ -109,11 +124,13 @@ def flat_split(size: int, n: int) -> Split:
 
 
 def embed_partial(local: np.ndarray, src: State, shape: Sequence[int], n: int, device: int, xp=np):
-    """Device `device`'s Partial tensor from its `src` local tensor (zeros where it holds nothing)."""
+    """Device `device`'s Partial tensor (over every device) from its `src` local tensor (zeros
+    where it holds nothing; a Mirrored value counted once, on its first holder)."""
     if isinstance(src, Partial):
         return local
     if isinstance(src, Mirrored):
-        return local.copy() if device == 0 else xp.zeros(tuple(shape), dtype=local.dtype)
+        first = holders(src, n)[0]
+        return local.copy() if device == first else xp.zeros(tuple(shape), dtype=local.dtype)
     out = xp.zeros(tuple(shape), dtype=local.dtype)
     for p in pieces(src, shape, n, device):
         out[p.global_index(len(shape))] = local[p.local_index(len(shape))]
@@ -125,6 +142,6 @@ def apply_reference(locals_: Sequence[np.ndarray], src: State, dst: State) -> li
     n = len(locals_)
     full = gather(locals_, src)
     shape = full.shape
-    if isinstance(dst, Partial):
+    if isinstance(dst, Partial) and dst.on is None:
         return [np.asarray(embed_partial(np.asarray(x), src, shape, n, d)).copy() for d, x in enumerate(locals_)]
-    return scatter(full, dst, n)
+    return scatter(full, dst, n)  # a group's partial sum: the value on its first holder

@@ -8,6 +8,11 @@ the primitives:
 exchange (copy boxes), reduce (sum each box's contributions in rank order) and, where the plane
 has one, a native all-reduce. Reductions are done by the owner of each box in rank order and
 every device then receives the owner's bits, so Mirrored results are bitwise identical.
+
+A redistribution among the workers of a group (a layer split's layer, or a hand-over from one
+group to the next) runs the same algorithms renumbered over its devices (split_state.algorithms
+`grouped`), on a HostEngine over a `GroupComm`: the plane's point-to-point sends, whatever the
+plane, since its native collectives span every rank.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from split_state.algorithms import DirectAllReduce, Phase, Request, Tag, select
+from split_state.algorithms import DirectAllReduce, Phase, Request, Tag, grouped, select
 from split_state.dtypes import dtype_from_name, dtype_name
+from split_state.layout import local_shape
 from split_state.states import State
 from split_state.transitions import Transfer
 from transport.deadline import Deadline
@@ -27,6 +33,13 @@ from transport.deadline import Deadline
 class Collectives:
     def __init__(self, engine):
         self.engine = engine
+        self._groups: dict[tuple[int, ...], HostEngine] = {}  # a group's devices -> its engine
+
+    def _group_engine(self, devices: tuple[int, ...]) -> HostEngine:
+        engine = self._groups.get(devices)
+        if engine is None:
+            engine = self._groups[devices] = HostEngine(GroupComm(self.engine.comm, devices), self.engine.backend)
+        return engine
 
     def request(self, src: State, dst: State, shape: Sequence[int], dtype: Any) -> Request:
         """The redistribution a program step asks of this worker's engine (made once per step:
@@ -39,6 +52,9 @@ class Collectives:
         it once (the lookup hashes the request's states, a few microseconds a call). With `out`
         (a buffer of the local result's shape, where `writes_into(r)`), every call's result is
         `out` itself."""
+        devices, inner = grouped(r)
+        if devices is not None:
+            return self._prepared_in_group(devices, r, inner, out)
         engine, algorithm = self.engine, select(r)
         if out is not None and self.writes_into(r):
             return engine.bound(algorithm, r, out)
@@ -61,17 +77,56 @@ class Collectives:
 
         return run_into
 
+    def _prepared_in_group(self, devices: tuple[int, ...], r: Request, inner: Request, out: Any):
+        """A redistribution among `devices` only: run renumbered on their group engine; a worker
+        outside them holds nothing before or after it."""
+        xp, rank = self.engine.xp, self.engine.rank
+        if rank not in devices:
+            empty = local_shape(r.dst, r.shape, r.n, rank)
+            return lambda local, run, step, deadline: xp.empty(empty, dtype=local.dtype)
+        engine, algorithm = self._group_engine(devices), select(inner)
+
+        def run_in_group(local: Any, run: int, step: int, deadline: Deadline) -> Any:
+            self.engine.check_usable()
+            result = algorithm.run(engine, local, inner, Tag(run, step, deadline))
+            if out is None:
+                return result
+            out[...] = result
+            return out
+
+        return run_in_group
+
     def writes_into(self, r: Request) -> bool:
         """Whether this engine's run of `r` is done with its input when it returns and can write
         its result into a buffer of the program's (the shared-memory postboxes): a program then
         gives both a place in its arena, the same every run, instead of new arrays per run."""
         check = getattr(self.engine, "writes_into", None)
-        return bool(check is not None and check(select(r), r))
+        return bool(check is not None and grouped(r)[0] is None and check(select(r), r))
 
     def redistribute(
         self, local: Any, src: State, dst: State, shape: Sequence[int], run: int, step: int, deadline: Deadline
     ) -> Any:
         return self.prepared(self.request(src, dst, shape, local.dtype))(local, run, step, deadline)
+
+
+class GroupComm:
+    """A worker's comm as the workers of one group see it: ranks renumbered 0..len(devices)-1
+    over `devices` (sorted global ranks, this worker among them), sends and receives through the
+    cluster's comm under the global ranks. It has no bound all-reduce of its own (a plane's
+    postboxes and native collectives span every rank)."""
+
+    def __init__(self, comm, devices: tuple[int, ...]):
+        self.comm, self.devices = comm, devices
+        self.rank, self.size, self.plane = devices.index(comm.rank), len(devices), ""
+
+    def send(self, dst: int, run: int, step: int, array: Any) -> None:
+        self.comm.send(self.devices[dst], run, step, array)
+
+    def receive(self, src: int, run: int, step: int, deadline: Deadline, shape, dtype, sink) -> None:
+        self.comm.receive(self.devices[src], run, step, deadline, shape, dtype, sink)
+
+    def flush(self, run: int, deadline: Deadline) -> None:
+        self.comm.flush(run, deadline)
 
 
 class HostEngine:
