@@ -39,7 +39,7 @@ from meta.steps import Capturing, Earlier, Step, slot_pairs
 from meta.tensor import Tensor
 from split_state import errors
 from split_state.scatter import gather
-from split_state.states import MIRRORED, State
+from split_state.states import Mirrored, State, holders
 from transport import protocol as p
 
 __all__ = ["Clock", "CompiledPlan", "Earlier", "MetaDevice", "Step"]
@@ -182,7 +182,7 @@ class MetaDevice(Placement, Capturing, Generating):
 
     def _asked(self, states: dict[int, State], d: int) -> list[int]:
         """The tensors (of `states`: id -> state) whose values worker d sends back with a run."""
-        return [t for t, state in states.items() if d == 0 or not self._one_copy(state)]
+        return [t for t, state in states.items() if not self._one_copy(state) or d == self._reader(state)]
 
     def _read_back(self, replies: dict[int, p.Message], states: dict[int, State]) -> dict[int, np.ndarray]:
         """The global values of the tensors read back with a run (`states`: id -> state), by id."""
@@ -196,15 +196,19 @@ class MetaDevice(Placement, Capturing, Generating):
         values = {}
         for t, state in states.items():
             if self._one_copy(state):
-                values[t] = got[0][t]
+                values[t] = got[self._reader(state)][t]
             else:
                 values[t] = gather([got[d][t] for d in range(self.n)], state, check_mirrored=self.check_mirrored)
         return values
 
     def _one_copy(self, state: State) -> bool:
-        """Whether any one worker's copy is the value: the only one's, or a Mirrored one's
-        (unless mirrored copies are checked)."""
-        return self.n == 1 or (state == MIRRORED and not self.check_mirrored)
+        """Whether one worker's copy is the value: the only one's, or a Mirrored one's (unless
+        mirrored copies are checked)."""
+        return self.n == 1 or (isinstance(state, Mirrored) and not self.check_mirrored)
+
+    def _reader(self, state: State) -> int:
+        """The worker whose copy of a `_one_copy` state is read: its group's first."""
+        return holders(state, self.n)[0]
 
     def _evict(self) -> None:
         evicted = []

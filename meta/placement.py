@@ -135,7 +135,8 @@ class Placement:
         if node.host is not None:  # read back with the run that made it
             return node.host.copy()
         if self._one_copy(node.state):
-            return np.array(self._call({0: p.Get(node.tensor)})[0].array, copy=True)
+            reader = self._reader(node.state)
+            return np.array(self._call({reader: p.Get(node.tensor)})[reader].array, copy=True)
         replies = self._call({d: p.Get(node.tensor) for d in range(self.n)})
         locals_ = [np.asarray(replies[d].array) for d in range(self.n)]
         return gather(locals_, node.state, check_mirrored=self.check_mirrored)

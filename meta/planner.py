@@ -5,6 +5,13 @@ the cheapest as charged by the collective algorithms that will run on the worker
 and a move is inserted for every input not already in the state the signature needs. Linear ops
 keep Partial lazy; non-linear ones force the reduction.
 
+An op whose inputs are held by a group of the devices (a layer placed on one host's workers:
+split_state.states' `on`) runs on that group: its other inputs are handed over to the group
+first (one move each, remembered, so a layer's activation crosses once), and its rule is chosen
+among the group's devices as if they were the whole cluster (states restricted to the group,
+the signature widened back). Which group: a resident input's (weights do not move), else the
+latest input's.
+
 A plan is written in the program IR of the wire (transport.protocol's OpStep / MoveStep), with
 global shapes and parameters; the compiler localises it per device.
 """
@@ -15,15 +22,22 @@ from dataclasses import dataclass, field
 
 from meta.graph import MOVE, Node
 from meta.memo import Memo, frozen
+from split_state.algorithms import universe
 from split_state.dtypes import dtype_from_name
 from split_state.ops import signatures
 from split_state.rules import Signature, choose
-from split_state.states import State, validate
+from split_state.states import Mirrored, Partial, State, restrict, validate, widen
 from split_state.transitions import Collective, classify
 from transport import protocol as p
 
 COMMUNICATING = frozenset(
-    {Collective.ALL_GATHER, Collective.ALL_TO_ALL, Collective.ALL_REDUCE, Collective.REDUCE_SCATTER}
+    {
+        Collective.ALL_GATHER,
+        Collective.ALL_TO_ALL,
+        Collective.ALL_REDUCE,
+        Collective.REDUCE_SCATTER,
+        Collective.HAND_OVER,
+    }
 )
 
 
@@ -67,8 +81,13 @@ class Plan:
         """Moves that communicate (on one device every move is a local copy)."""
         if self.n == 1:
             return []
-        kinds = (classify(s.src, s.dst) for s in self.steps if isinstance(s, p.MoveStep))
+        kinds = (classify(s.src, s.dst) for s in self.steps if isinstance(s, p.MoveStep) and self._among_several(s))
         return [k for k in kinds if k in COMMUNICATING]
+
+    def _among_several(self, step: p.MoveStep) -> bool:
+        """Whether a move involves more than one device (on a group of one, nothing moves)."""
+        devices = universe(step.src, step.dst, self.n)
+        return devices is None or len(devices) > 1
 
     def count(self, kind: Collective) -> int:
         return sum(1 for c in self.collectives() if c is kind)
@@ -80,29 +99,63 @@ class Choice:
     `choose` picks, one parameters object for every step it stands for, and (filled by the
     compiler) each device's localised parameters and output shape. A pure function of those,
     so remembered: a decoder's 30 layers repeat each choice, which is then picked, localised
-    and encoded once instead of 30 times."""
+    and encoded once instead of 30 times. `group`: the devices the op runs on, where its inputs
+    are held by a group of them (None: every device)."""
 
     sig: Signature
     params: dict
     local: dict[int, tuple[dict, tuple[int, ...]]] = field(default_factory=dict)  # device -> (params, shape)
+    group: tuple[int, ...] | None = None
 
 
 _CHOSEN = Memo(16384)
 
 
 def _choice(
-    op: str, params: dict, shape, states: tuple, shapes: tuple, dtypes: tuple, n: int, plane: str, params_key=None
+    op: str,
+    params: dict,
+    shape,
+    states: tuple,
+    shapes: tuple,
+    dtypes: tuple,
+    n: int,
+    plane: str,
+    params_key=None,
+    group: tuple[int, ...] | None = None,
 ) -> Choice:
-    """The Choice for an op over inputs in these states, shapes and dtypes. `params_key`:
-    frozen(params), when known."""
+    """The Choice for an op over inputs in these states, shapes and dtypes (on `group` only,
+    where given: every state held by it). `params_key`: frozen(params), when known."""
 
     def work() -> Choice:
-        sigs = signatures(op, list(states), list(shapes), params, shape)
+        local = states if group is None else tuple(restrict(s, group) for s in states)
+        sigs = signatures(op, list(local), list(shapes), params, shape)
         itemsizes = [dtype_from_name(d).itemsize for d in dtypes]
-        return Choice(choose(sigs, states, shapes, itemsizes, n, dtypes, plane)[0], params)
+        if group is None:
+            return Choice(choose(sigs, local, shapes, itemsizes, n, dtypes, plane)[0], params)
+        # among the group's devices, as a cluster of its own (no plane-native collectives there)
+        sig = choose(sigs, local, shapes, itemsizes, len(group), dtypes)[0]
+        wide = Signature(tuple(widen(s, group, n) for s in sig.inputs), widen(sig.output, group, n))
+        return Choice(wide, params, group=group)
 
-    key = (op, frozen(params) if params_key is None else params_key, tuple(shape), states, shapes, dtypes, n, plane)
+    key = (
+        op,
+        frozen(params) if params_key is None else params_key,
+        tuple(shape),
+        states,
+        shapes,
+        dtypes,
+        n,
+        plane,
+        group,
+    )
     return _CHOSEN.get(key, work)
+
+
+def _op_group(ins: list[int], state: dict[int, State], n_leaves: int) -> tuple[int, ...] | None:
+    """The devices an op over values `ins` runs on: a resident input's group (weights do not
+    move), else the latest input's; None where no input is held by a group."""
+    held = [(v < n_leaves, v, state[v].on) for v in ins if state[v].on is not None]
+    return max(held)[2] if held else None
 
 
 def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, plane: str = "") -> Plan:
@@ -121,6 +174,15 @@ def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, pla
         nonlocal counter
         if state[v] == dst:
             return v
+        src = state[v]
+        if src.on != dst.on and (isinstance(src, Partial) or isinstance(dst, Partial)):
+            # a partial sum is reduced on its own devices before it changes hands, and one is
+            # made only where the value already is
+            if isinstance(src, Partial):
+                v = move(v, Mirrored(src.on))
+            if isinstance(dst, Partial):
+                v = move(v, Mirrored(dst.on))
+            return move(v, dst)
         if (v, dst) not in moved:
             shape, dtype = meta[v]
             steps.append(p.MoveStep(v, counter, state[v], dst, shape, dtype))
@@ -130,17 +192,38 @@ def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, pla
             counter += 1
         return moved[(v, dst)]
 
+    def onto(v: int, group: tuple[int, ...]) -> int:
+        """Value `v` held by `group`: as it is, or handed over (a partial sum reduced on its
+        own devices first) to be Mirrored on the group."""
+        if state[v].on == group:
+            return v
+        if isinstance(state[v], Partial):
+            v = move(v, Mirrored(state[v].on))
+        return move(v, Mirrored(group))
+
     for node in order:
         ins = [value[c.id] for c in node.inputs]
         if node.op == MOVE:
             validate(node.params["state"], node.shape, n, name=node.name or "tensor")
             value[node.id] = move(ins[0], node.params["state"])
             continue
+        group = _op_group(ins, state, len(leaves))
+        if group is not None:
+            ins = [onto(v, group) for v in ins]
         shapes = [meta[v][0] for v in ins]
         current = [state[v] for v in ins]
         dtypes = [meta[v][1] for v in ins]
         choice = _choice(
-            node.op, node.params, node.shape, tuple(current), tuple(shapes), tuple(dtypes), n, plane, node.params_key
+            node.op,
+            node.params,
+            node.shape,
+            tuple(current),
+            tuple(shapes),
+            tuple(dtypes),
+            n,
+            plane,
+            node.params_key,
+            group,
         )
         sig = choice.sig
         ins = [move(v, s) for v, s in zip(ins, sig.inputs)]

@@ -749,6 +749,19 @@ def _localize_gqa_attention(params, in_states, in_shapes, out_state, out_shape, 
     return {"scale": params["scale"], "kv_of_head": [h - first_kv for h in mine]}
 
 
+# -- a worker outside an op's group --------------------------------------------------------------
+
+NOTHING = "nothing"  # params: ndim, dtype
+
+
+def _infer_nothing(shapes, dtypes, params):
+    raise ShapeError("nothing: made by the compiler for a worker outside an op's group, not by a graph")
+
+
+def _nothing_rule(states, shapes, params, out_shape):
+    return []
+
+
 # -- the table ----------------------------------------------------------------------------------
 
 _LINEAR_UNARY = _unary_rule(linear=True)
@@ -804,6 +817,8 @@ OPS: dict[str, OpSpec] = {
     ),
     "top_k_combine": OpSpec("top_k_combine", 1, _infer_top_k_combine, _labels_rule(_top_k_combine_labels)),
     "gqa_attention": OpSpec("gqa_attention", 4, _infer_gqa_attention, _gqa_attention_rule, _localize_gqa_attention),
+    # a worker's empty result of an op its group runs without it (meta/compiler.py)
+    NOTHING: OpSpec(NOTHING, 0, _infer_nothing, _nothing_rule, internal=True),
 }
 
 

@@ -227,6 +227,24 @@ def restrict(state: State, universe: Sequence[int]) -> State:
     return type(state)(on)
 
 
+def widen(state: State, group: Sequence[int], n_devices: int) -> State:
+    """The inverse of `restrict(state, group)`: a state over the devices of `group` (numbered
+    0..len(group)-1) as a state of all `n_devices`, held by that group."""
+    group = tuple(group)
+    if len(group) == n_devices:
+        return state
+    on = group if state.on is None else tuple(group[d] for d in state.on)
+    if isinstance(state, Split):
+        spread = []
+        for seg in state.segments:
+            row = [0] * n_devices
+            for d, extent in zip(group, seg):
+                row[d] = extent
+            spread.append(tuple(row))
+        return Split(state.axis, tuple(spread), on)
+    return type(state)(on)
+
+
 def encode_state(state: State) -> list:
     """A msgpack-friendly form: ["S", axis, segments] | ["M"] | ["P"], each followed by its group
     where it has one."""

@@ -568,6 +568,10 @@ KERNELS: dict[str, Callable] = {
     "exp": _unary_float(lambda xp, x: xp.exp(x)),
     "tanh": _unary_float(lambda xp, x: xp.tanh(x)),
     "cast": lambda xp, i, p, out=None: emit(i[0].astype(dtype_from_name(p["dtype"])), out),
+    # the empty result of an op that this worker's group does not run (meta/compiler.py)
+    "nothing": lambda xp, i, p, out=None: (
+        out if out is not None else xp.empty((0,) * p["ndim"], dtype=dtype_from_name(p["dtype"]))
+    ),
     "softmax": _softmax,
     "rms_norm": _rms_norm,
     "layer_norm": _layer_norm,
