@@ -18,8 +18,9 @@ is `launch.py generate` (greedy, `--tokens` tokens of a fixed prompt, one thread
 user runs it, its printed prefill and decode rates. The relay is a Python process on the same
 cores as the workers: it costs them CPU and adds its own latency per packet (the 0 ms relay row
 shows how much); on a 2-core machine 2 x 2 workers take turns on the cores, which no real pair of
-hosts would make them do. Layer split across hosts (`--split layer`) is not built yet: its
-column says so.
+hosts would make them do. Every row runs twice: split by rows (TP: two all-reduces a layer)
+and by layers (`--split layer`: the layers on one host's workers each, split inside the host,
+one hand-over of the activation between hosts and one of the chosen tokens back, a step).
 
 Needs root (network namespaces) and iproute2 (ip, tc); without them it says why and exits 0.
 """
@@ -52,6 +53,7 @@ PROMPT = (
 NET_A, NET_B = "10.66.1", "10.66.2"  # A's and B's links to the router R (.1 the host, .254 R)
 TUN = "mtpdly"
 TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
+SPLITS = ("row", "layer")  # models.loading.SPLITS: tensor parallel, and layers on each host's workers
 RATE = re.compile(r"prefill (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\), decode (\d+) tokens in [\d.]+ s \(([\d.]+)")
 
 
@@ -193,14 +195,14 @@ def generate(ns_cmd: list[str], extra: list[str], tokens: int, workers=(), env=N
     return {"prefill_tps": float(found.group(2)), "decode_tps": float(found.group(4)), "text": out.strip()}
 
 
-def across(hosts: Hosts, tokens: int, port: int, per_host: int = 1, direct: bool = False) -> dict:
-    """TP over the tcp plane with `per_host` workers in each namespace: A's spawned beside the
-    coordinator, B's joining; `direct`: the small all-reduces exchange with every peer, not host
-    by host."""
+def across(hosts: Hosts, tokens: int, port: int, per_host: int = 1, direct: bool = False, split: str = "row") -> dict:
+    """`split` over the tcp plane with `per_host` workers in each namespace: A's spawned beside
+    the coordinator, B's joining; `direct`: the small all-reduces exchange with every peer, not
+    host by host."""
     listen = f"tcp://{NET_A}.1:{port}"
     coordinator = ["ip", "netns", "exec", hosts.a]
     extra = ["--listen", listen, "--spawn", str(per_host), "--workers", str(2 * per_host), "--insecure"]
-    extra += ["--data-plane", "tcp"]
+    extra += ["--data-plane", "tcp", "--split", split]
     workers = [
         [
             "ip",
@@ -234,37 +236,54 @@ def measure(args) -> dict:
     delays = [0.2] if args.quick else args.delays
     rows = []
 
-    def row(name: str, workers: int, delay, rate, result: dict) -> None:
-        print(f"  {name}: decode {result['decode_tps']:.1f} tok/s", file=sys.stderr, flush=True)
-        rows.append({"path": name, "workers": workers, "delay_ms": delay, "rate_gbit": rate, **result})
+    def row(name: str, workers: int, delay, rate, run) -> None:
+        """Both splits of one configuration, back to back (`run(split)` measures one)."""
+        for split in SPLITS:
+            result = run(split)
+            print(f"  {name}, {split}: decode {result['decode_tps']:.1f} tok/s", file=sys.stderr, flush=True)
+            rows.append(
+                {"path": name, "split": split, "workers": workers, "delay_ms": delay, "rate_gbit": rate, **result}
+            )
+
+    def one_host(workers: int, plane: str):
+        return lambda split: generate([], ["--workers", str(workers), "--data-plane", plane, "--split", split], tokens)
 
     for plane in ("shm", "tcp"):
-        row(f"one host, {plane}", 2, 0, None, generate([], ["--workers", "2", "--data-plane", plane], tokens))
+        row(f"one host, {plane}", 2, 0, None, one_host(2, plane))
     if 2 in args.per_host:
-        row("one host, 4 workers, shm", 4, 0, None, generate([], ["--workers", "4"], tokens))
+        row("one host, 4 workers, shm", 4, 0, None, one_host(4, "shm"))
     hosts, port = Hosts(), 29700
+
+    def crossing(per_host: int = 1, direct: bool = False):
+        def run(split: str) -> dict:
+            nonlocal port
+            port += 3
+            return across(hosts, tokens, port, per_host, direct, split)
+
+        return run
+
     try:
         if 1 in args.per_host:
             hosts.link(None, None)
-            row("2 hosts, kernel forwards", 2, 0, None, across(hosts, tokens, port))
+            row("2 hosts, kernel forwards", 2, 0, None, crossing())
             for rate in [None, *args.rates] if not args.quick else [None]:
                 for delay in delays if rate is None else [0.2]:
-                    port += 3
                     hosts.link(delay, rate)
                     name = f"2 hosts, relay {delay} ms" + (f", {rate:g} Gb/s" if rate else "")
-                    row(name, 2, delay, rate, across(hosts, tokens, port))
+                    row(name, 2, delay, rate, crossing())
         if 2 in args.per_host:
             for delay in (None, 0.2):
                 hosts.link(delay, None)
                 for direct in (False, True):
-                    port += 3
                     name = f"2 hosts x 2, {'kernel forwards' if delay is None else f'relay {delay} ms'}, "
                     name += "direct" if direct else "host by host"
-                    row(name, 4, delay or 0, None, across(hosts, tokens, port, 2, direct))
+                    row(name, 4, delay or 0, None, crossing(2, direct))
     finally:
         hosts.close()
     for r in rows:
-        base = next(b for b in rows if b["workers"] == r["workers"] and b["path"].startswith("one host"))
+        base = next(
+            b for b in rows if b["workers"] == r["workers"] and b["path"].startswith("one host") and b["split"] == "row"
+        )
         r["decode_vs_one_host"] = r["decode_tps"] / base["decode_tps"]
         r["same_text"] = r["text"] == base["text"]
     return {"tokens": tokens, "rows": rows}
@@ -276,17 +295,17 @@ def show(results: dict) -> None:
         return
     print(
         table(
-            f"SmolLM2-135M Q4_1, CPU workers x 1 thread, {results['tokens']} greedy tokens; TP over the tcp "
-            "plane; decode and text against one host's (shm) with as many workers",
-            ["path", "workers", "prefill tok/s", "decode tok/s", "TP / one host", "layer split", "same text"],
+            f"SmolLM2-135M Q4_1, CPU workers x 1 thread, {results['tokens']} greedy tokens; across hosts over "
+            "the tcp plane; decode and text against one host's split by rows (shm) with as many workers",
+            ["path", "split", "workers", "prefill tok/s", "decode tok/s", "decode / one host", "same text"],
             [
                 [
                     r["path"],
+                    r["split"],
                     r["workers"],
                     r["prefill_tps"],
                     r["decode_tps"],
                     r["decode_vs_one_host"],
-                    "not built",
                     "yes" if r["same_text"] else "NO",
                 ]
                 for r in results["rows"]

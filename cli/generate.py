@@ -22,7 +22,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from cli.display import progress, widening_notice
-from cli.options import add_activations_option, add_cache_type_options, add_cluster_options, open_cluster
+from cli.options import (
+    add_activations_option,
+    add_cache_type_options,
+    add_cluster_options,
+    add_split_options,
+    open_cluster,
+)
 
 EXIT = "/exit"
 
@@ -75,6 +81,8 @@ def generate(args: argparse.Namespace) -> int:
             weights=args.weights,
             cache_types=(args.cache_type_k, args.cache_type_v),
             activations=args.activations,
+            split=args.split,
+            layer_groups=args.layer_groups,
         )
         if interactive or compiling:
             # a one-shot run would only move the same work before its prompt, unless the loops
@@ -370,6 +378,7 @@ def add(sub) -> None:
     )
     add_cache_type_options(p)
     add_activations_option(p)
+    add_split_options(p)
     p.add_argument(
         "--json", default="", help="write prompts, token ids, text, finish reason and timings here; - : JSON lines"
     )

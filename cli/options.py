@@ -96,6 +96,27 @@ def add_activations_option(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def add_split_options(ap: argparse.ArgumentParser) -> None:
+    """How the model's layers go over the workers (generate and serve): llama.cpp's -sm."""
+    ap.add_argument(
+        "-sm",
+        "--split",
+        choices=("row", "layer"),  # models.loading.SPLITS
+        default="row",
+        help="row: every layer split over every worker (tensor parallel: two all-reduces a layer); layer: "
+        "consecutive layers on groups of the workers, each layer split over its group only, one hand-over of the "
+        "activation between groups a step (for slow links between hosts) (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--layer-groups",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --split layer: N groups of consecutive workers (default: one a host where the workers are on "
+        "several hosts, else one a worker)",
+    )
+
+
 def check_cluster_options(args: argparse.Namespace) -> None:
     """The cluster options' values, checked before anything slow starts."""
     for name, value in (("--liveness", args.liveness), ("--start-timeout", args.start_timeout)):

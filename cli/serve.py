@@ -17,7 +17,13 @@ import sys
 import threading
 
 from cli.display import widening_notice
-from cli.options import add_activations_option, add_cache_type_options, add_cluster_options, open_cluster
+from cli.options import (
+    add_activations_option,
+    add_cache_type_options,
+    add_cluster_options,
+    add_split_options,
+    open_cluster,
+)
 
 EXIT_CLUSTER_LOST = 3
 CANCEL_MARGIN_SECONDS = 2.0  # past --grace, before uvicorn cancels what still runs
@@ -64,6 +70,8 @@ def serve(args: argparse.Namespace) -> int:
             weights=args.weights,
             cache_types=(args.cache_type_k, args.cache_type_v),
             activations=args.activations,
+            split=args.split,
+            layer_groups=args.layer_groups,
         )
         if not args.no_warmup:
             batcher.warm_up()
@@ -243,5 +251,6 @@ def add(sub) -> None:
     )
     add_cache_type_options(p)
     add_activations_option(p)
+    add_split_options(p)
     add_cluster_options(p)
     p.set_defaults(fn=serve)

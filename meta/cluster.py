@@ -611,5 +611,11 @@ def alive(pids: Sequence[int]) -> list[int]:
 
 def worker_hosts(hellos) -> set[str]:
     """The hosts the workers' data endpoints name; an ipc endpoint or loopback is this host."""
-    hosts = {endpoint_host(hello.data_endpoint) for hello in hellos}
-    return {"" if is_local(host) else host for host in hosts}
+    return set(host_of_each(hellos))
+
+
+def host_of_each(hellos) -> list[str]:
+    """Each worker's host, by rank ("" for this host: an ipc endpoint, loopback, or a worker
+    that names no endpoint, as a simulated one)."""
+    hosts = [endpoint_host(getattr(hello, "data_endpoint", "")) for hello in hellos]
+    return ["" if is_local(host) else host for host in hosts]

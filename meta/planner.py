@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meta.graph import MOVE, Node
+from meta.graph import MOVE, Node, topo_order
 from meta.memo import Memo, frozen
 from split_state.algorithms import universe
 from split_state.dtypes import dtype_from_name
@@ -151,11 +151,32 @@ def _choice(
     return _CHOSEN.get(key, work)
 
 
+def op_group(held: list[tuple[bool, int, tuple[int, ...] | None]]) -> tuple[int, ...] | None:
+    """The devices an op runs on, from its inputs' (resident?, order, group): a resident input's
+    group (weights do not move), else the latest input's; None where no input is held by a
+    group."""
+    grouped = [h for h in held if h[2] is not None]
+    return max(grouped)[2] if grouped else None
+
+
 def _op_group(ins: list[int], state: dict[int, State], n_leaves: int) -> tuple[int, ...] | None:
-    """The devices an op over values `ins` runs on: a resident input's group (weights do not
-    move), else the latest input's; None where no input is held by a group."""
-    held = [(v < n_leaves, v, state[v].on) for v in ins if state[v].on is not None]
-    return max(held)[2] if held else None
+    return op_group([(v < n_leaves, v, state[v].on) for v in ins])
+
+
+def held_by(node: Node) -> tuple[int, ...] | None:
+    """The group of devices that will hold `node`'s value as the planner places it (None: every
+    device), known before planning: what an op whose shape depends on its device count asks
+    (top_k's candidates, one set per device of the group)."""
+    leaves, order = topo_order([node])
+    rank = {leaf.id: i for i, leaf in enumerate(leaves)}
+    group = {leaf.id: leaf.state.on for leaf in leaves}
+    for at, n in enumerate(order, start=len(leaves)):
+        rank[n.id] = at
+        if n.op == MOVE:
+            group[n.id] = n.params["state"].on
+        else:
+            group[n.id] = op_group([(c.resident, rank[c.id], group[c.id]) for c in n.inputs])
+    return group[node.id]
 
 
 def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, plane: str = "") -> Plan:

@@ -9,6 +9,7 @@ import numpy as np
 
 from meta.graph import MOVE, Node
 from meta.memo import Memo, frozen
+from meta.planner import held_by
 from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import ShapeError
 from split_state.ops import infer
@@ -210,7 +211,9 @@ class Tensor:
         """(values, int64 indices) of the k largest along the last axis, largest first, ties to the
         lower index. Over a split axis every device picks its own k and only those candidates
         travel: the whole axis is never gathered."""
-        candidates = apply("top_k_candidates", self, k=k, devices=self.device.n)
+        group = held_by(self.node)  # candidates: k from each device that holds a part
+        devices = self.device.n if group is None else len(group)
+        candidates = apply("top_k_candidates", self, k=k, devices=devices)
         pairs = apply("top_k_combine", candidates, k=k)  # (..., k, 2): value, index
         last = pairs.ndim - 1
         values = apply("slice", pairs, axis=last, start=0, stop=1).reshape(*self.shape[:-1], k)

@@ -190,6 +190,8 @@ class ContinuousBatcher:
         cache_types: tuple[str, str] = (AUTO_CACHE, AUTO_CACHE),
         activations: str = "q8",
         drive_on_workers: bool = True,
+        split: str = "row",
+        layer_groups: int = 0,
     ):
         if slots < 1:
             raise ModelError(f"--max-slots {slots}: at least one")
@@ -197,7 +199,17 @@ class ContinuousBatcher:
         # whether running slots decode on the workers between changes of the batch (`_drive`),
         # else one step from here per token
         self.drive_on_workers = drive_on_workers
-        self.net = place_model(dev, model, ctx, slots, weights, cache_types, activations=activations)
+        self.net = place_model(
+            dev,
+            model,
+            ctx,
+            slots,
+            weights,
+            cache_types,
+            activations=activations,
+            split=split,
+            layer_groups=layer_groups,
+        )
         self.tokenizer = model.tokenizer
         self.stop_ids = frozenset(model.end_of_generation)
         self.slots: list[_Slot | None] = [None] * slots

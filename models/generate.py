@@ -79,14 +79,19 @@ class LLM:
         weights: str = "native",
         cache_types: tuple[str, str] = (AUTO_CACHE, AUTO_CACHE),
         activations: str = "q8",
+        split: str = "row",
+        layer_groups: int = 0,
     ):
         """`cache_types`: the KV caches' element types (K, V), models.llama.CACHE_TYPES's names,
         or "auto": float16 with the file's blocks and 8-bit activations (llama.cpp's), float32
         on the float32 paths (models.loading.cache_types_for).
         `activations`: the quantized products' ("q8", llama.cpp's 8-bit activations and integer
-        products, or "f32", exact float32 products)."""
+        products, or "f32", exact float32 products).
+        `split`: "row", every layer split over every worker, or "layer", consecutive layers on
+        groups of the workers (`layer_groups` of them, else one a host, or one a worker on one
+        host), each split over its group (models.loading.layer_groups_for)."""
         self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch
-        self.net = place_model(dev, model, ctx, batch, weights, cache_types, progress, activations)
+        self.net = place_model(dev, model, ctx, batch, weights, cache_types, progress, activations, split, layer_groups)
         self.tokenizer = model.tokenizer
         self._decode: dict[int, object] = {}  # captured decode steps by candidate pool size
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill

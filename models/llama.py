@@ -17,6 +17,12 @@ inputs): two all-reduces per layer. The KV cache is resident, split like the hea
 to the context and written in place. The embedding table is split by vocabulary rows (its lookup
 is Partial: one more all-reduce per step), and the head's logits come out split by vocabulary,
 so the next token is picked by a per-device top-k and a small combine.
+
+Layer split (`LayerGroups`, llama.cpp's `-sm layer`): consecutive layers on groups of the workers
+(one a host, or one a worker), each layer split as above over its group's workers alone (states
+held by the group: split_state.states' `on`); the embedding on the first group, the head on the
+last. The planner hands the residual over at each group boundary (one activation a boundary a
+step) and the chosen tokens' candidates back to every worker, so generation runs unchanged.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from split_state.errors import ShapeError
 from split_state.layout import local_shape
 from split_state.ops import ACTIVATIONS
 from split_state.quant import interleave, lanes_for, quant_format
-from split_state.states import MIRRORED, Split
+from split_state.states import MIRRORED, Mirrored, Split, State, widen
 
 
 @dataclass(frozen=True)
@@ -246,14 +252,14 @@ class QuantizedWeight:
         if not split:
             return array, state
         if extents:
-            return array, Split(0, tuple(tuple(e // lanes for e in seg) for seg in state.segments))
+            return array, Split(0, tuple(tuple(e // lanes for e in seg) for seg in state.segments), state.on)
         block = quant_format(self.format).block
         if any(e % block for seg in state.segments for e in seg):
             raise ShapeError(
                 f"{name}: a {self.format} weight splits its inputs on {block}-value blocks, and "
                 f"{state.segments} over {n} devices does not fall on them"
             )
-        return array, Split(1, tuple(tuple(e // block for e in seg) for seg in state.segments))
+        return array, Split(1, tuple(tuple(e // block for e in seg) for seg in state.segments), state.on)
 
 
 def qkv_fusable(kinds: Callable[[str], str | None], cfg: LlamaConfig) -> bool:
@@ -306,6 +312,46 @@ def cache_lengths(cfg: LlamaConfig, ctx: int) -> list[int]:
     step = padded_length(PREFILL_CHUNK, 1 << 30)  # a prefill step's most tokens, its padding included
     ring = None if cfg.window is None else cfg.window + step
     return [ring if ring is not None and ring < ctx and cfg.is_windowed(i) else ctx for i in range(cfg.layers)]
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """Which workers hold which layers: `groups` (each a sorted tuple of workers, all of one
+    size, together every worker once), the layers in consecutive runs over them in order (the
+    first groups one more where they do not divide). The embedding is on the first group, the
+    final norm and head on the last."""
+
+    groups: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        groups = tuple(tuple(int(d) for d in g) for g in self.groups)
+        flat = sorted(d for g in groups for d in g)
+        if not groups or flat != list(range(len(flat))) or len({len(g) for g in groups}) != 1:
+            raise ValueError(f"layer groups {self.groups}: groups of one size that hold every worker 0..n-1 once")
+        if any(list(g) != sorted(g) for g in groups):
+            raise ValueError(f"layer groups {self.groups}: list each group's workers in order")
+        object.__setattr__(self, "groups", groups)
+
+    @classmethod
+    def even(cls, n: int, count: int) -> LayerGroups:
+        """`count` groups of consecutive workers of `n`."""
+        if count < 1 or n % count:
+            raise ValueError(f"{count} layer groups of {n} workers: the groups must be of one size")
+        size = n // count
+        return cls(tuple(tuple(range(g * size, (g + 1) * size)) for g in range(count)))
+
+    @property
+    def size(self) -> int:
+        return len(self.groups[0])
+
+    def of_layer(self, layer: int, layers: int) -> tuple[int, ...]:
+        base, extra = divmod(layers, len(self.groups))
+        first = 0
+        for g, group in enumerate(self.groups):
+            first += base + (g < extra)
+            if layer < first:
+                return group
+        raise IndexError(f"layer {layer} of {layers}")
 
 
 @dataclass(frozen=True)
@@ -446,6 +492,7 @@ class TensorParallelLlama:
         fuse_qkv: bool = False,
         heads: HeadSplit | None = None,
         activations: str = "f32",
+        layer_groups: LayerGroups | None = None,
     ):
         """`cache_types` (K, V): the KV caches' element types, CACHE_TYPES's names. `fuse_qkv`:
         wq | wk | wv as one weight `w_qkv` of three segments, one product a layer where there
@@ -453,7 +500,9 @@ class TensorParallelLlama:
         float, or all kept in one format; see qkv_fusable). `heads`: how the attention heads
         split (by default HeadSplit.for_workers). `activations`: the quantized products' ("f32":
         exact, float32 activations; "q8": llama.cpp's 8-bit activations and integer products,
-        what LLM, the server and generate run unless told)."""
+        what LLM, the server and generate run unless told). `layer_groups`: the layers on
+        groups of the workers (a layer split), each split over its group only; None: every
+        layer over every worker."""
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
         self.activations = activations
@@ -463,7 +512,11 @@ class TensorParallelLlama:
         if len(cache_types) != 2 or unknown:
             raise ValueError(f"cache types are two of {', '.join(CACHE_TYPES)} (K, V), got {cache_types}")
         self.cache_types = tuple(cache_types)
-        n, hd = dev.n, cfg.head_dim
+        if layer_groups is not None and max(d for g in layer_groups.groups for d in g) != dev.n - 1:
+            raise ValueError(f"layer groups {layer_groups.groups} for {dev.n} workers")
+        self.layer_groups = None if layer_groups is None or len(layer_groups.groups) == 1 else layer_groups
+        # the workers one layer is split over: all of them, or a group's
+        n, hd = (dev.n if self.layer_groups is None else self.layer_groups.size), cfg.head_dim
         if heads is None:
             heads = HeadSplit.for_workers(cfg, n, _query_unit(source, cfg))
         if len(heads.query) != n or sum(heads.query) != cfg.heads:
@@ -487,6 +540,10 @@ class TensorParallelLlama:
         place("norm", MIRRORED)
         if not cfg.tied:
             place("output", Split.even(1, cfg.vocab, n))
+        elif self.layer_groups is not None:
+            # the head's table on the head's group too (as llama.cpp duplicates a tied output):
+            # the logits come from where the last layer is, not a hand-over back to the first
+            place("head", vocab_rows, source_name="embed")
         for i in range(cfg.layers):
             self._place_layer(source, place, f"l{i}.", q_cols, kv_cols)
             if progress is not None:
@@ -497,8 +554,9 @@ class TensorParallelLlama:
         # the time of the first n columns of (hd, ctx), 64 strided runs at 256 positions)
         k_type, v_type = (CACHE_TYPES[c] for c in cache_types)
         lengths = cache_lengths(cfg, ctx)
-        self.k = [self._zeros((batch, self.kv_heads, n, hd), cache, k_type) for n in lengths]
-        self.v = [self._zeros((batch, self.kv_heads, n, hd), cache, v_type) for n in lengths]
+        caches = [self._on(cache, f"l{i}.") for i in range(cfg.layers)]
+        self.k = [self._zeros((batch, self.kv_heads, m, hd), c, k_type) for m, c in zip(lengths, caches)]
+        self.v = [self._zeros((batch, self.kv_heads, m, hd), c, v_type) for m, c in zip(lengths, caches)]
         # the windowed layers' ring (cache_lengths), None where their caches hold the context
         self.ring = next((n for n in lengths if n < ctx), None)
         # (padded length, pool, logits, for a slot) -> captured step; a slot is fed, so one step
@@ -547,13 +605,27 @@ class TensorParallelLlama:
             self.ring_length = dev.tensor(np.int32(self.ring))
             self.no_position = dev.tensor(np.int32(-1))
 
+    def _on(self, state: State, name: str) -> State:
+        """`state`, a split over the workers one layer is split over, as the workers of weight
+        `name`'s group hold it (a layer's "l{i}." prefix, the embedding, the head's)."""
+        groups = self.layer_groups
+        if groups is None:
+            return state
+        if name.startswith("l") and "." in name:
+            group = groups.of_layer(int(name[1 : name.index(".")]), self.cfg.layers)
+        else:
+            group = groups.groups[0] if name == "embed" else groups.groups[-1]
+        return widen(state, group, self.dev.n)
+
     def _placer(self, source: Source):
-        def place(name: str, state) -> None:
-            weight = source(name)
+        def place(name: str, state, source_name: str = "") -> None:
+            state = self._on(state, name)
+            weight = source(source_name or name)
             if isinstance(weight, QuantizedWeight):
                 self.formats[name] = weight.format
                 # the table is (vocab, hidden) both as float32 and in the file
-                weight, state = weight.placed(state, name, self.dev.n, rows_axis=0 if name == "embed" else 1)
+                table = (source_name or name) == "embed"
+                weight, state = weight.placed(state, name, self.dev.n, rows_axis=0 if table else 1)
             self.w[name] = self.dev.tensor(weight, state, name=name)  # each worker gets its slice
 
         return place
@@ -566,16 +638,17 @@ class TensorParallelLlama:
         row groups one after another, with the lanes that divide all of them, split on the
         groups alike."""
         weights = [source(p + name) for name, _ in parts]
-        state = Split(1, tuple(extents for _, extents in parts))
+        state = self._on(Split(1, tuple(extents for _, extents in parts)), p)
+        extents_of = [(name, state.segments[j]) for j, (name, _) in enumerate(parts)]  # over every worker
         quantized = [isinstance(w, QuantizedWeight) for w in weights]
         if all(quantized) and len({w.format for w in weights}) == 1:
             self.formats[p + fused] = weights[0].format
             rows = [w.blocks.shape[0] for w in weights]
             lanes = lanes_for(
-                [*rows, *(e for _, extents in parts for e in extents)], quant_format(weights[0].format).lanes
+                [*rows, *(e for _, extents in extents_of for e in extents)], quant_format(weights[0].format).lanes
             )
             weights = [interleave(w.blocks, lanes) for w in weights]
-            state = Split(0, tuple(tuple(e // lanes for e in extents) for _, extents in parts))
+            state = Split(0, tuple(tuple(e // lanes for e in extents) for _, extents in extents_of), state.on)
         elif any(quantized):
             names = ", ".join(p + name for name, _ in parts)
             raise ShapeError(f"{names} must all be kept quantized in one format, or none")
@@ -591,9 +664,7 @@ class TensorParallelLlama:
                 taken.append(weights[i][tuple(index)])
             if taken:
                 return np.concatenate(taken, axis=axis)
-            shape = list(weights[0].shape)
-            shape[axis] = 0
-            return np.zeros(shape, weights[0].dtype)
+            return np.zeros(local_shape(state, shape, self.dev.n, device), weights[0].dtype)
 
         shape = list(weights[0].shape)
         shape[axis] = int(starts[-1])
@@ -826,7 +897,7 @@ class TensorParallelLlama:
 
         def graph(x: Tensor, rows: Tensor) -> list[Tensor]:
             out = self._head(x, rows)
-            return [*out.top_k(pool), *([out] if logits else [])]
+            return [*self._everywhere(out.top_k(pool)), *([out] if logits else [])]
 
         return graph
 
@@ -923,6 +994,15 @@ class TensorParallelLlama:
         slots): written and read there, the others left as they are, and nothing is computed
         for them. `layer`: whose rope (base, frequencies) it takes."""
         cfg, hd = self.cfg, self.cfg.head_dim
+        groups = self.layer_groups
+        if (
+            groups is not None
+            and layer > 0
+            and groups.of_layer(layer, cfg.layers) != groups.of_layer(layer - 1, cfg.layers)
+        ):
+            # the first layer of a group takes the residual from the last: one hand-over, made
+            # here, before its norm (the planner alone would hand over the norm's result too)
+            x = x.redistribute(Mirrored(on=groups.of_layer(layer, cfg.layers)))
         batch, t = x.shape[:2]
         first_rows = slot is None and batch < self.batch
         at = {"batch_start": slot} if slot is not None else {"batch_start": 0} if first_rows else {}
@@ -990,16 +1070,17 @@ class TensorParallelLlama:
         those rows of the flattened (batch * tokens) only, one per batch row."""
         cfg = self.cfg
         batch, t = x.shape[:2]
-        embed_format = self.formats.get("embed")
+        table = "head" if "head" in self.w else "embed"  # a tied head's table (on the head's group)
+        embed_format = self.formats.get(table)
         if rows is not None:
             x = get_rows(x.reshape(batch * t, cfg.hidden), rows).reshape(batch, 1, cfg.hidden)
             t = 1
         x = self._norm(x, "norm")
         if cfg.tied and embed_format is not None:  # the table's rows are the head's outputs
-            logits = qmatmul(x, self.w["embed"], embed_format, self.activations)
+            logits = qmatmul(x, self.w[table], embed_format, self.activations)
         elif cfg.tied:  # (vocab, hidden) @ (hidden, b*t), then transposed: logits split by vocabulary
             flat = x.reshape(batch * t, cfg.hidden)
-            logits = (self.w["embed"] @ flat.T).T.reshape(batch, t, cfg.vocab)
+            logits = (self.w[table] @ flat.T).T.reshape(batch, t, cfg.vocab)
         else:
             logits = self._mm(x, "output")
         if cfg.final_softcap is None:
@@ -1023,9 +1104,17 @@ class TensorParallelLlama:
         build = build or (lambda logits: [logits.argmax()])
 
         def graph(t: Tensor, p: Tensor) -> list[Tensor]:
-            return [*build(self.step(t, p)), *self.caches()]
+            return [*self._everywhere(build(self.step(t, p))), *self.caches()]
 
         return graph
+
+    def _everywhere(self, results: Sequence[Tensor]) -> list[Tensor]:
+        """A step's chosen-token results on every worker: the head's group hands them to the
+        others where the layers are on groups (a few values a row, where the logits would be
+        the vocabulary), so each worker drives its generation from the same values."""
+        if self.layer_groups is None:
+            return list(results)
+        return [r.redistribute(MIRRORED) for r in results]
 
     def caches(self) -> list[Tensor]:
         """The written caches of the last step: run them with its outputs."""

@@ -10,10 +10,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from meta.cluster import host_of_each
 from meta.device import MetaDevice
 from models.errors import ModelError
 from models.gguf_model import GGUFModel
-from models.llama import CACHE_TYPES, TensorParallelLlama, cache_lengths, qkv_fusable
+from models.llama import CACHE_TYPES, LayerGroups, TensorParallelLlama, cache_lengths, qkv_fusable
 from split_state.ops import ACTIVATIONS
 
 Prompt = str | Sequence[Mapping[str, str]]  # text, or a conversation: [{"role": ..., "content": ...}]
@@ -143,6 +144,39 @@ def fuses_qkv(model: GGUFModel, weights: str) -> bool:
     return qkv_fusable(lambda name: model.kept_format(name, weights), model.config)
 
 
+SPLITS = ("row", "layer")  # llama.cpp's -sm: every layer over every worker; layers over groups of them
+
+
+def layer_groups_for(dev: MetaDevice, split: str = "row", groups: int = 0) -> LayerGroups | None:
+    """The layer groups of `--split` and `--layer-groups`: None for "row"; for "layer", `groups`
+    groups of consecutive workers where given, else one group a host where the workers are on
+    several hosts (each layer split over its host's workers: tensor parallel inside a host, one
+    hand-over between hosts), else one worker a group (llama.cpp's -sm layer)."""
+    if split not in SPLITS:
+        raise ModelError(f"--split {split!r}: one of {', '.join(SPLITS)}")
+    if split == "row":
+        if groups:
+            raise ModelError("--layer-groups goes with --split layer")
+        return None
+    n = dev.n
+    if groups:
+        if groups < 1 or n % groups:
+            raise ModelError(f"--layer-groups {groups}: a count that divides the {n} workers into groups of one size")
+        return LayerGroups.even(n, groups)
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(host_of_each(dev.cluster.devices)):
+        by_host.setdefault(host, []).append(rank)
+    if len(by_host) == 1:
+        return LayerGroups.even(n, n)
+    if len({len(ranks) for ranks in by_host.values()}) > 1:
+        counts = ", ".join(f"{host or 'this host'}: {len(r)}" for host, r in by_host.items())
+        raise ModelError(
+            f"--split layer puts a host's workers in one group, and groups are of one size ({counts}): "
+            f"give --layer-groups"
+        )
+    return LayerGroups(tuple(tuple(ranks) for ranks in sorted(by_host.values())))
+
+
 def place_model(
     dev: MetaDevice,
     model: GGUFModel,
@@ -152,12 +186,17 @@ def place_model(
     cache_types: Sequence[str] = (AUTO_CACHE, AUTO_CACHE),
     progress=None,
     activations: str = "q8",
+    split: str = "row",
+    layer_groups: int = 0,
 ) -> TensorParallelLlama:
     """The model's weights and caches (`batch` rows of `ctx` positions) placed on the workers,
     after every check that can refuse it first (context, weights, cache types, the workers'
     memory); the coordinator's copy of the file then goes. The one loader of LLM and the
-    server's ContinuousBatcher. `cache_types` (K, V): CACHE_TYPES's names or AUTO_CACHE."""
+    server's ContinuousBatcher. `cache_types` (K, V): CACHE_TYPES's names or AUTO_CACHE.
+    `split`, `layer_groups`: every layer over every worker ("row"), or consecutive layers over
+    groups of them ("layer": layer_groups_for)."""
     check_context(ctx, model.context_length)
+    groups = layer_groups_for(dev, split, layer_groups)
     if weights not in WEIGHTS:
         raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
     if activations not in ACTIVATIONS:
@@ -177,6 +216,7 @@ def place_model(
         cache_types=tuple(cache_types),
         fuse_qkv=fuse,
         activations=activations,
+        layer_groups=groups,
     )
     model.release_pages()  # the workers hold the weights: the coordinator's copy of the file goes
     return net

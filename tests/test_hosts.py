@@ -169,16 +169,44 @@ def test_two_hosts_of_two_workers_reduce_host_by_host_to_the_same_bits(hosts, tm
     """2 hosts x 2 workers on the tcp plane: the small all-reduces go host by host (each host's
     first worker exchanges with the other's), and the job's all-reduce, MLP and all-to-all hold
     (the all-reduce bit for bit against NumPy's rank-order sum)."""
+    out = two_hosts_of_two(hosts, tmp_path, JOB, 29681)
+    assert f"JOB OK 4 workers ['tcp'] ['{SUBNET}.1', '{SUBNET}.2']" in out
+
+
+def two_hosts_of_two(hosts, tmp_path, job_text: str, port: int) -> str:
+    """`job_text` run on 4 workers: ranks 0 and 1 beside the coordinator in A, 2 and 3 in B."""
     job = tmp_path / "job.py"
-    job.write_text(JOB)
-    listen = f"tcp://{SUBNET}.1:29681"
+    job.write_text(job_text)
+    listen = f"tcp://{SUBNET}.1:{port}"
     coordinator = hosts("a", "run", "--listen", listen, "--spawn", "2", "--workers", "4", "--insecure", str(job))
     remote = [
         hosts("b", "worker", "--connect", listen, "--rank", str(r), "--backend", "cpu", "--insecure", "-t", "1")
         for r in (2, 3)
     ]
-    out = finish(coordinator, remote)
-    assert f"JOB OK 4 workers ['tcp'] ['{SUBNET}.1', '{SUBNET}.2']" in out
+    return finish(coordinator, remote)
+
+
+LAYER_JOB = textwrap.dedent("""
+    import numpy as np
+    from models.llama import LlamaConfig, ReferenceDecoder, TensorParallelLlama, random_weights
+    from models.loading import layer_groups_for
+    groups = layer_groups_for(dev, "layer")  # one group a host
+    cfg = LlamaConfig(hidden=64, layers=4, heads=8, kv_heads=2, ffn=48, vocab=72, rope_base=30000.0)
+    w = random_weights(cfg, seed=4)
+    net = TensorParallelLlama(dev, cfg, w.__getitem__, 12, layer_groups=groups)
+    prompt = np.array([[3, 70, 15, 8, 41]])
+    got = net.step(prompt, np.arange(5)[None])[:, 4:].numpy()[0, 0]
+    want = ReferenceDecoder(cfg, w, 12).forward(prompt, np.arange(5)[None])[0, -1]
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    print("LAYERS OK", groups.groups, flush=True)
+""")
+
+
+def test_two_hosts_of_two_workers_split_by_layers_equal_the_reference(hosts, tmp_path):
+    """--split layer across 2 hosts x 2 workers: the layers on each host's workers (tensor
+    parallel inside the host, one hand-over between the hosts a step), the logits the NumPy
+    decoder's."""
+    assert "LAYERS OK ((0, 1), (2, 3))" in two_hosts_of_two(hosts, tmp_path, LAYER_JOB, 29691)
 
 
 KILL_JOB = textwrap.dedent("""

@@ -67,7 +67,10 @@ def piecewise(
     for placed, call, _ in bound:
         step = placed.step
         if isinstance(step, p.MoveStep):
-            eager = not captured_moves or step.output in returned
+            # a move between groups of the workers (a layer split's) may run host-staged on a
+            # group's own engine (workers/collectives.py): never inside a graph
+            between_groups = step.src.on is not None and step.dst.on is not None
+            eager = not captured_moves or step.output in returned or between_groups
         else:
             fresh = placed.out == "fresh" and (not captured_moves or step.output in returned)
             eager = fresh or step.op in never or runs_eagerly(kernels[step.op], step)

@@ -1,0 +1,155 @@
+"""The decoder split by layers (`LayerGroups`, llama.cpp's -sm layer): consecutive layers on
+groups of the workers, each split over its group only, against the single-process NumPy
+decoder (models/llama.py ReferenceDecoder) and against the same model split by rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models.llama import LayerGroups, LlamaConfig, ReferenceDecoder, TensorParallelLlama, random_weights
+from split_state import Collective
+from split_state.layout import local_shape
+from split_state.states import Mirrored
+from split_state.transitions import classify
+from transport import protocol as p
+
+pytestmark = pytest.mark.timeout(300)
+
+CFG = LlamaConfig(hidden=64, layers=4, heads=8, kv_heads=2, ffn=48, vocab=72, rope_base=30000.0)
+PROMPT = np.array([[3, 70, 15, 8, 41]])
+CASES = {  # workers -> layer groups: one worker a group, two of two, one of three and three layers a group
+    2: LayerGroups(((0,), (1,))),
+    4: LayerGroups(((0, 1), (2, 3))),
+    3: LayerGroups(((0,), (1,), (2,))),
+}
+
+
+def test_layer_groups_are_checked_and_spread_the_layers_in_runs():
+    groups = LayerGroups.even(4, 2)
+    assert groups.groups == ((0, 1), (2, 3)) and groups.size == 2
+    assert [groups.of_layer(i, 5) for i in range(5)] == [(0, 1)] * 3 + [(2, 3)] * 2
+    for bad in [((0, 1), (2,)), ((0,), (0,)), ((1,), (2,)), ((1, 0), (2, 3)), ()]:
+        with pytest.raises(ValueError):
+            LayerGroups(bad)
+    with pytest.raises(ValueError):
+        LayerGroups.even(3, 2)
+
+
+@pytest.mark.parametrize("n", sorted(CASES))
+def test_layers_on_groups_equal_the_reference_prefill_and_decode(sim, n):
+    weights = random_weights(CFG, seed=4)
+    ctx = 16
+    ref_dec = ReferenceDecoder(CFG, weights, ctx)
+    groups = CASES[n]
+    dev = sim(n)
+    net = TensorParallelLlama(dev, CFG, weights.__getitem__, ctx, layer_groups=groups)
+    # each layer's cache is held by its group only, split by KV heads inside it
+    for i in range(CFG.layers):
+        group = groups.of_layer(i, CFG.layers)
+        assert net.k[i].state.on == (None if len(group) == n else group)
+        held = [local_shape(net.k[i].state, net.k[i].shape, n, d)[1] for d in range(n)]
+        assert [h > 0 for h in held] == [d in group for d in range(n)], (i, held)
+    expected = [ref_dec.forward(PROMPT, np.arange(5)[None])[0, -1]]
+    got = [net.step(PROMPT, np.arange(5)[None])[:, 4:].numpy()[0, 0]]
+    for pos, token in zip(range(5, 9), (11, 60, 2, 33)):
+        expected.append(ref_dec.forward(np.array([[token]]), np.array([[pos]]))[0, -1])
+        got.append(net.step(np.array([[token]]), np.array([[pos]])).numpy()[0, 0])
+    np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=2e-4, atol=2e-4)
+    # one hand-over a group boundary (the residual), the head's logits read from its group
+    plan = dev.last_plan
+    hand_overs = [s for s in plan.steps if isinstance(s, p.MoveStep) and classify(s.src, s.dst) is Collective.HAND_OVER]
+    assert [(s.src.on, s.dst, s.shape) for s in hand_overs] == [
+        (a, Mirrored(on=b), (1, 1, CFG.hidden)) for a, b in zip(groups.groups, groups.groups[1:])
+    ]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_greedy_tokens_equal_the_row_split_and_the_candidates_reach_every_worker(sim, n):
+    weights = random_weights(CFG, seed=6)
+    ctx = 24
+    tokens = {}
+    for split in ("row", "layer"):
+        dev = sim(n)
+        groups = CASES[n] if split == "layer" else None
+        net = TensorParallelLlama(dev, CFG, weights.__getitem__, ctx, layer_groups=groups)
+        step, (ids, *_) = net.capture_decode(np.array([[3]], np.int32), np.array([[0]], np.int32))
+        assert ids.state.on is None  # the chosen token on every worker
+        seq = [int(ids.numpy().reshape(-1)[0])]
+        for pos in range(1, 12):
+            ids, *_ = step(np.array([[seq[-1]]], np.int32), np.array([[pos]], np.int32))
+            seq.append(int(ids.numpy().reshape(-1)[0]))
+        tokens[split] = seq
+    assert tokens["layer"] == tokens["row"] and len(set(tokens["row"])) > 2, tokens
+
+
+def test_a_layer_split_on_worker_processes_over_tcp(procs3_tcp):
+    weights = random_weights(CFG, seed=8)
+    ctx = 12
+    ref_dec = ReferenceDecoder(CFG, weights, ctx)
+    net = TensorParallelLlama(procs3_tcp, CFG, weights.__getitem__, ctx, layer_groups=CASES[3])
+    got = net.step(PROMPT, np.arange(5)[None])[:, 4:].numpy()[0, 0]
+    np.testing.assert_allclose(got, ref_dec.forward(PROMPT, np.arange(5)[None])[0, -1], rtol=2e-4, atol=2e-4)
+
+
+def test_one_worker_a_group_computes_what_one_worker_alone_does_bit_for_bit(sim):
+    """On groups of one worker every product is whole, as on a single worker: the same
+    arithmetic in the same order, so the logits are equal bit for bit (row split's partial
+    sums would not be)."""
+    weights = random_weights(CFG, seed=11)
+    alone = TensorParallelLlama(sim(1), CFG, weights.__getitem__, 12)
+    split = TensorParallelLlama(sim(2), CFG, weights.__getitem__, 12, layer_groups=CASES[2])
+    np.testing.assert_array_equal(
+        split.step(PROMPT, np.arange(5)[None]).numpy(), alone.step(PROMPT, np.arange(5)[None]).numpy()
+    )
+    token = np.array([[7]])
+    np.testing.assert_array_equal(split.step(token, [[5]]).numpy(), alone.step(token, [[5]]).numpy())
+
+
+def test_generate_and_serve_split_by_layers_give_one_workers_tokens(model):
+    """The SmolLM2 file through LLM (generate) and the ContinuousBatcher (serve), split by layers
+    over 2 workers (one a group: the same arithmetic as one worker, 8-bit activations and all),
+    against one worker's greedy tokens."""
+    from meta import MetaDevice
+    from models.batching import ContinuousBatcher, Job, Token
+    from models.generate import LLM
+    from models.requests import Sampling
+    from workers.simulator import SimulatedCluster
+
+    prompt = "The capital of France is"
+    one = MetaDevice(SimulatedCluster(1))
+    try:
+        (expected,) = LLM(one, model, ctx=48).generate([prompt], 12, stop_at_eos=False)
+    finally:
+        one.close()
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        llm = LLM(dev, model, ctx=48, split="layer")
+        assert llm.net.layer_groups == LayerGroups(((0,), (1,)))
+        (got,) = llm.generate([prompt], 12, stop_at_eos=False)
+        assert got.tokens == expected.tokens and len(set(got.tokens)) > 2
+        del llm
+        batcher = ContinuousBatcher(dev, model, slots=2, ctx=48, split="layer")
+        batcher.start()
+        try:
+            job = Job(tuple(expected.prompt_tokens), 12, Sampling(), stop_at_eos=False)
+            served = [e.token for e in batcher.submit(job).stream(timeout=120) if isinstance(e, Token)]
+        finally:
+            batcher.stop()
+    finally:
+        dev.close()
+    assert served == expected.tokens
+
+
+def test_split_options_are_checked_before_any_weight_moves(sim):
+    from models.errors import ModelError
+    from models.loading import layer_groups_for
+
+    dev = sim(4)
+    assert layer_groups_for(dev, "row") is None
+    assert layer_groups_for(dev, "layer") == LayerGroups(((0,), (1,), (2,), (3,)))  # one host: a worker a group
+    assert layer_groups_for(dev, "layer", 2) == LayerGroups(((0, 1), (2, 3)))
+    for split, groups, says in [("rows", 0, "one of row, layer"), ("layer", 3, "divides"), ("row", 2, "goes with")]:
+        with pytest.raises(ModelError, match=says):
+            layer_groups_for(dev, split, groups)
