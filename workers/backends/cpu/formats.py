@@ -45,6 +45,7 @@ class IntFormat:
     factors: tuple[int, ...]  # bytes of the float16 factors (d, then m or dmin)
     scales: Callable | None = None  # (builder, row, sub-block) -> (scale, min or None), <lanes x i32>
     transposed: Transposed | None = None  # for formats whose sub-blocks share byte rows
+    bits: int = 4  # of each unsigned quant (vector_ir.for_format: AVX2's pair sums hold up to 7)
 
     def __post_init__(self) -> None:
         if self.transposed is not None:  # a sub-block left out of the passes would add nothing
@@ -58,14 +59,14 @@ _Q6_K = Transposed(k_blocks.q6_k_sources, k_blocks.q6_k_transposed, k_blocks.Q6_
 INT_FORMATS = {
     f.name: f
     for f in (
-        IntFormat("q4_0", 0, Partner.Q8_0, legacy_blocks.q4_0, 32, 8, (0,)),
-        IntFormat("q4_1", 1, Partner.Q8_1, legacy_blocks.q4_1, 32, 0, (0, 2)),
-        IntFormat("q5_0", 2, Partner.Q8_0, legacy_blocks.q5_0, 32, 16, (0,)),
-        IntFormat("q5_1", 3, Partner.Q8_1, legacy_blocks.q5_1, 32, 0, (0, 2)),
-        IntFormat("q8_0", 4, Partner.Q8_0, legacy_blocks.q8_0, 32, 128, (0,)),
-        IntFormat("q4_k", 5, Partner.Q8_K, k_blocks.q4_k, 32, 0, (0, 2), k_blocks.k4_scales, _Q4_K),
-        IntFormat("q5_k", 6, Partner.Q8_K, k_blocks.q5_k, 32, 0, (0, 2), k_blocks.k4_scales),
-        IntFormat("q6_k", 7, Partner.Q8_K, k_blocks.q6_k, 16, 32, (208,), k_blocks.q6_k_scales, _Q6_K),
+        IntFormat("q4_0", 0, Partner.Q8_0, legacy_blocks.q4_0, 32, 8, (0,), bits=4),
+        IntFormat("q4_1", 1, Partner.Q8_1, legacy_blocks.q4_1, 32, 0, (0, 2), bits=4),
+        IntFormat("q5_0", 2, Partner.Q8_0, legacy_blocks.q5_0, 32, 16, (0,), bits=5),
+        IntFormat("q5_1", 3, Partner.Q8_1, legacy_blocks.q5_1, 32, 0, (0, 2), bits=5),
+        IntFormat("q8_0", 4, Partner.Q8_0, legacy_blocks.q8_0, 32, 128, (0,), bits=8),
+        IntFormat("q4_k", 5, Partner.Q8_K, k_blocks.q4_k, 32, 0, (0, 2), k_blocks.k4_scales, _Q4_K, bits=4),
+        IntFormat("q5_k", 6, Partner.Q8_K, k_blocks.q5_k, 32, 0, (0, 2), k_blocks.k4_scales, bits=5),
+        IntFormat("q6_k", 7, Partner.Q8_K, k_blocks.q6_k, 16, 32, (208,), k_blocks.q6_k_scales, _Q6_K, bits=6),
     )
 }
 BY_CODE = {f.code: f for f in INT_FORMATS.values()}

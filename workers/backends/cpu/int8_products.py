@@ -160,7 +160,7 @@ class _Unpacked(_Block):
 
     def __init__(self, builder, fmt, lanes: int, isa: int, at: dict):
         super().__init__(builder, fmt, lanes, at)
-        self.isa, self.ready = isa, isa == vir.VNNI
+        self.isa, self.ready = isa, vir.transposes(isa)
         self.scales_at, self.minimums_at, _ = _unpacked_layout(fmt, lanes)
 
     def reader(self):
@@ -191,7 +191,7 @@ class _Unpacked(_Block):
 
     @property
     def paired(self) -> bool:
-        """Whether the minimums were stored in pairs (_unpack_code: VNNI)."""
+        """Whether the minimums were stored in pairs (_unpack_code: VNNI, AVX2)."""
         return self.ready and self.fmt.scales is not None and len(self.fmt.factors) > 1
 
     def minimum_pair(self, j: int):
@@ -207,12 +207,12 @@ def _unpack_code(builder, fmt, lanes: int, isa: int, at: dict) -> None:
     def put(value, offset):
         vir.store(builder, value, at["scratch"], ir.Constant(ir.IntType(64), offset))
 
-    held = None  # an even sub-block's minimums, paired with the next one's (VNNI)
+    held = None  # an even sub-block's minimums, paired with the next one's (VNNI, AVX2)
     for s in range(block // fmt.sub):
         row = source.reader()
         for v in range(s * fmt.sub, (s + 1) * fmt.sub, 4):
             values = source.values(row, v)
-            if isa == vir.VNNI:
+            if vir.transposes(isa):
                 for z, piece in enumerate(vir.transposed(builder, values)):
                     put(piece, v * lanes + z * vir.CHUNK * 4)
             else:
@@ -223,7 +223,7 @@ def _unpack_code(builder, fmt, lanes: int, isa: int, at: dict) -> None:
             put(scale, scales_at + s * lanes * 4)
         if minimum is None:
             continue
-        if isa != vir.VNNI:
+        if not vir.transposes(isa):
             put(minimum, minimums_at + s * lanes * 4)
         elif s % 2 == 0:
             held = minimum
@@ -288,7 +288,7 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
         for s, sums_of_rows in accs.items():
             _sub_block_epilogue(builder, fmt, rows, isa, at, source, row, s, sums_of_rows, activation_sum, add_into)
     if source.paired:
-        _paired_minimums(builder, rows, lanes, source, subs, activation_sum, add_into)
+        _paired_minimums(builder, rows, lanes, isa, source, subs, activation_sum, add_into)
         return
     row = source.reader()
     minimums = [source.minimum(row, s) for s in range(subs)]
@@ -305,22 +305,22 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
         add_into(r, 1, total, True)
 
 
-def _paired_minimums(builder, rows: int, lanes: int, source, subs: int, activation_sum, add_into) -> None:
+def _paired_minimums(builder, rows: int, lanes: int, isa: int, source, subs: int, activation_sum, add_into) -> None:
     """out[r, 1, :] = the sum over sub-blocks s of min_s times row r's activation sum over s, from
     the unpacked block's pairs of minimums: one vpdpwssd takes two sub-blocks (each 32-bit
     element two signed 16-bit products: a minimum is 6 bits, a 32-value sub-block's activation
     sum within +-4,064), where each took a 32-bit multiply and an add. The same integers, so the
     same bits; a 64-row q4_k / q5_k product 7-9 % faster on one and two threads (4.87 -> 4.49 and
     5.06 -> 4.67 ms one thread, 2,048 x 8,192, alternating in one process)."""
-    pairs = [vir.chunks(builder, source.minimum_pair(j), vir.VNNI) for j in range(subs // 2)]
+    pairs = [vir.chunks(builder, source.minimum_pair(j), isa) for j in range(subs // 2)]
     low, shift = ir.Constant(vir.I32, 0xFFFF), ir.Constant(vir.I32, 16)
     for r in range(rows):
-        total = vir.zeros(lanes, vir.VNNI)
+        total = vir.zeros(lanes, isa)
         for j, pieces in enumerate(pairs):
             word = builder.or_(
                 builder.and_(activation_sum(r, 2 * j), low), builder.shl(activation_sum(r, 2 * j + 1), shift)
             )
-            total = [vir.dot_pairs(builder, t, p, word) for t, p in zip(total, pieces)]
+            total = [vir.dot_pairs(builder, t, p, word, isa) for t, p in zip(total, pieces)]
         add_into(r, 1, total, True)
 
 
@@ -443,8 +443,9 @@ def block_sums(
                     at[name] = context.cast(builder, value, kind, i64)
 
             def emit(builder, fmt):
-                source = _Unpacked(builder, fmt, lanes, isa, at) if unpacked else _Block(builder, fmt, lanes, at)
-                _block_code(builder, fmt, rows, lanes, isa, at, source)
+                its = vir.for_format(isa, fmt.bits)
+                source = _Unpacked(builder, fmt, lanes, its, at) if unpacked else _Block(builder, fmt, lanes, at)
+                _block_code(builder, fmt, rows, lanes, its, at, source)
 
             _switch(formats, "block_sums", emit)(builder, code)
             return context.get_dummy_value()
@@ -469,7 +470,7 @@ def block_unpack(family: tuple[str, ...], lanes: int = LANES, isa: int = vir.ISA
             at["scratch"] = _data(context, builder, sig, args, 4)
 
             def emit(builder, fmt):
-                _unpack_code(builder, fmt, lanes, isa, at)
+                _unpack_code(builder, fmt, lanes, vir.for_format(isa, fmt.bits), at)
 
             _switch(formats, "block_unpack", emit)(builder, args[0])
             return context.get_dummy_value()

@@ -10,29 +10,48 @@ Two instruction sets, chosen once from the CPU's features (`ISA`):
   holds one weight row's four consecutive quants (byte permutes, vpermt2b where the CPU has
   VBMI, then in-lane interleaves), then one vpdpbusd per 16 rows adds them times the
   activation's four int8 values.
+- AVX2: VNNI's layout (the same transposed rows), each vpdpbusd done as llama.cpp's AVX2 code
+  does its products: vpmaddubsw (pairs of u8 x s8 products summed into int16) then vpmaddwd by
+  ones (pairs of those into int32), on 256-bit halves. The int16 pair sums saturate past 32,767:
+  exact for quants of up to 7 bits (127 x 128 x 2), so q8_0's 8-bit quants take GENERIC here
+  (`for_format`).
 - GENERIC: plain LLVM vector IR (widen, multiply, add in 32 bits) that any CPU LLVM targets
-  runs (x86-64 with AVX2 or less, Arm), each value row times one activation value.
-Both give the same int32 sums: integer arithmetic, no rounding.
+  runs (x86-64 without AVX2, Arm), each value row times one activation value.
+All give the same int32 sums: integer arithmetic, no rounding.
 """
 
 from __future__ import annotations
 
 from llvmlite import binding, ir
 
-I8, I32 = ir.IntType(8), ir.IntType(32)
-GENERIC, VNNI = 0, 1
-ISA_NAMES = {GENERIC: "generic", VNNI: "avx512-vnni"}
+I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+GENERIC, VNNI, AVX2 = 0, 1, 2
+ISA_NAMES = {GENERIC: "generic", VNNI: "avx512-vnni", AVX2: "avx2"}
 CHUNK = 16  # rows per 512-bit vector of int32 sums
+AVX2_PAIR_BITS = 7  # the widest quant whose u8 x s8 pair sums fit vpmaddubsw's int16
 
 
 def host_isa() -> int:
     """VNNI where the CPU has AVX-512 VNNI and BW (Intel since Cascade Lake, AMD since Zen 4),
-    else GENERIC."""
+    else AVX2 where it has AVX2 (x86-64 since Haswell and Zen 1), else GENERIC."""
     features = binding.get_host_cpu_features()
-    return VNNI if features.get("avx512vnni") and features.get("avx512bw") else GENERIC
+    if features.get("avx512vnni") and features.get("avx512bw"):
+        return VNNI
+    return AVX2 if features.get("avx2") else GENERIC
 
 
 ISA = host_isa()
+
+
+def for_format(isa: int, bits: int) -> int:
+    """The instruction set a format of `bits`-bit quants runs on: `isa`, but GENERIC for AVX2
+    where its int16 pair sums could saturate."""
+    return GENERIC if isa == AVX2 and bits > AVX2_PAIR_BITS else isa
+
+
+def transposes(isa: int) -> bool:
+    """Whether `isa` takes its value rows transposed (`transposed`: four quants of a row a lane)."""
+    return isa != GENERIC
 
 
 def vector(kind, count: int) -> ir.VectorType:
@@ -97,7 +116,7 @@ def store(builder: ir.IRBuilder, value, base, offset) -> None:
 def chunks(builder: ir.IRBuilder, value, isa: int) -> list:
     """A <lanes x i32> as the accumulators' pieces: VNNI's <16 x i32> chunks, GENERIC's whole."""
     lanes = value.type.count
-    if isa == GENERIC:
+    if not transposes(isa):
         return [value]
     undefined = ir.Constant(value.type, ir.Undefined)
     return [
@@ -107,7 +126,7 @@ def chunks(builder: ir.IRBuilder, value, isa: int) -> list:
 
 
 def zeros(lanes: int, isa: int) -> list:
-    if isa == GENERIC:
+    if not transposes(isa):
         return [ir.Constant(vector(I32, lanes), [0] * lanes)]
     return [ir.Constant(vector(I32, CHUNK), [0] * CHUNK) for _ in range(lanes // CHUNK)]
 
@@ -194,14 +213,50 @@ def _vnni(builder: ir.IRBuilder, name: str, acc, a, b):
     return builder.call(function, [acc, a, b])
 
 
-def _dpbusd(builder: ir.IRBuilder, acc, unsigned, signed):
-    return _vnni(builder, "llvm.x86.avx512.vpdpbusd.512", acc, unsigned, signed)
+def _dpbusd(builder: ir.IRBuilder, acc, unsigned, signed, isa: int = VNNI):
+    """acc (<16 x i32>) plus, in each 32-bit element, the four u8 of `unsigned` times the four
+    s8 of `signed` (vpdpbusd; with AVX2, vpmaddubsw and vpmaddwd by ones: the same sums while
+    no pair of products passes 32,767)."""
+    if isa == VNNI:
+        return _vnni(builder, "llvm.x86.avx512.vpdpbusd.512", acc, unsigned, signed)
+    bytes_ = vector(I8, 32)
+    ones = ir.Constant(vector(I16, 16), [1] * 16)
+    halves = []
+    for z in (0, 8):
+        u, sg = (builder.bitcast(_slice(builder, v, z, 8), bytes_) for v in (unsigned, signed))
+        pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", vector(I16, 16), [u, sg])
+        halves.append(_x86(builder, "llvm.x86.avx2.pmadd.wd", vector(I32, 8), [pairs, ones]))
+    both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(vector(I32, CHUNK), list(range(CHUNK))))
+    return builder.add(acc, both)
 
 
-def dot_pairs(builder: ir.IRBuilder, acc, pairs, word):
+def _x86(builder: ir.IRBuilder, name: str, result, arguments: list):
+    """A call of the x86 intrinsic `name` (declared once a module)."""
+    function = builder.module.globals.get(name)
+    if function is None:
+        kind = ir.FunctionType(result, [a.type for a in arguments])
+        function = ir.Function(builder.module, kind, name=name)
+    return builder.call(function, arguments)
+
+
+def dot_pairs(builder: ir.IRBuilder, acc, pairs, word, isa: int = VNNI):
     """acc + each 32-bit element's two signed 16-bit halves of `pairs` times those of `word`
-    (an i32 splat), summed (vpdpwssd)."""
-    return _vnni(builder, "llvm.x86.avx512.vpdpwssd.512", acc, pairs, splat(builder, word, CHUNK))
+    (an i32 splat), summed (vpdpwssd; with AVX2, vpmaddwd and an add: no saturation either)."""
+    if isa == VNNI:
+        return _vnni(builder, "llvm.x86.avx512.vpdpwssd.512", acc, pairs, splat(builder, word, CHUNK))
+    words = vector(I16, 16)
+    spread = builder.bitcast(splat(builder, word, 8), words)
+    halves = [
+        _x86(
+            builder,
+            "llvm.x86.avx2.pmadd.wd",
+            vector(I32, 8),
+            [builder.bitcast(_slice(builder, pairs, z, 8), words), spread],
+        )
+        for z in (0, 8)
+    ]
+    both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(vector(I32, CHUNK), list(range(CHUNK))))
+    return builder.add(acc, both)
 
 
 def dot4(builder: ir.IRBuilder, accs: list, rows: list, activations, isa: int, ready: bool = False) -> list:
@@ -210,12 +265,12 @@ def dot4(builder: ir.IRBuilder, accs: list, rows: list, activations, isa: int, r
     is the i32 holding the row's four int8 values (little-endian, value k in byte k). The value
     rows are widened or transposed once for every activation row; `ready`: with VNNI, `rows` are
     `transposed`'s pieces already (a block unpacked once for many activation rows)."""
-    if isa == VNNI:
+    if transposes(isa):
         pieces = rows if ready else transposed(builder, rows)
         out = []
         for acc, four in zip(accs, activations):
             spread = splat(builder, four, CHUNK)
-            out.append([_dpbusd(builder, a, p, spread) for a, p in zip(acc, pieces)])
+            out.append([_dpbusd(builder, a, p, spread, isa) for a, p in zip(acc, pieces)])
         return out
     lanes = rows[0].type.count
     wide = [builder.zext(row, vector(I32, lanes)) for row in rows]
