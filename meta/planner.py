@@ -214,13 +214,9 @@ def plan(leaves: list[Node], order: list[Node], outputs: list[Node], n: int, pla
         return moved[(v, dst)]
 
     def onto(v: int, group: tuple[int, ...]) -> int:
-        """Value `v` held by `group`: as it is, or handed over (a partial sum reduced on its
-        own devices first) to be Mirrored on the group."""
-        if state[v].on == group:
-            return v
-        if isinstance(state[v], Partial):
-            v = move(v, Mirrored(state[v].on))
-        return move(v, Mirrored(group))
+        """Value `v` held by `group`: as it is, or handed over to be Mirrored on the group
+        (`move` reduces a partial sum on its own devices first)."""
+        return v if state[v].on == group else move(v, Mirrored(group))
 
     for node in order:
         ins = [value[c.id] for c in node.inputs]

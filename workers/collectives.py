@@ -54,18 +54,15 @@ class Collectives:
         `out` itself."""
         devices, inner = grouped(r)
         if devices is not None:
-            return self._prepared_in_group(devices, r, inner, out)
-        engine, algorithm = self.engine, select(r)
-        if out is not None and self.writes_into(r):
-            return engine.bound(algorithm, r, out)
-        bound = getattr(engine, "bound", None)
-        fast = bound(algorithm, r) if bound is not None else None
-        if fast is None:
-
-            def fast(local: Any, run: int, step: int, deadline: Deadline) -> Any:
-                engine.check_usable()
-                return algorithm.run(engine, local, r, Tag(run, step, deadline))
-
+            fast = self._in_group(devices, r, inner)
+        else:
+            engine, algorithm = self.engine, select(r)
+            if out is not None and self.writes_into(r):
+                return engine.bound(algorithm, r, out)
+            bound = getattr(engine, "bound", None)
+            fast = bound(algorithm, r) if bound is not None else None
+            if fast is None:
+                fast = _runner(engine, algorithm, r, engine.check_usable)
         if out is None:
             return fast
 
@@ -77,24 +74,14 @@ class Collectives:
 
         return run_into
 
-    def _prepared_in_group(self, devices: tuple[int, ...], r: Request, inner: Request, out: Any):
+    def _in_group(self, devices: tuple[int, ...], r: Request, inner: Request) -> Callable:
         """A redistribution among `devices` only: run renumbered on their group engine; a worker
         outside them holds nothing before or after it."""
         xp, rank = self.engine.xp, self.engine.rank
         if rank not in devices:
             empty = local_shape(r.dst, r.shape, r.n, rank)
             return lambda local, run, step, deadline: xp.empty(empty, dtype=local.dtype)
-        engine, algorithm = self._group_engine(devices), select(inner)
-
-        def run_in_group(local: Any, run: int, step: int, deadline: Deadline) -> Any:
-            self.engine.check_usable()
-            result = algorithm.run(engine, local, inner, Tag(run, step, deadline))
-            if out is None:
-                return result
-            out[...] = result
-            return out
-
-        return run_in_group
+        return _runner(self._group_engine(devices), select(inner), inner, self.engine.check_usable)
 
     def writes_into(self, r: Request) -> bool:
         """Whether this engine's run of `r` is done with its input when it returns and can write
@@ -107,6 +94,17 @@ class Collectives:
         self, local: Any, src: State, dst: State, shape: Sequence[int], run: int, step: int, deadline: Deadline
     ) -> Any:
         return self.prepared(self.request(src, dst, shape, local.dtype))(local, run, step, deadline)
+
+
+def _runner(engine, algorithm, r: Request, check_usable: Callable[[], None]) -> Callable:
+    """`algorithm` run for `r` on `engine`, after `check_usable` (the worker's own engine's: a
+    group engine's sends go through its comm)."""
+
+    def redistribute_once(local: Any, run: int, step: int, deadline: Deadline) -> Any:
+        check_usable()
+        return algorithm.run(engine, local, r, Tag(run, step, deadline))
+
+    return redistribute_once
 
 
 class GroupComm:
