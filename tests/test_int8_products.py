@@ -311,8 +311,9 @@ def test_a_product_over_two_threads_quantizes_its_rows_by_the_twin_with_the_same
 def test_every_instruction_set_gives_the_models_integer_sums(isa, rows):
     """The generated block code of each instruction set (vector_ir.py) on one block of every
     format, read from the weight and from the block unpacked once: its int32 sums are the
-    model's exactly (AVX2's int16 pair sums included: q8_0 runs GENERIC there). (AVX2 and VNNI
-    only where the CPU has them.)"""
+    model's exactly, on random blocks and on the extremes (every quant at its largest, every
+    activation at 127: AVX2's int16 pair sums, added over several fours before they widen, at
+    their largest; q8_0 runs GENERIC there). (AVX2 and VNNI only where the CPU has them.)"""
     import numba
     from llvmlite import binding
 
@@ -347,10 +348,12 @@ def test_every_instruction_set_gives_the_models_integer_sums(isa, rows):
         unpack_block = int8_products.block_unpack(family, isa=code)
         run_unpacked = unpacked_runner(unpack_block, int8_products.block_sums(family, rows, isa=code, unpacked=True))
 
-        for name in family:
+        for name, extreme in ((name, extreme) for name in family for extreme in (False, True)):
             spec, block = INT_FORMATS[name], FORMATS[name].block
             blocks = random_blocks(name, 64, 256, seed=7)[:, : 256 // block]
             x = (np.random.default_rng(8).standard_normal((rows, 256)) * 2).astype(np.float32)
+            if extreme:  # (the float16 factors, which the integer sums do not read, become NaN)
+                blocks, x = np.full_like(blocks, 0xFF), np.full_like(x, 3.0)
             q = np.empty(x.shape, np.int8)
             if PARTNER.get(name) == "q8_k":
                 sums = np.empty((rows, 16), np.int32)
@@ -362,12 +365,13 @@ def test_every_instruction_set_gives_the_models_integer_sums(isa, rows):
             run(spec.code, interleaved(blocks[:, :1]), q, sums, out)  # the first block
             again = np.zeros((rows, 2, 64), np.int32)
             run_unpacked(spec.code, interleaved(blocks[:, :1]), q, sums, again)
-            np.testing.assert_array_equal(again, out, err_msg=f"{name} unpacked")
+            np.testing.assert_array_equal(again, out, err_msg=f"{name} unpacked, extreme {extreme}")
             u = unpack(name, blocks[:, :1])
             qx = q.astype(np.int64)[:, : u["t"].shape[-1]]
             subs = u["sc"].shape[-1]
             per_sub = np.einsum("bsj,rsj->brs", qx.reshape(rows, subs, -1), u["t"][:, 0].reshape(64, subs, -1))
-            np.testing.assert_array_equal(out[:, 0], (per_sub * u["sc"][:, 0][None]).sum(-1), err_msg=name)
+            expected = (per_sub * u["sc"][:, 0][None]).sum(-1)
+            np.testing.assert_array_equal(out[:, 0], expected, err_msg=f"{name}, extreme {extreme}")
             if u["mn"] is not None:
                 xsub = qx.reshape(rows, subs, -1).sum(-1)
                 np.testing.assert_array_equal(out[:, 1], xsub @ u["mn"][:, 0].T, err_msg=name)

@@ -213,7 +213,7 @@ def _unpack_code(builder, fmt, lanes: int, isa: int, at: dict) -> None:
         for v in range(s * fmt.sub, (s + 1) * fmt.sub, 4):
             values = source.values(row, v)
             if vir.transposes(isa):
-                for z, piece in enumerate(vir.transposed(builder, values)):
+                for z, piece in enumerate(vir.transposed(builder, values, isa)):
                     put(piece, v * lanes + z * vir.CHUNK * 4)
             else:
                 for k, value in enumerate(values):
@@ -284,7 +284,7 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
         accs = {s: [start(r, s) for r in range(rows)] for s in group}
         for s, v, values, ready in source.fours(row, group, shared):
             words = [activation_word(r, v) for r in range(rows)]
-            accs[s] = vir.dot4(builder, accs[s], values, words, isa, ready)
+            accs[s] = vir.dot4(builder, accs[s], values, words, isa, ready, vir.pair_limit(isa, fmt.bits))
         for s, sums_of_rows in accs.items():
             _sub_block_epilogue(builder, fmt, rows, isa, at, source, row, s, sums_of_rows, activation_sum, add_into)
     if source.paired:
@@ -332,7 +332,7 @@ def _sub_block_epilogue(
     scale = source.scale(row, s)
     scale = vir.chunks(builder, scale, isa) if scale is not None else None
     for r in range(rows):
-        sub_sums = accs[r]
+        sub_sums = vir.natural(builder, vir.settled(builder, accs[r]), isa)
         if scale is not None:
             sub_sums = [builder.mul(a, c) for a, c in zip(sub_sums, scale)]
         if "acc" in at:  # a legacy block's one sum, scaled and added where it belongs

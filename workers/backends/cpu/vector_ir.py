@@ -22,6 +22,8 @@ All give the same int32 sums: integer arithmetic, no rounding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llvmlite import binding, ir
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -172,13 +174,17 @@ def _slice(builder: ir.IRBuilder, row, start: int, count: int):
     return builder.shuffle_vector(row, row, ir.Constant(vector(I32, count), list(range(start, start + count))))
 
 
-def transposed(builder: ir.IRBuilder, rows: list) -> list:
+def transposed(builder: ir.IRBuilder, rows: list, isa: int = VNNI) -> list:
     """Four <lanes x i8> value rows (values v .. v + 3 of every lane; lanes a multiple of 64) as
-    <16 x i32> pieces whose 32-bit element r holds lane r's four values in order. Two byte
-    permutes per pair of rows (vpermt2b with VBMI) put each row's pair where an in-lane
-    interleave of 16-bit elements (vpunpck{l,h}wd) completes the four; done by permutes alone
-    (vpermt2b, then vpermt2w) a q4_k product took 1.08x as long (16,384 x 2,048, one thread,
-    three alternating runs: 492-511 against 455-486 us)."""
+    <16 x i32> pieces whose 32-bit elements each hold one lane's four values in order: with VNNI
+    element r of piece z is lane 16 z + r (two byte permutes per pair of rows, vpermt2b with
+    VBMI, put each row's pair where an in-lane interleave of 16-bit elements, vpunpck{l,h}wd,
+    completes the four; done by permutes alone, vpermt2b then vpermt2w, a q4_k product took
+    1.08x as long: 16,384 x 2,048, one thread, three alternating runs: 492-511 against 455-486
+    us). With AVX2 the lanes come in AVX2_ORDER (`avx2_transposed`); `natural` puts sums of
+    them back in order."""
+    if isa == AVX2:
+        return avx2_transposed(builder, rows)
     lanes = rows[0].type.count
     pieces = []
     for base in range(0, lanes, 64):
@@ -189,6 +195,51 @@ def transposed(builder: ir.IRBuilder, rows: list) -> list:
             pieces.append(_interleave_words(builder, ab, cd, False))  # rows 32 half + 0..15
             pieces.append(_interleave_words(builder, ab, cd, True))  # rows 32 half + 16..31
     return pieces
+
+
+# The lane each 32-bit element of avx2_transposed's pieces holds, within each 32 lanes (two
+# pieces): what in-lane interleaves of bytes then of 16-bit elements give without a lane-crossing
+# permute after each (AVX2 has no vpermt2b; the order's vpermq fix-ups were 8 of a four's 24
+# shuffles). Sums of the pieces are put in order once a sub-block (`natural`).
+AVX2_ORDER = tuple(q + 4 * j + 16 * k for j in range(4) for k in range(2) for q in range(4))
+
+
+def _in_lane(builder: ir.IRBuilder, a, b, high: bool):
+    """vpunpck{l,h}bw on <32 x i8>: in each 128-bit lane, a's and b's low (or high) eight bytes
+    interleaved."""
+    mask = [16 * k + j + (8 if high else 0) + t * 32 for k in range(2) for j in range(8) for t in range(2)]
+    return builder.shuffle_vector(a, b, ir.Constant(vector(I32, 32), mask))
+
+
+def avx2_transposed(builder: ir.IRBuilder, rows: list) -> list:
+    """`transposed` by AVX2's in-lane interleaves alone, each 32 lanes' two pieces in AVX2_ORDER."""
+    lanes = rows[0].type.count
+    pieces = []
+    for base in range(0, lanes, 32):
+        a, b, c, d = (_slice(builder, row, base, 32) for row in rows)
+        quads = []
+        for high in (False, True):
+            ab, cd = _in_lane(builder, a, b, high), _in_lane(builder, c, d, high)
+            quads += [_interleave_words(builder, ab, cd, False), _interleave_words(builder, ab, cd, True)]
+        for first in (0, 2):
+            both = ir.Constant(vector(I32, CHUNK), list(range(CHUNK)))
+            pieces.append(builder.shuffle_vector(quads[first], quads[first + 1], both))
+    return pieces
+
+
+def natural(builder: ir.IRBuilder, pieces: list, isa: int) -> list:
+    """Sums of `transposed` pieces with their lanes in order (AVX2's, from AVX2_ORDER; the
+    others' are)."""
+    if isa != AVX2:
+        return pieces
+    where = {lane: e for e, lane in enumerate(AVX2_ORDER)}
+    out = []
+    for first in range(0, len(pieces), 2):
+        a, b = pieces[first], pieces[first + 1]
+        for z in (0, CHUNK):
+            mask = ir.Constant(vector(I32, CHUNK), [where[z + r] for r in range(CHUNK)])
+            out.append(builder.shuffle_vector(a, b, mask))
+    return out
 
 
 def nibble_of(builder: ir.IRBuilder, piece, high: bool):
@@ -213,21 +264,75 @@ def _vnni(builder: ir.IRBuilder, name: str, acc, a, b):
     return builder.call(function, [acc, a, b])
 
 
-def _dpbusd(builder: ir.IRBuilder, acc, unsigned, signed, isa: int = VNNI):
+def _dpbusd(builder: ir.IRBuilder, acc, unsigned, signed):
     """acc (<16 x i32>) plus, in each 32-bit element, the four u8 of `unsigned` times the four
-    s8 of `signed` (vpdpbusd; with AVX2, vpmaddubsw and vpmaddwd by ones: the same sums while
-    no pair of products passes 32,767)."""
-    if isa == VNNI:
-        return _vnni(builder, "llvm.x86.avx512.vpdpbusd.512", acc, unsigned, signed)
+    s8 of `signed` (vpdpbusd)."""
+    return _vnni(builder, "llvm.x86.avx512.vpdpbusd.512", acc, unsigned, signed)
+
+
+@dataclass(frozen=True)
+class Gathering:
+    """AVX2's sums of one <16 x i32> piece: the int32 sums so far, and vpmaddubsw's int16 pair
+    sums of the `count` fours since (None, 0: none), added in int16 until pair_limit's count is
+    reached, then widened by one vpmaddwd by ones and added: where each four's pair sums were
+    widened and added, a four of 64 lanes took 8 vpmaddwd and 8 additions more."""
+
+    sums: ir.Value
+    pairs: ir.Value | None = None  # <32 x i16>
+    count: int = 0
+
+
+def pair_limit(isa: int, bits: int) -> int:
+    """How many fours of `bits`-bit quants AVX2 adds in int16 before widening: each vpmaddubsw
+    element is two products of at most (2**bits - 1) x 128, so 8 fours of 4-bit quants, 4 of
+    5-bit, 2 of 6-bit, 1 of 7-bit stay within 32,767 (no saturation: the same integers). 1 for
+    the others (no int16 step)."""
+    if isa != AVX2:
+        return 1
+    return max(1, 32767 // (2 * (2**bits - 1) * 128))
+
+
+def _pair_sums(builder: ir.IRBuilder, unsigned, signed):
+    """vpmaddubsw on the two 256-bit halves of <16 x i32> pieces, as <32 x i16>."""
     bytes_ = vector(I8, 32)
-    ones = ir.Constant(vector(I16, 16), [1] * 16)
     halves = []
     for z in (0, 8):
         u, sg = (builder.bitcast(_slice(builder, v, z, 8), bytes_) for v in (unsigned, signed))
-        pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", vector(I16, 16), [u, sg])
-        halves.append(_x86(builder, "llvm.x86.avx2.pmadd.wd", vector(I32, 8), [pairs, ones]))
+        halves.append(_x86(builder, "llvm.x86.avx2.pmadd.ub.sw", vector(I16, 16), [u, sg]))
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(vector(I32, 32), list(range(32))))
+
+
+def _widened(builder: ir.IRBuilder, sums, pairs):
+    """sums (<16 x i32>) plus each 32-bit element's two int16 pair sums of `pairs` (vpmaddwd by ones)."""
+    ones = ir.Constant(vector(I16, 16), [1] * 16)
+    halves = [
+        _x86(builder, "llvm.x86.avx2.pmadd.wd", vector(I32, 8), [_slice(builder, pairs, z, 16), ones]) for z in (0, 16)
+    ]
     both = builder.shuffle_vector(halves[0], halves[1], ir.Constant(vector(I32, CHUNK), list(range(CHUNK))))
-    return builder.add(acc, both)
+    return builder.add(sums, both)
+
+
+def _gather(builder: ir.IRBuilder, acc, unsigned, signed, limit: int) -> Gathering:
+    """acc (a Gathering, or int32 sums to start one) plus the four u8 of `unsigned` times the
+    four s8 of `signed` in each 32-bit element: vpdpbusd's sums by AVX2 (Gathering)."""
+    if not isinstance(acc, Gathering):
+        acc = Gathering(acc)
+    pairs = _pair_sums(builder, unsigned, signed)
+    if acc.pairs is not None:
+        pairs = builder.add(acc.pairs, pairs)
+    if acc.count + 1 < limit:
+        return Gathering(acc.sums, pairs, acc.count + 1)
+    return Gathering(_widened(builder, acc.sums, pairs))
+
+
+def settled(builder: ir.IRBuilder, pieces: list) -> list:
+    """dot4's sums as <16 x i32> pieces (AVX2's Gatherings widened)."""
+    out = []
+    for piece in pieces:
+        if isinstance(piece, Gathering):
+            piece = piece.sums if piece.pairs is None else _widened(builder, piece.sums, piece.pairs)
+        out.append(piece)
+    return out
 
 
 def _x86(builder: ir.IRBuilder, name: str, result, arguments: list):
@@ -259,18 +364,24 @@ def dot_pairs(builder: ir.IRBuilder, acc, pairs, word, isa: int = VNNI):
     return builder.add(acc, both)
 
 
-def dot4(builder: ir.IRBuilder, accs: list, rows: list, activations, isa: int, ready: bool = False) -> list:
+def dot4(
+    builder: ir.IRBuilder, accs: list, rows: list, activations, isa: int, ready: bool = False, limit: int = 1
+) -> list:
     """accs (one list of pieces per activation row) plus, for each activation row i, the sums
     over k < 4 of rows[k] (u8 quants, <lanes x i8>) times activation k of that row: activations[i]
     is the i32 holding the row's four int8 values (little-endian, value k in byte k). The value
-    rows are widened or transposed once for every activation row; `ready`: with VNNI, `rows` are
-    `transposed`'s pieces already (a block unpacked once for many activation rows)."""
+    rows are widened or transposed once for every activation row; `ready`: with VNNI or AVX2,
+    `rows` are `transposed`'s pieces already (a block unpacked once for many activation rows).
+    With AVX2 the pieces are Gatherings (`limit`: pair_limit's) until `settled`."""
     if transposes(isa):
-        pieces = rows if ready else transposed(builder, rows)
+        pieces = rows if ready else transposed(builder, rows, isa)
         out = []
         for acc, four in zip(accs, activations):
             spread = splat(builder, four, CHUNK)
-            out.append([_dpbusd(builder, a, p, spread, isa) for a, p in zip(acc, pieces)])
+            if isa == AVX2:
+                out.append([_gather(builder, a, p, spread, limit) for a, p in zip(acc, pieces)])
+            else:
+                out.append([_dpbusd(builder, a, p, spread) for a, p in zip(acc, pieces)])
         return out
     lanes = rows[0].type.count
     wide = [builder.zext(row, vector(I32, lanes)) for row in rows]
