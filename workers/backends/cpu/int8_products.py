@@ -5,7 +5,7 @@ vpdpbusd with AVX-512 VNNI, vector_ir.py), then one float scale per block (and K
 sub-block scales applied in int32 first). For every block format of formats.INT_FORMATS, for
 any number of activation rows: four at a time (each weight value row made once for four
 activation rows: a batch's decode step) and one at a time for the rest; from UNPACK_ROWS rows (a
-prefill) each block is unpacked once into L1 and read by every four.
+prefill) each block is unpacked once into L1 and read by every UNPACKED_PASS rows.
 
 A block's integer sums are exact, so these products equal the NumPy model of the same arithmetic
 (tests/test_int8_products.py) to float32 rounding of the per-block sums. Against the float32
@@ -64,6 +64,11 @@ def ahead_bytes(fmt: str, threads: int) -> int:
 
 
 QUAD = 4  # activation rows per pass over a block's value rows
+# activation rows per pass over a block unpacked once: with AVX2 one, whose 16 registers hold one
+# row's sums of 64 lanes (8) beside the values; more rows' sums spill: 64-row products of 2,048 x
+# 2,048, one thread, one / two / four rows a pass: q4_k 3,608 / 6,166 / 8,066 us, q6_k 5,663 /
+# 9,158 / 9,524, q4_0 3,529 / 3,672 / 4,692 (21:50-21:56)
+UNPACKED_PASS = 1 if vir.ISA == vir.AVX2 else QUAD
 
 
 class _Block:
@@ -274,7 +279,7 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
         subtraction a piece), bench/formats.py's 64-token prefill on one / two threads was
         q4_0 252-272 / 457-485, q8_0 244 / 390, q5_0 259 / 453 tok/s; from the start 304 /
         501, 284 / 492, 326 / 570 (17:29-17:54, quiet)."""
-        if not fmt.bias:
+        if not fmt.bias or vir.unbiased(isa):
             return vir.zeros(lanes, isa)
         biased = builder.mul(activation_sum(r, s), ir.Constant(vir.I32, -fmt.bias))
         return [vir.splat(builder, biased, piece.type.count) for piece in vir.zeros(lanes, isa)]
@@ -485,13 +490,16 @@ K_QUANTS = ("q4_k", "q5_k", "q6_k")
 _legacy_quad, _legacy_one = block_sums(LEGACY, QUAD, scaled=True), block_sums(LEGACY, 1, scaled=True)
 _k_quad, _k_one = block_sums(K_QUANTS, QUAD), block_sums(K_QUANTS, 1)
 _legacy_unpack, _k_unpack = block_unpack(LEGACY), block_unpack(K_QUANTS)
-_legacy_unpacked_quad = block_sums(LEGACY, QUAD, unpacked=True, scaled=True)
-_k_unpacked_quad = block_sums(K_QUANTS, QUAD, unpacked=True)
+_legacy_unpacked_pass = block_sums(LEGACY, UNPACKED_PASS, unpacked=True, scaled=True)
+_k_unpacked_pass = block_sums(K_QUANTS, UNPACKED_PASS, unpacked=True)
 # the most bytes an unpacked block takes (_unpacked_layout): q6_k's 256 values and 16 scales of 64 lanes
 SCRATCH_BYTES = max(_unpacked_layout(f, LANES)[2] for f in INT_FORMATS.values())
 # activation rows from which a block is unpacked once for all of them (prefill, a batch of 8 or
-# more), where fewer take it straight from the weight four rows at a time
-UNPACK_ROWS = 8
+# more; with AVX2 of 2 or more), where fewer take it straight from the weight four rows at a time.
+# AVX2's fours from the weight spill four rows' sums (UNPACKED_PASS): unpacked and read a row at a
+# time, one thread's 8,192 x 2,048 products of 4 rows took q4_k 1,720 against 2,237 us, q6_k
+# 2,399 against 2,709, q4_0 1,245 against 1,939, q8_0 2,088 against 4,019 (21:58-22:02).
+UNPACK_ROWS = 2 if vir.ISA == vir.AVX2 else 8
 
 parallel = numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 inline = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
@@ -552,12 +560,12 @@ def legacy_rows(code, x8, d, sums, s, w, ahead, out):
             i = 0
             if rows >= UNPACK_ROWS:
                 _legacy_unpack(code, w, at, ahead, unpacked)
-                while i + QUAD <= rows:
+                while i + UNPACKED_PASS <= rows:
                     x_at, k, acc_at = i * width + b * 32, i * blocks + b, i * lanes
-                    _legacy_unpacked_quad(
+                    _legacy_unpacked_pass(
                         code, unpacked, x8, x_at, width, sums, k, blocks, d, k, blocks, s, dw, mw, acc, acc_at, lanes
                     )
-                    i += QUAD
+                    i += UNPACKED_PASS
             while i < rows:  # (d and s: indexed as the sums, a value a block)
                 x_at, k, acc_at = i * width + b * 32, i * blocks + b, i * lanes
                 if i + QUAD <= rows:
@@ -595,12 +603,12 @@ def k_rows(code, x8, d, sums, w, ahead, out):
             i = 0
             if rows >= UNPACK_ROWS:
                 _k_unpack(code, w, at, ahead, unpacked)
-                while i + QUAD <= rows:
-                    _k_unpacked_quad(
+                while i + UNPACKED_PASS <= rows:
+                    _k_unpacked_pass(
                         code, unpacked, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part
                     )
-                    _add_k(acc, part, i, QUAD, dw, dmin, d, b)
-                    i += QUAD
+                    _add_k(acc, part, i, UNPACKED_PASS, dw, dmin, d, b)
+                    i += UNPACKED_PASS
             while i < rows:
                 if i + QUAD <= rows:
                     _k_quad(code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)

@@ -4,17 +4,20 @@ byte to a 64-bit lane, a sixteenth of a vector, so 8-bit products written as num
 faster than float32 ones. Here a weight's byte row (one byte of each of `lanes` rows, the
 workers' interleaved layout, split_state/quant.py) is one <lanes x i8> value.
 
-Two instruction sets, chosen once from the CPU's features (`ISA`):
+Three instruction sets, chosen once from the CPU's features (`ISA`), and a fourth for one format:
 - VNNI: AVX-512 with VNNI (`vpdpbusd`: sixteen sums of four u8 x s8 products into int32 in one
   instruction). Four value rows of a block are transposed in registers so that each 32-bit lane
   holds one weight row's four consecutive quants (byte permutes, vpermt2b where the CPU has
   VBMI, then in-lane interleaves), then one vpdpbusd per 16 rows adds them times the
   activation's four int8 values.
-- AVX2: VNNI's layout (the same transposed rows), each vpdpbusd done as llama.cpp's AVX2 code
-  does its products: vpmaddubsw (pairs of u8 x s8 products summed into int16) then vpmaddwd by
-  ones (pairs of those into int32), on 256-bit halves. The int16 pair sums saturate past 32,767:
-  exact for quants of up to 7 bits (127 x 128 x 2), so q8_0's 8-bit quants take GENERIC here
+- AVX2: VNNI's layout (four quants of a row a 32-bit element, the rows in AVX2_ORDER), each
+  vpdpbusd done as llama.cpp's AVX2 code does its products: vpmaddubsw (pairs of u8 x s8
+  products summed into int16) then vpmaddwd by ones (pairs of those into int32), on 256-bit
+  halves. The int16 pair sums saturate past 32,767:
+  exact for quants of up to 7 bits (127 x 128 x 2), so q8_0's 8-bit quants take AVX2_SIGNED
   (`for_format`).
+- AVX2_SIGNED: AVX2 for q8_0, whose biased quants (q + 128) would saturate the pair sums: the
+  quant's sign moved onto the activation (vpsignb), its magnitude multiplied (vpabsb), no bias.
 - GENERIC: plain LLVM vector IR (widen, multiply, add in 32 bits) that any CPU LLVM targets
   runs (x86-64 without AVX2, Arm), each value row times one activation value.
 All give the same int32 sums: integer arithmetic, no rounding.
@@ -27,8 +30,9 @@ from dataclasses import dataclass
 from llvmlite import binding, ir
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-GENERIC, VNNI, AVX2 = 0, 1, 2
-ISA_NAMES = {GENERIC: "generic", VNNI: "avx512-vnni", AVX2: "avx2"}
+GENERIC, VNNI, AVX2, AVX2_SIGNED = 0, 1, 2, 3
+ISA_NAMES = {GENERIC: "generic", VNNI: "avx512-vnni", AVX2: "avx2", AVX2_SIGNED: "avx2-signed"}
+AVX2_FAMILY = (AVX2, AVX2_SIGNED)
 CHUNK = 16  # rows per 512-bit vector of int32 sums
 AVX2_PAIR_BITS = 7  # the widest quant whose u8 x s8 pair sums fit vpmaddubsw's int16
 
@@ -46,9 +50,16 @@ ISA = host_isa()
 
 
 def for_format(isa: int, bits: int) -> int:
-    """The instruction set a format of `bits`-bit quants runs on: `isa`, but GENERIC for AVX2
-    where its int16 pair sums could saturate."""
-    return GENERIC if isa == AVX2 and bits > AVX2_PAIR_BITS else isa
+    """The instruction set a format of `bits`-bit quants runs on: `isa`, but for AVX2, where the
+    int16 pair sums of biased 8-bit quants (q8_0's q + 128) could saturate, AVX2_SIGNED: the
+    quants taken as the int8 they are, as llama.cpp's AVX2 code takes q8_0's (vpsignb gives the
+    activation the quant's sign, vpabsb the quant its magnitude: pairs of at most 128 x 127)."""
+    return AVX2_SIGNED if isa == AVX2 and bits > AVX2_PAIR_BITS else isa
+
+
+def unbiased(isa: int) -> bool:
+    """Whether `isa` takes the quants as int8 (their bias taken off before the products)."""
+    return isa == AVX2_SIGNED
 
 
 def transposes(isa: int) -> bool:
@@ -183,7 +194,7 @@ def transposed(builder: ir.IRBuilder, rows: list, isa: int = VNNI) -> list:
     1.08x as long: 16,384 x 2,048, one thread, three alternating runs: 492-511 against 455-486
     us). With AVX2 the lanes come in AVX2_ORDER (`avx2_transposed`); `natural` puts sums of
     them back in order."""
-    if isa == AVX2:
+    if isa in AVX2_FAMILY:
         return avx2_transposed(builder, rows)
     lanes = rows[0].type.count
     pieces = []
@@ -230,7 +241,7 @@ def avx2_transposed(builder: ir.IRBuilder, rows: list) -> list:
 def natural(builder: ir.IRBuilder, pieces: list, isa: int) -> list:
     """Sums of `transposed` pieces with their lanes in order (AVX2's, from AVX2_ORDER; the
     others' are)."""
-    if isa != AVX2:
+    if isa not in AVX2_FAMILY:
         return pieces
     where = {lane: e for e, lane in enumerate(AVX2_ORDER)}
     out = []
@@ -287,7 +298,7 @@ def pair_limit(isa: int, bits: int) -> int:
     element is two products of at most (2**bits - 1) x 128, so 8 fours of 4-bit quants, 4 of
     5-bit, 2 of 6-bit, 1 of 7-bit stay within 32,767 (no saturation: the same integers). 1 for
     the others (no int16 step)."""
-    if isa != AVX2:
+    if isa != AVX2:  # (AVX2_SIGNED's pairs reach 32,512: one four)
         return 1
     return max(1, 32767 // (2 * (2**bits - 1) * 128))
 
@@ -312,17 +323,39 @@ def _widened(builder: ir.IRBuilder, sums, pairs):
     return builder.add(sums, both)
 
 
-def _gather(builder: ir.IRBuilder, acc, unsigned, signed, limit: int) -> Gathering:
+def _gather(builder: ir.IRBuilder, acc, unsigned, signed, limit: int, isa: int = AVX2) -> Gathering:
     """acc (a Gathering, or int32 sums to start one) plus the four u8 of `unsigned` times the
-    four s8 of `signed` in each 32-bit element: vpdpbusd's sums by AVX2 (Gathering)."""
+    four s8 of `signed` in each 32-bit element: vpdpbusd's sums by AVX2 (Gathering). With
+    AVX2_SIGNED `unsigned` holds int8 quants biased by 128: |q| times s with q's sign instead."""
     if not isinstance(acc, Gathering):
         acc = Gathering(acc)
+    if isa == AVX2_SIGNED:
+        unsigned, signed = _signs_moved(builder, unsigned, signed)
     pairs = _pair_sums(builder, unsigned, signed)
     if acc.pairs is not None:
         pairs = builder.add(acc.pairs, pairs)
     if acc.count + 1 < limit:
         return Gathering(acc.sums, pairs, acc.count + 1)
     return Gathering(_widened(builder, acc.sums, pairs))
+
+
+def _signs_moved(builder: ir.IRBuilder, biased, signed):
+    """(|q|, s with q's sign, 0 where q is 0) for the int8 quants q = biased - 128 (vpabsb,
+    vpsignb): the same products, the quant's side unsigned."""
+    bytes_ = vector(I8, biased.type.count * 4)
+    q = builder.xor(builder.bitcast(biased, bytes_), byte_splat(0x80, bytes_.count))
+    negative = builder.icmp_signed("<", q, ir.Constant(bytes_, [0] * bytes_.count))
+    magnitude = builder.select(negative, builder.neg(q), q)
+    s = builder.bitcast(signed, bytes_)
+    halves = [
+        _x86(builder, "llvm.x86.avx2.psign.b", vector(I8, 32), [_slice(builder, s, z, 32), _slice(builder, q, z, 32)])
+        for z in range(0, bytes_.count, 32)
+    ]
+    moved = halves[0]
+    if len(halves) == 2:
+        moved = builder.shuffle_vector(halves[0], halves[1], ir.Constant(vector(I32, 64), list(range(64))))
+    kind = biased.type
+    return builder.bitcast(magnitude, kind), builder.bitcast(moved, kind)
 
 
 def settled(builder: ir.IRBuilder, pieces: list) -> list:
@@ -378,8 +411,8 @@ def dot4(
         out = []
         for acc, four in zip(accs, activations):
             spread = splat(builder, four, CHUNK)
-            if isa == AVX2:
-                out.append([_gather(builder, a, p, spread, limit) for a, p in zip(acc, pieces)])
+            if isa in AVX2_FAMILY:
+                out.append([_gather(builder, a, p, spread, limit, isa) for a, p in zip(acc, pieces)])
             else:
                 out.append([_dpbusd(builder, a, p, spread) for a, p in zip(acc, pieces)])
         return out
