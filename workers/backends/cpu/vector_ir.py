@@ -342,20 +342,16 @@ def _gather(builder: ir.IRBuilder, acc, unsigned, signed, limit: int, isa: int =
 def _signs_moved(builder: ir.IRBuilder, biased, signed):
     """(|q|, s with q's sign, 0 where q is 0) for the int8 quants q = biased - 128 (vpabsb,
     vpsignb): the same products, the quant's side unsigned."""
-    bytes_ = vector(I8, biased.type.count * 4)
-    q = builder.xor(builder.bitcast(biased, bytes_), byte_splat(0x80, bytes_.count))
-    negative = builder.icmp_signed("<", q, ir.Constant(bytes_, [0] * bytes_.count))
-    magnitude = builder.select(negative, builder.neg(q), q)
+    bytes_ = vector(I8, 64)  # a <16 x i32> piece
+    q = builder.xor(builder.bitcast(biased, bytes_), byte_splat(0x80, 64))
+    magnitude = builder.select(builder.icmp_signed("<", q, byte_splat(0, 64)), builder.neg(q), q)
     s = builder.bitcast(signed, bytes_)
     halves = [
         _x86(builder, "llvm.x86.avx2.psign.b", vector(I8, 32), [_slice(builder, s, z, 32), _slice(builder, q, z, 32)])
-        for z in range(0, bytes_.count, 32)
+        for z in (0, 32)
     ]
-    moved = halves[0]
-    if len(halves) == 2:
-        moved = builder.shuffle_vector(halves[0], halves[1], ir.Constant(vector(I32, 64), list(range(64))))
-    kind = biased.type
-    return builder.bitcast(magnitude, kind), builder.bitcast(moved, kind)
+    moved = builder.shuffle_vector(halves[0], halves[1], ir.Constant(vector(I32, 64), list(range(64))))
+    return builder.bitcast(magnitude, biased.type), builder.bitcast(moved, biased.type)
 
 
 def settled(builder: ir.IRBuilder, pieces: list) -> list:
