@@ -251,8 +251,8 @@ def _close_to_model(out: np.ndarray, expected: np.ndarray, magnitude: np.ndarray
 
 
 def test_a_format_whose_passes_miss_a_sub_block_is_refused():
-    """A format's passes over shared byte rows must take each sub-block once: one left out would
-    silently add nothing to the products."""
+    """A format's passes over shared byte rows, and its classes of sub-blocks made by one code,
+    must take each sub-block once: one left out would silently add nothing to the products."""
     from dataclasses import replace
 
     from workers.backends.cpu.formats import INT_FORMATS, Transposed
@@ -264,6 +264,11 @@ def test_a_format_whose_passes_miss_a_sub_block_is_refused():
     with pytest.raises(ValueError, match="q6_k"):
         replace(q6_k, transposed=Transposed(q6_k.transposed.sources, q6_k.transposed.value, passes + passes[:1]))
     assert replace(q6_k, transposed=Transposed(q6_k.transposed.sources, q6_k.transposed.value, passes[::-1]))
+    classes = q6_k.repeated.classes
+    with pytest.raises(ValueError, match="q6_k: the classes"):
+        replace(q6_k, repeated=replace(q6_k.repeated, classes=classes[1:]))
+    with pytest.raises(ValueError, match="q6_k: the classes"):
+        replace(q6_k, repeated=replace(q6_k.repeated, classes=classes + ((0,),)))
 
 
 @pytest.mark.parametrize("name", INT_TYPES)
@@ -313,7 +318,8 @@ def test_every_instruction_set_gives_the_models_integer_sums(isa, rows):
     format, read from the weight and from the block unpacked once: its int32 sums are the
     model's exactly, on random blocks and on the extremes (every quant at its largest, every
     activation at 127: AVX2's int16 pair sums, added over several fours before they widen, at
-    their largest; q8_0's -128 by AVX2's sign trick). (AVX2 and VNNI only where the CPU has them.)"""
+    their largest; q8_0's -128 by AVX2's sign trick); one row's also class by class
+    (formats.Repeated). (AVX2 and VNNI only where the CPU has them.)"""
     import numba
     from llvmlite import binding
 
@@ -343,6 +349,14 @@ def test_every_instruction_set_gives_the_models_integer_sums(isa, rows):
 
         return run
 
+    def classes_runner(by_classes):  # one row, the sub-blocks class by class (formats.Repeated)
+        @numba.njit
+        def run(code, w, x8, sums, out):
+            by_classes(code, w, 0, 16384, x8, 0, x8.shape[1], sums, 0, sums.shape[1], out)
+
+        return run
+
+    run_by_classes = classes_runner(int8_products.one_row_by_classes(code)) if rows == 1 else None
     for family in (int8_products.LEGACY, int8_products.K_QUANTS):
         run = runner(int8_products.block_sums(family, rows, isa=code))
         unpack_block = int8_products.block_unpack(family, isa=code)
@@ -367,6 +381,11 @@ def test_every_instruction_set_gives_the_models_integer_sums(isa, rows):
             again = np.zeros((rows, 2, 64), np.int32)
             run_unpacked(spec.code, interleaved(blocks[:, :1]), q, sums, again)
             np.testing.assert_array_equal(again, out, err_msg=f"{name} unpacked, extreme {extreme}")
+            if run_by_classes is not None and name in int8_products.K_REPEATED:
+                by_classes = np.zeros((rows, 2, 64), np.int32)  # (no minimums, q6_k: left as they are)
+                by_classes[:, 0] = -1  # the sums of the block before
+                run_by_classes(spec.code, interleaved(blocks[:, :1]), q, sums, by_classes)
+                np.testing.assert_array_equal(by_classes, out, err_msg=f"{name} by classes, extreme {extreme}")
             u = unpack(name, blocks[:, :1])
             qx = q.astype(np.int64)[:, : u["t"].shape[-1]]
             subs = u["sc"].shape[-1]

@@ -78,16 +78,35 @@ class _Block:
     ready = False  # values as value rows, for dot4 to transpose
     paired = False  # minimums two sub-blocks a lane (an unpacked block's, with VNNI)
 
-    def __init__(self, builder, fmt, lanes: int, at: dict):
+    def __init__(self, builder, fmt, lanes: int, at: dict, moves: list | None = None, asking: bool = True):
         self.builder, self.fmt, self.lanes, self.at = builder, fmt, lanes, at
         self.touched: set[int] = set()  # the block's rows read so far
         self.asked = 0  # the rows of the block ahead asked for: rows 0 .. asked - 1
+        self.moves = moves  # a class's code (formats.Repeated): the rows each region moves by
+        self.asking = asking  # (a class's code and a block's tail ask for rows by ask_slice)
 
     def _offset(self, p: int):
-        return self.builder.add(self.at["w_at"], ir.Constant(self.at["w_at"].type, p * self.lanes))
+        i64 = self.at["w_at"].type
+        offset = self.builder.add(self.at["w_at"], ir.Constant(i64, p * self.lanes))
+        region = self.fmt.repeated.region(p) if self.moves is not None else None
+        if region is None:
+            return offset
+        return self.builder.add(offset, self.builder.mul(self.moves[region], ir.Constant(i64, self.lanes)))
+
+    def ask_slice(self, first, count: int) -> None:
+        """Ask for rows first .. first + count - 1 (first an i64 value) of the block `ahead`
+        bytes on: a class's share of them (one_row_by_classes), where all at once, 210 for q6_k,
+        the asks stalled the loads behind them: 8.3 against 12 GB/s from DRAM."""
+        i64 = self.at["w_at"].type
+        start = self.builder.add(self.at["w_at"], self.builder.mul(first, ir.Constant(i64, self.lanes)))
+        start = self.builder.add(start, self.at["ahead"])
+        for k in range(count):
+            vir.prefetch(self.builder, self.at["w"], self.builder.add(start, ir.Constant(i64, k * self.lanes)))
 
     def ask_ahead(self, count: int) -> None:
         """Ask for the next `count` rows of the block `ahead` bytes on, in address order."""
+        if not self.asking:
+            return
         for p in range(self.asked, min(self.asked + count, FORMATS[self.fmt.name].block_bytes)):
             vir.prefetch(self.builder, self.at["w"], self.builder.add(self._offset(p), self.at["ahead"]))
             self.asked = p + 1
@@ -240,13 +259,16 @@ def _unpack_code(builder, fmt, lanes: int, isa: int, at: dict) -> None:
     source.ask_ahead(FORMATS[fmt.name].block_bytes)
 
 
-def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source: _Block) -> None:
+def _block_code(
+    builder, fmt, rows: int, lanes: int, isa: int, at: dict, source: _Block, part: tuple[int, ...] | None = None
+) -> None:
     """One block of `fmt` against `rows` activation rows: for row r, out[r, 0, :] = the sum over
     sub-blocks s of scale_s * (sum of q * x_q over s - bias * the activation sum of s) (scale 1 for
     the legacy formats) and, where the format has minimums, out[r, 1, :] = the sum of min_s * the
     activation sum of s. `at` holds the IR values: pointers and offsets; `source` the block's
     values and factors. Each sub-block adds its sums into `out`, so no more than one sub-block's
-    vectors are live at once."""
+    vectors are live at once. `part`: only those sub-blocks' sums, added into out[r, 0] (a class
+    template's, formats.Repeated), or with () only the minimums (the block's tail)."""
     x8, sums, out = at["x8"], at["sums"], at["out"]
 
     def activation_word(r, v):
@@ -286,14 +308,20 @@ def _block_code(builder, fmt, rows: int, lanes: int, isa: int, at: dict, source:
         biased = builder.mul(activation_sum(r, s), ir.Constant(vir.I32, -fmt.bias))
         return [vir.splat(builder, biased, piece.type.count) for piece in vir.zeros(lanes, isa)]
 
-    for group in source.passes(shared):
+    groups = source.passes(shared) if part is None else tuple((s,) for s in part)
+    for group in groups:
         row = source.reader()
         accs = {s: [start(r, s) for r in range(rows)] for s in group}
         for s, v, values, ready in source.fours(row, group, shared):
             words = [activation_word(r, v) for r in range(rows)]
             accs[s] = vir.dot4(builder, accs[s], values, words, isa, ready, vir.pair_limit(isa, fmt.bits))
         for s, sums_of_rows in accs.items():
-            _sub_block_epilogue(builder, fmt, rows, isa, at, source, row, s, sums_of_rows, activation_sum, add_into)
+            first = s == 0 and part is None
+            _sub_block_epilogue(
+                builder, fmt, rows, isa, at, source, row, s, sums_of_rows, activation_sum, add_into, first
+            )
+    if part:
+        return
     if source.paired:
         _paired_minimums(builder, rows, lanes, isa, source, subs, activation_sum, add_into)
         return
@@ -332,10 +360,11 @@ def _paired_minimums(builder, rows: int, lanes: int, isa: int, source, subs: int
 
 
 def _sub_block_epilogue(
-    builder, fmt, rows: int, isa: int, at: dict, source, row, s: int, accs, activation_sum, add_into
+    builder, fmt, rows: int, isa: int, at: dict, source, row, s: int, accs, activation_sum, add_into, first: bool
 ):
     """Sub-block s's int32 sums (one list of pieces per activation row, the bias's share already
-    taken: _block_code's start) times the sub-block's scale, added where they go."""
+    taken: _block_code's start) times the sub-block's scale, added where they go (`first`: stored
+    there)."""
     scale = source.scale(row, s)
     scale = vir.chunks(builder, scale, isa) if scale is not None else None
     for r in range(rows):
@@ -345,7 +374,7 @@ def _sub_block_epilogue(
         if "acc" in at:  # a legacy block's one sum, scaled and added where it belongs
             _add_scaled(builder, at, r, sub_sums)
         else:
-            add_into(r, 0, sub_sums, s == 0)
+            add_into(r, 0, sub_sums, first)
 
 
 def _add_scaled(builder, at: dict, r: int, sums: list) -> None:
@@ -379,17 +408,18 @@ def _add_scaled(builder, at: dict, r: int, sums: list) -> None:
         at_lane += width
 
 
-def _switch(formats, name: str, emit):
-    """Codegen choosing, by the i64 format code `code`, the block code emit(builder, fmt) writes."""
+def _switch(cases: dict, name: str, emit):
+    """Codegen choosing, by an i64 key (a format's code, a class's number), the code
+    emit(builder, case) writes for cases[key]."""
 
-    def codegen(builder, code):
+    def codegen(builder, key):
         end = builder.append_basic_block(f"{name}.end")
-        switch = builder.switch(code, end)
-        for fmt in formats:
-            case = builder.append_basic_block(f"{name}.{fmt.name}")
-            switch.add_case(ir.Constant(code.type, fmt.code), case)
+        switch = builder.switch(key, end)
+        for value, item in cases.items():
+            case = builder.append_basic_block(f"{name}.{value}")
+            switch.add_case(ir.Constant(key.type, value), case)
             builder.position_at_end(case)
-            emit(builder, fmt)
+            emit(builder, item)
             builder.branch(end)
         builder.position_at_end(end)
 
@@ -407,6 +437,8 @@ def _data(context, builder, sig, args, i):
 # legacy formats, scaled and added into the float sums by the block code itself: _add_scaled).
 FROM_WEIGHT = ("w", "w_at", "ahead")
 FROM_SCRATCH = ("scratch",)
+# a class of formats.Repeated, the first row of the block ahead it asks for, its regions' moves
+OF_CLASS = ("cls", "ask", "m0", "m1", "m2")
 ROWS = ("x8", "x_at", "x_stride", "sums", "sums_at", "sums_stride")
 INTO_SUMS = ("out",)
 INTO_ACC = ("d", "d_at", "d_stride", "s", "dw", "mw", "acc", "acc_at", "acc_stride")
@@ -419,6 +451,7 @@ def block_sums(
     isa: int = vir.ISA,
     unpacked: bool = False,
     scaled: bool = False,
+    repeated: str | None = None,
 ):
     """An intrinsic `sums(code, *arguments)` running _block_code for the format whose code is
     `code` (one of `family`'s, a switch in the code) against `rows` activation rows. Its
@@ -426,9 +459,13 @@ def block_sums(
     lanes, w_at its block's first byte, ahead how far on its rows are asked for) or,
     `unpacked`, FROM_SCRATCH (a block block_unpack wrote); then ROWS (x8 int8 rows from
     element x_at, x_stride apart; sums int32 their partner sums from sums_at, sums_stride
-    apart); then INTO_SUMS (out int32 (rows, 2, lanes)) or, `scaled`, INTO_ACC (_add_scaled's)."""
+    apart); then INTO_SUMS (out int32 (rows, 2, lanes)) or, `scaled`, INTO_ACC (_add_scaled's).
+    `repeated` (formats.Repeated): "class", the template of class `cls` (OF_CLASS, after
+    FROM_WEIGHT) added into out[:, 0] for the sub-block whose rows are the template's moved by m0,
+    m1, m2; "tail", the block's minimums, and its rows asked for."""
     formats = [INT_FORMATS[name] for name in family]
-    names = (FROM_SCRATCH if unpacked else FROM_WEIGHT) + ROWS + (INTO_ACC if scaled else INTO_SUMS)
+    of_class = OF_CLASS if repeated == "class" else ()
+    names = (FROM_SCRATCH if unpacked else FROM_WEIGHT) + of_class + ROWS + (INTO_ACC if scaled else INTO_SUMS)
 
     @intrinsic
     def sums_of_block(typingctx, *arguments):
@@ -451,10 +488,25 @@ def block_sums(
 
             def emit(builder, fmt):
                 its = vir.for_format(isa, fmt.bits)
-                source = _Unpacked(builder, fmt, lanes, its, at) if unpacked else _Block(builder, fmt, lanes, at)
-                _block_code(builder, fmt, rows, lanes, its, at, source)
+                if repeated == "class":
+                    moves = [at[name] for name in OF_CLASS[2:]]
+                    share = _ask_share(fmt)
 
-            _switch(formats, "block_sums", emit)(builder, code)
+                    def emit_class(builder, template):
+                        source = _Block(builder, fmt, lanes, at, moves, asking=False)
+                        source.ask_slice(at["ask"], share)
+                        _block_code(builder, fmt, rows, lanes, its, at, source, (template,))
+
+                    templates = {k: group[0] for k, group in enumerate(fmt.repeated.classes)}
+                    _switch(templates, f"class.{fmt.name}", emit_class)(builder, at["cls"])
+                    return
+                if unpacked:
+                    source = _Unpacked(builder, fmt, lanes, its, at)
+                else:
+                    source = _Block(builder, fmt, lanes, at, asking=repeated != "tail")
+                _block_code(builder, fmt, rows, lanes, its, at, source, () if repeated == "tail" else None)
+
+            _switch({f.code: f for f in formats}, "block_sums", emit)(builder, code)
             return context.get_dummy_value()
 
         return types.void(star), codegen
@@ -479,7 +531,7 @@ def block_unpack(family: tuple[str, ...], lanes: int = LANES, isa: int = vir.ISA
             def emit(builder, fmt):
                 _unpack_code(builder, fmt, lanes, vir.for_format(isa, fmt.bits), at)
 
-            _switch(formats, "block_unpack", emit)(builder, args[0])
+            _switch({f.code: f for f in formats}, "block_unpack", emit)(builder, args[0])
             return context.get_dummy_value()
 
         return signature, codegen
@@ -492,6 +544,7 @@ K_QUANTS = ("q4_k", "q5_k", "q6_k")
 _legacy_quad, _legacy_one = block_sums(LEGACY, QUAD, scaled=True), block_sums(LEGACY, 1, scaled=True)
 _k_quad, _k_one = block_sums(K_QUANTS, QUAD), block_sums(K_QUANTS, 1)
 _legacy_unpack, _k_unpack = block_unpack(LEGACY), block_unpack(K_QUANTS)
+K_REPEATED = tuple(name for name in K_QUANTS if INT_FORMATS[name].repeated is not None)
 _legacy_unpacked_pass = block_sums(LEGACY, UNPACKED_PASS, unpacked=True, scaled=True)
 _k_unpacked_pass = block_sums(K_QUANTS, UNPACKED_PASS, unpacked=True)
 # the most bytes an unpacked block takes (_unpacked_layout): q6_k's 256 values and 16 scales of 64 lanes
@@ -541,6 +594,80 @@ def _add_k(acc, part, i, count, dw, dmin, d, b):
             acc[i + r, lane] += f * (
                 dw[lane] * np.float32(part[r, 0, lane]) - dmin[lane] * np.float32(part[r, 1, lane])
             )
+
+
+def _ask_share(fmt) -> int:
+    """The rows of the block ahead each sub-block's run of a class's code asks for."""
+    return -(-FORMATS[fmt.name].block_bytes // sum(len(group) for group in fmt.repeated.classes))
+
+
+def _class_table() -> tuple[np.ndarray, np.ndarray]:
+    """For each format code, the sub-blocks of its formats.Repeated classes in the order
+    one_row_by_classes runs them, a class after another (each class's code read once a block):
+    (class, how far the sub-block's activation values and partner sums lie from its template's,
+    the first row of the block ahead it asks for, the rows each region moves by); and how many."""
+    codes = 1 + max(f.code for f in INT_FORMATS.values())
+    most = max(FORMATS[f.name].block // f.sub for f in INT_FORMATS.values())
+    table, count = np.zeros((codes, most, 2 + len(OF_CLASS)), np.int64), np.zeros(codes, np.int64)
+    for name in K_REPEATED:
+        fmt, e = INT_FORMATS[name], 0
+        for k, group in enumerate(fmt.repeated.classes):
+            for s in group:
+                moves = fmt.repeated.moves(group[0], s)
+                if len(moves) > len(OF_CLASS) - 2:
+                    raise ValueError(f"{name}: {len(moves)} regions move, the code takes {len(OF_CLASS) - 2}")
+                values = (s - group[0]) * fmt.sub
+                table[fmt.code, e, : 4 + len(moves)] = (
+                    k,
+                    values,
+                    values // SUM_SPAN[fmt.partner],
+                    e * _ask_share(fmt),
+                    *moves,
+                )
+                e += 1
+        count[fmt.code] = e
+    return table, count
+
+
+CLASS_TABLE, CLASS_COUNT = _class_table()
+
+
+def one_row_by_classes(isa: int = vir.ISA):
+    """A numba function (code, w, w_at, ahead, x8, x_at, x_stride, sums, sums_at, sums_stride,
+    out) doing what block_sums(K_REPEATED, 1) does for one block, class by class (formats.Repeated):
+    its tail (the minimums), then each sub-block by its class's code, each asking for its share of
+    the block ahead."""
+    tail = block_sums(K_REPEATED, 1, isa=isa, repeated="tail")
+    of_class = block_sums(K_REPEATED, 1, isa=isa, repeated="class")
+
+    @inline
+    def by_classes(code, w, w_at, ahead, x8, x_at, x_stride, sums, sums_at, sums_stride, out):
+        tail(code, w, w_at, ahead, x8, x_at, x_stride, sums, sums_at, sums_stride, out)
+        out[0, 0, :] = 0
+        for e in range(CLASS_COUNT[code]):
+            k, dx, ds, ask = (
+                CLASS_TABLE[code, e, 0],
+                CLASS_TABLE[code, e, 1],
+                CLASS_TABLE[code, e, 2],
+                CLASS_TABLE[code, e, 3],
+            )
+            m0, m1, m2 = CLASS_TABLE[code, e, 4], CLASS_TABLE[code, e, 5], CLASS_TABLE[code, e, 6]
+            of_class(
+                code, w, w_at, ahead, k, ask, m0, m1, m2, x8, x_at + dx, x_stride, sums, sums_at + ds, sums_stride, out
+            )
+
+    return by_classes
+
+
+# One-row K-quant blocks class by class where each sub-block is made alone (not with VNNI, whose
+# one-row passes share byte rows): one thread, one-row products of 65,536 x 2,048 from DRAM /
+# 8,192 x 2,048 from L3, the AVX2 VM of 2026-12-03, each sub-block its own code: q6_k 9,180-9,440
+# / 1,043-1,060 us, q4_k 5,988-6,170 / 745-759; by classes q6_k 7,952-8,110 / 855-912, q4_k
+# 6,030-6,063 / 695-714. (The class code running one class's rows eight times, 1/8 of q6_k's
+# code for the same work, had shown it: 7,353 / 792. q5_k's fifth bits move by bits, not rows:
+# shifted by the class's move at run time, its product took 9,627 / 1,183 against 8,434 / 1,027.)
+BY_CLASSES = vir.ISA != vir.VNNI
+_k_one_by_classes = one_row_by_classes()
 
 
 @parallel
@@ -616,6 +743,12 @@ def k_rows(code, x8, d, sums, w, ahead, out):
                     _k_quad(code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
                     _add_k(acc, part, i, QUAD, dw, dmin, d, b)
                     i += QUAD
+                elif BY_CLASSES and CLASS_COUNT[code] > 0:
+                    _k_one_by_classes(
+                        code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part
+                    )
+                    _add_k(acc, part, i, 1, dw, dmin, d, b)
+                    i += 1
                 else:
                     _k_one(code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
                     _add_k(acc, part, i, 1, dw, dmin, d, b)

@@ -118,3 +118,24 @@ def q6_k_transposed(builder, pieces, v):
     top = builder.lshr(builder.bitcast(top, bytes_), byte_splat(2 * quarter, bytes_.count))
     top = builder.shl(builder.and_(top, byte_splat(3, bytes_.count)), byte_splat(4, bytes_.count))
     return builder.or_(low, builder.bitcast(top, low.type))
+
+
+# Sub-blocks whose code is a template's with its byte rows moved (formats.Repeated), a class a
+# template. q4_k: sub-block s is the low (s even) or high half of chunk s // 2's nibbles, and its
+# scale and minimum come from bytes 4 + s and 8 + s (s < 4) or s, 4 + s and 8 + s: s and s + 2
+# differ by 32 nibble rows and 2 scale rows. q6_k: sub-block s = 8 h + 2 quarter + j reads ql
+# rows 64 h + 32 (quarter % 2) + 16 j .., qh rows 128 + 32 h + 16 j .. and scale row 192 + s: the
+# same quarter's sub-blocks differ only in where those rows start.
+Q4_K_REGIONS = (4, 16, 144)  # scales and minimums, nibbles
+Q4_K_CLASSES = ((0, 2), (1, 3), (4, 6), (5, 7))
+Q6_K_REGIONS = (0, 128, 192, 208)  # ql, qh, scales
+Q6_K_CLASSES = ((0, 1, 8, 9), (2, 3, 10, 11), (4, 5, 12, 13), (6, 7, 14, 15))
+
+
+def q4_k_moves(template: int, s: int) -> tuple[int, ...]:
+    return s - template, 16 * (s - template)
+
+
+def q6_k_moves(template: int, s: int) -> tuple[int, ...]:
+    half, j = divmod(s - template, 8)
+    return 64 * half + 16 * j, 32 * half + 16 * j, s - template
