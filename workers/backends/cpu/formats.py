@@ -42,8 +42,8 @@ class Repeated:
     operations. The block's code is then each class's template, run once for every sub-block of
     its class (int8_products.one_row_by_classes), where it was every sub-block's own code: q6_k's
     block unrolled is some 4,700 instructions, past a core's cache of decoded instructions, and
-    the same work from an eighth of the code ran 1.25-1.3x as fast (measured there; the VM had no
-    counters to show which stage waited)."""
+    the same work from an eighth of the code ran 1.25-1.3x as fast (int8_products.BY_CLASSES'
+    comment; the VM had no counters to show which stage waited)."""
 
     regions: tuple[int, ...]  # byte rows regions[i] .. regions[i + 1] - 1 move together
     classes: tuple[tuple[int, ...], ...]  # the sub-blocks one code makes, its template first
@@ -71,7 +71,7 @@ class IntFormat:
     bits: int = 4  # of each unsigned quant (vector_ir.for_format: AVX2's pair sums hold up to 7)
     repeated: Repeated | None = None  # for formats whose sub-blocks' code is a template's moved
 
-    def __post_init__(self) -> None:  # a sub-block left out would add nothing, one taken twice twice
+    def __post_init__(self) -> None:  # a sub-block left out would add nothing; one taken twice, twice
         every = list(range(FORMATS[self.name].block // self.sub))
         if self.transposed is not None:
             taken = sorted(s for group in self.transposed.passes for s in group)
