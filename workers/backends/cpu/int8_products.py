@@ -462,7 +462,7 @@ def block_sums(
     apart); then INTO_SUMS (out int32 (rows, 2, lanes)) or, `scaled`, INTO_ACC (_add_scaled's).
     `repeated` (formats.Repeated): "class", the template of class `cls` (OF_CLASS, after
     FROM_WEIGHT) added into out[:, 0] for the sub-block whose rows are the template's moved by m0,
-    m1, m2; "tail", the block's minimums, and its rows asked for."""
+    m1, m2 (each run asking for its share of the block ahead); "tail", the block's minimums."""
     formats = [INT_FORMATS[name] for name in family]
     of_class = OF_CLASS if repeated == "class" else ()
     names = (FROM_SCRATCH if unpacked else FROM_WEIGHT) + of_class + ROWS + (INTO_ACC if scaled else INTO_SUMS)
