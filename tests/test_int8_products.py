@@ -185,6 +185,26 @@ def interleaved(blocks: np.ndarray, lanes: int = 64) -> np.ndarray:
     return out
 
 
+def as_products_read(name: str, w: np.ndarray, isa: int | None = None) -> np.ndarray:
+    """w (interleaved) as the integer products on `isa` (the host's by default) read it: where
+    they read it packed (int8_products.packs), each four of the format's packed rows (formats.
+    Packed) from its first as lane 0's four bytes, then lane 1's, ... (packing.py's layout, made
+    here byte by byte)."""
+    from workers.backends.cpu import int8_products, vector_ir
+    from workers.backends.cpu.formats import INT_FORMATS
+
+    if not int8_products.packs(name, vector_ir.ISA if isa is None else isa):
+        return w
+    spec = INT_FORMATS[name].packed
+    out = w.copy()
+    flat = out.reshape(out.shape[0], out.shape[1], -1)
+    for p in range(spec.first, spec.end):
+        four, k = divmod(p - spec.first, 4)
+        for lane in range(w.shape[3]):
+            flat[:, :, (spec.first + 4 * four) * w.shape[3] + 4 * lane + k] = w[:, :, p, lane]
+    return out
+
+
 # -- the tests --------------------------------------------------------------------------------
 
 
@@ -282,7 +302,7 @@ def test_each_format_equals_the_model_of_llama_cpps_arithmetic(name, rows):
     blocks = random_blocks(name, 128, 512, seed=rows)
     x = (np.random.default_rng(rows).standard_normal((rows, 512)) * 2).astype(np.float32)
     out = np.full((rows, 128), np.nan, np.float32)
-    int8_products.product(name, rows, 512)(x, interleaved(blocks), out)
+    int8_products.product(name, rows, 512)(x, as_products_read(name, interleaved(blocks)), out)
     expected = product_model(name, blocks, x)
     _close_to_model(out, expected, np.abs(x) @ np.abs(values_of(name, unpack(name, blocks))).T)
 
@@ -295,7 +315,7 @@ def test_a_product_over_two_threads_quantizes_its_rows_by_the_twin_with_the_same
     from workers.backends.cpu import activations, int8_products, row_threads
 
     blocks = random_blocks(name, 128, 512, seed=5)
-    w = interleaved(blocks)
+    w = as_products_read(name, interleaved(blocks))
     x = (np.random.default_rng(5).standard_normal((9, 512)) * 2).astype(np.float32)
     alone = np.full((9, 128), np.nan, np.float32)
     int8_products.product(name, 9, 512, threads=1)(x, w, alone)
@@ -376,15 +396,16 @@ def test_every_instruction_set_gives_the_models_integer_sums(isa, rows):
             else:
                 sums = np.empty((rows, 8), np.int32)
                 quantize_q8_0(x, q, np.empty((rows, 8), np.float32), sums, np.empty((rows, 8), np.float32), False)
+            w = as_products_read(name, interleaved(blocks[:, :1]), code)  # the first block
             out = np.zeros((rows, 2, 64), np.int32)
-            run(spec.code, interleaved(blocks[:, :1]), q, sums, out)  # the first block
+            run(spec.code, w, q, sums, out)
             again = np.zeros((rows, 2, 64), np.int32)
-            run_unpacked(spec.code, interleaved(blocks[:, :1]), q, sums, again)
+            run_unpacked(spec.code, w, q, sums, again)
             np.testing.assert_array_equal(again, out, err_msg=f"{name} unpacked, extreme {extreme}")
             if run_by_classes is not None and name in int8_products.K_REPEATED:
                 by_classes = np.zeros((rows, 2, 64), np.int32)  # (no minimums, q6_k: left as they are)
                 by_classes[:, 0] = -1  # the sums of the block before
-                run_by_classes(spec.code, interleaved(blocks[:, :1]), q, sums, by_classes)
+                run_by_classes(spec.code, w, q, sums, by_classes)
                 np.testing.assert_array_equal(by_classes, out, err_msg=f"{name} by classes, extreme {extreme}")
             u = unpack(name, blocks[:, :1])
             qx = q.astype(np.int64)[:, : u["t"].shape[-1]]
@@ -419,3 +440,71 @@ def test_products_split_over_workers_equal_the_model(sim, n):
     by_values = dev.tensor(w, Split(1, (extents,)))
     got = qmatmul(dev.tensor(x), by_values, name, "q8").numpy()
     _close_to_model(got, expected, magnitude)
+
+
+# -- weights packed at load (workers/backends/cpu/packing.py) ----------------------------------
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"])
+def test_a_weight_is_packed_once_and_every_kernel_reads_it(name):
+    """The first integer product of a weight packs it in place (the layout as_products_read
+    makes byte by byte), later ones find it packed (the same bits); the table lookup reads the
+    packed rows where they lie (the shared kernel's rows of the bytes as sent); a host copy is
+    the bytes as sent; the float32 products unpack it first (the bits of a weight never packed),
+    and the next integer product packs it again."""
+    from workers.backends.cpu import Backend, int8_products, numba_cpu, packing
+    from workers.kernels import quant
+
+    if not int8_products.packs(name):
+        pytest.skip("the generic code reads weights as they are sent")
+    block = FORMATS[name].block
+    blocks = random_blocks(name, 128, 512, seed=3)
+    sent = interleaved(blocks)
+    w = sent.copy()
+    x = (np.random.default_rng(3).standard_normal((2, 512)) * 2).astype(np.float32).reshape(2, -1, block)
+    q8 = {"format": name, "activations": "q8"}
+    first = numba_cpu.qmatmul(np, [x, w], q8).reshape(2, 128)
+    assert packing.layout_of(w) == name
+    np.testing.assert_array_equal(w, as_products_read(name, sent))
+    _close_to_model(
+        first,
+        product_model(name, blocks, x.reshape(2, 512)),
+        np.abs(x.reshape(2, 512)) @ np.abs(values_of(name, unpack(name, blocks))).T,
+    )
+    again = numba_cpu.qmatmul(np, [x, w], q8).reshape(2, 128)
+    assert again.tobytes() == first.tobytes()
+
+    ids = np.array([[0, 127, 64], [5, 5, 70]])
+    lookup = {"format": name, "rows": 128}
+    rows = numba_cpu.qget_rows(np, [w, ids], lookup, np.empty((2, 3, 512), np.float32))
+    np.testing.assert_array_equal(rows, quant.qget_rows(np, [sent, ids], lookup))
+    np.testing.assert_array_equal(Backend().to_host(w), sent)
+    assert packing.layout_of(w) == name
+
+    exact = numba_cpu.qmatmul(np, [x, w], {"format": name})
+    assert packing.layout_of(w) is None
+    np.testing.assert_array_equal(w, sent)
+    assert exact.tobytes() == numba_cpu.qmatmul(np, [x, sent.copy()], {"format": name}).tobytes()
+    assert numba_cpu.qmatmul(np, [x, w], q8).reshape(2, 128).tobytes() == first.tobytes()
+
+
+def test_a_view_across_a_packed_weight_is_refused_and_read_only_memory_stays_as_sent():
+    """A view that overlaps a packed weight without being it would read bytes in the wrong
+    layout: ShapeError. Memory that cannot be packed (read-only) takes the float32 products."""
+    from split_state.errors import ShapeError
+    from workers.backends.cpu import int8_products, numba_cpu, packing
+
+    name = "q4_0"
+    if not int8_products.packs(name):
+        pytest.skip("the generic code reads weights as they are sent")
+    w = interleaved(random_blocks(name, 128, 256, seed=4))
+    x = np.random.default_rng(4).standard_normal((1, 8, 32)).astype(np.float32)
+    numba_cpu.qmatmul(np, [x, w], {"format": name, "activations": "q8"})
+    with pytest.raises(ShapeError, match="overlap a q4_0 weight packed"):
+        packing.layout_of(w[:1])
+    sent = interleaved(random_blocks(name, 128, 256, seed=5))
+    frozen = sent.copy()
+    frozen.flags.writeable = False
+    got = numba_cpu.qmatmul(np, [x, frozen], {"format": name, "activations": "q8"})
+    np.testing.assert_array_equal(frozen, sent)
+    assert got.tobytes() == numba_cpu.qmatmul(np, [x, sent], {"format": name}).tobytes()

@@ -8,6 +8,7 @@ import numpy as np
 
 from workers.backends import DeviceInfo
 from workers.backends.cpu.numba_cpu import OVERRIDES as KERNELS  # fused loops when numba is installed
+from workers.backends.cpu.packing import interleaved_copy
 
 __all__ = ["KERNELS", "Backend", "host_memory"]
 
@@ -38,7 +39,7 @@ class Backend:
         return array
 
     def to_host(self, array: np.ndarray) -> np.ndarray:
-        return array
+        return interleaved_copy(array)  # a weight the integer products packed, as it was sent
 
     def synchronize(self) -> None:
         pass

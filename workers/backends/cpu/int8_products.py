@@ -13,8 +13,9 @@ products (the exact path, `activations="f32"`) they differ by the activations' 8
 as llama.cpp's do.
 
 Weights keep the workers' interleaved layout (split_state/quant.py) with 64 lanes: a byte row of
-a block is one 512-bit vector. (Other lane counts, from splits into extents that are not whole
-multiples of 64 rows, take the float32 loops.)
+a block is one 512-bit vector; their quant rows packed at load where `packs` (packing.py: each
+four rows as 64 lanes' four bytes, the pieces the products multiply). (Other lane counts, from
+splits into extents that are not whole multiples of 64 rows, take the float32 loops.)
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ QUAD = 4  # activation rows per pass over a block's value rows
 UNPACKED_PASS = 1 if vir.ISA == vir.AVX2 else QUAD
 
 
+def packs(fmt: str, isa: int = vir.ISA) -> bool:
+    """Whether the products of `fmt` on `isa` read the weight packed (packing.py): formats with a
+    formats.Packed row, on the instruction sets that multiply fours of a lane (the generic code
+    multiplies value rows)."""
+    return INT_FORMATS[fmt].packed is not None and vir.transposes(isa)
+
+
 class _Block:
     """The values and factors of one block, read from the weight (each sub-block reading the
     block's byte rows anew: vector_ir.load_once; the rows at["ahead"] bytes on asked for)."""
@@ -78,12 +86,16 @@ class _Block:
     ready = False  # values as value rows, for dot4 to transpose
     paired = False  # minimums two sub-blocks a lane (an unpacked block's, with VNNI)
 
-    def __init__(self, builder, fmt, lanes: int, at: dict, moves: list | None = None, asking: bool = True):
+    def __init__(
+        self, builder, fmt, lanes: int, at: dict, moves: list | None = None, asking: bool = True, isa: int = vir.ISA
+    ):
         self.builder, self.fmt, self.lanes, self.at = builder, fmt, lanes, at
         self.touched: set[int] = set()  # the block's rows read so far
         self.asked = 0  # the rows of the block ahead asked for: rows 0 .. asked - 1
         self.moves = moves  # a class's code (formats.Repeated): the rows each region moves by
         self.asking = asking  # (a class's code and a block's tail ask for rows by ask_slice)
+        # the weight's quant rows packed (packing.py): values as pieces, their lanes in order
+        self.packed = self.ordered = packs(fmt.name, isa)
 
     def _offset(self, p: int):
         i64 = self.at["w_at"].type
@@ -129,6 +141,21 @@ class _Block:
     def values(self, row, v: int) -> list:
         return [self.fmt.value_row(self.builder, row, v + k) for k in range(4)]
 
+    def pieces(self, p: int) -> list:
+        """Packed rows p .. p + 3 as <16 x i32> pieces, lanes 16 z .. 16 z + 15 in piece z."""
+        for k in range(4):
+            if p + k not in self.touched:
+                self.touched.add(p + k)
+                self.ask_ahead(1)
+        i64, piece = self.at["w_at"].type, vir.vector(vir.I32, vir.CHUNK)
+        first = self._offset(p)
+        return [
+            vir.load_once(
+                self.builder, self.at["w"], self.builder.add(first, ir.Constant(i64, z * vir.CHUNK * 4)), piece
+            )
+            for z in range(self.lanes // vir.CHUNK)
+        ]
+
     def shares(self, rows: int, isa: int) -> bool:
         """Whether sub-blocks that share byte rows go in one pass, each row transposed once for
         all of them (formats.Transposed): with VNNI, for one activation row, whose sums of the
@@ -137,7 +164,8 @@ class _Block:
         either way, and four rows 197 against 251-270. With AVX2 two sub-blocks' int16 sums of
         64 lanes fill its 16 registers: shared, one thread's 8,192 x 2,048 one-row products took
         q6_k 1,391-1,865 against 1,045-1,061 us, q4_k 822-1,086 against 746, 2026-12-02.)"""
-        return self.fmt.transposed is not None and isa == vir.VNNI and not self.ready and rows == 1
+        shared = self.fmt.transposed is not None and isa == vir.VNNI and rows == 1
+        return shared and not self.ready and not self.packed
 
     def passes(self, shared: bool) -> tuple[tuple[int, ...], ...]:
         if shared:
@@ -150,6 +178,15 @@ class _Block:
         source's four byte rows transposed once and the values made from the transposed bytes."""
         sub = self.fmt.sub
         fours = [(s, v) for s in subs for v in range(s * sub, (s + 1) * sub, 4)]
+        if self.packed:  # each source's pieces loaded once for the fours of `subs`
+            spec, loaded = self.fmt.packed, {}
+            for s, v in fours:
+                for p in spec.sources(v):
+                    if p not in loaded:
+                        loaded[p] = self.pieces(p)
+                pieces = zip(*(loaded[p] for p in spec.sources(v)))
+                yield s, v, [spec.value(self.builder, list(chunk), v) for chunk in pieces], True
+            return
         if not shared:
             for s, v in fours:
                 yield s, v, self.values(row, v), self.ready
@@ -185,8 +222,9 @@ class _Unpacked(_Block):
     a prefill's activation rows read it four at a time, where each four transposed it anew."""
 
     def __init__(self, builder, fmt, lanes: int, isa: int, at: dict):
-        super().__init__(builder, fmt, lanes, at)
+        super().__init__(builder, fmt, lanes, at, isa=isa)
         self.isa, self.ready = isa, vir.transposes(isa)
+        self.packed = False  # (read from the scratch; `ordered` as the weight it was unpacked from)
         self.scales_at, self.minimums_at, _ = _unpacked_layout(fmt, lanes)
 
     def reader(self):
@@ -226,7 +264,7 @@ class _Unpacked(_Block):
 
 def _unpack_code(builder, fmt, lanes: int, isa: int, at: dict) -> None:
     """The block's values and factors into at["scratch"] as _Unpacked reads them."""
-    source = _Block(builder, fmt, lanes, at)
+    source = _Block(builder, fmt, lanes, at, isa=isa)
     scales_at, minimums_at, _ = _unpacked_layout(fmt, lanes)
     block = FORMATS[fmt.name].block
 
@@ -236,7 +274,10 @@ def _unpack_code(builder, fmt, lanes: int, isa: int, at: dict) -> None:
     held = None  # an even sub-block's minimums, paired with the next one's (VNNI, AVX2)
     for s in range(block // fmt.sub):
         row = source.reader()
-        for v in range(s * fmt.sub, (s + 1) * fmt.sub, 4):
+        for _, v, pieces, _ in source.fours(row, (s,), False) if source.packed else ():
+            for z, piece in enumerate(pieces):
+                put(piece, v * lanes + z * vir.CHUNK * 4)
+        for v in range(s * fmt.sub, (s + 1) * fmt.sub, 4) if not source.packed else ():
             values = source.values(row, v)
             if vir.transposes(isa):
                 for z, piece in enumerate(vir.transposed(builder, values, isa)):
@@ -368,7 +409,9 @@ def _sub_block_epilogue(
     scale = source.scale(row, s)
     scale = vir.chunks(builder, scale, isa) if scale is not None else None
     for r in range(rows):
-        sub_sums = vir.natural(builder, vir.settled(builder, accs[r]), isa)
+        sub_sums = vir.settled(builder, accs[r])
+        if not source.ordered:
+            sub_sums = vir.natural(builder, sub_sums, isa)
         if scale is not None:
             sub_sums = [builder.mul(a, c) for a, c in zip(sub_sums, scale)]
         if "acc" in at:  # a legacy block's one sum, scaled and added where it belongs
@@ -493,7 +536,7 @@ def block_sums(
                     share = _ask_share(fmt)
 
                     def emit_class(builder, template):
-                        source = _Block(builder, fmt, lanes, at, moves, asking=False)
+                        source = _Block(builder, fmt, lanes, at, moves, asking=False, isa=isa)
                         source.ask_slice(at["ask"], share)
                         _block_code(builder, fmt, rows, lanes, its, at, source, (template,))
 
@@ -502,8 +545,9 @@ def block_sums(
                     return
                 if unpacked:
                     source = _Unpacked(builder, fmt, lanes, its, at)
+                    source.ordered = packs(fmt.name, isa)
                 else:
-                    source = _Block(builder, fmt, lanes, at, asking=repeated != "tail")
+                    source = _Block(builder, fmt, lanes, at, asking=repeated != "tail", isa=isa)
                 _block_code(builder, fmt, rows, lanes, its, at, source, () if repeated == "tail" else None)
 
             _switch({f.code: f for f in formats}, "block_sums", emit)(builder, code)
@@ -835,7 +879,7 @@ def activations_for(partner: Partner, rows: int, width: int) -> Activations:
 def product(fmt: str, rows: int, width: int, threads: int = 1):
     """A function (x (rows, width) float32, w, out (rows, groups * 64)) running the product on
     the running thread's activation buffers (activations_for), over `threads` threads (how far
-    ahead it asks for the weight: ahead_bytes)."""
+    ahead it asks for the weight: ahead_bytes). w is packed (packing.py) where `packs(fmt)`."""
     spec = INT_FORMATS[fmt]
     code, partner, ahead = spec.code, spec.partner, ahead_bytes(fmt, threads)
     threaded = over_threads(rows * width, threads)

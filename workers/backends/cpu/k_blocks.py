@@ -101,6 +101,24 @@ def q4_k_transposed(builder, pieces, v):
     return nibble_of(builder, pieces[0], v % 64 >= 32)
 
 
+def q5_k_sources(v: int) -> tuple[int, int]:
+    """q5_k's values v .. v + 3 from (their fifth bits' bytes, their nibbles' bytes)."""
+    chunk, within = divmod(v, 64)
+    return 16 + within % 32, 48 + 32 * chunk + within % 32
+
+
+def q5_k_transposed(builder, pieces, v):
+    """Values v .. v + 3 from their fifth bits' and nibbles' pieces: the nibble, and bit v // 32
+    of the fifth bits' byte as its bit 4."""
+    top, low = pieces
+    low = nibble_of(builder, low, v % 64 >= 32)
+    bytes_ = vector(I8, low.type.count * low.type.element.width // 8)
+    bit = builder.and_(
+        builder.lshr(builder.bitcast(top, bytes_), byte_splat(v // 32, bytes_.count)), byte_splat(1, bytes_.count)
+    )
+    return builder.or_(low, builder.bitcast(builder.shl(bit, byte_splat(4, bytes_.count)), low.type))
+
+
 def q6_k_sources(v: int) -> tuple[int, int]:
     """q6_k's values v .. v + 3 from (their qh bytes, their ql bytes), as `q6_k` reads them."""
     half, rest = divmod(v, 128)

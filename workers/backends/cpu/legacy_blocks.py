@@ -10,7 +10,7 @@ subtracts 8 and q5_0's 16: `bias` in the format table).
 
 from __future__ import annotations
 
-from workers.backends.cpu.vector_ir import byte_splat
+from workers.backends.cpu.vector_ir import I8, byte_splat, nibble_of, vector
 
 
 def nibble(builder, row, first: int, v: int):
@@ -51,3 +51,25 @@ def q5_1(builder, row, v):
 def q8_0(builder, row, v):
     quant = row(2 + v)
     return builder.xor(quant, byte_splat(0x80, quant.type.count))  # int8 q as the byte q + 128
+
+
+# Where the packed formats' values lie in a weight packed at load (formats.Packed, packing.py):
+# values v .. v + 3 (v a multiple of 4) of every lane are one piece of the four byte rows from p,
+# made with the same byte operations as from the rows.
+
+
+def nibble_sources(first: int):
+    """The byte rows p (as (p,)) whose four bytes hold values v .. v + 3 of a nibble block whose
+    quant bytes begin at `first`: low halves for v < 16, high halves for the rest."""
+    return lambda v: (first + v % 16,)
+
+
+def nibble_piece(builder, pieces, v):
+    return nibble_of(builder, pieces[0], v % 32 >= 16)
+
+
+def q8_0_piece(builder, pieces, v):
+    (piece,) = pieces
+    bytes_ = vector(I8, piece.type.count * piece.type.element.width // 8)
+    flipped = builder.xor(builder.bitcast(piece, bytes_), byte_splat(0x80, bytes_.count))
+    return builder.bitcast(flipped, piece.type)

@@ -42,6 +42,7 @@ import numpy as np
 
 from split_state.errors import ShapeError
 from split_state.quant import FORMATS
+from workers.backends.cpu import packing
 from workers.backends.cpu.row_threads import over_threads
 from workers.kernels import basic, fused, quant
 
@@ -345,12 +346,14 @@ def _plan_qmatmul(xp, inputs, params, out=None):
     out = xp.empty(xb.shape[:-2] + (groups, lanes), np.float32) if out is None else out
     fmt = params["format"]
     usable = xp is np and rows > 0 and w.size and _plain(xb, out) and w.flags.c_contiguous
+    if usable and fmt not in WIDENED and params.get("activations") == "q8" and _int8_takes(fmt, w, width):
+        x, flat = xb.reshape(rows, width), out.reshape(rows, groups * lanes)
+        return _int8_run(fmt, x, w, flat, out)
+    packing.ensure_interleaved(w)  # every reader below reads the file's interleaved bytes
     if not usable or fmt in WIDENED:
         return None
     x = xb.reshape(rows, width)
     flat = out.reshape(rows, groups * lanes)
-    if params.get("activations") == "q8" and _int8().takes(fmt, width, lanes):
-        return _int8_run(fmt, x, w, flat, out)
     if rows > LOOP_ROWS.get(fmt, MAX_LOOP_ROWS):
 
         def tiled():
@@ -370,6 +373,15 @@ def _plan_qmatmul(xp, inputs, params, out=None):
         loop, pairs = loops.nibble_lanes, loops.nibble_lane_pairs
         args = (w, _halves(), fmt in ("q4_1", "q5_1"), fmt.startswith("q5"))
     return _rows_run(loop, pairs, x, args, flat, out)
+
+
+def _int8_takes(fmt: str, w, width: int) -> bool:
+    """Whether the integer products take w, packed first where they read it packed (in place,
+    once: packing.py)."""
+    int8 = _int8()
+    if not int8.takes(fmt, width, w.shape[3]):
+        return False
+    return not int8.packs(fmt) or packing.ensure_packed(w, fmt)
 
 
 def _int8_run(fmt: str, x, w, flat, out) -> Callable:
@@ -804,10 +816,15 @@ def qget_rows(xp, inputs, params, out=None):
         or out.shape != ids.shape + (width,)
         or not out.size
     ):
+        packing.ensure_interleaved(table)
         return quant.qget_rows(xp, inputs, params, out)
     spans = np.asarray(params.get("spans", [(0, params["rows"], 0)]), np.int64).reshape(-1, 3)
     flat = ids.reshape(-1)
-    if not _loops().looked_up_rows(table, flat, spans, params["rows"], _halves(), code, out.reshape(-1, width)):
+    where, step = packing.byte_map(table.shape[2], table.shape[3], packing.layout_of(table))
+    looked_up = _loops().looked_up_rows(
+        table, where, step, flat, spans, params["rows"], _halves(), code, out.reshape(-1, width)
+    )
+    if not looked_up:
         raise basic.ids_outside("qget_rows", params["rows"], int(flat.min()), int(flat.max()))
     return out
 

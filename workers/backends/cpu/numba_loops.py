@@ -719,15 +719,17 @@ EIGHT, THIRTY_TWO = np.float32(8), np.float32(32)
 
 
 @jit
-def looked_up_rows(w, ids, spans, rows, half, code, out):
+def looked_up_rows(w, where, step, ids, spans, rows, half, code, out):
     """out[r] = row ids[r] of a (rows, width) weight held as w (groups, blocks, block bytes, lanes),
     where a span (start, stop, local) of `spans` holds it (at local row id - start + local), else
-    zeros; False (nothing written) where an id lies outside [0, rows). code: 0 q4_0, 1 q4_1,
-    2 q8_0, 3 q5_0, 4 q5_1, 5 q4_k, 6 q5_k, 7 q6_k."""
+    zeros; False (nothing written) where an id lies outside [0, rows). Byte p of a block's lane l
+    lies at where[p] + l * step[p] of its bytes (packing.byte_map: interleaved, or packed for
+    the integer products). code: 0 q4_0, 1 q4_1, 2 q8_0, 3 q5_0, 4 q5_1, 5 q4_k, 6 q5_k, 7 q6_k."""
     for r in range(ids.shape[0]):
         if ids[r] < 0 or ids[r] >= rows:
             return False
     lanes = w.shape[3]
+    block = np.empty(w.shape[2], np.uint8)
     for r in range(ids.shape[0]):
         local = -1
         for s in range(spans.shape[0]):
@@ -737,7 +739,10 @@ def looked_up_rows(w, ids, spans, rows, half, code, out):
             out[r, :] = 0
             continue
         for b in range(w.shape[1]):
-            block = w[local // lanes, b, :, local % lanes]
+            held = w[local // lanes, b]
+            for p in range(block.shape[0]):
+                at = where[p] + (local % lanes) * step[p]
+                block[p] = held[at // lanes, at % lanes]
             if code >= 5:
                 _k_block_values(block, half, code, out[r, b * 256 : (b + 1) * 256])
             else:
