@@ -10,7 +10,9 @@ kernel's innermost loop runs over rows with one value of x for all of them and v
 no remainder (llama.cpp interleaves its CPU weights for the same reason). Measured on SmolLM2's
 30 Q4_1 layers and Q8_0 head, one AVX-512 core, one token: 14.5 ms with 64 lanes against 31.0 ms
 for the layout it replaced (byte p of every block of a row contiguous, an inner loop over a
-row's 18 blocks).
+row's 18 blocks). (A CPU worker's integer products go one step further, in its own memory:
+each four quant rows of a block of 64 lanes packed as 64 lanes of four bytes, in place, at the
+first product: workers/backends/cpu/packing.py. What is sent and split is this layout.)
 
 Split states of such a weight are over the interleaved array: a split of axis 0 splits whole
 groups of `lanes` rows, a split of axis 1 the values on block boundaries. `lanes_for` picks the
