@@ -546,11 +546,18 @@ class GGUFModel:
     def resident_bytes(self, weights: str) -> int:
         """The bytes the workers hold for the weights, all of them together: the file's blocks
         for the matrices `native` keeps in them (`weights="native"`), float32 for the rest."""
-        total = 0
-        for t in self.tensors.values():
-            kept = weights == "native" and t.data.ndim == 2 and t.tensor_type.name.lower() in FORMATS
-            total += t.data.nbytes if kept else 4 * int(np.prod(t.shape, dtype=np.int64))
-        return total
+        return sum(_held_bytes(t, weights) for t in self.tensors.values())
+
+    def held_bytes(self, name: str, weights: str) -> int:
+        """The bytes the workers hold for weight `name` (models.llama's, e.g. "embed"), all of
+        them together, as resident_bytes counts them. From the header alone."""
+        t = self.tensors.get(self._gguf_name(name))
+        return 0 if t is None else _held_bytes(t, weights)
+
+    def layer_bytes(self, layer: int, weights: str) -> int:
+        """The bytes the workers hold for layer `layer`'s tensors, as resident_bytes counts them."""
+        prefix = f"blk.{layer}."
+        return sum(_held_bytes(t, weights) for name, t in self.tensors.items() if name.startswith(prefix))
 
     def weight(self, name: str) -> np.ndarray:
         """Weight `name` of models.llama (e.g. "l3.wq", "embed") as float32 in NumPy layout."""
@@ -602,3 +609,8 @@ def _block(kind) -> int:
     from gguf import GGML_QUANT_SIZES
 
     return GGML_QUANT_SIZES[kind][0]
+
+
+def _held_bytes(t, weights: str) -> int:
+    kept = weights == "native" and t.data.ndim == 2 and t.tensor_type.name.lower() in FORMATS
+    return t.data.nbytes if kept else 4 * int(np.prod(t.shape, dtype=np.int64))

@@ -90,24 +90,49 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def check_fits(
-    dev: MetaDevice, model: GGUFModel, weights: str, ctx: int, batch: int, cache_types: tuple[str, str] = ("f32", "f32")
+    dev: MetaDevice,
+    model: GGUFModel,
+    weights: str,
+    ctx: int,
+    batch: int,
+    cache_types: tuple[str, str] = ("f32", "f32"),
+    groups: LayerGroups | None = None,
 ) -> None:
     """Refuse, before any weight moves, a model that cannot fit the workers' memory budgets:
     each worker holds at least its share of the weights (1/N of them) and the KV cache of its
     whole KV heads (the worker with the most: ceil(kv heads / N)) at `ctx` positions (a windowed
-    layer's: its ring, models.llama.cache_lengths). A model
-    that passes may still run short by the uneven part of the split, the worker's programs and
-    its working memory: that is the workers' OutOfMemory, as before."""
+    layer's: its ring, models.llama.cache_lengths). With layer `groups`, the workers of a group
+    share its layers' weights and caches (ceil(kv heads / group size) each), the first group's
+    the embedding table besides and the last group's the head (a tied head's own copy of the
+    table) and the rest; the group that needs the most decides. A model that passes may still
+    run short by the uneven part of the split, the worker's programs and its working memory:
+    that is the workers' OutOfMemory, as before."""
     cfg, n = model.config, dev.n
-    share = model.resident_bytes(weights) / n
     position = sum(np.dtype(CACHE_TYPES[c]).itemsize for c in cache_types) * cfg.head_dim  # a key and a value
-    kv = sum(cache_lengths(cfg, ctx)) * batch * -(-cfg.kv_heads // n) * position  # windowed layers: rings
+    lengths = cache_lengths(cfg, ctx)  # windowed layers: rings
+    if groups is None:
+        share = model.resident_bytes(weights) / n
+        kv = sum(lengths) * batch * -(-cfg.kv_heads // n) * position
+    else:
+        size, last, embed = groups.size, len(groups.groups) - 1, model.held_bytes("embed", weights)
+        layers = [model.layer_bytes(i, weights) for i in range(cfg.layers)]
+        rest = model.resident_bytes(weights) - sum(layers) - embed  # the head, the final norm
+        share = kv = 0
+        for g, group in enumerate(groups.groups):
+            held = [i for i in range(cfg.layers) if groups.of_layer(i, cfg.layers) == group]
+            its = sum(layers[i] for i in held) + (embed if g == 0 else 0)
+            its += (rest + (embed if cfg.tied else 0)) if g == last else 0
+            its_kv = sum(lengths[i] for i in held) * batch * -(-cfg.kv_heads // size) * position
+            if its / size + its_kv > share + kv:
+                share, kv = its / size, its_kv
     budget = min(info["budget"] for info in dev.stats().values())
     if share + kv > budget:
         mib = 1 << 20
         raise ModelError(
-            f"{model.path.name} cannot fit: each of {n} workers needs at least {share / mib:.0f} MiB of "
-            f"{weights} weights and {kv / mib:.0f} MiB of KV cache at --ctx {ctx}"
+            f"{model.path.name} cannot fit: "
+            + (f"each of {n} workers" if groups is None else "a worker of a layer group")
+            + f" needs at least {share / mib:.0f} MiB of {weights} weights"
+            + f" and {kv / mib:.0f} MiB of KV cache at --ctx {ctx}"
             + (f" for {batch} sequences" if batch > 1 else "")
             + f", over its {budget / mib:.0f} MiB budget; use more workers"
             + (", --weights native" if weights != "native" else "")
@@ -203,7 +228,7 @@ def place_model(
         raise ModelError(f"--activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
     cache_types = cache_types_for(cache_types, activations, weights)
     check_cache_types(cache_types)
-    check_fits(dev, model, weights, ctx, batch, tuple(cache_types))
+    check_fits(dev, model, weights, ctx, batch, tuple(cache_types), groups)
     source = model.native if weights == "native" else model.weight
     fuse = fuses_qkv(model, weights)
     net = TensorParallelLlama(

@@ -417,3 +417,35 @@ def test_gemma_decodes_alike_native_and_float_past_its_window(tmp_path, architec
         (False, 50.0, 30.0) if architecture == "gemma2" else (True, None, None)
     )
     _decode_alike(path, 24)
+
+
+def test_the_memory_check_of_layer_groups_counts_each_groups_layers_and_a_tied_heads_copy(tmp_path):
+    """With layers split over groups, the group that needs the most decides: here two groups of
+    one worker, the first holding layer 0 and the embedding, the last layer 1, the final norm and
+    the tied head's own copy of the embedding, each its layer's caches; worked out by hand from
+    the file's tensors (every one float32 with --weights f32)."""
+    import types as namespaces
+
+    from models.gguf_model import ModelError
+    from models.llama import LayerGroups
+    from models.loading import check_fits
+
+    shape = synthetic.Shape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=300)
+    model = GGUFModel(synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape, weights="f32"), None).path)
+    assert model.config.tied
+    sizes = {name: 4 * int(np.prod(t.shape)) for name, t in model.tensors.items()}
+    embed = sizes["token_embd.weight"]
+    layer1 = sum(size for name, size in sizes.items() if name.startswith("blk.1."))
+    rest = sum(size for name, size in sizes.items() if not name.startswith("blk.")) - embed
+    ctx = 512
+    kv = ctx * 2 * (4 + 4) * 16  # one layer: 2 KV heads of 16 values, float32 keys and values
+    last = layer1 + rest + embed + kv  # more than the first group's: layer 0 (the same), the table
+    groups = LayerGroups.even(2, 2)
+
+    def fits(budget):
+        dev = namespaces.SimpleNamespace(n=2, stats=lambda: {0: {"budget": budget}, 1: {"budget": budget}})
+        check_fits(dev, model, "f32", ctx, 1, ("f32", "f32"), groups)
+
+    fits(last)
+    with pytest.raises(ModelError, match="a worker of a layer group needs at least"):
+        fits(last - 1)
