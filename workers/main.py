@@ -44,6 +44,7 @@ from workers.comm import ZmqComm
 from workers.kernels.fused import UNFUSED_ENV, left_fused
 from workers.planes.shm import SHARED_FILES
 from workers.server import WorkerServer
+from workers.store import map_large_allocations
 
 EXIT_COORDINATOR_LOST = 17
 
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.connect.startswith("ipc://") and os.path.basename(os.path.dirname(args.connect[6:])).startswith("meta-tp-"):
         _IPC_DIRS.append(os.path.dirname(args.connect[6:]))
     np.seterr(all="ignore")  # as on GPUs: overflow gives inf/nan, never a warning per op
+    map_large_allocations()  # freed message buffers go back to the system (workers/store.py)
     backend = make_backend(args.backend, args.device, args.rank)
     numba_cpu.set_threads(args.threads)  # the CPU decode loops' threads (a GPU worker's loops never run)
     context = zmq.Context()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections.abc import Callable
 from typing import Any
 
@@ -50,3 +52,22 @@ class TensorStore:
         array = self.tensors.pop(tensor, None)
         if array is not None:
             self.used -= array.nbytes
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_FROM_BYTES = 1 << 20
+
+
+def map_large_allocations() -> None:
+    """Have glibc map every allocation of MMAP_FROM_BYTES or more on its own, and unmap it when
+    freed, for the rest of the process (mallopt(M_MMAP_THRESHOLD), which also stops glibc
+    raising the threshold to the largest chunk freed, up to 32 MiB). A weight arrives in a
+    message buffer and is copied into the store; with the threshold raised, both came from the
+    heap, and the freed buffers between stored weights stayed resident: a 1.7B-shaped Q4_K_M
+    file's 452 MiB on one worker peaked at 678 MiB, with this at 635 (file + 200 MiB + KV: 653).
+    A decode step allocates nothing this large (its buffers are the program's arena)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_FROM_BYTES)
+    except (OSError, AttributeError):  # not glibc: its own policy stands
+        pass
