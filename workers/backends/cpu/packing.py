@@ -19,6 +19,7 @@ overlaps a packed span without being it is refused (it would read bytes in the w
 from __future__ import annotations
 
 import functools
+import importlib
 import threading
 import weakref
 
@@ -32,7 +33,6 @@ except ImportError:  # NumPy 1
 from split_state.errors import ShapeError
 
 LANES = 64  # the products' lanes (int8_products.LANES): packing is for them alone
-_GROUPS_AT_ONCE = 16  # groups of 64 rows permuted at a time: the copy a step takes stays small
 
 
 def packed_rows(fmt: str) -> tuple[int, int] | None:
@@ -44,19 +44,11 @@ def packed_rows(fmt: str) -> tuple[int, int] | None:
 
 def _permute(w: np.ndarray, fmt: str, pack: bool) -> None:
     first, end = packed_rows(fmt)
-    groups, blocks, _, lanes = w.shape
+    groups, blocks, size, lanes = w.shape
     if lanes != LANES or not w.flags.c_contiguous or w.dtype != np.uint8:
         raise ShapeError(f"a packed {fmt} weight is contiguous uint8 of {LANES} lanes, not {w.dtype} {w.shape}")
-    fours = (end - first) // 4
-    for start in range(0, groups, _GROUPS_AT_ONCE):
-        part = w[start : start + _GROUPS_AT_ONCE, :, first:end, :]
-        as_rows = part.reshape(part.shape[0], blocks, fours, 4, LANES)  # rows p .. p + 3, lanes apart
-        as_lanes = as_rows.reshape(part.shape[0], blocks, fours, LANES, 4)  # the same bytes, lane by lane
-        assert np.shares_memory(as_rows, w) and np.shares_memory(as_lanes, w), "views, not copies"
-        if pack:
-            as_lanes[...] = as_rows.transpose(0, 1, 2, 4, 3).copy()
-        else:
-            as_rows[...] = as_lanes.transpose(0, 1, 2, 4, 3).copy()
+    loops = importlib.import_module("workers.backends.cpu.numba_loops")  # (where products pack: numba's)
+    loops.permute_fours(w.reshape(groups * blocks, size * lanes), first, end, pack)
 
 
 def pack(w: np.ndarray, fmt: str) -> None:
