@@ -61,12 +61,6 @@ def unpack(w: np.ndarray, fmt: str) -> None:
     _permute(w, fmt, False)
 
 
-def packed_copy(w: np.ndarray, fmt: str) -> np.ndarray:
-    out = np.ascontiguousarray(w).copy()
-    pack(out, fmt)
-    return out
-
-
 class _Marks:
     """The packed spans of memory: owner id -> (weakref to the owner, {(start, nbytes): format})."""
 
