@@ -601,6 +601,7 @@ SCRATCH_BYTES = max(_unpacked_layout(f, LANES)[2] for f in INT_FORMATS.values())
 UNPACK_ROWS = 2 if vir.ISA == vir.AVX2 else 8
 
 parallel = numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+serial = numba.njit(cache=True, nogil=True, fastmath=True)
 inline = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
 
 
@@ -618,6 +619,23 @@ def _factors(w, g, b, at, out):
     """out[lane] = the float16 at bytes at, at + 1 of block b of each lane (F16C's widening)."""
     for lane in range(out.shape[0]):
         out[lane] = _widen_half(np.int32(w[g, b, at, lane]) | (np.int32(w[g, b, at + 1, lane]) << 8))
+
+
+@inline
+def _tasks(groups, threads):
+    """legacy_rows' and k_rows' tasks: one a thread (the caller's count: numba's, read in here,
+    would keep the loops out of numba's cache), each a run of row groups (prange's own static
+    schedule), so that a task makes its scratch once where a task a group made it for each:
+    0.3-0.4 us a group, a fifth of a 64 x 576 q5_0 group's time in cache (a SmolLM2 decode step
+    has ~2,000 groups a worker)."""
+    return max(1, min(groups, threads))
+
+
+@inline
+def _task_group(acc):
+    """A task's next row group begins from zero sums (its other scratch is written before it
+    is read, or stays zero: _scratch's)."""
+    acc[:, :] = 0
 
 
 @inline
@@ -715,89 +733,127 @@ _k_one_by_classes = one_row_by_classes()
 
 
 @parallel
-def legacy_rows(code, x8, d, sums, s, w, ahead, out):
+def legacy_rows(code, x8, d, sums, s, w, ahead, threads, out):
     """out (rows, groups * 64) = the rows of x8 (rows, width) int8 times the weight's rows, for
     legacy format `code`: each block's d_w * d_x * (its integer sum) (+ m_w * s_x for q4_1 and
     q5_1), d (rows, blocks), sums and s the partner's (activations.quantize_q8_0); the float
-    work is the block code's (_add_scaled); the weight's rows asked for `ahead` bytes on."""
+    work is the block code's (_add_scaled); the weight's rows asked for `ahead` bytes on. Its
+    tasks over the threads, each legacy_task."""
+    tasks = _tasks(w.shape[0], threads)
+    for t in numba.prange(tasks):
+        legacy_task(code, x8, d, sums, s, w, ahead, t, tasks, out)
+
+
+@serial
+def legacy_task(code, x8, d, sums, s, w, ahead, task, tasks, out):
+    """legacy_rows' task `task` of `tasks`: its run of row groups, on one thread (a one-thread
+    worker's products call it alone: a parallel launch cost ~1.3 us a call, a SmolLM2 decode
+    step making 151 of them)."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     with_min = code == 1 or code == 3
-    for g in numba.prange(groups):
-        acc, _, dw, mw, unpacked = _scratch(rows, lanes)
-        for b in range(blocks):
-            at = (g * blocks + b) * size * lanes
-            _factors(w, g, b, 0, dw)
-            if with_min:
-                _factors(w, g, b, 2, mw)
-            i = 0
-            if rows >= UNPACK_ROWS:
-                _legacy_unpack(code, w, at, ahead, unpacked)
-                while i + UNPACKED_PASS <= rows:
-                    x_at, k, acc_at = i * width + b * 32, i * blocks + b, i * lanes
-                    _legacy_unpacked_pass(
-                        code, unpacked, x8, x_at, width, sums, k, blocks, d, k, blocks, s, dw, mw, acc, acc_at, lanes
-                    )
-                    i += UNPACKED_PASS
-            while i < rows:  # (d and s: indexed as the sums, a value a block)
+    acc, _, dw, mw, unpacked = _scratch(rows, lanes)
+    for g in range(task * groups // tasks, (task + 1) * groups // tasks):
+        _task_group(acc)
+        _group_legacy(code, x8, d, sums, s, w, ahead, out, g, with_min, acc, dw, mw, unpacked)
+
+
+@inline
+def _group_legacy(code, x8, d, sums, s, w, ahead, out, g, with_min, acc, dw, mw, unpacked):
+    """legacy_rows' row group g (64 weight rows) into out, on a task's scratch."""
+    rows, width = x8.shape
+    groups, blocks, size, lanes = w.shape
+    for b in range(blocks):
+        at = (g * blocks + b) * size * lanes
+        _factors(w, g, b, 0, dw)
+        if with_min:
+            _factors(w, g, b, 2, mw)
+        i = 0
+        if rows >= UNPACK_ROWS:
+            _legacy_unpack(code, w, at, ahead, unpacked)
+            while i + UNPACKED_PASS <= rows:
                 x_at, k, acc_at = i * width + b * 32, i * blocks + b, i * lanes
-                if i + QUAD <= rows:
-                    _legacy_quad(
-                        code, w, at, ahead, x8, x_at, width, sums, k, blocks,
-                        d, k, blocks, s, dw, mw, acc, acc_at, lanes,
-                    )  # fmt: skip
-                    i += QUAD
-                else:
-                    _legacy_one(
-                        code, w, at, ahead, x8, x_at, width, sums, k, blocks,
-                        d, k, blocks, s, dw, mw, acc, acc_at, lanes,
-                    )  # fmt: skip
-                    i += 1
-        out[:, g * lanes : (g + 1) * lanes] = acc
+                _legacy_unpacked_pass(
+                    code, unpacked, x8, x_at, width, sums, k, blocks, d, k, blocks, s, dw, mw, acc, acc_at, lanes
+                )
+                i += UNPACKED_PASS
+        while i < rows:  # (d and s: indexed as the sums, a value a block)
+            x_at, k, acc_at = i * width + b * 32, i * blocks + b, i * lanes
+            if i + QUAD <= rows:
+                _legacy_quad(
+                    code, w, at, ahead, x8, x_at, width, sums, k, blocks,
+                    d, k, blocks, s, dw, mw, acc, acc_at, lanes,
+                )  # fmt: skip
+                i += QUAD
+            else:
+                _legacy_one(
+                    code, w, at, ahead, x8, x_at, width, sums, k, blocks,
+                    d, k, blocks, s, dw, mw, acc, acc_at, lanes,
+                )  # fmt: skip
+                i += 1
+    out[:, g * lanes : (g + 1) * lanes] = acc
 
 
 @parallel
-def k_rows(code, x8, d, sums, w, ahead, out):
+def k_rows(code, x8, d, sums, w, ahead, threads, out):
     """legacy_rows for the K-quants (`code` 5 q4_k, 6 q5_k, 7 q6_k): each block's d_x * (d_w * (its
     sub-blocks' integer sums times their scales) - dmin_w * (its minimums times the activation's
-    sub-block sums)); d (rows, blocks) and sums (rows, width / 16) are Q8_K's."""
+    sub-block sums)); d (rows, blocks) and sums (rows, width / 16) are Q8_K's. Its tasks over
+    the threads, each k_task."""
+    tasks = _tasks(w.shape[0], threads)
+    for t in numba.prange(tasks):
+        k_task(code, x8, d, sums, w, ahead, t, tasks, out)
+
+
+@serial
+def k_task(code, x8, d, sums, w, ahead, task, tasks, out):
+    """k_rows' task `task` of `tasks` (legacy_task's)."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     q6 = code == 7
     d_at = 208 if q6 else 0
     stride = blocks * 16
-    for g in numba.prange(groups):
-        acc, part, dw, dmin, unpacked = _scratch(rows, lanes)
-        for b in range(blocks):
-            at = (g * blocks + b) * size * lanes
-            _factors(w, g, b, d_at, dw)
-            if not q6:  # (q6_k's minimum sums stay 0: _scratch's)
-                _factors(w, g, b, 2, dmin)
-            i = 0
-            if rows >= UNPACK_ROWS:
-                _k_unpack(code, w, at, ahead, unpacked)
-                while i + UNPACKED_PASS <= rows:
-                    _k_unpacked_pass(
-                        code, unpacked, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part
-                    )
-                    _add_k(acc, part, i, UNPACKED_PASS, dw, dmin, d, b)
-                    i += UNPACKED_PASS
-            while i < rows:
-                if i + QUAD <= rows:
-                    _k_quad(code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
-                    _add_k(acc, part, i, QUAD, dw, dmin, d, b)
-                    i += QUAD
-                elif BY_CLASSES and CLASS_COUNT[code] > 0:
-                    _k_one_by_classes(
-                        code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part
-                    )
-                    _add_k(acc, part, i, 1, dw, dmin, d, b)
-                    i += 1
-                else:
-                    _k_one(code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
-                    _add_k(acc, part, i, 1, dw, dmin, d, b)
-                    i += 1
-        out[:, g * lanes : (g + 1) * lanes] = acc
+    acc, part, dw, dmin, unpacked = _scratch(rows, lanes)
+    for g in range(task * groups // tasks, (task + 1) * groups // tasks):
+        _task_group(acc)
+        _group_k(code, x8, d, sums, w, ahead, out, g, q6, d_at, stride, acc, part, dw, dmin, unpacked)
+
+
+@inline
+def _group_k(code, x8, d, sums, w, ahead, out, g, q6, d_at, stride, acc, part, dw, dmin, unpacked):
+    """k_rows' row group g (64 weight rows) into out, on a task's scratch."""
+    rows, width = x8.shape
+    groups, blocks, size, lanes = w.shape
+    for b in range(blocks):
+        at = (g * blocks + b) * size * lanes
+        _factors(w, g, b, d_at, dw)
+        if not q6:  # (q6_k's minimum sums stay 0: _scratch's)
+            _factors(w, g, b, 2, dmin)
+        i = 0
+        if rows >= UNPACK_ROWS:
+            _k_unpack(code, w, at, ahead, unpacked)
+            while i + UNPACKED_PASS <= rows:
+                _k_unpacked_pass(
+                    code, unpacked, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part
+                )
+                _add_k(acc, part, i, UNPACKED_PASS, dw, dmin, d, b)
+                i += UNPACKED_PASS
+        while i < rows:
+            if i + QUAD <= rows:
+                _k_quad(code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
+                _add_k(acc, part, i, QUAD, dw, dmin, d, b)
+                i += QUAD
+            elif BY_CLASSES and CLASS_COUNT[code] > 0:
+                _k_one_by_classes(
+                    code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part
+                )
+                _add_k(acc, part, i, 1, dw, dmin, d, b)
+                i += 1
+            else:
+                _k_one(code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
+                _add_k(acc, part, i, 1, dw, dmin, d, b)
+                i += 1
+    out[:, g * lanes : (g + 1) * lanes] = acc
 
 
 # numba keys its cache of the loops above by this file's time stamp alone, but their code is made
@@ -883,18 +939,20 @@ def product(fmt: str, rows: int, width: int, threads: int = 1):
     spec = INT_FORMATS[fmt]
     code, partner, ahead = spec.code, spec.partner, ahead_bytes(fmt, threads)
     threaded = over_threads(rows * width, threads)
+    # one thread: the task itself, no parallel launch
+    (legacy, k), tail = ((legacy_task, k_task), (0, 1)) if threads == 1 else ((legacy_rows, k_rows), (threads,))
     if spec.scales is None:
 
         def run_legacy(x, w, out):
             act = activations_for(partner, rows, width)
             act.quantize(x, threaded)
-            legacy_rows(code, act.q, act.d, act.sums, act.s, w, ahead, out)
+            legacy(code, act.q, act.d, act.sums, act.s, w, ahead, *tail, out)
 
         return run_legacy
 
     def run_k(x, w, out):
         act = activations_for(partner, rows, width)
         act.quantize(x, threaded)
-        k_rows(code, act.q, act.d, act.sums, w, ahead, out)
+        k(code, act.q, act.d, act.sums, w, ahead, *tail, out)
 
     return run_k
