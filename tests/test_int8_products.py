@@ -445,7 +445,7 @@ def test_products_split_over_workers_equal_the_model(sim, n):
 # -- weights packed at load (workers/backends/cpu/packing.py) ----------------------------------
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("name", INT_TYPES)
 def test_a_weight_is_packed_once_and_every_kernel_reads_it(name):
     """The first integer product of a weight packs it in place (the layout as_products_read
     makes byte by byte), later ones find it packed (the same bits); the table lookup reads the

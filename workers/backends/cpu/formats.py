@@ -113,6 +113,11 @@ def _nibbles_packed(first: int) -> Packed:
     return Packed(first, first + 16, legacy_blocks.nibble_sources(first), legacy_blocks.nibble_piece)
 
 
+def _fifth_bits_packed(word: int) -> Packed:
+    """q5_0 / q5_1: the fifth bits' word (one four) and the nibbles after it."""
+    return Packed(word, word + 20, legacy_blocks.fifth_bit_sources(word, word + 4), legacy_blocks.fifth_bit_piece)
+
+
 _Q8_0_PACKED = Packed(2, 34, lambda v: (2 + v,), legacy_blocks.q8_0_piece)
 _Q4_K_PACKED = Packed(16, 144, k_blocks.q4_k_sources, k_blocks.q4_k_transposed)
 _Q5_K_PACKED = Packed(16, 176, k_blocks.q5_k_sources, k_blocks.q5_k_transposed)
@@ -124,8 +129,8 @@ INT_FORMATS = {
     for f in (
         IntFormat("q4_0", 0, Partner.Q8_0, legacy_blocks.q4_0, 32, 8, (0,), bits=4, packed=_nibbles_packed(2)),
         IntFormat("q4_1", 1, Partner.Q8_1, legacy_blocks.q4_1, 32, 0, (0, 2), bits=4, packed=_nibbles_packed(4)),
-        IntFormat("q5_0", 2, Partner.Q8_0, legacy_blocks.q5_0, 32, 16, (0,), bits=5),
-        IntFormat("q5_1", 3, Partner.Q8_1, legacy_blocks.q5_1, 32, 0, (0, 2), bits=5),
+        IntFormat("q5_0", 2, Partner.Q8_0, legacy_blocks.q5_0, 32, 16, (0,), bits=5, packed=_fifth_bits_packed(2)),
+        IntFormat("q5_1", 3, Partner.Q8_1, legacy_blocks.q5_1, 32, 0, (0, 2), bits=5, packed=_fifth_bits_packed(4)),
         IntFormat("q8_0", 4, Partner.Q8_0, legacy_blocks.q8_0, 32, 128, (0,), bits=8, packed=_Q8_0_PACKED),
         IntFormat(
             "q4_k",

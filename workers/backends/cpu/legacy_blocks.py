@@ -10,7 +10,9 @@ subtracts 8 and q5_0's 16: `bias` in the format table).
 
 from __future__ import annotations
 
-from workers.backends.cpu.vector_ir import I8, byte_splat, nibble_of, vector
+from llvmlite import ir
+
+from workers.backends.cpu.vector_ir import I8, I32, byte_splat, nibble_of, vector
 
 
 def nibble(builder, row, first: int, v: int):
@@ -66,6 +68,34 @@ def nibble_sources(first: int):
 
 def nibble_piece(builder, pieces, v):
     return nibble_of(builder, pieces[0], v % 32 >= 16)
+
+
+def fifth_bit_sources(word: int, first: int):
+    """A q5 block's sources: values v .. v + 3 from (the fifth bits' word, packed as one four:
+    each lane's word as in the file; their nibbles' bytes from `first`)."""
+    return lambda v: (word, first + v % 16)
+
+
+def fifth_bit_piece(builder, pieces, v):
+    """Values v .. v + 3 of a q5 block from its fifth bits' and nibbles' pieces: the nibble and,
+    as bit 4 of byte k, bit v + k of the lane's word. Those four bits lie in one byte of the
+    word, v // 8: a shuffle puts it in each of the lane's four bytes, which keep one bit each
+    (bit v % 8 + k of byte k) and make it 16 by a comparison: four instructions a vector
+    (vpshufb, vpand, vpcmpeqb, vpand), where from rows each value row took five and each four
+    a transpose of 16 shuffles."""
+    top, low = pieces
+    low = nibble_of(builder, low, v % 32 >= 16)
+    count = low.type.count * low.type.element.width // 8
+    bytes_ = vector(I8, count)
+    spread = builder.shuffle_vector(
+        builder.bitcast(top, bytes_),
+        ir.Constant(bytes_, ir.Undefined),
+        ir.Constant(vector(I32, count), [i - i % 4 + v // 8 for i in range(count)]),
+    )
+    bits = ir.Constant(bytes_, [1 << (v % 8 + i % 4) for i in range(count)])
+    taken = builder.icmp_unsigned("==", builder.and_(spread, bits), bits)
+    fifth = builder.select(taken, byte_splat(16, count), byte_splat(0, count))
+    return builder.or_(low, builder.bitcast(fifth, low.type))
 
 
 def q8_0_piece(builder, pieces, v):
