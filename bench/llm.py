@@ -135,6 +135,7 @@ def llama_cpp_child(path: str, length: int, steps: int, threads: int, requests, 
 # prefill pairs (the reference's, then ours replayed) per round: a pair's ratio on 1 worker ranged
 # 0.84-1.37 within one run of nine on a busy 2-core VM, and three pairs' median 0.97-1.09 from run to run
 AGAIN_PAIRS = 3
+DRIVEN_PER_STEP = 4  # our worker-driven decode rounds and llama.cpp's: tokens per --steps token of the reference
 CONTEXT_ROUNDS = 8  # rounds of the --contexts rows (at least; ~24 tokens a context each)
 FIRST_ROUNDS = 5  # models loaded anew for each kind of first prompt (at least; --rounds when more)
 RSS_CTX = 1024  # the caches' positions in the main rows: the peak RSS column is then #27's condition
@@ -217,7 +218,9 @@ def ours(
         median = int(np.argsort(walls[True])[len(walls[True]) // 2])
         dev.profile = False
         timed = {"ref_prefill": [], "prefill_again": [], "ref_decode": [], "driven": [], "around": [], "llama": []}
-        driven = worker_driven(dev, net, token, pos)
+        # each round decodes the positions llama.cpp's rounds beside it decode (the prompt's
+        # length on): going on from round to round, ours read up to 3.5x as many cached rows
+        driven = worker_driven(dev, net, first, length, again=True)
         for _ in range(rounds):
             for _ in range(AGAIN_PAIRS):
                 if reference is not None:
@@ -227,7 +230,7 @@ def ours(
                 timed["prefill_again"].append(time.perf_counter() - start)
             if reference is not None:
                 timed["ref_decode"].append(reference.ask("decode"))
-            step_s, around_s = driven(4 * steps)
+            step_s, around_s = driven(DRIVEN_PER_STEP * steps)
             timed["driven"].append(step_s)
             timed["around"].append(around_s)
             if llama is not None:
@@ -246,7 +249,7 @@ def ours(
             "decode_ratio": paired_ratio(timed["ref_decode"], timed["driven"]),
             "llama_cpp_paired_decode_s": medians["llama"],
             "vs_llama_cpp_paired": paired_ratio(timed["llama"], timed["driven"]),
-            "decode_tokens": (steps, 4 * steps),  # the reference's run, ours
+            "decode_tokens": (steps, DRIVEN_PER_STEP * steps),  # the reference's run, ours (and llama.cpp's)
             "driven_outside_program_s": medians["around"],
             "decode_step_s": float(np.median(walls[False])),
             "profiled_step_s": float(np.median(walls[True])),
@@ -378,11 +381,11 @@ def greedy_settings():
     return GenerateSettings(Rule(), tuple(generator_state(np.random.default_rng(0))), (), (False,))
 
 
-def worker_driven(dev, net, token: np.ndarray, pos: int):
+def worker_driven(dev, net, token: np.ndarray, pos: int, again: bool = False):
     """A function of `steps` giving the seconds per token of greedy generation driven by the
     workers (as `generate` runs it): one Generate for `steps` tokens, the workers feeding each
     token back themselves; and of those, the time outside the program. Positions go on from
-    `pos`, one run after the other."""
+    `pos`, one run after the other; `again`: every run decodes from `pos` + 1."""
     step, _ = net.capture_decode(token, np.array([[pos]]), build=lambda logits: list(logits.top_k(1)))
     at = [pos + 1]
 
@@ -391,7 +394,7 @@ def worker_driven(dev, net, token: np.ndarray, pos: int):
         start = time.perf_counter()
         info = dev.generate(step, token, np.array([at], np.int32), steps, settings, lambda k, t: True)
         wall = (time.perf_counter() - start) / info["steps"]
-        at[0] += info["steps"]
+        at[0] += 0 if again else info["steps"]
         return wall, wall - info["program_s"] / info["steps"]
 
     return run
@@ -568,7 +571,7 @@ def run(
     rows = []
     for n in counts:
         # llama.cpp warm beside ours for the decode rounds (paired), loaded before ours starts
-        paired = warm_llama_cpp(path, length, steps, n) if have_llama_cpp() and not quick else None
+        paired = warm_llama_cpp(path, length, DRIVEN_PER_STEP * steps, n) if have_llama_cpp() and not quick else None
         with ThreadedChild(reference_child, (path, length, steps), n) as reference, contextlib.ExitStack() as stack:
             if paired is not None:
                 stack.callback(paired.close)
@@ -579,7 +582,7 @@ def run(
                 mine |= fresh_models(path, n, length, kind, reference, rounds if quick else max(rounds, FIRST_ROUNDS))
                 rows.append(_row(n, kind, length, mine))
         if have_llama_cpp():  # the goal of quantized decode: llama.cpp on the same file and threads
-            llama = llama_cpp(path, length, steps, n, rounds)
+            llama = llama_cpp(path, length, DRIVEN_PER_STEP * steps, n, rounds)
             for row in rows[-len(weights) :] if llama else ():
                 row |= {f"llama_cpp_{k}": v for k, v in llama.items()}
                 row["vs_llama_cpp"] = row["ours_decode_tok_s"] / llama["decode_tok_s"]
@@ -713,7 +716,8 @@ def show(results: dict | None) -> None:
     numpy_tokens, our_tokens = results["rows"][0]["decode_tokens"]
     print(
         f"  decode: tokens over the seconds of a run of them, numpy's {numpy_tokens}, then ours {our_tokens}"
-        " driven by the workers (one Generate, each token fed back on the workers), in each round; the ratio"
+        " driven by the workers (one Generate, each token fed back on the workers), in each round, every round"
+        f" from the prompt's end (as llama.cpp's {our_tokens}); the ratio"
         " the median of the rounds' (numpy's run over ours right after it);"
         " outside ms: of each of its tokens, the time outside the program (choosing, reporting, the stop flag);"
         " replayed:"
