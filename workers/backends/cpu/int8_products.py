@@ -601,7 +601,6 @@ SCRATCH_BYTES = max(_unpacked_layout(f, LANES)[2] for f in INT_FORMATS.values())
 UNPACK_ROWS = 2 if vir.ISA == vir.AVX2 else 8
 
 parallel = numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-serial = numba.njit(cache=True, nogil=True, fastmath=True)
 inline = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
 
 
@@ -627,7 +626,9 @@ def _tasks(groups, threads):
     would keep the loops out of numba's cache), each a run of row groups (prange's own static
     schedule), so that a task makes its scratch once where a task a group made it for each:
     0.3-0.4 us a group, a fifth of a 64 x 576 q5_0 group's time in cache (a SmolLM2 decode step
-    has ~2,000 groups a worker)."""
+    has ~2,000 groups a worker). (A serial twin for one-thread workers saved the parallel
+    launch, ~1.3 us a call, but calling it from the parallel loop made numba compile the block
+    code twice: a cold prepare() on two threads took 278 s against 127 on one.)"""
     return max(1, min(groups, threads))
 
 
@@ -737,25 +738,16 @@ def legacy_rows(code, x8, d, sums, s, w, ahead, threads, out):
     """out (rows, groups * 64) = the rows of x8 (rows, width) int8 times the weight's rows, for
     legacy format `code`: each block's d_w * d_x * (its integer sum) (+ m_w * s_x for q4_1 and
     q5_1), d (rows, blocks), sums and s the partner's (activations.quantize_q8_0); the float
-    work is the block code's (_add_scaled); the weight's rows asked for `ahead` bytes on. Its
-    tasks over the threads, each legacy_task."""
-    tasks = _tasks(w.shape[0], threads)
-    for t in numba.prange(tasks):
-        legacy_task(code, x8, d, sums, s, w, ahead, t, tasks, out)
-
-
-@serial
-def legacy_task(code, x8, d, sums, s, w, ahead, task, tasks, out):
-    """legacy_rows' task `task` of `tasks`: its run of row groups, on one thread (a one-thread
-    worker's products call it alone: a parallel launch cost ~1.3 us a call, a SmolLM2 decode
-    step making 151 of them)."""
+    work is the block code's (_add_scaled); the weight's rows asked for `ahead` bytes on."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     with_min = code == 1 or code == 3
-    acc, _, dw, mw, unpacked = _scratch(rows, lanes)
-    for g in range(task * groups // tasks, (task + 1) * groups // tasks):
-        _task_group(acc)
-        _group_legacy(code, x8, d, sums, s, w, ahead, out, g, with_min, acc, dw, mw, unpacked)
+    tasks = _tasks(groups, threads)
+    for t in numba.prange(tasks):
+        acc, _, dw, mw, unpacked = _scratch(rows, lanes)
+        for g in range(t * groups // tasks, (t + 1) * groups // tasks):
+            _task_group(acc)
+            _group_legacy(code, x8, d, sums, s, w, ahead, out, g, with_min, acc, dw, mw, unpacked)
 
 
 @inline
@@ -798,25 +790,18 @@ def _group_legacy(code, x8, d, sums, s, w, ahead, out, g, with_min, acc, dw, mw,
 def k_rows(code, x8, d, sums, w, ahead, threads, out):
     """legacy_rows for the K-quants (`code` 5 q4_k, 6 q5_k, 7 q6_k): each block's d_x * (d_w * (its
     sub-blocks' integer sums times their scales) - dmin_w * (its minimums times the activation's
-    sub-block sums)); d (rows, blocks) and sums (rows, width / 16) are Q8_K's. Its tasks over
-    the threads, each k_task."""
-    tasks = _tasks(w.shape[0], threads)
-    for t in numba.prange(tasks):
-        k_task(code, x8, d, sums, w, ahead, t, tasks, out)
-
-
-@serial
-def k_task(code, x8, d, sums, w, ahead, task, tasks, out):
-    """k_rows' task `task` of `tasks` (legacy_task's)."""
+    sub-block sums)); d (rows, blocks) and sums (rows, width / 16) are Q8_K's."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     q6 = code == 7
     d_at = 208 if q6 else 0
     stride = blocks * 16
-    acc, part, dw, dmin, unpacked = _scratch(rows, lanes)
-    for g in range(task * groups // tasks, (task + 1) * groups // tasks):
-        _task_group(acc)
-        _group_k(code, x8, d, sums, w, ahead, out, g, q6, d_at, stride, acc, part, dw, dmin, unpacked)
+    tasks = _tasks(groups, threads)
+    for t in numba.prange(tasks):
+        acc, part, dw, dmin, unpacked = _scratch(rows, lanes)
+        for g in range(t * groups // tasks, (t + 1) * groups // tasks):
+            _task_group(acc)
+            _group_k(code, x8, d, sums, w, ahead, out, g, q6, d_at, stride, acc, part, dw, dmin, unpacked)
 
 
 @inline
@@ -939,20 +924,18 @@ def product(fmt: str, rows: int, width: int, threads: int = 1):
     spec = INT_FORMATS[fmt]
     code, partner, ahead = spec.code, spec.partner, ahead_bytes(fmt, threads)
     threaded = over_threads(rows * width, threads)
-    # one thread: the task itself, no parallel launch
-    (legacy, k), tail = ((legacy_task, k_task), (0, 1)) if threads == 1 else ((legacy_rows, k_rows), (threads,))
     if spec.scales is None:
 
         def run_legacy(x, w, out):
             act = activations_for(partner, rows, width)
             act.quantize(x, threaded)
-            legacy(code, act.q, act.d, act.sums, act.s, w, ahead, *tail, out)
+            legacy_rows(code, act.q, act.d, act.sums, act.s, w, ahead, threads, out)
 
         return run_legacy
 
     def run_k(x, w, out):
         act = activations_for(partner, rows, width)
         act.quantize(x, threaded)
-        k(code, act.q, act.d, act.sums, w, ahead, *tail, out)
+        k_rows(code, act.q, act.d, act.sums, w, ahead, threads, out)
 
     return run_k
