@@ -24,8 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.llm import model_path, paired_ratio, side_by_side  # noqa: E402
-from bench.report import cli, table  # noqa: E402
+from bench.llm import model_path, side_by_side  # noqa: E402
+from bench.report import cli, paired_ratio, table  # noqa: E402
 
 DEFAULT_UNFUSED = "rope_set_rows"
 

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import ChildFailed, ThreadedChild, cli, table  # noqa: E402
+from bench.report import ChildFailed, ThreadedChild, cli, paired_ratio, table  # noqa: E402
 from bench.tp_matmul import breakdown  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
@@ -303,12 +303,6 @@ def fresh_models(path: str, workers: int, length: int, weights: str, reference=N
     for kind in ("first", "warmed"):
         medians[f"{kind}_ratio"] = paired_ratio(seen[f"{kind}_reference_s"], seen[f"{kind}_prefill_s"])
     return medians
-
-
-def paired_ratio(reference_s: list[float], ours_s: list[float]) -> float | None:
-    """The median of reference / ours over pairs timed one right after the other (None without a
-    reference): a busy neighbour slows a pair alike, where it may slow one side's median alone."""
-    return float(np.median([r / s for r, s in zip(reference_s, ours_s)])) if reference_s else None
 
 
 def side_by_side(path: str, workers: int, variants: dict, rounds: int, quick: bool, describe=None) -> dict:

@@ -11,6 +11,7 @@ import platform
 import queue
 import signal
 import socket
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,12 @@ def _reply(replies, proc, timeout: float):
 # each other at the all-reduces of the first layers while a spinning thread held a core. A
 # comparison gives that time back before the next side runs (ours spin 50 us, then sleep).
 SETTLE_S = 0.3
+
+
+def paired_ratio(reference_s: list[float], ours_s: list[float]) -> float | None:
+    """The median of reference / ours over pairs timed one right after the other (None without a
+    reference): a busy neighbour slows a pair alike, where it may slow one side's median alone."""
+    return float(statistics.median([r / s for r, s in zip(reference_s, ours_s)])) if reference_s else None
 
 
 class ThreadedChild:

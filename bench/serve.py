@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cli, free_port, table  # noqa: E402
+from bench.report import cli, free_port, paired_ratio, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # a prompt whose continuation starts with text: the model's first token after "Write a short story
@@ -234,11 +234,12 @@ def generate_prefill(workers: int) -> float:
         return float(np.median([llm.generate([PROMPT], max_new_tokens=2)[0].prefill_s for _ in range(5)]))
 
 
-def stream_against_generate(url: str, workers: int, tokens: int, rounds: int = 5) -> dict:
+def stream_against_generate(url: str, workers: int, tokens: int, rounds: int = 9) -> dict:
     """One stream's decode rate (its tokens after the first, over the time after the first)
     and time to first token beside LLM.generate's decode rate (what `launch.py generate`
     reports: tokens after the first over its decode time) and prefill, on as many workers of
-    their own, in alternating rounds; medians."""
+    their own, in alternating rounds; medians, and each ratio also the median of its rounds'
+    (paired_ratio: a neighbour that slows one round slows its pair alike)."""
     import httpx
 
     served, generated, firsts, prefills = [], [], [], []
@@ -259,6 +260,8 @@ def stream_against_generate(url: str, workers: int, tokens: int, rounds: int = 5
         "generate_tokens_per_s": float(np.median(generated)),
         "served_ttft_s": float(np.median(firsts)),
         "generate_prefill_s": float(np.median(prefills)),
+        "paired_ratio": paired_ratio([1 / g for g in generated], [1 / s for s in served]),  # served / generate
+        "paired_ttft_ratio": paired_ratio(firsts, prefills),  # TTFT / prefill
     }
 
 
@@ -360,11 +363,13 @@ def show(results: dict) -> None:
     if against:
         title = (
             f"one stream of {against['tokens']} tokens against launch.py generate's decode and prefill "
-            f"(medians of {against.get('rounds', 3)} alternating rounds)"
+            f"(medians of {against.get('rounds', 3)} alternating rounds; paired: the median of the rounds' ratios)"
         )
         cols = {"served_tokens_per_s": "served tok/s", "generate_tokens_per_s": "generate tok/s"}
         figures = against | {"ratio": against["served_tokens_per_s"] / against["generate_tokens_per_s"]}
         cols |= {"ratio": "served / generate"}
+        if against.get("paired_ratio") is not None:
+            cols |= {"paired_ratio": "paired"}
         if "served_ttft_s" in against:
             figures |= {
                 "ttft_ms": against["served_ttft_s"] * 1e3,
@@ -372,6 +377,8 @@ def show(results: dict) -> None:
                 "ttft_ratio": against["served_ttft_s"] / against["generate_prefill_s"],
             }
             cols |= {"ttft_ms": "TTFT ms", "prefill_ms": "generate prefill ms", "ttft_ratio": "TTFT / prefill"}
+            if against.get("paired_ttft_ratio") is not None:
+                cols |= {"paired_ttft_ratio": "paired"}
         _one_row(title, figures, cols)
     prefill = results["generate_prefill_s"]
     print(

@@ -145,7 +145,7 @@ def test_a_benchmark_child_that_dies_is_reported_at_once_not_waited_for():
 def test_a_prefill_ratio_is_the_median_of_its_pairs_ratios():
     """Each pair: the reference's prefill, then ours right after it. A neighbour that slowed one
     pair slows both sides of it: the ratio of the medians (1.11 here) mixes sides of different pairs."""
-    from bench.llm import paired_ratio
+    from bench.report import paired_ratio
 
     reference = [1.0, 2.0, 3.0, 4.0]
     ours = [0.8, 2.5, 2.0, 5.0]  # ratios 1.25, 0.8, 1.5, 0.8

@@ -738,7 +738,9 @@ def legacy_rows(code, x8, d, sums, s, w, ahead, threads, out):
     """out (rows, groups * 64) = the rows of x8 (rows, width) int8 times the weight's rows, for
     legacy format `code`: each block's d_w * d_x * (its integer sum) (+ m_w * s_x for q4_1 and
     q5_1), d (rows, blocks), sums and s the partner's (activations.quantize_q8_0); the float
-    work is the block code's (_add_scaled); the weight's rows asked for `ahead` bytes on."""
+    work is the block code's (_add_scaled); the weight's rows asked for `ahead` bytes on. The
+    64-row groups go in `threads` tasks (_tasks), one a thread, each on scratch made once for its
+    run of groups (numba's own thread count, read inside, kept the loop out of its cache)."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     with_min = code == 1 or code == 3
@@ -790,7 +792,8 @@ def _group_legacy(code, x8, d, sums, s, w, ahead, out, g, with_min, acc, dw, mw,
 def k_rows(code, x8, d, sums, w, ahead, threads, out):
     """legacy_rows for the K-quants (`code` 5 q4_k, 6 q5_k, 7 q6_k): each block's d_x * (d_w * (its
     sub-blocks' integer sums times their scales) - dmin_w * (its minimums times the activation's
-    sub-block sums)); d (rows, blocks) and sums (rows, width / 16) are Q8_K's."""
+    sub-block sums)); d (rows, blocks) and sums (rows, width / 16) are Q8_K's; `threads` tasks
+    as there."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     q6 = code == 7
