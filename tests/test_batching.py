@@ -520,6 +520,32 @@ def test_a_queued_job_takes_the_first_slot_freed_while_the_workers_decode(tiny):
         dev.close()
 
 
+def _counted(ticket) -> list:
+    """A list that grows by one as each event is put into `ticket`'s queue."""
+    put, seen = ticket.events.put, []
+    ticket.events.put = lambda event: put(event) or seen.append(None)
+    return seen
+
+
+def _wake_ups(tiny, tokens: int, ctx: int) -> tuple[list, list[int]]:
+    """A job of `tokens` greedy tokens alone on a batcher of its own: its events, and at each
+    wake-up of its reader how many events had been put by then."""
+    dev = MetaDevice(SimulatedCluster(2))
+    made = ContinuousBatcher(dev, tiny, slots=2, ctx=ctx, weights="f32")
+    made.warm_up()
+    ticket = made.submit(greedy(tokens))
+    seen, woken = _counted(ticket), []
+    ticket.listen(lambda: woken.append(len(seen)))
+    made.start()
+    try:
+        events = events_of(ticket, 60)
+    finally:
+        made.stop()
+        dev.close()
+    assert len(events) == tokens + 1 and isinstance(events[-1], Finished)
+    return events, woken
+
+
 def test_a_reader_is_woken_once_a_report_with_all_of_its_tokens(tiny, monkeypatch):
     """The workers report their steps a few at a time; the job's reader (the server's stream) is
     woken once a report, when all of its tokens are in the queue, not once a token (a wake-up a
@@ -528,23 +554,49 @@ def test_a_reader_is_woken_once_a_report_with_all_of_its_tokens(tiny, monkeypatc
     from models import batching
 
     monkeypatch.setattr(batching, "DRIVEN_REPORT_S", 1.0)
+    monkeypatch.setattr(batching, "READER_WAKE_S", 0.0)
+    _, woken = _wake_ups(tiny, 16, 32)
+    assert 2 <= len(woken) <= 4, woken
+    assert woken[0] == 1 and woken[-1] == 17, woken  # each wake-up after its report's last event
+
+
+def test_a_readers_wake_ups_come_no_closer_than_the_bound_but_its_end_at_once(tiny, monkeypatch):
+    """Reports every 5 ms, a reader woken at most once in READER_WAKE_S (here longer than the
+    whole generation): woken for its first token (chosen at the prefill) and at its end, with
+    every event in the queue by then, and not at the reports between. With no bound, woken at
+    every report (the same run otherwise)."""
+    from models import batching
+
+    monkeypatch.setattr(batching, "DRIVEN_REPORT_S", 0.005)
+    monkeypatch.setattr(batching, "READER_WAKE_S", 60.0)
+    assert _wake_ups(tiny, 24, 48)[1] == [1, 25]
+    monkeypatch.setattr(batching, "READER_WAKE_S", 0.0)
+    assert len(_wake_ups(tiny, 24, 48)[1]) > 2
+
+
+def test_a_job_that_ends_wakes_its_reader_while_the_others_go_on(tiny, monkeypatch):
+    """Two jobs driven together, reader wake-ups bounded to one a minute: the 4-token job's end
+    wakes its reader at the report that brings it, with all of its events, while the 40-token
+    job still runs (its reader not woken since its first token)."""
+    from models import batching
+
+    monkeypatch.setattr(batching, "DRIVEN_REPORT_S", 0.005)
+    monkeypatch.setattr(batching, "READER_WAKE_S", 60.0)
     dev = MetaDevice(SimulatedCluster(2))
-    made = ContinuousBatcher(dev, tiny, slots=2, ctx=32, weights="f32")
+    made = ContinuousBatcher(dev, tiny, slots=2, ctx=64, weights="f32")
     made.warm_up()
-    ticket = made.submit(greedy(16))
-    put, seen = ticket.events.put, []  # the events put by each wake-up
-    ticket.events.put = lambda event: put(event) or seen.append(None)
-    woken = []
-    ticket.listen(lambda: woken.append(len(seen)))
+    long, short = made.submit(greedy(40)), made.submit(greedy(4))
+    counts = {"long": _counted(long), "short": _counted(short)}
+    woken_short: list[tuple[int, int]] = []  # (its events, the long job's) at each wake-up
+    short.listen(lambda: woken_short.append((len(counts["short"]), len(counts["long"]))))
     made.start()
     try:
-        events = events_of(ticket, 60)
+        assert len(events_of(short, 60)) == 5
+        assert len(events_of(long, 60)) == 41
     finally:
         made.stop()
         dev.close()
-    assert len(events) == 17 and isinstance(events[-1], Finished)
-    assert 2 <= len(woken) <= 4, woken
-    assert woken[0] == 1 and woken[-1] == 17, woken  # each wake-up after its report's last event
+    assert woken_short[-1][0] == 5 and woken_short[-1][1] < 41, woken_short
 
 
 def test_a_gemma3_server_with_rings_gives_the_references_tokens_past_them(model, tmp_path, monkeypatch):
