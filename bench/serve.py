@@ -9,11 +9,12 @@ Every client streams a greedy completion of a short prompt for a fixed number of
 (ignore_eos, as llama-server's benchmarks do). The server runs with as many slots as the most
 clients. `--join N`: then four streams run while a prompt of N tokens joins; each stream's
 longest gap between two tokens while it goes in (its prefill goes in chunks between their decode
-steps: models/batching.py), beside their median gap before it. `--queued N`: then as many
-streams as slots run while N more requests arrive and wait for a slot; the running streams'
-longest gap between two tokens over the next 3 s, beside their median gap before. Last, one
-stream's decode rate (200 tokens, its first token's wait left out) beside `launch.py generate`'s on
-as many workers of their own, in alternating rounds.
+steps: models/batching.py), beside their median gap between deliveries before it (the server
+writes a stream's tokens a few at a time). `--queued N`: then as many streams as slots run while
+N more requests arrive and wait for a slot; the running streams' longest gap between two tokens
+over the next 3 s, beside their median gap between deliveries before. Last, one stream's decode
+rate (200 tokens, its first token's wait left out) beside `launch.py generate`'s on as many
+workers of their own, in alternating rounds.
 """
 
 from __future__ import annotations
@@ -141,14 +142,18 @@ def _running_streams(url: str, streams: int, tokens: int):
     return arrivals, done, threads
 
 
+ONE_WRITE_S = 1e-3  # tokens arriving closer than this came in one write of the server's
+
+
 def _gaps(arrivals: list[list[float]], start: float, end: float) -> tuple[float, float]:
     """(the longest gap between a stream's tokens arriving within (start, end], the median gap
-    of those before start)."""
+    between its deliveries before start: the server writes the tokens that came since its last
+    write together, at most 20 times a second, so a stream's tokens come a few at a time)."""
     during, before = [], []
     for times in arrivals:
         gaps = [(b - a, b) for a, b in zip(times, times[1:])]
         during += [gap for gap, at in gaps if start < at <= end]
-        before += [gap for gap, at in gaps if at <= start]
+        before += [gap for gap, at in gaps if at <= start and gap > ONE_WRITE_S]
     before.sort()
     return max(during, default=0.0), before[len(before) // 2] if before else 0.0
 
@@ -181,7 +186,7 @@ def join_stall(url: str, prompt_tokens: int, streams: int = 4, tokens: int = 200
 def queue_stall(url: str, queued: int, streams: int, seconds: float = 3.0, tokens: int = 400) -> dict:
     """`streams` greedy streams fill every slot, then `queued` more requests arrive and wait for
     one (each a streamed request whose client keeps waiting): the running streams' longest gap
-    between tokens over the next `seconds`, beside their median gap before."""
+    between tokens over the next `seconds`, beside their median gap between deliveries before."""
     import httpx
 
     # the waiting clients' one connection pool, made before the clock: an httpx.stream of its
@@ -350,12 +355,12 @@ def show(results: dict) -> None:
     if joined:
         title = f"a {joined['prompt_tokens']}-token prompt joining {joined['streams']} running streams"
         cols = {"join_s": "join answered s", "max_gap_s": "longest gap between a stream's tokens s"}
-        _one_row(title, joined, cols | {"median_gap_before_s": "median gap before s"})
+        _one_row(title, joined, cols | {"median_gap_before_s": "median delivery gap before s"})
     waited = results.get("queue")
     if waited:
         title = f"{waited['queued']} requests queued behind {waited['streams']} running streams (every slot busy)"
         cols = {"max_gap_s": f"longest gap between a stream's tokens over {waited['seconds']:.0f} s"}
-        _one_row(title, waited, cols | {"median_gap_before_s": "median gap before s"})
+        _one_row(title, waited, cols | {"median_gap_before_s": "median delivery gap before s"})
     if soaked:
         title = f"soak: {soaked['clients']} clients, {soaked['seconds']:.0f} s, answers against their prompt's alone"
         _one_row(title, soaked, {"requests": "requests", "lost": "lost", "wrong_text": "wrong text"})

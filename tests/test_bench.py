@@ -222,3 +222,16 @@ def test_the_formats_bench_decodes_and_prefills_a_file_of_each_type(monkeypatch,
     assert made == ["synthetic-tiny-1l-q4_0-q4_0.gguf", "synthetic-tiny-1l-q8_0-q8_0.gguf"]
     tensors = GGUFFile(tmp_path / made[0]).tensors
     assert {tensors[name].tensor_type.name for name in ("blk.0.ffn_down.weight", "token_embd.weight")} == {"Q4_0"}
+
+
+def test_a_streams_gaps_count_a_write_of_several_tokens_as_one_delivery():
+    """bench/serve.py's stall figures: tokens 0.1 ms apart came in one write of the server's, so
+    the median gap before is the one between writes (50 ms here), not the ~0 inside them; the
+    longest gap after the start is the longest between any two tokens."""
+    from bench.serve import _gaps
+
+    writes = [0.0, 0.05, 0.10, 0.15, 0.20]  # three tokens a write, then a stall of 0.3 s
+    times = [w + k * 1e-4 for w in writes for k in range(3)] + [0.5, 0.5001]
+    longest, median = _gaps([times], start=0.21, end=1.0)
+    assert longest == pytest.approx(0.5 - 0.2002)
+    assert median == pytest.approx(0.05 - 0.0002)
