@@ -3,7 +3,7 @@ between them that delays every packet (and a token bucket that caps the rate), S
 by two workers, one in each, beside the same two workers on one host.
 
     python bench/hosts.py [--quick] [--json PATH] [--tokens 48] [--delays 0 0.05 0.2 1] [--rates 10 1]
-        [--per-host 1 2]
+        [--per-host 1 2] [--prompt-repeats 1]
 
 Hosts: namespace A holds the coordinator and worker 0 (spawned there), B worker 1 (`launch.py
 worker --connect`); they reach each other only through namespace R, which forwards between its
@@ -14,13 +14,15 @@ egress links. Rows: the same two workers on one host (shared memory; the tcp pla
 loopback), across the namespaces forwarded by the kernel (no relay), and through the relay at
 each delay (0 ms: the relay's own cost); and 2 workers in each namespace (4 on one host beside
 them), their small all-reduces host by host (the tcp plane's default there) or direct. Each row
-is `launch.py generate` (greedy, `--tokens` tokens of a fixed prompt, one thread a worker) as a
-user runs it, its printed prefill and decode rates. The relay is a Python process on the same
-cores as the workers: it costs them CPU and adds its own latency per packet (the 0 ms relay row
-shows how much); on a 2-core machine 2 x 2 workers take turns on the cores, which no real pair of
-hosts would make them do. Every row runs twice: split by rows (TP: two all-reduces a layer)
-and by layers (`--split layer`: the layers on one host's workers each, split inside the host,
-one hand-over of the activation between hosts and one of the chosen tokens back, a step).
+is `launch.py generate` (greedy, `--tokens` tokens of a fixed prompt of ~45 tokens, or of it
+`--prompt-repeats` times over: a prompt of several 128-token chunks, whose prefill a layer split
+pipelines, one thread a worker) as a user runs it, its printed prefill and decode rates. The
+relay is a Python process on the same cores as the workers: it costs them CPU and adds its own
+latency per packet (the 0 ms relay row shows how much); on a 2-core machine 2 x 2 workers take
+turns on the cores, which no real pair of hosts would make them do. Every row runs twice:
+split by rows (TP: two all-reduces a layer) and by layers (`--split layer`: the layers on one
+host's workers each, split inside the host, one hand-over of the activation between hosts and
+one of the chosen tokens back, a step).
 
 Needs root (network namespaces) and iproute2 (ip, tc); without them it says why and exits 0.
 """
@@ -173,10 +175,10 @@ def relay(delay_us: int) -> int:
             os.write(fd, held.popleft()[1])
 
 
-def generate(ns_cmd: list[str], extra: list[str], tokens: int, workers=(), env=None) -> dict:
-    """One `launch.py generate` (in a namespace where `ns_cmd` says), with remote workers
-    started by the commands `workers`; its prefill and decode rates."""
-    args = [sys.executable, str(ROOT / "launch.py"), "generate", PROMPT, "-n", str(tokens), "--temp", "0", "-t", "1"]
+def generate(ns_cmd: list[str], extra: list[str], tokens: int, prompt: str, workers=(), env=None) -> dict:
+    """One `launch.py generate` of `prompt` (in a namespace where `ns_cmd` says), with remote
+    workers started by the commands `workers`; its prefill and decode rates."""
+    args = [sys.executable, str(ROOT / "launch.py"), "generate", prompt, "-n", str(tokens), "--temp", "0", "-t", "1"]
     env = {**os.environ, **(env or {})}
     popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     coordinator = subprocess.Popen([*ns_cmd, *args, *extra], **popen)
@@ -195,7 +197,9 @@ def generate(ns_cmd: list[str], extra: list[str], tokens: int, workers=(), env=N
     return {"prefill_tps": float(found.group(2)), "decode_tps": float(found.group(4)), "text": out.strip()}
 
 
-def across(hosts: Hosts, tokens: int, port: int, per_host: int = 1, direct: bool = False, split: str = "row") -> dict:
+def across(
+    hosts: Hosts, tokens: int, prompt: str, port: int, per_host: int = 1, direct: bool = False, split: str = "row"
+) -> dict:
     """`split` over the tcp plane with `per_host` workers in each namespace: A's spawned beside
     the coordinator, B's joining; `direct`: the small all-reduces exchange with every peer, not
     host by host."""
@@ -224,7 +228,7 @@ def across(hosts: Hosts, tokens: int, port: int, per_host: int = 1, direct: bool
         ]  # fmt: skip
         for rank in range(per_host, 2 * per_host)
     ]
-    return generate(coordinator, extra, tokens, workers, {TCP_DIRECT_ENV: "1"} if direct else None)
+    return generate(coordinator, extra, tokens, prompt, workers, {TCP_DIRECT_ENV: "1"} if direct else None)
 
 
 def measure(args) -> dict:
@@ -234,6 +238,7 @@ def measure(args) -> dict:
         return {"skipped": reason}
     tokens = 16 if args.quick else args.tokens
     delays = [0.2] if args.quick else args.delays
+    prompt = " ".join([PROMPT] * args.prompt_repeats)
     rows = []
 
     def row(name: str, workers: int, delay, rate, run) -> None:
@@ -246,7 +251,8 @@ def measure(args) -> dict:
             )
 
     def one_host(workers: int, plane: str):
-        return lambda split: generate([], ["--workers", str(workers), "--data-plane", plane, "--split", split], tokens)
+        extra = ["--workers", str(workers), "--data-plane", plane]
+        return lambda split: generate([], [*extra, "--split", split], tokens, prompt)
 
     for plane in ("shm", "tcp"):
         row(f"one host, {plane}", 2, 0, None, one_host(2, plane))
@@ -258,7 +264,7 @@ def measure(args) -> dict:
         def run(split: str) -> dict:
             nonlocal port
             port += 3
-            return across(hosts, tokens, port, per_host, direct, split)
+            return across(hosts, tokens, prompt, port, per_host, direct, split)
 
         return run
 
@@ -286,7 +292,7 @@ def measure(args) -> dict:
         )
         r["decode_vs_one_host"] = r["decode_tps"] / base["decode_tps"]
         r["same_text"] = r["text"] == base["text"]
-    return {"tokens": tokens, "rows": rows}
+    return {"tokens": tokens, "prompt_repeats": args.prompt_repeats, "rows": rows}
 
 
 def show(results: dict) -> None:
@@ -295,7 +301,8 @@ def show(results: dict) -> None:
         return
     print(
         table(
-            f"SmolLM2-135M Q4_1, CPU workers x 1 thread, {results['tokens']} greedy tokens; across hosts over "
+            f"SmolLM2-135M Q4_1, CPU workers x 1 thread, {results['tokens']} greedy tokens after the prompt "
+            f"{results.get('prompt_repeats', 1)} time(s) over; across hosts over "
             "the tcp plane; decode and text against one host's split by rows (shm) with as many workers",
             ["path", "split", "workers", "prefill tok/s", "decode tok/s", "decode / one host", "same text"],
             [
@@ -319,6 +326,7 @@ def _options(ap) -> None:
     ap.add_argument("--delays", type=float, nargs="+", default=[0, 0.05, 0.2, 1], help="one-way, ms")
     ap.add_argument("--rates", type=float, nargs="+", default=[10, 1], help="Gb/s, each at 0.2 ms")
     ap.add_argument("--per-host", type=int, nargs="+", default=[1, 2], choices=[1, 2], help="workers in each namespace")
+    ap.add_argument("--prompt-repeats", type=int, default=1, help="the prompt this many times over (10: ~450 tokens)")
 
 
 if __name__ == "__main__":

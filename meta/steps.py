@@ -166,7 +166,11 @@ class Capturing:
 
     @serialized
     def chain(
-        self, calls: Sequence[tuple[Step, Sequence[np.ndarray | Tensor]]], read: Sequence[int] = (), keep: bool = True
+        self,
+        calls: Sequence[tuple[Step, Sequence[np.ndarray | Tensor]]],
+        read: Sequence[int] = (),
+        keep: bool = True,
+        new_data: Sequence[int] = (),
     ) -> list[list[Tensor]]:
         """Run captured steps one after another in one message per worker (RunChain): each
         call is (step, its arguments), and an argument may be an output of an earlier call
@@ -176,10 +180,20 @@ class Capturing:
         weights and caches, the head; one layer planned and loaded instead of every layer.
         Without `keep`, what the calls before the last make anew is freed on the workers after
         its last reader in the chain (a prefill's residual between layers: two of them alive
-        at a time, not one per layer), and their handles are freed ones."""
+        at a time, not one per layer), and their handles are freed ones. `new_data`: the calls
+        from which the steps read other data than the calls before (a long prompt's next chunk:
+        other positions, another mask), so a step run again finds what it found from them anew
+        (RunChain.new_data). A chain of several chunks lets each worker go on to the next chunk
+        as soon as its own part of one is done: layers on groups of one worker each work on
+        successive chunks at once (llama.cpp's pipeline parallelism of a layer split's
+        micro-batches). A worker expects no data past the next run of its own (workers/comm.py
+        Inbox._take), so chain only steps whose workers hear from one worker at a time, in run
+        order, where runs without exchanges (an embedding) let some run ahead of others."""
         if not calls:
             raise ShapeError("chain: give one or more (step, arguments) calls")
         _check_reads(calls[-1][0], read)
+        if any(not (type(i) is int and 0 <= i < len(calls)) for i in new_data):
+            raise ShapeError(f"chain: new data at calls {list(new_data)}, of calls 0..{len(calls) - 1}")
         self._realize([v for _, values in calls for v in values])
         programs, runs, inputs, outputs = [], [], [], []
         fed: dict[int, np.ndarray] = {}
@@ -212,7 +226,18 @@ class Capturing:
             dropped = [t for t, at in made_by.items() if at < len(calls) - 1] if not keep else []
             for t in dropped:
                 frees[last_read.get(t, made_by[t])].append(t)
-            message = p.RunChain(programs, runs, inputs, outputs, released, feeds, data, int(self.profile), frees=frees)
+            message = p.RunChain(
+                programs,
+                runs,
+                inputs,
+                outputs,
+                released,
+                feeds,
+                data,
+                int(self.profile),
+                frees=frees,
+                new_data=sorted(set(new_data) - {0}),
+            )
             messages = {d: replace(message, read=self._asked(states, d)) for d in range(self.n)}
             self.ledger.sent(len(released))  # they go with it
         except BaseException:

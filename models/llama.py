@@ -302,6 +302,10 @@ QK_NORMS = ("q_norm", "k_norm")  # a layer's further weights with LlamaConfig.qk
 POST_NORMS = ("attn_post_norm", "ffn_post_norm")  # a layer's further weights with LlamaConfig.post_norms
 PREFILL_STEPS = 24  # prefill chains a model keeps (one per padded length, pool, logits, slot or not)
 PREFILL_CHUNK = 128  # the most tokens of a prompt one prefill step takes while its prompts go on
+# the most runs of one prefill chain (one message a worker): a long prompt's chunks go ~1,000 runs
+# at a time (32 chunks of a 30-layer model), whose header (~300 bytes a run) stays well inside
+# a message's 1 MiB (transport.protocol.Limits.header_bytes)
+PREFILL_CHAIN_RUNS = 1024
 
 
 def cache_lengths(cfg: LlamaConfig, ctx: int) -> list[int]:
@@ -796,13 +800,46 @@ class TensorParallelLlama:
             )
         shortest = min(len(p) for p in prompts)
         ahead = max(0, shortest - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # in whole chunks
-        for at in range(0, ahead, PREFILL_CHUNK):
-            self._prefill_step([p[at : at + PREFILL_CHUNK] for p in prompts], start + at, pool, logits, slot)
-        return self._prefill_step([p[ahead:] for p in prompts], start + ahead, pool, logits, slot)
+        # only the last chunk runs the head. Where each group of layers is one worker, the chunks
+        # go in as few chains as PREFILL_CHAIN_RUNS allows (one message a worker each): a worker
+        # goes on to the next chunk as soon as its layers of one are done, so the groups work on
+        # successive chunks at once (llama.cpp's pipeline parallelism of a layer split). Such a
+        # worker hears from one worker at a time (the group before it; the last group's
+        # candidates at the end), in order, however far ahead the others run. Workers that
+        # exchange among themselves (all-reduces) expect no data past the next run
+        # (workers/comm.py Inbox._take) and could see a worker that ran ahead through runs without
+        # exchanges (an embedding, another group's layers): a chain a chunk for them, each
+        # started when every worker has finished the one before.
+        groups = self.layer_groups
+        pipelined = groups is not None and groups.size == 1
+        chunks = [([p[at : at + PREFILL_CHUNK] for p in prompts], at) for at in range(0, ahead, PREFILL_CHUNK)]
+        chunks.append(([p[ahead:] for p in prompts], ahead))
+        calls: list[tuple[Step, tuple]] = []
+        starts: list[int] = []
+        for k, (chunk, at) in enumerate(chunks):
+            last = k == len(chunks) - 1
+            if calls and (not pipelined or len(calls) + 1 + self.cfg.layers + last > PREFILL_CHAIN_RUNS):
+                self.dev.chain(calls, keep=False, new_data=starts)  # the caches are written in place
+                calls, starts = [], []
+            starts.append(len(calls))
+            calls += self._prefill_calls(chunk, start + at, pool, logits, slot, head=last, first=len(calls))
+        # the candidates (and logits) come back with the chain: reading them sends nothing; the
+        # residual between layers is freed after the layer that reads it
+        return self.dev.chain(calls, read=range(3 if logits else 2), keep=False, new_data=starts)[-1]
 
-    def _prefill_step(
-        self, prompts: Sequence[Sequence[int]], start: int, pool: int, logits: bool, slot: int | None
-    ) -> list[Tensor]:
+    def _prefill_calls(
+        self,
+        prompts: Sequence[Sequence[int]],
+        start: int,
+        pool: int,
+        logits: bool,
+        slot: int | None,
+        head: bool,
+        first: int,
+    ) -> list[tuple[Step, tuple]]:
+        """The calls of a chain (MetaDevice.chain) prefilling one chunk of each prompt from
+        position `start`: the embedding, each layer, and with `head` the head; `first`: the
+        index in the chain of the first of them."""
         rows_fed = self.batch if slot is None else len(prompts)
         longest = max(len(p) for p in prompts)
         t = padded_length(longest, self.ctx - start)
@@ -821,14 +858,12 @@ class TensorParallelLlama:
         calls = [(chain.embed, (tokens, pos))]
         for i, layer in enumerate(chain.layers):
             weights, _ = self._layer_weights(i)
-            x = Earlier(len(calls) - 1, 0)  # the last call's x: the embedding's, then each layer's
-            mask = Earlier(0, 1 + self.mask_kinds.index(self.cfg.is_windowed(i)))
+            x = Earlier(first + len(calls) - 1, 0)  # the last call's x: the embedding's, then each layer's
+            mask = Earlier(first, 1 + self.mask_kinds.index(self.cfg.is_windowed(i)))
             calls.append((layer, (x, pos, mask, *weights.values(), self.k[i], self.v[i], *fed_slot)))
-        calls.append((chain.head, (Earlier(len(calls) - 1, 0), rows)))
-        # the caches are written in place (the same handles); the candidates (and logits) come
-        # back with the chain: reading them sends nothing; the residual between layers is freed
-        # after the layer that reads it
-        return dev.chain(calls, read=range(3 if logits else 2), keep=False)[-1]
+        if head:
+            calls.append((chain.head, (Earlier(first + len(calls) - 1, 0), rows)))
+        return calls
 
     def _prefill_chain(self, t: int, pool: int, logits: bool, slots: int, fresh: bool = False) -> PrefillChain:
         """The steps of a prefill of `t` tokens a row, planned, compiled and loaded on the

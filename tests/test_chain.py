@@ -80,6 +80,32 @@ def test_a_step_writes_in_place_into_the_cache_it_is_passed(sim, n):
         dev.chain([(step, (caches[0], ids_a, values)), (step, (caches[1], ids_b + 10, values))])
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_chains_runs_on_new_data_find_what_they_read_anew(sim, n):
+    """A step writing rows at ids it works out itself (positions modulo the rows, as a ring
+    cache's slots: an array of the program's own, the same buffer every run) into a cache
+    split by rows, run twice in one chain over positions of each device's half in turn: the
+    second run, marked as on new data, writes its own rows (its ids' range found anew, not the
+    first run's, which would send its rows to the other half); a bad mark is refused."""
+    dev = sim(n)
+    rows, width = 40, 4
+    state = Split(0, ((20, 20),)) if n == 2 else MIRRORED
+    cache = dev.tensor(np.zeros((rows, width), np.float32), state)
+    values = np.arange(20 * width, dtype=np.float32).reshape(20, width)
+    first, second = np.arange(40, 60, dtype=np.int32), np.arange(60, 80, dtype=np.int32)
+
+    def write(c, positions, v):
+        return [c.set_rows(positions % rows, v, axis=0)]
+
+    step = dev.prepare(write, cache, first, values)
+    dev.chain([(step, (cache, first, values)), (step, (cache, second, -values))], new_data=[1])
+    want = np.zeros((rows, width), np.float32)
+    want[first % rows], want[second % rows] = values, -values
+    np.testing.assert_array_equal(cache.numpy(), want)
+    with pytest.raises(ShapeError, match="new data at calls"):
+        dev.chain([(step, (cache, first, values))], new_data=[1])
+
+
 def test_an_argument_of_another_shape_dtype_or_state_is_refused_and_nothing_runs(sim):
     """Refused by name before anything is sent; a tensor the caller fed (dev.feed) for the
     refused chain still goes with the next run that reads it."""

@@ -153,3 +153,59 @@ def test_split_options_are_checked_before_any_weight_moves(sim):
     for split, groups, says in [("rows", 0, "one of row, layer"), ("layer", 3, "divides"), ("row", 2, "goes with")]:
         with pytest.raises(ModelError, match=says):
             layer_groups_for(dev, split, groups)
+
+
+@pytest.mark.parametrize("n, most_runs", [(2, None), (2, 10), (4, None), (1, None)])
+def test_a_long_prompts_chunks_go_in_chains_with_one_head(sim, monkeypatch, n, most_runs):
+    """A 40-token prompt in chunks of 16 (16, 16, 8) on two groups of one worker each: one
+    chain (one message a worker), so the first group goes on to the next chunk while the second
+    works on the one before (pipelined), each chunk's positions new data, the head after the
+    last chunk only; with at most 10 runs a chain, the first two chunks (5 runs each) in one
+    and the last with the head in another. On groups of two workers (all-reduces inside each)
+    and on one worker: a chain a chunk, the head in the last. The candidates the reference's."""
+    import models.llama as llama
+
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 16)
+    if most_runs is not None:
+        monkeypatch.setattr(llama, "PREFILL_CHAIN_RUNS", most_runs)
+    weights = random_weights(CFG, seed=8)
+    dev = sim(n)
+    net = TensorParallelLlama(dev, CFG, weights.__getitem__, 48, layer_groups=CASES.get(n))
+    chains = []
+    real_chain = dev.chain
+
+    def spy(calls, *args, **kwargs):
+        chains.append((len(calls), kwargs.get("new_data")))
+        return real_chain(calls, *args, **kwargs)
+
+    monkeypatch.setattr(dev, "chain", spy)
+    prompt = np.random.default_rng(2).integers(0, CFG.vocab, 40)
+    _, _, logits = net.prefill([list(prompt)], 0, pool=1, logits=True)
+    per_chunk = 1 + CFG.layers  # the embedding and each layer
+    if n != 2:
+        assert chains == [(per_chunk, [0]), (per_chunk, [0]), (per_chunk + 1, [0])]
+    elif most_runs is None:
+        assert chains == [(3 * per_chunk + 1, [0, per_chunk, 2 * per_chunk])]
+    else:
+        assert chains == [(2 * per_chunk, [0, per_chunk]), (per_chunk + 1, [0])]
+    want = ReferenceDecoder(CFG, weights, 48).forward(prompt[None], np.arange(40)[None])[0, -1]
+    np.testing.assert_allclose(logits.numpy()[0, 0], want, rtol=2e-4, atol=2e-4)
+
+
+def test_the_longest_prefill_chain_fits_a_message():
+    """A chain of PREFILL_CHAIN_RUNS runs, each with the inputs of a layer with every optional
+    weight (biases, q/k norms, post-norms: 19 weights, x, positions, mask, the caches, a
+    slot), its outputs and a tensor to free, encodes within a message's header limit, with
+    room to spare, and decodes."""
+    from models.llama import PREFILL_CHAIN_RUNS
+
+    runs = PREFILL_CHAIN_RUNS
+    big = 1 << 40  # ids as large as a long-lived coordinator's
+    pairs = [np.arange(2 * 25, dtype=np.int64).reshape(25, 2) + big for _ in range(runs)]
+    outs = [np.arange(2 * 3, dtype=np.int64).reshape(3, 2) + big for _ in range(runs)]
+    chain = p.RunChain(
+        list(range(runs)), list(range(big, big + runs)), pairs, outs, frees=[[big]] * runs, new_data=[1, 2]
+    )
+    frames = p.encode(chain)
+    assert len(bytes(frames[0])) < p.DEFAULT_LIMITS.header_bytes // 2
+    assert p.decode(frames)[0].runs == chain.runs

@@ -54,6 +54,7 @@ EXAMPLES = [
         profile=1,
         read=[14],
         frees=[[], [12], [13]],
+        new_data=[2],
     ),
     p.Ran(info={"compute_s": 0.5}, values=[p.Feed(12, "int64", (1, 2), 0)], data=np.arange(16, dtype=np.uint8)),
     p.Generate(
@@ -160,6 +161,10 @@ def test_a_chain_of_runs_holds_one_of_each_list_per_run():
     h = msgpack.unpackb(bytes(frames[0]))
     h["f"]["frees"] = [[3]]  # tensors to free after one run of two
     with pytest.raises(ProtocolError, match="2 programs has 1 lists of tensors to free"):
+        p.decode([msgpack.packb(h), *frames[1:]])
+    h = msgpack.unpackb(bytes(frames[0]))
+    h["f"]["new_data"] = [2]  # new data at a run the chain does not have
+    with pytest.raises(ProtocolError, match="2 programs has new data at runs \\[2\\]"):
         p.decode([msgpack.packb(h), *frames[1:]])
 
 

@@ -117,3 +117,35 @@ def test_a_gemma3_shaped_cache_at_32k_positions_is_under_a_quarter_of_every_laye
         dev.close()
     assert held == 2 * (ctx + 5 * 640)
     assert held <= 2 * cfg.layers * ctx / 4
+
+
+CHUNKED_TOKENS = np.random.default_rng(7).integers(0, CFG.vocab, 80)
+
+
+@pytest.mark.parametrize("n, groups", [(1, None), (2, None), (2, ((0,), (1,))), (3, ((0,), (1,), (2,)))])
+def test_a_long_prompts_chunks_in_one_chain_fill_the_rings_as_the_reference(mixed_weights, n, groups, monkeypatch):
+    """A 74-token prompt prefilled in chunks of 32 (two, then 10 tokens) all in one chain of
+    runs a worker, on rows or on groups of layers, then 6 tokens one at a time: the last prompt
+    position's logits and every decoded one the NumPy reference's. The windowed layers' rings
+    hold 4 + 32 positions, so each chunk writes other ring slots: a chunk's positions are new
+    data to the layer programs run again (RunChain.new_data), whose writes find their slots anew."""
+    import models.llama as llama
+    from models.llama import LayerGroups
+
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 32)
+    ctx = 96
+    dev = MetaDevice(SimulatedCluster(n), check_mirrored=True)
+    try:
+        layer_groups = None if groups is None else LayerGroups(groups)
+        net = TensorParallelLlama(dev, MIXED, mixed_weights.__getitem__, ctx, layer_groups=layer_groups)
+        assert [k.shape[2] for k in net.k] == [36, ctx, 36]
+        _, _, logits = net.prefill([list(CHUNKED_TOKENS[:74])], 0, pool=1, logits=True)
+        rows = [logits.numpy()[0, 0]]
+        for p in range(74, 80):
+            step = net.step(CHUNKED_TOKENS[None, p : p + 1], np.array([[p]]))
+            dev.run(step, *net.caches())
+            rows.append(step.numpy()[0, 0])
+    finally:
+        dev.close()
+    whole = ReferenceDecoder(MIXED, mixed_weights, ctx).forward(CHUNKED_TOKENS[None], np.arange(80)[None])[0]
+    np.testing.assert_allclose(np.array(rows), whole[73:], atol=1e-4, rtol=0)

@@ -34,8 +34,9 @@ from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
 from split_state.sampling import Rule
 from split_state.states import State, decode_state, encode_state
 
-# 7: RunChain; 6: no free steps (a worker plans its memory by liveness itself); 5: parameters in a table
-PROTOCOL_VERSION = 7
+# 8: RunChain.new_data; 7: RunChain; 6: no free steps (a worker plans its memory by liveness itself);
+# 5: parameters in a table
+PROTOCOL_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -365,7 +366,8 @@ class RunChain:
     account summed over the runs). A run that fails ends the chain: the runs after it do not
     start. A program run again in one chain keeps what its kernels found from the data they
     read (the positions a mask lets through, the range of the ids written): a chain does not
-    rewrite those in place between its runs."""
+    rewrite those in place between its runs, except at the runs listed in `new_data` (a long
+    prompt's next chunk, whose positions differ: its programs find them anew)."""
 
     programs: list[int]
     runs: list[int]
@@ -377,9 +379,12 @@ class RunChain:
     profile: int = 0
     read: list[int] = field(default_factory=list)
     frees: list[list[int]] = field(default_factory=list)  # none, or for each run the tensors freed after it
+    new_data: list[int] = field(default_factory=list)  # the runs from which programs read new data
     KIND: ClassVar[MsgType]
 
     def __post_init__(self) -> None:
+        if any(not 0 <= i < len(self.programs) for i in self.new_data):
+            raise ValueError(f"a chain of {len(self.programs)} programs has new data at runs {self.new_data}")
         if not len(self.programs) == len(self.runs) == len(self.inputs) == len(self.outputs):
             raise ValueError(
                 f"a chain of {len(self.programs)} programs has {len(self.runs)} run ids, {len(self.inputs)} input "

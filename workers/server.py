@@ -103,7 +103,10 @@ class WorkerServer:
             raise ProtocolError(f"chain of runs {m.runs}: it reads tensors {sorted(set(m.read))}, not all its outputs")
         timings: dict = {}
         ran: set[int] = set()  # the chain's programs run so far: their next runs read the same data
-        for program, run, inputs, outputs, dropped in runs:
+        new_data = set(m.new_data) if isinstance(m, p.RunChain) else set()
+        for at, (program, run, inputs, outputs, dropped) in enumerate(runs):
+            if at in new_data:  # another chunk of a prompt: what kernels found from its data is found anew
+                ran.clear()
             self.runs += 1
             read = m.read if len(runs) == 1 else [t for _, t in outputs if t in m.read]
             again = program in ran
