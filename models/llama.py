@@ -801,15 +801,11 @@ class TensorParallelLlama:
         shortest = min(len(p) for p in prompts)
         ahead = max(0, shortest - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # in whole chunks
         # only the last chunk runs the head. Where each group of layers is one worker, the chunks
-        # go in as few chains as PREFILL_CHAIN_RUNS allows (one message a worker each): a worker
-        # goes on to the next chunk as soon as its layers of one are done, so the groups work on
-        # successive chunks at once (llama.cpp's pipeline parallelism of a layer split). Such a
-        # worker hears from one worker at a time (the group before it; the last group's
-        # candidates at the end), in order, however far ahead the others run. Workers that
-        # exchange among themselves (all-reduces) expect no data past the next run
-        # (workers/comm.py Inbox._take) and could see a worker that ran ahead through runs without
-        # exchanges (an embedding, another group's layers): a chain a chunk for them, each
-        # started when every worker has finished the one before.
+        # go in as few chains as PREFILL_CHAIN_RUNS allows, so the groups work on successive
+        # chunks at once (MetaDevice.chain): such a worker hears from one worker at a time, in
+        # run order. Workers that all-reduce among themselves expect no data past their next run
+        # (workers/comm.py Inbox._take), which a worker running ahead through an embedding would
+        # send: a chain a chunk for them, each started once every worker finished the one before.
         groups = self.layer_groups
         pipelined = groups is not None and groups.size == 1
         chunks = [([p[at : at + PREFILL_CHUNK] for p in prompts], at) for at in range(0, ahead, PREFILL_CHUNK)]
@@ -818,7 +814,8 @@ class TensorParallelLlama:
         starts: list[int] = []
         for k, (chunk, at) in enumerate(chunks):
             last = k == len(chunks) - 1
-            if calls and (not pipelined or len(calls) + 1 + self.cfg.layers + last > PREFILL_CHAIN_RUNS):
+            runs = 1 + self.cfg.layers + (1 if last else 0)  # the embedding, the layers, the head
+            if calls and (not pipelined or len(calls) + runs > PREFILL_CHAIN_RUNS):
                 self.dev.chain(calls, keep=False, new_data=starts)  # the caches are written in place
                 calls, starts = [], []
             starts.append(len(calls))

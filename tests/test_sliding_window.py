@@ -123,12 +123,13 @@ CHUNKED_TOKENS = np.random.default_rng(7).integers(0, CFG.vocab, 80)
 
 
 @pytest.mark.parametrize("n, groups", [(1, None), (2, None), (2, ((0,), (1,))), (3, ((0,), (1,), (2,)))])
-def test_a_long_prompts_chunks_in_one_chain_fill_the_rings_as_the_reference(mixed_weights, n, groups, monkeypatch):
-    """A 74-token prompt prefilled in chunks of 32 (two, then 10 tokens) all in one chain of
-    runs a worker, on rows or on groups of layers, then 6 tokens one at a time: the last prompt
-    position's logits and every decoded one the NumPy reference's. The windowed layers' rings
-    hold 4 + 32 positions, so each chunk writes other ring slots: a chunk's positions are new
-    data to the layer programs run again (RunChain.new_data), whose writes find their slots anew."""
+def test_a_long_prompts_chunks_fill_the_rings_as_the_reference(mixed_weights, n, groups, monkeypatch):
+    """A 74-token prompt prefilled in chunks of 32 (two, then 10 tokens), on rows (a chain a
+    chunk) or on groups of one worker (every chunk in one chain of runs a worker), then 6 tokens
+    one at a time: the last prompt position's logits and every decoded one the NumPy
+    reference's. The windowed layers' rings hold 4 + 32 positions, so each chunk writes other
+    ring slots: in one chain a chunk's positions are new data to the layer programs run again
+    (RunChain.new_data)."""
     import models.llama as llama
     from models.llama import LayerGroups
 
