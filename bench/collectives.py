@@ -163,7 +163,7 @@ def raw_all_reduce(n: int, nbytes: int, reps: int, trials: int = 1, tcp: bool = 
         ipc.close()
 
 
-def wait_until_prepared(dev: MetaDevice, seconds: float = 120.0) -> None:
+def wait_until_prepared(dev: MetaDevice, seconds: float = 600.0) -> None:
     """Until every worker has loaded (or compiled) its loops: the thread doing it holds the GIL
     for a second or more after a worker starts, and a collective timed meanwhile took 3-9x its
     time (4 KiB over zmq: 317-798 us, then 97-144)."""
@@ -208,9 +208,7 @@ def run(
 ) -> list[dict]:
     """`transport`: ipc on this host; tcp over the loopback; curve: tcp with CURVE (the keys a
     tcp cluster makes for the workers it spawns)."""
-    sizes = (
-        [4 << 10, 1 << 20, 16 << 20] if quick else [1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-    )
+    sizes = [4 << 10, 1 << 20, 4 << 20] if quick else [1 << 10, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
     rows = []
     for n in worker_counts:
         host, insecure, raw_tcp = TRANSPORTS[transport]

@@ -325,7 +325,7 @@ def _save(fig, path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small sizes; under 2 minutes on 2 cores")
+    ap.add_argument("--quick", action="store_true", help="small sizes; about 2.5 minutes on 2 cores")
     ap.add_argument("--out", default="results", help="folder for bench.json and the plots")
     ap.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args(argv)

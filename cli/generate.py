@@ -214,7 +214,8 @@ def first_compile_notice(dev, stream=sys.stderr) -> bool:
     if dev.cluster.config.backend != "cpu" or compiled_here():
         return False
     stream.write(
-        "note: compiling the CPU loops once on this machine (~15 s); later runs load them from numba's cache\n"
+        "note: compiling the CPU loops once on this machine (about two minutes on 2 cores); "
+        "later runs load them from numba's cache\n"
     )
     stream.flush()
     return True

@@ -38,10 +38,11 @@ def _release_freed_arrays_to_the_system() -> None:
 
 
 def pytest_sessionstart(session):
-    _release_freed_arrays_to_the_system()
     """The CPU kernels' numba loops compiled into numba's cache once, here, before any worker
-    starts: on a machine that has not compiled them yet, every worker the first tests start
-    would compile all of them at once (workers/backends/cpu/numba_cpu.py's prepare)."""
+    starts and outside every test's timeout: cold, they take about two minutes on 2 cores
+    (workers/backends/cpu/numba_cpu.py's prepare), which a test that starts workers would
+    otherwise spend waiting."""
+    _release_freed_arrays_to_the_system()
     from workers.backends.cpu import numba_cpu
 
     if numba_cpu.AVAILABLE:

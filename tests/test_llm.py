@@ -549,10 +549,16 @@ def test_a_first_run_that_compiles_the_loops_says_so_in_one_line(tmp_path, monke
     assert "compiling the CPU loops once" in said.getvalue()
     cuda = types.SimpleNamespace(cluster=types.SimpleNamespace(config=types.SimpleNamespace(backend="cuda")))
     assert not first_compile_notice(cuda, io.StringIO())
+    beside = source.parent / "__pycache__"
+    beside.mkdir()
+    for stem in ("numba_loops.rope_rows-33", "int8_products.k_rows-189"):
+        (beside / f"{stem}.py311.nbi").write_bytes(b"")
+    assert numba_cpu.compiled_here()
     cache = tmp_path / "cache" / "any"
     cache.mkdir(parents=True)
-    (cache / "numba_loops.rope_rows-33.py311.nbi").write_bytes(b"")
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "cache"))
+    assert not numba_cpu.compiled_here()  # numba reads NUMBA_CACHE_DIR alone, and it is empty
+    (cache / "numba_loops.rope_rows-33.py311.nbi").write_bytes(b"")
     assert not numba_cpu.compiled_here()  # the integer products' loops are not cached yet
     (cache / "int8_products.k_rows-189.py311.nbi").write_bytes(b"")
     assert numba_cpu.compiled_here()

@@ -42,7 +42,7 @@ import numpy as np
 
 from split_state.errors import ShapeError
 from split_state.quant import FORMATS
-from workers.backends.cpu import packing
+from workers.backends.cpu import compile_lock, packing
 from workers.backends.cpu.row_threads import over_threads
 from workers.kernels import basic, fused, quant
 
@@ -616,10 +616,16 @@ def prepare() -> None:
     layout it takes; then LLVM's code pages handed back (`release_compiler_code`). Runs once
     per process, on a worker's start (workers/main.py), before its weights arrive: the worker's
     peak resident set is then what it holds, not that plus the compiler's code. A program
-    loaded meanwhile waits for it."""
+    loaded meanwhile waits for it. While the cache is empty, workers of one machine compile
+    one at a time (compile_lock.py): the first fills numba's cache, the others then load from
+    it; once it is filled they load at once, side by side."""
     with _PREPARING:
         if not _PREPARED:
-            _warm()
+            if compiled_here():
+                _warm()
+            else:
+                with compile_lock.one_at_a_time(compile_lock.cache_folder(__file__)):
+                    _warm()
             _PREPARED.append(True)
 
 
@@ -628,7 +634,7 @@ _PREPARING, _PREPARED = threading.Lock(), []
 
 def compiled_here() -> bool:
     """Whether numba's cache on this machine holds the loops already (or there is nothing to
-    compile: no numba): else a worker's first start compiles them, 13-19 s on 2 cores. Read
+    compile: no numba): else a worker's first start compiles them, ~2 minutes on 2 cores. Read
     from the cache's index files beside the sources (numba's default place, or NUMBA_CACHE_DIR)
     without importing numba."""
     if not AVAILABLE:
@@ -637,9 +643,10 @@ def compiled_here() -> bool:
 
     def cached(module: str) -> bool:
         spec = importlib.util.find_spec(module)
-        places = [Path(spec.origin).parent / "__pycache__"] if spec and spec.origin else []
-        if os.environ.get("NUMBA_CACHE_DIR"):
-            places.append(Path(os.environ["NUMBA_CACHE_DIR"]))
+        if os.environ.get("NUMBA_CACHE_DIR"):  # numba then reads and writes there alone
+            places = [Path(os.environ["NUMBA_CACHE_DIR"])]
+        else:
+            places = [Path(spec.origin).parent / "__pycache__"] if spec and spec.origin else []
         stem = module.rsplit(".", 1)[-1]
         return any(any(place.rglob(f"{stem}.*.nbi")) for place in places if place.is_dir())
 
