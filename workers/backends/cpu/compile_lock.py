@@ -25,11 +25,14 @@ WAIT_S = 900.0
 LOCK_NAME = "meta-tp-compile.lock"
 
 
-def cache_folder(module_file: str) -> Path:
-    """Where numba caches the loops of a module: NUMBA_CACHE_DIR, else the __pycache__ beside
-    its source (numba's own choice while that is writable)."""
+def cache_folder(module_file: str | None) -> Path | None:
+    """Where numba caches the loops of a module: NUMBA_CACHE_DIR (numba then reads and writes
+    there alone), else the __pycache__ beside its source (numba's own choice while that is
+    writable); None for a module with no source file and no NUMBA_CACHE_DIR."""
     chosen = os.environ.get("NUMBA_CACHE_DIR")
-    return Path(chosen) if chosen else Path(module_file).parent / "__pycache__"
+    if chosen:
+        return Path(chosen)
+    return Path(module_file).parent / "__pycache__" if module_file else None
 
 
 def _open_lock_file(folder: Path) -> int | None:

@@ -34,7 +34,6 @@ import functools
 import importlib
 import importlib.util
 import itertools
-import os
 import threading
 from collections.abc import Callable
 
@@ -639,16 +638,12 @@ def compiled_here() -> bool:
     without importing numba."""
     if not AVAILABLE:
         return True
-    from pathlib import Path
 
     def cached(module: str) -> bool:
         spec = importlib.util.find_spec(module)
-        if os.environ.get("NUMBA_CACHE_DIR"):  # numba then reads and writes there alone
-            places = [Path(os.environ["NUMBA_CACHE_DIR"])]
-        else:
-            places = [Path(spec.origin).parent / "__pycache__"] if spec and spec.origin else []
+        place = compile_lock.cache_folder(spec.origin if spec else None)
         stem = module.rsplit(".", 1)[-1]
-        return any(any(place.rglob(f"{stem}.*.nbi")) for place in places if place.is_dir())
+        return place is not None and place.is_dir() and any(place.rglob(f"{stem}.*.nbi"))
 
     return cached("workers.backends.cpu.numba_loops") and cached("workers.backends.cpu.int8_products")
 
