@@ -52,6 +52,14 @@ LANES = 64
 # GB/s, q4_k 33.3-33.6 against 29.8-30.7, q8_0 33.9 against 30.7, q5_k 26.3 against 23.0, q4_0
 # 39.1 against 37.1; two threads, 16 KiB against 8: q4_0 54.2-56.5 against 46.7-50.1, q8_0
 # 42.1-43.5 against 38.6-40.4, q4_k and q6_k within noise. (32 and 64 KiB no better.)
+# Where the asks bring the rows: into L2. Into L1 (prefetcht0), the asks queue on L1's few miss
+# buffers; the Zen 4 VM of 2026-12-03 (quiet) read one-row products of 65,536 x 2,048 from DRAM
+# at, one / two threads, q4_k 7.9 / 16.3 GB/s, q6_k 10.1 / 20.5, q4_0 18.6 / 19.1, q8_0 18.7 /
+# 29.4; into L2 at 18.3 / 31.3, 18.0 / 27.3, 22.8 / 32.3, 19.4 / 40.7, and bench/formats.py's
+# decode against llama.cpp went, one / two threads, q4_k 0.55 / 0.54x -> 0.95 / 0.83x, q6_k
+# 0.52 / 0.57 -> 0.88 / 1.01, q4_0 0.98 / 0.84 -> 1.27 / 1.00. (How far ahead, 2-64 KiB, moved
+# those within the runs' noise.)
+WEIGHT_CACHE = vir.INTO_L2
 ONE_THREAD_PREFETCH_BYTES = 8192
 PREFETCH_BYTES = 16384  # two threads or more
 
@@ -113,14 +121,16 @@ class _Block:
         start = self.builder.add(self.at["w_at"], self.builder.mul(first, ir.Constant(i64, self.lanes)))
         start = self.builder.add(start, self.at["ahead"])
         for k in range(count):
-            vir.prefetch(self.builder, self.at["w"], self.builder.add(start, ir.Constant(i64, k * self.lanes)))
+            vir.prefetch(
+                self.builder, self.at["w"], self.builder.add(start, ir.Constant(i64, k * self.lanes)), WEIGHT_CACHE
+            )
 
     def ask_ahead(self, count: int) -> None:
         """Ask for the next `count` rows of the block `ahead` bytes on, in address order."""
         if not self.asking:
             return
         for p in range(self.asked, min(self.asked + count, FORMATS[self.fmt.name].block_bytes)):
-            vir.prefetch(self.builder, self.at["w"], self.builder.add(self._offset(p), self.at["ahead"]))
+            vir.prefetch(self.builder, self.at["w"], self.builder.add(self._offset(p), self.at["ahead"]), WEIGHT_CACHE)
             self.asked = p + 1
 
     def reader(self):
