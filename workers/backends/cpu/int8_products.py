@@ -46,30 +46,27 @@ LANES = 64
 # the order the block code read them (and the factors' rows not at all), 6 products of 16,384 x
 # 2,048 on two threads ran at q4_k 43.8-44.8, q6_k 39.6-41.2, q4_0 46.0-46.9 GB/s; in address
 # order 50.0-51.7, 44.6-46.3, 46.9-47.7 (2026-11-29, alternating in one process; one thread
-# within noise: q4_k 32.2 against 32.5, q6_k 26.8 against 27.9). How far
-# ahead depends on the threads that share the memory: 6 products of 16,384 x 2,048 from DRAM
-# (2026-11-29, two alternating runs), one thread, 8 KiB ahead against 16: q6_k 28.2 against 23.8-24.4
-# GB/s, q4_k 33.3-33.6 against 29.8-30.7, q8_0 33.9 against 30.7, q5_k 26.3 against 23.0, q4_0
-# 39.1 against 37.1; two threads, 16 KiB against 8: q4_0 54.2-56.5 against 46.7-50.1, q8_0
-# 42.1-43.5 against 38.6-40.4, q4_k and q6_k within noise. (32 and 64 KiB no better.)
+# within noise: q4_k 32.2 against 32.5, q6_k 26.8 against 27.9).
 # Where the asks bring the rows: into L2. Into L1 (prefetcht0), the asks queue on L1's few miss
 # buffers; the Zen 4 VM of 2026-12-03 (quiet) read one-row products of 65,536 x 2,048 from DRAM
 # at, one / two threads, q4_k 7.9 / 16.3 GB/s, q6_k 10.1 / 20.5, q4_0 18.6 / 19.1, q8_0 18.7 /
 # 29.4; into L2 at 18.3 / 31.3, 18.0 / 27.3, 22.8 / 32.3, 19.4 / 40.7, and bench/formats.py's
 # decode against llama.cpp went, one / two threads, q4_k 0.55 / 0.54x -> 0.95 / 0.83x, q6_k
-# 0.52 / 0.57 -> 0.88 / 1.01, q4_0 0.98 / 0.84 -> 1.27 / 1.00. (How far ahead, 2-64 KiB, moved
-# those within the runs' noise.)
+# 0.52 / 0.57 -> 0.88 / 1.01, q4_0 0.98 / 0.84 -> 1.27 / 1.00.
+# How far ahead: at least 16 KiB, whatever the threads. Into L2, a decode step's products of the
+# 1.7B shape's 8 layers (each weight once, from DRAM, the Zen 4 VM, 2026-12-03) on one thread
+# read q6_k at 14.8-15.6 GB/s 8 KiB ahead (one block), 16.9-18.9 at 16 KiB, 16.0 / 15.4 at 32 /
+# 64; two threads 24.2 / 26.9 / 26.8 / 25.0; q4_k, q5_k and q8_0 moved within noise (4-64 KiB).
+# (Into L1 the best had been 8 KiB on one thread, 16 on two: the 2026-11-29 Zen 5 VM.)
 WEIGHT_CACHE = vir.INTO_L2
-ONE_THREAD_PREFETCH_BYTES = 8192
-PREFETCH_BYTES = 16384  # two threads or more
+PREFETCH_BYTES = 16384
 
 
-def ahead_bytes(fmt: str, threads: int) -> int:
-    """How far ahead a product of `fmt` on `threads` threads asks for its weight's rows: whole
-    blocks of 64 lanes, at least the prefetch bytes for that many threads."""
+def ahead_bytes(fmt: str) -> int:
+    """How far ahead a product of `fmt` asks for its weight's rows: whole blocks of 64 lanes, at
+    least PREFETCH_BYTES."""
     size = FORMATS[fmt].block_bytes * LANES
-    least = ONE_THREAD_PREFETCH_BYTES if threads == 1 else PREFETCH_BYTES
-    return size * -(-least // size)
+    return size * -(-PREFETCH_BYTES // size)
 
 
 QUAD = 4  # activation rows per pass over a block's value rows
@@ -932,10 +929,10 @@ def activations_for(partner: Partner, rows: int, width: int) -> Activations:
 
 def product(fmt: str, rows: int, width: int, threads: int = 1):
     """A function (x (rows, width) float32, w, out (rows, groups * 64)) running the product on
-    the running thread's activation buffers (activations_for), over `threads` threads (how far
-    ahead it asks for the weight: ahead_bytes). w is packed (packing.py) where `packs(fmt)`."""
+    the running thread's activation buffers (activations_for), over `threads` threads, asking
+    for the weight's rows ahead_bytes on. w is packed (packing.py) where `packs(fmt)`."""
     spec = INT_FORMATS[fmt]
-    code, partner, ahead = spec.code, spec.partner, ahead_bytes(fmt, threads)
+    code, partner, ahead = spec.code, spec.partner, ahead_bytes(fmt)
     threaded = over_threads(rows * width, threads)
     if spec.scales is None:
 
