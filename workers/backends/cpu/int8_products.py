@@ -47,18 +47,17 @@ LANES = 64
 # 2,048 on two threads ran at q4_k 43.8-44.8, q6_k 39.6-41.2, q4_0 46.0-46.9 GB/s; in address
 # order 50.0-51.7, 44.6-46.3, 46.9-47.7 (2026-11-29, alternating in one process; one thread
 # within noise: q4_k 32.2 against 32.5, q6_k 26.8 against 27.9).
-# Where the asks bring the rows: into L2. Into L1 (prefetcht0), the asks queue on L1's few miss
-# buffers; the Zen 4 VM of 2026-12-03 (quiet) read one-row products of 65,536 x 2,048 from DRAM
-# at, one / two threads, q4_k 7.9 / 16.3 GB/s, q6_k 10.1 / 20.5, q4_0 18.6 / 19.1, q8_0 18.7 /
-# 29.4; into L2 at 18.3 / 31.3, 18.0 / 27.3, 22.8 / 32.3, 19.4 / 40.7, and bench/formats.py's
-# decode against llama.cpp went, one / two threads, q4_k 0.55 / 0.54x -> 0.95 / 0.83x, q6_k
-# 0.52 / 0.57 -> 0.88 / 1.01, q4_0 0.98 / 0.84 -> 1.27 / 1.00.
+# Where the asks bring the rows: into L2 (vector_ir.prefetch). Into L1 (prefetcht0), the asks
+# queue on L1's few miss buffers; the Zen 4 VM of 2026-12-03 (quiet) read one-row products of
+# 65,536 x 2,048 from DRAM at, one / two threads, q4_k 7.9 / 16.3 GB/s, q6_k 10.1 / 20.5, q4_0
+# 18.6 / 19.1, q8_0 18.7 / 29.4; into L2 at 18.3 / 31.3, 18.0 / 27.3, 22.8 / 32.3, 19.4 / 40.7,
+# and bench/formats.py's decode against llama.cpp went, one / two threads, q4_k 0.55 / 0.54x ->
+# 0.95 / 0.83x, q6_k 0.52 / 0.57 -> 0.88 / 1.01, q4_0 0.98 / 0.84 -> 1.27 / 1.00.
 # How far ahead: at least 16 KiB, whatever the threads. Into L2, a decode step's products of the
 # 1.7B shape's 8 layers (each weight once, from DRAM, the Zen 4 VM, 2026-12-03) on one thread
 # read q6_k at 14.8-15.6 GB/s 8 KiB ahead (one block), 16.9-18.9 at 16 KiB, 16.0 / 15.4 at 32 /
 # 64; two threads 24.2 / 26.9 / 26.8 / 25.0; q4_k, q5_k and q8_0 moved within noise (4-64 KiB).
 # (Into L1 the best had been 8 KiB on one thread, 16 on two: the 2026-11-29 Zen 5 VM.)
-WEIGHT_CACHE = vir.INTO_L2
 PREFETCH_BYTES = 16384
 
 
@@ -118,16 +117,14 @@ class _Block:
         start = self.builder.add(self.at["w_at"], self.builder.mul(first, ir.Constant(i64, self.lanes)))
         start = self.builder.add(start, self.at["ahead"])
         for k in range(count):
-            vir.prefetch(
-                self.builder, self.at["w"], self.builder.add(start, ir.Constant(i64, k * self.lanes)), WEIGHT_CACHE
-            )
+            vir.prefetch(self.builder, self.at["w"], self.builder.add(start, ir.Constant(i64, k * self.lanes)))
 
     def ask_ahead(self, count: int) -> None:
         """Ask for the next `count` rows of the block `ahead` bytes on, in address order."""
         if not self.asking:
             return
         for p in range(self.asked, min(self.asked + count, FORMATS[self.fmt.name].block_bytes)):
-            vir.prefetch(self.builder, self.at["w"], self.builder.add(self._offset(p), self.at["ahead"]), WEIGHT_CACHE)
+            vir.prefetch(self.builder, self.at["w"], self.builder.add(self._offset(p), self.at["ahead"]))
             self.asked = p + 1
 
     def reader(self):

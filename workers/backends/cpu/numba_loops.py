@@ -1111,7 +1111,7 @@ def _prefetch(typingctx, array, index):
         data = context.make_array(signature.args[0])(context, builder, args[0]).data
         itemsize = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
         offset = builder.mul(args[1], ir.Constant(ir.IntType(64), itemsize))
-        vector_ir.prefetch(builder, builder.bitcast(data, vector_ir.I8.as_pointer()), offset, vector_ir.INTO_L2)
+        vector_ir.prefetch(builder, builder.bitcast(data, vector_ir.I8.as_pointer()), offset)
         return context.get_dummy_value()
 
     return numba.types.none(array, numba.types.int64), codegen
@@ -1125,7 +1125,7 @@ def _prefetch(typingctx, array, index):
 # pass, whose sums' reductions overlap. 32 heads x 128 positions x 64 (float16) from memory,
 # eight layers' caches in turn: two threads 71 -> 47 us a layer, one 136 -> 93 (the values
 # asked for only ATTENTION_AHEAD on as they were weighed, the next head's keys at its start).
-# The rows are asked for into L2 (as the weights' blocks, int8_products.WEIGHT_CACHE), 16 on: the
+# The rows are asked for into L2 (as the weights' blocks: vector_ir.prefetch), 16 on: the
 # same eight layers of 32 heads x 160 / 256 positions from memory, the Zen 4 VM (2026-12-03, two
 # runs alternating in one process), one thread 132-175 / 177-240 -> 90-122 / 121-177 us a layer,
 # two 78-106 / 122-143 -> 58-80 / 96-100 (into L1, 8 on, against 16 into L2; 32 into L2 alike).

@@ -108,22 +108,19 @@ def load_once(builder: ir.IRBuilder, base, offset, kind):
     return instruction
 
 
-# How far in a prefetch brings its line (LLVM's locality: 3 prefetcht0, into L1; 1 prefetcht2).
-INTO_L1, INTO_L2 = 3, 1
-
-
-def prefetch(builder: ir.IRBuilder, base, offset, locality: int = INTO_L1) -> None:
-    """Ask for the cache line at byte `offset` of `base` (a read): the blocks of a K-quant are
-    9-13 KiB, and streaming them with the hardware's prefetch alone ran at half the memory's
-    speed once the weight outgrew the last-level cache. `locality`: INTO_L1, or INTO_L2 for a
-    stream read a block ahead (int8_products: L1's few miss buffers held back the asks)."""
+def prefetch(builder: ir.IRBuilder, base, offset) -> None:
+    """Ask for the cache line at byte `offset` of `base` (a read) into L2: the blocks of a K-quant
+    are 9-13 KiB, and streaming them with the hardware's prefetch alone ran at half the memory's
+    speed once the weight outgrew the last-level cache. Into L1 (prefetcht0) the asks queued on
+    L1's few miss buffers: the figures are int8_products.PREFETCH_BYTES'."""
     pointer = builder.gep(base, [offset])
     name = "llvm.prefetch.p0i8"
     function = builder.module.globals.get(name)
     if function is None:
         kind = ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
         function = ir.Function(builder.module, kind, name=name)
-    builder.call(function, [pointer, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
+    # LLVM's locality 1: prefetcht2 (x86 brings it into L2, as prefetcht1 does)
+    builder.call(function, [pointer, ir.Constant(I32, 0), ir.Constant(I32, 1), ir.Constant(I32, 1)])
 
 
 def store(builder: ir.IRBuilder, value, base, offset) -> None:
