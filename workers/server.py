@@ -63,7 +63,8 @@ class WorkerServer:
                 f"tensor {m.tensor}: worker {self.rank} got a slice of shape {tuple(m.array.shape)}, "
                 f"{m.state} of {tuple(m.shape)} on {self.world_size} devices needs {expected}"
             )
-        self.store.put(m.tensor, self.backend.to_device(np.array(m.array, copy=True)))
+        keep = getattr(self.backend, "resident", None)  # (optional: workers/backends/__init__.py)
+        self.store.put(m.tensor, keep(m.array) if keep else self.backend.to_device(np.array(m.array, copy=True)))
         return p.Ok()
 
     def _on_get(self, m: p.Get) -> p.Message:

@@ -16,8 +16,11 @@ A backend module `workers/backends/NAME.py` defines a class `Backend` that provi
     to_host(array) -> host array    # a host copy, ordered after every kernel already issued
     synchronize()                   # wait for every kernel issued on this worker's device
 
-and may provide `device_sampler(rule, rng, steps, recent, values, indices, tokens, positions)`: a
-worker-driven decode loop's sampler on the device (workers/backends/cuda/kernels/sample.py DeviceSampler), or
+and may provide `resident(host array) -> array`: the copy a worker keeps of a tensor it is sent
+(without it, `to_device` of a copy; the CPU backend's starts where its products read fastest:
+workers/backends/cpu/placement.py), and
+`device_sampler(rule, rng, steps, recent, values, indices, tokens, positions)`: a worker-driven
+decode loop's sampler on the device (workers/backends/cuda/kernels/sample.py DeviceSampler), or
 None where it cannot serve those arrays; without it the loop chooses on the host. A sampler's
 backend also has `read_later(array)`: a copy to the host issued behind the work issued so far,
 and a function that waits for it (the loop issues the next step before it waits).

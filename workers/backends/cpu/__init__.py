@@ -9,6 +9,7 @@ import numpy as np
 from workers.backends import DeviceInfo
 from workers.backends.cpu.numba_cpu import OVERRIDES as KERNELS  # fused loops when numba is installed
 from workers.backends.cpu.packing import interleaved_copy
+from workers.backends.cpu.placement import resident_copy
 
 __all__ = ["KERNELS", "Backend", "host_memory"]
 
@@ -37,6 +38,9 @@ class Backend:
 
     def to_device(self, array: np.ndarray) -> np.ndarray:
         return array
+
+    def resident(self, array: np.ndarray) -> np.ndarray:
+        return resident_copy(array)  # where the products read it fastest
 
     def to_host(self, array: np.ndarray) -> np.ndarray:
         return interleaved_copy(array)  # a weight the integer products packed, as it was sent
