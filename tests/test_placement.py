@@ -1,17 +1,22 @@
 """Where a CPU worker keeps a tensor: 16 bytes past a cache line's start, every time
-(workers/backends/cpu/placement.py says why), its values and layout those it was sent."""
+(workers/backends/cpu/placement.py says why), its values and layout those it was sent; and when:
+weights past a few MiB after the worker's kernels are loaded (workers/server.py)."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from split_state.states import Mirrored
 from transport import protocol as p
+from workers import server as server_module
 from workers.backends.cpu import Backend
 from workers.backends.cpu.packing import ensure_packed, layout_of
 from workers.backends.cpu.placement import resident_copy
-from workers.server import WorkerServer
+from workers.server import KERNELS_BEFORE_BYTES, WorkerServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,3 +79,34 @@ def test_a_put_tensor_is_kept_where_the_backend_places_it(backend):
     starts = {_start(k) for k in kept}
     if isinstance(backend, Backend):
         assert starts == {16}
+
+
+def _timed_put(server: WorkerServer, tensor: int, nbytes: int) -> float:
+    array = np.zeros(nbytes, np.uint8)
+    start = time.perf_counter()
+    assert isinstance(server.handle(p.Put(tensor, Mirrored(), array.shape, array)), p.Ok)
+    return time.perf_counter() - start
+
+
+def test_weights_past_a_few_mib_wait_for_the_kernels_once(monkeypatch):
+    """Loading the loops holds the compiler's code resident for a while: the first Put that takes
+    the store past KERNELS_BEFORE_BYTES waits for it (the peak is then the weights alone);
+    smaller ones before it do not, nor do any after it."""
+    server = WorkerServer(0, Backend(), connect=lambda configure: None)
+    server.world_size = 1
+    server.executor.kernels_prepared = False
+    threading.Timer(0.4, lambda: setattr(server.executor, "kernels_prepared", True)).start()
+    assert _timed_put(server, 0, 1 << 20) < 0.2  # the store stays under the bound
+    assert _timed_put(server, 1, KERNELS_BEFORE_BYTES) >= 0.3  # waited for the kernels
+    assert server.executor.kernels_prepared
+    assert _timed_put(server, 2, KERNELS_BEFORE_BYTES) < 0.2
+
+
+def test_a_cold_compile_is_waited_for_only_so_long(monkeypatch):
+    monkeypatch.setattr(server_module, "KERNELS_WAIT_S", 0.3)
+    server = WorkerServer(0, Backend(), connect=lambda configure: None)
+    server.world_size = 1
+    server.executor.kernels_prepared = False  # and never ready
+    assert 0.25 <= _timed_put(server, 0, KERNELS_BEFORE_BYTES) < 2.0
+    assert _timed_put(server, 1, KERNELS_BEFORE_BYTES) < 0.2  # once: the next ones go on beside it
+    assert np.array_equal(server.store.get(1), np.zeros(KERNELS_BEFORE_BYTES, np.uint8))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -33,12 +34,26 @@ class Executor:
         self.programs: dict[int, CompiledProgram] = {}
         self.collectives: Collectives | None = None
         self.comm = None
-        self.kernels_prepared = True  # False while prepare_kernels runs in the background
+        self._kernels_ready = threading.Event()  # clear while prepare_kernels runs in the background
+        self._kernels_ready.set()
         # a worker process sets this: a loaded program's thousands of objects live until it is
         # unloaded, and leaving them to the garbage collector's full passes cost a load 30-50 ms
         # whenever one came due (measured on SmolLM2's prefill steps). Frozen after a load, they
         # are unfrozen at an unload, so the next full pass collects what was unloaded
         self.freeze_programs = False
+
+    @property
+    def kernels_prepared(self) -> bool:
+        """False while prepare_kernels runs in the background."""
+        return self._kernels_ready.is_set()
+
+    @kernels_prepared.setter
+    def kernels_prepared(self, ready: bool) -> None:
+        (self._kernels_ready.set if ready else self._kernels_ready.clear)()
+
+    def await_kernels(self, seconds: float) -> bool:
+        """Wait up to `seconds` for prepare_kernels to end; whether it has."""
+        return self._kernels_ready.wait(seconds)
 
     def prepare_kernels(self) -> None:
         """Compile every kernel that compiles (numba loops) ahead of the first program using it."""

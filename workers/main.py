@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
     server = WorkerServer(args.rank, backend, connect, args.collective_timeout)
     server.executor.freeze_programs = True  # this process is the worker's alone
-    # kernels that compile (numba) get ready while the coordinator connects and places weights
+    # kernels that compile (numba) get ready while the coordinator connects and places the first
+    # weights (past a few MiB, they wait: workers/server.py KERNELS_BEFORE_BYTES)
     server.executor.kernels_prepared = False
     PREPARING.append(threading.Thread(target=server.executor.prepare_kernels, daemon=True, name="prepare-kernels"))
     PREPARING[-1].start()

@@ -20,6 +20,15 @@ from workers.generation import run_generation
 from workers.store import TensorStore
 
 BUDGET_SHARE = 0.9  # of the device's memory, when the coordinator sets no budget
+# A worker's kernels get ready (numba's loops loaded: workers/main.py) while the coordinator
+# connects; weights past the first few MiB wait for them, once: loading the loops touches
+# ~45 MiB of the compiler's code, handed back when they are loaded (numba_cpu.prepare), and
+# weights stored meanwhile put both in the worker's peak resident set. SmolLM2-135M Q4_K_M on one
+# worker, warm cache: its load ended inside the preparation, peak 306 MiB against 258 after.
+# Tests' small tensors never wait; a cold cache (minutes of compiling) is waited for at most
+# KERNELS_WAIT_S, then the weights go on arriving beside it.
+KERNELS_BEFORE_BYTES = 8 << 20
+KERNELS_WAIT_S = 60.0
 
 
 class WorkerServer:
@@ -34,6 +43,7 @@ class WorkerServer:
         self.stopping = False
         self.refused = ""  # why the coordinator would not have this worker, once it said so
         self.runs = 0
+        self.kernels_awaited = False  # whether a Put waited for the kernels (KERNELS_BEFORE_BYTES)
         # how a Generate reports tokens to the coordinator and learns of a Cancel between steps:
         # set by the process (its control socket) or the simulator (its queues)
         self.emit: Callable[[p.Message], None] = lambda message: None
@@ -63,6 +73,9 @@ class WorkerServer:
                 f"tensor {m.tensor}: worker {self.rank} got a slice of shape {tuple(m.array.shape)}, "
                 f"{m.state} of {tuple(m.shape)} on {self.world_size} devices needs {expected}"
             )
+        if not self.kernels_awaited and self.store.used + m.array.nbytes >= KERNELS_BEFORE_BYTES:
+            self.kernels_awaited = True
+            self.executor.await_kernels(KERNELS_WAIT_S)
         keep = getattr(self.backend, "resident", None)  # (optional: workers/backends/__init__.py)
         self.store.put(m.tensor, keep(m.array) if keep else self.backend.to_device(np.array(m.array, copy=True)))
         return p.Ok()

@@ -613,8 +613,9 @@ def prepare() -> None:
     """Every loop loaded (compiled the first time on a machine, from numba's cache after), for
     the argument types the kernels pass, by running each kernel once on small arrays of every
     layout it takes; then LLVM's code pages handed back (`release_compiler_code`). Runs once
-    per process, on a worker's start (workers/main.py), before its weights arrive: the worker's
-    peak resident set is then what it holds, not that plus the compiler's code. A program
+    per process, on a worker's start (workers/main.py), before its weights arrive (past their
+    first few MiB they wait for it: workers/server.py): the worker's peak resident set is then
+    what it holds, not that plus the compiler's code. A program
     loaded meanwhile waits for it. While the cache is empty, workers of one machine compile
     one at a time (compile_lock.py): the first fills numba's cache, the others then load from
     it; once it is filled they load at once, side by side."""
