@@ -677,6 +677,91 @@ def test_a_position_outside_the_cache_is_refused_and_nothing_is_written(kernel, 
     assert cache.tobytes() == before.tobytes()
 
 
+@pytest.mark.parametrize("kernel", ["set_rows", "rope_set_rows"])
+@pytest.mark.parametrize("cached", [np.float32, np.float16])
+@pytest.mark.parametrize("held", [((0, 4, 0),), ((2, 4, 0),)], ids=["whole batch", "elements 2-3"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_rows_from_a_fed_batch_start_go_to_that_element_on(kernel, cached, held, rows, monkeypatch):
+    """A server's prompt written from its slot (a fed batch start, read at each run): rows j to
+    element start + j where this device holds it (`held`: global span -> local), through the
+    loop where they are consecutive ones it holds (the shared kernel otherwise), the rest
+    untouched."""
+    from workers.kernels import basic
+
+    kernels, rotation = cpu_overrides(), {"base": 500.0, "mode": "normal"}
+    shared, calls = basic.KERNELS["set_rows"], []
+    monkeypatch.setitem(basic.KERNELS, "set_rows", lambda *a, **k: calls.append(1) or shared(*a, **k))
+    low, high, _ = held[0]
+    for start in range(4 - rows + 1):
+        cache, x, positions, spec = cache_write_case(rows, 3, batch=high - low, cached=cached)
+        spec = dict(spec, batch=4, held=held, batch_fed=True)
+        before = cache.copy()
+        if kernel == "set_rows":
+            values = x.astype(np.float64)
+            inputs, params = [cache, positions, x.transpose(0, 2, 1, 3), np.array(start)], spec
+        else:
+            values = ref.rope(x.astype(np.float64), positions, 500.0, "normal")
+            inputs, params = [cache, positions, x, positions, np.array(start)], {"set_rows": spec, "rope": rotation}
+            params["axes"] = (0, 2, 1, 3)
+        expected = before.astype(np.float64)
+        for j in range(rows):
+            if low <= start + j < high:
+                for t in range(3):
+                    expected[start + j - low, :, positions[j, t], :] = values[j, t]
+        plan = kernels[kernel].plan(np, inputs, params, None, memo={})
+        assert plan is not None
+        calls.clear()
+        got = kernels[kernel](np, inputs, params, None, memo={})
+        assert got is cache
+        assert bool(calls) == (not low <= start <= high - rows)  # the loop's rows, or the shared kernel's
+        tolerance = 1e-3 if cached is np.float16 else 2e-6
+        np.testing.assert_allclose(cache.astype(np.float64), expected, rtol=tolerance, atol=tolerance)
+        untouched = expected == before.astype(np.float64)
+        assert cache[untouched].tobytes() == before[untouched].tobytes()
+
+
+def test_a_fed_batch_start_past_the_batch_is_refused_by_the_loop():
+    from split_state.errors import ShapeError
+
+    cache, x, positions, spec = cache_write_case(2, 1, batch=4)
+    spec = dict(spec, batch=4, held=((0, 4, 0),), batch_fed=True)
+    before = cache.copy()
+    with pytest.raises(ShapeError, match="do not fit a batch of 4"):
+        cpu_overrides()["set_rows"](np, [cache, positions, x.transpose(0, 2, 1, 3), np.array(3)], spec, None, memo={})
+    assert cache.tobytes() == before.tobytes()
+
+
+def _halves_cases():
+    rng = np.random.default_rng(7)
+    special = np.array(
+        [0.0, -0.0, 1.0, -2.5, 6.1e-5, 6.0e-8, 2.9e-8, 3.0e-8, 1e-9, 65504.0, 65519.0, 65520.0, 1e6, np.inf, -np.inf],
+        np.float32,
+    )
+    wide = (rng.standard_normal(4 * 3 * 5 * 8) * np.exp(rng.uniform(-20, 12, 4 * 3 * 5 * 8))).astype(np.float32)
+    wide[: special.size] = special
+    whole = wide.reshape(4, 3, 5, 8)
+    return [whole, whole.transpose(0, 2, 1, 3), whole[1], whole[:, 1, ::2, 3], whole.reshape(-1), whole[0, 0, :, 1:]]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_the_float16_cast_has_numpys_bits(case):
+    """The cast a float16 cache's new keys take (models/llama.py _as_cached) through the loop,
+    contiguous or strided, 1 to 4 axes: NumPy's astype bit for bit, NaN a NaN."""
+    from workers.backends.cpu import numba_loops
+
+    x = _halves_cases()[case]
+    kernel, params = cpu_overrides()["cast"], {"dtype": "float16"}
+    out = np.empty(x.shape, np.float16)
+    assert (kernel.plan(np, [x], params, out) is not None) == numba_loops.NATIVE_HALVES
+    assert kernel(np, [x], params, out) is out
+    assert out.tobytes() == x.astype(np.float16).tobytes()
+    with_nan = x.copy()
+    with_nan.reshape(-1)[::7] = np.nan
+    assert np.isnan(kernel(np, [with_nan], params, out)).reshape(-1)[::7].all()
+    other = np.empty(x.shape, np.float32)  # a cast to another type: the shared kernel's
+    assert kernel.plan(np, [x], {"dtype": "float32"}, other) is None
+
+
 def test_the_cache_write_hands_other_layouts_to_the_shared_kernel():
     """A float16 cache, a fed batch start (a server's slot), keys that are not contiguous and a
     cache split over devices: each written as the shared kernel writes it."""

@@ -367,7 +367,7 @@ def _set_rows(xp, inputs, params, out=None, memo=None):
     # or made from a fed batch start (one plan for every slot of a server)
     rows, pairs = params["rows"], params.get("batches")
     if len(inputs) == 4:
-        pairs = _fed_pairs(inputs[3], ids, params)
+        pairs = fed_pairs(inputs[3], ids, params)
     if ids.ndim == 2 and pairs is None:
         pairs = [(j, j) for j in range(ids.shape[0])]
     if xp is np and ids.size <= FEW_ROWS and ids.ndim in (1, 2):
@@ -403,7 +403,7 @@ _set_rows.eager = True  # it reads the ids on the host: never inside a device gr
 FEW_ROWS = 16  # a decode step writes one row per sequence: plain indexing beats masks there
 
 
-def _fed_pairs(start, ids, params) -> list[tuple[int, int]]:
+def fed_pairs(start, ids, params) -> list[tuple[int, int]]:
     start = int(start)  # a 0-d array (on a GPU, read back: set_rows is eager)
     if not 0 <= start <= params["batch"] - ids.shape[0]:
         raise ShapeError(

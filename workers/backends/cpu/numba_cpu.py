@@ -236,19 +236,40 @@ def _write_rows(dst, ids, rows, cos, sin, rotate: bool, neox: bool) -> None:
         raise basic.ids_outside("set_rows", dst.shape[2], int(ids.min()), int(ids.max()))
 
 
+def _fed_target(target, ids, fed, params):
+    """The cache a write from a fed batch start (a server's slot, read at each run) goes to:
+    `target` (the whole cache, _rows_target's) from that batch element on, or None where its
+    rows do not go to consecutive elements this device holds (the shared kernel writes them).
+    Run at every call of a prefill's layer (its plan is made anew for each layer's caches):
+    one held span, the common case, is worked out without basic.fed_pairs's list."""
+    start, count, held = int(fed), ids.shape[0], params["held"]
+    if len(held) == 1 and 0 <= start <= params["batch"] - count:
+        low, high, local = held[0]
+        offset = local + start - low if low <= start and start + count <= high else None
+    else:
+        offset = _batch_offset(basic.fed_pairs(fed, ids, params), count)  # a start past the batch: ShapeError
+    # (the loop writes count elements from there: never past the cache's end)
+    return None if offset is None or offset + count > target.shape[0] else target[offset:]
+
+
 def _plan_set_rows(xp, inputs, params, out=None, memo=None):
     """The decoder's KV-cache write in one loop (ids checked in it: a decode step's ids are read
-    on the host by no other step); the shared kernel for every other layout."""
-    if len(inputs) != 3 or inputs[2].ndim != 4:
+    on the host by no other step), from a fed batch start too (a server's slot: through the
+    shared kernel a SmolLM2 prompt's 60 writes took 2.8 ms of its 47 ms prefill on one worker,
+    here 0.4); the shared kernel for every other layout."""
+    if len(inputs) not in (3, 4) or inputs[2].ndim != 4:
         return None
-    dst, ids, value = inputs
+    dst, ids, value, *fed = inputs
     rows = value.transpose(0, 2, 1, 3)  # the decoder's (b, t, heads, d)
     target = _rows_target(xp, dst, ids, rows, params)
     if target is None:
         return None
 
     def run():
-        _write_rows(target, ids, rows, _NO_ROTATION, _NO_ROTATION, False, False)
+        into = _fed_target(target, ids, fed[0], params) if fed else target
+        if into is None:
+            return _shared_set_rows(xp, inputs, params, None, memo)
+        _write_rows(into, ids, rows, _NO_ROTATION, _NO_ROTATION, False, False)
         return dst
 
     return run
@@ -264,17 +285,21 @@ set_rows.memo, set_rows.eager = True, True  # as the shared kernel's
 
 def _plan_rope_set_rows(xp, inputs, params, out=None, memo=None):
     """fused.py's rope_set_rows: set_rows(cache, ids, rope(x, positions) transposed), the rotated
-    rows written straight into the cache (the bits of the two steps); other layouts run the two."""
+    rows written straight into the cache (the bits of the two steps), from a fed batch start too
+    (_plan_set_rows); other layouts run the two."""
     dst, ids, x, positions, *fed = inputs
     spec, rotation = params["set_rows"], params["rope"]
-    target = None if fed or positions.shape != x.shape[:2] else _rows_target(xp, dst, ids, x, spec)
+    target = None if len(fed) > 1 or positions.shape != x.shape[:2] else _rows_target(xp, dst, ids, x, spec)
     if target is None:
         return None
     d, neox = x.shape[-1], rotation["mode"] == "neox"
 
     def run():
+        into = _fed_target(target, ids, fed[0], spec) if fed else target
+        if into is None:
+            return _rope_then_set_rows(xp, inputs, params, None, memo)
         cos, sin = _rotation(positions, d, rotation, memo)
-        _write_rows(target, ids, x, cos, sin, True, neox)
+        _write_rows(into, ids, x, cos, sin, True, neox)
         return dst
 
     return run
@@ -288,6 +313,37 @@ def _rope_then_set_rows(xp, inputs, params, out=None, memo=None):
 
 rope_set_rows = _runs_plan(_plan_rope_set_rows, _rope_then_set_rows)
 rope_set_rows.memo = True
+
+
+def _plan_cast(xp, inputs, params, out=None):
+    """float32 to float16 in one loop where the CPU converts halves (numba_loops.narrow_halves):
+    a server's new prompt attends over its own keys and values as a float16 cache holds them
+    (models/llama.py _as_cached), and NumPy's astype took 23 us a layer's keys of 24 tokens (1.4
+    ms of a SmolLM2 prompt's prefill on one worker). Other casts: the shared kernel's."""
+    (x,) = inputs
+    usable = (
+        xp is np
+        and out is not None
+        and x.dtype is _FLOAT32
+        and out.dtype is _FLOAT16
+        and out.shape == x.shape
+        and 1 <= x.ndim <= 4
+        and out.flags.c_contiguous
+        and _loops().NATIVE_HALVES
+    )
+    if not usable:
+        return None
+    lead = (None,) * (4 - x.ndim)  # views: never a copy the plan would keep
+    source, bits, loop = x[lead], out.view(np.uint16)[lead], _loops().narrow_halves
+
+    def run():
+        loop(source, bits)
+        return out
+
+    return run
+
+
+cast = _runs_plan(_plan_cast, basic.KERNELS["cast"])
 
 
 # rows of x (tokens) up to which the block loops beat dequantizing tiles for BLAS: with rows in
@@ -703,6 +759,8 @@ def _warm_row_twins() -> None:
             for rows in (fused[:, :1], fused[:, :, :1]):  # (the loop reads an id a token: as many)
                 ids = np.zeros(rows.shape[:2], kind)
                 loops.write_rows(np.zeros((1, 2, 3, 4), np.uint16), ids, rows, cos, sin, True, False)
+        for keys in (fused, fused.transpose(0, 2, 1, 3)):  # a cast's float32 rows, whole or strided
+            loops.narrow_halves(keys, np.empty(keys.shape, np.uint16))
     x = np.ones((2, 256), np.float32)
     q, sums = np.empty((2, 256), np.int8), np.empty((2, 16), np.int32)
     activations.quantize_q8_k_parallel(x, q, np.empty((2, 1), np.float32), sums)
@@ -886,6 +944,7 @@ for kernel in (
     gqa_attention,
     set_rows,
     rope_set_rows,
+    cast,
     swiglu,
     geglu,
     top_k_candidates,
@@ -902,6 +961,7 @@ OVERRIDES = (
         "rope": rope,
         "set_rows": set_rows,
         "rope_set_rows": rope_set_rows,
+        "cast": cast,
         "qmatmul": qmatmul,
         "qmatmul_add": fused.qmatmul_add_with(qmatmul),
         "attention": attention,
