@@ -7,7 +7,10 @@ on as many workers, in the same run.
 
 Every client streams a greedy completion of a short prompt for a fixed number of tokens
 (ignore_eos, as llama-server's benchmarks do). The server runs with as many slots as the most
-clients. `--join N`: then four streams run while a prompt of N tokens joins; each stream's
+clients. The client counts take turns, CLIENT_ROUNDS rounds (one with --quick): each count's
+figures are its rounds' medians, and "x one stream" the median of its rounds' ratios to the
+one-client round beside them (a single round of 8 streams is ~1 s: on a 2-core host, one slow
+spell moved it between 2.3x and 3.3x). `--join N`: then four streams run while a prompt of N tokens joins; each stream's
 longest gap between two tokens while it goes in (its prefill goes in chunks between their decode
 steps: models/batching.py), beside their median gap between deliveries before it (the server
 writes a stream's tokens a few at a time). `--queued N`: then as many streams as slots run while
@@ -222,6 +225,53 @@ def queue_stall(url: str, queued: int, streams: int, seconds: float = 3.0, token
     return figures | {"max_gap_s": longest, "median_gap_before_s": median}
 
 
+CLIENT_ROUNDS = 3  # rounds of every client count (--quick: 1)
+
+
+def concurrent_streams(url: str, n: int, tokens: int) -> dict:
+    """`n` clients streaming at once, each over a session made before the clock: the wall time
+    from the first request to the last stream's end, and each stream's figures."""
+    import httpx
+
+    results: list[dict] = []
+    sessions = [httpx.Client(timeout=300) for _ in range(n)]  # made before the clock (stream_once)
+
+    def client(session) -> None:
+        results.append(_timed_stream(session, url, stream_body(tokens)))
+
+    threads = [threading.Thread(target=client, args=(session,)) for session in sessions]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    wall = time.perf_counter() - start
+    for session in sessions:
+        session.close()
+    return {"wall_s": wall, "streams": results}
+
+
+def client_row(n: int, rounds: list[dict], alone: list[dict] | None) -> dict:
+    """A client count's row from its rounds: the median aggregate tokens/s and first-token
+    waits, and against one client (`alone`, its rounds run beside these) the median of the
+    rounds' ratios (paired_ratio)."""
+    rates = [sum(r["tokens"] for r in one["streams"]) / one["wall_s"] for one in rounds]
+    ttfts = sorted(r["ttft_s"] for one in rounds for r in one["streams"])
+    row = {
+        "clients": n,
+        "rounds": len(rounds),
+        "tokens": sum(r["tokens"] for r in rounds[0]["streams"]),
+        "aggregate_tokens_per_s": float(np.median(rates)),
+        "ttft_median_s": ttfts[len(ttfts) // 2],
+        "ttft_max_s": ttfts[-1],
+        "speedup_over_one": None,
+    }
+    if alone is not None:  # tokens/s ratios, as seconds a token: reference alone, ours n streams
+        single = [sum(r["tokens"] for r in one["streams"]) / one["wall_s"] for one in alone]
+        row["speedup_over_one"] = paired_ratio([1 / r for r in single], [1 / r for r in rates])
+    return row
+
+
 def _llm(workers: int):
     from meta import ClusterConfig, MetaDevice, ProcessCluster
     from models.generate import LLM
@@ -282,7 +332,6 @@ def run(
     slots = max(clients + [5 if join else 1])
     cmd += ["--max-slots", str(slots), "--ctx", str(max(512, join + 256))]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    rows = []
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -294,32 +343,12 @@ def run(
             except httpx.HTTPError:
                 time.sleep(0.2)
         stream_once(url, 4)  # plans the prefill and decode steps
-        for n in clients:
-            results: list[dict] = []
-            sessions = [httpx.Client(timeout=300) for _ in range(n)]  # made before the clock (stream_once)
-
-            def client(session, results=results) -> None:
-                results.append(_timed_stream(session, url, stream_body(tokens)))
-
-            threads = [threading.Thread(target=client, args=(session,)) for session in sessions]
-            start = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(600)
-            wall = time.perf_counter() - start
-            for session in sessions:
-                session.close()
-            ttft = sorted(r["ttft_s"] for r in results)
-            rows.append(
-                {
-                    "clients": n,
-                    "tokens": sum(r["tokens"] for r in results),
-                    "aggregate_tokens_per_s": sum(r["tokens"] for r in results) / wall,
-                    "ttft_median_s": ttft[len(ttft) // 2],
-                    "ttft_max_s": ttft[-1],
-                }
-            )
+        rounds = 1 if quick else CLIENT_ROUNDS
+        timed = {n: [] for n in clients}
+        for _ in range(rounds):  # the counts in turn, round after round: a slow spell hits them alike
+            for n in clients:
+                timed[n].append(concurrent_streams(url, n, tokens))
+        rows = [client_row(n, timed[n], timed[clients[0]] if clients[0] == 1 else None) for n in clients]
         soaked = soak(url, soak_seconds, max(clients)) if soak_seconds > 0 else None
         joined = join_stall(url, join) if join else None
         waited = queue_stall(url, queued, slots) if queued else None
@@ -329,9 +358,6 @@ def run(
     finally:
         server.terminate()
         server.wait(60)
-    one = rows[0]["aggregate_tokens_per_s"] if rows and rows[0]["clients"] == 1 else None
-    for row in rows:
-        row["speedup_over_one"] = row["aggregate_tokens_per_s"] / one if one else None
     server_ttft = float(inside[0].split()[-1]) if inside else None  # submit to first token, in the server
     return {
         "workers": workers,
@@ -388,7 +414,8 @@ def show(results: dict) -> None:
     prefill = results["generate_prefill_s"]
     print(
         table(
-            f"launch.py serve, {results['workers']} workers, greedy streams of one prompt "
+            f"launch.py serve, {results['workers']} workers, greedy streams of one prompt, medians of "
+            f"{results['rows'][0]['rounds'] if results['rows'] else 0} rounds "
             f"(launch.py generate prefills it in {prefill * 1e3:.0f} ms; the server's own median from request to "
             f"first token, every request: {(results.get('server_ttft_median_s') or 0) * 1e3:.0f} ms)",
             ["clients", "tokens", "aggregate tok/s", "x one stream", "TTFT median ms", "TTFT max ms", "TTFT/prefill"],

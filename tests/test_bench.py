@@ -236,3 +236,24 @@ def test_a_streams_gaps_count_a_write_of_several_tokens_as_one_delivery():
     longest, median = _gaps([times], start=0.21, end=1.0)
     assert longest == pytest.approx(0.5 - 0.2002)
     assert median == pytest.approx(0.05 - 0.0002)
+
+
+def test_a_client_counts_row_is_its_rounds_medians_and_paired_ratios():
+    """bench/serve.py's client table: each count's aggregate tokens/s and first-token waits are
+    its rounds' medians, and "x one stream" the median of each round's ratio to the one-client
+    round beside it (worked out by hand below)."""
+    from bench.serve import client_row
+
+    def round_of(wall, *ttfts):
+        return {"wall_s": wall, "streams": [{"tokens": 64, "ttft_s": t} for t in ttfts]}
+
+    alone = [round_of(0.5, 0.04), round_of(1.0, 0.05), round_of(0.4, 0.03)]  # 128, 64, 160 tok/s
+    four = [round_of(1.0, 0.1, 0.2, 0.3, 0.4), round_of(1.28, *[0.5] * 4), round_of(0.64, 0.1, 0.1, 0.2, 0.2)]
+    row = client_row(4, four, alone)  # 256, 200, 400 tok/s: ratios 2, 3.125, 2.5
+    assert row["aggregate_tokens_per_s"] == pytest.approx(256)
+    assert row["speedup_over_one"] == pytest.approx(2.5)  # not 256 / 128 (medians' ratio) = 2
+    # the 12 waits pooled: 0.1 x3, 0.2 x3, 0.3, 0.4, 0.5 x4; the upper median (index 6)
+    assert row["ttft_median_s"] == pytest.approx(0.3) and row["ttft_max_s"] == pytest.approx(0.5)
+    assert row["tokens"] == 256 and row["rounds"] == 3
+    assert client_row(1, alone, alone)["speedup_over_one"] == pytest.approx(1.0)
+    assert client_row(4, four, None)["speedup_over_one"] is None
