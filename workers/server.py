@@ -24,7 +24,7 @@ BUDGET_SHARE = 0.9  # of the device's memory, when the coordinator sets no budge
 # connects; weights past the first few MiB wait for them, once: loading the loops touches
 # ~45 MiB of the compiler's code, handed back when they are loaded (numba_cpu.prepare), and
 # weights stored meanwhile put both in the worker's peak resident set. SmolLM2-135M Q4_K_M on one
-# worker, warm cache: its load ended inside the preparation, peak 306 MiB against 258 after.
+# worker, warm cache: its load ended inside the preparation, peak 306 MiB; waiting, 269.
 # Tests' small tensors never wait; a cold cache (minutes of compiling) is waited for at most
 # KERNELS_WAIT_S, then the weights go on arriving beside it.
 KERNELS_BEFORE_BYTES = 8 << 20
