@@ -3,6 +3,7 @@ raw exchange over plain TCP sockets.
 
     python bench/collectives.py [--quick] [--json PATH] [--workers 2 4] [--data-plane zmq|tcp]
         [--transport ipc|tcp|curve]
+    python bench/collectives.py --hosts [--json PATH]
 
 Ours: a program of K all-reduces (Partial -> Mirrored) or all-gathers (even Split -> Mirrored) runs
 on real worker processes; the time is the collective steps as the workers time them, divided by
@@ -13,14 +14,24 @@ arrives (a direct all-reduce), K times; raw sockets: the same over one loopback 
 pair, non-blocking and read by a spinning process (the floor of the tcp plane). AR/raw compares
 the all-reduce with the raw exchange of its own plane (sockets for tcp, pyzmq otherwise).
 Bandwidth is algorithm bandwidth: tensor bytes / time.
+
+--hosts: 2 hosts x 2 workers on the tcp plane, the hosts told apart by their loopback addresses
+(127.0.0.1 and 127.0.0.2: the coordinator spawns ranks 0 and 1, ranks 2 and 3 join with
+`launch.py worker --advertise 127.0.0.2`), the small all-reduce host by host with the step inside
+each host through shared memory (the default), the same over TCP, and direct; beside its floor:
+the raw socket exchange of the leaders' messages (a host's 2 contributions, 2 processes) plus the
+shared-memory all-reduce of 2 workers on the shm plane (the gather and the hand-back inside a
+host). All 4 workers share this machine's cores, which two real hosts would not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,12 +39,14 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from bench.report import cli, free_port, human_bytes, table  # noqa: E402
+from bench.report import cli, free_port, human_bytes, reap, table  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 from split_state import MIRRORED, PARTIAL, Split  # noqa: E402
 from transport import protocol as p  # noqa: E402
+from transport.environment import TCP_DIRECT_ENV, TCP_HOST_STEP_ENV  # noqa: E402
 from transport.sockets import IpcDir  # noqa: E402
 
 
@@ -284,6 +297,84 @@ def under_load(backend: str = "cpu", data_plane: str = "auto", nbytes: int = 4 <
     return rows
 
 
+HOST_STEPS = {  # the small all-reduce across 2 hosts x 2: the workers' environment
+    "host by host, shm inside": {},
+    "host by host, tcp inside": {TCP_HOST_STEP_ENV: "tcp"},
+    "direct": {TCP_DIRECT_ENV: "1"},
+}
+
+
+@contextlib.contextmanager
+def two_hosts_of_two(env: dict[str, str]):
+    """4 CPU workers on the tcp plane, ranks 2 and 3 at 127.0.0.2 (another host to the plane):
+    the MetaDevice; every worker gone when it closes."""
+    port = free_port()
+    joiners = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "launch.py"), "worker", "--connect", f"tcp://127.0.0.1:{port}"]
+            + ["--rank", str(rank), "--backend", "cpu", "--insecure", "-t", "1", "--advertise", "127.0.0.2"],
+            env=dict(os.environ, **env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for rank in (2, 3)
+    ]
+    config = ClusterConfig(
+        workers=4, data_plane="tcp", host="127.0.0.1", port=port, insecure=True, local_workers=2, env=env, bind="off"
+    )
+    try:
+        with MetaDevice(ProcessCluster(config)) as dev:
+            yield dev
+    finally:
+        reap(joiners, 10)
+
+
+def across_hosts(sizes: tuple[int, ...] = (4 << 10, 16 << 10), runs: int = 7, rounds: int = 3) -> list[dict]:
+    """The small all-reduce over 2 hosts x 2 workers, each way of HOST_STEPS, beside its floor:
+    `rounds` alternating rounds of a fresh cluster each way (4 workers on 2 cores move a lot
+    between clusters), each the median of `runs`; the median of the rounds."""
+    times: dict = {(name, nbytes): [] for name in HOST_STEPS for nbytes in sizes}
+    routes: dict[str, str] = {}
+    for round_ in range(rounds):
+        for name, env in HOST_STEPS.items():
+            print(f"  round {round_ + 1}: 2 hosts x 2, {name} ...", file=sys.stderr, flush=True)
+            with two_hosts_of_two(env) as dev:
+                wait_until_prepared(dev)
+                routes[name] = "/".join(sorted({way for s in dev.stats().values() for way in s["routes"].values()}))
+                for nbytes in sizes:
+                    times[name, nbytes].append(ours(dev, "all_reduce", nbytes, 20, runs) * 1e6)
+    rows = [{"bytes": nbytes, "routes": routes} for nbytes in sizes]
+    for row in rows:
+        for name in HOST_STEPS:
+            row[name] = float(np.median(times[name, row["bytes"]]))
+            row[f"{name} rounds"] = times[name, row["bytes"]]
+    with MetaDevice(ProcessCluster(ClusterConfig(workers=2, data_plane="shm"))) as dev:
+        wait_until_prepared(dev)
+        for row in rows:
+            row["shm_2_us"] = ours(dev, "all_reduce", row["bytes"], 20, runs) * 1e6
+    for row in rows:
+        row["tcp_2_us"] = raw_all_reduce(2, 2 * row["bytes"], 200, runs, sockets=True) * 1e6
+        row["floor_us"] = row["tcp_2_us"] + row["shm_2_us"]
+        row["ratio"] = row["host by host, shm inside"] / row["floor_us"]
+    return rows
+
+
+def show_across_hosts(rows: list[dict]) -> None:
+    print(
+        table(
+            "small all-reduce, 2 hosts x 2 workers on the tcp plane (us, median; floor = raw socket exchange "
+            "of 2 contributions between 2 processes + shm all-reduce of 2 workers)",
+            ["size", *HOST_STEPS, "raw tcp x2", "shm of 2", "floor", "shm inside / floor"],
+            [
+                [human_bytes(r["bytes"]), *(r[name] for name in HOST_STEPS)]
+                + [r["tcp_2_us"], r["shm_2_us"], r["floor_us"], r["ratio"]]
+                for r in rows
+            ],
+        )
+    )
+
+
 def show_under_load(rows: list[dict]) -> None:
     print(
         table(
@@ -330,10 +421,17 @@ def main(argv: list[str] | None = None) -> int:
     def measure(args) -> dict:
         if args.under_load:
             return {"under_load": under_load(data_plane=args.data_plane)}
+        if args.hosts:
+            return {"hosts": across_hosts()}
         return {"rows": run(args.quick, args.workers, data_plane=args.data_plane, transport=args.transport)}
 
     def show_any(results: dict) -> None:
-        show_under_load(results["under_load"]) if "under_load" in results else show(results["rows"])
+        if "under_load" in results:
+            show_under_load(results["under_load"])
+        elif "hosts" in results:
+            show_across_hosts(results["hosts"])
+        else:
+            show(results["rows"])
 
     return cli(__doc__, "collectives", measure, show_any, argv, _options)
 
@@ -346,6 +444,9 @@ def _options(ap) -> None:
         default="ipc",
         choices=sorted(TRANSPORTS),
         help="the zmq plane's: ipc on this host, tcp over the loopback, or tcp with CURVE (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--hosts", action="store_true", help="only the small all-reduce over 2 hosts x 2 workers (loopback addresses)"
     )
     ap.add_argument(
         "--under-load",

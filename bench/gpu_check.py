@@ -23,7 +23,11 @@ default there; the sweep also through shared memory):
    against `--backend cpu`'s;
 6. the host's cores: one CPU worker decoding the 1.7B-shaped file with 1, 4, 8 and 16 threads (up
    to the machine's cores; bench/threads.py, beside llama.cpp where llama-cpp-python is installed),
-   each count's tok/s and its ratio to 1 thread (the CPU issue's goal: 16 threads >= 4x 1).
+   each count's tok/s and its ratio to 1 thread (the CPU issue's goal: 16 threads >= 4x 1);
+7. the small all-reduce over 2 hosts x 2 CPU workers on the tcp plane (bench/collectives.py
+   --hosts: hosts told apart by loopback addresses, a core for every worker here), host by host
+   with shared memory inside each host, against the raw socket exchange plus the shm step (the
+   hosts issue's goal: within 1.3x).
 Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
 exits 1; a failed check exits 2.
 """
@@ -272,6 +276,13 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> d
         record("CPU decode by threads, 1 worker (1.7B file)", True, said, time.perf_counter() - start, rows=cores)
     except Exception as exc:  # noqa: BLE001 - reported in the table, the GPU checks' results stand
         record("CPU decode by threads, 1 worker (1.7B file)", False, repr(exc)[:200], time.perf_counter() - start)
+    start = time.perf_counter()
+    try:
+        hosts = collectives.across_hosts(rounds=1 if quick else 3)
+        said = ", ".join(f"{r['bytes'] >> 10} KiB {r['ratio']:.2f}x the floor" for r in hosts)
+        record("all-reduce, 2 hosts x 2 CPU workers (tcp + shm)", True, said, time.perf_counter() - start, rows=hosts)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        record("all-reduce, 2 hosts x 2 CPU workers (tcp + shm)", False, repr(exc)[:200], time.perf_counter() - start)
     failures = list(_failures)
     _failures.clear()
     return {

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import cli, table  # noqa: E402
+from bench.report import cli, reap, table  # noqa: E402
 from transport.environment import TCP_DIRECT_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,11 +186,7 @@ def generate(ns_cmd: list[str], extra: list[str], tokens: int, prompt: str, work
     try:
         out, err = coordinator.communicate(timeout=300)
     finally:
-        for proc in remote:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        reap(remote, 20)
     found = RATE.search(err) or RATE.search(out)
     if coordinator.returncode != 0 or found is None:
         raise RuntimeError(f"generate failed ({coordinator.returncode}): {err[-2000:]}")

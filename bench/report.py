@@ -12,6 +12,7 @@ import queue
 import signal
 import socket
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,17 @@ def write_json(path: str | Path | None, name: str, results: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": name, "machine": machine(), "results": results}, indent=2))
     print(f"wrote {path}")
+
+
+def reap(procs, seconds: float) -> None:
+    """Wait up to `seconds` for each process to exit (the coordinator told it to go), then kill
+    what is left: a bench leaves no worker running."""
+    for proc in procs:
+        try:
+            proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
 
 
 def free_port() -> int:

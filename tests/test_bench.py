@@ -257,3 +257,23 @@ def test_a_client_counts_row_is_its_rounds_medians_and_paired_ratios():
     assert row["tokens"] == 256 and row["rounds"] == 3
     assert client_row(1, alone, alone)["speedup_over_one"] == pytest.approx(1.0)
     assert client_row(4, four, None)["speedup_over_one"] is None
+
+
+@pytest.mark.timeout(240)
+def test_the_two_hosts_all_reduce_bench_runs_each_way_and_its_floor():
+    """bench/collectives.py --hosts: 2 hosts x 2 workers told apart by loopback addresses, each
+    way of the small all-reduce really taken (the routes its workers report), the floor's parts
+    measured."""
+    from bench import collectives
+
+    (row,) = collectives.across_hosts(sizes=(1 << 10,), runs=1, rounds=1)
+    assert row["routes"] == {
+        "host by host, shm inside": "tcp/tcp+shm",
+        "host by host, tcp inside": "tcp",
+        "direct": "tcp",
+    }
+    for name in collectives.HOST_STEPS:
+        assert row[name] > 0 and len(row[f"{name} rounds"]) == 1
+    assert row["floor_us"] == row["tcp_2_us"] + row["shm_2_us"] > 0
+    assert row["ratio"] == row["host by host, shm inside"] / row["floor_us"]
+    collectives.show_across_hosts([row])

@@ -49,7 +49,8 @@ JOB = textwrap.dedent("""
     np.testing.assert_allclose(y, np.maximum(x @ w_up, 0) @ w_down, rtol=1e-4, atol=1e-4)
     planes = sorted({d["data_plane"] for d in dev.cluster.data_planes})
     hosts = sorted({h.data_endpoint.split("//")[1].rsplit(":", 1)[0] for h in dev.cluster.devices})
-    print("JOB OK", n, "workers", planes, hosts, flush=True)
+    routes = sorted({way for s in dev.stats().values() for way in s["routes"].values()})
+    print("JOB OK", n, "workers", planes, hosts, routes, flush=True)
 """)
 
 
@@ -167,10 +168,11 @@ def test_a_coordinator_spawns_some_workers_and_waits_for_the_rest(hosts, tmp_pat
 
 def test_two_hosts_of_two_workers_reduce_host_by_host_to_the_same_bits(hosts, tmp_path):
     """2 hosts x 2 workers on the tcp plane: the small all-reduces go host by host (each host's
-    first worker exchanges with the other's), and the job's all-reduce, MLP and all-to-all hold
-    (the all-reduce bit for bit against NumPy's rank-order sum)."""
+    first worker exchanges with the other's, shared memory inside each host), and the job's
+    all-reduce, MLP and all-to-all hold (the all-reduce bit for bit against NumPy's rank-order
+    sum)."""
     out = two_hosts_of_two(hosts, tmp_path, JOB, 29681)
-    assert f"JOB OK 4 workers ['tcp'] ['{SUBNET}.1', '{SUBNET}.2']" in out
+    assert f"JOB OK 4 workers ['tcp'] ['{SUBNET}.1', '{SUBNET}.2'] ['tcp', 'tcp+shm']" in out
 
 
 def two_hosts_of_two(hosts, tmp_path, job_text: str, port: int) -> str:

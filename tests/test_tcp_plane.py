@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from split_state.errors import ProtocolError, RemoteError, TransportError, Worke
 from tests.test_shm import receive_array
 from transport import protocol as p
 from transport.deadline import Deadline
+from transport.environment import TCP_HOST_STEP_ENV
 from transport.sockets import IpcDir, Security, pull
 from workers import planes
 from workers.planes.tcp import engine
@@ -177,16 +179,22 @@ def test_the_bound_all_reduce_sums_in_rank_order(tcp_comms, n):
         assert flag.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("step", ["shm", "tcp"])
 @pytest.mark.parametrize("hosts", [[1, 1, 2, 2], [1, 2, 1, 3, 2]], ids=["2x2", "2+2+1"])
-def test_across_hosts_the_small_all_reduce_goes_host_by_host_with_the_same_bits(tcp_comms, hosts):
+def test_across_hosts_the_small_all_reduce_goes_host_by_host_with_the_same_bits(tcp_comms, hosts, step, monkeypatch):
     """Ranks at different addresses count as different hosts: each host's first rank gathers
-    its host's contributions, exchanges them with the other hosts' first ranks in one message
-    each, adds all of them in rank order and sends the sum back; every rank gets NumPy's
-    ((x0 + x1) + x2) + ... bit for bit, and the bytes each rank sends follow that pattern (a
-    direct exchange would send n - 1 contributions from every rank)."""
+    its host's contributions (through shared memory, or over TCP where asked), exchanges them
+    with the other hosts' first ranks in one message each, adds all of them in rank order and
+    hands the sum back; every rank gets NumPy's ((x0 + x1) + x2) + ... bit for bit, and the
+    bytes each rank sends over TCP follow that pattern (a direct exchange would send n - 1
+    contributions from every rank)."""
+    if step == "tcp":
+        monkeypatch.setenv(TCP_HOST_STEP_ENV, "tcp")
     n, shape = len(hosts), (2, 300)
     comms = tcp_comms(n, [f"127.0.0.{h}" for h in hosts])
     assert comms[0].hosts == tuple(sorted(set(hosts)).index(h) for h in hosts)
+    for r in range(n):  # a host of several workers shares memory unless told not to
+        assert (comms[r].host_boxes is not None) == (step == "shm" and hosts.count(hosts[r]) > 1)
     results: dict = {}
 
     def side(comm):
@@ -204,11 +212,60 @@ def test_across_hosts_the_small_all_reduce_goes_host_by_host_with_the_same_bits(
     for r in range(n):
         host = [q for q in range(n) if hosts[q] == hosts[r]]
         others = [[q for q in range(n) if hosts[q] == h] for h in sorted(set(hosts)) if h != hosts[r]]
+        inside = step == "tcp"  # the gather and the sum's way back cross TCP too
         if r == host[0]:  # its host's contributions to each other host's first rank, the sum to its own
-            want = sum(len(host) * one for _ in others) + (len(host) - 1) * one
+            want = sum(len(host) * one for _ in others) + inside * (len(host) - 1) * one
         else:
-            want = one
+            want = inside * one
         assert comms[r].bytes_sent == 3 * want, (r, comms[r].bytes_sent, want)
+
+
+def test_a_host_whose_files_cannot_be_shared_keeps_its_step_on_tcp(tcp_comms, monkeypatch):
+    """A member that cannot map its leader's file says so; its whole host then gathers over TCP
+    (the other host still shares memory), with the same bits, and no file is left behind."""
+    from workers.planes.tcp import host_step
+
+    real = host_step.InboxFile.attach
+
+    def attach(path, world):
+        if str(path).endswith("-0-host"):  # rank 1 cannot map rank 0's file
+            raise TransportError("not shared here")
+        return real(path, world)
+
+    monkeypatch.setattr(host_step.InboxFile, "attach", attach)
+    comms = tcp_comms(4, ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"])
+    assert [c.host_boxes is not None for c in comms] == [False, False, True, True]
+    shared = str(comms[2].host_boxes.own.path)
+    assert shared.endswith("-2-host")
+    for r in (0, 1):  # made before the answer, removed after it
+        assert not Path(shared.replace("-2-host", f"-{r}-host")).exists()
+    results: dict = {}
+
+    def side(comm):
+        run = comm.bound_all_reduce(np.dtype(np.float32), (5,))
+        results[comm.rank] = [run(contribution(comm.rank, 0, (5,)), 3, 2, Deadline(10))]
+
+    on_every_rank(comms, side)
+    assert_rank_order_sums(results, 1, (5,))
+    assert comms[1].bytes_sent == 5 * 4 and comms[3].bytes_sent == 0
+
+
+def test_a_member_waiting_on_its_silent_leader_hears_an_abort_and_else_its_deadline(tcp_comms):
+    """Host by host through shared memory, a member whose leader never posts the sum (it died,
+    or failed) is not left waiting: an abort from any worker ends the wait at once, and
+    without one the deadline does, naming the leader."""
+    comms = tcp_comms(4, ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"])
+    member = comms[1]
+    run = member.bound_all_reduce(np.dtype(np.float32), (8,))
+    threading.Timer(0.2, comms[3].abort, args=(7, "ValueError", "boom")).start()
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="run 7 aborted: worker 3 reports ValueError: boom"):
+        run(np.ones(8, np.float32), 7, 1, Deadline(10))
+    assert time.monotonic() - start < 1.5
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match="no data from worker 0 within 0.5 s") as caught:
+        run(np.ones(8, np.float32), 8, 1, Deadline(0.5))
+    assert caught.value.rank == 0 and time.monotonic() - start < 1.5
 
 
 def test_a_peer_that_closes_its_connection_is_lost_at_once(tcp_comms):

@@ -91,6 +91,12 @@ def inbox_path(session: str, rank: int) -> Path:
     return shm_root() / f"meta-tp-{session}-{rank}"
 
 
+def host_box_path(session: str, rank: int) -> Path:
+    """A worker's postbox for the tcp plane's host-by-host all-reduce (workers/planes/tcp/host_step.py):
+    a file of its own, named under the session so that `remove_session` finds it too."""
+    return shm_root() / f"meta-tp-{session}-{rank}-host"
+
+
 def ring_capacity(world_size: int) -> int:
     """Bytes per ring: 4 MiB for small groups, less for large ones (n - 1 rings per worker)."""
     per_ring = (16 << 20) // max(1, world_size - 1)

@@ -21,8 +21,10 @@ adds them), so the bits equal every other plane's. Where the ranks sit on severa
 apart by the addresses their inboxes are reached at), some with several workers, it goes host
 by host: each host's first rank gathers its host's contributions and exchanges them with the
 other hosts' first ranks, one message a pair of hosts, adds all of them in rank order (the same
-bits) and sends the sum back to its host's ranks (`_hierarchical_all_reduce`; TCP_DIRECT_ENV
-turns it off).
+bits) and hands the sum back to its host's ranks (`_hierarchical_all_reduce`; TCP_DIRECT_ENV
+turns it off). Inside a host the contributions and the sum go through shared memory
+(host_step.py) where every worker of the host can map the others' files, else over TCP
+(TCP_HOST_STEP_ENV = "tcp" forces that).
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.errors import ProtocolError, TransportError, UnsupportedDtype, WorkerLost
 from transport import protocol as p
 from transport.deadline import Deadline
-from transport.environment import TCP_DIRECT_ENV
-from transport.shm import Sink
+from transport.environment import TCP_DIRECT_ENV, TCP_HOST_STEP_ENV
+from transport.shm import Sink, post_stamp
 from transport.sockets import Security, endpoint_host
 from workers.binding import bound
 from workers.comm import POLITE_SPIN_SECONDS, Waiter, ZmqComm, check_arrival
+from workers.planes.tcp.host_step import HostBoxes
 
 RENDEZVOUS_RUN = -2  # the run id of the ZeroMQ message that tells a peer where to connect
+HOST_STEP_RUN = -3  # the run id of the messages that agree whether a host's step uses shared memory
 RENDEZVOUS_SECONDS = 60.0  # every worker gets its Configure at once; a peer slower than this is lost
 GREETING = struct.Struct("<4sI16s")  # magic, the connecting worker's rank, the session
 MAGIC = b"MTPd"
@@ -145,14 +149,12 @@ class TcpComm(ZmqComm):
     ):
         super().__init__(rank, inbox, peers, context, security)
         self.links: dict[int, Link] = {}
-        try:
-            self.links = rendezvous(self, peers, session.encode()[:16].ljust(16, b"\0"), Deadline(RENDEZVOUS_SECONDS))
-        except BaseException:
-            self.close()
-            raise
         self._backlog: set[int] = set()
         self.hosts = host_groups(peers)  # each rank's host, by the address its inbox is reached at
         self.host_by_host = hierarchical(self.hosts) and os.environ.get(TCP_DIRECT_ENV, "") != "1"
+        mine = tuple(q for q in range(self.size) if self.hosts[q] == self.hosts[rank])
+        self.host_boxes: HostBoxes | None = None  # the step inside this host through shared memory
+        shares = self.host_by_host and len(mine) > 1
         # more workers than cores (this host's): yield while spinning, as HostComm does
         cores = self.size if bound() else len(os.sched_getaffinity(0))
         self._polite = self.size > cores
@@ -160,10 +162,39 @@ class TcpComm(ZmqComm):
         # another peer not read yet woke it again at once, a spin that took the core of the
         # worker awaited when workers outnumber cores (4 on 2: 36 tok/s against 81 on shm)
         self._sleepers: dict[int, zmq.Poller] = {}
-        for peer, link in self.links.items():
-            self._sleepers[peer] = zmq.Poller()
-            self._sleepers[peer].register(inbox, zmq.POLLIN)
-            self._sleepers[peer].register(link.fd, zmq.POLLIN)
+        try:
+            if shares:  # made before the rendezvous: a peer connected to is a peer whose file exists
+                self.host_boxes = _host_boxes(session, rank, mine)
+            self.links = rendezvous(self, peers, session.encode()[:16].ljust(16, b"\0"), Deadline(RENDEZVOUS_SECONDS))
+            for peer, link in self.links.items():
+                self._sleepers[peer] = zmq.Poller()
+                self._sleepers[peer].register(inbox, zmq.POLLIN)
+                self._sleepers[peer].register(link.fd, zmq.POLLIN)
+            if shares and not self._agree_on_host_step(mine, Deadline(RENDEZVOUS_SECONDS)):
+                self._drop_host_boxes()
+        except BaseException:
+            self.close()
+            raise
+
+    def _agree_on_host_step(self, mine: tuple[int, ...], deadline: Deadline) -> bool:
+        """Whether this host's step goes through shared memory: each member tells its leader
+        whether it made its file and mapped the leader's, the leader (which mapped every
+        member's) tells them all the answer, over TCP."""
+        ok = np.array([self.host_boxes is not None and self.host_boxes.attach()], np.uint8)
+        leader, answer = mine[0], np.empty(1, np.uint8)
+        if self.rank == leader:
+            for q in mine[1:]:
+                self._receive_into(q, answer, HOST_STEP_RUN, 0, deadline)
+                ok &= answer
+            for q in mine[1:]:
+                self.send(q, HOST_STEP_RUN, 1, ok)
+        else:
+            self.send(leader, HOST_STEP_RUN, 0, ok)
+            self._receive_into(leader, answer, HOST_STEP_RUN, 1, deadline)
+            ok = answer
+        self.flush(HOST_STEP_RUN, deadline)
+        self.bytes_sent = 0  # what the collectives send is counted from here
+        return bool(ok[0])
 
     # -- sending --------------------------------------------------------------------------------
 
@@ -506,16 +537,67 @@ class TcpComm(ZmqComm):
         """The direct all-reduce across hosts with one exchange a pair of hosts: each host's
         first rank (its leader) gathers its host's contributions, sends them to every other
         leader in one message and takes theirs, adds all n in rank order (the first two in one
-        pass: the bits of every other plane's direct all-reduce) and sends the sum to its host's
-        other ranks. Across H hosts of n workers H (H - 1) messages cross, where a direct
-        exchange sends n (n - m) (m: a host's workers): 2 hosts x 2 workers, 2 against 8."""
+        pass: the bits of every other plane's direct all-reduce) and hands the sum to its host's
+        other ranks, through shared memory (`host_boxes`) or over TCP. Across H hosts of n
+        workers H (H - 1) messages cross between hosts, where a direct exchange sends n (n - m)
+        (m: a host's workers): 2 hosts x 2 workers, 2 against 8."""
         rank, n, size = self.rank, self.size, prod(shape)
         groups = [[q for q in range(n) if self.hosts[q] == h] for h in sorted(set(self.hosts))]
         mine = next(g for g in groups if rank in g)
-        leader = mine[0]
+        leader, boxes = mine[0], self.host_boxes
         target = None if out is None else out.reshape(-1)
+        bundles = {g[0]: (g, np.empty((len(g), size), dtype)) for g in groups if g[0] != leader}
+
+        def across_hosts(own: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
+            """The leader's part: this host's contributions (`own`, one row a rank) out to the
+            other leaders, theirs in, all of them summed in rank order."""
+            for other in bundles:
+                self.send(other, run, step, own)
+            parts = dict(zip(mine, own))
+            for other, (ranks, bundle) in bundles.items():
+                self._receive_into(other, bundle, run, step, deadline)
+                parts.update(zip(ranks, bundle))
+            total = np.add(parts[0], parts[1], out=target)
+            for q in range(2, n):
+                total += parts[q]
+            return total
+
+        def finish(total: np.ndarray, run: int, deadline: Deadline) -> np.ndarray:
+            if self._backlog:  # `own` is this call's: everything leaves before we return
+                self.flush(run, deadline)
+            return out if out is not None else total.reshape(shape)
+
+        if boxes is not None:
+            own_slots = boxes.slots(rank, dtype, size)
+            if rank != leader:
+                sums = boxes.slots(leader, dtype, size)
+
+                def post_and_read(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
+                    stamp = post_stamp(run, step)
+                    boxes.post(np.ascontiguousarray(local).reshape(-1), stamp, own_slots)
+                    slot = self._await_host_post(leader, stamp, run, step, deadline)
+                    result = np.empty(shape, dtype) if out is None else out  # a new array each call, else `out`
+                    np.copyto(result.reshape(-1), sums[slot])
+                    boxes.check(leader, slot, stamp)
+                    return result
+
+                return post_and_read
+            posted = {q: boxes.slots(q, dtype, size) for q in mine[1:]}
+
+            def read_exchange_post(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
+                stamp = post_stamp(run, step)
+                own = np.empty((len(mine), size), dtype)
+                own[0] = np.ascontiguousarray(local).reshape(-1)
+                for row, q in enumerate(mine[1:], 1):
+                    slot = self._await_host_post(q, stamp, run, step, deadline)
+                    own[row] = posted[q][slot]
+                    boxes.check(q, slot, stamp)
+                total = across_hosts(own, run, step, deadline)
+                boxes.post(total, stamp, own_slots)
+                return finish(total, run, deadline)
+
+            return read_exchange_post
         gathered = {q: np.empty(shape, dtype) for q in mine[1:]}
-        bundles = {g[0]: np.empty((len(g), size), dtype) for g in groups if g[0] != leader}
 
         def run_member(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
             result = np.empty(shape, dtype) if out is None else out  # a new array each call, else `out`
@@ -529,23 +611,34 @@ class TcpComm(ZmqComm):
             flat = np.ascontiguousarray(local).reshape(-1)
             for q in mine[1:]:
                 self._receive_into(q, gathered[q], run, step, deadline)
-            own = np.stack([flat, *(gathered[q].reshape(-1) for q in mine[1:])])
-            for other in bundles:
-                self.send(other, run, step, own)
-            parts = dict(zip(mine, own))
-            for other, bundle in bundles.items():
-                self._receive_into(other, bundle, run, step, deadline)
-                parts.update(zip(next(g for g in groups if g[0] == other), bundle))
-            total = np.add(parts[0], parts[1], out=target)
-            for q in range(2, n):
-                total += parts[q]
+            total = across_hosts(np.stack([flat, *(gathered[q].reshape(-1) for q in mine[1:])]), run, step, deadline)
             for q in mine[1:]:
                 self.send(q, run, step, total.reshape(shape))
-            if self._backlog:
-                self.flush(run, deadline)
-            return out if out is not None else total.reshape(shape)
+            return finish(total, run, deadline)
 
         return run_leader if rank == leader else run_member
+
+    def _await_host_post(self, q: int, stamp: int, run: int, step: int, deadline: Deadline) -> int:
+        """The slot of host-mate q's postbox holding `stamp`, once it does: spin, then sleep until
+        q rings (it does after posting), looking for aborts; WorkerLost at the deadline."""
+        boxes = self.host_boxes
+        slot = boxes.find(q, stamp)
+        if slot >= 0:
+            return slot
+        start, waiter = time.perf_counter(), self._waiter(deadline)
+        try:
+            while (slot := boxes.find(q, stamp)) < 0:
+                self._pump()
+                spun = waiter.spun(lambda: self._check_signals(run))
+                if spun is None:
+                    boxes.sleep(q, stamp, waiter.block_seconds())
+                    self._check_signals(run)
+                    spun = not waiter.deadline.expired()
+                if not spun:
+                    self._lost(q, run, step, deadline)
+            return slot
+        finally:
+            self.waited += time.perf_counter() - start
 
     def _receive_into(self, src: int, buffer: np.ndarray, run: int, step: int, deadline: Deadline) -> None:
         """The message (src, run, step) straight into `buffer` when it is the next to come."""
@@ -562,13 +655,32 @@ class TcpComm(ZmqComm):
         self.receive(src, run, step, deadline, buffer.shape, buffer.dtype, _into(buffer))
 
     def routes(self) -> dict[int, str]:
-        return {str(dst): "tcp" for dst in sorted(self.links)}
+        """Each peer's way: "tcp+shm" for a host-mate whose small all-reduces go through shared memory."""
+        mates = () if self.host_boxes is None else self.host_boxes.members
+        return {str(dst): "tcp+shm" if dst in mates else "tcp" for dst in sorted(self.links)}
 
     def close(self) -> None:
         for link in self.links.values():
             link.close()
         self.links, self._backlog = {}, set()
+        self._drop_host_boxes()
         super().close()
+
+    def _drop_host_boxes(self) -> None:
+        if self.host_boxes is not None:
+            self.host_boxes.close()
+            self.host_boxes = None
+
+
+def _host_boxes(session: str, rank: int, mine: tuple[int, ...]) -> HostBoxes | None:
+    """This worker's postbox for its host's step, or None where the step stays on TCP (asked
+    for by TCP_HOST_STEP_ENV, or no file can be made here)."""
+    if os.environ.get(TCP_HOST_STEP_ENV, "") == "tcp":
+        return None
+    try:
+        return HostBoxes(session, rank, mine)
+    except TransportError:
+        return None
 
 
 def host_groups(peers: list[str]) -> tuple[int, ...]:

@@ -1,0 +1,92 @@
+"""The shared-memory step of the tcp plane's host-by-host small all-reduce.
+
+Where a cluster's workers sit on several hosts and some host holds several of them, each host's
+first rank (its leader) exchanges with the other hosts' leaders over TCP, and inside a host the
+contributions go to the leader and the sum comes back through shared memory, in postboxes as the
+shm plane's small all-reduce uses them (transport/shm.py `Postbox`): each worker posts into a
+file of its own and the others read the post where it lies. A member posts its contribution and
+waits for the leader's post of the sum; the leader waits for every member's post and posts the
+sum once it has it. Each worker posts once an all-reduce, so the postbox's two-slot rule holds:
+a member posts its next contribution only after reading the sum, which the leader posts only
+after reading every member's contribution.
+
+Who reads a worker's posts is whom it wakes: a member's leader, a leader's members. So a worker
+maps exactly the files of the workers it reads, and rings their bells (the futex word of
+transport/shm.py's `InboxFile`) when they sleep waiting for it.
+
+Whether shared memory serves a host is agreed when the plane connects (engine.py
+`_agree_on_host_step`): every member maps its leader's file and the leader every member's; a
+file that cannot be made or mapped (a /dev/shm not shared between them, another user's file)
+leaves that host's step on TCP.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from split_state.errors import ProtocolError, TransportError
+from transport.shm import InboxFile, Postbox, fence, host_box_path
+
+BOX_CAPACITY = 1 << 18  # the smallest ring area: its two postbox slots fit (transport/shm.py)
+
+
+class HostBoxes:
+    """This worker's postbox for its host's step, and the files of those whose posts it reads.
+    `members`: the host's ranks in order, the first its leader."""
+
+    def __init__(self, session: str, rank: int, members: tuple[int, ...]):
+        self.session, self.rank, self.members, self.leader = session, rank, members, members[0]
+        self.own = InboxFile.create(host_box_path(session, rank), 1, BOX_CAPACITY)
+        self.box = self.own.postbox(0)
+        self.files: dict[int, InboxFile] = {}  # the workers whose posts this one reads
+        self._turn = 0  # the slot this worker's next post writes
+
+    def attach(self) -> bool:
+        """Map the files this worker reads (the leader's, or for the leader every member's);
+        False where one cannot be mapped."""
+        wanted = self.members[1:] if self.rank == self.leader else (self.leader,)
+        try:
+            for q in wanted:
+                self.files[q] = InboxFile.attach(host_box_path(self.session, q), 1)
+        except TransportError:
+            return False
+        return True
+
+    def slots(self, q: int, dtype: np.dtype, size: int) -> list[np.ndarray]:
+        """Worker q's postbox slots (this worker's own, or one it reads) as `size` elements of
+        `dtype`, views of the shared memory."""
+        box = self.box if q == self.rank else self.files[q].postbox(0)
+        return [box.array(k, dtype, size) for k in range(Postbox.SLOTS)]
+
+    def post(self, flat: np.ndarray, stamp: int, own_slots: list[np.ndarray]) -> None:
+        """Publish `flat` under `stamp` and wake whoever sleeps waiting for it."""
+        k = self._turn
+        self._turn = k ^ 1
+        np.copyto(own_slots[k], flat)
+        self.box.publish(k, stamp)
+        fence()  # the stamp before the look at the sleeper's word (transport/shm.py on why)
+        index = self.members.index(self.rank)
+        for file in self.files.values():
+            if file.waits_for(index):
+                file.ring()
+
+    def find(self, q: int, stamp: int) -> int:
+        """The slot of q's postbox holding `stamp`, or -1 while none does."""
+        return self.files[q].postbox(0).find(stamp)
+
+    def sleep(self, q: int, stamp: int, seconds: float) -> None:
+        """Sleep until q rings (it does after posting) or `seconds` pass, unless its post of
+        `stamp` is there already."""
+        self.own.sleep(self.members.index(q) + 1, lambda: self.find(q, stamp) >= 0, seconds)
+
+    def check(self, q: int, slot: int, stamp: int) -> None:
+        """After reading q's post: it was not written over meanwhile (which the two-slot rule
+        rules out unless a worker broke it)."""
+        if not self.files[q].postbox(0).holds(slot, stamp):
+            raise ProtocolError(f"worker {self.rank}: worker {q}'s host post changed as it was read")
+
+    def close(self) -> None:
+        for file in self.files.values():
+            file.close()
+        self.files = {}
+        self.own.close()
