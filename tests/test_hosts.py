@@ -219,7 +219,7 @@ KILL_JOB = textwrap.dedent("""
     x.redistribute(MIRRORED).numpy()
     pids = " ".join(str(h.pid) for h in dev.cluster.devices)
     print("killing", time.time(), pids, file=sys.stderr, flush=True)
-    os.kill(dev.cluster.devices[1].pid, signal.SIG{sig})  # the worker in the other namespace
+    os.kill(dev.cluster.devices[{victim}].pid, signal.SIG{sig})  # a worker in the other namespace
     while True:
         x.redistribute(MIRRORED).numpy()
 """)
@@ -233,7 +233,7 @@ def test_a_worker_lost_on_another_host_is_reported_in_time_and_nothing_is_left(h
     from meta.cluster import alive
 
     job = tmp_path / "kill.py"
-    job.write_text(KILL_JOB.format(sig=sig))
+    job.write_text(KILL_JOB.format(sig=sig, victim=1))
     listen = f"tcp://{SUBNET}.1:{29661 if sig == 'KILL' else 29671}"
     coordinator = hosts(
         "a", "run", "--listen", listen, "--spawn", "1", "--workers", "2", "--insecure", "--liveness", "1", str(job)
@@ -255,6 +255,36 @@ def test_a_worker_lost_on_another_host_is_reported_in_time_and_nothing_is_left(h
     while alive(seen["pids"]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert alive(seen["pids"]) == [], "a worker outlived the coordinator"
+
+
+def test_a_worker_killed_on_a_host_of_two_is_reported_at_once_and_nothing_is_left(hosts, tmp_path):
+    """2 hosts x 2 on the tcp plane, shared memory inside each host: a member killed in
+    namespace B (awaited by its leader in shared memory, not on its socket) is reported within
+    the liveness window as a killed worker of 1 x 1 is, the coordinator exits 3, and no worker
+    is left on either host."""
+    from meta.cluster import alive
+
+    job = tmp_path / "kill.py"
+    job.write_text(KILL_JOB.format(sig="KILL", victim=3))
+    listen = f"tcp://{SUBNET}.1:29741"
+    coordinator = hosts(
+        "a", "run", "--listen", listen, "--spawn", "2", "--workers", "4", "--insecure", "--liveness", "1", str(job)
+    )
+    remote = [
+        hosts("b", "worker", "--connect", listen, "--rank", str(r), "--backend", "cpu", "--insecure", "-t", "1")
+        for r in (2, 3)
+    ]
+    _, err = coordinator.communicate(timeout=60)
+    killed = [line.split() for line in err.splitlines() if line.startswith("killing")]
+    assert coordinator.returncode == 3 and killed and "error:" in err, err[-3000:]
+    at, pids = float(killed[0][1]), [int(pid) for pid in killed[0][2:]]
+    assert time.time() - at < 1.0 + 2.0, err[-3000:]
+    for proc in remote:
+        proc.wait(10)
+    deadline = time.monotonic() + 5
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive(pids) == [], "a worker outlived the coordinator"
 
 
 LAUNCHERS = {  # what each launcher tells rank R of 2 (the coordinator's port travels as MASTER_PORT)

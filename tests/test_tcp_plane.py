@@ -268,6 +268,20 @@ def test_a_member_waiting_on_its_silent_leader_hears_an_abort_and_else_its_deadl
     assert caught.value.rank == 0 and time.monotonic() - start < 1.5
 
 
+def test_a_leader_waiting_on_a_member_that_exited_is_told_by_its_closed_connection(tcp_comms):
+    """The leader awaits its host-mate's post in shared memory, not on its socket; a member
+    whose process ends (its connections closed) is still seen within milliseconds, not at the
+    collective's deadline."""
+    comms = tcp_comms(4, ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"])
+    leader = comms[0]
+    run = leader.bound_all_reduce(np.dtype(np.float32), (8,))
+    threading.Timer(0.2, comms[1].close).start()
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match="worker 1 closed its connection") as caught:
+        run(np.ones(8, np.float32), 4, 1, Deadline(20))
+    assert caught.value.rank == 1 and time.monotonic() - start < 2
+
+
 def test_a_peer_that_closes_its_connection_is_lost_at_once(tcp_comms):
     a, b = tcp_comms(2)
     a.links[1].sock.close()

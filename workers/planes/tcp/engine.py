@@ -633,12 +633,31 @@ class TcpComm(ZmqComm):
                 if spun is None:
                     boxes.sleep(q, stamp, waiter.block_seconds())
                     self._check_signals(run)
+                    self._check_open(q, run, step)
                     spun = not waiter.deadline.expired()
                 if not spun:
                     self._lost(q, run, step, deadline)
             return slot
         finally:
             self.waited += time.perf_counter() - start
+
+    def _check_open(self, q: int, run: int, step: int) -> None:
+        """WorkerLost when host-mate q has closed its connection (it exited): a worker waiting
+        on q's post in shared memory reads nothing from q's socket, where a closed connection
+        would tell it at once. One peek, done between sleeps."""
+        link = self.links[q]
+        if link.broken:
+            raise WorkerLost(f"worker {self.rank}: the connection to worker {q} {link.broken}", rank=q)
+        try:
+            closed = link.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            link.broken = f"failed: {exc.strerror or exc}"
+            raise WorkerLost(f"worker {self.rank}: the connection to worker {q} failed: {exc}", rank=q) from None
+        if closed:
+            link.broken = "was closed by that worker"
+            raise WorkerLost(f"worker {self.rank}: worker {q} closed its connection (run {run}, step {step})", rank=q)
 
     def _receive_into(self, src: int, buffer: np.ndarray, run: int, step: int, deadline: Deadline) -> None:
         """The message (src, run, step) straight into `buffer` when it is the next to come."""
