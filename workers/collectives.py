@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from split_state.algorithms import DirectAllReduce, Phase, Request, Tag, grouped, select
+from split_state.algorithms import DirectAllReduce, LocalSlice, Phase, Request, Tag, grouped, select
 from split_state.dtypes import dtype_from_name, dtype_name
 from split_state.layout import local_shape
 from split_state.states import State
-from split_state.transitions import Transfer
+from split_state.transitions import Collective, Transfer, classify
 from transport.deadline import Deadline
 
 
@@ -57,7 +57,7 @@ class Collectives:
             fast = self._in_group(devices, r, inner)
         else:
             engine, algorithm = self.engine, select(r)
-            if out is not None and self.writes_into(r):
+            if out is not None and self._engine_writes_into(r):
                 return engine.bound(algorithm, r, out)
             bound = getattr(engine, "bound", None)
             fast = bound(algorithm, r) if bound is not None else None
@@ -85,8 +85,22 @@ class Collectives:
 
     def writes_into(self, r: Request) -> bool:
         """Whether this engine's run of `r` is done with its input when it returns and can write
-        its result into a buffer of the program's (the shared-memory postboxes): a program then
-        gives both a place in its arena, the same every run, instead of new arrays per run."""
+        its result into a buffer of the program's: a program then gives both a place in its
+        arena, the same every run, instead of new arrays per run. The shared-memory postboxes'
+        all-reduce writes there itself; a hand-over of a layer split's activation from one group
+        to the next (on the point-to-point engine, or a group's) and a local cut (a mask every
+        layer reads, onto a layer's group) are copied there by `prepared`: the engine flushes
+        before it returns, a cut sends nothing. Without that the hand-over's result was a new
+        array every run, every kernel after it in a step was planned again each run
+        (workers/straight.py gives up on such lines) and made new arrays in turn."""
+        if grouped(r)[0] is not None or select(r).name == LocalSlice.name:  # (a local cut: sends nothing)
+            return True
+        if isinstance(self.engine, HostEngine) and classify(r.src, r.dst) is Collective.HAND_OVER:
+            return True
+        return self._engine_writes_into(r)
+
+    def _engine_writes_into(self, r: Request) -> bool:
+        """Whether the engine itself writes `r`'s result into a buffer (its `bound` with `out`)."""
         check = getattr(self.engine, "writes_into", None)
         return bool(check is not None and grouped(r)[0] is None and check(select(r), r))
 
