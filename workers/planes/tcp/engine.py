@@ -367,11 +367,11 @@ class TcpComm(ZmqComm):
             if not self._idle(waiter, run, link):
                 self._lost(src, run, step, deadline)
 
-    def _recv(self, link: Link, into: memoryview, run: int, step: int) -> int:
+    def _recv(self, link: Link, into: memoryview, run: int, step: int, flags: int = 0) -> int:
         """The bytes from `link` now, into `into`: how many (-1: none yet); WorkerLost when the
-        connection failed or the peer closed it (it exited)."""
+        connection failed or the peer closed it (it exited). `flags`: recv's (MSG_PEEK)."""
         try:
-            n = link.sock.recv_into(into)
+            n = link.sock.recv_into(into, 0, flags)
         except (BlockingIOError, InterruptedError):
             return -1
         except OSError as exc:
@@ -648,16 +648,7 @@ class TcpComm(ZmqComm):
         link = self.links[q]
         if link.broken:
             raise WorkerLost(f"worker {self.rank}: the connection to worker {q} {link.broken}", rank=q)
-        try:
-            closed = link.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            link.broken = f"failed: {exc.strerror or exc}"
-            raise WorkerLost(f"worker {self.rank}: the connection to worker {q} failed: {exc}", rank=q) from None
-        if closed:
-            link.broken = "was closed by that worker"
-            raise WorkerLost(f"worker {self.rank}: worker {q} closed its connection (run {run}, step {step})", rank=q)
+        self._recv(link, memoryview(bytearray(1)), run, step, socket.MSG_PEEK)
 
     def _receive_into(self, src: int, buffer: np.ndarray, run: int, step: int, deadline: Deadline) -> None:
         """The message (src, run, step) straight into `buffer` when it is the next to come."""

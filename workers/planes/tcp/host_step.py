@@ -36,6 +36,7 @@ class HostBoxes:
 
     def __init__(self, session: str, rank: int, members: tuple[int, ...]):
         self.session, self.rank, self.members, self.leader = session, rank, members, members[0]
+        self.index = members.index(rank)  # this worker's in its host: what its sleepers wait for
         self.own = InboxFile.create(host_box_path(session, rank), 1, BOX_CAPACITY)
         self.box = self.own.postbox(0)
         self.files: dict[int, InboxFile] = {}  # the workers whose posts this one reads
@@ -65,9 +66,8 @@ class HostBoxes:
         np.copyto(own_slots[k], flat)
         self.box.publish(k, stamp)
         fence()  # the stamp before the look at the sleeper's word (transport/shm.py on why)
-        index = self.members.index(self.rank)
         for file in self.files.values():
-            if file.waits_for(index):
+            if file.waits_for(self.index):
                 file.ring()
 
     def find(self, q: int, stamp: int) -> int:
