@@ -13,7 +13,10 @@ types are here too). For each type our worker (its
 loops and BLAS on --threads threads) and llama.cpp (llama-cpp-python, the same threads) stay
 loaded and take turns, round by round: a prefill of the same prompt, then a greedy decode
 (bench/threads.py's one_worker). The figures are the rounds' medians, the ratios the medians of
-each round's pairs. Without llama-cpp-python our columns stand alone. --activations: our
+each round's pairs. GB/s: the bytes a decode token reads (bench/read_speed.py) times tokens/s,
+ours and llama.cpp's, beside a plain read of as many bytes on the same threads in the same rounds:
+where a decode nears the plain read, it is the memory's speed, not the products', that bounds it.
+Without llama-cpp-python our columns stand alone. --activations: our
 quantized products' (q8, llama.cpp's 8-bit activations, the default; f32, exact); our KV caches
 are what generate gives those activations by default (float16 with q8, as llama.cpp's; float32
 with f32).
@@ -85,11 +88,12 @@ def run(
 
 
 def show(results: dict) -> None:
-    cols = ["type", "threads", "MiB", "decode tok/s", "llama.cpp", "ours / llama.cpp", "prefill tok/s", "llama.cpp"]
-    cols += ["ours / it"]
+    cols = ["type", "threads", "MiB", "decode tok/s", "llama.cpp", "ours / llama.cpp", "GB/s ours", "llama.cpp"]
+    cols += ["plain read", "prefill tok/s", "llama.cpp", "ours / it"]
     rows = [
         [r["type"], r["threads"], r["file_mib"], r["ours_decode_tok_s"], r.get("llama_cpp_decode_tok_s", "-")]
-        + [r.get("vs_llama_cpp", "-"), r["ours_prefill_tok_s"], r.get("llama_cpp_prefill_tok_s", "-")]
+        + [r.get("vs_llama_cpp", "-"), r["ours_decode_gb_s"], r.get("llama_cpp_decode_gb_s", "-")]
+        + [r["plain_read_gb_s"], r["ours_prefill_tok_s"], r.get("llama_cpp_prefill_tok_s", "-")]
         + [r.get("prefill_vs_llama_cpp", "-")]
         for r in results["rows"]
     ]

@@ -33,6 +33,7 @@ from bench.llm import (  # noqa: E402
     warm_llama_cpp,
     worker_driven,
 )
+from bench.read_speed import PlainRead, token_bytes  # noqa: E402
 from bench.report import cli, table  # noqa: E402
 from meta import ClusterConfig, MetaDevice, ProcessCluster  # noqa: E402
 
@@ -63,11 +64,14 @@ def one_worker(
 ) -> dict:
     """One worker on `threads` threads and llama.cpp on as many (when installed), both loaded,
     in alternating rounds after the same `length`-token prompt: a prefill of it, then a greedy
-    decode of `steps` tokens, each round's ours right before theirs. tok/s of the rounds'
-    medians, and each ratio the median of the rounds' pairs."""
+    decode of `steps` tokens, each round's ours right before theirs, and between them a plain
+    read of as many bytes as a token reads on as many threads (bench/read_speed.py: the
+    ceiling of a memory-bound decode in that round). tok/s of the rounds' medians, each ratio
+    the median of the rounds' pairs, and the decodes' and the read's GB/s."""
     from models.llama import TensorParallelLlama
     from models.loading import fuses_qkv
 
+    per_token = token_bytes(path)
     with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=threads))) as dev:
         net = TensorParallelLlama(
             dev,
@@ -84,7 +88,8 @@ def one_worker(
         decode = worker_driven(dev, net, best.numpy().astype(np.int32).reshape(1, 1), length)
         decode(2)  # captured and warm
         llama = warm_llama_cpp(path, length, steps, threads) if have_llama_cpp() else None
-        timed: dict[str, list[float]] = {"ours": [], "theirs": [], "ours_prefill": [], "theirs_prefill": []}
+        read = PlainRead(per_token, threads)
+        timed: dict[str, list[float]] = {"ours": [], "theirs": [], "ours_prefill": [], "theirs_prefill": [], "read": []}
         try:
             for _ in range(rounds):
                 start = time.perf_counter()
@@ -93,6 +98,7 @@ def one_worker(
                 if llama is not None:
                     timed["theirs_prefill"].append(llama.ask("prefill"))
                 timed["ours"].append(decode(steps)[0])
+                timed["read"].append(read.seconds())
                 if llama is not None:
                     timed["theirs"].append(llama.ask("decode"))
         finally:
@@ -103,10 +109,15 @@ def one_worker(
         "ours_prefill_tok_s": length / float(np.median(timed["ours_prefill"])),
         "rounds": rounds,
         "prompt": length,
+        "token_mib": per_token / 2**20,
+        # (float32 weights read 4 bytes a value, not the file's)
+        "ours_decode_gb_s": per_token / float(np.median(timed["ours"])) / 1e9 if weights == "native" else None,
+        "plain_read_gb_s": read.gb_per_s(float(np.median(timed["read"]))),
     }
     if timed["theirs"]:
         row |= {
             "llama_cpp_decode_tok_s": 1 / float(np.median(timed["theirs"])),
+            "llama_cpp_decode_gb_s": per_token / float(np.median(timed["theirs"])) / 1e9,
             "vs_llama_cpp": paired_ratio(timed["theirs"], timed["ours"]),
             "llama_cpp_prefill_tok_s": length / float(np.median(timed["theirs_prefill"])),
             "prefill_vs_llama_cpp": paired_ratio(timed["theirs_prefill"], timed["ours_prefill"]),

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,6 +219,7 @@ def test_the_formats_bench_decodes_and_prefills_a_file_of_each_type(monkeypatch,
     results = formats.run(True, ["q4_0", "q8_0"], [1], 1, "tiny", 1, folder=str(tmp_path))
     assert [r["type"] for r in results["rows"]] == ["q4_0", "q8_0"]
     assert all(r["ours_decode_tok_s"] > 0 and r["ours_prefill_tok_s"] > 0 for r in results["rows"])
+    assert all(r["ours_decode_gb_s"] > 0 and r["plain_read_gb_s"] > 0 for r in results["rows"])
     assert "llama_cpp_decode_tok_s" not in results["rows"][0]
     made = sorted(p.name for p in tmp_path.iterdir())
     assert made == ["synthetic-tiny-1l-q4_0-q4_0.gguf", "synthetic-tiny-1l-q8_0-q8_0.gguf"]
@@ -277,3 +279,40 @@ def test_the_two_hosts_all_reduce_bench_runs_each_way_and_its_floor():
     assert row["floor_us"] == row["tcp_2_us"] + row["shm_2_us"] > 0
     assert row["ratio"] == row["host by host, shm inside"] / row["floor_us"]
     collectives.show_across_hosts([row])
+
+
+@pytest.mark.parametrize("output", [None, "q8_0"])
+def test_a_decode_tokens_bytes_are_every_tensor_but_an_untied_files_embedding(tmp_path, output):
+    """bench/read_speed.py's bytes a decode token reads, against the gguf library's own reading
+    of the file: every tensor's bytes, less the token embedding's where the file has an output
+    head of its own (a token reads one row of it); a tied embedding is the head, counted."""
+    import gguf
+
+    from bench.read_speed import token_bytes
+    from models import synthetic as synth
+
+    path = tmp_path / "tiny.gguf"
+    synth.write(path, synth.Recipe(synth.SHAPES["tiny"], "q4_0", "q8_0", output=output))
+    sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    assert ("output.weight" in sizes) == (output is not None)
+    expected = sum(sizes.values()) - (sizes["token_embd.weight"] if output else 0)
+    assert token_bytes(str(path)) == expected
+
+
+def test_a_plain_read_touches_its_pages_and_times_each_thread_share(monkeypatch):
+    """bench/read_speed.py's plain read: its buffer is at least LEAST_BYTES and written (an
+    untouched page reads the shared zero page: no memory speed), split into one part a thread
+    covering it once; and it times a read of every part."""
+    from bench import read_speed
+
+    monkeypatch.setattr(read_speed, "LEAST_BYTES", 1 << 20)
+    read = read_speed.PlainRead(1000, 3)
+    assert read.nbytes == 1 << 20
+    assert np.all(read.buffer == 1)
+    assert len(read.parts) == 3 and sum(p.nbytes for p in read.parts) == read.nbytes
+    assert all(np.shares_memory(p, read.buffer) for p in read.parts)
+    summed = []
+    monkeypatch.setattr(read_speed, "read_through", lambda part: summed.append((part.ctypes.data, part.nbytes)))
+    assert read.seconds() > 0
+    assert sorted(summed) == sorted((p.ctypes.data, p.nbytes) for p in read.parts)
+    assert read.gb_per_s(0.5) == pytest.approx(read.nbytes / 0.5 / 1e9)
