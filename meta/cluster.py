@@ -510,6 +510,10 @@ class ProcessCluster:
             if self.routes.get(rank) != route.bytes:
                 self._tell_latecomer(route.bytes, message)
                 return None
+            if got == rid and isinstance(message, p.Error) and message.lost in self.routes and message.lost != rank:
+                # a worker found a peer gone (its connection closed): that peer will not answer,
+                # and a peer on another host is not ours to watch exit; lost now, not at liveness
+                self._lose(message.lost, f"worker {message.lost} lost: {message.message}")
             return (rank, message) if got == rid else None  # else another request's
 
         def cancel(ranks) -> None:

@@ -287,6 +287,71 @@ def test_a_worker_killed_on_a_host_of_two_is_reported_at_once_and_nothing_is_lef
     assert alive(pids) == [], "a worker outlived the coordinator"
 
 
+def test_a_worker_killed_on_another_host_mid_generation_is_reported_at_once(hosts):
+    """`generate -sm layer` across 2 hosts on the tcp plane (the packaged SmolLM2, its first
+    layers on host A's worker, the rest and the head on host B's), host B's worker killed once
+    tokens stream, while the workers drive the generation themselves: see _killed_mid_generation."""
+    _killed_mid_generation(hosts, f"tcp://{SUBNET}.1:29751", "b")
+
+
+def test_a_joined_worker_killed_mid_generation_is_reported_at_once():
+    """The same on one host, where this machine cannot make namespaces: the peer joined from
+    its own `launch.py worker` over loopback tcp, not spawned by the coordinator."""
+    from bench.report import free_port
+
+    procs = []
+
+    def start(host: str, *args: str) -> subprocess.Popen:
+        cmd = [sys.executable, str(ROOT / "launch.py"), *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return procs[-1]
+
+    try:
+        _killed_mid_generation(start, f"tcp://127.0.0.1:{free_port()}", "a")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _killed_mid_generation(start, listen: str, remote_host: str) -> None:
+    """Rank 0 finds its peer's closed connection and says which peer it lost; the coordinator,
+    which cannot see a process it did not spawn exit, takes that at once (it had waited out the
+    liveness window, 30 s here, for the dead peer's reply): it says so and exits 3 within
+    seconds, and no worker is left."""
+    from meta.cluster import alive
+
+    coordinator = start(
+        "a", "generate", "--listen", listen, "--spawn", "1", "--workers", "2", "--insecure", "--liveness", "30",
+        "--data-plane", "tcp", "-sm", "layer", "-t", "1", "-n", "4000", "-c", "4096", "--ignore-eos",
+        "-p", "Once upon a time",
+    )  # fmt: skip
+    remote = start(
+        remote_host, "worker", "--connect", listen, "--rank", "1", "--backend", "cpu", "--insecure", "-t", "1"
+    )
+    streamed = coordinator.stdout.read(24)  # generated text: the workers drive the generation now
+    assert len(streamed) == 24, coordinator.stderr.read()[-3000:]
+    workers = [*_descendants(coordinator.pid), *_descendants(remote.pid)]
+    os.kill(workers[-1], signal.SIGKILL)  # the joined worker (`launch.py worker` runs it as its child)
+    killed = time.monotonic()
+    _, err = coordinator.communicate(timeout=60)
+    assert coordinator.returncode == 3 and "error: worker 1 lost" in err, err[-3000:]
+    assert time.monotonic() - killed < 3.0, err[-3000:]
+    remote.wait(10)
+    deadline = time.monotonic() + 5
+    while alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive(workers) == [], "a worker outlived the coordinator"
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid`, parents before their children."""
+    found = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        found += [int(child), *_descendants(int(child))]
+    return found
+
+
 LAUNCHERS = {  # what each launcher tells rank R of 2 (the coordinator's port travels as MASTER_PORT)
     "torchrun": lambda r: {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": f"{SUBNET}.1"},
     "slurm": lambda r: {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": f"{SUBNET}.1"},

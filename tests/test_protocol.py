@@ -84,6 +84,7 @@ EXAMPLES = [
     p.Unload(programs=[5, 6]),
     p.Ok(info={"a": 1, "b": (1.5, "x"), "c": None}),
     p.Error(kind="OutOfMemory", message="too big", traceback="Traceback..."),
+    p.Error(kind="WorkerLost", message="worker 0: worker 1 closed its connection", origin=-1, lost=1),
     p.Heartbeat(rank=2),
     p.Shutdown(),
     p.Stats(),
@@ -98,6 +99,21 @@ EXAMPLES.append(dataclasses.replace(_GENERATE, sampling=dataclasses.replace(_GEN
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(message):
     assert round_trip(message) == message
+
+
+def test_an_error_names_the_peer_a_worker_found_gone_only_when_it_found_it_itself():
+    """Error.lost: a WorkerLost of the worker's own (a peer's closed connection) names that
+    peer; one that an Abort brought (origin set: the sender's failure, passed on) and every
+    other error name none."""
+    from split_state.errors import ShapeError, WorkerLost
+
+    own = p.error_from(WorkerLost("worker 0: worker 2 closed its connection", rank=2))
+    assert (own.kind, own.lost, own.origin) == ("WorkerLost", 2, -1)
+    passed_on = WorkerLost("run 4 aborted: worker 1 reports WorkerLost: ...", rank=1)
+    passed_on.origin = 1
+    assert p.error_from(passed_on).lost == -1
+    assert p.error_from(WorkerLost("no rank said")).lost == -1
+    assert p.error_from(ShapeError("bad")).lost == -1
 
 
 def test_every_message_type_has_an_example():

@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 
 from split_state.dtypes import DTYPES, dtype_from_name, dtype_name
-from split_state.errors import ProtocolError, SplitError, UnsupportedDtype
+from split_state.errors import ProtocolError, SplitError, UnsupportedDtype, WorkerLost
 from split_state.sampling import Rule
 from split_state.states import State, decode_state, encode_state
 
@@ -537,6 +537,10 @@ class Error:
     message: str
     traceback: str = ""
     origin: int = -1  # the worker whose failure this follows from (an Abort it sent); -1: this one's own
+    # the peer this worker found gone (a WorkerLost naming it: its connection closed, or it was
+    # silent past a collective's deadline); -1: none. The coordinator then stops waiting for that
+    # peer's reply: across hosts it cannot see the process, and its liveness window is seconds
+    lost: int = -1
     KIND: ClassVar[MsgType]
 
 
@@ -1122,4 +1126,8 @@ def error_from(exc: BaseException, traceback_text: str = "") -> Error:
     origin = getattr(exc, "origin", -1)
     # an allocation that failed on the device (NumPy's or CuPy's MemoryError) is an OutOfMemory
     kind = "OutOfMemory" if isinstance(exc, MemoryError) else type(exc).__name__
-    return Error(kind, str(exc), traceback_text, origin if type(origin) is int else -1)
+    # its own finding only: a WorkerLost that an Abort brought names the Abort's sender
+    lost = getattr(exc, "rank", None) if isinstance(exc, WorkerLost) and origin == -1 else None
+    return Error(
+        kind, str(exc), traceback_text, origin if type(origin) is int else -1, lost if type(lost) is int else -1
+    )
