@@ -71,7 +71,7 @@ def one_worker(
     from models.llama import TensorParallelLlama
     from models.loading import fuses_qkv
 
-    per_token = token_bytes(path)
+    per_token = token_bytes(model)
     with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=threads))) as dev:
         net = TensorParallelLlama(
             dev,

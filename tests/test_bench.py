@@ -290,13 +290,14 @@ def test_a_decode_tokens_bytes_are_every_tensor_but_an_untied_files_embedding(tm
 
     from bench.read_speed import token_bytes
     from models import synthetic as synth
+    from models.gguf_model import GGUFModel
 
     path = tmp_path / "tiny.gguf"
     synth.write(path, synth.Recipe(synth.SHAPES["tiny"], "q4_0", "q8_0", output=output))
     sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
     assert ("output.weight" in sizes) == (output is not None)
     expected = sum(sizes.values()) - (sizes["token_embd.weight"] if output else 0)
-    assert token_bytes(str(path)) == expected
+    assert token_bytes(GGUFModel(path)) == expected
 
 
 def test_a_plain_read_touches_its_pages_and_times_each_thread_share(monkeypatch):
