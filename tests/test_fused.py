@@ -290,19 +290,35 @@ def test_the_vectorised_exponential_is_within_three_ulp_and_zero_below_its_range
     assert (got[~inside] == 0).all() and got[-1] == 1.0
 
 
-def test_used_positions_round_up_to_the_bucket_and_never_pass_the_cache():
-    def mask(ctx, open_columns):
-        m = np.full((2, 1, 1, 1, ctx), -np.inf, np.float32)
+def _cpu_used_positions(xp, mask, bucket):
+    from workers.backends.cpu import numba_cpu
+
+    cpu_overrides()
+    return numba_cpu._used_positions(xp, mask, bucket)
+
+
+@pytest.mark.parametrize("used", [used_positions, _cpu_used_positions], ids=["numpy", "cpu"])
+def test_used_positions_round_up_to_the_bucket_and_never_pass_the_cache(used):
+    def mask(ctx, open_columns, shape=(2, 1, 1, 1)):
+        m = np.full(shape + (ctx,), -np.inf, np.float32)
         for row, last in enumerate(open_columns):
             m[row, ..., : last + 1] = 0.0
         return m
 
-    assert used_positions(np, mask(200, [3, 5]), 256) == 200  # a cache no larger than a bucket
-    assert used_positions(np, mask(1000, [3, 5]), 256) == 256
-    assert used_positions(np, mask(1000, [3, 300]), 256) == 512  # the row that sees furthest decides
-    assert used_positions(np, mask(1000, [255, 0]), 256) == 256
-    assert used_positions(np, mask(1000, [256, 0]), 256) == 512
-    assert used_positions(np, mask(1000, [999, 0]), 256) == 1000
+    assert used(np, mask(200, [3, 5]), 256) == 200  # a cache no larger than a bucket
+    assert used(np, mask(1000, [3, 5]), 256) == 256
+    assert used(np, mask(1000, [3, 300]), 256) == 512  # the row that sees furthest decides
+    assert used(np, mask(1000, [255, 0]), 256) == 256
+    assert used(np, mask(1000, [256, 0]), 256) == 512
+    assert used(np, mask(1000, [999, 0]), 256) == 1000
+    assert used(np, mask(1000, [], (1, 1)), 256) == 1000  # nothing open: the whole cache
+    assert used(np, mask(1000, [40], (1, 1)), 32) == 64  # a decode step's (1, 1, ctx)
+    window = np.full((1, 1, 1000), -np.inf, np.float32)
+    window[..., 500:530] = 0.0  # a sliding window: only the last open column counts
+    assert used(np, window, 32) == 544
+    window[..., 700] = np.nan  # NaN is not -inf: open
+    assert used(np, window, 32) == 704
+    assert used(np, mask(1000, [300, 20]).astype(np.float16), 256) == 512  # (another dtype)
 
 
 CFG = LlamaConfig(hidden=48, layers=2, heads=6, kv_heads=2, ffn=40, vocab=64, rope_base=500.0)
@@ -436,6 +452,32 @@ def test_greedy_candidates_take_the_first_best_of_the_span_nan_as_minus_infinity
             assert tuple(got[r, c, 0]) == _first_best(span, range(start, start + length))
 
 
+def test_greedy_candidates_over_spans_of_many_search_chunks():
+    """Spans longer than numba_loops' search chunk (256 values), not a whole number of them,
+    from an offset: the greatest in a late chunk, ties across chunks, -0 beside +0, NaN and
+    -inf rows."""
+    x = rng.integers(-50, 50, size=(6, 1400)).astype(np.float32)
+    x[0, 1300] = 60  # the greatest in the span's last, partial chunk
+    x[1, [300, 700, 1301]] = 70  # a tie across chunks: the lowest index
+    x[2, :] = -5
+    x[2, [5, 600]] = [-0.0, 0.0]  # -0 first: it is the first best (-0 == +0)
+    x[3, :] = np.nan
+    x[3, 900] = -np.inf
+    x[4, :] = -np.inf
+    x[5, ::3] = np.nan
+    x[5, 1000] = np.inf
+    local, length, start = 3, 1299, 5000
+    params = {"k": 1, "width": 2, "spans": ((start, length, local),), "devices": 1}
+    got = cpu_overrides()["top_k_candidates"](np, (x,), params, np.full((6, 2, 2), 7.0))
+    for r in range(6):
+        span = x[r, local : local + length]
+        best = _first_best(span, range(start, start + length))
+        assert tuple(got[r, 0]) == best and tuple(got[r, 1]) == (-np.inf, -1.0)
+        chosen = span[int(best[1]) - start]
+        assert np.isnan(chosen) or np.signbit(got[r, 0, 0]) == np.signbit(chosen)  # the value's own bits
+    assert got[2, 0, 1] == start + 5 - local and got[1, 0, 1] == start + 300 - local
+
+
 def test_greedy_combine_takes_the_best_pair_and_padding_after_a_real_index():
     pairs = np.array(
         [
@@ -535,7 +577,7 @@ def test_the_layers_of_a_run_find_the_used_positions_once_and_each_run_again(mon
     cache is in use, the others reuse it, and the next run (a longer sequence) finds it again."""
     from transport import protocol as p
     from workers.arena import Arena
-    from workers.backends.cpu import Backend
+    from workers.backends.cpu import Backend, numba_cpu
     from workers.kernels import fused, kernels_for
     from workers.program import CompiledProgram
     from workers.store import TensorStore
@@ -543,6 +585,10 @@ def test_the_layers_of_a_run_find_the_used_positions_once_and_each_run_again(mon
     calls = []
     counted = fused.used_positions
     monkeypatch.setattr(fused, "used_positions", lambda *a: calls.append(1) or counted(*a))
+    if numba_cpu.AVAILABLE:  # the CPU backend's twin: its loop
+        loops = numba_cpu._loops()
+        scan = loops.last_open_column
+        monkeypatch.setattr(loops, "last_open_column", lambda *a: calls.append(1) or scan(*a))
     ctx, hd, params = 700, 8, {"scale": 0.3, "bucket": KV_BUCKET}
     steps = [  # two layers' attention over one mask: q (2, 1, hd), k (2, hd, ctx), v (2, ctx, hd)
         p.OpStep("attention", (0, 1, 2, 3), 4, params, (2, 1, hd), "float32"),
@@ -806,6 +852,24 @@ def test_the_rotation_found_once_a_run_is_each_positions_own():
         at = np.array(positions, np.int32)
         got = rope(np, (x, at), {"base": base, "mode": "normal"}, memo=memo)
         np.testing.assert_allclose(got, ref.rope(x, at, base, "normal"), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_one_positions_rotation_is_the_bits_of_its_angles_alone(dtype):
+    """basic.rotation takes one host position (a decode step's) from a table made a block of
+    positions at a time: each row the bits of that position's cos and sin computed alone, at
+    either side of a block's edge, with frequency multipliers, in the shape of the positions."""
+    from workers.kernels.basic import ROTATION_BLOCK, rotation
+
+    d, base, freqs = 16, 500000.0, [1.0, 0.5, 0.25, 0.125, 1.0, 1.0, 0.5, 2.0]
+    inverse = np.power(base, -np.arange(0, d, 2, dtype=np.float64) / d) * np.asarray(freqs)
+    for p in (0, 1, ROTATION_BLOCK - 1, ROTATION_BLOCK, 3 * ROTATION_BLOCK + 17, 70000):
+        for shape in ((1,), (1, 1)):
+            cos, sin = rotation(np, np.full(shape, p, dtype), d, {"base": base, "freqs": freqs}, np.float32)
+            assert cos.shape == sin.shape == shape + (1, d // 2) and cos.dtype == sin.dtype == np.float32
+            angles = np.float64(p) * inverse
+            np.testing.assert_array_equal(cos.reshape(-1), np.cos(angles).astype(np.float32))
+            np.testing.assert_array_equal(sin.reshape(-1), np.sin(angles).astype(np.float32))
 
 
 def test_the_unfused_switch_names_patterns_and_refuses_others(monkeypatch):

@@ -331,6 +331,39 @@ def test_a_product_over_two_threads_quantizes_its_rows_by_the_twin_with_the_same
     _close_to_model(threaded, expected, np.abs(x) @ np.abs(values_of(name, unpack(name, blocks))).T)
 
 
+@pytest.mark.parametrize("name", INT_TYPES)
+@pytest.mark.parametrize("rows, threads", [(1, 1), (5, 2), (9, 1)])  # one row, fours + one, unpacked
+def test_the_residual_added_as_each_row_group_is_written_is_numpys_add(name, rows, threads, monkeypatch):
+    """qmatmul_add with 8-bit activations (a decode step's residual): the loops add the addend
+    as they write each row group, bit for bit NumPy's add of the product they write alone,
+    through the pattern's planned kernel too; an addend broadcast over the rows goes the product
+    then NumPy's add (the same sums)."""
+    from workers.backends.cpu import int8_products, numba_cpu
+
+    monkeypatch.setattr(numba_cpu, "_THREADS", [threads])
+    blocks = random_blocks(name, 128, 512, seed=rows)
+    sent = interleaved(blocks)
+    rng = np.random.default_rng(rows)
+    x = (rng.standard_normal((rows, 512)) * 2).astype(np.float32)
+    addend = (rng.standard_normal((rows, 128)) * np.logspace(-3, 3, 128)).astype(np.float32)
+    alone = np.full((rows, 128), np.nan, np.float32)
+    w = as_products_read(name, sent)
+    int8_products.product(name, rows, 512, threads)(x, w, alone)
+    summed = np.full((rows, 128), np.nan, np.float32)
+    int8_products.product(name, rows, 512, threads)(x, w, summed, addend)
+    assert summed.tobytes() == (alone + addend).tobytes()
+
+    block = FORMATS[name].block
+    xb, weight = x.reshape(rows, 512 // block, block), sent.copy()
+    params = {"qmatmul": {"format": name, "activations": "q8"}, "shape": (rows, 2, 64), "out": (rows, 128)}
+    kernel = numba_cpu.OVERRIDES["qmatmul_add"]
+    for residual in (addend, addend[:1]):  # its own rows; one row broadcast
+        out = np.full((rows, 128), np.nan, np.float32)
+        run = kernel.plan(np, (xb, weight, residual), params, out)
+        assert run() is out
+        assert out.tobytes() == (alone + residual).tobytes()
+
+
 @pytest.mark.parametrize("isa", ["generic", "avx2", "vnni"])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_every_instruction_set_gives_the_models_integer_sums(isa, rows):
@@ -486,6 +519,31 @@ def test_a_weight_is_packed_once_and_every_kernel_reads_it(name):
     np.testing.assert_array_equal(w, sent)
     assert exact.tobytes() == numba_cpu.qmatmul(np, [x, sent.copy()], {"format": name}).tobytes()
     assert numba_cpu.qmatmul(np, [x, w], q8).reshape(2, 128).tobytes() == first.tobytes()
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q4_0"])
+def test_a_planned_lookup_reads_the_tables_layout_each_run(name):
+    """qget_rows planned (a decode step's embedding) on a table a tied head's products pack in
+    place after the plan was made, and unpack again: each run reads the layout the table has
+    then, at the ids written in place since (the shared NumPy kernel's rows of the bytes as sent)."""
+    from workers.backends.cpu import int8_products, numba_cpu, packing
+    from workers.kernels import quant
+
+    if not int8_products.packs(name):
+        pytest.skip("the generic code reads weights as they are sent")
+    block = FORMATS[name].block
+    sent = interleaved(random_blocks(name, 128, 512, seed=5))
+    w, ids, lookup = sent.copy(), np.array([[3, 100]]), {"format": name, "rows": 128}
+    out = np.full((1, 2, 512), np.nan, np.float32)
+    run = numba_cpu.qget_rows.plan(np, [w, ids], lookup, out)
+    x = np.random.default_rng(5).standard_normal((1, 512)).astype(np.float32).reshape(1, -1, block)
+    for ran_before, chosen in [(None, [3, 100]), ({"activations": "q8"}, [127, 0]), ({}, [64, 64])]:
+        if ran_before is not None:  # an integer product packs w, a float32 one unpacks it
+            numba_cpu.qmatmul(np, [x, w], {"format": name, **ran_before})
+        ids[0] = chosen
+        assert run() is out
+        assert packing.layout_of(w) == (name if ran_before else None)
+        np.testing.assert_array_equal(out, quant.qget_rows(np, [sent, ids], lookup))
 
 
 def test_a_view_across_a_packed_weight_is_refused_and_read_only_memory_stays_as_sent():

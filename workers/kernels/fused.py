@@ -197,6 +197,7 @@ def attention_with(
     weigh_values: Callable = weighted_values,
     one_pass: Callable | None = None,
     one_plan: Callable | None = None,
+    used: Callable | None = None,
 ) -> Callable:
     """The attention kernel: its softmax over key-major scores `softmax_columns` (with
     softmax_rows_of_columns's signature), its products `score_keys` and `weigh_values` (with
@@ -204,7 +205,7 @@ def attention_with(
     scale, weights, out) -> bool`, where given, may do all three for GQA's layout in one call
     (weights: a (rows, n) scratch); it says False for what it does not take. `one_plan(xp, rows,
     key_rows, values, mask, group, scale, out)`, where given, plans that call (workers/straight.py):
-    a function of n, or None."""
+    a function of n, or None. `used`: a backend's twin of used_positions (None: that)."""
 
     def attention(xp, inputs, params, out=None, scratch=None, memo=None):
         """softmax(q @ k * scale + mask) @ v, reading only the first n cached positions (n from
@@ -219,7 +220,7 @@ def attention_with(
         positions, 31 against 58 at 768),
         then the softmax turns them query-major for the product with the values."""
         q, k, mask, v = inputs
-        n = _used_positions_of_run(xp, mask, params["bucket"], memo)
+        n = _used_positions_of_run(xp, mask, params["bucket"], memo, used)
         lead = q.shape[:-1]
         size = prod(lead) * n
         if scratch is None:
@@ -261,7 +262,7 @@ def attention_with(
         bucket = params["bucket"]
 
         def run():
-            by_n(_used_positions_of_run(xp, mask, bucket, memo))
+            by_n(_used_positions_of_run(xp, mask, bucket, memo, used))
             return out
 
         return run
@@ -273,14 +274,14 @@ def attention_with(
     return attention
 
 
-def _used_positions_of_run(xp, mask, bucket: int, memo) -> int:
-    """used_positions, found by the first layer of a run: every layer reads the same mask
-    (`memo`: the run's)."""
+def _used_positions_of_run(xp, mask, bucket: int, memo, used: Callable | None = None) -> int:
+    """used_positions (or a backend's `used` of the same signature and answer), found by the
+    first layer of a run: every layer reads the same mask (`memo`: the run's)."""
     key = ("used positions", id(mask), bucket)
     known = memo.get(key) if memo is not None else None
     if known is not None:
         return known[0]
-    n = used_positions(xp, mask, bucket)
+    n = (used or used_positions)(xp, mask, bucket)
     if memo is not None:
         memo[key] = (n, mask)  # holding the mask: its id is not reused while the memo lasts
     return n
@@ -299,7 +300,11 @@ def head_runs(kv_of_head) -> list[tuple[int, int, int]]:
 
 
 def gqa_attention_with(
-    attention: Callable, one_pass: Callable | None = None, one_plan: Callable | None = None, one_pass_tokens: int = 1
+    attention: Callable,
+    one_pass: Callable | None = None,
+    one_plan: Callable | None = None,
+    one_pass_tokens: int = 1,
+    used: Callable | None = None,
 ) -> Callable:
     """The gqa_attention op's kernel (query heads mapped to KV heads one by one, as a split that
     shares a KV head between devices leaves them) from an attention kernel of attention_with's:
@@ -311,7 +316,8 @@ def gqa_attention_with(
     plans it for one token (workers/straight.py): a function of n, or None. One call over the
     whole batch keeps a row's bits those it gets alone: the runs' calls read each KV head's
     slice of a batch of several rows, which a loop that wants whole blocks refused (BLAS then),
-    and took for one row, so a short prompt prefilled beside others differed in its last bits."""
+    and took for one row, so a short prompt prefilled beside others differed in its last bits.
+    `used`: as attention_with's."""
 
     def gqa_attention(xp, inputs, params, out=None, memo=None):
         q, keys, values, mask = inputs
@@ -321,12 +327,12 @@ def gqa_attention_with(
             return out
         kv_of_head = params["kv_of_head"]
         if one_pass is not None and tokens == 1 and out.flags.c_contiguous and q.flags.c_contiguous:
-            n = _used_positions_of_run(xp, mask, KV_BUCKET, memo)
+            n = _used_positions_of_run(xp, mask, KV_BUCKET, memo, used)
             rows, kv_of = q.reshape(batch, heads, 1, width), _kv_index(kv_of_head)
             if one_pass(xp, rows, kv_of, keys, values, mask, n, params["scale"], out.reshape(rows.shape)):
                 return out
         elif one_pass is not None and tokens <= one_pass_tokens and mask.ndim == 3:
-            n = _used_positions_of_run(xp, mask, KV_BUCKET, memo)
+            n = _used_positions_of_run(xp, mask, KV_BUCKET, memo, used)
             rows = xp.ascontiguousarray(q.transpose(0, 2, 1, 3))  # (batch, heads, tokens, d)
             result = xp.empty(rows.shape, xp.float32)
             if one_pass(xp, rows, _kv_index(kv_of_head), keys, values, mask, n, params["scale"], result):
@@ -359,7 +365,7 @@ def gqa_attention_with(
             return None
 
         def run():
-            by_n(_used_positions_of_run(xp, mask, KV_BUCKET, memo))
+            by_n(_used_positions_of_run(xp, mask, KV_BUCKET, memo, used))
             return out
 
         return run
@@ -464,10 +470,12 @@ def _match_qmatmul_add(view: ProgramView, i: int) -> Fusion | None:
     return None
 
 
-def qmatmul_add_with(qmatmul: Callable) -> Callable:
+def qmatmul_add_with(qmatmul: Callable, adding: Callable | None = None) -> Callable:
     """The qmatmul_add pattern's kernel from a backend's qmatmul: the product computed into the
     result, then the addend added to it (a + b is b + a bit for bit, so the unfused add's bits):
-    one call where there were two, and no buffer for the product."""
+    one call where there were two, and no buffer for the product. `adding(xp, (xb, w),
+    qmatmul's params, out, addend)`, where given, plans the product and the add as one loop (a
+    function of no arguments, or None where it does not take them)."""
 
     def qmatmul_add(xp, inputs, params, out=None):
         xb, w, addend = inputs
@@ -479,10 +487,14 @@ def qmatmul_add_with(qmatmul: Callable) -> Callable:
         return xp.add(product.reshape(out.shape), addend, out=out)
 
     def plan(xp, inputs, params, out=None):
-        """The product's plan (workers/straight.py), then the add; given where qmatmul has one."""
+        """The backend's `adding` plan, else the product's plan (workers/straight.py) then the add;
+        given where qmatmul has a plan."""
         xb, w, addend = inputs
         if out is None or not out.flags.c_contiguous:
             return None
+        both = None if adding is None else adding(xp, (xb, w), params["qmatmul"], out, addend)
+        if both is not None:
+            return both
         product = qmatmul.plan(xp, (xb, w), params["qmatmul"], out.reshape(tuple(params["shape"])))
         if product is None:
             return None

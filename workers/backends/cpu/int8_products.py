@@ -608,6 +608,22 @@ parallel = numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 inline = numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
 
 
+@numba.njit(cache=True, nogil=True)
+def _store(acc, out, addend, adds, at):
+    """A row group's sums into out's columns at .. at + lanes, plus the addend's there where
+    `adds` (the qmatmul_add pattern's residual, while the group's rows are in the caches: a
+    NumPy add after the product cost ~5-10 us a call in a decode step, its code and data out of
+    the caches). Not fastmath and not inlined: each sum is one float32 add, as NumPy's, which
+    the loops' reassociation must not fold into the sums before it."""
+    lanes = acc.shape[1]
+    if adds:
+        for r in range(acc.shape[0]):
+            for lane in range(lanes):
+                out[r, at + lane] = acc[r, lane] + addend[r, at + lane]
+    else:
+        out[:, at : at + lanes] = acc
+
+
 @intrinsic
 def _widen_half(typingctx, bits):
     def codegen(context, builder, signature, args):
@@ -738,13 +754,14 @@ _k_one_by_classes = one_row_by_classes()
 
 
 @parallel
-def legacy_rows(code, x8, d, sums, s, w, ahead, threads, out):
+def legacy_rows(code, x8, d, sums, s, w, ahead, threads, out, addend, adds):
     """out (rows, groups * 64) = the rows of x8 (rows, width) int8 times the weight's rows, for
     legacy format `code`: each block's d_w * d_x * (its integer sum) (+ m_w * s_x for q4_1 and
     q5_1), d (rows, blocks), sums and s the partner's (activations.quantize_q8_0); the float
     work is the block code's (_add_scaled); the weight's rows asked for `ahead` bytes on. The
     64-row groups go in `threads` tasks (_tasks), one a thread, each on scratch made once for its
-    run of groups (numba's own thread count, read inside, kept the loop out of its cache)."""
+    run of groups (numba's own thread count, read inside, kept the loop out of its cache).
+    `adds`: plus addend (out's shape) as each group is written (_store)."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     with_min = code == 1 or code == 3
@@ -754,11 +771,12 @@ def legacy_rows(code, x8, d, sums, s, w, ahead, threads, out):
         for g in range(t * groups // tasks, (t + 1) * groups // tasks):
             _task_group(acc)
             _group_legacy(code, x8, d, sums, s, w, ahead, out, g, with_min, acc, dw, mw, unpacked)
+            _store(acc, out, addend, adds, g * lanes)
 
 
 @inline
 def _group_legacy(code, x8, d, sums, s, w, ahead, out, g, with_min, acc, dw, mw, unpacked):
-    """legacy_rows' row group g (64 weight rows) into out, on a task's scratch."""
+    """legacy_rows' row group g (64 weight rows) into the task's sums (acc)."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     for b in range(blocks):
@@ -789,15 +807,14 @@ def _group_legacy(code, x8, d, sums, s, w, ahead, out, g, with_min, acc, dw, mw,
                     d, k, blocks, s, dw, mw, acc, acc_at, lanes,
                 )  # fmt: skip
                 i += 1
-    out[:, g * lanes : (g + 1) * lanes] = acc
 
 
 @parallel
-def k_rows(code, x8, d, sums, w, ahead, threads, out):
+def k_rows(code, x8, d, sums, w, ahead, threads, out, addend, adds):
     """legacy_rows for the K-quants (`code` 5 q4_k, 6 q5_k, 7 q6_k): each block's d_x * (d_w * (its
     sub-blocks' integer sums times their scales) - dmin_w * (its minimums times the activation's
     sub-block sums)); d (rows, blocks) and sums (rows, width / 16) are Q8_K's; `threads` tasks
-    as there."""
+    and `adds` as there."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     q6 = code == 7
@@ -809,11 +826,12 @@ def k_rows(code, x8, d, sums, w, ahead, threads, out):
         for g in range(t * groups // tasks, (t + 1) * groups // tasks):
             _task_group(acc)
             _group_k(code, x8, d, sums, w, ahead, out, g, q6, d_at, stride, acc, part, dw, dmin, unpacked)
+            _store(acc, out, addend, adds, g * lanes)
 
 
 @inline
 def _group_k(code, x8, d, sums, w, ahead, out, g, q6, d_at, stride, acc, part, dw, dmin, unpacked):
-    """k_rows' row group g (64 weight rows) into out, on a task's scratch."""
+    """k_rows' row group g (64 weight rows) into the task's sums (acc)."""
     rows, width = x8.shape
     groups, blocks, size, lanes = w.shape
     for b in range(blocks):
@@ -845,7 +863,6 @@ def _group_k(code, x8, d, sums, w, ahead, out, g, q6, d_at, stride, acc, part, d
                 _k_one(code, w, at, ahead, x8, i * width + b * 256, width, sums, i * stride + b * 16, stride, part)
                 _add_k(acc, part, i, 1, dw, dmin, d, b)
                 i += 1
-    out[:, g * lanes : (g + 1) * lanes] = acc
 
 
 # numba keys its cache of the loops above by this file's time stamp alone, but their code is made
@@ -925,24 +942,27 @@ def activations_for(partner: Partner, rows: int, width: int) -> Activations:
 
 
 def product(fmt: str, rows: int, width: int, threads: int = 1):
-    """A function (x (rows, width) float32, w, out (rows, groups * 64)) running the product on
-    the running thread's activation buffers (activations_for), over `threads` threads, asking
-    for the weight's rows ahead_bytes on. w is packed (packing.py) where `packs(fmt)`."""
+    """A function (x (rows, width) float32, w, out (rows, groups * 64), addend=None) running the
+    product, plus `addend` (out's shape and type) where given, on the running thread's activation
+    buffers (activations_for), over `threads` threads, asking for the weight's rows ahead_bytes
+    on. w is packed (packing.py) where `packs(fmt)`."""
     spec = INT_FORMATS[fmt]
     code, partner, ahead = spec.code, spec.partner, ahead_bytes(fmt)
     threaded = over_threads(rows * width, threads)
     if spec.scales is None:
 
-        def run_legacy(x, w, out):
+        def run_legacy(x, w, out, addend=None):
             act = activations_for(partner, rows, width)
             act.quantize(x, threaded)
-            legacy_rows(code, act.q, act.d, act.sums, act.s, w, ahead, threads, out)
+            adds = addend is not None
+            legacy_rows(code, act.q, act.d, act.sums, act.s, w, ahead, threads, out, addend if adds else out, adds)
 
         return run_legacy
 
-    def run_k(x, w, out):
+    def run_k(x, w, out, addend=None):
         act = activations_for(partner, rows, width)
         act.quantize(x, threaded)
-        k_rows(code, act.q, act.d, act.sums, w, ahead, threads, out)
+        adds = addend is not None
+        k_rows(code, act.q, act.d, act.sums, w, ahead, threads, out, addend if adds else out, adds)
 
     return run_k

@@ -433,19 +433,47 @@ def _int8_takes(fmt: str, w, width: int) -> bool:
     return not int8.packs(fmt) or packing.ensure_packed(w, fmt)
 
 
-def _int8_run(fmt: str, x, w, flat, out) -> Callable:
+def _int8_run(fmt: str, x, w, flat, out, addend=None) -> Callable:
     """A product with 8-bit activations (workers/backends/cpu/int8_products.py), for any number
     of rows: its integer loops beat the float32 loops from one row and BLAS on dequantized tiles
     at 64 (2,048 x 8,192 on one thread, one row 1.5-3.7x, 64 rows 1.3-1.8x, every format). The
-    activation buffers are the running thread's (int8_products.activations_for)."""
+    activation buffers are the running thread's (int8_products.activations_for). `addend`
+    (flat's shape): added as the loops write each row group (_plan_qmatmul_adding)."""
     product = _int8().product(fmt, x.shape[0], x.shape[1], _THREADS[0])
 
     def run():
         _use_threads()
-        product(x, w, flat)
+        product(x, w, flat, addend)
         return out
 
     return run
+
+
+def _plan_qmatmul_adding(xp, inputs, params, out, addend):
+    """fused.qmatmul_add_with's `adding`: the integer products (8-bit activations) write
+    product + addend where the addend is out's own shape (the residual of a decode step), the
+    sum's bits NumPy's add of the product (int8_products._store); None otherwise (then the
+    product's plan and NumPy's add)."""
+    xb, w = inputs
+    groups, lanes = (w.shape[0], w.shape[3]) if w.ndim == 4 else (0, 0)
+    width = xb.shape[-2] * xb.shape[-1] if xb.ndim >= 2 else 0
+    rows = xb.size // max(1, width)
+    fmt = params["format"]
+    usable = (
+        xp is np
+        and rows > 0
+        and w.size
+        and w.flags.c_contiguous
+        and params.get("activations") == "q8"
+        and fmt not in WIDENED
+        and _plain(xb, out, addend)
+        and addend.shape == out.shape
+        and out.size == rows * groups * lanes
+    )
+    if not usable or not _int8_takes(fmt, w, width):
+        return None
+    flat = (rows, groups * lanes)
+    return _int8_run(fmt, xb.reshape(rows, width), w, out.reshape(flat), out, addend.reshape(flat))
 
 
 def _rows_run(loop, pairs, x, args, flat, out) -> Callable:
@@ -655,8 +683,23 @@ def _heads_one_plan(xp, rows, kv_of, keys, values, mask, scale: float, out):
     return _decode_heads_plan(rows, kv_of, keys, values, mask, scale, weights, out)
 
 
-attention = fused.attention_with(_softmax_columns, _scores_by_key, _weighted_values, _one_pass, _one_plan)
-gqa_attention = fused.gqa_attention_with(attention, _heads_one_pass, _heads_one_plan, MAX_LOOP_QUERIES)
+def _used_positions(xp, mask, bucket: int) -> int:
+    """fused.used_positions in one loop (numba_loops.last_open_column) for a float32 mask: the
+    mask's NumPy passes took 41 us of a 1.7B-shaped decode step (its first layer's attention),
+    run after the weight products have pushed NumPy's code and data out of the caches."""
+    ctx = mask.shape[-1] if mask.ndim else 0
+    if xp is not np or ctx <= bucket or not _plain(mask):
+        return fused.used_positions(xp, mask, bucket)
+    last = _loops().last_open_column(mask.reshape(-1, ctx)) or ctx  # none open: the whole cache
+    return min(ctx, -(-last // bucket) * bucket)
+
+
+attention = fused.attention_with(
+    _softmax_columns, _scores_by_key, _weighted_values, _one_pass, _one_plan, used=_used_positions
+)
+gqa_attention = fused.gqa_attention_with(
+    attention, _heads_one_pass, _heads_one_plan, MAX_LOOP_QUERIES, used=_used_positions
+)
 
 
 def prepare() -> None:
@@ -854,11 +897,15 @@ _FLOAT64 = np.dtype(np.float64)
 ROW_CODES = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q5_0": 3, "q5_1": 4, "q4_k": 5, "q5_k": 6, "q6_k": 7}  # looked_up_rows'
 
 
-def qget_rows(xp, inputs, params, out=None):
+def _plan_qget_rows(xp, inputs, params, out=None):
     """quant.qget_rows (rows of a quantized table: an embedding's lookup) in one loop
     (numba_loops.looked_up_rows: the bits of NumPy's dequantization), where the shared kernel's
     gather, masks and dequantization are a dozen NumPy calls: 120-180 us a 1.7B-shaped decode
-    step against ~20 warm. Other formats and layouts: the shared kernel."""
+    step against ~20 warm. Planned, what a call finds of the table and the spans is found once
+    (61 us a decode step unplanned), but not the table's layout: a tied head's first product
+    packs it in place (packing.py) after the lookup was planned, so it is read again whenever
+    some weight has been packed or unpacked since. Other formats and layouts: None (the shared
+    kernel)."""
     table, ids = inputs
     code = ROW_CODES.get(params["format"])
     usable = xp is np and code is not None and table.ndim == 4 and table.dtype == np.uint8 and ids.dtype in _IDS
@@ -868,20 +915,35 @@ def qget_rows(xp, inputs, params, out=None):
         or out is None
         or out.dtype != np.float32
         or not out.flags.c_contiguous
+        or not ids.flags.c_contiguous
         or out.shape != ids.shape + (width,)
         or not out.size
     ):
-        packing.ensure_interleaved(table)
-        return quant.qget_rows(xp, inputs, params, out)
+        return None
     spans = np.asarray(params.get("spans", [(0, params["rows"], 0)]), np.int64).reshape(-1, 3)
-    flat = ids.reshape(-1)
-    where, step = packing.byte_map(table.shape[2], table.shape[3], packing.layout_of(table))
-    looked_up = _loops().looked_up_rows(
-        table, where, step, flat, spans, params["rows"], _halves(), code, out.reshape(-1, width)
-    )
-    if not looked_up:
-        raise basic.ids_outside("qget_rows", params["rows"], int(flat.min()), int(flat.max()))
-    return out
+    flat, target, rows = ids.reshape(-1), out.reshape(-1, width), params["rows"]
+    size, lanes, loop, halves = table.shape[2], table.shape[3], _loops().looked_up_rows, _halves()
+    byte_map, layout_of, changes = packing.byte_map, packing.layout_of, packing.layout_changes
+    read = [-1, None]  # [layout_changes() when the layout was read, its byte map]
+
+    def run():
+        if read[0] != changes():
+            read[0] = changes()
+            read[1] = byte_map(size, lanes, layout_of(table))
+        where, step = read[1]
+        if not loop(table, where, step, flat, spans, rows, halves, code, target):
+            raise basic.ids_outside("qget_rows", rows, int(flat.min()), int(flat.max()))
+        return out
+
+    return run
+
+
+def _interleaved_qget_rows(xp, inputs, params, out=None):
+    packing.ensure_interleaved(inputs[0])
+    return quant.qget_rows(xp, inputs, params, out)
+
+
+qget_rows = _runs_plan(_plan_qget_rows, _interleaved_qget_rows)
 
 
 def top_k_candidates(xp, inputs, params, out=None):
@@ -957,7 +1019,7 @@ OVERRIDES = (
         "rope_set_rows": rope_set_rows,
         "cast": cast,
         "qmatmul": qmatmul,
-        "qmatmul_add": fused.qmatmul_add_with(qmatmul),
+        "qmatmul_add": fused.qmatmul_add_with(qmatmul, _plan_qmatmul_adding),
         "attention": attention,
         "gqa_attention": gqa_attention,
         "top_k_candidates": top_k_candidates,
