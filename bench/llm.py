@@ -178,11 +178,12 @@ def ours(
     warm_llama_cpp child) when given. Medians, and each ratio the median of its pairs'."""
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
-    from models.loading import fuses_qkv
+    from models.loading import decode_pool_env, fuses_qkv
 
     model = GGUFModel(path)
     source = model.native if weights == "native" else model.weight
-    with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
+    pools = decode_pool_env(model, weights, ACTIVATIONS, os.environ)  # as generate starts its workers
+    with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1, env=pools))) as dev:
         needed = length + (6 + 4 * rounds) * steps + 8
         net = TensorParallelLlama(
             dev,
@@ -269,16 +270,17 @@ def fresh_models(path: str, workers: int, length: int, weights: str, reference=N
     prompt on 1 worker 0.79-1.32x from run to run."""
     from models.gguf_model import GGUFModel
     from models.llama import TensorParallelLlama
-    from models.loading import fuses_qkv
+    from models.loading import decode_pool_env, fuses_qkv
 
     model = GGUFModel(path)
     source = model.native if weights == "native" else model.weight
+    pools = decode_pool_env(model, weights, ACTIVATIONS, os.environ)  # as generate starts its workers
     tokens = [list(prompt_ids(model, length)[0])]
     seen: dict[str, list] = {k: [] for k in ("warm_up_s", "warmed_prefill_s", "warmed_reference_s")}
     seen |= {"first_prefill_s": [], "first_reference_s": []}
     for warmed in [False, True] * rounds:
         kind = "warmed" if warmed else "first"
-        with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1))) as dev:
+        with MetaDevice(ProcessCluster(ClusterConfig(workers=workers, blas_threads=1, env=pools))) as dev:
             fuse = fuses_qkv(model, weights)
             net = TensorParallelLlama(
                 dev,

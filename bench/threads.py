@@ -16,6 +16,7 @@ file's blocks).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -69,10 +70,11 @@ def one_worker(
     ceiling of a memory-bound decode in that round). tok/s of the rounds' medians, each ratio
     the median of the rounds' pairs, and the decodes' and the read's GB/s."""
     from models.llama import TensorParallelLlama
-    from models.loading import fuses_qkv
+    from models.loading import decode_pool_env, fuses_qkv
 
     per_token = token_bytes(model)
-    with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=threads))) as dev:
+    env = decode_pool_env(model, weights, activations, os.environ)  # as generate starts its workers
+    with MetaDevice(ProcessCluster(ClusterConfig(workers=1, blas_threads=threads, env=env))) as dev:
         net = TensorParallelLlama(
             dev,
             model.config,

@@ -36,7 +36,7 @@ EXIT = "/exit"
 def generate(args: argparse.Namespace) -> int:
     from models.generate import LLM
     from models.gguf_model import GGUFModel, ModelError
-    from models.loading import check_context, check_lengths, check_text_fits, prompt_text
+    from models.loading import check_context, check_lengths, check_text_fits, decode_pool_env, prompt_text
     from models.requests import Sampling
 
     model = GGUFModel(args.model or None)
@@ -69,7 +69,7 @@ def generate(args: argparse.Namespace) -> int:
         lengths = [len(model.tokenizer.encode(text)) for text in texts]
         check_lengths(lengths, new, args.ctx, model.context_length)
     widening_notice(model, args.weights)
-    with open_cluster(args) as dev:
+    with open_cluster(args, decode_pool_env(model, args.weights, args.activations, args.environ)) as dev:
         compiling = first_compile_notice(dev)
         start = time.perf_counter()
         llm = LLM(

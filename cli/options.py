@@ -137,11 +137,14 @@ def check_cluster_options(args: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
-def open_cluster(args: argparse.Namespace) -> Iterator[MetaDevice]:
+def open_cluster(args: argparse.Namespace, worker_env: dict[str, str] | None = None) -> Iterator[MetaDevice]:
     """A cluster from the common options; under a batch launcher, rank 0 coordinates and the
-    other ranks serve as workers (this process then never returns from here normally)."""
+    other ranks serve as workers (this process then never returns from here normally).
+    `worker_env`: set in the environment of the workers started here (models.loading's
+    decode_pool_env)."""
     check_cluster_options(args)
     config = {"liveness": args.liveness, "log_dir": args.log_dir, "data_plane": args.data_plane}
+    config["env"] = dict(worker_env or {})
     if getattr(args, "threads", None) is not None:
         config["blas_threads"] = args.threads
     launcher = detect_launcher(args.environ) if not args.listen else None
@@ -202,7 +205,7 @@ def _join_batch_job(launcher: LaunchEnv, args: argparse.Namespace, config: dict)
     workers of an MPI job join MPI as those ranks (the MPI plane). All ranks on this host with a
     job id: ipc in the job's private directory, no keys needed; else tcp to rank 0's host, with
     --keys (or --insecure). Returns the endpoint to listen on ("" for ipc)."""
-    env = {}
+    env = dict(config["env"])
     if launcher.source in ("openmpi", "pmi") or "PMIX_RANK" in args.environ:  # MPI can start in the workers
         env[MPI_RANK_ENV] = str(launcher.rank)
     args.workers = launcher.world_size

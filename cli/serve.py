@@ -33,6 +33,7 @@ HEALTH_SECONDS = 0.5  # how often the server looks whether the cluster can still
 def serve(args: argparse.Namespace) -> int:
     from models.batching import ContinuousBatcher
     from models.gguf_model import GGUFModel
+    from models.loading import decode_pool_env
 
     try:
         import uvicorn  # noqa: F401
@@ -61,7 +62,7 @@ def serve(args: argparse.Namespace) -> int:
     model_id = args.model_id or model.path.stem
     widening_notice(model, args.weights)
     lost = threading.Event()
-    with open_cluster(args) as dev:
+    with open_cluster(args, decode_pool_env(model, args.weights, args.activations, args.environ)) as dev:
         batcher = ContinuousBatcher(
             dev,
             model,

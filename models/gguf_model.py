@@ -543,6 +543,12 @@ class GGUFModel:
         names = {t.tensor_type.name for t in self.tensors.values() if t.data.ndim == 2}
         return sorted(name for name in names if name.lower() not in FORMATS and name != "F32")
 
+    def all_blocked(self) -> bool:
+        """Whether every matrix of this file is in a block format (Q4_0 .. Q6_K: the types the
+        CPU workers multiply as integers with 8-bit activations), none float."""
+        names = {t.tensor_type.name.lower() for t in self.tensors.values() if t.data.ndim == 2}
+        return all(name in FORMATS and FORMATS[name].block > 1 for name in names)
+
     def resident_bytes(self, weights: str) -> int:
         """The bytes the workers hold for the weights, all of them together: the file's blocks
         for the matrices `native` keeps in them (`weights="native"`), float32 for the rest."""

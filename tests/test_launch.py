@@ -503,3 +503,56 @@ def test_a_text_longer_than_the_context_could_hold_is_refused_before_it_is_token
     for text in ("abcdefg", "\u00e9\u00e9\u00e9\u00e9"):  # 7 characters; 4 characters in 8 bytes
         with pytest.raises(ModelError, match="longer than a context of 2 tokens could hold"):
             check_text_fits(text, 2, model)
+
+
+def test_the_workers_loops_spin_long_only_where_a_decode_step_runs_no_blas(tmp_path):
+    """models.loading.decode_pool_env: the long spin for the workers of a file every matrix of
+    which is in a block format, kept native, multiplied with 8-bit activations; none where
+    float32 weights or activations (BLAS) take turns with the loops, where a matrix is float16,
+    or where the user set their own."""
+    from models import synthetic
+    from models.gguf_model import GGUFModel
+    from models.loading import decode_pool_env
+    from transport.environment import INTEGER_DECODE_SPIN, POOL_SPIN, POOL_SPIN_ENV
+
+    shape = synthetic.Shape(layers=1, hidden=64, ffn=128, heads=2, kv_heads=1, vocab=64, context=32)
+    blocked = GGUFModel(synthetic.write(tmp_path / "q.gguf", synthetic.Recipe(shape, "q4_1", "q8_0")).path)
+    half = GGUFModel(synthetic.write(tmp_path / "h.gguf", synthetic.Recipe(shape, "q4_1", "f16")).path)
+    assert blocked.all_blocked() and not half.all_blocked()
+    assert decode_pool_env(blocked, "native", "q8", {}) == {POOL_SPIN_ENV: INTEGER_DECODE_SPIN}
+    assert int(INTEGER_DECODE_SPIN) > int(POOL_SPIN)
+    for model, weights, activations, environ in [
+        (blocked, "f32", "q8", {}),
+        (blocked, "native", "f32", {}),
+        (half, "native", "q8", {}),
+        (blocked, "native", "q8", {POOL_SPIN_ENV: "77"}),
+    ]:
+        assert decode_pool_env(model, weights, activations, environ) == {}
+
+
+@pytest.mark.parametrize("rank", [None, 0, 1])  # no batch job; a batch job's rank 0, rank 1
+def test_the_pools_environment_reaches_the_workers_started_here(monkeypatch, rank):
+    """open_cluster's worker_env goes into the cluster's environment for the workers it spawns,
+    and, under a batch launcher, into the environment of the worker another rank starts."""
+    import contextlib
+    import types
+
+    import cli.options
+
+    seen = {}
+
+    @contextlib.contextmanager
+    def cluster(**config):
+        seen.update(config)
+        yield types.SimpleNamespace(plane="shm")
+
+    monkeypatch.setattr(cli.options, "cluster", cluster)
+    monkeypatch.setattr(cli.options, "exec_worker", lambda connect, rank, args, env, linger: seen.update(env=env))
+    environ = {} if rank is None else {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": str(rank)}
+    args = argparse.Namespace(
+        liveness=5.0, start_timeout=60.0, workers=None, threads=None, log_dir="", data_plane="auto", listen="",
+        environ=environ, keys="", insecure=True, advertise="", spawn=None, devices="", backend="cpu",
+    )  # fmt: skip
+    with contextlib.suppress(SystemExit), cli.options.open_cluster(args, {"GOMP_SPINCOUNT": "20000"}):
+        pass
+    assert seen["env"]["GOMP_SPINCOUNT"] == "20000"

@@ -17,3 +17,17 @@ CPUS_ENV = "META_TP_CPUS"  # a spawned worker's CPUs, "0,1"; absent when workers
 # set by the command line for a worker started by rank R of an MPI job (mpiexec, srun): the worker
 # may join MPI as rank R (workers/planes/mpi/__init__.py); a worker without it never initializes MPI
 MPI_RANK_ENV = "META_TP_MPI_RANK"
+# how long numba's OpenMP threads spin after a loop before they sleep, in libgomp's turns, read
+# when a worker's first parallel loop loads libgomp (workers/binding.py). POOL_SPIN: the worker's
+# default, short, where float32 weights' BLAS products take turns with those loops on the same
+# cores; INTEGER_DECODE_SPIN: set by the coordinator when every product of a decode step is an
+# 8-bit integer product (no BLAS in the step), long enough to span the step's gaps between
+# loops: a pool asleep took 18-26 us (median; 44 at p90) to start its next loop (2-core Zen 4
+# VM, 2026-12-04: after a gap of 80 us with 3,000 turns; 2-3 us after gaps up to 300 us with
+# 20,000). A decode step of the 1.7B shape's q4_k file on one worker with two threads went 68.5
+# and 65.0 -> 79.7 and 71.4 tok/s (two alternating pairs), SmolLM2's Q4_1 one thread 108 / 155
+# -> 115 / 173, two 140 / 180 -> 150 / 210; its float32 weights' decode on two threads (BLAS
+# products) 37 -> 25: the spinning thread holds the core BLAS's thread waits for.
+POOL_SPIN_ENV = "GOMP_SPINCOUNT"
+POOL_SPIN = "3000"
+INTEGER_DECODE_SPIN = "20000"

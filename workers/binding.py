@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from transport.environment import CPUS_ENV
+from transport.environment import CPUS_ENV, POOL_SPIN, POOL_SPIN_ENV
 
 # A worker's two thread pools take turns within a step: BLAS's (OpenBLAS's own threads: float32
 # weights' products, prefill's tiles) and numba's OpenMP pool (the quantized decode products,
@@ -22,7 +22,9 @@ from transport.environment import CPUS_ENV
 # microseconds between a decode step's loops (the native decode: 128-129 tok/s against 126-130
 # spinning the default, 66 not spinning at all). Each library reads its variable when it loads
 # (NumPy's import; numba's first loop): set before both. A user's own value stands.
-QUIET_POOLS = {"OPENBLAS_THREAD_TIMEOUT": "4", "GOMP_SPINCOUNT": "3000"}
+# (transport/environment.py's POOL_SPIN; the coordinator sets a longer spin for workers whose
+# decode runs no BLAS: INTEGER_DECODE_SPIN.)
+QUIET_POOLS = {"OPENBLAS_THREAD_TIMEOUT": "4", POOL_SPIN_ENV: POOL_SPIN}
 
 
 def quiet_pools() -> None:
