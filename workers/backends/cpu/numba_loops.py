@@ -1092,11 +1092,18 @@ def softmax_columns(scores, mask, group, scale, out):
                     row[j] *= inverse
 
 
-@exact_limits
+# NumPy's division: no test of the divisor for zero before each (Python's ZeroDivisionError),
+# which kept LLVM from vectorizing a loop of divisions; their bits are the same (IEEE's)
+exact_limits_divisions = numba.njit(cache=True, nogil=True, fastmath=EXACT_LIMITS, error_model="numpy")
+
+
+@exact_limits_divisions
 def swiglu_rows(both, gate, up, n, out):
     """out[r, j] = silu(both[r, gate + j]) * both[r, up + j] for j < n, silu(g) = g / (1 + e**-g):
     NumPy's order of operations, with _exp's e**x (so within a few ulp of NumPy's, not its bits).
-    Two passes over row views: as one, LLVM did not vectorise it (5.5 against 2.4 us for 1,536)."""
+    Two passes over row views: as one, LLVM did not vectorise it (5.5 against 2.4 us for 1,536).
+    The divisions vectorized (exact_limits_divisions: 1 + e**-g is never 0), 8,192 values took
+    9.9 against 29 us on a busy Zen 4 VM, the same bits on 3 x 8,192 random values."""
     for r in range(both.shape[0]):
         g_row, u_row, o_row = both[r, gate : gate + n], both[r, up : up + n], out[r]
         for j in range(n):
