@@ -16,7 +16,7 @@ from models.errors import ModelError
 from models.gguf_model import GGUFModel
 from models.llama import CACHE_TYPES, LayerGroups, TensorParallelLlama, cache_lengths, qkv_fusable
 from split_state.ops import ACTIVATIONS
-from transport.environment import INTEGER_DECODE_SPIN, POOL_SPIN_ENV
+from transport.environment import INTEGER_DECODE_ENV, POOL_SPIN_ENV
 
 Prompt = str | Sequence[Mapping[str, str]]  # text, or a conversation: [{"role": ..., "content": ...}]
 
@@ -171,15 +171,15 @@ def fuses_qkv(model: GGUFModel, weights: str) -> bool:
 
 
 def decode_pool_env(model: GGUFModel, weights: str, activations: str, environ: Mapping[str, str]) -> dict[str, str]:
-    """What the workers' environment sets for how long their loops' threads spin before they
-    sleep (transport/environment.py): INTEGER_DECODE_SPIN where every product of a decode step
-    is an integer product (`weights` native, `activations` q8, every matrix of the file in a
-    block format: no BLAS takes turns with the loops), unless `environ` (the user's) sets its
-    own; else nothing (the workers' short default). Generate, serve and the benchmarks start
-    their workers with it (ClusterConfig.env)."""
+    """What the workers' environment says of their decode (transport/environment.py): that every
+    product of a decode step is an integer product (`weights` native, `activations` q8, every
+    matrix of the file in a block format: no BLAS takes turns with the loops), so that a worker
+    of two or more threads keeps its loops' threads spinning through the step's gaps
+    (workers/binding.py), unless `environ` (the user's) sets its own spin; else nothing.
+    Generate, serve and the benchmarks start their workers with it (ClusterConfig.env)."""
     integer = weights == "native" and activations == "q8" and model.all_blocked()
     if integer and POOL_SPIN_ENV not in environ:
-        return {POOL_SPIN_ENV: INTEGER_DECODE_SPIN}
+        return {INTEGER_DECODE_ENV: "1"}
     return {}
 
 

@@ -505,22 +505,22 @@ def test_a_text_longer_than_the_context_could_hold_is_refused_before_it_is_token
             check_text_fits(text, 2, model)
 
 
-def test_the_workers_loops_spin_long_only_where_a_decode_step_runs_no_blas(tmp_path):
-    """models.loading.decode_pool_env: the long spin for the workers of a file every matrix of
-    which is in a block format, kept native, multiplied with 8-bit activations; none where
-    float32 weights or activations (BLAS) take turns with the loops, where a matrix is float16,
-    or where the user set their own."""
+def test_the_workers_hear_their_decode_runs_no_blas_only_where_it_does_not(tmp_path):
+    """models.loading.decode_pool_env: the workers of a file every matrix of which is in a block
+    format, kept native, multiplied with 8-bit activations, are told their decode runs no BLAS
+    (their loops' threads may spin longer: workers/binding.py); not where float32 weights or
+    activations (BLAS) take turns with the loops, where a matrix is float16, or where the user
+    set their own spin."""
     from models import synthetic
     from models.gguf_model import GGUFModel
     from models.loading import decode_pool_env
-    from transport.environment import INTEGER_DECODE_SPIN, POOL_SPIN, POOL_SPIN_ENV
+    from transport.environment import INTEGER_DECODE_ENV, POOL_SPIN_ENV
 
     shape = synthetic.Shape(layers=1, hidden=64, ffn=128, heads=2, kv_heads=1, vocab=64, context=32)
     blocked = GGUFModel(synthetic.write(tmp_path / "q.gguf", synthetic.Recipe(shape, "q4_1", "q8_0")).path)
     half = GGUFModel(synthetic.write(tmp_path / "h.gguf", synthetic.Recipe(shape, "q4_1", "f16")).path)
     assert blocked.all_blocked() and not half.all_blocked()
-    assert decode_pool_env(blocked, "native", "q8", {}) == {POOL_SPIN_ENV: INTEGER_DECODE_SPIN}
-    assert int(INTEGER_DECODE_SPIN) > int(POOL_SPIN)
+    assert decode_pool_env(blocked, "native", "q8", {}) == {INTEGER_DECODE_ENV: "1"}
     for model, weights, activations, environ in [
         (blocked, "f32", "q8", {}),
         (blocked, "native", "f32", {}),

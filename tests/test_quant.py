@@ -198,17 +198,31 @@ print(*seen[0])
 """
 
 
-@pytest.mark.parametrize("preset, expected", [({}, ["4", "3000"]), ({"GOMP_SPINCOUNT": "77"}, ["4", "77"])])
+INTEGER = {"META_TP_INTEGER_DECODE": "1"}  # transport.environment.INTEGER_DECODE_ENV
+
+
+@pytest.mark.parametrize(
+    "preset, expected",
+    [
+        ({}, ["4", "3000"]),
+        ({"GOMP_SPINCOUNT": "77"}, ["4", "77"]),
+        (INTEGER | {"OMP_NUM_THREADS": "2"}, ["4", "20000"]),  # a decode of integer products, 2 threads
+        (INTEGER | {"OMP_NUM_THREADS": "1"}, ["4", "3000"]),  # one thread: no pool to keep awake
+        (INTEGER | {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "77"}, ["4", "77"]),
+    ],
+)
 def test_a_worker_bounds_its_pools_spinning_before_numpy_loads_blas(preset, expected):
     """OpenBLAS's threads spinning ~0.1 s after each call and numba's ~1 ms after each loop
     starve the other pool (float32 decode on 2 threads: 3.8 against 33 tok/s): a worker sets
     both bounds (workers/binding.py) before NumPy loads OpenBLAS, which reads its variable
-    then; a user's own value stands."""
+    then; numba's spin is longer for a worker of two or more threads told its decode runs no
+    BLAS; a user's own value stands."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")}
+    left = ("GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT", "OMP_NUM_THREADS", *INTEGER)
+    env = {k: v for k, v in os.environ.items() if k not in left}
     done = subprocess.run(
         [sys.executable, "-c", POOLS_CHECK], capture_output=True, text=True, timeout=120, env=env | preset
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from transport.environment import CPUS_ENV, POOL_SPIN, POOL_SPIN_ENV
+from transport.environment import CPUS_ENV, INTEGER_DECODE_ENV, INTEGER_DECODE_SPIN, POOL_SPIN, POOL_SPIN_ENV
 
 # A worker's two thread pools take turns within a step: BLAS's (OpenBLAS's own threads: float32
 # weights' products, prefill's tiles) and numba's OpenMP pool (the quantized decode products,
@@ -22,13 +22,17 @@ from transport.environment import CPUS_ENV, POOL_SPIN, POOL_SPIN_ENV
 # microseconds between a decode step's loops (the native decode: 128-129 tok/s against 126-130
 # spinning the default, 66 not spinning at all). Each library reads its variable when it loads
 # (NumPy's import; numba's first loop): set before both. A user's own value stands.
-# (transport/environment.py's POOL_SPIN; the coordinator sets a longer spin for workers whose
-# decode runs no BLAS: INTEGER_DECODE_SPIN.)
+# (transport/environment.py's POOL_SPIN; a worker of two or more threads whose decode runs no
+# BLAS spins longer: INTEGER_DECODE_SPIN, where the coordinator says so.)
 QUIET_POOLS = {"OPENBLAS_THREAD_TIMEOUT": "4", POOL_SPIN_ENV: POOL_SPIN}
 
 
 def quiet_pools() -> None:
-    for name, value in QUIET_POOLS.items():
+    pools = dict(QUIET_POOLS)
+    threads = os.environ.get("OMP_NUM_THREADS", "1")  # its threads (transport.environment.BLAS_THREAD_VARS)
+    if os.environ.get(INTEGER_DECODE_ENV) == "1" and threads.isdigit() and int(threads) > 1:
+        pools[POOL_SPIN_ENV] = INTEGER_DECODE_SPIN
+    for name, value in pools.items():
         os.environ.setdefault(name, value)
 
 
