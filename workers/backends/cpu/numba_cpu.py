@@ -384,10 +384,12 @@ KINDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q5_0": 3, "q5_1": 4}  # numba_loops.d
 K_KINDS = {"q4_k": 0, "q5_k": 1, "q6_k": 2}  # numba_loops.dequantize_k_lanes's
 
 
-def _plan_qmatmul(xp, inputs, params, out=None):
+def _plan_qmatmul(xp, inputs, params, out=None, addend=None):
     """Products with quantized weights, no float32 copy of the weight: for a few rows of x
     (decode) one pass over the blocks; for more (prefill) the weight a tile of row groups at a
-    time into one reused float32 buffer, each tile a BLAS product."""
+    time into one reused float32 buffer, each tile a BLAS product. `addend` (out's shape and
+    type; _plan_qmatmul_adding): the product plus it, where the integer products take the
+    product, else None."""
     xb, w = inputs
     groups, lanes = w.shape[0], w.shape[3]
     width = xb.shape[-2] * xb.shape[-1] if xb.ndim >= 2 else 0
@@ -397,7 +399,9 @@ def _plan_qmatmul(xp, inputs, params, out=None):
     usable = xp is np and rows > 0 and w.size and _plain(xb, out) and w.flags.c_contiguous
     if usable and fmt not in WIDENED and params.get("activations") == "q8" and _int8_takes(fmt, w, width):
         x, flat = xb.reshape(rows, width), out.reshape(rows, groups * lanes)
-        return _int8_run(fmt, x, w, flat, out)
+        return _int8_run(fmt, x, w, flat, out, None if addend is None else addend.reshape(flat.shape))
+    if addend is not None:
+        return None
     packing.ensure_interleaved(w)  # every reader below reads the file's interleaved bytes
     if not usable or fmt in WIDENED:
         return None
@@ -455,25 +459,10 @@ def _plan_qmatmul_adding(xp, inputs, params, out, addend):
     sum's bits NumPy's add of the product (int8_products._store); None otherwise (then the
     product's plan and NumPy's add)."""
     xb, w = inputs
-    groups, lanes = (w.shape[0], w.shape[3]) if w.ndim == 4 else (0, 0)
-    width = xb.shape[-2] * xb.shape[-1] if xb.ndim >= 2 else 0
-    rows = xb.size // max(1, width)
-    fmt = params["format"]
-    usable = (
-        xp is np
-        and rows > 0
-        and w.size
-        and w.flags.c_contiguous
-        and params.get("activations") == "q8"
-        and fmt not in WIDENED
-        and _plain(xb, out, addend)
-        and addend.shape == out.shape
-        and out.size == rows * groups * lanes
-    )
-    if not usable or not _int8_takes(fmt, w, width):
+    fits = w.ndim == 4 and xb.ndim >= 2 and out.size * xb.shape[-2] * xb.shape[-1] == xb.size * w.shape[0] * w.shape[3]
+    if xp is not np or not fits or addend.shape != out.shape or not _plain(addend):
         return None
-    flat = (rows, groups * lanes)
-    return _int8_run(fmt, xb.reshape(rows, width), w, out.reshape(flat), out, addend.reshape(flat))
+    return _plan_qmatmul(xp, inputs, params, out, addend)
 
 
 def _rows_run(loop, pairs, x, args, flat, out) -> Callable:
