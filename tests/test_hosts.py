@@ -294,9 +294,12 @@ def test_a_worker_killed_on_another_host_mid_generation_is_reported_at_once(host
     _killed_mid_generation(hosts, f"tcp://{SUBNET}.1:29751", "b")
 
 
-def test_a_joined_worker_killed_mid_generation_is_reported_at_once():
+@pytest.mark.parametrize("plane", ["tcp", "zmq", "shm"])
+def test_a_joined_worker_killed_mid_generation_is_reported_at_once(plane):
     """The same on one host, where this machine cannot make namespaces: the peer joined from
-    its own `launch.py worker` over loopback tcp, not spawned by the coordinator."""
+    its own `launch.py worker` over loopback tcp, not spawned by the coordinator; on each data
+    plane that joins workers this way (ZeroMQ, which hides a closed connection, by watching its
+    sockets' disconnections; shm signals over ZeroMQ beside its rings)."""
     from bench.report import free_port
 
     procs = []
@@ -307,14 +310,14 @@ def test_a_joined_worker_killed_mid_generation_is_reported_at_once():
         return procs[-1]
 
     try:
-        _killed_mid_generation(start, f"tcp://127.0.0.1:{free_port()}", "a")
+        _killed_mid_generation(start, f"tcp://127.0.0.1:{free_port()}", "a", plane)
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
 
 
-def _killed_mid_generation(start, listen: str, remote_host: str) -> None:
+def _killed_mid_generation(start, listen: str, remote_host: str, plane: str = "tcp") -> None:
     """Rank 0 finds its peer's closed connection and says which peer it lost; the coordinator,
     which cannot see a process it did not spawn exit, takes that at once (it had waited out the
     liveness window, 30 s here, for the dead peer's reply): it says so and exits 3 within
@@ -323,7 +326,7 @@ def _killed_mid_generation(start, listen: str, remote_host: str) -> None:
 
     coordinator = start(
         "a", "generate", "--listen", listen, "--spawn", "1", "--workers", "2", "--insecure", "--liveness", "30",
-        "--data-plane", "tcp", "-sm", "layer", "-t", "1", "-n", "4000", "-c", "4096", "--ignore-eos",
+        "--data-plane", plane, "-sm", "layer", "-t", "1", "-n", "4000", "-c", "4096", "--ignore-eos",
         "-p", "Once upon a time",
     )  # fmt: skip
     remote = start(

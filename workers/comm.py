@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from split_state.errors import ProtocolError, RemoteError, TransportError, WorkerLost
 from transport import protocol as p
@@ -227,6 +228,16 @@ class ZmqComm(Inbox):
         self.outboxes = {d: push(context, ep, security, server=d) for d, ep in enumerate(peers) if d != rank}
         self._poller = zmq.Poller()
         self._poller.register(inbox, zmq.POLLIN)
+        # ZeroMQ reconnects behind a closed connection and says nothing, so a peer that died was
+        # found only by the coordinator's liveness window (which sees at once only the processes
+        # it spawned). Each outbox's monitor says when its connection to the peer's inbox closes:
+        # no heartbeat drops these connections, so a close is the peer's exit or a broken link,
+        # and a wait on this inbox raises WorkerLost naming that peer (`_watch`).
+        self._watches = {}  # monitor socket -> the peer whose inbox its outbox connects to
+        for d, sock in self.outboxes.items():
+            watch = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._watches[watch] = d
+            self._poller.register(watch, zmq.POLLIN)
 
     def _send(self, dst: int, message: Any) -> None:
         send(self.outboxes[dst], message)
@@ -256,7 +267,22 @@ class ZmqComm(Inbox):
         ~5 us, a tenth of a small all-reduce)."""
         if self.inbox.get(zmq.EVENTS) & zmq.POLLIN:
             return True
-        return bool(self._poller.poll(max(0, int((end - time.monotonic()) * 1000))))
+        while True:
+            ready = dict(self._poller.poll(max(0, int((end - time.monotonic()) * 1000))))
+            if ready.pop(self.inbox, None):
+                return True
+            for watch in ready:
+                self._watch(watch)
+            if not ready or time.monotonic() >= end:
+                return False
+
+    def _watch(self, watch: zmq.Socket) -> None:
+        """Read a monitor's events; raises WorkerLost if its peer's connection closed."""
+        while watch.get(zmq.EVENTS) & zmq.POLLIN:
+            event = recv_monitor_message(watch, zmq.NOBLOCK)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                peer = self._watches[watch]
+                raise WorkerLost(f"worker {self.rank}: the connection to worker {peer}'s inbox closed", rank=peer)
 
     def _check_signals(self, run: int) -> None:
         """Take in aborts and data that arrived over ZeroMQ meanwhile, without waiting; raises if
@@ -267,8 +293,11 @@ class ZmqComm(Inbox):
 
     def close(self) -> None:
         for sock in self.outboxes.values():
+            sock.disable_monitor()
             sock.close(0)
-        self.outboxes = {}
+        for watch in self._watches:
+            watch.close(0)
+        self.outboxes, self._watches = {}, {}
 
 
 class Waiter:
