@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +88,41 @@ def reference_child(path: str, length: int, steps: int, requests, replies) -> No
         replies.put((time.perf_counter() - start) / steps)
 
 
+# llama.cpp's AMX kernels, built in where the compiling CPU has AMX (as GGML_NATIVE does), crash on
+# some machines at a prompt's first product (llama.cpp issue 20824, a segfault in
+# ggml_backend_amx_mul_mat: the 2-core Intel VM of 2026-12-04 with llama-cpp-python 0.3.36, 8 tokens
+# enough): a build without them keeps every other instruction set those CPUs have.
+WITHOUT_AMX = (
+    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    " -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON'"
+    " pip install --force-reinstall --no-cache-dir --no-deps --no-binary llama-cpp-python llama-cpp-python"
+)
+
+
+def llama_cpp_skipped(exc: ChildFailed, features: Callable[[], str] | None = None) -> None:
+    """Say on stderr that llama.cpp's rows are left out and why; where its child died of SIGSEGV
+    and the build has llama.cpp's AMX kernels, how to build it without them."""
+    print(f"llama.cpp skipped: {exc}", file=sys.stderr)
+    if "SIGSEGV" in str(exc) and "AMX_INT8 = 1" in (features or llama_cpp_features)():
+        print(
+            "  this llama-cpp-python has llama.cpp's AMX kernels, which crash on some machines (llama.cpp"
+            f" issue 20824); build it without them:\n  {WITHOUT_AMX}",
+            file=sys.stderr,
+        )
+
+
+def llama_cpp_features() -> str:
+    """llama.cpp's own line of the instruction sets it was built with, read in a process of its
+    own (loading it here would bring its OpenMP threads into the benchmark); '' where it cannot
+    say."""
+    script = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout
+
+
 def warm_llama_cpp(path: str, length: int, steps: int, threads: int) -> ThreadedChild | None:
     """llama_cpp_child started, loaded and warm (one decode run), for rounds beside ours; None
     (said on stderr) where it could not start."""
@@ -94,7 +131,7 @@ def warm_llama_cpp(path: str, length: int, steps: int, threads: int) -> Threaded
         child.ask("decode")  # loaded and warm
         return child
     except ChildFailed as exc:
-        print(f"llama.cpp skipped: {exc}", file=sys.stderr)
+        llama_cpp_skipped(exc)
         return None
 
 
@@ -603,7 +640,7 @@ def llama_cpp(path: str, length: int, steps: int, threads: int, rounds: int) -> 
             prefill = [child.ask("prefill") for _ in range(rounds)]
             decode = [child.ask("decode") for _ in range(rounds)]
     except ChildFailed as exc:
-        print(f"llama.cpp skipped: {exc}", file=sys.stderr)
+        llama_cpp_skipped(exc)
         return None
     return {"prefill_tok_s": length / float(np.median(prefill)), "decode_tok_s": 1 / float(np.median(decode))}
 

@@ -144,6 +144,27 @@ def test_a_benchmark_child_that_dies_is_reported_at_once_not_waited_for():
         assert time.monotonic() - start < 10
 
 
+@pytest.mark.parametrize(
+    "how, amx, hinted",
+    [("SIGSEGV", True, True), ("SIGSEGV", False, False), ("SIGILL", True, False), ("status 1", True, False)],
+)
+def test_a_llama_cpp_crash_in_its_amx_kernels_says_how_to_build_without_them(capsys, how, amx, hinted):
+    """llama.cpp's AMX kernels segfault on some machines (llama.cpp issue 20824): where its
+    child died of SIGSEGV and the build has them, the bench says how to build llama-cpp-python
+    without them; any other death (or a build without AMX) is said in the one line as before."""
+    from bench.llm import llama_cpp_skipped
+    from bench.report import ChildFailed
+
+    line = "CPU : AVX2 = 1 | AVX512 = 1 | " + ("AMX_INT8 = 1 | " if amx else "") + "REPACK = 1 |"
+    llama_cpp_skipped(ChildFailed(f"child llama_cpp_child died with {how} before it answered"), lambda: line)
+    err = capsys.readouterr().err
+    assert err.startswith(f"llama.cpp skipped: child llama_cpp_child died with {how}")
+    assert ("-DGGML_NATIVE=OFF" in err and "issue 20824" in err) == hinted, err
+    if hinted:  # the build it asks for: the AVX-512 sets those CPUs have, nothing of AMX
+        flags = err.split("CMAKE_ARGS='")[1].split("'")[0]
+        assert "-DGGML_AVX512_VNNI=ON" in flags and "AMX" not in flags, flags
+
+
 def test_a_prefill_ratio_is_the_median_of_its_pairs_ratios():
     """Each pair: the reference's prefill, then ours right after it. A neighbour that slowed one
     pair slows both sides of it: the ratio of the medians (1.11 here) mixes sides of different pairs."""
