@@ -10,9 +10,10 @@ worker --connect`); they reach each other only through namespace R, which forwar
 two veth pairs. Delay: this kernel may lack `sch_netem`, so R routes every packet it forwards
 into a TUN device that a relay of ours (this file, `--relay-delay-us`) reads and writes back
 after the one-way delay; written back, the kernel forwards it on. Rate: `tc tbf` on R's two
-egress links. Rows: the same two workers on one host (shared memory; the tcp plane over the
-loopback), across the namespaces forwarded by the kernel (no relay), and through the relay at
-each delay (0 ms: the relay's own cost); and 2 workers in each namespace (4 on one host beside
+egress links. Rows: one worker alone on one host (a layer split's ceiling: its groups take
+turns), the same two workers on one host (shared memory; the tcp plane over the loopback), across
+the namespaces forwarded by the kernel (no relay), and through the relay at each delay (0 ms: the
+relay's own cost); and 2 workers in each namespace (4 on one host beside
 them), their small all-reduces host by host (the tcp plane's default there) or direct. Each row
 is `launch.py generate` (greedy, `--tokens` tokens of a fixed prompt of ~45 tokens, or of it
 `--prompt-repeats` times over: a prompt of several 128-token chunks, whose prefill a layer split
@@ -22,7 +23,9 @@ latency per packet (the 0 ms relay row shows how much); on a 2-core machine 2 x 
 turns on the cores, which no real pair of hosts would make them do. Every row runs twice:
 split by rows (TP: two all-reduces a layer) and by layers (`--split layer`: the layers on one
 host's workers each, split inside the host, one hand-over of the activation between hosts and
-one of the chosen tokens back, a step).
+one of the chosen tokens back, a step). Texts are compared bit for bit with the one-host run whose
+arithmetic a row repeats (`judge`): a row split's with one host's of as many workers, a layer
+split's with one host's row split over one group's workers (one worker alone, for groups of one).
 
 Needs root (network namespaces) and iproute2 (ip, tc); without them it says why and exits 0.
 """
@@ -237,19 +240,24 @@ def measure(args) -> dict:
     prompt = " ".join([PROMPT] * args.prompt_repeats)
     rows = []
 
-    def row(name: str, workers: int, delay, rate, run) -> None:
-        """Both splits of one configuration, back to back (`run(split)` measures one)."""
-        for split in SPLITS:
+    def row(name: str, workers: int, delay, rate, run, per_group: int = 1, splits=SPLITS) -> None:
+        """Both splits of one configuration, back to back (`run(split)` measures one); a layer
+        split's groups of `per_group` workers each."""
+        for split in splits:
             result = run(split)
             print(f"  {name}, {split}: decode {result['decode_tps']:.1f} tok/s", file=sys.stderr, flush=True)
+            group = workers if split == "row" else per_group
             rows.append(
-                {"path": name, "split": split, "workers": workers, "delay_ms": delay, "rate_gbit": rate, **result}
+                {"path": name, "split": split, "workers": workers, "group": group, "delay_ms": delay, "rate_gbit": rate}
+                | result
             )
 
     def one_host(workers: int, plane: str):
         extra = ["--workers", str(workers), "--data-plane", plane]
         return lambda split: generate([], [*extra, "--split", split], tokens, prompt)
 
+    # one worker alone: the text a layer split of one-worker groups must give, and its speed ceiling
+    row("one host, 1 worker", 1, 0, None, one_host(1, "shm"), splits=("row",))
     for plane in ("shm", "tcp"):
         row(f"one host, {plane}", 2, 0, None, one_host(2, plane))
     if 2 in args.per_host:
@@ -279,16 +287,28 @@ def measure(args) -> dict:
                 for direct in (False, True):
                     name = f"2 hosts x 2, {'kernel forwards' if delay is None else f'relay {delay} ms'}, "
                     name += "direct" if direct else "host by host"
-                    row(name, 4, delay or 0, None, crossing(2, direct))
+                    row(name, 4, delay or 0, None, crossing(2, direct), per_group=2)
     finally:
         hosts.close()
-    for r in rows:
-        base = next(
-            b for b in rows if b["workers"] == r["workers"] and b["path"].startswith("one host") and b["split"] == "row"
-        )
-        r["decode_vs_one_host"] = r["decode_tps"] / base["decode_tps"]
-        r["same_text"] = r["text"] == base["text"]
+    judge(rows)
     return {"tokens": tokens, "prompt_repeats": args.prompt_repeats, "rows": rows}
+
+
+def judge(rows: list[dict]) -> None:
+    """Each row's decode against one host's row split of as many workers, and its text against
+    the run whose arithmetic it repeats: one host's row split of as many workers as the row's
+    split holds together (a row split: all of them; a layer split: a group's, whose layers run
+    split over that group alone: a group of one worker runs them whole, as one worker alone does)."""
+
+    def one_host(workers: int) -> dict:
+        return next(
+            b for b in rows if b["path"].startswith("one host") and b["split"] == "row" and b["workers"] == workers
+        )
+
+    for r in rows:
+        r["decode_vs_one_host"] = r["decode_tps"] / one_host(r["workers"])["decode_tps"]
+        r["text_of"] = r["group"]
+        r["same_text"] = r["text"] == one_host(r["group"])["text"]
 
 
 def show(results: dict) -> None:
@@ -299,8 +319,9 @@ def show(results: dict) -> None:
         table(
             f"SmolLM2-135M Q4_1, CPU workers x 1 thread, {results['tokens']} greedy tokens after the prompt "
             f"{results.get('prompt_repeats', 1)} time(s) over; across hosts over "
-            "the tcp plane; decode and text against one host's split by rows (shm) with as many workers",
-            ["path", "split", "workers", "prefill tok/s", "decode tok/s", "decode / one host", "same text"],
+            "the tcp plane; decode against one host's split by rows (shm) with as many workers, text against"
+            " one host's split by rows over a group's workers (a row split's: all)",
+            ["path", "split", "workers", "prefill tok/s", "decode tok/s", "decode / one host", "text as of workers"],
             [
                 [
                     r["path"],
@@ -309,7 +330,7 @@ def show(results: dict) -> None:
                     r["prefill_tps"],
                     r["decode_tps"],
                     r["decode_vs_one_host"],
-                    "yes" if r["same_text"] else "NO",
+                    f"{r['text_of']}: {'yes' if r['same_text'] else 'NO'}",
                 ]
                 for r in results["rows"]
             ],
