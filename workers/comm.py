@@ -15,6 +15,7 @@ straight from where the bytes arrived; `recv` returns a whole array.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import queue
 import time
@@ -55,6 +56,9 @@ BLOCK_SECONDS = 2e-3  # the longest sleep: how late an abort over ZeroMQ may be 
 NAP_SECONDS = 50e-6  # GPU waits (nothing wakes them): sleep in naps this short at first
 MAX_NAP_SECONDS = 1e-3
 SIGNAL_SECONDS = 50e-6  # how often a waiting worker looks for aborts
+# how long a peer whose connection closed has to deliver what it sent before it left (a failed
+# worker's Abort, sent just before it exits) before a wait on it is WorkerLost instead
+LOST_GRACE_SECONDS = 0.5
 MAX_EARLY_BYTES = 256 << 20  # data set aside for the next run, at most (more is dropped)
 
 
@@ -232,8 +236,10 @@ class ZmqComm(Inbox):
         # found only by the coordinator's liveness window (which sees at once only the processes
         # it spawned). Each outbox's monitor says when its connection to the peer's inbox closes:
         # no heartbeat drops these connections, so a close is the peer's exit or a broken link,
-        # and a wait on this inbox raises WorkerLost naming that peer (`_watch`).
+        # and a wait on this inbox raises WorkerLost naming that peer once LOST_GRACE_SECONDS
+        # have passed with nothing else to take (`_arrived`).
         self._watches = {}  # monitor socket -> the peer whose inbox its outbox connects to
+        self._gone: dict[int, float] = {}  # peer -> when (monotonic) its inbox's connection closed
         for d, sock in self.outboxes.items():
             watch = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._watches[watch] = d
@@ -268,20 +274,30 @@ class ZmqComm(Inbox):
         if self.inbox.get(zmq.EVENTS) & zmq.POLLIN:
             return True
         while True:
-            ready = dict(self._poller.poll(max(0, int((end - time.monotonic()) * 1000))))
+            self._raise_if_gone()
+            graced = min(self._gone.values()) + LOST_GRACE_SECONDS if self._gone else math.inf
+            ready = dict(self._poller.poll(max(0, int((min(end, graced) - time.monotonic()) * 1000))))
             if ready.pop(self.inbox, None):
                 return True
             for watch in ready:
                 self._watch(watch)
-            if not ready or time.monotonic() >= end:
+            if not ready and time.monotonic() < graced:  # the wait ran out before any grace did
                 return False
 
     def _watch(self, watch: zmq.Socket) -> None:
-        """Read a monitor's events; raises WorkerLost if its peer's connection closed."""
+        """Read a monitor's events: note when its peer's connection closed."""
         while watch.get(zmq.EVENTS) & zmq.POLLIN:
             event = recv_monitor_message(watch, zmq.NOBLOCK)
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                peer = self._watches[watch]
+                self._gone.setdefault(self._watches[watch], time.monotonic())
+
+    def _raise_if_gone(self) -> None:
+        """WorkerLost for a peer whose connection closed LOST_GRACE_SECONDS ago or more: what it
+        sent before it left (an Abort naming its error; MPI's revocation) has had that long to be
+        taken first."""
+        now = time.monotonic()
+        for peer, since in self._gone.items():
+            if now - since >= LOST_GRACE_SECONDS:
                 raise WorkerLost(f"worker {self.rank}: the connection to worker {peer}'s inbox closed", rank=peer)
 
     def _check_signals(self, run: int) -> None:

@@ -256,7 +256,10 @@ class MpiComm(ZmqComm):
         self.broken = self.broken or f"MPI reported {exc.Get_error_string().strip()}"
         end = time.monotonic() + REVOKED_GRACE_S
         while True:  # the failing worker sent its abort before revoking: raise that
-            self._check_signals(run)
+            try:
+                self._check_signals(run)
+            except WorkerLost:  # it left without one (its revoke, then its exit): the revoke is the news
+                break
             if time.monotonic() > end:
                 break
             self.inbox.poll(10)
