@@ -105,9 +105,19 @@ def _command(args: list[str], timeout: float, env: dict[str, str] | None = None)
 _failures: list[dict] = []
 
 
+def cpu_like_cuda(weights: str = "native") -> list[str]:
+    """generate's options that give a CPU run the CUDA path's numerics: float32 activations (the
+    CUDA products multiply the dequantized weights; the CPU's default, 8-bit activations, moves the
+    logits and soon the greedy tokens of a random synthetic file) and the KV caches the CUDA run
+    takes by default (models.loading.cache_types_for with 8-bit activations: float16 beside the
+    file's blocks, float32 beside float32 weights)."""
+    cache = "f16" if weights == "native" else "f32"
+    return ["--activations", "f32", "--cache-type-k", cache, "--cache-type-v", cache]
+
+
 def _generate(backend: str, workers: int, folder: Path, model: str = "") -> tuple[bool, str, list[int]]:
     out = folder / f"{backend}.json"
-    devices = ["--devices", ",".join(["0"] * workers)] if backend == "cuda" else []
+    devices = ["--devices", ",".join(["0"] * workers)] if backend == "cuda" else cpu_like_cuda()
     devices += ["--model", model] if model else []
     ok, detail, _ = _command(
         [sys.executable, "launch.py", "generate", PROMPT, "-n", "16", "--temp", "0", "--ctx", "256",
@@ -121,7 +131,21 @@ def _generate(backend: str, workers: int, folder: Path, model: str = "") -> tupl
 # the decode table's synthetic files: name -> `launch.py synthetic` options
 DECODE_FILES = {"135m-8": ["--shape", "135m-8"], "1.7b": ["--shape", "1.7b"]}
 BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, the SXM datasheets'
-LONG_PROMPT = " ".join(["The history of tensor parallelism begins with slices of matrices."] * 12)  # ~130 tokens
+PREFILL_TOKENS = 128
+LONG_TEXT = "The history of tensor parallelism begins with slices of matrices."
+
+
+def long_prompt(path: Path, tokens: int = PREFILL_TOKENS) -> str:
+    """LONG_TEXT's words, repeated, up to `tokens` tokens of the file's own vocabulary (the
+    packaged SmolLM2's where the synthetic tool found it, else a byte-level one made there, which
+    takes ~5x the tokens for the same text)."""
+    from models.gguf_model import GGUFModel
+
+    encode = GGUFModel(path).tokenizer.encode
+    words = (LONG_TEXT.split() * tokens)[:tokens]
+    while len(words) > 1 and len(encode(" ".join(words))) > tokens:
+        words = words[: max(1, len(words) * 9 // 10)]
+    return " ".join(words)
 
 
 def _bandwidth() -> float | None:
@@ -167,7 +191,7 @@ def _decode_row(path: Path, weights: str, folder: Path, steps: int) -> dict:
     row["bound_percent"] = 100 * row["decode_tok_s"] / row["bound_tok_s"] if bandwidth else None
     long = folder / f"{path.stem}-{weights}-prefill.json"
     ok, _, _ = _command(
-        [sys.executable, *common, LONG_PROMPT, "-n", "1", "--ctx", "512", "--backend", "cuda", "--workers", "1",
+        [sys.executable, *common, long_prompt(path), "-n", "1", "--ctx", "512", "--backend", "cuda", "--workers", "1",
          "--json", str(long)],
         900,
     )  # fmt: skip
@@ -175,10 +199,12 @@ def _decode_row(path: Path, weights: str, folder: Path, steps: int) -> dict:
         prefill = json.loads(long.read_text())[0]
         row |= {"prefill_tokens": len(prefill["prompt_tokens"]), "prefill_tok_s": prefill["prompt_tokens_per_s"]}
     cpu = folder / f"{path.stem}-{weights}-cpu.json"
-    compared = min(steps, 32)  # the CPU path's first tokens (it decodes a 1.7B file at a few tokens/s)
+    # the CPU path's first tokens: float32 activations there (cpu_like_cuda) decode a 1.7B file at a
+    # few tokens/s on 4 workers
+    compared = min(steps, 16)
     ok, _, _ = _command(
         [sys.executable, *common, PROMPT, "-n", str(compared), "--ctx", "512", "--backend", "cpu", "--workers", "4",
-         "--json", str(cpu)],
+         *cpu_like_cuda(weights), "--json", str(cpu)],
         900,
     )  # fmt: skip
     row["tokens_equal_cpu"] = ok and json.loads(cpu.read_text())[0]["tokens"] == run["tokens"][:compared]
@@ -309,7 +335,7 @@ def show(results: dict) -> None:
             for r in results["decode"]
         ]
         print(
-            table("decode on 1 CUDA worker (synthetic files, greedy, -n 128; prefill: a ~130-token prompt)", cols, rows)
+            table("decode on 1 CUDA worker (synthetic files, greedy, -n 128; prefill: a 128-token prompt)", cols, rows)
         )
     for failed in results.get("failures", []):  # what failed and why, not only a count
         print(f"\n{failed['command']}:")
