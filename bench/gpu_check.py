@@ -111,8 +111,10 @@ def cpu_like_cuda(weights: str = "native") -> list[str]:
     logits and soon the greedy tokens of a random synthetic file) and the KV caches the CUDA run
     takes by default (models.loading.cache_types_for with 8-bit activations: float16 beside the
     file's blocks, float32 beside float32 weights)."""
-    cache = "f16" if weights == "native" else "f32"
-    return ["--activations", "f32", "--cache-type-k", cache, "--cache-type-v", cache]
+    from bench.llm import ACTIVATIONS, default_caches
+
+    key, value = default_caches(ACTIVATIONS, weights)
+    return ["--activations", "f32", "--cache-type-k", key, "--cache-type-v", value]
 
 
 def _generate(backend: str, workers: int, folder: Path, model: str = "") -> tuple[bool, str, list[int]]:

@@ -101,6 +101,22 @@ def test_the_gpu_check_without_a_gpu_says_so_in_one_line_and_fails():
     assert done.stderr.strip().splitlines() == [said]
 
 
+@pytest.mark.parametrize("vocabulary", ["bytes", "packaged"])
+def test_the_gpu_checks_prefill_prompt_is_its_token_count_in_the_files_own_vocabulary(tmp_path, vocabulary):
+    """The decode table's prefill prompt: at most 128 tokens and most of them, whether the
+    synthetic file took the packaged SmolLM2's vocabulary or a byte-level one (whose ~5x more
+    tokens ran the old fixed text past the 512-position context on the first GPU run)."""
+    from bench.gpu_check import PREFILL_TOKENS, long_prompt
+    from models import synthetic as synth
+    from models.gguf_model import GGUFModel
+
+    path = tmp_path / "m.gguf"
+    source = synth.default_vocabulary() if vocabulary == "packaged" else synth.BYTES
+    synth.write(path, synth.Recipe(synth.SHAPES["tiny"], "q4_0", "q8_0"), vocabulary=source)
+    count = len(GGUFModel(path).tokenizer.encode(long_prompt(path)))
+    assert PREFILL_TOKENS * 3 // 4 <= count <= PREFILL_TOKENS
+
+
 def test_the_gpu_check_keeps_what_failed_and_why():
     """A failed check's FAILED and assertion lines go in the JSON and under the table: on a GPU
     session's machine, gone after it, the count of failures alone says nothing."""
