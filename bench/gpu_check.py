@@ -1,6 +1,6 @@
 """The GPU path checked on a machine with an NVIDIA GPU, in one command.
 
-    python bench/gpu_check.py [--quick] [--json PATH] [--model GGUF] [--no-tests]
+    python bench/gpu_check.py [--quick] [--json PATH] [--model GGUF] [--no-tests] [--only STEP ...]
 
 Runs, each on the CUDA backend with several workers sharing GPU 0 (CUDA IPC between them, the
 default there; the sweep also through shared memory):
@@ -29,11 +29,13 @@ default there; the sweep also through shared memory):
    with shared memory inside each host, against the raw socket exchange plus the shm step (the
    hosts issue's goal: within 1.3x).
 Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
-exits 1; a failed check exits 2.
+exits 1; a failed check exits 2. `--only` runs the steps named (STEPS: a device session of 15
+minutes reruns what failed, not the whole check).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -173,17 +175,18 @@ def _decode_row(path: Path, weights: str, folder: Path, steps: int) -> dict:
     if not ok:
         return row
     run = json.loads(out.read_text())[0]
-    workers = json.loads(stats.read_text()).values()
+    workers = list(json.loads(stats.read_text()).values())
     replays = sum(s["graphs"]["replays"] for s in workers)
-    # the decode step: the program whose segments replayed most; its graphs a run and what runs outside them
-    step = max((p for s in workers for p in s["graphs"]["per_run"].values()), key=lambda p: p["replays"], default={})
+    step = decode_step_graphs(workers)
     resident = GGUFModel(path).resident_bytes(weights)
     bandwidth = _bandwidth()
     row |= {
         "decode_tok_s": run["decode_tokens_per_s"],
         "graphs_per_token": replays / max(1, len(run["tokens"])),
-        "decode_step_graphs": step.get("graphs"),
-        "outside_graphs": sorted(set(step.get("outside", []))),
+        "decode_step_graphs": step["graphs"],
+        "outside_graphs": sorted(step["outside"]),
+        "outside_counts": step["outside"],
+        "refused": step["refused"],
         "resident_mib": resident / 2**20,
         # measured: what the worker's CuPy pool hands out (weights, caches, arena, graph pools, cuBLAS's workspace)
         "device_mib": max((s.get("device_memory", {}).get("pool_used", 0) for s in workers), default=0) / 2**20,
@@ -213,6 +216,26 @@ def _decode_row(path: Path, weights: str, folder: Path, steps: int) -> dict:
     return row
 
 
+def decode_step_graphs(workers: list[dict]) -> dict:
+    """From the workers' stats (`launch.py generate --stats`): the decode step's device graphs a
+    run (the program whose segments replayed most), how many times a run calls each op outside
+    them, and why a capture failed for each op that failed one (workers/executor.py
+    graph_counts's `refused`: where a step is split, whether a kernel read the device on the host
+    or the step's shape is one the backend runs eagerly)."""
+    programs = [p for s in workers for p in s["graphs"]["per_run"].values()]
+    step = max(programs, key=lambda p: p["replays"], default={"graphs": None, "outside": []})
+    refused: dict[str, str] = {}
+    for s in workers:
+        for op, why in s["graphs"].get("refused", {}).items():
+            refused.setdefault(op, why)
+    return {"graphs": step["graphs"], "outside": dict(collections.Counter(step["outside"])), "refused": refused}
+
+
+def _outside(row: dict) -> str:
+    counts = row.get("outside_counts") or {op: 1 for op in row.get("outside_graphs", [])}
+    return " ".join(op if n == 1 else f"{op} x{n}" for op, n in sorted(counts.items())) or "-"
+
+
 def decode_table(quick: bool) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -240,15 +263,24 @@ def threads_table(quick: bool) -> list[dict]:
     return result["rows"] if result else []
 
 
-def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> dict:
+# the steps above by name, for --only
+STEPS = ("tests", "demo", "generate", "sweeps", "mlp", "decode", "threads", "hosts")
+
+
+def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True, only: frozenset[str] = frozenset()) -> dict:
+    """The checks (every step of STEPS, or those in `only`), their figures and what failed."""
     from bench import collectives, tp_matmul
 
     checks = []
+    decode: list[dict] = []
+
+    def wanted(step: str) -> bool:
+        return not only or step in only
 
     def record(name: str, ok: bool, detail: str, seconds: float, **figures) -> None:
         checks.append({"check": name, "ok": ok, "detail": detail, "seconds": seconds, **figures})
 
-    if tests:
+    if tests and wanted("tests"):
         command = [sys.executable, "-m", "pytest", "-q", *CUPY_TESTS, "-k", "cuda or cupy or graph or ipc or gpu"]
         ok, detail, seconds = _command(command, 1800)
         record("CuPy tests", ok, detail, seconds)
@@ -256,19 +288,24 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> d
         ok, detail, seconds = _command(command, 1800, {ON_GPU_ENV: "1"})
         record("CUDA-backend suites, workers on the GPU", ok, detail, seconds)
     devices = ",".join(["0"] * workers)
-    ok, detail, seconds = _command(
-        [sys.executable, "launch.py", "demo", "--backend", "cuda", "--workers", str(workers), "--devices", devices], 600
-    )
-    record("demo --backend cuda", ok, detail, seconds)
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as folder:
-        ok_gpu, detail, on_gpu = _generate("cuda", workers, Path(folder), model)
-        ok_cpu, _, on_cpu = _generate("cpu", workers, Path(folder), model)
-    same = ok_gpu and ok_cpu and on_gpu == on_cpu
-    said = detail if not ok_gpu else f"{len(on_gpu)} tokens"
-    record("generate: cuda tokens == cpu tokens", same, said, time.perf_counter() - start)
+    if wanted("demo"):
+        ok, detail, seconds = _command(
+            [sys.executable, "launch.py", "demo", "--backend", "cuda", "--workers", str(workers), "--devices", devices],
+            600,
+        )
+        record("demo --backend cuda", ok, detail, seconds)
+    if wanted("generate"):
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as folder:
+            ok_gpu, detail, on_gpu = _generate("cuda", workers, Path(folder), model)
+            ok_cpu, _, on_cpu = _generate("cpu", workers, Path(folder), model)
+        same = ok_gpu and ok_cpu and on_gpu == on_cpu
+        said = detail if not ok_gpu else f"{len(on_gpu)} tokens"
+        record("generate: cuda tokens == cpu tokens", same, said, time.perf_counter() - start)
     sweeps = {}
-    for plane in ("shm", "ipc"):  # through host memory, and GPU to GPU (the goal: ipc >= 20x shm at 64 MiB)
+    for plane in (
+        ("shm", "ipc") if wanted("sweeps") else ()
+    ):  # through host memory, and GPU to GPU (the goal: ipc >= 20x shm at 64 MiB)
         start = time.perf_counter()
         try:
             sweeps[plane] = collectives.run(quick, [workers], backend="cuda", data_plane=plane)
@@ -282,7 +319,7 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> d
             record(f"all-reduce sweep ({plane})", True, said, time.perf_counter() - start, rows=sweeps[plane])
         except Exception as exc:  # noqa: BLE001 - reported in the table, the other checks still run
             record(f"all-reduce sweep ({plane})", False, repr(exc)[:200], time.perf_counter() - start)
-    for plane in ("shm", "ipc"):
+    for plane in ("shm", "ipc") if wanted("mlp") else ():
         start = time.perf_counter()
         name = f"TP MLP vs one CuPy process ({plane})"
         try:
@@ -291,26 +328,15 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> d
             record(name, True, f"ratios {ratios}", time.perf_counter() - start, result=mlp)
         except Exception as exc:  # noqa: BLE001
             record(name, False, repr(exc)[:200], time.perf_counter() - start)
-    start = time.perf_counter()
-    decode = decode_table(quick)
-    equal = all(r["ok"] and r.get("tokens_equal_cpu") for r in decode)
-    record("decode table: runs, tokens == cpu tokens", equal, f"{len(decode)} rows", time.perf_counter() - start)
-    start = time.perf_counter()
-    try:
-        cores = threads_table(quick)
-        said = ", ".join(
-            f"{r['threads']} threads {r['ours_decode_tok_s']:.1f} tok/s ({r['vs_one_thread']:.2f}x)" for r in cores
-        )
-        record("CPU decode by threads, 1 worker (1.7B file)", True, said, time.perf_counter() - start, rows=cores)
-    except Exception as exc:  # noqa: BLE001 - reported in the table, the GPU checks' results stand
-        record("CPU decode by threads, 1 worker (1.7B file)", False, repr(exc)[:200], time.perf_counter() - start)
-    start = time.perf_counter()
-    try:
-        hosts = collectives.across_hosts(rounds=1 if quick else 3)
-        said = ", ".join(f"{r['bytes'] >> 10} KiB {r['ratio']:.2f}x the floor" for r in hosts)
-        record("all-reduce, 2 hosts x 2 CPU workers (tcp + shm)", True, said, time.perf_counter() - start, rows=hosts)
-    except Exception as exc:  # noqa: BLE001 - reported in the table
-        record("all-reduce, 2 hosts x 2 CPU workers (tcp + shm)", False, repr(exc)[:200], time.perf_counter() - start)
+    if wanted("decode"):
+        start = time.perf_counter()
+        decode = decode_table(quick)
+        equal = all(r["ok"] and r.get("tokens_equal_cpu") for r in decode)
+        record("decode table: runs, tokens == cpu tokens", equal, f"{len(decode)} rows", time.perf_counter() - start)
+    if wanted("threads"):
+        _threads(quick, record)
+    if wanted("hosts"):
+        _hosts(quick, record)
     failures = list(_failures)
     _failures.clear()
     return {
@@ -320,6 +346,30 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True) -> d
         "ok": all(c["ok"] for c in checks),
         "failures": failures,
     }
+
+
+def _threads(quick: bool, record) -> None:
+    start = time.perf_counter()
+    try:
+        cores = threads_table(quick)
+        said = ", ".join(
+            f"{r['threads']} threads {r['ours_decode_tok_s']:.1f} tok/s ({r['vs_one_thread']:.2f}x)" for r in cores
+        )
+        record("CPU decode by threads, 1 worker (1.7B file)", True, said, time.perf_counter() - start, rows=cores)
+    except Exception as exc:  # noqa: BLE001 - reported in the table, the GPU checks' results stand
+        record("CPU decode by threads, 1 worker (1.7B file)", False, repr(exc)[:200], time.perf_counter() - start)
+
+
+def _hosts(quick: bool, record) -> None:
+    from bench import collectives
+
+    start = time.perf_counter()
+    try:
+        hosts = collectives.across_hosts(rounds=1 if quick else 3)
+        said = ", ".join(f"{r['bytes'] >> 10} KiB {r['ratio']:.2f}x the floor" for r in hosts)
+        record("all-reduce, 2 hosts x 2 CPU workers (tcp + shm)", True, said, time.perf_counter() - start, rows=hosts)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        record("all-reduce, 2 hosts x 2 CPU workers (tcp + shm)", False, repr(exc)[:200], time.perf_counter() - start)
 
 
 def show(results: dict) -> None:
@@ -333,12 +383,15 @@ def show(results: dict) -> None:
             + [r.get(k, "-") for k in ("decode_tok_s", "bound_tok_s", "bound_percent", "graphs_per_token")]
             + [r.get("prefill_tok_s", "-"), r.get("tokens_equal_cpu", "-"), r.get("resident_mib", "-")]
             + [r.get("device_mib", "-")]
-            + [r.get("decode_step_graphs", "-"), " ".join(r.get("outside_graphs", [])) or "-"]
+            + [r.get("decode_step_graphs", "-"), _outside(r)]
             for r in results["decode"]
         ]
         print(
             table("decode on 1 CUDA worker (synthetic files, greedy, -n 128; prefill: a 128-token prompt)", cols, rows)
         )
+        for r in results["decode"]:  # why a step's kernels fell out of its graphs, where a capture failed
+            for op, why in r.get("refused", {}).items():
+                print(f"  {r['file']} {r['weights']}: {op} runs outside the graphs, its capture failed: {why}")
     for failed in results.get("failures", []):  # what failed and why, not only a count
         print(f"\n{failed['command']}:")
         print("\n".join(f"  {line[:300]}" for line in failed["lines"]))
@@ -354,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     def measure(args) -> dict:  # after the options are read: --help works without a GPU
         if gpus() == 0:
             raise NoGpu
-        outcome.update(run(args.quick, args.workers, args.model, not args.no_tests))
+        outcome.update(run(args.quick, args.workers, args.model, not args.no_tests, frozenset(args.only)))
         return outcome
 
     def options(ap) -> None:
@@ -363,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             "--model", default="", help="a GGUF file for the generate check (default: the packaged SmolLM2)"
         )
         ap.add_argument("--no-tests", action="store_true", help="skip the CuPy tests (run them on their own)")
+        ap.add_argument("--only", nargs="+", choices=STEPS, default=[], help="run these steps only")
 
     try:
         status = cli(__doc__, "gpu_check", measure, show, argv, options)

@@ -135,6 +135,64 @@ def test_the_gpu_check_keeps_what_failed_and_why():
     assert "  E   AssertionError: refused" in out.getvalue()
 
 
+def test_the_gpu_check_counts_what_a_decode_step_runs_outside_its_graphs_and_says_why():
+    """bench/gpu_check.py's decode row from the workers' stats: the decode step is the program
+    whose graphs replayed most; each op outside its graphs with how often a run calls it (a set
+    said "attention" for one layer's or for every layer's); each failed capture's reason once,
+    from whichever worker had it. On made stats, as `launch.py generate --stats` writes them."""
+    from bench import gpu_check
+
+    def stats(per_run, refused):
+        return {"graphs": {"replays": 9, "per_run": per_run, "refused": refused}}
+
+    prefill = {"graphs": 2, "outside": ["attention"] * 30, "replays": 4}
+    decode = {"graphs": 4, "outside": ["cast", "attention", "set_rows", "attention", "qmatmul_add"], "replays": 90}
+    workers = [
+        stats({"7": prefill, "9": decode}, {"set_rows": "CUDARuntimeError: operation not permitted when capturing"}),
+        stats({"7": prefill}, {"set_rows": "another worker's reason", "attention": "ValueError: read on the host"}),
+    ]
+    step = gpu_check.decode_step_graphs(workers)
+    assert step == {
+        "graphs": 4,
+        "outside": {"cast": 1, "attention": 2, "set_rows": 1, "qmatmul_add": 1},
+        "refused": {
+            "set_rows": "CUDARuntimeError: operation not permitted when capturing",
+            "attention": "ValueError: read on the host",
+        },
+    }
+    row = {"file": "f", "weights": "native", "outside_counts": step["outside"], "refused": step["refused"]}
+    assert gpu_check._outside(row) == "attention x2 cast qmatmul_add set_rows"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        gpu_check.show({"workers": 1, "checks": [], "decode": [row]})
+    assert (
+        "f native: attention runs outside the graphs, its capture failed: ValueError: read on the host"
+        in out.getvalue()
+    )
+    assert gpu_check.decode_step_graphs([stats({}, {})]) == {"graphs": None, "outside": {}, "refused": {}}
+
+
+def test_the_gpu_check_runs_only_the_steps_named(monkeypatch):
+    """`bench/gpu_check.py --only decode hosts` runs those steps and no other (a device session's
+    15 minutes rerun what failed): every other step's entry point here raises if called."""
+    from bench import collectives, gpu_check
+
+    def never(*args, **kwargs):
+        raise AssertionError("a step that was not named ran")
+
+    for name in ("_command", "_generate", "threads_table"):
+        monkeypatch.setattr(gpu_check, name, never)
+    monkeypatch.setattr(collectives, "run", never)
+    monkeypatch.setattr(gpu_check, "decode_table", lambda quick: [{"ok": True, "tokens_equal_cpu": True}])
+    monkeypatch.setattr(collectives, "across_hosts", lambda rounds: [{"bytes": 4096, "ratio": 1.25}])
+    result = gpu_check.run(True, only=frozenset({"decode", "hosts"}))
+    assert [c["check"] for c in result["checks"]] == [
+        "decode table: runs, tokens == cpu tokens",
+        "all-reduce, 2 hosts x 2 CPU workers (tcp + shm)",
+    ]
+    assert result["ok"] and result["checks"][1]["detail"] == "4 KiB 1.25x the floor"
+
+
 def dies_without_a_word(requests, replies) -> None:
     """A benchmark child that dies as a crashing library kills it (no reply, no exception)."""
     import os
