@@ -218,12 +218,16 @@ def _decode_row(path: Path, weights: str, folder: Path, steps: int) -> dict:
 
 def decode_step_graphs(workers: list[dict]) -> dict:
     """From the workers' stats (`launch.py generate --stats`): the decode step's device graphs a
-    run (the program whose segments replayed most), how many times a run calls each op outside
-    them, and why a capture failed for each op that failed one (workers/executor.py
-    graph_counts's `refused`: where a step is split, whether a kernel read the device on the host
-    or the step's shape is one the backend runs eagerly)."""
+    run (the program of the generation the workers drove: workers/executor.py graph_counts's
+    `driven`; by their replays, a prefill's one-layer program, run once a layer, was taken for
+    it on the 1.7B shape: 4 graphs and four ops outside, where the decode step had 1 graph), how
+    many times a run calls each op outside them, and why a capture failed for each op that failed
+    one (graph_counts's `refused`: where a step is split, whether a kernel read the device on the
+    host or the step's shape is one the backend runs eagerly)."""
+    driven = [s["graphs"]["per_run"].get(s["graphs"].get("driven") or "") for s in workers]
     programs = [p for s in workers for p in s["graphs"]["per_run"].values()]
-    step = max(programs, key=lambda p: p["replays"], default={"graphs": None, "outside": []})
+    step = next((p for p in driven if p is not None), None)
+    step = step or max(programs, key=lambda p: p["replays"], default={"graphs": None, "outside": []})
     refused: dict[str, str] = {}
     for s in workers:
         for op, why in s["graphs"].get("refused", {}).items():

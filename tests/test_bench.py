@@ -136,27 +136,34 @@ def test_the_gpu_check_keeps_what_failed_and_why():
 
 
 def test_the_gpu_check_counts_what_a_decode_step_runs_outside_its_graphs_and_says_why():
-    """bench/gpu_check.py's decode row from the workers' stats: the decode step is the program
-    whose graphs replayed most; each op outside its graphs with how often a run calls it (a set
-    said "attention" for one layer's or for every layer's); each failed capture's reason once,
-    from whichever worker had it. On made stats, as `launch.py generate --stats` writes them."""
+    """bench/gpu_check.py's decode row from the workers' stats: the decode step is the program of
+    the generation the workers drove (where none says: the one that replayed most, which a
+    prefill's one-layer program can be); each op outside its graphs with how often a run calls it
+    (a set said "attention" for one layer's or for every layer's); each failed capture's reason
+    once, from the first worker that had it. On made stats, as `launch.py generate --stats`
+    writes them."""
     from bench import gpu_check
 
-    def stats(per_run, refused):
-        return {"graphs": {"replays": 9, "per_run": per_run, "refused": refused}}
+    def stats(per_run, refused, driven=None):
+        return {"graphs": {"replays": 9, "per_run": per_run, "refused": refused, "driven": driven}}
 
-    prefill = {"graphs": 2, "outside": ["attention"] * 30, "replays": 4}
+    # a prefill's one-layer program, run once a layer, replays more than the decode step
+    prefill = {"graphs": 2, "outside": ["attention"] * 30, "replays": 96}
     decode = {"graphs": 4, "outside": ["cast", "attention", "set_rows", "attention", "qmatmul_add"], "replays": 90}
     workers = [
-        stats({"7": prefill, "9": decode}, {"set_rows": "CUDARuntimeError: operation not permitted when capturing"}),
         stats({"7": prefill}, {"set_rows": "another worker's reason", "attention": "ValueError: read on the host"}),
+        stats(
+            {"7": prefill, "9": decode},
+            {"set_rows": "CUDARuntimeError: operation not permitted when capturing"},
+            driven="9",
+        ),
     ]
     step = gpu_check.decode_step_graphs(workers)
     assert step == {
         "graphs": 4,
         "outside": {"cast": 1, "attention": 2, "set_rows": 1, "qmatmul_add": 1},
         "refused": {
-            "set_rows": "CUDARuntimeError: operation not permitted when capturing",
+            "set_rows": "another worker's reason",
             "attention": "ValueError: read on the host",
         },
     }
@@ -170,6 +177,8 @@ def test_the_gpu_check_counts_what_a_decode_step_runs_outside_its_graphs_and_say
         in out.getvalue()
     )
     assert gpu_check.decode_step_graphs([stats({}, {})]) == {"graphs": None, "outside": {}, "refused": {}}
+    # stats without `driven` (a worker that drove no generation): the program that replayed most
+    assert gpu_check.decode_step_graphs([stats({"7": prefill, "9": decode}, {})])["graphs"] == 2
 
 
 def test_the_gpu_check_runs_only_the_steps_named(monkeypatch):

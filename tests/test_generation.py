@@ -409,6 +409,7 @@ def test_prepared_decode_replayed_and_driven_gives_the_reference_tokens(devname,
             # one worker: the decode step is one graph; outside it only the casts of its results
             # (fresh arrays each run, no host read: a read inside a segment fails its capture)
             run = graph["per_run"][str(decode.compiled.program)]
+            assert graph["driven"] == str(decode.compiled.program)  # what bench/gpu_check.py reads
             if devname in ("cuda1", "cuda_nccl2"):  # NCCL's collectives are captured too
                 assert run["graphs"] == 1 and set(run["outside"]) == {"cast"}, run
             else:  # the collectives and what they send or return stay outside (fresh memory)

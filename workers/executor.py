@@ -41,6 +41,7 @@ class Executor:
         # whenever one came due (measured on SmolLM2's prefill steps). Frozen after a load, they
         # are unfrozen at an unload, so the next full pass collects what was unloaded
         self.freeze_programs = False
+        self.driven: int | None = None  # the program of the last generation the workers drove (its decode step)
 
     @property
     def kernels_prepared(self) -> bool:
@@ -99,7 +100,10 @@ class Executor:
         """Device graphs of the loaded programs: segments, captures and replays so far, and the
         steps run eagerly because their capture failed (`eager`: how many; `refused`: each op
         once, with why), the bytes the segments' own pools hold (`pool_bytes`), and for each
-        program the graphs one run launches and the ops it runs outside them (`per_run`)."""
+        program the graphs one run launches and the ops it runs outside them (`per_run`), and which
+        program is the decode step of the last generation the workers drove (`driven`: a reader
+        cannot tell it by its replays, which a prefill's one-layer program, run once a layer,
+        outnumbers on a deep model)."""
         found = [s for c in self.programs.values() for s in graphs.segments(c.calls)]
         # per program where graphs replay: the graphs a run launches, the steps it runs outside
         # them, and its segments' replays so far (the decode step's are the most: a reader finds it by them)
@@ -119,6 +123,7 @@ class Executor:
             "eager": len(refused),
             "refused": dict(reversed(refused)),  # an op's first reason
             "pool_bytes": sum(s.pool.total_bytes() for s in found if s.pool is not None),
+            "driven": None if self.driven is None else str(self.driven),
             "per_run": {
                 str(program): {"graphs": n, "outside": ops, "replays": replays}
                 for program, (n, ops, replays) in runs.items()
@@ -212,6 +217,8 @@ class Executor:
                 compiled.bind(self.arena, self.collectives, self.backend, self.collective_timeout)
             compiled.expect(runs)
             filled = self.input_slots(program, inputs)
+        if runs:
+            self.driven = program
         fresh = compiled.fresh_bytes
 
         def peak() -> str:
