@@ -106,7 +106,7 @@ class Executor:
         outnumbers on a deep model)."""
         found = [s for c in self.programs.values() for s in graphs.segments(c.calls)]
         # per program where graphs replay: the graphs a run launches, the steps it runs outside
-        # them, and its segments' replays so far (the decode step's are the most: a reader finds it by them)
+        # them, and its segments' replays so far (`driven` says which is the decode step)
         runs = {
             program: (
                 *graphs.per_run(c.calls, [placed.step for placed, _, _ in c.dropping]),
