@@ -27,7 +27,9 @@ default there; the sweep also through shared memory):
 7. the small all-reduce over 2 hosts x 2 CPU workers on the tcp plane (bench/collectives.py
    --hosts: hosts told apart by loopback addresses, a core for every worker here), host by host
    with shared memory inside each host, against the raw socket exchange plus the shm step (the
-   hosts issue's goal: within 1.3x).
+   hosts issue's goal: within 1.3x);
+8. the decode products' kernel alone (bench/qgemv.py): its thread block in several shapes on the
+   1.7B shape's Q4_1 products, each one's GB/s against the bandwidth bound.
 Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
 exits 1; a failed check exits 2. `--only` runs the steps named (STEPS: a device session of 15
 minutes reruns what failed, not the whole check).
@@ -268,7 +270,7 @@ def threads_table(quick: bool) -> list[dict]:
 
 
 # the steps above by name, for --only
-STEPS = ("tests", "demo", "generate", "sweeps", "mlp", "decode", "threads", "hosts")
+STEPS = ("tests", "demo", "generate", "sweeps", "mlp", "decode", "threads", "hosts", "qgemv")
 
 
 def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True, only: frozenset[str] = frozenset()) -> dict:
@@ -341,6 +343,8 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True, only
         _threads(quick, record)
     if wanted("hosts"):
         _hosts(quick, record)
+    if wanted("qgemv"):
+        _qgemv(quick, record)
     failures = list(_failures)
     _failures.clear()
     return {
@@ -362,6 +366,28 @@ def _threads(quick: bool, record) -> None:
         record("CPU decode by threads, 1 worker (1.7B file)", True, said, time.perf_counter() - start, rows=cores)
     except Exception as exc:  # noqa: BLE001 - reported in the table, the GPU checks' results stand
         record("CPU decode by threads, 1 worker (1.7B file)", False, repr(exc)[:200], time.perf_counter() - start)
+
+
+def _qgemv(quick: bool, record) -> None:
+    from types import SimpleNamespace
+
+    from bench import qgemv
+
+    start = time.perf_counter()
+    try:
+        found = qgemv.measure(SimpleNamespace(quick=quick, format="q4_1"))["rows"]
+        best = {}
+        for r in found:  # each product's fastest thread block beside the workers' (the first variant)
+            best.setdefault(r["product"], [r, r])
+            best[r["product"]][1] = max(best[r["product"]][1], r, key=lambda v: v["gb_s"])
+        said = ", ".join(
+            f"{name} {ours['gb_s']:.0f} GB/s, {b['ksplit']}x{b['rows']} {b['gb_s']:.0f}"
+            for name, (ours, b) in best.items()
+        )
+        ok = all(r["sums_agree"] for r in found)
+        record("qgemv thread blocks, 1.7B products (Q4_1)", ok, said, time.perf_counter() - start, rows=found)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        record("qgemv thread blocks, 1.7B products (Q4_1)", False, repr(exc)[:200], time.perf_counter() - start)
 
 
 def _hosts(quick: bool, record) -> None:

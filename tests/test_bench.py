@@ -184,7 +184,7 @@ def test_the_gpu_check_counts_what_a_decode_step_runs_outside_its_graphs_and_say
 def test_the_gpu_check_runs_only_the_steps_named(monkeypatch):
     """`bench/gpu_check.py --only decode hosts` runs those steps and no other (a device session's
     15 minutes rerun what failed): every other step's entry point here raises if called."""
-    from bench import collectives, gpu_check
+    from bench import collectives, gpu_check, qgemv
 
     def never(*args, **kwargs):
         raise AssertionError("a step that was not named ran")
@@ -194,12 +194,34 @@ def test_the_gpu_check_runs_only_the_steps_named(monkeypatch):
     monkeypatch.setattr(collectives, "run", never)
     monkeypatch.setattr(gpu_check, "decode_table", lambda quick: [{"ok": True, "tokens_equal_cpu": True}])
     monkeypatch.setattr(collectives, "across_hosts", lambda rounds: [{"bytes": 4096, "ratio": 1.25}])
-    result = gpu_check.run(True, only=frozenset({"decode", "hosts"}))
+
+    def variant(product, ksplit, rows, gb_s):
+        return {"product": product, "ksplit": ksplit, "rows": rows, "gb_s": gb_s, "sums_agree": True}
+
+    made = [variant("wo", 16, 32, 100.0), variant("wo", 64, 16, 900.0), variant("wo", 8, 64, 50.0)]
+    made += [variant("down", 16, 32, 300.0), variant("down", 32, 8, 200.0)]
+    monkeypatch.setattr(qgemv, "measure", lambda args: {"rows": made})
+    result = gpu_check.run(True, only=frozenset({"decode", "hosts", "qgemv"}))
     assert [c["check"] for c in result["checks"]] == [
         "decode table: runs, tokens == cpu tokens",
         "all-reduce, 2 hosts x 2 CPU workers (tcp + shm)",
+        "qgemv thread blocks, 1.7B products (Q4_1)",
     ]
     assert result["ok"] and result["checks"][1]["detail"] == "4 KiB 1.25x the floor"
+    # each product: the workers' thread block (the first row), then the fastest
+    assert result["checks"][2]["detail"] == "wo 100 GB/s, 64x16 900, down 300 GB/s, 16x32 300"
+
+
+def test_the_qgemv_bench_without_a_gpu_says_so_and_measures_nothing():
+    from tests.cuda_on_host import real_gpu
+
+    if real_gpu():
+        pytest.skip("a CUDA GPU is here: bench/qgemv.py measures for real")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "qgemv.py")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "bench/qgemv.py measures nothing here: no CUDA GPU" in done.stderr
+    assert done.stdout.startswith("skipped: no CUDA GPU")
 
 
 def dies_without_a_word(requests, replies) -> None:

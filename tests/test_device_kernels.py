@@ -19,6 +19,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from bench.qgemv import VARIANTS as QGEMV_VARIANTS
 from split_state.errors import KernelCompileError
 from split_state.quant import FORMATS, interleave
 from split_state.sampling import Rule, pick
@@ -111,6 +112,27 @@ def test_the_cuda_c_run_on_the_host_equals_gguf_dequantization(host_kernels, fmt
     summed = np.full_like(out, np.nan)
     launch(*ints, pointer(w), pointer(x), pointer(summed), pointer(addend), ctypes.c_int(1), *sizes)
     assert summed.tobytes() == (addend + out).tobytes()
+
+
+@pytest.mark.parametrize("ksplit, block_rows", QGEMV_VARIANTS)
+def test_every_thread_block_shape_bench_qgemv_times_computes_the_product(tmp_path_factory, ksplit, block_rows):
+    """bench/qgemv.py times the kernel built for other thread blocks (rows x ksplit): each such
+    build, run on the host, gives the product gguf's dequantization gives (uneven rows for the
+    block, blocks fewer and more than ksplit, two x rows), so the fastest is a kernel the workers
+    could take."""
+    names = {qgemv.kernel_name(fmt): QGEMV_SIGNATURE for fmt in ("q4_1", "q8_0", "q4_k")}
+    library = host_library(tmp_path_factory, qgemv.source_for(ksplit, block_rows), names)
+    for fmt, rows, lanes, blocks, xrows in [("q4_1", 136, 8, 37, 2), ("q8_0", 7, 1, 5, 1), ("q4_k", 40, 8, 3, 1)]:
+        w, x, expected = case_operands(fmt, rows, lanes, blocks, xrows)
+        out = np.full((xrows, rows), np.nan, np.float32)
+        pointer = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+        ints = [ctypes.c_int(v) for v in (-(-rows // block_rows), xrows, block_rows, ksplit)]
+        sizes = [ctypes.c_int(v) for v in (rows, lanes, blocks, xrows)]
+        unread = np.full(1, np.nan, np.float32)
+        getattr(library, f"host_{qgemv.kernel_name(fmt)}")(
+            *ints, pointer(w), pointer(x), pointer(out), pointer(unread), ctypes.c_int(0), *sizes
+        )
+        np.testing.assert_allclose(out, expected, rtol=0, atol=tolerance(x, fmt, w), err_msg=fmt)
 
 
 @pytest.mark.parametrize("fmt, rows, lanes, blocks, xrows", CASES)

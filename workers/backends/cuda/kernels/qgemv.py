@@ -168,13 +168,20 @@ def kernel_name(fmt: str) -> str:
     return f"qgemv_{fmt}"
 
 
-def _kernel_source(fmt: str) -> str:
+def _kernel_source(fmt: str, ksplit: int, rows: int) -> str:
     f = FORMATS[fmt]
-    body = _KERNEL.replace("NAME", fmt).replace("KSPLIT", str(KSPLIT)).replace("ROWS", str(ROWS_PER_BLOCK))
+    body = _KERNEL.replace("NAME", fmt).replace("KSPLIT", str(ksplit)).replace("ROWS", str(rows))
     return body.replace("BLOCK", str(f.block)).replace("BYTES", str(f.block_bytes))
 
 
-SOURCE = _DOTS + "".join(_kernel_source(fmt) for fmt in FORMATS)  # one module: one compilation
+def source_for(ksplit: int = KSPLIT, rows: int = ROWS_PER_BLOCK) -> str:
+    """Every format's kernel for thread blocks of `rows` output rows x `ksplit` threads over each
+    row's blocks (launched with block (rows, ksplit)): the workers' kernels at the defaults;
+    bench/qgemv.py times other shapes of the thread block on a GPU."""
+    return _DOTS + "".join(_kernel_source(fmt, ksplit, rows) for fmt in FORMATS)
+
+
+SOURCE = source_for()  # one module: one compilation
 
 
 def qgemv_twin(fmt: str):
