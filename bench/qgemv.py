@@ -34,40 +34,16 @@ VARIANTS = ((16, 32), (32, 32), (64, 16), (32, 8), (128, 8), (8, 64))
 LANES = 64  # the rows the workers interleave (split_state/quant.py MAX_LANES)
 
 
-def why_not() -> str:
-    """Why no GPU figures can be taken here ("" where they can)."""
-    try:
-        import cupy
-
-        if not hasattr(cupy.cuda, "Stream") or cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA GPU"
-    except Exception as exc:  # noqa: BLE001 - CuPy missing, or no driver
-        return f"no CUDA GPU ({type(exc).__name__})"
-    return ""
-
-
-def random_weight(fmt: str, rows: int, width: int, rng: np.random.Generator) -> np.ndarray:
-    """(rows, blocks, block_bytes) of random quants, each float16 factor 1/16 times a uniform
-    draw in (-1, 1): finite, so every sum is."""
-    from split_state.quant import FORMATS
-
-    f = FORMATS[fmt]
-    blocks = width // f.block
-    data = rng.integers(0, 256, (rows, blocks, f.block_bytes), dtype=np.uint8)
-    for at in f.factors:
-        scale = (rng.uniform(-1, 1, (rows, blocks)) / 16).astype(np.float16)
-        data[..., at : at + 2] = scale[..., None].view(np.uint8).reshape(rows, blocks, 2)
-    return data
-
-
 def measure(args) -> dict:
-    reason = why_not()
-    if reason:
+    from bench.gpu_check import _bandwidth, gpus
+
+    if gpus() == 0:
+        reason = "no CUDA GPU (the cuda backend sees no device here)"
         print(f"bench/qgemv.py measures nothing here: {reason}", file=sys.stderr)
         return {"skipped": reason}
     import cupy
 
-    from bench.gpu_check import _bandwidth
+    from models.synthetic import matrix
     from split_state.quant import FORMATS, interleave
     from workers.backends.cuda.kernels import device, qgemv
 
@@ -79,10 +55,10 @@ def measure(args) -> dict:
     rng = np.random.default_rng(0)
     rows_out = []
     for name, (n, width) in SHAPES.items():
-        file_blocks = random_weight(fmt, n, width, rng)
+        blocks = width // FORMATS[fmt].block
+        file_blocks = matrix(rng, (n, width), fmt).reshape(n, blocks, FORMATS[fmt].block_bytes)
         w = cupy.asarray(np.ascontiguousarray(interleave(file_blocks, LANES)))
         x = cupy.asarray(rng.standard_normal((1, width)).astype(np.float32))
-        blocks = width // FORMATS[fmt].block
         reference = None
         for ksplit, rows in VARIANTS:
             kernel = modules[(ksplit, rows)].get_function(qgemv.kernel_name(fmt))
@@ -143,8 +119,7 @@ def show(results: dict) -> None:
 def _options(ap) -> None:
     from split_state.quant import FORMATS
 
-    formats = [f for f in FORMATS if FORMATS[f].block > 1]  # blocks of quants (bf16's random bits: NaNs)
-    ap.add_argument("--format", default="q4_1", choices=formats, help="the weights' GGUF block format")
+    ap.add_argument("--format", default="q4_1", choices=list(FORMATS), help="the weights' GGUF block format")
 
 
 if __name__ == "__main__":

@@ -342,6 +342,12 @@ def _values(rng: np.random.Generator, name: str, shape: tuple[int, ...], kind: s
     return _random_blocks(rng, shape, FORMATS[kind], spread)
 
 
+def matrix(rng: np.random.Generator, shape: tuple[int, int], kind: str) -> np.ndarray:
+    """A (out, in) matrix drawn as a synthetic file's are, in `kind`: its stored bytes (rows,
+    blocks * block_bytes) for a GGUF block type (bench/qgemv.py times the GPU's products on them)."""
+    return _values(rng, "matrix", shape, kind)
+
+
 def _random_blocks(rng: np.random.Generator, shape: tuple[int, int], fmt, spread: float) -> np.ndarray:
     """Random quants, each block's float16 factors a random scale within 1.5x of the target's."""
     rows, cols = shape

@@ -449,3 +449,17 @@ def test_the_memory_check_of_layer_groups_counts_each_groups_layers_and_a_tied_h
     fits(last)
     with pytest.raises(ModelError, match="a worker of a layer group needs at least"):
         fits(last - 1)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q6_k", "bf16"])
+def test_a_matrix_drawn_alone_is_a_synthetic_files_matrix(kind):
+    """models.synthetic.matrix (bench/qgemv.py's weights): the stored bytes of a (rows, cols)
+    matrix in the type, which gguf's dequantization reads as values of spread ~1/sqrt(cols), the
+    files' own (finite: the bench's sums are compared)."""
+    import gguf
+
+    rows, cols = 64, 2048
+    stored = synthetic.matrix(np.random.default_rng(0), (rows, cols), kind)
+    values = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[kind.upper()]).reshape(rows, cols)
+    assert np.isfinite(values).all()
+    assert 0.5 < float(values.std()) * np.sqrt(cols) < 2.0
