@@ -3,7 +3,7 @@ between them that delays every packet (and a token bucket that caps the rate), S
 by two workers, one in each, beside the same two workers on one host.
 
     python bench/hosts.py [--quick] [--json PATH] [--tokens 128] [--delays 0 0.05 0.2 1] [--rates 10 1]
-        [--per-host 1 2] [--prompt-repeats 1]
+        [--per-host 1 2] [--prompt-repeats 1] [--batch 1]
 
 Hosts: namespace A holds the coordinator and worker 0 (spawned there), B worker 1 (`launch.py
 worker --connect`); they reach each other only through namespace R, which forwards between its
@@ -17,7 +17,10 @@ relay's own cost); and 2 workers in each namespace (4 on one host beside
 them), their small all-reduces host by host (the tcp plane's default there) or direct. Each row
 is `launch.py generate` (greedy, `--tokens` tokens of a fixed prompt of ~45 tokens, or of it
 `--prompt-repeats` times over: a prompt of several 128-token chunks, whose prefill a layer split
-pipelines, one thread a worker) as a user runs it, its printed prefill and decode rates. The
+pipelines, one thread a worker; `--batch N`: N sequences of it decoded together, a served batch's
+work, and a layer split's rows then in lanes whose steps overlap, workers/pipelined.py, beside
+the same split one step at a time, `--no-pipeline`) as a user runs it, its printed prefill and
+decode rates (a batch's: all its tokens; every sequence runs to `--tokens`, EOS ignored). The
 relay is a Python process on the same cores as the workers: it costs them CPU and adds its own
 latency per packet (the 0 ms relay row shows how much); on a 2-core machine 2 x 2 workers take
 turns on the cores, which no real pair of hosts would make them do. Every row runs twice:
@@ -61,6 +64,13 @@ NET_A, NET_B = "10.66.1", "10.66.2"  # A's and B's links to the router R (.1 the
 TUN = "mtpdly"
 TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
 SPLITS = ("row", "layer")  # models.loading.SPLITS: tensor parallel, and layers on each host's workers
+# each row's split as `launch.py generate` takes it; with a batch, a layer split also runs its
+# prompts in one step at a time, not pipelined in lanes (workers/pipelined.py)
+SPLIT_ARGS = {
+    "row": ["--split", "row"],
+    "layer": ["--split", "layer"],
+    "layer, one step": ["--split", "layer", "--no-pipeline"],
+}
 RATE = re.compile(r"prefill (\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\), decode (\d+) tokens in [\d.]+ s \(([\d.]+)")
 
 
@@ -180,10 +190,14 @@ def relay(delay_us: int) -> int:
             os.write(fd, held.popleft()[1])
 
 
-def generate(ns_cmd: list[str], extra: list[str], tokens: int, prompt: str, workers=(), env=None) -> dict:
-    """One `launch.py generate` of `prompt` (in a namespace where `ns_cmd` says), with remote
-    workers started by the commands `workers`; its prefill and decode rates."""
-    args = [sys.executable, str(ROOT / "launch.py"), "generate", prompt, "-n", str(tokens), "--temp", "0", "-t", "1"]
+def generate(
+    ns_cmd: list[str], extra: list[str], tokens: int, prompt: str, workers=(), env=None, batch: int = 1
+) -> dict:
+    """One `launch.py generate` of `prompt` (`batch` times over: a batch of as many sequences;
+    in a namespace where `ns_cmd` says), with remote workers started by the commands `workers`;
+    its prefill and decode rates (a batch's: every sequence's tokens)."""
+    args = [sys.executable, str(ROOT / "launch.py"), "generate", *[prompt] * batch]
+    args += ["-n", str(tokens), "--temp", "0", "-t", "1", "--ignore-eos"]
     env = {**os.environ, **(env or {})}
     popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     coordinator = subprocess.Popen([*ns_cmd, *args, *extra], **popen)
@@ -199,7 +213,14 @@ def generate(ns_cmd: list[str], extra: list[str], tokens: int, prompt: str, work
 
 
 def across(
-    hosts: Hosts, tokens: int, prompt: str, port: int, per_host: int = 1, direct: bool = False, split: str = "row"
+    hosts: Hosts,
+    tokens: int,
+    prompt: str,
+    port: int,
+    per_host: int = 1,
+    direct: bool = False,
+    split: str = "row",
+    batch: int = 1,
 ) -> dict:
     """`split` over the tcp plane with `per_host` workers in each namespace: A's spawned beside
     the coordinator, B's joining; `direct`: the small all-reduces exchange with every peer, not
@@ -207,7 +228,7 @@ def across(
     listen = f"tcp://{NET_A}.1:{port}"
     coordinator = ["ip", "netns", "exec", hosts.a]
     extra = ["--listen", listen, "--spawn", str(per_host), "--workers", str(2 * per_host), "--insecure"]
-    extra += ["--data-plane", "tcp", "--split", split]
+    extra += ["--data-plane", "tcp", *SPLIT_ARGS[split]]
     workers = [
         [
             "ip",
@@ -229,7 +250,8 @@ def across(
         ]  # fmt: skip
         for rank in range(per_host, 2 * per_host)
     ]
-    return generate(coordinator, extra, tokens, prompt, workers, {TCP_DIRECT_ENV: "1"} if direct else None)
+    env = {TCP_DIRECT_ENV: "1"} if direct else None
+    return generate(coordinator, extra, tokens, prompt, workers, env, batch)
 
 
 def measure(args) -> dict:
@@ -240,12 +262,14 @@ def measure(args) -> dict:
     tokens = 16 if args.quick else args.tokens
     delays = [0.2] if args.quick else args.delays
     prompt = " ".join([PROMPT] * args.prompt_repeats)
+    batch = args.batch
     rows = []
 
     def row(name: str, workers: int, delay, rate, run, per_group: int = 1, splits=SPLITS) -> None:
         """Both splits of one configuration, back to back (`run(split)` measures one); a layer
-        split's groups of `per_group` workers each."""
-        for split in splits:
+        split's groups of `per_group` workers each; with a batch, the layer split once more in
+        one step at a time."""
+        for split in [s for s in SPLIT_ARGS if s.split(",")[0] in splits and (batch > 1 or "," not in s)]:
             result = run(split)
             print(f"  {name}, {split}: decode {result['decode_tps']:.1f} tok/s", file=sys.stderr, flush=True)
             group = workers if split == "row" else per_group
@@ -256,7 +280,7 @@ def measure(args) -> dict:
 
     def one_host(workers: int, plane: str, groups: int = 0):
         extra = ["--workers", str(workers), "--data-plane", plane, *(["--layer-groups", str(groups)] if groups else [])]
-        return lambda split: generate([], [*extra, "--split", split], tokens, prompt)
+        return lambda split: generate([], [*extra, *SPLIT_ARGS[split]], tokens, prompt, batch=batch)
 
     # one worker alone: the text a layer split of one-worker groups must give, and its speed ceiling
     row("one host, 1 worker", 1, 0, None, one_host(1, "shm"), splits=("row",))
@@ -273,7 +297,7 @@ def measure(args) -> dict:
         def run(split: str) -> dict:
             nonlocal port
             port += 3
-            return across(hosts, tokens, prompt, port, per_host, direct, split)
+            return across(hosts, tokens, prompt, port, per_host, direct, split, batch)
 
         return run
 
@@ -296,7 +320,7 @@ def measure(args) -> dict:
     finally:
         hosts.close()
     judge(rows)
-    return {"tokens": tokens, "prompt_repeats": args.prompt_repeats, "rows": rows}
+    return {"tokens": tokens, "prompt_repeats": args.prompt_repeats, "batch": batch, "rows": rows}
 
 
 def judge(rows: list[dict]) -> None:
@@ -334,7 +358,8 @@ def show(results: dict) -> None:
     print(
         table(
             f"SmolLM2-135M Q4_1, CPU workers x 1 thread, {results['tokens']} greedy tokens after the prompt "
-            f"{results.get('prompt_repeats', 1)} time(s) over; across hosts over "
+            f"{results.get('prompt_repeats', 1)} time(s) over, {results.get('batch', 1)} sequence(s) at a time "
+            "(rates of all together); across hosts over "
             "the tcp plane; decode against one host's split by rows (shm) with as many workers, text against"
             " the one-host run of the same arithmetic",
             ["path", "split", "workers", "prefill tok/s", "decode tok/s", "decode / one host", "text as of workers"],
@@ -365,6 +390,9 @@ def _options(ap) -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[10, 1], help="Gb/s, each at 0.2 ms")
     ap.add_argument("--per-host", type=int, nargs="+", default=[1, 2], choices=[1, 2], help="workers in each namespace")
     ap.add_argument("--prompt-repeats", type=int, default=1, help="the prompt this many times over (10: ~450 tokens)")
+    ap.add_argument(
+        "--batch", type=int, default=1, help="sequences decoded together (the prompt as each; a served batch's work)"
+    )
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def generate(args: argparse.Namespace) -> int:
             activations=args.activations,
             split=args.split,
             layer_groups=args.layer_groups,
+            pipelined=not args.no_pipeline,
         )
         if interactive or compiling:
             # a one-shot run would only move the same work before its prompt, unless the loops

@@ -115,6 +115,12 @@ def add_split_options(ap: argparse.ArgumentParser) -> None:
         help="with --split layer: N groups of consecutive workers (default: one a host where the workers are on "
         "several hosts, else one a worker)",
     )
+    ap.add_argument(
+        "--no-pipeline",
+        action="store_true",
+        help="with --split layer: decode every sequence in one step at a time, instead of in lanes, one a group, "
+        "whose steps overlap so each group works on one lane while the others work on theirs",
+    )
 
 
 def check_cluster_options(args: argparse.Namespace) -> None:

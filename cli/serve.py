@@ -73,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
             activations=args.activations,
             split=args.split,
             layer_groups=args.layer_groups,
+            pipelined=not args.no_pipeline,
         )
         if not args.no_warmup:
             batcher.warm_up()

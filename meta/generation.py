@@ -14,6 +14,7 @@ from meta.serialized import serialized
 from meta.steps import Step, slot_pairs
 from split_state import errors
 from split_state.errors import ShapeError
+from split_state.states import holders
 from transport import protocol as p
 from transport.board import TokenBoard
 from transport.board import supported as board_supported
@@ -35,6 +36,7 @@ class Generating:
         every_step: bool = False,
         on_logprobs: Callable[[int, np.ndarray], None] | None = None,
         on_report: Callable[[], None] | None = None,
+        lanes: Sequence[tuple[Step, np.ndarray, np.ndarray]] = (),
     ) -> dict:
         """Run captured decode `step` up to `steps` times on the workers, which feed each step's
         chosen tokens back themselves (transport.protocol.Generate): the step's feeds are
@@ -50,19 +52,35 @@ class Generating:
         log-probabilities (transport.protocol.Tokens.logprobs, one row per sequence) just before
         its tokens. `on_report()` is called once the steps of each report are all shown (a
         caller that hands tokens to readers wakes them once a report, not once a step).
-        Returns rank 0's account (steps run, cancelled, times; with `sampling.own`, each
-        sequence's generator state at the end)."""
-        if len(step.specs) != 2 or None in step.feed_slots:
+        `lanes`: a pipelined generation (workers/pipelined.py): further (step, tokens,
+        positions), each a captured step over the rows after the ones before (lane 0 this
+        call's own, over the sequences the others leave), its candidates on the head's group,
+        whose first worker chooses and reports (models.llama.TensorParallelLlama.lanes).
+        Returns the choosing worker's account (steps run, cancelled, times; with
+        `sampling.own`, each sequence's generator state at the end)."""
+        calls = [(step, tokens, positions), *lanes]
+        if any(len(s.specs) != 2 or None in s.feed_slots for s, _, _ in calls):
             raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
-        bound = self._bind(step, (tokens, positions))
-        inputs, fed, out_ids, fresh = bound.inputs, {**bound.fed, **bound.sent}, bound.out_ids, bound.fresh
-        run = self.ledger.reserve_runs(steps + 1)  # one run id per step, none reused
+        reporter = _reporter([s for s, _, _ in calls], self.n) if lanes else 0
+        bounds = [self._bind(s, (t, q)) for s, t, q in calls]
+        bound = bounds[0]
+        inputs, out_ids = bound.inputs, bound.out_ids
+        fed = {t: a for b in bounds for t, a in {**b.fed, **b.sent}.items()}
+        fresh = [t for b in bounds for t in (*b.fed, *b.fresh)]
+        run = self.ledger.reserve_runs(steps * len(calls) + 1)  # one run id per step and lane, none reused
         feeds, data = p.pack_arrays(fed)
         token_id, position_id = (inputs[slot] for slot in step.feed_slots)
-        if sampling.logprobs and (len(out_ids) < 3 or on_logprobs is None):
+        if sampling.logprobs and (any(len(b.out_ids) < 3 for b in bounds) or on_logprobs is None):
             raise ShapeError(
                 "generate: log-probabilities need a step whose third output is each row's mass, and on_logprobs"
             )
+        further = [
+            [s.compiled.program, *(b.inputs[slot] for slot in s.feed_slots), *b.out_ids[:2]]
+            + [b.out_ids[2] if sampling.logprobs else -1, len(t)]
+            for (s, t, _), b in zip(lanes, bounds[1:])
+        ]
+        if len(sampling.done) - sum(len(t) for _, t, _ in lanes) < 1:
+            raise ShapeError(f"generate: lanes of {sum(len(t) for _, t, _ in lanes)} rows for {len(sampling.done)}")
         # the board carries token ids only: log-probabilities come in Tokens messages
         board = None if sampling.logprobs else token_board(len(sampling.done), steps)
         if board is not None:
@@ -82,6 +100,10 @@ class Generating:
             feeds,
             data,
             out_ids[2] if sampling.logprobs else -1,
+            further,
+            [slot_pairs(range(len(b.inputs)), b.inputs) for b in bounds[1:]],
+            [slot_pairs(s.compiled.plan.outputs, b.out_ids) for (s, _, _), b in zip(lanes, bounds[1:])],
+            reporter,
         )
         watch = None
         if board is not None:
@@ -96,10 +118,19 @@ class Generating:
             if board is not None:  # what rank 0 published after the last look: before its reply
                 shown.steps(*board.take())
         finally:
-            self.ledger.release([*bound.fed, *fresh])  # freed with the next message that runs
+            self.ledger.release(fresh)  # freed with the next message that runs
             if board is not None:
                 board.close()
-        return dict(replies[0].info)
+        return dict(replies[reporter].info)
+
+
+def _reporter(steps: Sequence[Step], n: int) -> int:
+    """The worker that chooses a pipelined generation's tokens: the first holding every lane's
+    candidates (the head's group)."""
+    held = {holders(s.compiled.plan.out_states[0], n) for s in steps}
+    if len(held) != 1:
+        raise ShapeError(f"generate: the lanes' candidates are on different workers: {sorted(held)}")
+    return min(held.pop())
 
 
 class Shown:

@@ -33,7 +33,10 @@ stops. Then each job's position, last token and generator go on from where the w
 them, so a job gets the same tokens whichever side chose them. A job asking for
 log-probabilities gets them from rank 0 beside its tokens (the step's third output, each row's
 mass, Mirrored: workers/generation.py log_probabilities works them out as `_take` does, bit for
-bit). A prompt going in by chunks takes the step-by-step path, the coordinator choosing.
+bit). A prompt going in by chunks takes the step-by-step path, the coordinator choosing. Where
+the layers are on groups of the workers (a layer split), the rows decode in lanes, one a group,
+each its own captured step, whose steps overlap (workers/pipelined.py): each group works on one
+lane while the others work on theirs, as vLLM's pipeline parallelism runs micro-batches.
 
 Every job draws from its own generator (its seed), so a sampled job is reproducible too. The
 decode step proposes POOL candidates per row (one where every job in it is greedy); a job's
@@ -202,7 +205,10 @@ class ContinuousBatcher:
         drive_on_workers: bool = True,
         split: str = "row",
         layer_groups: int = 0,
+        pipelined: bool = True,
     ):
+        """`pipelined`: where the layers are on groups, the running rows decode in lanes, one a
+        group, whose steps overlap (workers/pipelined.py); False: one step of every row."""
         if slots < 1:
             raise ModelError(f"--max-slots {slots}: at least one")
         self.dev, self.model, self.ctx = dev, model, ctx
@@ -228,8 +234,11 @@ class ContinuousBatcher:
         self.lost: str = ""  # why the cluster can no longer serve, once it cannot
         self._wake = threading.Condition()
         self._stopping = False
-        # (rows, with the normalizer, candidates) -> the captured decode step of the first rows
-        self._decodes: dict[tuple[int, bool, int], object] = {}
+        self.pipelined = pipelined
+        # (first row, rows, with the normalizer, candidates, of a lane) -> the captured decode
+        # step of those rows: of the first rows, or of a lane (`_lanes`: its results stay on the
+        # head's group)
+        self._decodes: dict[tuple[int, int, bool, int, bool], object] = {}
         self._admitted = 0  # jobs admitted so far
         # tickets given tokens of a report of the workers' steps not yet all delivered, their
         # readers woken once it is (None: outside a driven run, every event wakes its reader)
@@ -251,9 +260,15 @@ class ContinuousBatcher:
         rows = 1
         while True:
             for pool in (POOL, 1):
-                if (rows, False, pool) not in self._decodes:
-                    self._decodes[rows, False, pool] = self.net.prepare_decode(rows, build=candidates(pool))
-                    loaded += 1
+                lanes = self._lanes(rows)
+                for lane in lanes:
+                    key = (lane.start, len(lane), False, pool, len(lanes) > 1)
+                    if key not in self._decodes:
+                        build = self._candidates(pool, False, lanes)
+                        self._decodes[key] = self.net.prepare_decode(
+                            len(lane), build=build, rows_from=lane.start, lane=len(lanes) > 1
+                        )
+                        loaded += 1
             if rows >= len(self.slots):
                 return loaded
             rows = min(len(self.slots), rows * 2)
@@ -452,16 +467,21 @@ class ContinuousBatcher:
         mass = any(self._decoding(s) and s.ticket.job.top_logprobs is not None for s in self.slots[:rows])
         pool = self._pool(rows, mass)
         start = time.perf_counter()
-        decode = self._decodes.get((rows, mass, pool))
-        if decode is None:
-            build = candidates(pool, mass)
-            self._decodes[rows, mass, pool], (values, indices, *rest) = self.net.capture_decode(
-                tokens, positions, build=build
-            )
-        else:
-            values, indices, *rest = decode(tokens, positions, read=(0, 1, 2)[: 2 + mass])  # back with the run
-        v, i = values.numpy(), indices.numpy()
-        sums = rest[0].numpy() if mass else None
+        lanes = self._lanes(rows)
+        got = []
+        for lane, decode in zip(lanes, self._steps(lanes, mass, pool)):
+            t, p = tokens[lane.start : lane.stop], positions[lane.start : lane.stop]
+            if decode is None:
+                build = self._candidates(pool, mass, lanes)
+                key = (lane.start, len(lane), mass, pool, len(lanes) > 1)
+                self._decodes[key], (values, indices, *rest) = self.net.capture_decode(
+                    t, p, build=build, rows_from=lane.start, lane=len(lanes) > 1
+                )
+            else:
+                values, indices, *rest = decode(t, p, read=(0, 1, 2)[: 2 + mass])  # back with the run
+            got.append((values.numpy(), indices.numpy(), rest[0].numpy() if mass else None))
+        v, i = (np.concatenate([g[k] for g in got]) for k in (0, 1))
+        sums = np.concatenate([g[2] for g in got]) if mass else None
         self.counters.decode_steps += 1
         self.counters.decode_rows += rows
         self.counters.decode_seconds += time.perf_counter() - start
@@ -488,8 +508,9 @@ class ContinuousBatcher:
         rows = self._rows()
         tops = [self.slots[i].ticket.job.top_logprobs if i in decoding else None for i in range(rows)]
         mass = any(top is not None for top in tops)
-        step = self._decodes.get((rows, mass, self._pool(rows, mass)))
-        if step is None:
+        lanes = self._lanes(rows)
+        steps_of_lanes = self._steps(lanes, mass, self._pool(rows, mass))
+        if None in steps_of_lanes:
             return False
         running = {i: self.slots[i] for i in decoding}
         tokens, positions = np.zeros((rows, 1), np.int32), np.zeros((rows, 1), np.int32)
@@ -538,16 +559,19 @@ class ContinuousBatcher:
         start = time.perf_counter()
         self._unwoken = {}
         try:
+            calls = [
+                (step, tokens[lane.start : lane.stop], positions[lane.start : lane.stop])
+                for step, lane in zip(steps_of_lanes, lanes)
+            ]
             info = self.dev.generate(
-                step,
-                tokens,
-                positions,
+                *calls[0],
                 steps,
                 settings,
                 on_tokens,
                 every_step=True,
                 on_logprobs=reported.__setitem__,
                 on_report=self._wake_readers,
+                lanes=calls[1:],
             )
         except RemoteError:
             # a worker's own failure in a step (a job's logits not finite): the steps shown are
@@ -565,6 +589,18 @@ class ContinuousBatcher:
             if self.slots[index] is slot:
                 slot.rng = restore_generator(info["generators"][index])
         return True
+
+    def _lanes(self, rows: int) -> list[range]:
+        """The lanes a step of the first `rows` rows runs in: one where it is not pipelined."""
+        return self.net.lanes(rows) if self.pipelined else [range(rows)]
+
+    def _steps(self, lanes: list[range], mass: bool, pool: int) -> list:
+        """Each lane's captured decode step, None where it is not captured yet."""
+        return [self._decodes.get((lane.start, len(lane), mass, pool, len(lanes) > 1)) for lane in lanes]
+
+    def _candidates(self, pool: int, mass: bool, lanes: list[range]):
+        """A decode step's results: on every worker, or a lane's on the head's group."""
+        return candidates(pool, mass, self.net.head_group if len(lanes) > 1 else None)
 
     def _pool(self, rows: int, mass: bool) -> int:
         """Candidates a decode step of the first `rows` proposes: one where every job decoding

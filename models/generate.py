@@ -81,6 +81,7 @@ class LLM:
         activations: str = "q8",
         split: str = "row",
         layer_groups: int = 0,
+        pipelined: bool = True,
     ):
         """`cache_types`: the KV caches' element types (K, V), models.llama.CACHE_TYPES's names,
         or "auto": float16 with the file's blocks and 8-bit activations (llama.cpp's), float32
@@ -89,11 +90,16 @@ class LLM:
         products, or "f32", exact float32 products).
         `split`: "row", every layer split over every worker, or "layer", consecutive layers on
         groups of the workers (`layer_groups` of them, else one a host, or one a worker on one
-        host), each split over its group (models.loading.layer_groups_for)."""
+        host), each split over its group (models.loading.layer_groups_for).
+        `pipelined`: where the layers are on groups, several prompts decode in lanes, one a
+        group, whose steps overlap (workers/pipelined.py: each group works on one lane while
+        the others work on theirs); False: one step of every prompt at a time."""
         self.dev, self.model, self.ctx, self.batch = dev, model, ctx, batch
         self.net = place_model(dev, model, ctx, batch, weights, cache_types, progress, activations, split, layer_groups)
         self.tokenizer = model.tokenizer
+        self.pipelined = pipelined
         self._decode: dict[int, object] = {}  # captured decode steps by candidate pool size
+        self._lanes: dict[tuple[int, int, int], object] = {}  # a lane's captured step by (pool, first row, rows)
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill
         self._cached: list[int] = []  # the tokens batch row 0's caches hold at positions 0..
 
@@ -186,14 +192,15 @@ class LLM:
 
         clock = time.perf_counter()
         finished, left = record(tokens), max_new_tokens - 1
-        if not finished and left > 0 and sampling.pool not in self._decode:
+        lanes = self.net.lanes(len(out)) if self.pipelined else [range(len(out))]
+        if not finished and left > 0 and not self._captured(lanes, sampling.pool):
             # the first decode step is captured (and run) here; the workers replay it after
-            picks = self._decode_step(tokens, positions, sampling.pool)
+            picks = self._decode_step(tokens, positions, sampling.pool, lanes)
             tokens = [choose(v, i, rule, rng, recent[b]) for b, (v, i) in enumerate(picks)]
             positions, left = positions + 1, left - 1
             finished = record(tokens)
         if not finished and left > 0:
-            self._drive(tokens, positions, left, sampling, rng, done, stop, recent, record)
+            self._drive(tokens, positions, left, sampling, rng, done, stop, recent, record, lanes)
         decode_s = time.perf_counter() - clock
         # what row 0's caches hold now: its prompt, and every token fed back (all but the last)
         self._cached = out[0].prompt_tokens + out[0].tokens[:-1]
@@ -204,15 +211,11 @@ class LLM:
             g.prefill_s, g.decode_s, g.sampling = prefill_s, decode_s, sampling
         return out
 
-    def _drive(self, tokens, positions, steps: int, sampling: Sampling, rng, done, stop, recent, record) -> None:
+    def _drive(self, tokens, positions, steps: int, sampling: Sampling, rng, done, stop, recent, record, lanes) -> None:
         """The rest of the decode loop on the workers: they choose each token themselves (with
         this generator's state) and report it; an exception in `record` (Ctrl-C in a stream
-        callback) cancels them after the step under way and is raised here once they stopped."""
-        batch = self.batch
-        t = np.zeros((batch, 1), np.int32)
-        t[: len(tokens), 0] = tokens
-        p = np.zeros((batch, 1), np.int32)
-        p[: len(tokens), 0] = positions
+        callback) cancels them after the step under way and is raised here once they stopped.
+        With several lanes, each lane's step over its rows (a pipelined generation)."""
         raised: list[BaseException] = []
 
         def on_tokens(step: int, chosen: list[int]) -> bool:
@@ -229,9 +232,34 @@ class LLM:
             tuple(done),
             tuple(tuple(r) for r in recent),
         )
-        self.dev.generate(self._decode[sampling.pool], t, p, steps, settings, on_tokens)
+        calls = self._steps_of(tokens, positions, sampling.pool, lanes)
+        self.dev.generate(*calls[0], steps, settings, on_tokens, lanes=calls[1:])
         if raised:
             raise raised[0]
+
+    def _captured(self, lanes: list[range], pool: int) -> bool:
+        if len(lanes) == 1:
+            return pool in self._decode
+        return all((pool, lane.start, len(lane)) in self._lanes for lane in lanes)
+
+    def _steps_of(self, tokens, positions, pool: int, lanes: list[range]):
+        """(captured step or None, fed tokens, fed positions) of each lane: one step of every
+        batch row (the prompts' first), or each lane's step of its rows."""
+        if len(lanes) == 1:
+            t = np.zeros((self.batch, 1), np.int32)
+            t[: len(tokens), 0] = tokens
+            p = np.zeros((self.batch, 1), np.int32)
+            p[: len(tokens), 0] = positions
+            return [(self._decode.get(pool), t, p)]
+        tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
+        return [
+            (
+                self._lanes.get((pool, lane.start, len(lane))),
+                tokens[lane.start : lane.stop, None],
+                positions[lane.start : lane.stop, None],
+            )
+            for lane in lanes
+        ]
 
     def _prefill(self, prompts: list[list[int]], pool: int, keep_logits: bool, start: int = 0):
         """Each prompt's tokens written into the caches from position `start` on (the earlier
@@ -242,20 +270,24 @@ class LLM:
         v, i = values.numpy(), indices.numpy()
         return [(v[b, 0], i[b, 0]) for b in range(len(prompts))]
 
-    def _decode_step(self, tokens: list[int], positions: np.ndarray, pool: int):
-        batch = self.batch
-        t = np.zeros((batch, 1), np.int32)
-        t[: len(tokens), 0] = tokens
-        p = np.zeros((batch, 1), np.int32)
-        p[: len(tokens), 0] = positions
-        step = self._decode.get(pool)
-        if step is None:
-            step, (values, indices, *_) = self.net.capture_decode(t, p, build=candidates(pool))
-            self._decode[pool] = step
-        else:
-            values, indices, *_ = step(t, p)
-        v, i = values.numpy(), indices.numpy()
-        return [(v[b, 0], i[b, 0]) for b in range(len(tokens))]
+    def _decode_step(self, tokens: list[int], positions: np.ndarray, pool: int, lanes: list[range]):
+        """One decode step run by the coordinator, each lane's step captured where it is not
+        yet: the candidates for each prompt's next token."""
+        picks = []
+        for lane, (step, t, p) in zip(lanes, self._steps_of(tokens, positions, pool, lanes)):
+            if step is not None:
+                values, indices, *_ = step(t, p)
+            elif len(lanes) == 1:
+                self._decode[pool], (values, indices, *_) = self.net.capture_decode(t, p, build=candidates(pool))
+            else:
+                build = candidates(pool, on=self.net.head_group)
+                key = (pool, lane.start, len(lane))
+                self._lanes[key], (values, indices, *_) = self.net.capture_decode(
+                    t, p, build=build, rows_from=lane.start, lane=True
+                )
+            v, i = values.numpy(), indices.numpy()
+            picks += [(v[b, 0], i[b, 0]) for b in range(len(lane))]
+        return picks
 
 
 def _shown(prompt: Prompt) -> str:

@@ -687,15 +687,17 @@ class TensorParallelLlama:
     def _norm(self, x: Tensor, name: str) -> Tensor:
         return x.rms_norm(eps=self.cfg.eps) * self.w[name]
 
-    def step(self, tokens, positions, last: Sequence[int] | Tensor | None = None) -> Tensor:
+    def step(self, tokens, positions, last: Sequence[int] | Tensor | None = None, rows_from: int = 0) -> Tensor:
         """Logits (batch, tokens, vocab), split by vocabulary; caches written at `positions`.
         tokens, positions: (batch, tokens) host arrays, or fed tensors (see capture_decode);
-        fewer rows than the caches' batch are its first rows.
+        fewer rows than the caches' batch are its rows from `rows_from` on (by default its first).
         `last`: one token index per row; the logits are then (batch, 1, vocab), of those tokens
         only (a prefill needs no others: the head is a fifth of a SmolLM2 prompt's work). A fed
         tensor `last` holds those tokens' rows of the flattened (batch * tokens) instead."""
         dev = self.dev
         batch, t = tokens.shape
+        if not 0 <= rows_from <= self.batch - batch:
+            raise ShapeError(f"a step of {batch} rows from row {rows_from}: the caches hold {self.batch} rows")
         if self.ring is not None and t > self.ring - self.cfg.window:
             raise ShapeError(
                 f"a step of {t} tokens: the windowed layers' rings of {self.ring} take at most "
@@ -706,7 +708,7 @@ class TensorParallelLlama:
         pos = positions if isinstance(positions, Tensor) else dev.feed(np.asarray(positions, np.int32))
         if last is not None and not isinstance(last, Tensor):
             last = dev.feed(np.array([b * t + i for b, i in enumerate(last)], np.int32))
-        x = self._layers(self._embed(ids), pos, self._masks(pos))
+        x = self._layers(self._embed(ids), pos, self._masks(pos), rows_from=rows_from)
         return self._head(x, last)
 
     def _masks(self, pos: Tensor, fresh: bool = False) -> list[Tensor]:
@@ -975,14 +977,18 @@ class TensorParallelLlama:
         x = get_rows(self.w["embed"], ids) if fmt is None else qget_rows(self.w["embed"], ids, fmt)
         return x if self.cfg.embed_scale is None else x * float(np.float32(self.cfg.embed_scale))
 
-    def _layers(self, x: Tensor, pos: Tensor, masks: list[Tensor], slot: Tensor | None = None) -> Tensor:
+    def _layers(
+        self, x: Tensor, pos: Tensor, masks: list[Tensor], slot: Tensor | None = None, rows_from: int = 0
+    ) -> Tensor:
         """Every layer over x (batch, tokens, hidden), writing the caches at `pos` (see _layer);
         `masks` those of `mask_kinds`."""
         new_k, new_v = [], []
         for i in range(self.cfg.layers):
             weights, formats = self._layer_weights(i)
             mask = masks[self.mask_kinds.index(self.cfg.is_windowed(i))]
-            x, cache_k, cache_v = self._layer(weights, formats, x, pos, mask, self.k[i], self.v[i], slot, layer=i)
+            x, cache_k, cache_v = self._layer(
+                weights, formats, x, pos, mask, self.k[i], self.v[i], slot, layer=i, rows_from=rows_from
+            )
             new_k.append(cache_k)
             new_v.append(cache_v)
         self.k, self.v = new_k, new_v
@@ -1017,14 +1023,16 @@ class TensorParallelLlama:
         slot: Tensor | None = None,
         layer: int = 0,
         fresh: bool = False,
+        rows_from: int = 0,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One layer over x (batch, tokens, hidden) with weights `w`, writing its caches at `pos`:
         (x after it, the caches written). Attention reads the caches (masked), or with `slot`,
         writes batch row `slot` only (with x of several rows, `fresh`: the rows from `slot` on)
         and reads that row (`fresh`, sequences' first chunks: the new keys and values
-        themselves). Fewer rows than the caches hold are their first rows (a server's busy
-        slots): written and read there, the others left as they are, and nothing is computed
-        for them. `layer`: whose rope (base, frequencies) it takes."""
+        themselves). Fewer rows than the caches hold are their rows from `rows_from` on (a
+        server's busy slots, or a lane of them: decode_lanes): written and read there, the
+        others left as they are, and nothing is computed for them. `layer`: whose rope (base,
+        frequencies) it takes."""
         cfg, hd = self.cfg, self.cfg.head_dim
         groups = self.layer_groups
         if (
@@ -1036,8 +1044,8 @@ class TensorParallelLlama:
             # here, before its norm (the planner alone would hand over the norm's result too)
             x = x.redistribute(Mirrored(on=groups.of_layer(layer, cfg.layers)))
         batch, t = x.shape[:2]
-        first_rows = slot is None and batch < self.batch
-        at = {"batch_start": slot} if slot is not None else {"batch_start": 0} if first_rows else {}
+        some_rows = slot is None and batch < self.batch
+        at = {"batch_start": slot} if slot is not None else {"batch_start": rows_from} if some_rows else {}
 
         def mm(a: Tensor, name: str) -> Tensor:
             return _product(a, w[name], formats[name], self.activations)
@@ -1067,8 +1075,8 @@ class TensorParallelLlama:
             keys, values, seen = _as_cached(k, cache_k), _as_cached(v, cache_v), t
         elif slot is not None:  # the slot's row of each cache, up to this chunk's positions (the mask)
             keys, values = _row_of(cache_k, slot), _row_of(cache_v, slot)
-        if first_rows:  # views of the rows in use: the workers copy nothing
-            keys, values = cache_k[:batch], cache_v[:batch]
+        if some_rows:  # views of the rows in use: the workers copy nothing
+            keys, values = cache_k[rows_from : rows_from + batch], cache_v[rows_from : rows_from + batch]
         if self.heads.shared:  # groups cut between devices: each query head reads its KV head by index
             if cfg.attn_softcap is not None:
                 raise ShapeError(
@@ -1120,23 +1128,47 @@ class TensorParallelLlama:
         cap = float(np.float32(cfg.final_softcap))
         return (logits * (1.0 / cap)).tanh() * cap  # as llama.cpp: scaled, tanh, scaled back
 
-    def capture_decode(self, tokens: np.ndarray, positions: np.ndarray, build=None):
-        """Run one decode step (tokens, positions: (rows, 1), rows up to the caches' batch: the
-        first rows) and capture it: returns (step, its outputs). `step(tokens, positions)`
-        replays it; outputs are [build's results, *caches], by default [next-token ids (rows,
-        1) int64, *caches]."""
-        graph = self._decode_graph(build)
+    def capture_decode(self, tokens: np.ndarray, positions: np.ndarray, build=None, rows_from: int = 0, lane=False):
+        """Run one decode step (tokens, positions: (rows, 1), rows up to the caches' batch: its
+        rows from `rows_from` on) and capture it: returns (step, its outputs). `step(tokens,
+        positions)` replays it; outputs are [build's results, *caches], by default [next-token
+        ids (rows, 1) int64, *caches]. `lane`: a step of one lane of a pipelined generation
+        (`lanes`): where the layers are on groups its results stay on the head's group, whose
+        first worker hands the chosen tokens to the others (workers/pipelined.py), instead of
+        every worker receiving them inside the step."""
+        graph = self._decode_graph(build, rows_from, lane)
         return self.dev.capture(graph, np.asarray(tokens, np.int32), np.asarray(positions, np.int32))
 
-    def prepare_decode(self, rows: int, build=None):
+    def prepare_decode(self, rows: int, build=None, rows_from: int = 0, lane=False):
         """The step capture_decode() captures for `rows` rows, loaded but not run (warm_up)."""
-        return self._prepared(self._decode_graph(build), (rows, 1), np.zeros((rows, 1), np.int32))
+        graph = self._decode_graph(build, rows_from, lane)
+        return self._prepared(graph, (rows, 1), np.zeros((rows, 1), np.int32))
 
-    def _decode_graph(self, build):
+    def lanes(self, rows: int) -> list[range]:
+        """The lanes a generation of `rows` rows decodes them in, each its own step: one lane a
+        layer group (at most one a row), so each group works on one lane while the others work
+        on theirs, as vLLM's and llama.cpp's pipeline parallelism keep every stage busy with
+        micro-batches; one lane of every row where the layers are not on groups."""
+        if self.layer_groups is None or rows < 2:
+            return [range(rows)]
+        count = min(len(self.layer_groups.groups), rows)
+        base, extra = divmod(rows, count)  # the first lanes a row more where they do not divide
+        starts = [k * base + min(k, extra) for k in range(count + 1)]
+        return [range(a, b) for a, b in zip(starts, starts[1:])]
+
+    @property
+    def head_group(self) -> tuple[int, ...] | None:
+        """The workers the head's results are on: the last layer's group; None: every worker."""
+        if self.layer_groups is None:
+            return None
+        return self.layer_groups.of_layer(self.cfg.layers - 1, self.cfg.layers)
+
+    def _decode_graph(self, build, rows_from: int = 0, lane: bool = False):
         build = build or (lambda logits: [logits.argmax()])
 
         def graph(t: Tensor, p: Tensor) -> list[Tensor]:
-            return [*self._everywhere(build(self.step(t, p))), *self.caches()]
+            results = build(self.step(t, p, rows_from=rows_from))
+            return [*(results if lane else self._everywhere(results)), *self.caches()]
 
         return graph
 

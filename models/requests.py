@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.errors import ModelError
-from split_state import MIRRORED
 from split_state.sampling import TEMPERATURE_FLOOR, Rule
+from split_state.states import Mirrored
 
 POOL = 256  # candidates per sequence a sampled step considers
 
@@ -196,19 +196,20 @@ def _longest_end_beginning(tail: str, s: str) -> int:
     return matched
 
 
-def candidates(pool: int, mass: bool = False) -> Callable:
+def candidates(pool: int, mass: bool = False, on: tuple[int, ...] | None = None) -> Callable:
     """A decode step's results: every row's `pool` best (values, indices); with `mass` also each
     row's sum over the whole vocabulary of exp(logit - its best logit), (rows, 1): its
     log-probabilities' normalizer (log p = logit - best - log mass), one float a row (the
     vocabulary's shares summed by an all-reduce, never gathered), Mirrored: every worker holds
     the whole of it, as the candidates, so rank 0 can report log-probabilities itself when the
-    workers drive the steps (the shares alone gave it a part of the mass)."""
+    workers drive the steps (the shares alone gave it a part of the mass). `on`: the workers
+    that hold the mass, where not every one (a lane's head group: TensorParallelLlama.lanes)."""
 
     def build(logits) -> list:
         values, indices = logits.top_k(pool)
         if not mass:
             return [values, indices]
-        return [values, indices, (logits - values[:, :, 0:1]).exp().sum(axis=-1).redistribute(MIRRORED)]
+        return [values, indices, (logits - values[:, :, 0:1]).exp().sum(axis=-1).redistribute(Mirrored(on=on))]
 
     return build
 

@@ -117,18 +117,24 @@ def test_generate_and_serve_split_by_layers_give_one_workers_tokens(model):
     from models.requests import Sampling
     from workers.simulator import SimulatedCluster
 
-    prompt = "The capital of France is"
+    prompt, other = "The capital of France is", "Once upon a time"
     one = MetaDevice(SimulatedCluster(1))
     try:
         (expected,) = LLM(one, model, ctx=48).generate([prompt], 12, stop_at_eos=False)
+        both = LLM(one, model, ctx=48, batch=2).generate([prompt, other], 12, stop_at_eos=False)
     finally:
         one.close()
     dev = MetaDevice(SimulatedCluster(2))
     try:
-        llm = LLM(dev, model, ctx=48, split="layer")
+        llm = LLM(dev, model, ctx=48, batch=2, split="layer")
         assert llm.net.layer_groups == LayerGroups(((0,), (1,)))
         (got,) = llm.generate([prompt], 12, stop_at_eos=False)
         assert got.tokens == expected.tokens and len(set(got.tokens)) > 2
+        # two prompts: a lane each, pipelined (workers/pipelined.py), then twice more from the
+        # steps captured the first time
+        assert llm.net.lanes(2) == [range(0, 1), range(1, 2)]
+        for _ in range(2):
+            assert [g.tokens for g in llm.generate([prompt, other], 12, stop_at_eos=False)] == [g.tokens for g in both]
         del llm
         batcher = ContinuousBatcher(dev, model, slots=2, ctx=48, split="layer")
         batcher.start()
@@ -140,6 +146,45 @@ def test_generate_and_serve_split_by_layers_give_one_workers_tokens(model):
     finally:
         dev.close()
     assert served == expected.tokens
+
+
+def test_a_servers_batch_split_by_layers_decodes_in_lanes_with_each_jobs_own_tokens(model):
+    """Two jobs served together on two groups of one worker: a lane each (the steps of rows 0
+    and 1 captured apart, workers/pipelined.py), each job's tokens those it gets alone on one
+    worker, greedy and sampled (its own generator), and with log-probabilities."""
+    from meta import MetaDevice
+    from models.batching import ContinuousBatcher, Job, Token
+    from models.generate import LLM
+    from models.requests import Sampling
+    from workers.simulator import SimulatedCluster
+
+    sampled = Sampling(temperature=0.8, top_k=30, seed=9)
+    one = MetaDevice(SimulatedCluster(1))
+    try:
+        llm = LLM(one, model, ctx=48)
+        greedy = llm.generate(["The capital of France is"], 10, stop_at_eos=False)[0]
+        drawn = llm.generate(["Once upon a time"], 10, sampled, stop_at_eos=False)[0]
+    finally:
+        one.close()
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        batcher = ContinuousBatcher(dev, model, slots=2, ctx=48, split="layer")
+        jobs = [
+            Job(tuple(greedy.prompt_tokens), 10, Sampling(), stop_at_eos=False, top_logprobs=2),
+            Job(tuple(drawn.prompt_tokens), 10, sampled, stop_at_eos=False),
+        ]
+        tickets = [batcher.submit(job) for job in jobs]  # both queued before the batcher runs
+        batcher.start()
+        try:
+            served = [[e for e in t.stream(timeout=120) if isinstance(e, Token)] for t in tickets]
+        finally:
+            batcher.stop()
+        assert {key[:2] for key in batcher._decodes if key[-1]} == {(0, 1), (1, 1)}  # a step for each lane
+        assert batcher.counters.decode_steps >= 9
+    finally:
+        dev.close()
+    assert [e.token for e in served[0]] == greedy.tokens and [e.token for e in served[1]] == drawn.tokens
+    assert all(e.logprob is not None and len(e.top) == 2 for e in served[0])
 
 
 def test_split_options_are_checked_before_any_weight_moves(sim):

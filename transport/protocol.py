@@ -34,9 +34,9 @@ from split_state.errors import ProtocolError, SplitError, UnsupportedDtype, Work
 from split_state.sampling import Rule
 from split_state.states import State, decode_state, encode_state
 
-# 8: RunChain.new_data; 7: RunChain; 6: no free steps (a worker plans its memory by liveness itself);
-# 5: parameters in a table
-PROTOCOL_VERSION = 8
+# 9: Generate.lanes (pipelined generation); 8: RunChain.new_data; 7: RunChain; 6: no free steps (a worker
+# plans its memory by liveness itself); 5: parameters in a table
+PROTOCOL_VERSION = 9
 
 
 @dataclass(frozen=True)
@@ -441,7 +441,16 @@ class Generate:
     GenerateSettings). Rank 0 reports the chosen
     tokens on the board where it can map it (and the first step in a Tokens message too), else
     in Tokens messages under the request's id; it stops at a Cancel (or the board's cancel
-    word); every rank stops at the same step."""
+    word); every rank stops at the same step.
+
+    With `lanes`, a pipelined generation (workers/pipelined.py): each further lane is another
+    program over the next rows, [program, tokens, positions, values, indices, sums, rows] (the
+    message's own program is lane 0, over the sequences the others leave), bound by
+    `lane_inputs` and `lane_outputs`. Lane k's step s runs as run `run + s * lanes + k`, the
+    lanes in turn; only worker `reporter` reads the candidates (the head's group holds them),
+    chooses, reports, and after each lane's step sends every other rank that lane's tokens and
+    whether to stop, which they read before the lane's next step: so the first groups run one
+    lane while the last works on another."""
 
     program: int
     run: int
@@ -456,7 +465,14 @@ class Generate:
     feeds: list[Feed] = field(default_factory=list)
     feed_data: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), compare=False)
     sums: int = -1  # the stored output of each row's probability mass, where `sampling.logprobs` asks
+    lanes: list[list[int]] = field(default_factory=list)
+    lane_inputs: list[SlotPairs] = field(default_factory=list)
+    lane_outputs: list[SlotPairs] = field(default_factory=list)
+    reporter: int = 0
     KIND: ClassVar[MsgType]
+
+
+LANE_FIELDS = ("program", "tokens", "positions", "values", "indices", "sums", "rows")  # a Generate's `lanes` entry
 
 
 @_message(MsgType.TOKENS)

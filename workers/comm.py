@@ -80,6 +80,10 @@ class Inbox:
         self._stash: dict[int, collections.deque[p.Chunk]] = collections.defaultdict(collections.deque)
         self._aborts: dict[int, p.Abort] = {}
         self.waited = 0.0  # seconds spent blocked on peers: the 'waiting' share of a step
+        # how many runs past the awaited one may be in flight: one (the coordinator starts a run
+        # once every worker has finished the one before), more while a pipelined generation
+        # interleaves its lanes' runs (workers/pipelined.py)
+        self.lookahead = 1
         self.bytes_sent = 0  # payload bytes sent to peers, as the collective algorithms charge them
 
     # implemented by subclasses
@@ -139,16 +143,20 @@ class Inbox:
             self._take(message, run)
 
     def _take(self, message: p.Chunk | p.Abort, run: int) -> None:
-        """File an arrival: aborts by run, data by source. Only this run and the next can be in
-        flight (the coordinator starts a run when every worker has finished the one before), so
-        anything else is stale or forged and dropped; what waits for the next run is bounded."""
+        """File an arrival: aborts by run, data by source. Only this run and the next
+        `lookahead` can be in flight, so anything else is stale or forged and dropped; what
+        waits for a later run is bounded."""
         if isinstance(message, p.Abort):
-            if message.run in (run, run + 1, -1):
+            if message.run == -1 or self.in_flight(message.run, run):
                 self._aborts[message.run] = message
         elif message.run == run or (
-            message.run == run + 1 and self._early_bytes(run) + message.array.nbytes <= MAX_EARLY_BYTES
+            self.in_flight(message.run, run) and self._early_bytes(run) + message.array.nbytes <= MAX_EARLY_BYTES
         ):
             self._stash[message.src].append(message)
+
+    def in_flight(self, other: int, run: int) -> bool:
+        """Whether run `other` may be under way while this worker waits in `run`."""
+        return run <= other <= run + self.lookahead
 
     def _early_bytes(self, run: int) -> int:
         return sum(c.array.nbytes for chunks in self._stash.values() for c in chunks if c.run > run)
@@ -167,6 +175,8 @@ class Inbox:
 
     def _raise_if_aborted(self, run: int) -> None:
         abort = self._aborts.get(run) or self._aborts.get(-1)
+        if abort is None and self.lookahead > 1:  # interleaved runs: a later one's failure ends them all
+            abort = next((a for r, a in self._aborts.items() if self.in_flight(r, run)), None)
         if abort is None:
             return
         text = f"run {run} aborted: worker {abort.rank} reports {abort.kind}: {abort.message}"
@@ -514,7 +524,7 @@ class HostComm(ZmqComm):
                     check_arrival(header.shape, header.dtype, shape, dtype, src, step)
                     self._stream(reader, header, sink, deadline, run, src, step)
                     return
-                if header is not None and header.run not in (run, run + 1):  # a failed run's leftover
+                if header is not None and not self.in_flight(header.run, run):  # a failed run's leftover
                     self._stream(reader, header, _discard, deadline, run, src, step)
                     continue
                 if header is not None:  # a later message than the one awaited: set aside

@@ -17,6 +17,7 @@ from transport import protocol as p
 from transport.deadline import Deadline
 from workers.executor import Executor
 from workers.generation import run_generation
+from workers.pipelined import run_pipelined
 from workers.store import TensorStore
 
 BUDGET_SHARE = 0.9  # of the device's memory, when the coordinator sets no budget
@@ -142,6 +143,8 @@ class WorkerServer:
         for feed in m.feeds:
             self.store.put(feed.tensor, self.backend.to_device(p.unpack_array(feed, m.feed_data)))
         self.runs += 1
+        if m.lanes:
+            return run_pipelined(self, m, self.emit, self.cancelled)
         return run_generation(self, m, self.emit, self.cancelled)
 
     def _on_resync(self, m: p.Resync) -> p.Message:
