@@ -3,7 +3,7 @@ to first token, beside the prefill time of `launch.py generate` (LLM.generate) f
 on as many workers, in the same run.
 
     python bench/serve.py [--quick] [--json results/serve.json] [--workers 2] [--clients 1 4 8] [--soak 120]
-                          [--join 2000] [--queued 56]
+                          [--join 2000] [--queued 56] [--split layer]
 
 Every client streams a greedy completion of a short prompt for a fixed number of tokens
 (ignore_eos, as llama-server's benchmarks do). The server runs with as many slots as the most
@@ -17,7 +17,10 @@ writes a stream's tokens a few at a time). `--queued N`: then as many streams as
 N more requests arrive and wait for a slot; the running streams' longest gap between two tokens
 over the next 3 s, beside their median gap between deliveries before. Last, one stream's decode
 rate (200 tokens, its first token's wait left out) beside `launch.py generate`'s on as many
-workers of their own, in alternating rounds.
+workers of their own, in alternating rounds. `--split layer`: the server split by layers, and a
+second one beside it with `--no-pipeline` (every stream in one step at a time, not in lanes
+whose steps overlap: workers/pipelined.py); the client counts run against each in turn, the
+rest against the first.
 """
 
 from __future__ import annotations
@@ -320,35 +323,64 @@ def stream_against_generate(url: str, workers: int, tokens: int, rounds: int = 9
     }
 
 
+def _start_server(workers: int, slots: int, ctx: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """`launch.py serve` on a free port, once it answers /health: (the process, its url)."""
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", str(workers), "--port", str(port)]
+    cmd += ["--max-slots", str(slots), "--ctx", str(ctx), *extra]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise RuntimeError(f"the server did not start: {server.stderr.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+# --split layer: the server as it runs (its running streams in lanes, one a layer group, whose
+# steps overlap: workers/pipelined.py), and beside it one with every stream in one step at a time
+LAYER_SERVERS = {"lanes": ["--split", "layer"], "one step": ["--split", "layer", "--no-pipeline"]}
+
+
 def run(
-    quick: bool, workers: int, clients: list[int], soak_seconds: float = 0.0, join: int = 0, queued: int = 0
+    quick: bool,
+    workers: int,
+    clients: list[int],
+    soak_seconds: float = 0.0,
+    join: int = 0,
+    queued: int = 0,
+    split: str = "row",
 ) -> dict:
     import httpx
 
     tokens = 24 if quick else 64
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, str(ROOT / "launch.py"), "serve", "--workers", str(workers), "--port", str(port)]
     slots = max(clients + [5 if join else 1])
-    cmd += ["--max-slots", str(slots), "--ctx", str(max(512, join + 256))]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ctx = max(512, join + 256)
+    variants = LAYER_SERVERS if split == "layer" else {"": []}
+    servers = {}
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {server.stderr.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        stream_once(url, 4)  # plans the prefill and decode steps
+        for name, extra in variants.items():
+            servers[name] = _start_server(workers, slots, ctx, extra)
+            stream_once(servers[name][1], 4)  # plans the prefill and decode steps
+        url = next(iter(servers.values()))[1]
         rounds = 1 if quick else CLIENT_ROUNDS
-        timed = {n: [] for n in clients}
+        timed = {name: {n: [] for n in clients} for name in variants}
         for _ in range(rounds):  # the counts in turn, round after round: a slow spell hits them alike
             for n in clients:
-                timed[n].append(concurrent_streams(url, n, tokens))
-        rows = [client_row(n, timed[n], timed[clients[0]] if clients[0] == 1 else None) for n in clients]
+                for name in variants:  # the servers in turn too: idle, one takes no core from the other
+                    timed[name][n].append(concurrent_streams(servers[name][1], n, tokens))
+        by_variant = {
+            name: [client_row(n, done[n], done[clients[0]] if clients[0] == 1 else None) for n in clients]
+            for name, done in timed.items()
+        }
+        rows = next(iter(by_variant.values()))
         soaked = soak(url, soak_seconds, max(clients)) if soak_seconds > 0 else None
         joined = join_stall(url, join) if join else None
         waited = queue_stall(url, queued, slots) if queued else None
@@ -356,12 +388,15 @@ def run(
         metrics = httpx.get(url + "/metrics", timeout=10).text
         inside = [line for line in metrics.splitlines() if 'first_token_seconds{quantile="0.5"}' in line]
     finally:
-        server.terminate()
-        server.wait(60)
+        for server, _ in servers.values():
+            server.terminate()
+            server.wait(60)
     server_ttft = float(inside[0].split()[-1]) if inside else None  # submit to first token, in the server
     return {
         "workers": workers,
+        "split": split,
         "rows": rows,
+        "variants": by_variant if split == "layer" else {},
         "generate_prefill_s": generate_prefill(workers),
         "server_ttft_median_s": server_ttft,
         "soak": soaked,
@@ -377,6 +412,26 @@ def _one_row(title: str, figures: dict, columns: dict[str, str]) -> None:
 
 
 def show(results: dict) -> None:
+    variants = results.get("variants") or {}
+    if variants:
+        lanes, one_step = variants["lanes"], variants["one step"]
+        print(
+            table(
+                f"launch.py serve --split layer, {results['workers']} workers: running streams in lanes (one a "
+                "group, steps overlapping) against every stream in one step at a time (--no-pipeline), "
+                "servers and client counts in turn",
+                ["clients", "lanes tok/s", "one step tok/s", "lanes / one step"],
+                [
+                    [
+                        a["clients"],
+                        a["aggregate_tokens_per_s"],
+                        b["aggregate_tokens_per_s"],
+                        a["aggregate_tokens_per_s"] / b["aggregate_tokens_per_s"],
+                    ]
+                    for a, b in zip(lanes, one_step)
+                ],  # fmt: skip
+            )
+        )
     joined, soaked = results.get("join"), results.get("soak")
     if joined:
         title = f"a {joined['prompt_tokens']}-token prompt joining {joined['streams']} running streams"
@@ -437,7 +492,7 @@ def show(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     def measure(args):
-        return run(args.quick, args.workers, args.clients, args.soak, args.join, args.queued)
+        return run(args.quick, args.workers, args.clients, args.soak, args.join, args.queued, args.split)
 
     def options(ap) -> None:
         ap.add_argument("--workers", type=int, default=2)
@@ -447,6 +502,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         ap.add_argument("--join", type=int, default=0, help="then a prompt of this many tokens joins 4 streams")
         ap.add_argument("--queued", type=int, default=0, help="then this many requests queue behind full slots")
+        ap.add_argument(
+            "--split",
+            choices=("row", "layer"),
+            default="row",
+            help="layer: the server split by layers, and beside it the same with --no-pipeline, clients in turn",
+        )
 
     return cli(__doc__, "serve", measure, show, argv, options)
 

@@ -565,6 +565,16 @@ class GGUFModel:
         prefix = f"blk.{layer}."
         return sum(_held_bytes(t, weights) for name, t in self.tensors.items() if name.startswith(prefix))
 
+    def layer_elements(self, layer: int) -> int:
+        """The elements of layer `layer`'s tensors: a token's multiply-adds with its weights."""
+        prefix = f"blk.{layer}."
+        return sum(_elements(t) for name, t in self.tensors.items() if name.startswith(prefix))
+
+    def head_elements(self) -> int:
+        """The elements of the head's matrix: the output's, or the tied embedding table's."""
+        t = self.tensors.get(self._gguf_name("output")) or self.tensors.get(self._gguf_name("embed"))
+        return 0 if t is None else _elements(t)
+
     def weight(self, name: str) -> np.ndarray:
         """Weight `name` of models.llama (e.g. "l3.wq", "embed") as float32 in NumPy layout."""
         t = self._tensor(name)
@@ -619,4 +629,8 @@ def _block(kind) -> int:
 
 def _held_bytes(t, weights: str) -> int:
     kept = weights == "native" and t.data.ndim == 2 and t.tensor_type.name.lower() in FORMATS
-    return t.data.nbytes if kept else 4 * int(np.prod(t.shape, dtype=np.int64))
+    return t.data.nbytes if kept else 4 * _elements(t)
+
+
+def _elements(t) -> int:
+    return int(np.prod(t.shape, dtype=np.int64))

@@ -117,12 +117,11 @@ def check_fits(
     else:
         size, last, embed = groups.size, len(groups.groups) - 1, model.held_bytes("embed", weights)
         layers = [model.layer_bytes(i, weights) for i in range(cfg.layers)]
-        rest = model.resident_bytes(weights) - sum(layers) - embed  # the head, the final norm
         share = kv = 0
         for g, group in enumerate(groups.groups):
             held = [i for i in range(cfg.layers) if groups.of_layer(i, cfg.layers) == group]
             its = sum(layers[i] for i in held) + (embed if g == 0 else 0)
-            its += (rest + (embed if cfg.tied else 0)) if g == last else 0
+            its += head_bytes(model, weights) if g == last else 0
             its_kv = sum(lengths[i] for i in held) * batch * -(-cfg.kv_heads // size) * position
             if its / size + its_kv > share + kv:
                 share, kv = its / size, its_kv
@@ -139,6 +138,14 @@ def check_fits(
             + (", --weights native" if weights != "native" else "")
             + " or a smaller --ctx"
         )
+
+
+def head_bytes(model: GGUFModel, weights: str) -> int:
+    """What the last layer group holds besides its layers: the head (a tied one's own copy of the
+    embedding table) and the final norm."""
+    layers = sum(model.layer_bytes(i, weights) for i in range(model.config.layers))
+    embed = model.held_bytes("embed", weights)
+    return model.resident_bytes(weights) - layers - embed + (embed if model.config.tied else 0)
 
 
 AUTO_CACHE = "auto"  # the default cache type: float16 on llama.cpp's arithmetic, else float32 (cache_types_for)
@@ -236,6 +243,9 @@ def place_model(
     groups of them ("layer": layer_groups_for)."""
     check_context(ctx, model.context_length)
     groups = layer_groups_for(dev, split, layer_groups)
+    if groups is not None:  # as many layers a group as evens out their work, the head's included
+        work = [model.layer_elements(i) for i in range(model.config.layers)]
+        groups = groups.balanced(work, model.head_elements())
     if weights not in WEIGHTS:
         raise ModelError(f"--weights {weights!r}: one of {', '.join(WEIGHTS)}")
     if activations not in ACTIVATIONS:

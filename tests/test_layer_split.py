@@ -37,6 +37,39 @@ def test_layer_groups_are_checked_and_spread_the_layers_in_runs():
         LayerGroups.even(3, 2)
 
 
+def _most_cost(counts, costs, head) -> int:
+    """The busiest group's cost with `counts` layers a group, the head on the last."""
+    bounds = np.cumsum([0, *counts])
+    loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    loads[-1] += head
+    return max(loads)
+
+
+def test_balanced_groups_hold_the_cut_whose_busiest_group_costs_least():
+    """Against every cut tried (the oracle: brute force over where the groups begin)."""
+    import itertools
+
+    rng = np.random.default_rng(3)
+    for count, layers in [(2, 6), (3, 7), (4, 9), (2, 2)]:
+        for _ in range(20):
+            costs = rng.integers(1, 50, layers).tolist()
+            head = int(rng.integers(0, 120))
+            got = LayerGroups.even(count, count).balanced(costs, head).counts
+            assert sum(got) == layers and min(got) >= 1
+
+            cuts = itertools.combinations(range(1, layers), count - 1)
+            best = min(_most_cost(np.diff([0, *c, layers]).tolist(), costs, head) for c in cuts)
+            assert _most_cost(got, costs, head) == best, (costs, head, got)
+    groups = LayerGroups(((0,), (1,)), (3, 1))
+    assert [groups.of_layer(i, 4) for i in range(4)] == [(0,)] * 3 + [(1,)]
+    with pytest.raises(ValueError, match="for 5 layers"):
+        groups.of_layer(0, 5)
+    for bad in [(4,), (0, 4), (1, 2, 1)]:
+        with pytest.raises(ValueError, match="layer counts"):
+            LayerGroups(((0,), (1,)), bad)
+    assert LayerGroups.even(3, 3).balanced([1, 1], 0) == LayerGroups.even(3, 3)  # fewer layers than groups
+
+
 @pytest.mark.parametrize("n", sorted(CASES))
 def test_layers_on_groups_equal_the_reference_prefill_and_decode(sim, n):
     weights = random_weights(CFG, seed=4)
@@ -127,7 +160,8 @@ def test_generate_and_serve_split_by_layers_give_one_workers_tokens(model):
     dev = MetaDevice(SimulatedCluster(2))
     try:
         llm = LLM(dev, model, ctx=48, batch=2, split="layer")
-        assert llm.net.layer_groups == LayerGroups(((0,), (1,)))
+        assert llm.net.layer_groups.groups == ((0,), (1,))
+        assert llm.net.layer_groups.counts == (19, 11)  # the head's work is ~8 of SmolLM2's 30 layers
         (got,) = llm.generate([prompt], 12, stop_at_eos=False)
         assert got.tokens == expected.tokens and len(set(got.tokens)) > 2
         # two prompts: a lane each, pipelined (workers/pipelined.py), then twice more from the
