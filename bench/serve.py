@@ -275,24 +275,24 @@ def client_row(n: int, rounds: list[dict], alone: list[dict] | None) -> dict:
     return row
 
 
-def _llm(workers: int):
+def _llm(workers: int, split: str = "row"):
     from meta import ClusterConfig, MetaDevice, ProcessCluster
     from models.generate import LLM
     from models.gguf_model import GGUFModel
 
     dev = MetaDevice(ProcessCluster(ClusterConfig(workers=workers)))
-    return dev, LLM(dev, GGUFModel(), ctx=512)
+    return dev, LLM(dev, GGUFModel(), ctx=512, split=split)
 
 
-def generate_prefill(workers: int) -> float:
+def generate_prefill(workers: int, split: str = "row") -> float:
     """Prefill seconds of LLM.generate (what `launch.py generate` reports) for the prompt."""
-    dev, llm = _llm(workers)
+    dev, llm = _llm(workers, split)
     with dev:
         llm.generate([PROMPT], max_new_tokens=2)  # the first prompt of a length also plans it
         return float(np.median([llm.generate([PROMPT], max_new_tokens=2)[0].prefill_s for _ in range(5)]))
 
 
-def stream_against_generate(url: str, workers: int, tokens: int, rounds: int = 9) -> dict:
+def stream_against_generate(url: str, workers: int, tokens: int, rounds: int = 9, split: str = "row") -> dict:
     """One stream's decode rate (its tokens after the first, over the time after the first)
     and time to first token beside LLM.generate's decode rate (what `launch.py generate`
     reports: tokens after the first over its decode time) and prefill, on as many workers of
@@ -301,7 +301,7 @@ def stream_against_generate(url: str, workers: int, tokens: int, rounds: int = 9
     import httpx
 
     served, generated, firsts, prefills = [], [], [], []
-    dev, llm = _llm(workers)
+    dev, llm = _llm(workers, split)
     with dev, httpx.Client(timeout=300) as session:
         llm.generate([PROMPT], max_new_tokens=4, stop_at_eos=False)  # plans its steps
         for _ in range(rounds):
@@ -384,7 +384,7 @@ def run(
         soaked = soak(url, soak_seconds, max(clients)) if soak_seconds > 0 else None
         joined = join_stall(url, join) if join else None
         waited = queue_stall(url, queued, slots) if queued else None
-        against = stream_against_generate(url, workers, tokens=48 if quick else 200)
+        against = stream_against_generate(url, workers, tokens=48 if quick else 200, split=split)
         metrics = httpx.get(url + "/metrics", timeout=10).text
         inside = [line for line in metrics.splitlines() if 'first_token_seconds{quantile="0.5"}' in line]
     finally:
@@ -397,7 +397,7 @@ def run(
         "split": split,
         "rows": rows,
         "variants": by_variant if split == "layer" else {},
-        "generate_prefill_s": generate_prefill(workers),
+        "generate_prefill_s": generate_prefill(workers, split),
         "server_ttft_median_s": server_ttft,
         "soak": soaked,
         "join": joined,

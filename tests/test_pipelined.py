@@ -46,7 +46,7 @@ def _settings(rows: int, rule: Rule = GREEDY, own: bool = False, stop=(), logpro
     )
 
 
-def _generate(dev, groups, rows, steps, settings, pipelined, refuse_at=None, mass=False):
+def _generate(dev, groups, rows, steps, settings, pipelined, refuse_at=None, mass=False, on_step=None):
     """A fresh model's decode from tokens at position 0 (the first step captured by the
     coordinator, the rest driven by the workers): (reported steps, log-probabilities, account)."""
     weights = random_weights(CFG, seed=21)
@@ -64,6 +64,8 @@ def _generate(dev, groups, rows, steps, settings, pipelined, refuse_at=None, mas
 
     def on_tokens(k, chosen):
         reported.append(list(chosen))
+        if on_step is not None:
+            on_step(k)
         return refuse_at is None or k < refuse_at
 
     info = dev.generate(
@@ -138,6 +140,31 @@ def test_lanes_on_worker_processes_over_tcp(procs3_tcp):
     expected, _, _ = _generate(procs3_tcp, GROUPS[3], 4, 8, settings, pipelined=False)
     got, _, info = _generate(procs3_tcp, GROUPS[3], 4, 8, settings, pipelined=True)
     assert got == expected and info["lanes"] == 3
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_worker_lost_in_a_pipelined_generation_is_a_typed_error_within_seconds(fresh_cluster, killed):
+    """Worker 1 chooses (the head's group), worker 0 waits for its tokens: either lost, the
+    coordinator says which within the liveness bound, and nothing is left running (the fixture)."""
+    import os
+    import signal
+    import time
+
+    from meta import MetaDevice
+    from split_state.errors import WorkerLost
+
+    cluster = fresh_cluster(2, liveness=2.0, heartbeat=0.2)
+    dev = MetaDevice(cluster)
+    at = {}
+
+    def kill(k):
+        if k == 0:
+            os.kill(cluster.pids[killed], signal.SIGKILL)
+            at["killed"] = time.monotonic()
+
+    with pytest.raises(WorkerLost, match=f"worker {killed}"):
+        _generate(dev, GROUPS[2], 2, LONG, _settings(2), pipelined=True, on_step=kill)
+    assert time.monotonic() - at["killed"] < 5.0
 
 
 def test_lanes_split_the_rows_one_a_group():
