@@ -142,6 +142,20 @@ def test_lanes_on_worker_processes_over_tcp(procs3_tcp):
     assert got == expected and info["lanes"] == 3
 
 
+@pytest.mark.parametrize("plane", ["shm", "zmq"])
+def test_groups_of_two_processes_all_reduce_among_themselves_between_interleaved_runs(fresh_cluster, plane):
+    """2 groups of 2 worker processes: inside a group the small all-reduces go through shared
+    memory's postboxes (shm) or messages (zmq) while the lanes' runs interleave and a peer may
+    be a run or two ahead."""
+    from meta import MetaDevice
+
+    dev = MetaDevice(fresh_cluster(4, data_plane=plane))
+    settings = _settings(5, SAMPLED)
+    expected, _, _ = _generate(dev, GROUPS[4], 5, 12, settings, pipelined=False)
+    got, _, info = _generate(dev, GROUPS[4], 5, 12, settings, pipelined=True)
+    assert got == expected and info["lanes"] == 2
+
+
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_worker_lost_in_a_pipelined_generation_is_a_typed_error_within_seconds(fresh_cluster, killed):
     """Worker 1 chooses (the head's group), worker 0 waits for its tokens: either lost, the
