@@ -61,6 +61,13 @@ class Generating:
         calls = [(step, tokens, positions), *lanes]
         if any(len(s.specs) != 2 or None in s.feed_slots for s, _, _ in calls):
             raise ShapeError("generate: the captured step must read two feeds, tokens and positions")
+        if sampling.logprobs and (any(len(s.roots) < 3 for s, _, _ in calls) or on_logprobs is None):
+            raise ShapeError(
+                "generate: log-probabilities need a step whose third output is each row's mass, and on_logprobs"
+            )
+        laned = sum(t.shape[0] for _, t, _ in lanes)  # the sequences of the lanes after the first
+        if len(sampling.done) - laned < 1:
+            raise ShapeError(f"generate: lanes of {laned} rows after the first, for {len(sampling.done)} sequences")
         reporter = _reporter([s for s, _, _ in calls], self.n) if lanes else 0
         bounds = [self._bind(s, (t, q)) for s, t, q in calls]
         bound = bounds[0]
@@ -70,17 +77,11 @@ class Generating:
         run = self.ledger.reserve_runs(steps * len(calls) + 1)  # one run id per step and lane, none reused
         feeds, data = p.pack_arrays(fed)
         token_id, position_id = (inputs[slot] for slot in step.feed_slots)
-        if sampling.logprobs and (any(len(b.out_ids) < 3 for b in bounds) or on_logprobs is None):
-            raise ShapeError(
-                "generate: log-probabilities need a step whose third output is each row's mass, and on_logprobs"
-            )
         further = [
             [s.compiled.program, *(b.inputs[slot] for slot in s.feed_slots), *b.out_ids[:2]]
-            + [b.out_ids[2] if sampling.logprobs else -1, len(t)]
+            + [b.out_ids[2] if sampling.logprobs else -1, t.shape[0]]
             for (s, t, _), b in zip(lanes, bounds[1:])
         ]
-        if len(sampling.done) - sum(len(t) for _, t, _ in lanes) < 1:
-            raise ShapeError(f"generate: lanes of {sum(len(t) for _, t, _ in lanes)} rows for {len(sampling.done)}")
         # the board carries token ids only: log-probabilities come in Tokens messages
         board = None if sampling.logprobs else token_board(len(sampling.done), steps)
         if board is not None:

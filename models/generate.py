@@ -114,6 +114,13 @@ class LLM:
         if pool not in self._decode:
             self._decode[pool] = self.net.prepare_decode(self.batch, build=candidates(pool))
             loaded += 1
+        lanes = self.net.lanes(self.batch) if self.pipelined else []
+        for lane in lanes if len(lanes) > 1 else ():  # a batch of every row's prompts goes in these
+            key = (pool, lane.start, len(lane))
+            if key not in self._lanes:
+                build = candidates(pool, on=self.net.head_group)
+                self._lanes[key] = self.net.prepare_decode(len(lane), build, rows_from=lane.start, lane=True)
+                loaded += 1
         return loaded
 
     def prompt_ids(self, prompt: Prompt, chat: bool, system: str = "", template_kwargs=None) -> list[int]:

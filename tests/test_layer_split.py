@@ -164,11 +164,14 @@ def test_generate_and_serve_split_by_layers_give_one_workers_tokens(model):
         assert llm.net.layer_groups.counts == (19, 11)  # the head's work is ~8 of SmolLM2's 30 layers
         (got,) = llm.generate([prompt], 12, stop_at_eos=False)
         assert got.tokens == expected.tokens and len(set(got.tokens)) > 2
-        # two prompts: a lane each, pipelined (workers/pipelined.py), then twice more from the
-        # steps captured the first time
+        # two prompts: a lane each, pipelined (workers/pipelined.py), twice
         assert llm.net.lanes(2) == [range(0, 1), range(1, 2)]
+        llm.warm_up()  # a lane's step for each prompt row, loaded; the generations below run them
+        warmed = dict(llm._lanes)
+        assert sorted(key[1:] for key in warmed) == [(0, 1), (1, 1)]
         for _ in range(2):
             assert [g.tokens for g in llm.generate([prompt, other], 12, stop_at_eos=False)] == [g.tokens for g in both]
+        assert llm._lanes == warmed
         del llm
         batcher = ContinuousBatcher(dev, model, slots=2, ctx=48, split="layer")
         batcher.start()

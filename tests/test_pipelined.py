@@ -181,6 +181,22 @@ def test_a_worker_lost_in_a_pipelined_generation_is_a_typed_error_within_seconds
     assert time.monotonic() - at["killed"] < 5.0
 
 
+def test_lanes_that_leave_the_first_no_sequence_are_refused_before_anything_runs(sim):
+    from split_state.errors import ShapeError
+
+    dev = sim(2)
+    net = TensorParallelLlama(dev, CFG, random_weights(CFG, seed=2).__getitem__, 8, batch=2, layer_groups=GROUPS[2])
+    t, q = np.array([[3], [4]], np.int32), np.zeros((2, 1), np.int32)
+    steps = [
+        net.capture_decode(t[k : k + 1], q[k : k + 1], candidates(4, on=net.head_group), rows_from=k, lane=True)[0]
+        for k in range(2)
+    ]
+    with pytest.raises(ShapeError, match="lanes of 2 rows after the first, for 2 sequences"):
+        dev.generate(steps[0], t[:1], q[:1], 3, _settings(2), lambda k, c: True, lanes=[(steps[1], t, q)])
+    got, _, _ = _generate(dev, GROUPS[2], 2, 3, _settings(2), pipelined=True)  # the device goes on
+    assert len(got) == 3
+
+
 def test_lanes_split_the_rows_one_a_group():
     class Net:
         lanes = TensorParallelLlama.lanes

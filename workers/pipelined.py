@@ -121,7 +121,7 @@ def run_pipelined(
     try:
         for step in range(m.steps):
             stopping = cancel  # the reporter's cancel of the step before ends every lane now
-            chosen_in_step: dict[int, list[int]] = {}
+            asked = False  # whether the reporter has looked for a cancel in this step
             logprob_rows = []
             for k, lane in enumerate(lanes):
                 if ended[k]:
@@ -155,9 +155,8 @@ def run_pipelined(
                     mass = backend.to_host(store.get(lane.sums))
                     table = log_probabilities(values, indices, mass, chosen, wanted[rows.start : rows.stop])
                     logprob_rows.append((lane, table))
-                if not chosen_in_step:  # the step's first message says whether every lane stops after it
-                    cancel = cancel or cancelled()
-                chosen_in_step[k] = chosen
+                if not asked:  # before the step's first message, which says whether every lane stops after it
+                    cancel, asked = cancel or cancelled(), True
                 _record(chosen, rows, done, stop, latest)
                 if step < m.steps - 1:  # under the run id of the lane's next step, which reads it
                     for d in others:
