@@ -171,6 +171,7 @@ class Capturing:
         read: Sequence[int] = (),
         keep: bool = True,
         new_data: Sequence[int] = (),
+        also_read: Sequence[Earlier] = (),
     ) -> list[list[Tensor]]:
         """Run captured steps one after another in one message per worker (RunChain): each
         call is (step, its arguments), and an argument may be an output of an earlier call
@@ -188,10 +189,16 @@ class Capturing:
         successive chunks at once (llama.cpp's pipeline parallelism of a layer split's
         micro-batches). A worker expects no data past the next run of its own (workers/comm.py
         Inbox._take), so chain only steps whose workers hear from one worker at a time, in run
-        order, where runs without exchanges (an embedding) let some run ahead of others."""
+        order, where runs without exchanges (an embedding) let some run ahead of others.
+        `also_read`: outputs of earlier calls that come back with the chain too, and are kept
+        without `keep` (the heads of a prefill's lanes before the last)."""
         if not calls:
             raise ShapeError("chain: give one or more (step, arguments) calls")
         _check_reads(calls[-1][0], read)
+        for ref in also_read:
+            if not 0 <= ref.call < len(calls) - 1:
+                raise ShapeError(f"chain: also_read {ref} names a call before the last of {len(calls)}")
+            _check_reads(calls[ref.call][0], [ref.index])
         if any(not (type(i) is int and 0 <= i < len(calls)) for i in new_data):
             raise ShapeError(f"chain: new data at calls {list(new_data)}, of calls 0..{len(calls) - 1}")
         self._realize([v for _, values in calls for v in values])
@@ -220,10 +227,15 @@ class Capturing:
                 results.append(self._outputs(step, bound, {}))
             last, last_ids = calls[-1][0], outputs[-1][:, 1].tolist()
             states = {last_ids[j]: last.compiled.plan.out_states[j] for j in read}
+            kept = {
+                int(outputs[r.call][r.index, 1]): calls[r.call][0].compiled.plan.out_states[r.index] for r in also_read
+            }
+            states |= kept
             released = self.ledger.pending()
             feeds, data = p.pack_arrays({**fed, **sent})
             frees: list[list[int]] = [[] for _ in calls] if not keep else []
-            dropped = [t for t, at in made_by.items() if at < len(calls) - 1] if not keep else []
+            last_call = len(calls) - 1
+            dropped = [t for t, at in made_by.items() if at < last_call and t not in kept] if not keep else []
             for t in dropped:
                 frees[last_read.get(t, made_by[t])].append(t)
             message = p.RunChain(
@@ -253,18 +265,21 @@ class Capturing:
             raise
         self.last_timings = {d: dict(r.info) for d, r in replies.items()}
         if dropped:  # freed on the workers: their handles are freed ones
-            self._discard(calls[:-1], results[:-1], [])
+            self._discard(calls[:-1], results[:-1], [], kept=kept)
+        handles = {h.node.tensor: h for h in [*results[-1], *(results[r.call][r.index] for r in also_read)]}
         for tensor, value in self._read_back(replies, states).items():
-            for handle in results[-1]:
-                if handle.node.tensor == tensor:
-                    handle.node.host = value
+            if tensor in handles:
+                handles[tensor].node.host = value
         return results
 
-    def _discard(self, calls, results: list[list[Tensor]], fresh: list[int]) -> None:
+    def _discard(self, calls, results: list[list[Tensor]], fresh: list[int], kept=()) -> None:
         """The outputs of a chain that failed: a chain that failed part way stored some of
-        them, released with the next message; their handles (never handed out) let go."""
+        them, released with the next message; their handles (never handed out) let go. Or
+        those a chain without `keep` freed on the workers, but for the `kept` tensors."""
         for (step, _), handles in zip(calls, results):
             for j in step.made:
+                if handles[j].node.tensor in kept:
+                    continue
                 handles[j].node.finalizer.detach()
                 handles[j].node.tensor = handles[j].node.state = None
         self.ledger.release(fresh)

@@ -395,8 +395,13 @@ class ContinuousBatcher:
         logits = slot.ticket.job.top_logprobs is not None and len(chunks[0]) == len(slot.pending)
         # POOL candidates whatever the job's sampling, cut to its pool when chosen (as a decode
         # step's are): one prefill step per length (and slots) serves every slot and request
+        lanes = self.pipelined and not logits and self.net.prefills_in_lanes(chunks, slot.position)
         try:
-            values, indices, *whole = self.net.prefill(chunks, slot.position, POOL, logits=logits, slot=group[0])
+            if lanes:  # several new prompts on groups of one worker: in lanes, as they decode
+                values, indices = self.net.prefill_in_lanes(chunks, POOL, first_row=group[0])
+            else:
+                values, indices, *whole = self.net.prefill(chunks, slot.position, POOL, logits=logits, slot=group[0])
+                values, indices = values.numpy(), indices.numpy()
         except (TransportError, ConsistencyError) as exc:  # the cluster's failure: the jobs are told now
             for i in group:
                 self.slots[i].ticket.put(Finished("error", f"{type(exc).__name__}: {exc}"))
@@ -407,7 +412,6 @@ class ContinuousBatcher:
             self._finish(group[0], slot.ticket, "error", f"{type(exc).__name__}: {exc}")
             return True
         self.counters.prefill_steps += 1
-        values, indices = values.numpy(), indices.numpy()
         for row, (i, chunk) in enumerate(zip(group, chunks)):
             joined = self.slots[i]
             self.counters.prompt_tokens += len(chunk)

@@ -867,6 +867,42 @@ class TensorParallelLlama:
         # residual between layers is freed after the layer that reads it
         return self.dev.chain(calls, read=range(3 if logits else 2), keep=False, new_data=starts)[-1]
 
+    def prefills_in_lanes(self, prompts: Sequence[Sequence[int]], start: int) -> bool:
+        """Whether prefill_in_lanes takes these prompts: new ones (from position 0, each within a
+        chunk), several, where each layer group is one worker (its chain's condition, `prefill`)."""
+        groups = self.layer_groups
+        return (
+            groups is not None
+            and groups.size == 1
+            and start == 0
+            and len(self.lanes(len(prompts))) > 1
+            and max(len(p) for p in prompts) <= PREFILL_CHUNK
+        )
+
+    def prefill_in_lanes(self, prompts: Sequence[Sequence[int]], pool: int, first_row: int = 0):
+        """New prompts (prefills_in_lanes) into the caches' rows `first_row`, ... in lanes
+        (`lanes`): each lane's embedding, layers and head after the one before in one chain, the
+        heads' candidates left on the head's group, so the groups work on successive lanes at
+        once, as on a long prompt's chunks (one step of every prompt: each group waits for the
+        one before). Each prompt's row is written and read as a slot's first chunk alone would
+        be. Returns the top `pool` (values, indices) of each prompt's next token, read back:
+        host arrays of (prompts, 1, pool)."""
+        calls: list[tuple[Step, tuple]] = []
+        starts, heads = [], []
+        for lane in self.lanes(len(prompts)):
+            starts.append(len(calls))
+            rows = [prompts[b] for b in lane]
+            calls += self._prefill_calls(rows, 0, pool, False, first_row + lane.start, True, len(calls), lane=True)
+            heads.append(len(calls) - 1)
+        results = self.dev.chain(
+            calls,
+            read=(0, 1),
+            keep=False,
+            new_data=starts,
+            also_read=[Earlier(h, j) for h in heads[:-1] for j in (0, 1)],
+        )
+        return tuple(np.concatenate([results[h][j].numpy() for h in heads]) for j in (0, 1))
+
     def _prefill_calls(
         self,
         prompts: Sequence[Sequence[int]],
@@ -876,10 +912,11 @@ class TensorParallelLlama:
         slot: int | None,
         head: bool,
         first: int,
+        lane: bool = False,
     ) -> list[tuple[Step, tuple]]:
         """The calls of a chain (MetaDevice.chain) prefilling one chunk of each prompt from
         position `start`: the embedding, each layer, and with `head` the head; `first`: the
-        index in the chain of the first of them."""
+        index in the chain of the first of them; `lane`: a lane's (prefill_in_lanes)."""
         rows_fed = self.batch if slot is None else len(prompts)
         longest = max(len(p) for p in prompts)
         t = padded_length(longest, self.ctx - start)
@@ -889,7 +926,7 @@ class TensorParallelLlama:
             tokens[b, : len(prompt)] = prompt
             rows[b] = b * t + max(len(prompt), 1) - 1
         positions = np.tile(np.arange(start, start + t, dtype=np.int32), (rows_fed, 1))
-        key = (t, pool, logits, 0 if slot is None else rows_fed, slot is not None and start == 0)
+        key = (t, pool, logits, 0 if slot is None else rows_fed, slot is not None and start == 0, lane)
         chain = self._prefills.pop(key, None) or self._prefill_chain(*key)
         self._keep_prefill(key, chain)
         dev = self.dev
@@ -905,7 +942,9 @@ class TensorParallelLlama:
             calls.append((chain.head, (Earlier(first + len(calls) - 1, 0), rows)))
         return calls
 
-    def _prefill_chain(self, t: int, pool: int, logits: bool, slots: int, fresh: bool = False) -> PrefillChain:
+    def _prefill_chain(
+        self, t: int, pool: int, logits: bool, slots: int, fresh: bool = False, lane: bool = False
+    ) -> PrefillChain:
         """The steps of a prefill of `t` tokens a row, planned, compiled and loaded on the
         workers (not run): the embedding, one step per kind of layer (its weights' shapes,
         states and formats: every layer of SmolLM2 is one kind), the head. `slots`: 0 for every
@@ -935,7 +974,7 @@ class TensorParallelLlama:
             state = kinds[kind].compiled.plan.out_states[0]  # the residual's: Partial over 2 or more devices
             if state != x.state:
                 x = dev.placeholder(x.shape, x.dtype, state)
-        head = dev.prepare(self._head_graph(pool, logits), x, np.zeros(rows_fed, np.int32))
+        head = dev.prepare(self._head_graph(pool, logits, lane), x, np.zeros(rows_fed, np.int32))
         return PrefillChain(embed, layers, head)
 
     def _embed_graph(self, fresh: bool = False):
@@ -967,12 +1006,14 @@ class TensorParallelLlama:
 
         return graph
 
-    def _head_graph(self, pool: int, logits: bool):
-        """(x, the rows of the last tokens) -> [the top `pool` (values, indices), with `logits` the logits]."""
+    def _head_graph(self, pool: int, logits: bool, lane: bool = False):
+        """(x, the rows of the last tokens) -> [the top `pool` (values, indices), with `logits`
+        the logits]; with `lane` (prefill_in_lanes) the candidates stay on the head's group."""
 
         def graph(x: Tensor, rows: Tensor) -> list[Tensor]:
             out = self._head(x, rows)
-            return [*self._everywhere(out.top_k(pool)), *([out] if logits else [])]
+            candidates = list(out.top_k(pool))
+            return [*(candidates if lane else self._everywhere(candidates)), *([out] if logits else [])]
 
         return graph
 
@@ -992,13 +1033,13 @@ class TensorParallelLlama:
         padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
         loaded = 0
         for t in reversed(padded[-PREFILL_STEPS:]):  # the longest first: it sizes the arena the others bind to
-            key = (t, pool, False, int(slots), slots)  # a slot's prompt from position 0: its first chunk
+            key = (t, pool, False, int(slots), slots, False)  # a slot's prompt from position 0: its first chunk
             if key in self._prefills:
                 continue
             self._keep_prefill(key, self._prefill_chain(*key))
             loaded += 1
         for t in padded[-PREFILL_STEPS:]:  # the longest (a long prompt's chunks) the last to go
-            key = (t, pool, False, int(slots), slots)
+            key = (t, pool, False, int(slots), slots, False)
             if key in self._prefills:
                 self._prefills[key] = self._prefills.pop(key)
         return loaded

@@ -37,6 +37,18 @@ def test_layer_groups_are_checked_and_spread_the_layers_in_runs():
         LayerGroups.even(3, 2)
 
 
+def _counted(obj, name: str) -> list[int]:
+    """Each call's count of prompts to obj.name (first argument), as it is called."""
+    calls, method = [], getattr(obj, name)
+
+    def counting(prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return method(prompts, *args, **kwargs)
+
+    setattr(obj, name, counting)
+    return calls
+
+
 def _most_cost(counts, costs, head) -> int:
     """The busiest group's cost with `counts` layers a group, the head on the last."""
     bounds = np.cumsum([0, *counts])
@@ -168,10 +180,11 @@ def test_generate_and_serve_split_by_layers_give_one_workers_tokens(model):
         assert llm.net.lanes(2) == [range(0, 1), range(1, 2)]
         llm.warm_up()  # a lane's step for each prompt row, loaded; the generations below run them
         warmed = dict(llm._lanes)
+        in_lanes = _counted(llm.net, "prefill_in_lanes")
         assert sorted(key[1:] for key in warmed) == [(0, 1), (1, 1)]
         for _ in range(2):
             assert [g.tokens for g in llm.generate([prompt, other], 12, stop_at_eos=False)] == [g.tokens for g in both]
-        assert llm._lanes == warmed
+        assert llm._lanes == warmed and in_lanes == [2, 2]  # the prompts went in lanes too
         del llm
         batcher = ContinuousBatcher(dev, model, slots=2, ctx=48, split="layer")
         batcher.start()
@@ -186,9 +199,10 @@ def test_generate_and_serve_split_by_layers_give_one_workers_tokens(model):
 
 
 def test_a_servers_batch_split_by_layers_decodes_in_lanes_with_each_jobs_own_tokens(model):
-    """Two jobs served together on two groups of one worker: a lane each (the steps of rows 0
-    and 1 captured apart, workers/pipelined.py), each job's tokens those it gets alone on one
-    worker, greedy and sampled (its own generator), and with log-probabilities."""
+    """Three jobs served together on two groups of one worker: rows 0-1 and 2 in two lanes (their
+    steps captured apart, workers/pipelined.py), the first two prompts prefilled in lanes too,
+    each job's tokens those it gets alone on one worker, greedy and sampled (its own generator),
+    and with log-probabilities."""
     from meta import MetaDevice
     from models.batching import ContinuousBatcher, Job, Token
     from models.generate import LLM
@@ -205,10 +219,12 @@ def test_a_servers_batch_split_by_layers_decodes_in_lanes_with_each_jobs_own_tok
         one.close()
     dev = MetaDevice(SimulatedCluster(2))
     try:
-        batcher = ContinuousBatcher(dev, model, slots=2, ctx=48, split="layer")
+        batcher = ContinuousBatcher(dev, model, slots=3, ctx=48, split="layer")
+        in_lanes = _counted(batcher.net, "prefill_in_lanes")
         jobs = [
-            Job(tuple(greedy.prompt_tokens), 10, Sampling(), stop_at_eos=False, top_logprobs=2),
+            Job(tuple(greedy.prompt_tokens), 10, Sampling(), stop_at_eos=False),
             Job(tuple(drawn.prompt_tokens), 10, sampled, stop_at_eos=False),
+            Job(tuple(greedy.prompt_tokens), 10, Sampling(), stop_at_eos=False, top_logprobs=2),
         ]
         tickets = [batcher.submit(job) for job in jobs]  # both queued before the batcher runs
         batcher.start()
@@ -216,12 +232,14 @@ def test_a_servers_batch_split_by_layers_decodes_in_lanes_with_each_jobs_own_tok
             served = [[e for e in t.stream(timeout=120) if isinstance(e, Token)] for t in tickets]
         finally:
             batcher.stop()
-        assert {key[:2] for key in batcher._decodes if key[-1]} == {(0, 1), (1, 1)}  # a step for each lane
+        assert {key[:2] for key in batcher._decodes if key[-1]} >= {(0, 2), (2, 1)}  # a step for each lane
+        assert in_lanes == [2]  # the first two prompts joined in one prefill, in lanes (the third asks for logits)
         assert batcher.counters.decode_steps >= 9
     finally:
         dev.close()
     assert [e.token for e in served[0]] == greedy.tokens and [e.token for e in served[1]] == drawn.tokens
-    assert all(e.logprob is not None and len(e.top) == 2 for e in served[0])
+    assert [e.token for e in served[2]] == greedy.tokens
+    assert all(e.logprob is not None and len(e.top) == 2 for e in served[2])
 
 
 def test_split_options_are_checked_before_any_weight_moves(sim):
