@@ -398,7 +398,7 @@ class ContinuousBatcher:
         lanes = self.pipelined and not logits and self.net.prefills_in_lanes(chunks, slot.position)
         try:
             if lanes:  # several new prompts on groups of one worker: in lanes, as they decode
-                values, indices = self.net.prefill_in_lanes(chunks, POOL, first_row=group[0])
+                values, indices = self.net.prefill_in_lanes(chunks, POOL, first_row=group[0], slots=True)
             else:
                 values, indices, *whole = self.net.prefill(chunks, slot.position, POOL, logits=logits, slot=group[0])
                 values, indices = values.numpy(), indices.numpy()

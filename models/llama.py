@@ -879,20 +879,23 @@ class TensorParallelLlama:
             and max(len(p) for p in prompts) <= PREFILL_CHUNK
         )
 
-    def prefill_in_lanes(self, prompts: Sequence[Sequence[int]], pool: int, first_row: int = 0):
+    def prefill_in_lanes(self, prompts: Sequence[Sequence[int]], pool: int, first_row: int = 0, slots: bool = False):
         """New prompts (prefills_in_lanes) into the caches' rows `first_row`, ... in lanes
         (`lanes`): each lane's embedding, layers and head after the one before in one chain, the
         heads' candidates left on the head's group, so the groups work on successive lanes at
         once, as on a long prompt's chunks (one step of every prompt: each group waits for the
-        one before). Each prompt's row is written and read as a slot's first chunk alone would
-        be. Returns the top `pool` (values, indices) of each prompt's next token, read back:
-        host arrays of (prompts, 1, pool)."""
+        one before). Each row's arithmetic is that of the step it replaces: `prefill`'s of
+        every row (its keys and values written into the caches, attention reading them back),
+        or with `slots` that of slots' first chunks (attention over their own keys and values,
+        as a server admits prompts). Returns the top `pool` (values, indices) of each prompt's
+        next token, read back: host arrays of (prompts, 1, pool)."""
         calls: list[tuple[Step, tuple]] = []
         starts, heads = [], []
         for lane in self.lanes(len(prompts)):
             starts.append(len(calls))
-            rows = [prompts[b] for b in lane]
-            calls += self._prefill_calls(rows, 0, pool, False, first_row + lane.start, True, len(calls), lane=True)
+            rows, at = [prompts[b] for b in lane], first_row + lane.start
+            where = (at, True) if slots else (None, (at, len(lane)))
+            calls += self._prefill_calls(rows, 0, pool, False, where[0], True, len(calls), lane=where[1])
             heads.append(len(calls) - 1)
         results = self.dev.chain(
             calls,
@@ -912,12 +915,13 @@ class TensorParallelLlama:
         slot: int | None,
         head: bool,
         first: int,
-        lane: bool = False,
+        lane: tuple[int, int] | bool | None = None,
     ) -> list[tuple[Step, tuple]]:
         """The calls of a chain (MetaDevice.chain) prefilling one chunk of each prompt from
         position `start`: the embedding, each layer, and with `head` the head; `first`: the
-        index in the chain of the first of them; `lane`: a lane's (prefill_in_lanes)."""
-        rows_fed = self.batch if slot is None else len(prompts)
+        index in the chain of the first of them; `lane`: a lane's (prefill_in_lanes): True for
+        slots', else (first row, rows) of the caches."""
+        rows_fed = len(prompts) if slot is not None or lane else self.batch
         longest = max(len(p) for p in prompts)
         t = padded_length(longest, self.ctx - start)
         tokens = np.zeros((rows_fed, t), np.int32)
@@ -926,7 +930,7 @@ class TensorParallelLlama:
             tokens[b, : len(prompt)] = prompt
             rows[b] = b * t + max(len(prompt), 1) - 1
         positions = np.tile(np.arange(start, start + t, dtype=np.int32), (rows_fed, 1))
-        key = (t, pool, logits, 0 if slot is None else rows_fed, slot is not None and start == 0, lane)
+        key = (t, pool, logits, 0 if slot is None else rows_fed, slot is not None and start == 0, lane or None)
         chain = self._prefills.pop(key, None) or self._prefill_chain(*key)
         self._keep_prefill(key, chain)
         dev = self.dev
@@ -943,14 +947,17 @@ class TensorParallelLlama:
         return calls
 
     def _prefill_chain(
-        self, t: int, pool: int, logits: bool, slots: int, fresh: bool = False, lane: bool = False
+        self, t: int, pool: int, logits: bool, slots: int, fresh: bool = False, lane: tuple[int, int] | None = None
     ) -> PrefillChain:
         """The steps of a prefill of `t` tokens a row, planned, compiled and loaded on the
         workers (not run): the embedding, one step per kind of layer (its weights' shapes,
         states and formats: every layer of SmolLM2 is one kind), the head. `slots`: 0 for every
         row of the caches, else the rows of that many slots from a fed one. `fresh`: slots'
-        first chunks (from position 0), whose attention reads their own keys and values (_layer)."""
-        slotted, rows_fed = slots > 0, slots or self.batch
+        first chunks (from position 0), whose attention reads their own keys and values (_layer).
+        `lane`: a lane's (prefill_in_lanes), its head's candidates left on the head's group; of
+        slots, or (first row, rows) of the caches."""
+        rows_from, rows = lane if isinstance(lane, tuple) else (0, 0)
+        slotted, rows_fed = slots > 0, slots or rows or self.batch
         tokens = np.zeros((rows_fed, t), np.int32)
         positions = np.tile(np.arange(t, dtype=np.int32), (rows_fed, 1))
         dev = self.dev
@@ -968,13 +975,13 @@ class TensorParallelLlama:
             kind = (tuple(formats.values()), x.state, windowed, *((a.shape, a.node.dtype, a.state) for a in held))
             if kind not in kinds:
                 mask = masks[self.mask_kinds.index(windowed)]
-                graph = self._layer_graph(formats, i, fresh)
+                graph = self._layer_graph(formats, i, fresh, rows_from)
                 kinds[kind] = dev.prepare(graph, x, positions, mask, *held, *slot)
             layers.append(kinds[kind])
             state = kinds[kind].compiled.plan.out_states[0]  # the residual's: Partial over 2 or more devices
             if state != x.state:
                 x = dev.placeholder(x.shape, x.dtype, state)
-        head = dev.prepare(self._head_graph(pool, logits, lane), x, np.zeros(rows_fed, np.int32))
+        head = dev.prepare(self._head_graph(pool, logits, lane is not None), x, np.zeros(rows_fed, np.int32))
         return PrefillChain(embed, layers, head)
 
     def _embed_graph(self, fresh: bool = False):
@@ -987,12 +994,13 @@ class TensorParallelLlama:
 
         return graph
 
-    def _layer_graph(self, formats: dict[str, str | None], layer: int, fresh: bool = False):
+    def _layer_graph(self, formats: dict[str, str | None], layer: int, fresh: bool = False, rows_from: int = 0):
         """(x, positions, mask, *a layer's weights, cache K, cache V[, slot]) -> [x after the layer,
         the caches written in place], for a layer of the kind of layer `layer` (its rope, its
         window). The residual stays as the planner leaves it between layers (Partial over
         several devices: each adds its share, one all-reduce before each norm), the same sums in
-        the same order as one program of every layer."""
+        the same order as one program of every layer. `rows_from`: x's rows are the caches'
+        from there on (a lane's: prefill_in_lanes)."""
         names = self._layer_names
         count = len(names)
 
@@ -1000,7 +1008,7 @@ class TensorParallelLlama:
             weights = dict(zip(names, rest[:count]))
             cache_k, cache_v, *slot = rest[count:]
             x, cache_k, cache_v = self._layer(
-                weights, formats, x, pos, mask, cache_k, cache_v, *slot, layer=layer, fresh=fresh
+                weights, formats, x, pos, mask, cache_k, cache_v, *slot, layer=layer, fresh=fresh, rows_from=rows_from
             )
             return [x, cache_k, cache_v]
 
@@ -1033,13 +1041,13 @@ class TensorParallelLlama:
         padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
         loaded = 0
         for t in reversed(padded[-PREFILL_STEPS:]):  # the longest first: it sizes the arena the others bind to
-            key = (t, pool, False, int(slots), slots, False)  # a slot's prompt from position 0: its first chunk
+            key = (t, pool, False, int(slots), slots, None)  # a slot's prompt from position 0: its first chunk
             if key in self._prefills:
                 continue
             self._keep_prefill(key, self._prefill_chain(*key))
             loaded += 1
         for t in padded[-PREFILL_STEPS:]:  # the longest (a long prompt's chunks) the last to go
-            key = (t, pool, False, int(slots), slots, False)
+            key = (t, pool, False, int(slots), slots, None)
             if key in self._prefills:
                 self._prefills[key] = self._prefills.pop(key)
         return loaded

@@ -242,6 +242,37 @@ def test_a_servers_batch_split_by_layers_decodes_in_lanes_with_each_jobs_own_tok
     assert all(e.logprob is not None and len(e.top) == 2 for e in served[2])
 
 
+def test_prompts_prefilled_in_lanes_repeat_the_step_they_replace_bit_for_bit(model):
+    """The SmolLM2 file (8-bit activations, integer products: a row's sums do not depend on
+    the rows beside it) on two groups of one worker: prefill_in_lanes gives the candidates of
+    `prefill` of every row (keys and values through the float16 caches) or, with `slots`, of
+    the slots' first chunks (attention over their own keys and values), bit for bit. The two
+    ways differ on a 45-token prompt: a lane of the wrong one fails."""
+    from bench.hosts import PROMPT
+    from meta import MetaDevice
+    from models.loading import place_model
+    from workers.simulator import SimulatedCluster
+
+    prompts = [model.tokenizer.encode(p) for p in (PROMPT, "Once upon a time", PROMPT[:100])]
+    got = {}
+    for how in ("rows", "rows in lanes", "slots", "slots in lanes"):
+        dev = MetaDevice(SimulatedCluster(2))
+        try:
+            net = place_model(dev, model, 64, 4, split="layer")
+            if how == "rows":
+                values = net.prefill(prompts, 0, 8)[0].numpy()[:3]
+            elif how == "slots":
+                values = net.prefill(prompts, 0, 8, slot=1)[0].numpy()
+            else:
+                values, _ = net.prefill_in_lanes(prompts, 8, first_row=how == "slots in lanes", slots="slots" in how)
+            got[how] = values
+        finally:
+            dev.close()
+    np.testing.assert_array_equal(got["rows in lanes"], got["rows"])
+    np.testing.assert_array_equal(got["slots in lanes"], got["slots"])
+    assert not np.array_equal(got["rows"], got["slots"])
+
+
 def test_split_options_are_checked_before_any_weight_moves(sim):
     from models.errors import ModelError
     from models.loading import layer_groups_for

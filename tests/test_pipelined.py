@@ -197,23 +197,28 @@ def test_lanes_that_leave_the_first_no_sequence_are_refused_before_anything_runs
     assert len(got) == 3
 
 
-@pytest.mark.parametrize("n, first_row", [(2, 0), (3, 1)])
-def test_prompts_prefilled_in_lanes_give_the_one_steps_candidates_and_caches(sim, n, first_row):
-    """prefill_in_lanes against the same prompts in one slotted step (each row as its slot's
-    first chunk alone): the candidates, and a decode step after reads the same caches (float32
-    products over a lane's rows may round apart from those over all rows: to 1e-6)."""
+@pytest.mark.parametrize("n, first_row, slots", [(2, 0, False), (3, 0, False), (2, 0, True), (3, 1, True)])
+def test_prompts_prefilled_in_lanes_give_the_one_steps_candidates_and_caches(sim, n, first_row, slots):
+    """prefill_in_lanes against the step it replaces: every row's (`prefill` of the batch, its
+    caches written and read back) or slots' first chunks (one slotted step, each row attending
+    to its own keys and values); the candidates, and a decode step after reads the same caches
+    (float32 products over a lane's rows may round apart from those over all rows: to 1e-6;
+    tests/test_layer_split.py holds the SmolLM2 file's integer products to them bit for bit)."""
     prompts = [[3, 5, 7], [9, 11], [13, 15, 17, 19], [2]]
     got, weights = [], random_weights(CFG, seed=6)
+    batch = 4 if not slots else 5
     for lanes in (False, True):
         dev = sim(n)
-        net = TensorParallelLlama(dev, CFG, weights.__getitem__, 32, batch=5, layer_groups=GROUPS[n])
+        net = TensorParallelLlama(
+            dev, CFG, weights.__getitem__, 32, batch=batch, layer_groups=GROUPS[n], cache_types=("f16", "f16")
+        )
         if lanes:
             assert net.prefills_in_lanes(prompts, 0) and not net.prefills_in_lanes(prompts, 1)
-            values, indices = net.prefill_in_lanes(prompts, 8, first_row=first_row)
+            values, indices = net.prefill_in_lanes(prompts, 8, first_row=first_row, slots=slots)
         else:
-            values, indices = (t.numpy() for t in net.prefill(prompts, 0, 8, slot=first_row))
+            values, indices = (t.numpy() for t in net.prefill(prompts, 0, 8, slot=first_row if slots else None))
         rows = slice(first_row, first_row + 4)
-        tokens, positions = np.zeros((5, 1), np.int32), np.zeros((5, 1), np.int32)
+        tokens, positions = np.zeros((batch, 1), np.int32), np.zeros((batch, 1), np.int32)
         tokens[rows, 0], positions[rows, 0] = [1, 2, 3, 4], [3, 2, 4, 1]
         got.append((values, indices, net.step(tokens, positions).numpy()[rows]))
     (v0, i0, after0), (v1, i1, after1) = got
