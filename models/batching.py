@@ -79,6 +79,8 @@ DRIVEN_REPORT_S = 0.02
 # 0.48-0.58 ms of CPU a token of one stream (~7 ms a token), 0.33-0.43 woken 20 times a second (as
 # generate reports its tokens)
 READER_WAKE_S = 0.05
+
+
 # a free row of a step the workers drive: greedy over one candidate, its tokens nobody's
 _DUMMY_ROW = OwnChoice(Rule(), tuple(generator_state(np.random.default_rng(0))), 1)
 
@@ -262,7 +264,7 @@ class ContinuousBatcher:
             for pool in (POOL, 1):
                 lanes = self._lanes(rows)
                 for lane in lanes:
-                    key = (lane.start, len(lane), False, pool, len(lanes) > 1)
+                    key = _step_key(lane, lanes, False, pool)
                     if key not in self._decodes:
                         build = self._candidates(pool, False, lanes)
                         self._decodes[key] = self.net.prepare_decode(
@@ -477,8 +479,7 @@ class ContinuousBatcher:
             t, p = tokens[lane.start : lane.stop], positions[lane.start : lane.stop]
             if decode is None:
                 build = self._candidates(pool, mass, lanes)
-                key = (lane.start, len(lane), mass, pool, len(lanes) > 1)
-                self._decodes[key], (values, indices, *rest) = self.net.capture_decode(
+                self._decodes[_step_key(lane, lanes, mass, pool)], (values, indices, *rest) = self.net.capture_decode(
                     t, p, build=build, rows_from=lane.start, lane=len(lanes) > 1
                 )
             else:
@@ -600,7 +601,7 @@ class ContinuousBatcher:
 
     def _steps(self, lanes: list[range], mass: bool, pool: int) -> list:
         """Each lane's captured decode step, None where it is not captured yet."""
-        return [self._decodes.get((lane.start, len(lane), mass, pool, len(lanes) > 1)) for lane in lanes]
+        return [self._decodes.get(_step_key(lane, lanes, mass, pool)) for lane in lanes]
 
     def _candidates(self, pool: int, mass: bool, lanes: list[range]):
         """A decode step's results: on every worker, or a lane's on the head's group."""
@@ -701,3 +702,9 @@ class ContinuousBatcher:
                 ticket.wake_reader()
             else:
                 self._unwoken[ticket] = False
+
+
+def _step_key(lane: range, lanes: list[range], mass: bool, pool: int) -> tuple[int, int, bool, int, bool]:
+    """A captured decode step's key (ContinuousBatcher._decodes): its rows, with the normalizer,
+    its candidates, and whether it is a lane's (its results on the head's group)."""
+    return (lane.start, len(lane), mass, pool, len(lanes) > 1)
