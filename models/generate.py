@@ -116,7 +116,7 @@ class LLM:
             loaded += 1
         lanes = self.net.lanes(self.batch) if self.pipelined else []
         for lane in lanes if len(lanes) > 1 else ():  # a batch of every row's prompts goes in these
-            key = (pool, lane.start, len(lane))
+            key = _lane_key(pool, lane)
             if key not in self._lanes:
                 build = candidates(pool, on=self.net.head_group)
                 self._lanes[key] = self.net.prepare_decode(len(lane), build, rows_from=lane.start, lane=True)
@@ -247,7 +247,7 @@ class LLM:
     def _captured(self, lanes: list[range], pool: int) -> bool:
         if len(lanes) == 1:
             return pool in self._decode
-        return all((pool, lane.start, len(lane)) in self._lanes for lane in lanes)
+        return all(_lane_key(pool, lane) in self._lanes for lane in lanes)
 
     def _steps_of(self, tokens, positions, pool: int, lanes: list[range]):
         """(captured step or None, fed tokens, fed positions) of each lane: one step of every
@@ -261,7 +261,7 @@ class LLM:
         tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
         return [
             (
-                self._lanes.get((pool, lane.start, len(lane))),
+                self._lanes.get(_lane_key(pool, lane)),
                 tokens[lane.start : lane.stop, None],
                 positions[lane.start : lane.stop, None],
             )
@@ -292,13 +292,18 @@ class LLM:
                 self._decode[pool], (values, indices, *_) = self.net.capture_decode(t, p, build=candidates(pool))
             else:
                 build = candidates(pool, on=self.net.head_group)
-                key = (pool, lane.start, len(lane))
+                key = _lane_key(pool, lane)
                 self._lanes[key], (values, indices, *_) = self.net.capture_decode(
                     t, p, build=build, rows_from=lane.start, lane=True
                 )
             v, i = values.numpy(), indices.numpy()
             picks += [(v[b, 0], i[b, 0]) for b in range(len(lane))]
         return picks
+
+
+def _lane_key(pool: int, lane: range) -> tuple[int, int, int]:
+    """A lane's captured decode step's key (LLM._lanes): its candidates and its rows."""
+    return (pool, lane.start, len(lane))
 
 
 def _shown(prompt: Prompt) -> str:

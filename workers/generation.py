@@ -57,7 +57,7 @@ def run_generation(
     sampling = m.sampling  # checked as it was decoded (transport.protocol.GenerateSettings)
     done, stop, rule = list(sampling.done), set(sampling.stop), sampling.rule
     rng = restore_generator(sampling.rng)
-    choosers = _choosers(sampling, rng)
+    choosers = choosers_of(sampling, rng)
     recent = [
         collections.deque(r, maxlen=c.rule.penalized) for r, c in zip(sampling.recent or [()] * len(done), choosers)
     ]
@@ -83,7 +83,7 @@ def run_generation(
     steps = 0
     cancel = False
     run_step = executor.repeated(m.program, m.run, m.inputs, m.outputs, runs=m.steps)  # checked and bound once
-    board = _board(sampling.board, count) if rank == 0 and not sampling.logprobs else None
+    board = attached_board(sampling.board, count) if rank == 0 and not sampling.logprobs else None
     report = Reports(emit, interval, board, executor.collective_timeout)
     if board is not None:  # the coordinator writes the board's cancel word when it sends a Cancel
         cancelled = board.is_cancelled
@@ -196,7 +196,7 @@ class _Chooser:
     pool: int | None  # the first `pool` candidates; None: all of them
 
 
-def _choosers(sampling: p.GenerateSettings, shared: np.random.Generator) -> list[_Chooser]:
+def choosers_of(sampling: p.GenerateSettings, shared: np.random.Generator) -> list[_Chooser]:
     """Each sequence's rule, generator and pool: its own (`own`), or the shared rule over every
     candidate with the one generator, drawn from in sequence order."""
     if sampling.own:
@@ -259,7 +259,7 @@ class Reports:
             self.sent_at = time.monotonic()
 
 
-def _board(path, count: int) -> TokenBoard | None:
+def attached_board(path, count: int) -> TokenBoard | None:
     """The coordinator's token board, or None: none offered, or not one this worker can map (its
     coordinator on another host): then the tokens go in Tokens messages."""
     if not path:

@@ -36,7 +36,7 @@ from split_state.errors import ProtocolError
 from split_state.sampling import choose, generator_state, restore_generator
 from transport import protocol as p
 from transport.deadline import Deadline
-from workers.generation import STOP_TAG, Reports, _board, _choosers, log_probabilities
+from workers.generation import STOP_TAG, Reports, attached_board, choosers_of, log_probabilities
 
 TOKENS_TAG = STOP_TAG  # the step tag of a lane's tokens message: no program has that many steps
 
@@ -93,7 +93,7 @@ def run_pipelined(
     count, width = len(m.sampling.done), len(lanes)
     sampling = m.sampling
     done, stop = list(sampling.done), set(sampling.stop)
-    choosers = _choosers(sampling, restore_generator(sampling.rng))
+    choosers = choosers_of(sampling, restore_generator(sampling.rng))
     recent = [collections.deque(r, maxlen=c.rule.penalized) for r, c in zip(sampling.recent or [()] * count, choosers)]
     wanted = sampling.logprobs
     reporting = server.rank == m.reporter
@@ -109,7 +109,7 @@ def run_pipelined(
         executor.repeated(lane.program, m.run + k, lane.inputs, lane.outputs, runs=m.steps)
         for k, lane in enumerate(lanes)
     ]
-    board = _board(sampling.board, count) if reporting and not wanted else None
+    board = attached_board(sampling.board, count) if reporting and not wanted else None
     report = Reports(emit, sampling.report_s, board, timeout)
     if board is not None:
         cancelled = board.is_cancelled
