@@ -19,9 +19,10 @@ Bandwidth is algorithm bandwidth: tensor bytes / time.
 (127.0.0.1 and 127.0.0.2: the coordinator spawns ranks 0 and 1, ranks 2 and 3 join with
 `launch.py worker --advertise 127.0.0.2`), the small all-reduce host by host with the step inside
 each host through shared memory (the default), the same over TCP, and direct; beside its floor:
-the raw socket exchange of the leaders' messages (a host's 2 contributions, 2 processes) plus the
-shared-memory all-reduce of 2 workers on the shm plane (the gather and the hand-back inside a
-host). All 4 workers share this machine's cores, which two real hosts would not.
+the raw socket exchange of one contribution (2 processes: what crosses between hosts each way
+for a worker) plus the shared-memory all-reduce of 2 workers on the shm plane at twice the size
+(a host's step: each worker's post holds its own contribution and the one it relays). All 4
+workers share this machine's cores, which two real hosts would not.
 """
 
 from __future__ import annotations
@@ -351,10 +352,10 @@ def across_hosts(sizes: tuple[int, ...] = (4 << 10, 16 << 10), runs: int = 7, ro
             row[f"{name} rounds"] = times[name, row["bytes"]]
     with MetaDevice(ProcessCluster(ClusterConfig(workers=2, data_plane="shm"))) as dev:
         wait_until_prepared(dev)
-        for row in rows:
-            row["shm_2_us"] = ours(dev, "all_reduce", row["bytes"], 20, runs) * 1e6
-    for row in rows:
-        row["tcp_2_us"] = raw_all_reduce(2, 2 * row["bytes"], 200, runs, sockets=True) * 1e6
+        for row in rows:  # a host's step: posts of two contributions (a worker's own and the one it relays)
+            row["shm_2_us"] = ours(dev, "all_reduce", 2 * row["bytes"], 20, runs) * 1e6
+    for row in rows:  # between hosts: one contribution each way
+        row["tcp_2_us"] = raw_all_reduce(2, row["bytes"], 200, runs, sockets=True) * 1e6
         row["floor_us"] = row["tcp_2_us"] + row["shm_2_us"]
         row["ratio"] = row["host by host, shm inside"] / row["floor_us"]
     return rows
@@ -364,8 +365,8 @@ def show_across_hosts(rows: list[dict]) -> None:
     print(
         table(
             "small all-reduce, 2 hosts x 2 workers on the tcp plane (us, median; floor = raw socket exchange "
-            "of 2 contributions between 2 processes + shm all-reduce of 2 workers)",
-            ["size", *HOST_STEPS, "raw tcp x2", "shm of 2", "floor", "shm inside / floor"],
+            "of a contribution between 2 processes + shm all-reduce of 2 workers' posts of 2 contributions)",
+            ["size", *HOST_STEPS, "raw tcp", "shm of 2 x 2", "floor", "shm inside / floor"],
             [
                 [human_bytes(r["bytes"]), *(r[name] for name in HOST_STEPS)]
                 + [r["tcp_2_us"], r["shm_2_us"], r["floor_us"], r["ratio"]]

@@ -180,14 +180,13 @@ def test_the_bound_all_reduce_sums_in_rank_order(tcp_comms, n):
 
 
 @pytest.mark.parametrize("step", ["shm", "tcp"])
-@pytest.mark.parametrize("hosts", [[1, 1, 2, 2], [1, 2, 1, 3, 2]], ids=["2x2", "2+2+1"])
+@pytest.mark.parametrize("hosts", [[1, 1, 2, 2], [1, 2, 1, 3, 2], [1, 1, 1, 2, 2]], ids=["2x2", "2+2+1", "3+2"])
 def test_across_hosts_the_small_all_reduce_goes_host_by_host_with_the_same_bits(tcp_comms, hosts, step, monkeypatch):
-    """Ranks at different addresses count as different hosts: each host's first rank gathers
-    its host's contributions (through shared memory, or over TCP where asked), exchanges them
-    with the other hosts' first ranks in one message each, adds all of them in rank order and
-    hands the sum back; every rank gets NumPy's ((x0 + x1) + x2) + ... bit for bit, and the
-    bytes each rank sends over TCP follow that pattern (a direct exchange would send n - 1
-    contributions from every rank)."""
+    """Ranks at different addresses count as different hosts: every rank sends its contribution
+    to one rank of each other host, posts its own and those it received for its host-mates
+    (through shared memory, or over TCP where asked) and adds all of them in rank order; every
+    rank gets NumPy's ((x0 + x1) + x2) + ... bit for bit, and the bytes each rank sends over TCP
+    follow that pattern (a direct exchange would send n - 1 contributions from every rank)."""
     if step == "tcp":
         monkeypatch.setenv(TCP_HOST_STEP_ENV, "tcp")
     n, shape = len(hosts), (2, 300)
@@ -208,21 +207,59 @@ def test_across_hosts_the_small_all_reduce_goes_host_by_host_with_the_same_bits(
     assert_rank_order_sums(results, 3, shape)
     for call in range(3):
         assert len({id(results[r][call]) for r in range(n)}) == n  # each call's result its own
-    one = 2 * 300 * 4
+    one, host_count = 2 * 300 * 4, len(set(hosts))
     for r in range(n):
         host = [q for q in range(n) if hosts[q] == hosts[r]]
         others = [[q for q in range(n) if hosts[q] == h] for h in sorted(set(hosts)) if h != hosts[r]]
-        inside = step == "tcp"  # the gather and the sum's way back cross TCP too
-        if r == host[0]:  # its host's contributions to each other host's first rank, the sum to its own
-            want = sum(len(host) * one for _ in others) + inside * (len(host) - 1) * one
-        else:
-            want = inside * one
-        assert comms[r].bytes_sent == 3 * want, (r, comms[r].bytes_sent, want)
+        # its own to one rank of each other host; over TCP inside, its post (its own and the
+        # contributions sent to it: from each rank of another host at its place modulo its
+        # host's size) to each mate
+        relayed = sum(1 for g in others for at in range(len(g)) if at % len(host) == host.index(r))
+        inside = (step == "tcp") * (len(host) - 1) * (1 + relayed) * one
+        assert comms[r].bytes_sent == 3 * ((host_count - 1) * one + inside), (r, comms[r].bytes_sent)
+
+
+def test_posts_of_the_largest_contributions_and_their_relays_fit_their_slots(tcp_comms):
+    """2 hosts x 2 with contributions of DIRECT_BYTES: each post holds two of them (its own and
+    the one relayed), past one postbox slot of the shm plane, and the sums hold bit for bit."""
+    comms = tcp_comms(4, ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"])
+    shape = (engine.DIRECT_BYTES // 4,)
+    assert all(c.host_boxes is not None and c.host_boxes.slot_bytes >= 2 * engine.DIRECT_BYTES for c in comms)
+    results: dict = {}
+
+    def side(comm):
+        run = comm.bound_all_reduce(np.dtype(np.float32), shape)
+        results[comm.rank] = [
+            run(contribution(comm.rank, call, shape), 30 + call, 1, Deadline(10)) for call in range(3)
+        ]
+
+    on_every_rank(comms, side)
+    assert_rank_order_sums(results, 3, shape)
+
+
+def test_each_contribution_reaches_each_other_host_once_and_every_rank_gets_all():
+    """host_routes, against a count made here: every rank sends to one rank of each other
+    host, at its own place there modulo that host's size; what each rank receives is exactly
+    what was sent to it; and a rank's own post with its mates' posts hold every rank once."""
+    groups = ((0, 1, 2), (3, 4), (5,), (6, 7, 8, 9))
+    sent, received = [], []
+    for g in groups:
+        for at, r in enumerate(g):
+            routes = engine.host_routes(groups, r)
+            assert routes.sends_to == tuple(h[at % len(h)] for h in groups if h != g)
+            assert routes.mates == tuple(q for q in g if q != r) and routes.posts[r] == (r, *routes.relays)
+            sent += [(r, q) for q in routes.sends_to]
+            received += [(q, r) for q in routes.relays]
+            held = [q for m in g for q in routes.posts[m]]
+            assert sorted(held) == list(range(10)), (r, held)
+    assert sorted(sent) == sorted(received) and len(sent) == sum(len(g) * (len(groups) - 1) for g in groups)
+    assert engine.post_rows(groups, (0, 1, 2)) == 1 + 1 + 1 + 2  # rank 0: 3, 5, 6 and 9
 
 
 def test_a_host_whose_files_cannot_be_shared_keeps_its_step_on_tcp(tcp_comms, monkeypatch):
-    """A member that cannot map its leader's file says so; its whole host then gathers over TCP
-    (the other host still shares memory), with the same bits, and no file is left behind."""
+    """A worker that cannot map a mate's file says so; its whole host then takes its mates'
+    contributions over TCP (the other host still shares memory), with the same bits, and no
+    file is left behind."""
     from workers.planes.tcp import host_step
 
     real = host_step.InboxFile.attach
@@ -247,16 +284,20 @@ def test_a_host_whose_files_cannot_be_shared_keeps_its_step_on_tcp(tcp_comms, mo
 
     on_every_rank(comms, side)
     assert_rank_order_sums(results, 1, (5,))
-    assert comms[1].bytes_sent == 5 * 4 and comms[3].bytes_sent == 0
+    # rank 1: its own to rank 3, and its post (its own and rank 3's) to rank 0; rank 3: its own to rank 1
+    assert comms[1].bytes_sent == 5 * 4 + 2 * 5 * 4 and comms[3].bytes_sent == 5 * 4
 
 
-def test_a_member_waiting_on_its_silent_leader_hears_an_abort_and_else_its_deadline(tcp_comms):
-    """Host by host through shared memory, a member whose leader never posts the sum (it died,
-    or failed) is not left waiting: an abort from any worker ends the wait at once, and
-    without one the deadline does, naming the leader."""
+def test_a_worker_waiting_on_its_silent_mate_hears_an_abort_and_else_its_deadline(tcp_comms):
+    """Host by host through shared memory, a worker whose host-mate never posts (it died, or
+    failed) is not left waiting: an abort from any worker ends the wait at once, and without
+    one the deadline does, naming the mate."""
     comms = tcp_comms(4, ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"])
     member = comms[1]
     run = member.bound_all_reduce(np.dtype(np.float32), (8,))
+    for r in (7, 8):  # rank 3's contribution is there: the wait is for rank 0's post
+        comms[3].send(1, r, 1, np.ones(8, np.float32))
+    comms[3].flush(8, Deadline(5))
     threading.Timer(0.2, comms[3].abort, args=(7, "ValueError", "boom")).start()
     start = time.monotonic()
     with pytest.raises(RemoteError, match="run 7 aborted: worker 3 reports ValueError: boom"):
@@ -268,13 +309,15 @@ def test_a_member_waiting_on_its_silent_leader_hears_an_abort_and_else_its_deadl
     assert caught.value.rank == 0 and time.monotonic() - start < 1.5
 
 
-def test_a_leader_waiting_on_a_member_that_exited_is_told_by_its_closed_connection(tcp_comms):
-    """The leader awaits its host-mate's post in shared memory, not on its socket; a member
-    whose process ends (its connections closed) is still seen within milliseconds, not at the
+def test_a_worker_waiting_on_a_mate_that_exited_is_told_by_its_closed_connection(tcp_comms):
+    """A worker awaits its host-mate's post in shared memory, not on its socket; a mate whose
+    process ends (its connections closed) is still seen within milliseconds, not at the
     collective's deadline."""
     comms = tcp_comms(4, ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"])
-    leader = comms[0]
-    run = leader.bound_all_reduce(np.dtype(np.float32), (8,))
+    waiting = comms[0]
+    run = waiting.bound_all_reduce(np.dtype(np.float32), (8,))
+    comms[2].send(0, 4, 1, np.ones(8, np.float32))  # rank 2's contribution is there: the wait is for rank 1's post
+    comms[2].flush(4, Deadline(5))
     threading.Timer(0.2, comms[1].close).start()
     start = time.monotonic()
     with pytest.raises(WorkerLost, match="worker 1 closed its connection") as caught:

@@ -411,8 +411,8 @@ class Postbox:
 
     SLOTS = 2  # `find` looks at both by hand: it runs in every spin of a wait
 
-    def __init__(self, buffer: mmap.mmap, offset: int):
-        self.buffer, self.offset, self.stride = buffer, offset, LINE + POST_BYTES
+    def __init__(self, buffer: mmap.mmap, offset: int, slot_bytes: int = POST_BYTES):
+        self.buffer, self.offset, self.slot_bytes, self.stride = buffer, offset, slot_bytes, LINE + slot_bytes
         words = memoryview(buffer)
         at = [offset + k * self.stride for k in range(self.SLOTS)]
         self.stamps = [words[a : a + 8].cast("Q") for a in at]
@@ -420,8 +420,8 @@ class Postbox:
 
     def array(self, slot: int, dtype: np.dtype, size: int) -> np.ndarray:
         """Slot `slot`'s data as `size` elements of `dtype` (a view of the shared memory)."""
-        if size * dtype.itemsize > POST_BYTES:
-            raise ProtocolError(f"postbox: {size} x {dtype} is more than a slot's {POST_BYTES} bytes")
+        if size * dtype.itemsize > self.slot_bytes:
+            raise ProtocolError(f"postbox: {size} x {dtype} is more than a slot's {self.slot_bytes} bytes")
         return np.frombuffer(self.buffer, dtype, size, self.offset + slot * self.stride + LINE)
 
     def publish(self, slot: int, stamp: int) -> None:
@@ -457,10 +457,13 @@ class InboxFile:
         self.rings = [Ring(buffer, FILE_HEADER + src * stride, capacity) for src in range(world_size)]
         self._postbox: Postbox | None = None
 
-    def postbox(self, owner: int) -> Postbox:
-        """The owner's postbox (`owner` is the file's rank; a peer maps it to read what it posts)."""
+    def postbox(self, owner: int, slot_bytes: int = POST_BYTES) -> Postbox:
+        """The owner's postbox (`owner` is the file's rank; a peer maps it to read what it posts),
+        of slots of `slot_bytes` (the ring area must hold two and their stamp lines)."""
         if self._postbox is None:
-            self._postbox = Postbox(self.buffer, FILE_HEADER + owner * (CONTROL + self.capacity))
+            if Postbox.SLOTS * (LINE + slot_bytes) > self.capacity:
+                raise ProtocolError(f"postbox slots of {slot_bytes} bytes do not fit a ring area of {self.capacity}")
+            self._postbox = Postbox(self.buffer, FILE_HEADER + owner * (CONTROL + self.capacity), slot_bytes)
         return self._postbox
 
     @classmethod

@@ -19,12 +19,11 @@ have on shared memory: send the contribution to every peer, read each peer's str
 buffer of the step's, and add them in rank order (the first two in one pass, as HostEngine.reduce
 adds them), so the bits equal every other plane's. Where the ranks sit on several hosts (told
 apart by the addresses their inboxes are reached at), some with several workers, it goes host
-by host: each host's first rank gathers its host's contributions and exchanges them with the
-other hosts' first ranks, one message a pair of hosts, adds all of them in rank order (the same
-bits) and hands the sum back to its host's ranks (`_hierarchical_all_reduce`; TCP_DIRECT_ENV
-turns it off). Inside a host the contributions and the sum go through shared memory
-(host_step.py) where every worker of the host can map the others' files, else over TCP
-(TCP_HOST_STEP_ENV = "tcp" forces that).
+by host: every worker takes its host-mates' contributions, exchanges its host's bundle of them
+with a counterpart on each other host, one message a worker and host, and adds all of them in
+rank order (the same bits; `_hierarchical_all_reduce`; TCP_DIRECT_ENV turns it off). Inside a
+host the contributions go through shared memory (host_step.py) where every worker of the host
+can map the others' files, else over TCP (TCP_HOST_STEP_ENV = "tcp" forces that).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ import os
 import socket
 import struct
 import time
+from dataclasses import dataclass
 from math import prod
 
 import numpy as np
@@ -152,7 +152,8 @@ class TcpComm(ZmqComm):
         self._backlog: set[int] = set()
         self.hosts = host_groups(peers)  # each rank's host, by the address its inbox is reached at
         self.host_by_host = hierarchical(self.hosts) and os.environ.get(TCP_DIRECT_ENV, "") != "1"
-        mine = tuple(q for q in range(self.size) if self.hosts[q] == self.hosts[rank])
+        self.host_ranks = ranks_by_host(self.hosts)
+        mine = next(g for g in self.host_ranks if rank in g)
         self.host_boxes: HostBoxes | None = None  # the step inside this host through shared memory
         shares = self.host_by_host and len(mine) > 1
         # more workers than cores (this host's): yield while spinning, as HostComm does
@@ -164,7 +165,7 @@ class TcpComm(ZmqComm):
         self._sleepers: dict[int, zmq.Poller] = {}
         try:
             if shares:  # made before the rendezvous: a peer connected to is a peer whose file exists
-                self.host_boxes = _host_boxes(session, rank, mine)
+                self.host_boxes = _host_boxes(session, rank, mine, post_rows(self.host_ranks, mine))
             self.links = rendezvous(self, peers, session.encode()[:16].ljust(16, b"\0"), Deadline(RENDEZVOUS_SECONDS))
             for peer, link in self.links.items():
                 self._sleepers[peer] = zmq.Poller()
@@ -177,9 +178,9 @@ class TcpComm(ZmqComm):
             raise
 
     def _agree_on_host_step(self, mine: tuple[int, ...], deadline: Deadline) -> bool:
-        """Whether this host's step goes through shared memory: each member tells its leader
-        whether it made its file and mapped the leader's, the leader (which mapped every
-        member's) tells them all the answer, over TCP."""
+        """Whether this host's step goes through shared memory: each worker of the host tells
+        the host's first (its leader) whether it made its file and mapped its mates', and the
+        leader tells them all the answer, over TCP."""
         ok = np.array([self.host_boxes is not None and self.host_boxes.attach()], np.uint8)
         leader, answer = mine[0], np.empty(1, np.uint8)
         if self.rank == leader:
@@ -534,89 +535,59 @@ class TcpComm(ZmqComm):
         self._take(p.Chunk(src, arrival.run, arrival.step, array), run)
 
     def _hierarchical_all_reduce(self, dtype: np.dtype, shape: tuple[int, ...], out: np.ndarray | None):
-        """The direct all-reduce across hosts with one exchange a pair of hosts: each host's
-        first rank (its leader) gathers its host's contributions, sends them to every other
-        leader in one message and takes theirs, adds all n in rank order (the first two in one
-        pass: the bits of every other plane's direct all-reduce) and hands the sum to its host's
-        other ranks, through shared memory (`host_boxes`) or over TCP. Across H hosts of n
-        workers H (H - 1) messages cross between hosts, where a direct exchange sends n (n - m)
-        (m: a host's workers): 2 hosts x 2 workers, 2 against 8."""
+        """The direct all-reduce across hosts with each contribution crossing to each other host
+        once: every worker sends its contribution to one worker of each other host, posts its
+        own and those it received (`HostRoutes`) in one post its host-mates read (through shared
+        memory, `host_boxes`, or over TCP), and adds all n in rank order (the first two in one
+        pass: the bits of every other plane's direct all-reduce). One costs a one-way trip
+        between hosts and one host step, each worker's beside its mates': a leader that
+        gathered its host's contributions, exchanged them and handed the sum back cost two host
+        steps and its own work in turn. Across H hosts of m workers n (H - 1) messages of one
+        contribution cross between hosts, where a direct exchange sends n (n - m): 2 hosts x 2
+        workers, 4 against 8."""
         rank, n, size = self.rank, self.size, prod(shape)
-        groups = [[q for q in range(n) if self.hosts[q] == h] for h in sorted(set(self.hosts))]
-        mine = next(g for g in groups if rank in g)
-        leader, boxes = mine[0], self.host_boxes
+        routes, boxes = host_routes(self.host_ranks, rank), self.host_boxes
+        held = {q: routes.posts[q] for q in routes.mates}  # whose contributions each mate's post holds
         target = None if out is None else out.reshape(-1)
-        bundles = {g[0]: (g, np.empty((len(g), size), dtype)) for g in groups if g[0] != leader}
+        if boxes is not None:
+            own_slots = boxes.slots(rank, dtype, len(routes.posts[rank]) * size)
+            posted = {q: [a.reshape(-1, size) for a in boxes.slots(q, dtype, len(held[q]) * size)] for q in held}
 
-        def across_hosts(own: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
-            """The leader's part: this host's contributions (`own`, one row a rank) out to the
-            other leaders, theirs in, all of them summed in rank order."""
-            for other in bundles:
-                self.send(other, run, step, own)
-            parts = dict(zip(mine, own))
-            for other, (ranks, bundle) in bundles.items():
-                self._receive_into(other, bundle, run, step, deadline)
-                parts.update(zip(ranks, bundle))
+        def host_by_host(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
+            flat = np.ascontiguousarray(local).reshape(-1)
+            for q in routes.sends_to:
+                self.send(q, run, step, flat)
+            post = np.empty((len(routes.posts[rank]), size), dtype)  # this call's: sends may queue it
+            post[0] = flat
+            for row, q in enumerate(routes.relays, 1):
+                self._receive_into(q, post[row], run, step, deadline)
+            parts = dict(zip(routes.posts[rank], post))
+            if boxes is not None:
+                stamp = post_stamp(run, step)
+                boxes.post(post.reshape(-1), stamp, own_slots)
+                read = []
+                for q in held:
+                    slot = self._await_host_post(q, stamp, run, step, deadline)
+                    parts.update(zip(held[q], posted[q][slot]))  # read where it lies: see the check below
+                    read.append((q, slot))
+            else:
+                for q in held:
+                    self.send(q, run, step, post)
+                for q in held:
+                    theirs = np.empty((len(held[q]), size), dtype)
+                    self._receive_into(q, theirs, run, step, deadline)
+                    parts.update(zip(held[q], theirs))
             total = np.add(parts[0], parts[1], out=target)
             for q in range(2, n):
                 total += parts[q]
-            return total
-
-        def finish(total: np.ndarray, run: int, deadline: Deadline) -> np.ndarray:
-            if self._backlog:  # `own` is this call's: everything leaves before we return
+            if boxes is not None:  # no mate posts again before this worker's next post (host_step.py)
+                for q, slot in read:
+                    boxes.check(q, slot, stamp)
+            if self._backlog:  # `local` and `post` are the caller's and this call's: everything leaves first
                 self.flush(run, deadline)
             return out if out is not None else total.reshape(shape)
 
-        if boxes is not None:
-            own_slots = boxes.slots(rank, dtype, size)
-            if rank != leader:
-                sums = boxes.slots(leader, dtype, size)
-
-                def post_and_read(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
-                    stamp = post_stamp(run, step)
-                    boxes.post(np.ascontiguousarray(local).reshape(-1), stamp, own_slots)
-                    slot = self._await_host_post(leader, stamp, run, step, deadline)
-                    result = np.empty(shape, dtype) if out is None else out  # a new array each call, else `out`
-                    np.copyto(result.reshape(-1), sums[slot])
-                    boxes.check(leader, slot, stamp)
-                    return result
-
-                return post_and_read
-            posted = {q: boxes.slots(q, dtype, size) for q in mine[1:]}
-
-            def read_exchange_post(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
-                stamp = post_stamp(run, step)
-                own = np.empty((len(mine), size), dtype)
-                own[0] = np.ascontiguousarray(local).reshape(-1)
-                for row, q in enumerate(mine[1:], 1):
-                    slot = self._await_host_post(q, stamp, run, step, deadline)
-                    own[row] = posted[q][slot]
-                    boxes.check(q, slot, stamp)
-                total = across_hosts(own, run, step, deadline)
-                boxes.post(total, stamp, own_slots)
-                return finish(total, run, deadline)
-
-            return read_exchange_post
-        gathered = {q: np.empty(shape, dtype) for q in mine[1:]}
-
-        def run_member(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
-            result = np.empty(shape, dtype) if out is None else out  # a new array each call, else `out`
-            self.send(leader, run, step, np.ascontiguousarray(local))
-            self._receive_into(leader, result, run, step, deadline)
-            if self._backlog:
-                self.flush(run, deadline)
-            return result
-
-        def run_leader(local: np.ndarray, run: int, step: int, deadline: Deadline) -> np.ndarray:
-            flat = np.ascontiguousarray(local).reshape(-1)
-            for q in mine[1:]:
-                self._receive_into(q, gathered[q], run, step, deadline)
-            total = across_hosts(np.stack([flat, *(gathered[q].reshape(-1) for q in mine[1:])]), run, step, deadline)
-            for q in mine[1:]:
-                self.send(q, run, step, total.reshape(shape))
-            return finish(total, run, deadline)
-
-        return run_leader if rank == leader else run_member
+        return host_by_host
 
     def _await_host_post(self, q: int, stamp: int, run: int, step: int, deadline: Deadline) -> int:
         """The slot of host-mate q's postbox holding `stamp`, once it does: spin, then sleep until
@@ -682,13 +653,13 @@ class TcpComm(ZmqComm):
             self.host_boxes = None
 
 
-def _host_boxes(session: str, rank: int, mine: tuple[int, ...]) -> HostBoxes | None:
+def _host_boxes(session: str, rank: int, mine: tuple[int, ...], rows: int) -> HostBoxes | None:
     """This worker's postbox for its host's step, or None where the step stays on TCP (asked
     for by TCP_HOST_STEP_ENV, or no file can be made here)."""
     if os.environ.get(TCP_HOST_STEP_ENV, "") == "tcp":
         return None
     try:
-        return HostBoxes(session, rank, mine)
+        return HostBoxes(session, rank, mine, rows)
     except TransportError:
         return None
 
@@ -700,9 +671,52 @@ def host_groups(peers: list[str]) -> tuple[int, ...]:
     return tuple(seen.setdefault(_host_of(endpoint), len(seen)) for endpoint in peers)
 
 
+def ranks_by_host(hosts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each host's ranks in order (`hosts`: each rank's host, as host_groups gives them)."""
+    return tuple(tuple(q for q in range(len(hosts)) if hosts[q] == h) for h in sorted(set(hosts)))
+
+
 def hierarchical(hosts: tuple[int, ...]) -> bool:
     """Whether a small all-reduce goes host by host: several hosts, one with several workers."""
     return len(set(hosts)) > 1 and len(set(hosts)) < len(hosts)
+
+
+@dataclass(frozen=True)
+class HostRoutes:
+    """One rank's ways in host by host's small all-reduce. `sends_to`: one rank on each other
+    host, which takes this rank's contribution; `relays`: the ranks of other hosts whose
+    contributions come to this rank, in rank order; `mates`: its host's other ranks; `posts`:
+    for each rank of its host, whose contributions that rank's post holds (itself, then its
+    relays). The rank at index i of its host sends to index i mod m of a host of m, so each
+    contribution reaches each other host once and each host's ranks share the relaying as
+    evenly as the sizes allow."""
+
+    sends_to: tuple[int, ...]
+    relays: tuple[int, ...]
+    mates: tuple[int, ...]
+    posts: dict[int, tuple[int, ...]]
+
+
+def host_routes(groups: tuple[tuple[int, ...], ...], rank: int) -> HostRoutes:
+    """`rank`'s HostRoutes among `groups` (each host's ranks in order)."""
+    mine = next(g for g in groups if rank in g)
+
+    def relays_of(q: int) -> tuple[int, ...]:
+        at = mine.index(q)
+        return tuple(sorted(r for g in groups if g != mine for i, r in enumerate(g) if i % len(mine) == at))
+
+    index = mine.index(rank)
+    return HostRoutes(
+        sends_to=tuple(g[index % len(g)] for g in groups if g != mine),
+        relays=relays_of(rank),
+        mates=tuple(q for q in mine if q != rank),
+        posts={q: (q, *relays_of(q)) for q in mine},
+    )
+
+
+def post_rows(groups: tuple[tuple[int, ...], ...], host: tuple[int, ...]) -> int:
+    """The most contributions a post of `host` holds (a worker's own and its relays)."""
+    return max(len(host_routes(groups, host[0]).posts[q]) for q in host)
 
 
 def rendezvous(comm: TcpComm, peers: list[str], session: bytes, deadline: Deadline) -> dict[int, Link]:

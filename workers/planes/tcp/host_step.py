@@ -1,23 +1,23 @@
 """The shared-memory step of the tcp plane's host-by-host small all-reduce.
 
-Where a cluster's workers sit on several hosts and some host holds several of them, each host's
-first rank (its leader) exchanges with the other hosts' leaders over TCP, and inside a host the
-contributions go to the leader and the sum comes back through shared memory, in postboxes as the
-shm plane's small all-reduce uses them (transport/shm.py `Postbox`): each worker posts into a
-file of its own and the others read the post where it lies. A member posts its contribution and
-waits for the leader's post of the sum; the leader waits for every member's post and posts the
-sum once it has it. Each worker posts once an all-reduce, so the postbox's two-slot rule holds:
-a member posts its next contribution only after reading the sum, which the leader posts only
-after reading every member's contribution.
+Where a cluster's workers sit on several hosts and some host holds several of them, each worker
+sends its contribution to one worker of each other host over TCP, posts its own and those sent
+to it for its host-mates, reads theirs, and adds them all (engine.py `_hierarchical_all_reduce`).
+The posts go in postboxes as the shm plane's small all-reduce uses them (transport/shm.py
+`Postbox`), with slots of as many contributions as a post of the host holds: each worker posts
+into a file of its own and its mates read the post where it lies. Each worker posts once an
+all-reduce and posts the next only after reading every mate's post of this one, which each made
+only after reading its own previous one: so no post is written over before every mate has read
+it (the postbox's two-slot rule).
 
-Who reads a worker's posts is whom it wakes: a member's leader, a leader's members. So a worker
-maps exactly the files of the workers it reads, and rings their bells (the futex word of
-transport/shm.py's `InboxFile`) when they sleep waiting for it.
+Who reads a worker's posts is whom it wakes: every host-mate. So a worker maps its mates' files,
+and rings their bells (the futex word of transport/shm.py's `InboxFile`) when they sleep
+waiting for it.
 
 Whether shared memory serves a host is agreed when the plane connects (engine.py
-`_agree_on_host_step`): every member maps its leader's file and the leader every member's; a
-file that cannot be made or mapped (a /dev/shm not shared between them, another user's file)
-leaves that host's step on TCP.
+`_agree_on_host_step`): every worker of the host maps every mate's file; a file that cannot be
+made or mapped (a /dev/shm not shared between them, another user's file) leaves that host's
+step on TCP.
 """
 
 from __future__ import annotations
@@ -25,31 +25,39 @@ from __future__ import annotations
 import numpy as np
 
 from split_state.errors import ProtocolError, TransportError
-from transport.shm import InboxFile, Postbox, fence, host_box_path
+from transport.shm import LINE, POST_BYTES, InboxFile, Postbox, fence, host_box_path
 
-BOX_CAPACITY = 1 << 18  # the smallest ring area: its two postbox slots fit (transport/shm.py)
+BOX_CAPACITY = 1 << 18  # the smallest ring area: two postbox slots of one contribution fit (transport/shm.py)
+
+
+def box_capacity(rows: int) -> int:
+    """The ring area whose two postbox slots each hold `rows` contributions of up to POST_BYTES:
+    BOX_CAPACITY, or the power of two above that."""
+    need = Postbox.SLOTS * (LINE + rows * POST_BYTES)
+    return max(BOX_CAPACITY, 1 << (need - 1).bit_length())
 
 
 class HostBoxes:
     """This worker's postbox for its host's step, and the files of those whose posts it reads.
-    `members`: the host's ranks in order, the first its leader."""
+    `members`: the host's ranks in order; `rows`: the most contributions a post of the host
+    holds (a worker's own and those it relays from other hosts), which sizes every slot."""
 
-    def __init__(self, session: str, rank: int, members: tuple[int, ...]):
-        self.session, self.rank, self.members, self.leader = session, rank, members, members[0]
+    def __init__(self, session: str, rank: int, members: tuple[int, ...], rows: int = 1):
+        self.session, self.rank, self.members, self.slot_bytes = session, rank, members, rows * POST_BYTES
         self.index = members.index(rank)  # this worker's in its host: what its sleepers wait for
-        self.own = InboxFile.create(host_box_path(session, rank), 1, BOX_CAPACITY)
-        self.box = self.own.postbox(0)
+        self.own = InboxFile.create(host_box_path(session, rank), 1, box_capacity(rows))
+        self.box = self.own.postbox(0, self.slot_bytes)
         self.files: dict[int, InboxFile] = {}  # the workers whose posts this one reads
         self._turn = 0  # the slot this worker's next post writes
 
     def attach(self) -> bool:
-        """Map the files this worker reads (the leader's, or for the leader every member's);
-        False where one cannot be mapped."""
-        wanted = self.members[1:] if self.rank == self.leader else (self.leader,)
+        """Map the files this worker reads (every host-mate's); False where one cannot be mapped."""
+        wanted = [q for q in self.members if q != self.rank]
         try:
             for q in wanted:
                 self.files[q] = InboxFile.attach(host_box_path(self.session, q), 1)
-        except TransportError:
+                self.files[q].postbox(0, self.slot_bytes)
+        except (TransportError, ProtocolError):  # not shared here, or a file of other slots
             return False
         return True
 
