@@ -120,7 +120,7 @@ def build_app(
     async def one_model(name: str, request: Request):
         check_key(request)
         if name != model_id:
-            raise RequestError(404, f"the model '{_shown(name)}' does not exist; this server has '{model_id}'")
+            raise RequestError(404, f"the model {_shown(name)} does not exist; this server has '{model_id}'")
         return model_card()
 
     if batcher is not None:
@@ -209,7 +209,7 @@ class _Gate:
         if body.get("model") not in (None, "", self.model_id):
             shown = _shown(body["model"])
             raise RequestError(
-                404, f"the model '{shown}' does not exist; this server has '{self.model_id}'", param="model"
+                404, f"the model {shown} does not exist; this server has '{self.model_id}'", param="model"
             )
         why = self.why_down()
         if why:

@@ -416,7 +416,7 @@ def test_a_sampled_request_is_reproducible_by_its_seed(server, client):
         ({}, b"{not json", 400, "invalid_request_error", "not JSON"),
         ({}, {"prompt": "x", "n": 2}, 400, "invalid_request_error", "n = 1"),
         ({}, {"prompt": "x " * 200}, 400, "invalid_request_error", "does not fit the context"),
-        ({}, {"prompt": "x", "model": "gpt-9"}, 404, "invalid_request_error", "does not exist"),
+        ({}, {"prompt": "x", "model": "gpt-9"}, 404, "invalid_request_error", "the model 'gpt-9' does not exist"),
         ({}, {"prompt": "x", "temperature": "hot"}, 400, "invalid_request_error", "'temperature'"),
         ({}, {"prompt": 5}, 400, "invalid_request_error", "'prompt'"),
         ({}, {"prompt": "x", "temperature": True}, 400, "invalid_request_error", "'temperature' must be a number"),
