@@ -185,13 +185,12 @@ class Capturing:
         from which the steps read other data than the calls before (a long prompt's next chunk:
         other positions, another mask), so a step run again finds what it found from them anew
         (RunChain.new_data). A chain of several chunks lets each worker go on to the next chunk
-        as soon as its own part of one is done: layers on groups of one worker each work on
-        successive chunks at once (llama.cpp's pipeline parallelism of a layer split's
-        micro-batches). A worker expects no data past the next run of its own (workers/comm.py
-        Inbox._take), so chain only steps whose workers hear from one worker at a time, in run
-        order, where runs without exchanges (an embedding) let some run ahead of others.
-        `also_read`: outputs of earlier calls that come back with the chain too, and are kept
-        without `keep` (the heads of a prefill's lanes before the last)."""
+        as soon as its own part of one is done: layers on groups work on successive chunks at
+        once (llama.cpp's pipeline parallelism of a layer split's micro-batches); a worker keeps
+        what comes early for any run of the chain (workers/server.py), so the groups may
+        all-reduce among themselves while the one before runs ahead. `also_read`: outputs of
+        earlier calls that come back with the chain too, and are kept without `keep` (the heads
+        of a prefill's lanes before the last)."""
         if not calls:
             raise ShapeError("chain: give one or more (step, arguments) calls")
         _check_reads(calls[-1][0], read)

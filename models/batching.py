@@ -399,7 +399,7 @@ class ContinuousBatcher:
         # step's are): one prefill step per length (and slots) serves every slot and request
         lanes = self.pipelined and not logits and self.net.prefills_in_lanes(chunks, slot.position)
         try:
-            if lanes:  # several new prompts on groups of one worker: in lanes, as they decode
+            if lanes:  # several new prompts on layer groups: in lanes, as they decode
                 values, indices = self.net.prefill_in_lanes(chunks, POOL, first_row=group[0], slots=True)
             else:
                 values, indices, *whole = self.net.prefill(chunks, slot.position, POOL, logits=logits, slot=group[0])

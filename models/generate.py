@@ -271,7 +271,7 @@ class LLM:
     def _prefill(self, prompts: list[list[int]], pool: int, keep_logits: bool, start: int = 0):
         """Each prompt's tokens written into the caches from position `start` on (the earlier
         ones are cached already); the candidates for each prompt's next token. Several short
-        new prompts on layer groups of one worker go in lanes (prefill_in_lanes), as they decode."""
+        new prompts on layer groups go in lanes (prefill_in_lanes), as they decode."""
         if self.pipelined and not keep_logits and self.net.prefills_in_lanes(prompts, start):
             v, i = self.net.prefill_in_lanes(prompts, pool)
             return [(v[b, 0], i[b, 0]) for b in range(len(prompts))]

@@ -843,14 +843,11 @@ class TensorParallelLlama:
             )
         shortest = min(len(p) for p in prompts)
         ahead = max(0, shortest - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # in whole chunks
-        # only the last chunk runs the head. Where each group of layers is one worker, the chunks
-        # go in as few chains as PREFILL_CHAIN_RUNS allows, so the groups work on successive
-        # chunks at once (MetaDevice.chain): such a worker hears from one worker at a time, in
-        # run order. Workers that all-reduce among themselves expect no data past their next run
-        # (workers/comm.py Inbox._take), which a worker running ahead through an embedding would
-        # send: a chain a chunk for them, each started once every worker finished the one before.
-        groups = self.layer_groups
-        pipelined = groups is not None and groups.size == 1
+        # only the last chunk runs the head. Where the layers are on groups, the chunks go in as
+        # few chains as PREFILL_CHAIN_RUNS allows, so the groups work on successive chunks at
+        # once (MetaDevice.chain); a row split's workers all-reduce every layer, so a chain a
+        # chunk for them (nothing would overlap)
+        pipelined = self.layer_groups is not None
         chunks = [([p[at : at + PREFILL_CHUNK] for p in prompts], at) for at in range(0, ahead, PREFILL_CHUNK)]
         chunks.append(([p[ahead:] for p in prompts], ahead))
         calls: list[tuple[Step, tuple]] = []
@@ -869,11 +866,9 @@ class TensorParallelLlama:
 
     def prefills_in_lanes(self, prompts: Sequence[Sequence[int]], start: int) -> bool:
         """Whether prefill_in_lanes takes these prompts: new ones (from position 0, each within a
-        chunk), several, where each layer group is one worker (its chain's condition, `prefill`)."""
-        groups = self.layer_groups
+        chunk), several, where the layers are on groups."""
         return (
-            groups is not None
-            and groups.size == 1
+            self.layer_groups is not None
             and start == 0
             and len(self.lanes(len(prompts))) > 1
             and max(len(p) for p in prompts) <= PREFILL_CHUNK

@@ -286,14 +286,14 @@ def test_split_options_are_checked_before_any_weight_moves(sim):
             layer_groups_for(dev, split, groups)
 
 
-@pytest.mark.parametrize("n, most_runs", [(2, None), (2, 10), (4, None), (1, None)])
+@pytest.mark.parametrize("n, most_runs", [(2, None), (2, 10), (4, None), (4, 10), (1, None)])
 def test_a_long_prompts_chunks_go_in_chains_with_one_head(sim, monkeypatch, n, most_runs):
-    """A 40-token prompt in chunks of 16 (16, 16, 8) on two groups of one worker each: one
-    chain (one message a worker), so the first group goes on to the next chunk while the second
-    works on the one before (pipelined), each chunk's positions new data, the head after the
-    last chunk only; with at most 10 runs a chain, the first two chunks (5 runs each) in one
-    and the last with the head in another. On groups of two workers (all-reduces inside each)
-    and on one worker: a chain a chunk, the head in the last. The candidates the reference's."""
+    """A 40-token prompt in chunks of 16 (16, 16, 8) on two groups of one worker each, or of
+    two (all-reduces inside each): one chain (one message a worker), so the first group goes on
+    to the next chunk while the second works on the one before (pipelined), each chunk's
+    positions new data, the head after the last chunk only; with at most 10 runs a chain, the
+    first two chunks (5 runs each) in one and the last with the head in another. On one worker:
+    a chain a chunk, the head in the last. The candidates the reference's."""
     import models.llama as llama
 
     monkeypatch.setattr(llama, "PREFILL_CHUNK", 16)
@@ -313,7 +313,7 @@ def test_a_long_prompts_chunks_go_in_chains_with_one_head(sim, monkeypatch, n, m
     prompt = np.random.default_rng(2).integers(0, CFG.vocab, 40)
     _, _, logits = net.prefill([list(prompt)], 0, pool=1, logits=True)
     per_chunk = 1 + CFG.layers  # the embedding and each layer
-    if n != 2:
+    if n == 1:
         assert chains == [(per_chunk, [0]), (per_chunk, [0]), (per_chunk + 1, [0])]
     elif most_runs is None:
         assert chains == [(3 * per_chunk + 1, [0, per_chunk, 2 * per_chunk])]

@@ -156,6 +156,41 @@ def test_groups_of_two_processes_all_reduce_among_themselves_between_interleaved
     assert got == expected and info["lanes"] == 2
 
 
+@pytest.mark.parametrize("plane", ["shm", "tcp", "zmq"])
+def test_groups_of_two_processes_prefill_in_lanes_and_a_long_prompts_chunks_in_one_chain(
+    fresh_cluster, plane, monkeypatch
+):
+    """2 groups of 2 worker processes: several new prompts prefill in lanes, and a 40-token
+    prompt's three chunks go in one chain, so the first group runs ahead to the next lane or
+    chunk while the second all-reduces inside itself; what a worker gets early for a later run
+    of the chain is kept for it (workers/server.py), not dropped as stale (which left the
+    second group waiting on the hand-over until its deadline). The lanes' candidates are those
+    of one step of every row (to float32 rounding), the long prompt's logits the NumPy
+    reference's."""
+    import models.llama as llama
+    from meta import MetaDevice
+    from models.llama import ReferenceDecoder
+
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 16)
+    dev = MetaDevice(fresh_cluster(4, data_plane=plane, collective_timeout=20))
+    weights = random_weights(CFG, seed=6)
+    net = TensorParallelLlama(dev, CFG, weights.__getitem__, 48, batch=4, layer_groups=GROUPS[4])
+    prompts = [[3, 5, 7], [9, 11], [13, 15, 17, 19], [2]]
+    assert net.prefills_in_lanes(prompts, 0)
+    values, indices = net.prefill_in_lanes(prompts, 8)
+    want_values, want_indices = (t.numpy() for t in net.prefill(prompts, 0, 8))
+    np.testing.assert_array_equal(indices, want_indices)
+    np.testing.assert_allclose(values, want_values, rtol=1e-6)
+    chains = []
+    real_chain = dev.chain
+    monkeypatch.setattr(dev, "chain", lambda calls, *a, **k: chains.append(len(calls)) or real_chain(calls, *a, **k))
+    prompt = np.random.default_rng(2).integers(0, CFG.vocab, 40)
+    _, _, logits = net.prefill([list(prompt)], 0, pool=1, logits=True)
+    assert chains == [3 * (1 + CFG.layers) + 1]  # every chunk's embedding and layers, one head
+    want = ReferenceDecoder(CFG, weights, 48).forward(prompt[None], np.arange(40)[None])[0, -1]
+    np.testing.assert_allclose(logits.numpy()[0, 0], want, rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_worker_lost_in_a_pipelined_generation_is_a_typed_error_within_seconds(fresh_cluster, killed):
     """Worker 1 chooses (the head's group), worker 0 waits for its tokens: either lost, the

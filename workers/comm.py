@@ -82,7 +82,8 @@ class Inbox:
         self.waited = 0.0  # seconds spent blocked on peers: the 'waiting' share of a step
         # how many runs past the awaited one may be in flight: one (the coordinator starts a run
         # once every worker has finished the one before), more while a pipelined generation
-        # interleaves its lanes' runs (workers/pipelined.py)
+        # interleaves its lanes' runs (workers/pipelined.py) or a chain's runs go on without a
+        # wait between them (workers/server.py)
         self.lookahead = 1
         self.bytes_sent = 0  # payload bytes sent to peers, as the collective algorithms charge them
 

@@ -102,7 +102,16 @@ class WorkerServer:
 
     def _on_run_chain(self, m: p.RunChain) -> p.Message:
         frees = m.frees or [()] * len(m.programs)
-        return self._run_all(m, list(zip(m.programs, m.runs, m.inputs, m.outputs, frees)))
+        # every worker goes through the chain's runs without waiting for the others between
+        # them, so any of its runs may be under way elsewhere while this worker waits in one (a
+        # layer group's next chunk or lane, while the next group's workers all-reduce among
+        # themselves in this one): their data is kept for them, not dropped as stale
+        comm = self.executor.comm
+        lookahead, comm.lookahead = comm.lookahead, max(comm.lookahead, len(m.runs))
+        try:
+            return self._run_all(m, list(zip(m.programs, m.runs, m.inputs, m.outputs, frees)))
+        finally:
+            comm.lookahead = lookahead
 
     def _run_all(self, m: p.RunProgram | p.RunChain, runs: list[tuple]) -> p.Message:
         """The runs (program, run id, inputs, outputs, tensors freed after it) of a RunProgram
