@@ -339,7 +339,7 @@ def judge(rows: list[dict]) -> None:
 
     for r in rows:
         r["decode_vs_one_host"] = r["decode_tps"] / one_host("row", r["workers"], r["workers"])["decode_tps"]
-        if r["split"] == "layer" and r["group"] > 1:
+        if r["split"].startswith("layer") and r["group"] > 1:  # in lanes or one step at a time: the same tokens
             oracle, r["text_of"] = (
                 one_host("layer", r["workers"], r["group"]),
                 f"{r['workers']} by layers of {r['group']}",
