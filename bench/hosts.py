@@ -159,7 +159,10 @@ class Hosts:
     def close(self) -> None:
         self._stop_relay()
         for ns in (self.a, self.b, self.r):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            done = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True)
+            left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+            if done.returncode and ns in left:  # one made part way and not there is not a failure
+                print(f"namespace {ns} is left: {done.stderr.strip()} (ip netns del {ns})", file=sys.stderr)
 
 
 def relay(delay_us: int) -> int:
