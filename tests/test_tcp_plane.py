@@ -96,6 +96,16 @@ def test_messages_of_every_shape_arrive_matched_by_run_and_step(tcp_comms):
         got = receive_array(b, 0, 4, step, arrays[step].shape, arrays[step].dtype)
         assert got.dtype == arrays[step].dtype and np.array_equal(got, arrays[step])
     a.flush(4, Deadline(5))
+    # in order, each streamed as it comes through the comm's one scratch buffer: a larger
+    # message in pieces (the fragments handed over are reused), an empty one, a smaller one
+    large = rng.standard_normal(engine.STREAM_BYTES // 4 + 1000).astype(np.float32)
+    in_order = [large, np.empty((0, 4), np.float32), arrays[2], arrays[4]]
+    for step, array in enumerate(in_order):
+        a.send(1, 5, step, array)
+    for step, array in enumerate(in_order):
+        got = receive_array(b, 0, 5, step, array.shape, array.dtype)
+        assert got.dtype == array.dtype and np.array_equal(got, array), step
+    a.flush(5, Deadline(5))
 
 
 def test_a_message_of_another_shape_than_the_plan_is_a_protocol_error(tcp_comms):
