@@ -108,6 +108,43 @@ def test_two_cuda_workers_sharing_one_gpu(fresh_cluster):
     np.testing.assert_allclose(y.numpy(), x @ w, rtol=1e-4, atol=1e-4)
 
 
+def test_a_flushed_zmq_send_is_done_with_its_array_so_the_program_may_write_it_again():
+    """ZeroMQ sends a large frame (COPY_THRESHOLD bytes or more) from the array itself, after
+    send returns; a collective flushes before it returns and the program then writes its
+    buffers again (the next layer's product). So flush waits until ZeroMQ is done with them:
+    every array written over right after the flush still arrives as it was sent (without the
+    wait, each of them arrived as -1s)."""
+    import zmq
+
+    from transport.deadline import Deadline
+    from transport.sockets import IpcDir, Security, pull
+    from workers.comm import ZmqComm
+
+    ctx, ipc = zmq.Context(), IpcDir()
+    security = Security(ctx, None)
+    inbox0, ep0 = pull(ctx, ipc.endpoint("d0"), security)
+    inbox1, ep1 = pull(ctx, ipc.endpoint("d1"), security)
+    a = ZmqComm(0, inbox0, [ep0, ep1], ctx, security)
+    b = ZmqComm(1, inbox1, [ep0, ep1], ctx, security)
+    buffer = np.zeros(1 << 20, np.float32)  # 4 MiB: sent in place
+    try:
+        for step in range(5):
+            buffer[:] = step
+            a.send(1, 7, step, buffer)
+            a.flush(7, Deadline(5))
+            buffer[:] = -1
+        for step in range(5):
+            got = b.recv(0, 7, step, Deadline(5))
+            assert got.min() == got.max() == step, (step, got.min(), got.max())
+    finally:
+        for comm in (a, b):
+            comm.close()
+        for sock in (inbox0, inbox1):
+            sock.close(0)
+        ctx.term()
+        ipc.close()
+
+
 def test_data_plane_drops_foreign_messages_and_keeps_waiting():
     import zmq
 

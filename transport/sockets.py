@@ -286,15 +286,20 @@ def send(
     send_frames(sock, frames, route)
 
 
-def send_frames(sock: zmq.Socket, frames: list[Any], route: bytes | None = None) -> None:
+def send_frames(sock: zmq.Socket, frames: list[Any], route: bytes | None = None, track: bool = False):
+    """Send `frames` without copying the large ones: ZeroMQ reads a frame of COPY_THRESHOLD
+    bytes or more from the caller's memory after this returns. With `track`, a tracker of when
+    it is done with them where some frame is that large (else None: every frame was copied)."""
     if route is not None:
         frames = [route, *frames]
+    track = track and any(memoryview(f).nbytes >= zmq.COPY_THRESHOLD for f in frames)
     try:
-        sock.send_multipart(frames, copy=False)
+        tracker = sock.send_multipart(frames, copy=False, track=track)
     except zmq.Again as exc:
         raise TransportError(f"send timed out{_to(route)}: no peer took the message") from exc
     except zmq.ZMQError as exc:
         raise TransportError(f"send failed{_to(route)}: {exc}") from exc
+    return tracker if track else None
 
 
 def _to(route: bytes | None) -> str:

@@ -42,7 +42,7 @@ from transport.shm import (
     post_stamp,
     ring_capacity,
 )
-from transport.sockets import Security, push, send
+from transport.sockets import Security, push, send_frames
 from workers.binding import bound
 
 # poll this long for a peer's bytes before sleeping, while every worker has a core. In a SmolLM2
@@ -241,6 +241,7 @@ class ZmqComm(Inbox):
         super().__init__()
         self.rank, self.size, self.inbox, self.security = rank, len(peers), inbox, security
         self.outboxes = {d: push(context, ep, security, server=d) for d, ep in enumerate(peers) if d != rank}
+        self._sending: collections.deque = collections.deque()  # (peer, tracker) of arrays ZeroMQ sends in place
         self._poller = zmq.Poller()
         self._poller.register(inbox, zmq.POLLIN)
         # ZeroMQ reconnects behind a closed connection and says nothing, so a peer that died was
@@ -257,7 +258,29 @@ class ZmqComm(Inbox):
             self._poller.register(watch, zmq.POLLIN)
 
     def _send(self, dst: int, message: Any) -> None:
-        send(self.outboxes[dst], message)
+        tracker = send_frames(self.outboxes[dst], p.encode(message), track=True)
+        if tracker is not None:  # sent from the array itself: the caller leaves it unchanged until flush
+            self._sending.append((dst, tracker))
+
+    def flush(self, run: int, deadline: Deadline) -> None:
+        """Wait until ZeroMQ is done with every array it sends in place (a large frame: it is
+        read after send returns, and a program writes its buffers again once a collective has
+        returned; a 4 MiB buffer written over after send arrived as what was written); WorkerLost
+        at the deadline, naming the peer that took nothing."""
+        while self._sending:
+            dst, tracker = self._sending[0]
+            if tracker.done:
+                self._sending.popleft()
+                continue
+            if deadline.expired():
+                raise WorkerLost(
+                    f"worker {self.rank}: worker {dst} took no data for {deadline.seconds:.1f} s", rank=dst
+                )
+            try:
+                tracker.wait(max(0.0, min(BLOCK_SECONDS, deadline.remaining())))
+            except zmq.NotDone:
+                self._raise_if_gone()
+                self._check_signals(run)
 
     def _next(self, timeout: float):
         """The next Chunk or Abort within `timeout` seconds, else None. Anything else that reaches
