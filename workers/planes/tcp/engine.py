@@ -19,11 +19,11 @@ have on shared memory: send the contribution to every peer, read each peer's str
 buffer of the step's, and add them in rank order (the first two in one pass, as HostEngine.reduce
 adds them), so the bits equal every other plane's. Where the ranks sit on several hosts (told
 apart by the addresses their inboxes are reached at), some with several workers, it goes host
-by host: every worker takes its host-mates' contributions, exchanges its host's bundle of them
-with a counterpart on each other host, one message a worker and host, and adds all of them in
-rank order (the same bits; `_hierarchical_all_reduce`; TCP_DIRECT_ENV turns it off). Inside a
-host the contributions go through shared memory (host_step.py) where every worker of the host
-can map the others' files, else over TCP (TCP_HOST_STEP_ENV = "tcp" forces that).
+by host: every worker sends its contribution to one worker of each other host, posts its own
+and those sent to it for its host-mates, and adds all of them in rank order (the same bits;
+`_hierarchical_all_reduce`; TCP_DIRECT_ENV turns it off). The posts go through shared memory
+(host_step.py) where every worker of the host can map the others' files, else over TCP
+(TCP_HOST_STEP_ENV = "tcp" forces that).
 """
 
 from __future__ import annotations
