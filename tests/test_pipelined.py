@@ -142,6 +142,18 @@ def test_lanes_on_worker_processes_over_tcp(procs3_tcp):
     assert got == expected and info["lanes"] == 3
 
 
+@pytest.mark.parametrize("fixture", ["cuda2", "cuda_nccl2"])
+def test_lanes_on_cuda_workers(request, fixture):
+    """Two CUDA workers (the CuPy stand-in, or GPUs), a group each, over CUDA IPC or NCCL: the
+    reporter reads each lane's candidates back from the device, and the lanes' sampled tokens
+    are the one-step generation's."""
+    dev = request.getfixturevalue(fixture)
+    settings = _settings(4, SAMPLED)
+    expected, _, _ = _generate(dev, GROUPS[2], 4, 6, settings, pipelined=False)
+    got, _, info = _generate(dev, GROUPS[2], 4, 6, settings, pipelined=True)
+    assert got == expected and info["lanes"] == 2
+
+
 @pytest.mark.parametrize("plane", ["shm", "zmq"])
 def test_groups_of_two_processes_all_reduce_among_themselves_between_interleaved_runs(fresh_cluster, plane):
     """2 groups of 2 worker processes: inside a group the small all-reduces go through shared
