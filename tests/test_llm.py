@@ -572,15 +572,15 @@ def test_a_servers_new_prompt_and_llms_prefill_give_the_same_logits_bit_for_bit(
     prefill over the caches' first positions (n: rounded up to the kernels' bucket, 32). Their
     softmax sums run over different lengths whose extra terms are exact zeros; summed in an
     order that depended on the length, the two ways' logits were up to 1.04 apart after a
-    49-token prompt. Now equal bit for bit from a padded length of 24 on, so `serve` and
-    `generate` continue such a prompt alike. (A prompt padded to 16 or fewer still differs:
-    BLAS takes another kernel for its 16 key rows than for the cache's 32.)"""
+    49-token prompt; and a prompt of 16 or fewer key rows took another BLAS kernel for its
+    scores than for the cache's 32. Now equal bit for bit, so `serve` and `generate` continue a
+    prompt alike."""
     from bench.hosts import PROMPT
     from models.loading import place_model
     from workers.simulator import SimulatedCluster
 
     text = model.tokenizer.encode(PROMPT + " " + PROMPT)
-    for length in (17, 40, 49, 77):  # padded to 24, 40, 56, 80
+    for length in (5, 9, 17, 40, 49, 77):  # padded to 8, 16, 24, 40, 56, 80
         prompt = text[:length]
         got = []
         for slot in (None, 0):

@@ -535,17 +535,25 @@ def _half_rows(key_rows, out) -> bool:
     return key_rows.dtype is _FLOAT16 and key_rows.ndim == 4 and key_rows.flags.c_contiguous and _plain(out)
 
 
-def _widened(rows, n: int):
-    """The first n float16 rows of rows (B, H, ctx, d) as float32, for a BLAS product."""
-    wide = np.empty(rows.shape[:2] + (n, rows.shape[3]), np.float32)
+def _widened(rows, n: int, at_least: int = 0):
+    """The first n float16 rows of rows (B, H, ctx, d) as float32, for a BLAS product; with
+    `at_least` rows past n, zeros after them."""
+    wide = np.empty(rows.shape[:2] + (max(n, at_least), rows.shape[3]), np.float32)
+    wide[:, :, n:] = 0
     _loops().widen_half_rows(rows.view(np.uint16), n, _halves(), wide)
     return wide
 
 
 def _scores_by_key(xp, key_rows, rows, n: int, out):
-    """A prefill's scores (a decode step's: _one_pass): float16 key rows widened once, then BLAS."""
+    """A prefill's scores (a decode step's: _one_pass): float16 key rows widened once, then BLAS.
+    Fewer than a bucket of key rows (a short prompt's own, a server slot's first chunk) go in
+    as a bucket's, zeros after them: BLAS took another kernel for 16 rows than for the 32 the
+    same prompt reads from the cache, and their scores differed in the last bit."""
     if xp is not np or not _half_rows(key_rows, out) or rows.ndim != 4:
         return fused.scores_by_key(xp, key_rows, rows, n, out)
+    if n < fused.KV_BUCKET:
+        out[...] = np.matmul(_widened(key_rows, n, fused.KV_BUCKET), rows.swapaxes(-1, -2))[..., :n, :]
+        return out
     return np.matmul(_widened(key_rows, n), rows.swapaxes(-1, -2), out=out)
 
 
