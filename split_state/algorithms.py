@@ -173,13 +173,24 @@ class Algorithm:
         """What the planner charges: the busiest device's bytes, plus what this defers."""
         return max(self.sent(r)) + self.deferred(r)
 
-    def run(self, engine: Any, local: Any, r: Request, tag: Tag) -> Any:
-        """Run the phases in order; the default for every plan-driven algorithm."""
+    def run(self, engine: Any, local: Any, r: Request, tag: Tag, out: Any = None) -> Any:
+        """Run the phases in order; the default for every plan-driven algorithm. With `out` (a
+        contiguous buffer of the local result's shape, for an engine whose phases take `into`:
+        workers.collectives.HostEngine), the last phase writes the result there."""
         x = engine.xp.ascontiguousarray(local).reshape(-1) if self.flat else local
-        for phase in cached_phases(self, r):
+        phases = cached_phases(self, r)
+        for k, phase in enumerate(phases):
             run_phase = engine.exchange if phase.kind is PhaseKind.EXCHANGE else engine.reduce
-            x = run_phase(x, phase, tag)
+            if out is not None and k == len(phases) - 1:
+                x = run_phase(x, phase, tag, into=out)
+            else:
+                x = run_phase(x, phase, tag)
         return x.reshape(cached_local_shape(r.dst, r.shape, r.n, engine.rank)) if self.flat else x
+
+    @classmethod
+    def plan_driven(cls) -> bool:
+        """Whether this algorithm runs its phases (the default `run`), so `run` takes `out`."""
+        return cls.run is Algorithm.run
 
 
 def _sent(phases: Sequence[Phase], n: int, itemsize: int) -> tuple[int, ...]:

@@ -312,9 +312,11 @@ def test_a_postbox_all_reduce_writes_into_its_buffer_and_is_done_with_its_input_
         comms[0].bound_all_reduce(np.dtype(np.float32), shape, np.empty((3, 192), np.float64))
 
 
-def test_collectives_write_into_a_buffer_where_the_postboxes_carry_them_and_copy_into_it_elsewhere(comm_pair):
-    """Collectives.writes_into says which redistributions the postboxes carry (a small
-    all-reduce); `prepared(request, out)` of any other still leaves its result in `out`."""
+def test_collectives_write_into_a_buffer_through_the_postboxes_and_through_the_phases(comm_pair):
+    """Collectives.writes_into: a small all-reduce goes through the postboxes, a large one and a
+    gather through the phases, whose last writes into the buffer; either way each call's result
+    is that buffer, the same every call, and the input may be written over once a call returns.
+    An embedding into a Partial makes an array of its own."""
     from workers.backends.cpu import Backend
     from workers.collectives import Collectives, HostEngine
 
@@ -322,21 +324,40 @@ def test_collectives_write_into_a_buffer_where_the_postboxes_carry_them_and_copy
     comms = [make(0), make(1)]
     colls = [Collectives(HostEngine(c, Backend(0))) for c in comms]
     f32 = np.dtype(np.float32)
-    small, big = (2, 64), (2, shm.POST_BYTES // 4)
-    assert colls[0].writes_into(colls[0].request(PARTIAL, MIRRORED, small, f32))
-    assert not colls[0].writes_into(colls[0].request(PARTIAL, MIRRORED, big, f32))  # more than a slot
-    assert not colls[0].writes_into(colls[0].request(Split(1, ((1, 1),)), MIRRORED, small, f32))  # a gather
-    outs = [np.empty(big, np.float32) for _ in comms]
-    results: list = [None, None]
+    small, big = (2, 64), (2, shm.POST_BYTES // 4 + 3)
+    gather = Split(1, ((big[1] // 2, big[1] - big[1] // 2),))
+    for src, dst, shape in ((PARTIAL, MIRRORED, small), (PARTIAL, MIRRORED, big), (gather, MIRRORED, big)):
+        assert colls[0].writes_into(colls[0].request(src, dst, shape, f32))
+    assert not colls[0].writes_into(colls[0].request(MIRRORED, PARTIAL, small, f32))
+    rng = np.random.default_rng(8)
+    sums = [[rng.standard_normal(big).astype(np.float32) for _ in range(2)] for _ in range(3)]
+    whole = [rng.standard_normal(big).astype(np.float32) for _ in range(3)]
+    outs = {kind: [np.empty(big, np.float32) for _ in comms] for kind in ("sum", "gather")}
+    got: dict = {(kind, rank): [] for kind in outs for rank in (0, 1)}
 
     def work(rank, comm_):
-        run = colls[rank].prepared(colls[rank].request(PARTIAL, MIRRORED, big, f32), outs[rank])
-        results[rank] = run(np.full(big, rank + 1.0, np.float32), 6, 1, Deadline(5.0))
+        add = colls[rank].prepared(colls[rank].request(PARTIAL, MIRRORED, big, f32), outs["sum"][rank])
+        cut = colls[rank].prepared(colls[rank].request(gather, MIRRORED, big, f32), outs["gather"][rank])
+        half = slice(0, big[1] // 2) if rank == 0 else slice(big[1] // 2, big[1])
+        for k in range(3):
+            mine = sums[k][rank].copy()
+            result = add(mine, 6 + k, 1, Deadline(5.0))
+            mine[...] = np.nan  # the program's next use of the input's memory
+            assert result is outs["sum"][rank]
+            got["sum", rank].append(result.copy())
+            mine = whole[k][:, half].copy()
+            result = cut(mine, 6 + k, 2, Deadline(5.0))
+            mine[...] = np.nan
+            assert result is outs["gather"][rank]
+            got["gather", rank].append(result.copy())
 
     in_threads(comms, work)
     for rank in (0, 1):
-        assert results[rank] is outs[rank]
-        np.testing.assert_array_equal(outs[rank], np.full(big, 3.0, np.float32))
+        for k in range(3):
+            a, b = sums[k]
+            expected = (a.astype(np.float64) + b.astype(np.float64)).astype(np.float32)
+            np.testing.assert_array_equal(got["sum", rank][k], expected)
+            np.testing.assert_array_equal(got["gather", rank][k], whole[k])
 
 
 def test_consecutive_posts_alternate_slots_whichever_step_makes_them(comm_pair):
@@ -571,10 +592,11 @@ def test_zmq_data_plane_on_request(fresh_cluster):
     assert np.array_equal(dev.tensor(x, Split.even(1, 4, 2)).redistribute(MIRRORED).numpy(), x)
 
 
-def test_a_worker_loads_its_small_all_reduces_into_the_arena_where_the_postboxes_carry_them(comm_pair):
+def test_a_worker_loads_its_all_reduces_into_the_arena(comm_pair):
     """The executor asks its collectives which redistributions write into a buffer when it loads
-    a program (workers/executor.py): a postbox-sized all-reduce and what it sends are planned
-    into the arena; one bigger than a slot keeps buffers of its own each run."""
+    a program (workers/executor.py): an all-reduce and what it sends are planned into the arena,
+    a postbox-sized one (the postboxes write there) and one bigger than a slot (its phases' last
+    does); an embedding into a Partial keeps buffers of its own each run."""
     from workers.backends.cpu import Backend
     from workers.executor import Executor
     from workers.store import TensorStore
@@ -583,12 +605,17 @@ def test_a_worker_loads_its_small_all_reduces_into_the_arena_where_the_postboxes
     comm0, _ = make(0), make(1)
     executor = Executor(Backend(0), TensorStore(1 << 26), 5.0)
     executor.attach(comm0)
-    for shape, expected in (((1, 576), ["arena", "arena"]), ((2, shm.POST_BYTES // 4), ["fresh", "move"])):
+    small, big = (1, 576), (2, shm.POST_BYTES // 4)
+    for shape, src, dst, expected in (
+        (small, PARTIAL, MIRRORED, ["arena", "arena"]),
+        (big, PARTIAL, MIRRORED, ["arena", "arena"]),
+        (small, MIRRORED, PARTIAL, ["fresh", "move"]),
+    ):
         steps = [
             p.OpStep("scale", (0,), 1, {"factor": 2.0}, shape, "float32"),
-            p.MoveStep(1, 2, PARTIAL, MIRRORED, shape, "float32"),
+            p.MoveStep(1, 2, src, dst, shape, "float32"),
             p.OpStep("scale", (2,), 3, {"factor": 3.0}, shape, "float32"),
         ]
         executor.load(7, steps, [3])
-        assert [pl.out for pl in executor.programs[7].placed][:2] == expected, shape
+        assert [pl.out for pl in executor.programs[7].placed][:2] == expected, (shape, src, dst)
         executor.unload(7)

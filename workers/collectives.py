@@ -154,8 +154,16 @@ class HostEngine:
         pass
 
     def writes_into(self, algorithm, r: Request) -> bool:
-        """Whether `bound` gives this request the plane's own direct all-reduce (the shared-memory
-        postboxes: workers.comm.HostComm.posts), which copies the input before returning."""
+        """Whether `bound` with a buffer writes this request's result there: the plane's own
+        direct all-reduce (the shared-memory postboxes: workers.comm.HostComm.posts, which copy
+        the input before returning), or any algorithm that runs phases (the last one writes into
+        the buffer). Either way the input is free when the call returns: every send is copied or
+        flushed by then (workers.comm: flush waits until ZeroMQ is done with what it sent in
+        place). A buffer of the program's arena is the same memory every run; a fresh result
+        of 16 MiB cost 2-4 ms of first-touch page faults a call, a third of its all-reduce."""
+        return self._posts(algorithm, r) or algorithm.plan_driven()
+
+    def _posts(self, algorithm, r: Request) -> bool:
         posts = getattr(self.comm, "posts", None)
         return (
             posts is not None
@@ -166,11 +174,18 @@ class HostEngine:
 
     def bound(self, algorithm, r: Request, out: Any = None):
         """The plane's own direct all-reduce for one request, where it has one (the shared-memory
-        postboxes: workers.comm.HostComm.bound_all_reduce) and the data is on the host; its
-        results in `out` when given."""
-        if not self.writes_into(algorithm, r):
+        postboxes: workers.comm.HostComm.bound_all_reduce) and the data is on the host, its
+        results in `out` when given; else, given `out`, the algorithm's phases writing into it."""
+        if self._posts(algorithm, r):
+            return self.comm.bound_all_reduce(dtype_from_name(r.dtype), r.shape, out)
+        if out is None or not algorithm.plan_driven():
             return None
-        return self.comm.bound_all_reduce(dtype_from_name(r.dtype), r.shape, out)
+
+        def run_into(local: Any, run: int, step: int, deadline: Deadline) -> Any:
+            algorithm.run(self, local, r, Tag(run, step, deadline), out=out)
+            return out
+
+        return run_into
 
     def _send_mine(self, local: Any, sends: Sequence[Transfer], tag: Tag) -> None:
         for t in sends:
@@ -186,10 +201,11 @@ class HostEngine:
 
         self.comm.receive(t.src, tag.run, tag.step, tag.deadline, target.shape, target.dtype, sink)
 
-    def exchange(self, local: Any, phase: Phase, tag: Tag) -> Any:
+    def exchange(self, local: Any, phase: Phase, tag: Tag, into: Any = None) -> Any:
+        """Copy the boxes of `phase`; the result in `into` (contiguous, of as many elements) when given."""
         share = phase.share(self.size, self.rank)
         self._send_mine(local, share.sends, tag)  # queued, never blocking: receives below drain them
-        out = self.xp.empty(share.out_shape, dtype=local.dtype)
+        out = self.xp.empty(share.out_shape, dtype=local.dtype) if into is None else into.reshape(share.out_shape)
         for t in share.receives:
             if t.src == self.rank:
                 out[t.dst_box] = local[t.src_box]
@@ -204,35 +220,36 @@ class HostEngine:
         self.comm.flush(tag.run, tag.deadline)
         return out
 
-    def reduce(self, local: Any, phase: Phase, tag: Tag) -> Any:
+    def reduce(self, local: Any, phase: Phase, tag: Tag, into: Any = None) -> Any:
         """Sum every device's contribution to each box this device owns, in rank order, adding
         remote contributions as their bytes arrive. The first two are added in one pass (a + b
-        is b + a bit for bit), so every owner does the same arithmetic whatever its rank."""
+        is b + a bit for bit), so every owner does the same arithmetic whatever its rank. The
+        result in `into` (contiguous, of as many elements) when given."""
         rank, n, xp = self.rank, self.size, self.xp
         share = phase.share(n, rank)
         self._send_mine(local, share.sends, tag)
-        out_shape = share.out_shape
-        out = None
+        out_shape = tuple(share.out_shape)
+        out = None if into is None else into.reshape(out_shape)
         for box, group in share.owned:
             mine = local[group[rank].src_box]
+            whole = mine.shape == out_shape  # the whole result is this one box: summed in place
+            if whole and out is None:
+                out = xp.empty(out_shape, local.dtype)
+            total = out if whole else xp.empty(mine.shape, local.dtype)
             if n == 1:
-                total = mine.copy()
+                total[...] = mine
+            elif rank < 2:
+                first = xp.ascontiguousarray(mine).reshape(-1)
+                self._receive(group[1 - rank], total, tag, _added_to(first, xp))
             else:
-                total = xp.empty(mine.shape, local.dtype)
-                if rank < 2:
-                    first = xp.ascontiguousarray(mine).reshape(-1)
-                    self._receive(group[1 - rank], total, tag, _added_to(first, xp))
+                self._receive(group[0], total, tag, _assign)
+                self._receive(group[1], total, tag, _add)
+            for t in group[2:]:
+                if t.src == rank:
+                    total += mine
                 else:
-                    self._receive(group[0], total, tag, _assign)
-                    self._receive(group[1], total, tag, _add)
-                for t in group[2:]:
-                    if t.src == rank:
-                        total += mine
-                    else:
-                        self._receive(t, total, tag, _add)
-            if out is None and total.shape == tuple(out_shape):
-                out = total  # the whole result is this one box: no copy into place
-            else:
+                    self._receive(t, total, tag, _add)
+            if not whole:
                 if out is None:
                     out = xp.empty(out_shape, dtype=local.dtype)
                 out[box] = total

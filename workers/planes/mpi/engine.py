@@ -430,6 +430,10 @@ class MpiEngine(HostEngine):
     def all_reduce(self, flat: Any, tag) -> Any:
         return self.comm.all_reduce(flat, tag.run)
 
+    def writes_into(self, algorithm, r) -> bool:
+        """MPI's calls return arrays of their own: a program's buffer would take a copy."""
+        return False
+
     def bound(self, algorithm, r):
         """MPI's Allreduce bound for one request (Collectives.prepared): no tag, algorithm or
         reshape between a program step and the call."""
