@@ -546,15 +546,22 @@ def _widened(rows, n: int, at_least: int = 0):
 
 def _scores_by_key(xp, key_rows, rows, n: int, out):
     """A prefill's scores (a decode step's: _one_pass): float16 key rows widened once, then BLAS.
-    Fewer than a bucket of key rows (a short prompt's own, a server slot's first chunk) go in
-    as a bucket's, zeros after them: BLAS took another kernel for 16 rows than for the 32 the
-    same prompt reads from the cache, and their scores differed in the last bit."""
-    if xp is not np or not _half_rows(key_rows, out) or rows.ndim != 4:
+    Fewer than a bucket of key rows (a short prompt's own, a server slot's first chunk), float16
+    or float32, go in as a bucket's, zeros after them: BLAS took another kernel for 16 rows than
+    for the 32 the same prompt reads from the cache, and their scores differed in the last bit."""
+    if xp is not np or rows.ndim != 4 or key_rows.ndim != 4:
         return fused.scores_by_key(xp, key_rows, rows, n, out)
-    if n < fused.KV_BUCKET:
-        out[...] = np.matmul(_widened(key_rows, n, fused.KV_BUCKET), rows.swapaxes(-1, -2))[..., :n, :]
+    if _half_rows(key_rows, out):
+        wide = _widened(key_rows, n, fused.KV_BUCKET if n < fused.KV_BUCKET else 0)
+    elif n < fused.KV_BUCKET and key_rows.dtype is _FLOAT32 and _plain(out):  # float32: the same bucket
+        wide = np.zeros(key_rows.shape[:2] + (fused.KV_BUCKET, key_rows.shape[3]), np.float32)
+        wide[:, :, :n] = key_rows[:, :, :n]
+    else:
+        return fused.scores_by_key(xp, key_rows, rows, n, out)
+    if wide.shape[2] > n:
+        out[...] = np.matmul(wide, rows.swapaxes(-1, -2))[..., :n, :]
         return out
-    return np.matmul(_widened(key_rows, n), rows.swapaxes(-1, -2), out=out)
+    return np.matmul(wide, rows.swapaxes(-1, -2), out=out)
 
 
 def _weighted_values(xp, weights, values, n: int, out):
@@ -566,7 +573,12 @@ def _weighted_values(xp, weights, values, n: int, out):
 def _one_pass(xp, rows, key_rows, values, mask, n: int, group: int, scale: float, weights, out) -> bool:
     """A few query rows (decode) in one threaded loop over the used cache, GQA's layout: rows
     (B, kv, group * tokens, d) are the loop's (B, kv * group, tokens, d), query head h reading
-    KV head h // group; False for other layouts."""
+    KV head h // group; False for other layouts. A prompt's own float32 keys and values (a
+    server slot's first chunk: views of the step's projections) are copied in order first, so
+    it takes the loop its cache's rows take (the loop wants contiguous rows; BLAS gave other
+    last bits)."""
+    if xp is np and key_rows.dtype is _FLOAT32 and not (key_rows.flags.c_contiguous and values.flags.c_contiguous):
+        key_rows, values = np.ascontiguousarray(key_rows), np.ascontiguousarray(values)
     return _ran(_grouped_plan(xp, rows, key_rows, values, mask, group, scale, weights, out), n)
 
 
