@@ -15,6 +15,7 @@ straight from where the bytes arrived; `recv` returns a whole array.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import queue
@@ -154,6 +155,16 @@ class Inbox:
             self.in_flight(message.run, run) and self._early_bytes(run) + message.array.nbytes <= MAX_EARLY_BYTES
         ):
             self._stash[message.src].append(message)
+
+    @contextlib.contextmanager
+    def runs_in_flight(self, count: int):
+        """Within the block, up to `count` runs past the awaited one may be under way (at least
+        as many as before): their data is kept for them, not dropped as stale."""
+        before, self.lookahead = self.lookahead, max(self.lookahead, count)
+        try:
+            yield
+        finally:
+            self.lookahead = before
 
     def in_flight(self, other: int, run: int) -> bool:
         """Whether run `other` may be under way while this worker waits in `run`."""

@@ -117,63 +117,62 @@ def run_pipelined(
     latest = [0] * count  # each sequence's last token (a report's rows of a lane that ended)
     ended = [False] * width
     steps, cancel = 0, False
-    lookahead, comm.lookahead = comm.lookahead, max(comm.lookahead, 2 * width)
     try:
-        for step in range(m.steps):
-            stopping = cancel  # the reporter's cancel of the step before ends every lane now
-            asked = False  # whether the reporter has looked for a cancel in this step
-            logprob_rows = []
-            for k, lane in enumerate(lanes):
-                if ended[k]:
-                    continue
-                rows = range(lane.first, lane.first + lane.rows)
-                run = m.run + step * width + k
-                if step:  # the lane's tokens of the step before: fed back, or the lane ends
-                    if not reporting:  # (the flag in each of a step's messages is the same)
-                        chosen, stopping = _receive(comm, m.reporter, run, lane.rows, timeout)
-                        cancel = cancel or stopping
-                        _record(chosen, rows, done, stop, latest)
-                    if stopping or all(done[b] for b in rows):
-                        ended[k] = True
+        with comm.runs_in_flight(2 * width):
+            for step in range(m.steps):
+                stopping = cancel  # the reporter's cancel of the step before ends every lane now
+                asked = False  # whether the reporter has looked for a cancel in this step
+                logprob_rows = []
+                for k, lane in enumerate(lanes):
+                    if ended[k]:
                         continue
-                    tokens, positions, dtype = fed[k]
-                    tokens[...] = backend.to_device(np.asarray(latest[lane.first : lane.first + lane.rows], dtype))
-                    positions += 1
-                t = runners[k](run)
-                for key in timings:
-                    timings[key] += t.get(key, 0.0)
-                if not reporting:
-                    continue
-                values, indices = backend.to_host(store.get(lane.values)), backend.to_host(store.get(lane.indices))
-                chosen = [
-                    choose(values[j, 0, : c.pool], indices[j, 0, : c.pool], c.rule, c.rng, recent[b])
-                    for j, (b, c) in enumerate(zip(rows, choosers[lane.first : lane.first + lane.rows]))
-                ]
-                for b, token in zip(rows, chosen):
-                    recent[b].append(token)
-                if wanted:
-                    mass = backend.to_host(store.get(lane.sums))
-                    table = log_probabilities(values, indices, mass, chosen, wanted[rows.start : rows.stop])
-                    logprob_rows.append((lane, table))
-                if not asked:  # before the step's first message, which says whether every lane stops after it
-                    cancel, asked = cancel or cancelled(), True
-                _record(chosen, rows, done, stop, latest)
-                if step < m.steps - 1:  # under the run id of the lane's next step, which reads it
-                    for d in others:
-                        comm.send(d, run + width, TOKENS_TAG, np.array([*chosen, cancel], np.int32))
-                    comm.flush(run, Deadline(timeout))
-            if all(ended):
-                break
-            steps += 1
-            if reporting:
-                if wanted:
-                    report.logprobs(_logprob_table(logprob_rows, wanted))
-                final = cancel or step == m.steps - 1 or all(done)
-                report.add(step, list(latest), final=final)
-            if cancel:
-                break
+                    rows = range(lane.first, lane.first + lane.rows)
+                    run = m.run + step * width + k
+                    if step:  # the lane's tokens of the step before: fed back, or the lane ends
+                        if not reporting:  # (the flag in each of a step's messages is the same)
+                            chosen, stopping = _receive(comm, m.reporter, run, lane.rows, timeout)
+                            cancel = cancel or stopping
+                            _record(chosen, rows, done, stop, latest)
+                        if stopping or all(done[b] for b in rows):
+                            ended[k] = True
+                            continue
+                        tokens, positions, dtype = fed[k]
+                        tokens[...] = backend.to_device(np.asarray(latest[lane.first : lane.first + lane.rows], dtype))
+                        positions += 1
+                    t = runners[k](run)
+                    for key in timings:
+                        timings[key] += t.get(key, 0.0)
+                    if not reporting:
+                        continue
+                    values, indices = backend.to_host(store.get(lane.values)), backend.to_host(store.get(lane.indices))
+                    chosen = [
+                        choose(values[j, 0, : c.pool], indices[j, 0, : c.pool], c.rule, c.rng, recent[b])
+                        for j, (b, c) in enumerate(zip(rows, choosers[lane.first : lane.first + lane.rows]))
+                    ]
+                    for b, token in zip(rows, chosen):
+                        recent[b].append(token)
+                    if wanted:
+                        mass = backend.to_host(store.get(lane.sums))
+                        table = log_probabilities(values, indices, mass, chosen, wanted[rows.start : rows.stop])
+                        logprob_rows.append((lane, table))
+                    if not asked:  # before the step's first message, which says whether every lane stops after it
+                        cancel, asked = cancel or cancelled(), True
+                    _record(chosen, rows, done, stop, latest)
+                    if step < m.steps - 1:  # under the run id of the lane's next step, which reads it
+                        for d in others:
+                            comm.send(d, run + width, TOKENS_TAG, np.array([*chosen, cancel], np.int32))
+                        comm.flush(run, Deadline(timeout))
+                if all(ended):
+                    break
+                steps += 1
+                if reporting:
+                    if wanted:
+                        report.logprobs(_logprob_table(logprob_rows, wanted))
+                    final = cancel or step == m.steps - 1 or all(done)
+                    report.add(step, list(latest), final=final)
+                if cancel:
+                    break
     finally:
-        comm.lookahead = lookahead
         if board is not None:
             board.close()
     info = {"steps": steps, "cancelled": cancel, "issued_ahead": 0, "lanes": width, **timings}

@@ -106,12 +106,8 @@ class WorkerServer:
         # them, so any of its runs may be under way elsewhere while this worker waits in one (a
         # layer group's next chunk or lane, while the next group's workers all-reduce among
         # themselves in this one): their data is kept for them, not dropped as stale
-        comm = self.executor.comm
-        lookahead, comm.lookahead = comm.lookahead, max(comm.lookahead, len(m.runs))
-        try:
+        with self.executor.comm.runs_in_flight(len(m.runs)):
             return self._run_all(m, list(zip(m.programs, m.runs, m.inputs, m.outputs, frees)))
-        finally:
-            comm.lookahead = lookahead
 
     def _run_all(self, m: p.RunProgram | p.RunChain, runs: list[tuple]) -> p.Message:
         """The runs (program, run id, inputs, outputs, tensors freed after it) of a RunProgram
