@@ -238,3 +238,42 @@ def test_another_process_reads_ipc_memory_right_only_after_waiting_for_the_write
         reader.join(30)
         reader.kill()
         runtime.free(ptr)
+
+
+def _allocate_and_exit_hard(folder: str, told) -> None:
+    """A worker's end by os._exit (or a kill): an IPC allocation and an interprocess event made,
+    no finalizer run."""
+    import os
+
+    from tests.cupy_standin import ipc
+
+    ipc._FOLDER = folder
+    ipc.malloc(16)
+    event = ipc.SharedEventState()  # noqa: F841 - held until the exit
+    told.send(sorted(os.listdir(folder)))
+    os._exit(0)
+
+
+@pytest.mark.timeout(60)
+def test_the_files_a_dead_maker_left_are_swept_and_a_live_makers_stay(tmp_path):
+    """tests/conftest.py sweeps them when the session ends: an allocation and an event that a
+    worker ended without its finalizers left in /dev/shm were kept for good before."""
+    import multiprocessing
+    import os
+
+    from tests.cupy_standin import ipc
+
+    ours, theirs = multiprocessing.Pipe()
+    maker = multiprocessing.get_context("spawn").Process(target=_allocate_and_exit_hard, args=(str(tmp_path), theirs))
+    maker.start()
+    assert ours.poll(30)
+    left = ours.recv()
+    maker.join(30)
+    pid = str(maker.pid)
+    assert [name.split("-")[:3] for name in left] == [["standin", "event", pid], ["standin", "ipc", pid]]
+    live = f"standin-ipc-{os.getpid()}-abc"  # this process's, as its own allocations are named
+    (tmp_path / live).write_bytes(bytes(16))
+    (tmp_path / "standin-ipc-notapid").write_bytes(bytes(16))  # not of this scheme: left alone
+    removed = ipc.sweep_orphans(str(tmp_path))
+    assert sorted(os.path.basename(path) for path in removed) == left
+    assert sorted(os.listdir(tmp_path)) == sorted([live, "standin-ipc-notapid"])

@@ -28,6 +28,7 @@ import numpy as np
 from tests.cupy_standin import runtime as rt
 
 HANDLE_BYTES = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t
+PREFIXES = ("standin-ipc-", "standin-event-")  # the files' names: a prefix, the maker's pid, a random part
 POLL_S = 20e-6
 _FOLDER = "/dev/shm" if os.path.isdir("/dev/shm") else None
 _lock = threading.Lock()
@@ -36,10 +37,10 @@ _lock = threading.Lock()
 class _Shared:
     """A file of `nbytes` mapped here: made (`path` None) or opened."""
 
-    def __init__(self, nbytes: int, path: str | None = None, prefix: str = "standin-ipc-"):
+    def __init__(self, nbytes: int, path: str | None = None, prefix: str = PREFIXES[0]):
         self.owner = path is None
-        if path is None:
-            fd, path = tempfile.mkstemp(prefix=prefix, dir=_FOLDER)
+        if path is None:  # the maker's pid in the name: sweep_orphans finds what a dead maker left
+            fd, path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=_FOLDER)
             os.ftruncate(fd, nbytes)
         else:
             try:
@@ -63,6 +64,31 @@ class _Shared:
 
     def close(self) -> None:
         self.unlink()
+
+
+def sweep_orphans(folder: str | None = _FOLDER) -> list[str]:
+    """Remove the files of makers that exited without freeing them, and return their paths: a
+    worker killed, or ended by os._exit (workers/main.py), runs no finalizer, and CUDA itself
+    frees a dead process's memory, so nothing else would."""
+    removed = []
+    for name in os.listdir(folder or tempfile.gettempdir()):
+        prefix = next((p for p in PREFIXES if name.startswith(p)), None)
+        pid = name[len(prefix) :].split("-", 1)[0] if prefix else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            path = os.path.join(folder or tempfile.gettempdir(), name)
+            _unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _unlink(path: str) -> None:
@@ -137,7 +163,7 @@ class SharedEventState:
     """An interprocess event's state: [records issued, records run], in a shared file."""
 
     def __init__(self, path: str | None = None):
-        self.shared = _Shared(16, path, prefix="standin-event-")
+        self.shared = _Shared(16, path, prefix=PREFIXES[1])
         self.counts = self.shared.raw.view(np.int64)
 
     def issue_record(self) -> int:
