@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meta.device import MetaDevice
+from models.decode_steps import DecodeSteps
 from models.errors import ModelError
 from models.gguf_model import GGUFModel
 from models.llama import PREFILL_CHUNK, padded_length
@@ -237,10 +238,9 @@ class ContinuousBatcher:
         self._wake = threading.Condition()
         self._stopping = False
         self.pipelined = pipelined
-        # (first row, rows, with the normalizer, candidates, of a lane) -> the captured decode
-        # step of those rows: of the first rows, or of a lane (`_lanes`: its results stay on the
-        # head's group)
-        self._decodes: dict[tuple[int, int, bool, int, bool], object] = {}
+        # the decode step of the first rows, or of a lane (`_lanes`), by (with the normalizer,
+        # candidates)
+        self._decodes = DecodeSteps(self.net)
         self._admitted = 0  # jobs admitted so far
         # tickets given tokens of a report of the workers' steps not yet all delivered, their
         # readers woken once it is (None: outside a driven run, every event wakes its reader)
@@ -263,14 +263,9 @@ class ContinuousBatcher:
         while True:
             for pool in (POOL, 1):
                 lanes = self._lanes(rows)
+                build = self._candidates(pool, False, lanes)
                 for lane in lanes:
-                    key = _step_key(lane, lanes, False, pool)
-                    if key not in self._decodes:
-                        build = self._candidates(pool, False, lanes)
-                        self._decodes[key] = self.net.prepare_decode(
-                            len(lane), build=build, rows_from=lane.start, lane=len(lanes) > 1
-                        )
-                        loaded += 1
+                    loaded += self._decodes.prepare(lane, len(lanes), (False, pool), build)
             if rows >= len(self.slots):
                 return loaded
             rows = min(len(self.slots), rows * 2)
@@ -475,15 +470,11 @@ class ContinuousBatcher:
         start = time.perf_counter()
         lanes = self._lanes(rows)
         got = []
-        for lane, decode in zip(lanes, self._steps(lanes, mass, pool)):
+        build = self._candidates(pool, mass, lanes)
+        for lane in lanes:
             t, p = tokens[lane.start : lane.stop], positions[lane.start : lane.stop]
-            if decode is None:
-                build = self._candidates(pool, mass, lanes)
-                self._decodes[_step_key(lane, lanes, mass, pool)], (values, indices, *rest) = self.net.capture_decode(
-                    t, p, build=build, rows_from=lane.start, lane=len(lanes) > 1
-                )
-            else:
-                values, indices, *rest = decode(t, p, read=(0, 1, 2)[: 2 + mass])  # back with the run
+            read = (0, 1, 2)[: 2 + mass]  # back with the run
+            values, indices, *rest = self._decodes.run(lane, len(lanes), (mass, pool), build, t, p, read)
             got.append((values.numpy(), indices.numpy(), rest[0].numpy() if mass else None))
         v, i = (np.concatenate([g[k] for g in got]) for k in (0, 1))
         sums = np.concatenate([g[2] for g in got]) if mass else None
@@ -601,7 +592,7 @@ class ContinuousBatcher:
 
     def _steps(self, lanes: list[range], mass: bool, pool: int) -> list:
         """Each lane's captured decode step, None where it is not captured yet."""
-        return [self._decodes.get(_step_key(lane, lanes, mass, pool)) for lane in lanes]
+        return [self._decodes.get(lane, len(lanes), (mass, pool)) for lane in lanes]
 
     def _candidates(self, pool: int, mass: bool, lanes: list[range]):
         """A decode step's results: on every worker, or a lane's on the head's group."""
@@ -702,9 +693,3 @@ class ContinuousBatcher:
                 ticket.wake_reader()
             else:
                 self._unwoken[ticket] = False
-
-
-def _step_key(lane: range, lanes: list[range], mass: bool, pool: int) -> tuple[int, int, bool, int, bool]:
-    """A captured decode step's key (ContinuousBatcher._decodes): its rows, with the normalizer,
-    its candidates, and whether it is a lane's (its results on the head's group)."""
-    return (lane.start, len(lane), mass, pool, len(lanes) > 1)

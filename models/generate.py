@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meta.device import MetaDevice
+from models.decode_steps import DecodeSteps
 from models.errors import ModelError
 from models.gguf_model import GGUFModel
 from models.loading import (
@@ -98,8 +99,7 @@ class LLM:
         self.net = place_model(dev, model, ctx, batch, weights, cache_types, progress, activations, split, layer_groups)
         self.tokenizer = model.tokenizer
         self.pipelined = pipelined
-        self._decode: dict[int, object] = {}  # captured decode steps by candidate pool size
-        self._lanes: dict[tuple[int, int, int], object] = {}  # a lane's captured step by (pool, first row, rows)
+        self._steps = DecodeSteps(self.net)  # each lane's decode step, by its candidates' pool
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill
         self._cached: list[int] = []  # the tokens batch row 0's caches hold at positions 0..
 
@@ -111,16 +111,11 @@ class LLM:
         how many prefill lengths and decode steps were loaded."""
         pool = sampling.pool
         loaded = self.net.warm_up(pool)
-        if pool not in self._decode:
-            self._decode[pool] = self.net.prepare_decode(self.batch, build=candidates(pool))
-            loaded += 1
+        one = [range(self.batch)]
+        loaded += self._steps.prepare(one[0], 1, pool, self._build(pool, one))
         lanes = self.net.lanes(self.batch) if self.pipelined else []
         for lane in lanes if len(lanes) > 1 else ():  # a batch of every row's prompts goes in these
-            key = _lane_key(pool, lane)
-            if key not in self._lanes:
-                build = candidates(pool, on=self.net.head_group)
-                self._lanes[key] = self.net.prepare_decode(len(lane), build, rows_from=lane.start, lane=True)
-                loaded += 1
+            loaded += self._steps.prepare(lane, len(lanes), pool, self._build(pool, lanes))
         return loaded
 
     def prompt_ids(self, prompt: Prompt, chat: bool, system: str = "", template_kwargs=None) -> list[int]:
@@ -245,27 +240,25 @@ class LLM:
             raise raised[0]
 
     def _captured(self, lanes: list[range], pool: int) -> bool:
-        if len(lanes) == 1:
-            return pool in self._decode
-        return all(_lane_key(pool, lane) in self._lanes for lane in lanes)
+        return all(self._steps.get(rows, len(lanes), pool) is not None for rows in self._stepped(lanes))
+
+    def _stepped(self, lanes: list[range]) -> list[range]:
+        """The rows each lane's step runs: every batch row's where there is one lane."""
+        return [range(self.batch)] if len(lanes) == 1 else lanes
+
+    def _build(self, pool: int, lanes: list[range]):
+        """A decode step's results: on every worker, or a lane's on the head's group."""
+        return candidates(pool) if len(lanes) == 1 else candidates(pool, on=self.net.head_group)
 
     def _steps_of(self, tokens, positions, pool: int, lanes: list[range]):
         """(captured step or None, fed tokens, fed positions) of each lane: one step of every
-        batch row (the prompts' first), or each lane's step of its rows."""
-        if len(lanes) == 1:
-            t = np.zeros((self.batch, 1), np.int32)
-            t[: len(tokens), 0] = tokens
-            p = np.zeros((self.batch, 1), np.int32)
-            p[: len(tokens), 0] = positions
-            return [(self._decode.get(pool), t, p)]
-        tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
+        batch row (the prompts' first, the others fed zeros), or each lane's step of its rows."""
+        stepped = self._stepped(lanes)
+        t, p = np.zeros((self.batch, 1), np.int32), np.zeros((self.batch, 1), np.int32)
+        t[: len(tokens), 0], p[: len(tokens), 0] = tokens, positions
         return [
-            (
-                self._lanes.get(_lane_key(pool, lane)),
-                tokens[lane.start : lane.stop, None],
-                positions[lane.start : lane.stop, None],
-            )
-            for lane in lanes
+            (self._steps.get(rows, len(lanes), pool), t[rows.start : rows.stop], p[rows.start : rows.stop])
+            for rows in stepped
         ]
 
     def _prefill(self, prompts: list[list[int]], pool: int, keep_logits: bool, start: int = 0):
@@ -285,25 +278,13 @@ class LLM:
         """One decode step run by the coordinator, each lane's step captured where it is not
         yet: the candidates for each prompt's next token."""
         picks = []
-        for lane, (step, t, p) in zip(lanes, self._steps_of(tokens, positions, pool, lanes)):
-            if step is not None:
-                values, indices, *_ = step(t, p)
-            elif len(lanes) == 1:
-                self._decode[pool], (values, indices, *_) = self.net.capture_decode(t, p, build=candidates(pool))
-            else:
-                build = candidates(pool, on=self.net.head_group)
-                key = _lane_key(pool, lane)
-                self._lanes[key], (values, indices, *_) = self.net.capture_decode(
-                    t, p, build=build, rows_from=lane.start, lane=True
-                )
+        build = self._build(pool, lanes)
+        fed = self._steps_of(tokens, positions, pool, lanes)
+        for lane, rows, (_, t, p) in zip(lanes, self._stepped(lanes), fed):
+            values, indices, *_ = self._steps.run(rows, len(lanes), pool, build, t, p)
             v, i = values.numpy(), indices.numpy()
             picks += [(v[b, 0], i[b, 0]) for b in range(len(lane))]
         return picks
-
-
-def _lane_key(pool: int, lane: range) -> tuple[int, int, int]:
-    """A lane's captured decode step's key (LLM._lanes): its candidates and its rows."""
-    return (pool, lane.start, len(lane))
 
 
 def _shown(prompt: Prompt) -> str:

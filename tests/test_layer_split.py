@@ -179,12 +179,12 @@ def test_generate_and_serve_split_by_layers_give_one_workers_tokens(model):
         # two prompts: a lane each, pipelined (workers/pipelined.py), twice
         assert llm.net.lanes(2) == [range(0, 1), range(1, 2)]
         llm.warm_up()  # a lane's step for each prompt row, loaded; the generations below run them
-        warmed = dict(llm._lanes)
+        warmed = set(llm._steps)  # (first row, rows, a lane's, pool)
         in_lanes = _counted(llm.net, "prefill_in_lanes")
-        assert sorted(key[1:] for key in warmed) == [(0, 1), (1, 1)]
+        assert sorted(key[:2] for key in warmed if key[2]) == [(0, 1), (1, 1)]
         for _ in range(2):
             assert [g.tokens for g in llm.generate([prompt, other], 12, stop_at_eos=False)] == [g.tokens for g in both]
-        assert llm._lanes == warmed and in_lanes == [2, 2]  # the prompts went in lanes too
+        assert set(llm._steps) == warmed and in_lanes == [2, 2]  # none captured anew; the prompts went in lanes too
         del llm
         batcher = ContinuousBatcher(dev, model, slots=2, ctx=48, split="layer")
         batcher.start()
@@ -232,7 +232,7 @@ def test_a_servers_batch_split_by_layers_decodes_in_lanes_with_each_jobs_own_tok
             served = [[e for e in t.stream(timeout=120) if isinstance(e, Token)] for t in tickets]
         finally:
             batcher.stop()
-        assert {key[:2] for key in batcher._decodes if key[-1]} >= {(0, 2), (2, 1)}  # a step for each lane
+        assert {key[:2] for key in batcher._decodes if key[2]} >= {(0, 2), (2, 1)}  # a step for each lane
         assert in_lanes == [2]  # the first two prompts joined in one prefill, in lanes (the third asks for logits)
         assert batcher.counters.decode_steps >= 9
     finally:
