@@ -416,3 +416,55 @@ def test_a_collective_that_writes_into_a_buffer_gets_one_in_the_arena_and_so_doe
     # no engine that writes into buffers: the plan of old
     plain = CompiledProgram(1, steps, [4], kernels, world=(2, 0), writes_into=lambda step: False)
     assert [pl.out for pl in plain.placed] == ["fresh", "move", "fresh", "move"]
+
+
+def test_an_empty_slices_buffer_leaves_the_lives_of_the_others_alone():
+    """A device that holds an empty slice (no heads of a split, say) plans buffers of 0 bytes. One
+    kept at the offset of a live buffer, which an op that overwrites its input then took over,
+    moved that buffer's end of life to its own: the next buffer went over it while it was still
+    to be read (NaN logits on the third of 3 devices once collectives wrote into the arena)."""
+    from transport import protocol as p
+    from workers.arena import Arena
+    from workers.backends.cpu import Backend
+    from workers.kernels import kernels_for
+    from workers.program import CompiledProgram
+    from workers.store import TensorStore
+
+    backend = Backend(0)
+    full, empty = (4, 8), (0, 8)
+    steps = [
+        p.OpStep("scale", (0,), 2, {"factor": 2.0}, full, "float32"),  # read by the last step
+        p.OpStep("scale", (1,), 3, {"factor": 2.0}, empty, "float32"),
+        p.OpStep("scale", (3,), 4, {"factor": 2.0}, empty, "float32"),  # overwrites its input
+        p.OpStep("add", (4, 4), 5, {}, empty, "float32"),
+        p.OpStep("scale", (0,), 6, {"factor": 3.0}, full, "float32"),
+        p.OpStep("add", (2, 6), 7, {}, full, "float32"),
+    ]
+    program = CompiledProgram(1, steps, [7, 5], kernels_for(backend))
+    placed = {pl.step.output: pl for pl in program.placed}
+    assert placed[2].out == placed[6].out == "arena" and placed[2].offset != placed[6].offset
+    arena = Arena(np, TensorStore(1 << 20))
+    arena.resize(program.arena_bytes)
+    program.bind(arena, None, backend, 5.0)
+    x = np.arange(32, dtype=np.float32).reshape(full)
+    slots = [None] * program.nslots
+    slots[0], slots[1] = x, np.empty(empty, np.float32)
+    program.run(slots, 1, backend, profile=False)
+    np.testing.assert_array_equal(slots[7], x * 2.0 + x * 3.0)
+
+
+def test_a_program_too_big_for_its_budget_names_a_collectives_result_as_its_biggest_buffer():
+    """describe_peak (the memory budget's refusal) names a redistribution by its states and prices
+    this worker's part of it; it raised AttributeError on a collective's result."""
+    from transport import protocol as p
+    from workers.backends.cpu import Backend
+    from workers.kernels import kernels_for
+    from workers.program import CompiledProgram
+
+    steps = [
+        p.OpStep("scale", (0,), 1, {"factor": 2.0}, (4, 32), "float32"),  # this worker's half
+        p.MoveStep(1, 2, Split.even(1, 64, 2), MIRRORED, (4, 64), "float32"),
+        p.OpStep("scale", (2,), 3, {"factor": 3.0}, (4, 64), "float32"),
+    ]
+    program = CompiledProgram(1, steps, [3], kernels_for(Backend(0)), world=(2, 0), writes_into=lambda step: True)
+    assert program.describe_peak() == "program 1 step 1 (redistribution S1[32|32] -> M) needs 1024 bytes"

@@ -106,7 +106,7 @@ class CompiledProgram:
             slots.update(_slots(step))
         self.nslots = max(slots) + 1
         arena_steps = [pl for pl in self.placed if pl.out == "arena"]
-        self.biggest = max(arena_steps, key=lambda pl: _nbytes(pl.step), default=None)
+        self.biggest = max(arena_steps, key=lambda pl: self._local_bytes(pl.step), default=None)
         self.calls: list[Callable] = []
         self.dropping: list = []  # (placed, call, its buffer) of each step that runs, once bound
         self.kept_views: list[list] = []  # [source, view] of each view of an input kept across runs
@@ -120,7 +120,14 @@ class CompiledProgram:
         if self.biggest is None:
             return f"program {self.program}"
         step = self.biggest.step
-        return f"program {self.program} step {self.biggest.index} ({step.op}) needs {_nbytes(step)} bytes"
+        what = step.op if isinstance(step, p.OpStep) else f"redistribution {step.src} -> {step.dst}"
+        return f"program {self.program} step {self.biggest.index} ({what}) needs {self._local_bytes(step)} bytes"
+
+    def _local_bytes(self, step: p.OpStep | p.MoveStep) -> int:
+        """The bytes of a step's result here: a collective's, of this worker's part."""
+        if isinstance(step, p.MoveStep) and self.world is not None:
+            return prod(local_shape(step.dst, step.shape, *self.world)) * dtype_from_name(step.dtype).itemsize
+        return _nbytes(step)
 
     # -- binding ----------------------------------------------------------------------------------
 
@@ -501,7 +508,7 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None, writes_
             reused = _dying_input(step, j, death, own, size) if step.op in OVERWRITES_INPUT else None
             if reused is not None:
                 offset = own.pop(reused)[0]
-                allocator.extend(offset, death[step.output])
+                allocator.extend(offset, size, death[step.output])
             else:
                 offset = allocator.take(size, death[step.output])
             own[step.output] = (offset, size, tuple(step.shape), step.dtype)
@@ -557,11 +564,13 @@ class _FirstFit:
     def free_before(self, step: int) -> None:
         self.live = [b for b in self.live if b[2] >= step]
 
-    def extend(self, offset: int, until: int) -> None:
-        """The buffer at `offset` passes to a value that lives until step `until`."""
-        self.live = [(o, n, until if o == offset else u) for o, n, u in self.live]
+    def extend(self, offset: int, size: int, until: int) -> None:
+        """The buffer of `size` bytes at `offset` passes to a value that lives until step `until`."""
+        self.live = [(o, n, until if (o, n) == (offset, size) else u) for o, n, u in self.live]
 
     def take(self, size: int, until: int) -> int:
+        if not size:  # an empty slice's: no bytes to keep apart from the others
+            return 0
         at = 0
         for offset, length, _ in sorted(self.live):
             if offset - at >= size:
