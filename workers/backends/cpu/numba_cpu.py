@@ -539,7 +539,8 @@ def _widened(rows, n: int, at_least: int = 0):
     """The first n float16 rows of rows (B, H, ctx, d) as float32, for a BLAS product; with
     `at_least` rows past n, zeros after them."""
     wide = np.empty(rows.shape[:2] + (max(n, at_least), rows.shape[3]), np.float32)
-    wide[:, :, n:] = 0
+    if at_least > n:
+        wide[:, :, n:] = 0
     _loops().widen_half_rows(rows.view(np.uint16), n, _halves(), wide)
     return wide
 
