@@ -202,3 +202,38 @@ def test_a_collective_on_a_slot_of_another_dtype_names_both():
         assert all(isinstance(r, p.Error) and "int32" in r.message and "float32" in r.message for r in replies.values())
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("devname", ["procs3", "procs3_zmq", "procs3_tcp", "zmq2"])
+def test_all_reduces_inside_a_program_write_its_arena_run_after_run(devname, request, fresh_cluster):
+    """All-reduces of products of the program, whose results a later step reads: on every host
+    plane they write into the program's arena and what they send lies there too, the second
+    product where the first one was once it was sent. Each run's sum is its own inputs'. Three
+    workers take the two-phase all-reduce (1.5 MiB: pieces of 512 KiB); two over ZeroMQ the
+    direct one, whose worker may go on while its peer still takes its 1.5 MiB, which ZeroMQ sends
+    from the arena itself: written over by the next product, the peer summed that."""
+    if devname == "zmq2":
+        call, n = fresh_cluster(2, data_plane="zmq").call_all, 2
+    else:
+        dev = request.getfixturevalue(devname)
+        call, n = dev.cluster.call_all, dev.n
+    shape = (384, 1024)
+    steps = [
+        p.OpStep("scale", (0,), 5, {"factor": 2.0}, shape, "float32"),
+        p.MoveStep(5, 2, PARTIAL, MIRRORED, shape, "float32"),
+        p.OpStep("scale", (1,), 6, {"factor": 2.0}, shape, "float32"),
+        p.MoveStep(6, 3, PARTIAL, MIRRORED, shape, "float32"),
+        p.OpStep("add", (2, 3), 4, {}, shape, "float32"),
+    ]
+    call({d: p.LoadProgram(77, steps) for d in range(n)})
+    for run in range(4):
+        a, b = addends(shape, n, np.float32, seed=2 * run), addends(shape, n, np.float32, seed=2 * run + 1)
+        call({d: p.Put(301, PARTIAL, shape, a[d]) for d in range(n)})
+        call({d: p.Put(302, PARTIAL, shape, b[d]) for d in range(n)})
+        replies = call({d: p.RunProgram(77, 7700 + run, [[0, 301], [1, 302]], [[4, 303]]) for d in range(n)})
+        assert all(isinstance(r, p.Ok) for r in replies.values()), replies
+        got = call({d: p.Get(303) for d in range(n)})
+        expected = rank_order_sum([2 * x for x in a]) + rank_order_sum([2 * x for x in b])
+        assert_bitwise([np.asarray(got[d].array) for d in range(n)], [expected] * n)
+    call({d: p.Unload([77]) for d in range(n)})
+    call({d: p.Free([301, 302, 303]) for d in range(n)})
