@@ -238,8 +238,8 @@ class ContinuousBatcher:
         self._wake = threading.Condition()
         self._stopping = False
         self.pipelined = pipelined
-        # the decode step of the first rows, or of a lane (`_lanes`), by (with the normalizer,
-        # candidates)
+        # each lane's decode step (`_lanes`: the first rows where there is one lane), by its kind:
+        # (with the normalizer, candidates)
         self._decodes = DecodeSteps(self.net)
         self._admitted = 0  # jobs admitted so far
         # tickets given tokens of a report of the workers' steps not yet all delivered, their
@@ -470,10 +470,9 @@ class ContinuousBatcher:
         start = time.perf_counter()
         lanes = self._lanes(rows)
         got = []
-        build = self._candidates(pool, mass, lanes)
+        build, read = self._candidates(pool, mass, lanes), (0, 1, 2)[: 2 + mass]  # read: back with the run
         for lane in lanes:
             t, p = tokens[lane.start : lane.stop], positions[lane.start : lane.stop]
-            read = (0, 1, 2)[: 2 + mass]  # back with the run
             values, indices, *rest = self._decodes.run(lane, len(lanes), (mass, pool), build, t, p, read)
             got.append((values.numpy(), indices.numpy(), rest[0].numpy() if mass else None))
         v, i = (np.concatenate([g[k] for g in got]) for k in (0, 1))

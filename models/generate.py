@@ -111,8 +111,8 @@ class LLM:
         how many prefill lengths and decode steps were loaded."""
         pool = sampling.pool
         loaded = self.net.warm_up(pool)
-        one = [range(self.batch)]
-        loaded += self._steps.prepare(one[0], 1, pool, self._build(pool, one))
+        every_row = range(self.batch)
+        loaded += self._steps.prepare(every_row, 1, pool, self._build(pool, [every_row]))
         lanes = self.net.lanes(self.batch) if self.pipelined else []
         for lane in lanes if len(lanes) > 1 else ():  # a batch of every row's prompts goes in these
             loaded += self._steps.prepare(lane, len(lanes), pool, self._build(pool, lanes))

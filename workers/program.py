@@ -124,10 +124,7 @@ class CompiledProgram:
         return f"program {self.program} step {self.biggest.index} ({what}) needs {self._local_bytes(step)} bytes"
 
     def _local_bytes(self, step: p.OpStep | p.MoveStep) -> int:
-        """The bytes of a step's result here: a collective's, of this worker's part."""
-        if isinstance(step, p.MoveStep) and self.world is not None:
-            return prod(local_shape(step.dst, step.shape, *self.world)) * dtype_from_name(step.dtype).itemsize
-        return _nbytes(step)
+        return prod(_result_shape(step, self.world)) * dtype_from_name(step.dtype).itemsize
 
     # -- binding ----------------------------------------------------------------------------------
 
@@ -146,7 +143,7 @@ class CompiledProgram:
             if isinstance(step, p.MoveStep):
                 out = None
                 if placed.out == "arena":  # the engine writes the result here: the same array every run
-                    shape = local_shape(step.dst, step.shape, *self.world)
+                    shape = _result_shape(step, self.world)
                     fixed[step.output] = out = arena.view(placed.offset, shape, dtype_from_name(step.dtype))
                 bound.append((placed, self._move_call(placed, collectives, collective_timeout, out), None))
                 lines.append(straight.CallLine(bound[-1][1]))
@@ -343,6 +340,14 @@ def _slots(step: p.Step) -> tuple[int, ...]:
     return tuple(step.slots)
 
 
+def _result_shape(step, world: tuple[int, int] | None) -> tuple[int, ...]:
+    """The shape of a step's result on this worker: a collective's, this worker's part where the
+    world (devices, rank) is known."""
+    if isinstance(step, p.MoveStep) and world is not None:
+        return tuple(local_shape(step.dst, step.shape, *world))
+    return tuple(step.shape)
+
+
 def _nbytes(step) -> int:
     return prod(step.shape) * dtype_from_name(step.dtype).itemsize
 
@@ -484,7 +489,7 @@ def _plan(fused: list, outputs: set[int], world: tuple[int, int] | None, writes_
     for j, (step, scratch_shape, index) in enumerate(fused):
         allocator.free_before(j)
         if isinstance(step, p.MoveStep):  # the engine's result: charged per run, or in the arena
-            shape = local_shape(step.dst, step.shape, *world) if world else step.shape
+            shape = _result_shape(step, world)
             size = aligned(prod(shape) * dtype_from_name(step.dtype).itemsize)
             if step.output in buffered:
                 offset = allocator.take(size, death[step.output])

@@ -553,7 +553,7 @@ def _scores_by_key(xp, key_rows, rows, n: int, out):
     if xp is not np or rows.ndim != 4 or key_rows.ndim != 4:
         return fused.scores_by_key(xp, key_rows, rows, n, out)
     if _half_rows(key_rows, out):
-        wide = _widened(key_rows, n, fused.KV_BUCKET if n < fused.KV_BUCKET else 0)
+        wide = _widened(key_rows, n, fused.KV_BUCKET)
     elif n < fused.KV_BUCKET and key_rows.dtype is _FLOAT32 and _plain(out):  # float32: the same bucket
         wide = np.zeros(key_rows.shape[:2] + (fused.KV_BUCKET, key_rows.shape[3]), np.float32)
         wide[:, :, :n] = key_rows[:, :, :n]
