@@ -57,6 +57,7 @@ PROMPT = "The capital of France is"
 CUPY_TESTS = [
     "tests/test_cupy_api.py",
     "tests/test_device_kernels.py",
+    "tests/test_prefill_attention.py",
     "tests/test_rope_kernels.py",
     "tests/test_layer_kernels.py",
     "tests/test_cupy_standin.py",

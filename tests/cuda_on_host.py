@@ -24,6 +24,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 HOST_PRELUDE = r"""
 #include <cstring>
 #include <cmath>
@@ -133,6 +135,37 @@ extern "C" void host_NAME(int gx, int gy, int bx, int by, SIGNATURE) {
                 }
 }
 """
+
+
+def launch(library, name, grid, block, args) -> None:
+    """Launch `name`'s host build as CuPy launches a kernel: arrays as pointers, NumPy scalars as
+    the C types they stand for (int64 long, float64 double, float32 float, others int)."""
+    converted = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            converted.append(a.ctypes.data_as(ctypes.c_void_p))
+        elif isinstance(a, np.int64):
+            converted.append(ctypes.c_long(int(a)))
+        elif isinstance(a, np.float64):
+            converted.append(ctypes.c_double(float(a)))
+        elif isinstance(a, np.float32):
+            converted.append(ctypes.c_float(float(a)))
+        else:
+            converted.append(ctypes.c_int(int(a)))
+    grid = (*grid, 1)
+    dims = [ctypes.c_int(v) for v in (grid[0], grid[1], block[0], 1)]
+    getattr(library, f"host_{name}")(*dims, *converted)
+
+
+class HostKernels:
+    """A `kernels` table (name -> fn(grid, block, args)) whose launches run a host build's
+    kernels: the CUDA backend's launchers run with NumPy as their array module."""
+
+    def __init__(self, library):
+        self.library = library
+
+    def __getitem__(self, name):
+        return lambda grid, block, args: launch(self.library, name, grid, block, args)
 
 
 def real_gpu() -> bool:

@@ -674,34 +674,6 @@ def host_top_k(tmp_path_factory):
     return _built_with_barriers(tmp_path_factory, top_k.SOURCE, {"top_k_tile": TOP_K_SIGNATURE})
 
 
-def _launch_on_host(library, name, grid, block, args):
-    """Launch `name`'s host build (tests/cuda_on_host.py) as CuPy launches a kernel: arrays as
-    pointers, NumPy scalars as the C types they stand for."""
-    converted = []
-    for a in args:
-        if isinstance(a, np.ndarray):
-            converted.append(a.ctypes.data_as(ctypes.c_void_p))
-        elif isinstance(a, np.int64):
-            converted.append(ctypes.c_long(int(a)))
-        elif isinstance(a, np.float64):
-            converted.append(ctypes.c_double(float(a)))
-        else:
-            converted.append(ctypes.c_int(int(a)))
-    grid = (*grid, 1)
-    dims = [ctypes.c_int(v) for v in (grid[0], grid[1], block[0], 1)]
-    getattr(library, f"host_{name}")(*dims, *converted)
-
-
-class HostTopK:
-    """top_k.select's passes with each launch the CUDA C run on the host: a `kernels` table."""
-
-    def __init__(self, library):
-        self.library = library
-
-    def __getitem__(self, name):
-        return lambda grid, block, args: _launch_on_host(self.library, name, grid, block, args)
-
-
 def best_k_oracle(values, index, k, width):
     """(width, 2): the k best (value, index) pairs by sorted() on (-value, index, -1 last), NaN as
     -inf, then (-inf, -1) padding."""
@@ -726,15 +698,53 @@ def test_the_top_k_cuda_c_run_on_the_host_picks_the_best_k(host_top_k, monkeypat
     x[0, :: max(1, n // 7)] = np.nan
     x[1, -1] = 1e9
     out = np.full((2, width, 2), np.nan)
-    top_k.select(np, HostTopK(host_top_k), top_k.FROM_FLOATS, x, n, 1000, k, width, out)
+    top_k.select(np, cuda_on_host.HostKernels(host_top_k), top_k.FROM_FLOATS, x, n, 1000, k, width, out)
     for r in range(2):
         np.testing.assert_array_equal(out[r], best_k_oracle(x[r], np.arange(1000, 1000 + n), k, width))
     pairs = np.stack([x.astype(np.float64), np.tile(np.arange(n, dtype=np.float64)[::-1], (2, 1))], axis=-1)
     pairs[:, ::3] = (-np.inf, -1)  # padding entries of devices with fewer than k
     merged = np.full((2, k, 2), np.nan)
-    top_k.select(np, HostTopK(host_top_k), top_k.FROM_PAIRS, pairs, n, 0, k, k, merged)
+    top_k.select(np, cuda_on_host.HostKernels(host_top_k), top_k.FROM_PAIRS, pairs, n, 0, k, k, merged)
     for r in range(2):
         np.testing.assert_array_equal(merged[r], best_k_oracle(pairs[r, :, 0], pairs[r, :, 1], k, k))
+
+
+def captured_attention(monkeypatch, module, op, q, keys, values, mask, changed):
+    """The CUDA backend's `op` on the stand-in (the kernels' twins) over q, keys and values and
+    the mask (for attention the decoder's views: the keys transposed, as the decoder multiplies by
+    them; for gqa_attention the op's layout, heads mapped by GQA_MAP), scale 0.25: a step's first
+    run (eager), its capture, then `changed(q, mask) -> (q, mask)` set on the device and the
+    graph replayed. Returns (the first run's result, the replay's, the calls of `module`'s
+    launcher for the op)."""
+    cp = install(monkeypatch)
+    from workers.backends import cuda
+
+    backend = cuda.Backend(0)
+    launched = []
+    launcher = "launch" if op == "attention" else "launch_mapped"
+    real = getattr(module, launcher)
+    monkeypatch.setattr(module, launcher, lambda *a, **k: launched.append(1) or real(*a, **k))
+    q_dev, mask_dev = cp.asarray(q), cp.asarray(mask)
+    if op == "attention":
+        batch, heads, _, _, dim = q.shape
+        ctx = keys.shape[2]
+        k_view = cp.asarray(keys).reshape(batch, heads, 1, ctx, dim).transpose(0, 1, 2, 4, 3)
+        v_view = cp.asarray(values).reshape(batch, heads, 1, ctx, dim)
+        operands, params = (q_dev, k_view, mask_dev, v_view), {"scale": 0.25, "bucket": 32}
+    else:
+        operands = (q_dev, cp.asarray(keys), cp.asarray(values), mask_dev)
+        params = {"scale": 0.25, "kv_of_head": list(GQA_MAP)}
+    out = cp.empty(q.shape, cp.float32)
+    cuda.KERNELS[op](cp, operands, params, out)  # a step's first run: eager
+    first = backend.to_host(out).copy()
+    backend.begin_capture()
+    cuda.KERNELS[op](cp, operands, params, out)
+    graph = backend.end_capture()
+    q2, mask2 = changed(q, mask)
+    mask_dev.set(mask2)
+    q_dev.set(q2)
+    backend.launch(graph)
+    return first, backend.to_host(out), launched
 
 
 @pytest.mark.parametrize("op", ["attention", "gqa_attention"])
@@ -746,42 +756,21 @@ def test_a_captured_attention_reads_the_open_positions_on_the_device_at_each_rep
     attends over the new positions, as softmax attention from its definition."""
     from workers.backends.cuda.kernels import attend
 
-    cp = install(monkeypatch)
-    from workers.backends import cuda
-
-    backend = cuda.Backend(0)
-    launched = []
-    launcher = "launch" if op == "attention" else "launch_mapped"
-    real = getattr(attend, launcher)
-    monkeypatch.setattr(attend, launcher, lambda *a, **k: launched.append(1) or real(*a, **k))
     if op == "attention":
         q, keys, values, mask = attention_case(cache, tokens=1, ctx=300)
-        batch, heads, group, tokens, dim = q.shape
-        k_view = (
-            cp.asarray(keys).reshape(batch, heads, 1, 300, dim).transpose(0, 1, 2, 4, 3)
-        )  # as the decoder multiplies
-        v_view = cp.asarray(values).reshape(batch, heads, 1, 300, dim)
-        q_dev, mask_dev = cp.asarray(q), cp.asarray(mask)
-        operands, params = (q_dev, k_view, mask_dev, v_view), {"scale": 0.25, "bucket": 32}
         oracle = lambda q, mask: attention_oracle(q, keys, values, mask, 0.25)  # noqa: E731
     else:
         q, keys, values, mask = gqa_case(cache, tokens=1, ctx=300)
-        q_dev, mask_dev = cp.asarray(q), cp.asarray(mask)
-        operands = (q_dev, cp.asarray(keys), cp.asarray(values), mask_dev)
-        params = {"scale": 0.25, "kv_of_head": list(GQA_MAP)}
         oracle = lambda q, mask: gqa_oracle(q, keys, values, mask, GQA_MAP, 0.25)  # noqa: E731
-    out = cp.empty(q.shape, cp.float32)
-    cuda.KERNELS[op](cp, operands, params, out)  # a step's first run: eager
-    backend.begin_capture()
-    cuda.KERNELS[op](cp, operands, params, out)
-    graph = backend.end_capture()
-    mask[..., :290] = 0  # the next steps' positions, past the first chunk
-    q2 = (q * 2).astype(np.float32)
-    mask_dev.set(mask)
-    q_dev.set(q2)
-    backend.launch(graph)
+
+    def changed(q, mask):
+        mask = mask.copy()
+        mask[..., :290] = 0  # the next steps' positions, past the first chunk
+        return (q * 2).astype(np.float32), mask
+
+    _, replayed, launched = captured_attention(monkeypatch, attend, op, q, keys, values, mask, changed)
     assert launched == [1, 1]
-    np.testing.assert_allclose(backend.to_host(out), oracle(q2, mask), rtol=1e-5, atol=2e-6)
+    np.testing.assert_allclose(replayed, oracle(*changed(q, mask)), rtol=1e-5, atol=2e-6)
 
 
 def test_a_device_holding_no_heads_runs_an_empty_gqa_attention_in_its_graph(monkeypatch):
@@ -800,16 +789,6 @@ def test_a_device_holding_no_heads_runs_an_empty_gqa_attention_in_its_graph(monk
     got = cuda.KERNELS["gqa_attention"](cp, (q, cache, cache, mask), params, out)
     backend.launch(backend.end_capture())
     assert got is out and backend.to_host(out).shape == (1, 1, 0, 64)
-
-
-def test_the_cuda_gqa_attention_takes_a_decode_steps_shapes_in_the_graph_and_a_prefills_eagerly():
-    from workers.backends import cuda
-    from workers.backends.cuda.kernels import attend
-
-    step = lambda shape: type("Step", (), {"shape": shape})  # noqa: E731
-    assert not cuda.gqa_attention.eager(step((2, 1, 5, 64)))
-    assert cuda.gqa_attention.eager(step((1, attend.MAX_TOKENS + 1, 5, 64)))
-    assert cuda.gqa_attention.eager(step((1, 1, 5, attend.MAX_DIM + 1)))
 
 
 def test_a_captured_top_k_picks_on_the_device_at_each_replay(monkeypatch):
@@ -944,7 +923,7 @@ def test_the_sampler_cuda_c_run_on_the_host_chooses_what_the_host_rule_chooses(h
             positions,
             chosen,
         )
-        _launch_on_host(host_sample, "sample_next", (rows,), (sample.THREADS,), args)
+        cuda_on_host.launch(host_sample, "sample_next", (rows,), (sample.THREADS,), args)
         assert chosen.tolist() == want and tokens.tolist() == want, draw
         for r in range(rows):
             seen[r].append(want[r])

@@ -107,6 +107,26 @@ def test_tensor_parallel_equals_the_reference_on_worker_processes(model, weights
     check_tensor_parallel(request.getfixturevalue(devname), model, weights, reference_run)
 
 
+@pytest.mark.parametrize("devname", ["cuda1", "cuda2"])
+def test_a_long_prompt_in_two_chunks_on_the_cuda_backend_equals_the_reference(model, weights, devname, request):
+    """Prompts past a decode step's few tokens take the CUDA backend's tiled prompt attention
+    (workers/backends/cuda/kernels/prefill_attend.py; on the stand-in, its twins): 19 tokens (two tiles of
+    queries) over their own keys, then 11 more over the cache. On one worker the decoder's layout,
+    on two the gqa_attention op's (SmolLM2's 3 KV heads shared between the devices). Every
+    position's logits against the NumPy reference."""
+    ids = model.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 3)[:30]
+    assert len(ids) == 30
+    ref = ReferenceDecoder(model.config, weights, CTX)
+    dev = request.getfixturevalue(devname)
+    net = TensorParallelLlama(dev, model.config, weights.__getitem__, CTX)
+    for start, stop in ((0, 19), (19, 30)):
+        chunk, positions = np.array([ids[start:stop]]), np.arange(start, stop)[None]
+        want = ref.forward(chunk, positions)
+        logits = net.step(chunk, positions)
+        dev.run(logits, *net.caches())
+        assert np.max(np.abs(logits.numpy() - want)) < 1e-4, (start, stop)
+
+
 def run_generate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "launch.py"), "generate", *args],

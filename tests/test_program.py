@@ -453,6 +453,36 @@ def test_an_empty_slices_buffer_leaves_the_lives_of_the_others_alone():
     np.testing.assert_array_equal(slots[7], x * 2.0 + x * 3.0)
 
 
+def test_a_fused_steps_kernel_may_want_less_scratch_than_its_pattern_plans():
+    """The attention pattern plans the scores twice over and the queries' room as scratch; a
+    kernel saying it wants none for a step (`scratch_for`, as the CUDA backend's prompt
+    attention does) gets none, and the arena is smaller by exactly that scratch."""
+    from transport import protocol as p
+    from workers.backends.cpu import Backend
+    from workers.kernels import kernels_for
+    from workers.program import CompiledProgram
+
+    tokens, ctx, dim = 24, 40, 16
+    steps = [
+        p.OpStep("matmul", (0, 1), 4, {}, (1, 1, 1, tokens, ctx), "float32"),
+        p.OpStep("softmax_ext", (4, 2), 5, {"axis": 4, "scale": 0.25}, (1, 1, 1, tokens, ctx), "float32"),
+        p.OpStep("matmul", (5, 3), 6, {}, (1, 1, 1, tokens, dim), "float32"),
+    ]
+    kernels = kernels_for(Backend(0))
+    planned = CompiledProgram(1, steps, [6], kernels)
+    (fused,) = planned.placed
+    assert fused.step.op == "attention" and fused.scratch[0] == (2 * tokens * ctx + tokens * dim,)
+
+    def attention(*args, **kwargs):
+        return kernels["attention"](*args, **kwargs)
+
+    attention.scratch_for = lambda step, plan: None
+    attention.memo = True
+    wanting_none = CompiledProgram(1, steps, [6], {**kernels, "attention": attention})
+    assert wanting_none.placed[0].scratch is None
+    assert planned.arena_bytes - wanting_none.arena_bytes == aligned((2 * tokens * ctx + tokens * dim) * 4)
+
+
 def test_a_program_too_big_for_its_budget_names_a_collectives_result_as_its_biggest_buffer():
     """describe_peak (the memory budget's refusal) names a redistribution by its states and prices
     this worker's part of it; it raised AttributeError on a collective's result."""

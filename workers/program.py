@@ -93,7 +93,7 @@ class CompiledProgram:
         if world is not None:
             live = _without_idle_moves(live, set(outputs), world[0], self.renamed)
         fused = [
-            (step, scratch, live[at][1])
+            (step, _scratch_for(kernels, step, scratch), live[at][1])
             for step, scratch, at in fuse([s for s, _ in live], frozenset(outputs), for_kernels(patterns, kernels))
         ]
         self.outputs = frozenset(outputs)
@@ -338,6 +338,14 @@ def _slots(step: p.Step) -> tuple[int, ...]:
     if isinstance(step, p.MoveStep):
         return (step.input, step.output)
     return tuple(step.slots)
+
+
+def _scratch_for(kernels: dict, step, planned: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The scratch a fused step gets: what its pattern plans for, unless its kernel says what it
+    wants of that (`scratch_for(step, planned) -> shape or None`: a backend whose kernel for
+    some shapes needs less, as the CUDA backend's tiled prompt attention needs none)."""
+    wants = getattr(kernels.get(step.op), "scratch_for", None) if planned is not None else None
+    return planned if wants is None else wants(step, planned)
 
 
 def _result_shape(step, world: tuple[int, int] | None) -> tuple[int, ...]:

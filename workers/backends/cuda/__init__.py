@@ -23,7 +23,7 @@ import numpy as np
 
 from workers.backends import DeviceInfo
 from workers.backends.cuda import cublas
-from workers.backends.cuda.kernels import attend, dequant, device, qgemv, sample, top_k
+from workers.backends.cuda.kernels import attend, dequant, device, prefill_attend, qgemv, sample, top_k
 from workers.backends.cuda.kernels import get_rows as get_rows_kernel
 from workers.backends.cuda.kernels import rms_norm as rms_norm_kernel
 from workers.backends.cuda.kernels import rope as rope_kernel
@@ -229,22 +229,30 @@ def qget_rows(xp, inputs, params, out=None):
 
 
 def attention(xp, inputs, params, out=None, scratch=None, memo=None):
-    """A decode step's attention: kernels of our own reading the open positions from the mask on
-    the device (workers/backends/cuda/kernels/attend.py), eagerly and in a device graph alike, so every run of
-    a step computes the same way; other shapes (a prefill's queries, another layout): the shared
-    kernel, which finds the used length on the host and so runs outside the graphs."""
+    """Attention by kernels of our own reading the open positions from the mask on the device, so
+    every run of a step computes the same way eagerly and in a device graph: a decode step's few
+    query tokens by flash-decoding's two passes (workers/backends/cuda/kernels/attend.py), a
+    prompt's by tiles of queries (workers/backends/cuda/kernels/prefill_attend.py). Other
+    operands (another layout, a head dim past MAX_DIM): the shared kernel, which finds the used
+    length on the host and so runs outside the graphs."""
     q, k, mask, v = inputs
     kernels = _own_kernels(xp, q)
     found = attend.operands(q, k, mask, v, out) if kernels is not None and out is not None else None
     if found is None:
         return fused.FUSED_KERNELS["attention"](xp, inputs, params, out, scratch=scratch, memo=memo)
     keys, values, mask_batch = found
-    attend.launch(xp, kernels, q, keys, values, mask, mask_batch, params["scale"], out, scratch)
+    if attend.runs_here(tuple(out.shape)):
+        attend.launch(xp, kernels, q, keys, values, mask, mask_batch, params["scale"], out, scratch)
+    else:
+        prefill_attend.launch(xp, kernels, q, keys, values, mask, mask_batch, params["scale"], out)
     return out
 
 
 attention.memo = True  # for the shared kernel it falls back to
-attention.eager = lambda step: not attend.runs_here(tuple(step.shape))  # a decode step's: in the graph
+attention.eager = lambda step: not attend.decoder_rows(tuple(step.shape))  # ours: in the graph
+# a decode step's partials go in the fused pattern's scratch; a prompt's tiles want none of the
+# score matrices it plans for (workers/program.py asks)
+attention.scratch_for = lambda step, planned: planned if attend.runs_here(tuple(step.shape)) else None
 
 
 # (id(array module), device index, head map) -> the map as an int32 device array: made at a
@@ -253,9 +261,9 @@ _KV_MAPS: dict[tuple, Any] = {}
 
 
 def gqa_attention(xp, inputs, params, out=None, memo=None):
-    """The gqa_attention op (a split sharing a KV head between devices): a decode step's rows by
-    the mapped kernels of our own, in the device graph like the attention's; other shapes (a
-    prefill's queries): the shared kernel, run by runs of heads between graphs."""
+    """The gqa_attention op (a split sharing a KV head between devices) by the mapped kernels of
+    our own, a decode step's and a prompt's, in the device graph like the attention's; other
+    operands: the shared kernel, run by runs of heads between graphs."""
     q, keys, values, mask = inputs
     kernels = _own_kernels(xp, q)
     mask_batch = attend.map_operands(q, keys, values, mask, out) if kernels is not None and out is not None else None
@@ -266,12 +274,15 @@ def gqa_attention(xp, inputs, params, out=None, memo=None):
     kv_of = _KV_MAPS.get(key)
     if kv_of is None:
         kv_of = _KV_MAPS[key] = xp.asarray(np.array(heads, np.int32))
-    attend.launch_mapped(xp, kernels, q, keys, values, mask, mask_batch, kv_of, params["scale"], out)
+    if attend.maps_here(tuple(out.shape)):
+        attend.launch_mapped(xp, kernels, q, keys, values, mask, mask_batch, kv_of, params["scale"], out)
+    else:
+        prefill_attend.launch_mapped(xp, kernels, q, keys, values, mask, mask_batch, kv_of, params["scale"], out)
     return out
 
 
 gqa_attention.memo = True  # for the shared kernel it falls back to
-gqa_attention.eager = lambda step: not attend.maps_here(tuple(step.shape))
+gqa_attention.eager = lambda step: not attend.mapped_rows(tuple(step.shape))
 
 
 def top_k_candidates(xp, inputs, params, out=None):

@@ -123,7 +123,7 @@ extern "C" __global__ void attend_combine(const float* __restrict__ part, float*
 """
 
 _SIZES = f"#define CHUNK {CHUNK}\n#define THREADS {THREADS}\n#define MAX_DIM {MAX_DIM}\n"
-_LOADS = {  # element d of a cache row, as float32
+LOADS = {  # a cache element's C type, and element d of a cache row as float32
     "f32": ("float", "#define LOAD(row, d) ((row)[d])\n"),
     "f16": ("unsigned short", "#define LOAD(row, d) half_at((const u8*)((row) + (d)), 1)\n"),
 }
@@ -149,17 +149,22 @@ _LAYOUTS = {
     const long bh = b * kv_heads + kv_of[h];""",
     ),
 }
-SOURCE = (
-    _SIZES
-    + "".join(
+
+
+def each_layout_and_cache(template: str, layouts: dict[str, tuple[str, str]], after: str = "") -> str:
+    """`template` written out for every layout (its SIGNATURE and LOCATE) and cache element type
+    (NAME, KT and LOAD), each followed by `after` (the #undefs of what its LOCATE defined)."""
+    return "".join(
         load
-        + _PART.replace("SIGNATURE", signature).replace("LOCATE", locate).replace("NAME", n).replace("KT", kt)
+        + template.replace("SIGNATURE", signature).replace("LOCATE", locate).replace("NAME", n).replace("KT", kt)
         + "#undef LOAD\n"
-        for signature, locate in _LAYOUTS.values()
-        for n, (kt, load) in _LOADS.items()
+        + after
+        for signature, locate in layouts.values()
+        for n, (kt, load) in LOADS.items()
     )
-    + _COMBINE
-)
+
+
+SOURCE = _SIZES + each_layout_and_cache(_PART, _LAYOUTS) + _COMBINE
 
 
 def _twin(cache_dtype, locate):
@@ -237,13 +242,24 @@ def runs_here(shape: tuple[int, ...]) -> bool:
     return len(shape) == 5 and 0 < shape[-2] <= MAX_TOKENS and 0 < shape[-1] <= MAX_DIM
 
 
+def decoder_rows(shape: tuple[int, ...]) -> bool:
+    """Whether an attention step of output `shape` has the decoder's five axes and a head dim the
+    kernels of our own hold: these (a decode step's tokens) or prefill_attend.py's (a prompt's)."""
+    return len(shape) == 5 and shape[-2] > 0 and 0 < shape[-1] <= MAX_DIM
+
+
+def mapped_rows(shape: tuple[int, ...]) -> bool:
+    """As decoder_rows for a gqa_attention step's output (batch, tokens, heads, dim)."""
+    return len(shape) == 4 and shape[1] > 0 and 0 < shape[-1] <= MAX_DIM
+
+
 def operands(q, k, mask, v, out):
     """(key rows, value rows, the mask's batch stride) where the operands have the decoder's
-    shapes (the module docstring) and types, else None. `k` is the transposed view (batch, kv, 1,
-    dim, ctx) of the key rows, as the decoder multiplies by it; the rows are the cache itself
-    (packed) in a decode step, the new keys (a strided view, packed by `launch`) in a prompt
-    that starts a sequence."""
-    if not runs_here(tuple(out.shape)) or q.shape != out.shape or not out.flags.c_contiguous:
+    shapes (the module docstring) and types, any number of query tokens, else None. `k` is the
+    transposed view (batch, kv, 1, dim, ctx) of the key rows, as the decoder multiplies by it;
+    the rows are the cache itself (packed) in a decode step, the new keys (a strided view, packed
+    by the launcher) in a prompt that starts a sequence."""
+    if not decoder_rows(tuple(out.shape)) or q.shape != out.shape or not out.flags.c_contiguous:
         return None
     batch, heads, group, tokens, dim = q.shape
     if k.ndim != 5 or v.ndim != 5 or mask.ndim != 5:
@@ -266,10 +282,12 @@ def maps_here(shape: tuple[int, ...]) -> bool:
 
 
 def map_operands(q, keys, values, mask, out) -> int | None:
-    """The mask's batch stride where a gqa_attention step's operands are the mapped kernels':
-    q and out (batch, tokens, heads, dim) float32, packed; the cached key and value rows (batch, kv
-    heads, ctx, dim), float32 or float16, packed; the mask (1 or batch, tokens, ctx). Else None."""
-    if not maps_here(tuple(out.shape)) or q.shape != out.shape or not (out.flags.c_contiguous and q.flags.c_contiguous):
+    """The mask's batch stride where a gqa_attention step's operands are the mapped kernels' (these
+    or prefill_attend.py's, by the number of query tokens): q and out (batch, tokens, heads, dim)
+    float32, packed; the cached key and value rows (batch, kv heads, ctx, dim), float32 or
+    float16, packed; the mask (1 or batch, tokens, ctx). Else None."""
+    packed = out.flags.c_contiguous and q.flags.c_contiguous
+    if not mapped_rows(tuple(out.shape)) or q.shape != out.shape or not packed:
         return None
     batch, tokens, _, dim = q.shape
     if keys.ndim != 4 or keys.shape != values.shape or keys.shape[0] != batch or keys.shape[3] != dim:

@@ -35,6 +35,7 @@ MODULES = (
     "workers.backends.cuda.kernels.rope",
     "workers.backends.cuda.kernels.get_rows",
     "workers.backends.cuda.kernels.attend",
+    "workers.backends.cuda.kernels.prefill_attend",
     "workers.backends.cuda.kernels.rms_norm",
     "workers.backends.cuda.kernels.swiglu",
     "workers.backends.cuda.kernels.top_k",
