@@ -29,7 +29,10 @@ default there; the sweep also through shared memory):
    with shared memory inside each host, against the raw socket exchange plus the shm step (the
    hosts issue's goal: within 1.3x);
 8. the decode products' kernel alone (bench/qgemv.py): its thread block in several shapes on the
-   1.7B shape's Q4_1 products, each one's GB/s against the bandwidth bound.
+   1.7B shape's Q4_1 products, each one's GB/s against the bandwidth bound;
+9. a prompt's attention alone (bench/attention.py): the tiled kernels of our own against the
+   shared kernel (cuBLAS products and a softmax) on one layer of the 1.7B shape, 128 to 2,048
+   tokens, their results held to each other.
 Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
 exits 1; a failed check exits 2. `--only` runs the steps named (STEPS: a device session of 15
 minutes reruns what failed, not the whole check).
@@ -271,7 +274,7 @@ def threads_table(quick: bool) -> list[dict]:
 
 
 # the steps above by name, for --only
-STEPS = ("tests", "demo", "generate", "sweeps", "mlp", "decode", "threads", "hosts", "qgemv")
+STEPS = ("tests", "demo", "generate", "sweeps", "mlp", "decode", "threads", "hosts", "qgemv", "attention")
 
 
 def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True, only: frozenset[str] = frozenset()) -> dict:
@@ -345,6 +348,8 @@ def run(quick: bool, workers: int = 2, model: str = "", tests: bool = True, only
         _hosts(quick, record)
     if wanted("qgemv"):
         _qgemv(quick, record)
+    if wanted("attention"):
+        _attention(quick, record)
     failures = list(_failures)
     _failures.clear()
     return {
@@ -388,6 +393,23 @@ def _qgemv(quick: bool, record) -> None:
         record("qgemv thread blocks, 1.7B products (Q4_1)", ok, said, time.perf_counter() - start, rows=found)
     except Exception as exc:  # noqa: BLE001 - reported in the table
         record("qgemv thread blocks, 1.7B products (Q4_1)", False, repr(exc)[:200], time.perf_counter() - start)
+
+
+def _attention(quick: bool, record) -> None:
+    from types import SimpleNamespace
+
+    from bench import attention
+
+    start = time.perf_counter()
+    name = "prompt attention alone: ours vs cuBLAS + softmax (1.7B heads)"
+    try:
+        found = attention.measure(SimpleNamespace(quick=quick))["rows"]
+        said = ", ".join(
+            f"{r['tokens']} tokens {r['ours_us']:.0f} vs {r['shared_us']:.0f} us ({r['speedup']:.2f}x)" for r in found
+        )
+        record(name, all(r["agree"] for r in found), said, time.perf_counter() - start, rows=found)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        record(name, False, repr(exc)[:200], time.perf_counter() - start)
 
 
 def _hosts(quick: bool, record) -> None:

@@ -212,15 +212,38 @@ def test_the_gpu_check_runs_only_the_steps_named(monkeypatch):
     assert result["checks"][2]["detail"] == "wo 100 GB/s, 64x16 900, down 300 GB/s, 16x32 300"
 
 
-def test_the_qgemv_bench_without_a_gpu_says_so_and_measures_nothing():
+def test_the_attention_bench_times_both_kernels_and_holds_them_to_each_other(monkeypatch, capsys):
+    """bench/attention.py on the CuPy stand-in (the tiled kernels' twins, the shared kernel's
+    NumPy products) at small prompts: a row a prompt with both times, the scores' scratch, and
+    the results agreeing; a row whose results differ says NO. Then gpu_check's step reports it."""
+    from bench import attention, gpu_check
+    from tests.cupy_standin import install
+
+    install(monkeypatch)
+    monkeypatch.setattr(gpu_check, "gpus", lambda: 1)
+    monkeypatch.setattr(attention, "PROMPTS", (20, 40, 60))
+    found = attention.measure(type("Args", (), {"quick": True})())
+    rows = found["rows"]
+    assert [r["tokens"] for r in rows] == [20, 40] and all(r["agree"] for r in rows), rows
+    assert all(r["ours_us"] > 0 and r["shared_us"] > 0 for r in rows)
+    assert rows[1]["scores_scratch_bytes"] == 2 * 32 * 40 * 40 * 4 and rows[1]["max_abs_diff"] < 1e-4
+    attention.show(found)
+    assert "ours vs shared" in capsys.readouterr().out
+    rows[0]["agree"] = False
+    monkeypatch.setattr(attention, "measure", lambda args: {"rows": rows})
+    result = gpu_check.run(True, only=frozenset({"attention"}))
+    (check,) = result["checks"]
+    assert not check["ok"] and check["detail"].startswith("20 tokens ")
+
+
+@pytest.mark.parametrize("script", ["qgemv.py", "attention.py"])
+def test_a_gpu_kernel_bench_without_a_gpu_says_so_and_measures_nothing(script):
     from tests.cuda_on_host import real_gpu
 
     if real_gpu():
-        pytest.skip("a CUDA GPU is here: bench/qgemv.py measures for real")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "qgemv.py")], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0 and "bench/qgemv.py measures nothing here: no CUDA GPU" in done.stderr
+        pytest.skip(f"a CUDA GPU is here: bench/{script} measures for real")
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and f"bench/{script} measures nothing here: no CUDA GPU" in done.stderr
     assert done.stdout.startswith("skipped: no CUDA GPU")
 
 

@@ -129,7 +129,7 @@ def modules() -> dict[str, types.ModuleType]:
     cuda.Stream, cuda.Event, cuda.Graph, cuda.Device = rt.Stream, rt.Event, rt.Graph, Device
     cuda.UnownedMemory, cuda.MemoryPointer = arr.UnownedMemory, arr.MemoryPointer
     cuda.MemoryPool, cuda.PinnedMemoryPool = rt.MemoryPool, rt.PinnedMemoryPool
-    cuda.get_current_stream = rt.get_current_stream
+    cuda.get_current_stream, cuda.get_elapsed_time = rt.get_current_stream, rt.get_elapsed_time
     cuda.set_pinned_memory_allocator = lambda allocator=None: None
     cuda.set_allocator = lambda allocator=None: rt._allocator.__setitem__(0, allocator or rt.DEFAULT_POOL.malloc)
     cuda.using_allocator = _using_allocator

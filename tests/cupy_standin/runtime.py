@@ -141,6 +141,7 @@ class Event:
         self.stream: Stream | None = None
         self.ptr = next(_ids)
         self.shared = None  # an interprocess event's counters (tests/cupy_standin/ipc.py)
+        self.reached: float | None = None  # when its stream ran its record (get_elapsed_time)
         if interprocess:
             if not disable_timing:
                 raise CUDARuntimeError("cudaErrorInvalidValue", "an interprocess event must disable timing")
@@ -262,7 +263,8 @@ class Stream:
             event.stream = self
             event.clock = dict(DETECTOR.clocks.setdefault(self.id, {}))
             _merge(event.clock, DETECTOR.host)
-            marker = _Marker(done)
+            event.reached = None
+            marker = _Marker(done, stamp=event)
             if event.shared is not None:  # other processes see the record run
                 marker = _Marker(done, event.shared, event.shared.issue_record())
             self._put(_Work(marker, "record"))
@@ -355,16 +357,29 @@ class _Marker:
     """Work that only says the stream got this far (it runs even after a failure); for an
     interprocess event, also to the other processes (`shared`: its counters)."""
 
-    def __init__(self, done: threading.Event, shared=None, generation: int = 0):
-        self.done, self.shared, self.generation = done, shared, generation
+    def __init__(self, done: threading.Event, shared=None, generation: int = 0, stamp: Event | None = None):
+        self.done, self.shared, self.generation, self.stamp = done, shared, generation, stamp
 
     def __call__(self) -> None:
+        if self.stamp is not None:
+            self.stamp.reached = time.perf_counter()
         self.done.set()
         if self.shared is not None:
             self.shared.ran(self.generation)
 
 
 Stream.null = Stream(null=True)
+
+
+def get_elapsed_time(start: Event, end: Event) -> float:
+    """Milliseconds between two events' records, as cupy.cuda.get_elapsed_time: both must have
+    been recorded and reached (CUDA: cudaErrorNotReady, or invalid for an unrecorded one)."""
+    for event in (start, end):
+        if event.stream is None:
+            raise CUDARuntimeError("cudaErrorInvalidResourceHandle", "an event that was never recorded")
+        if not event.done or event.reached is None:
+            raise CUDARuntimeError("cudaErrorNotReady", "an event its stream has not reached")
+    return (end.reached - start.reached) * 1e3
 
 
 def stream_at(ptr: int) -> Stream:
