@@ -1,18 +1,19 @@
 """A prompt's attention timed alone on a GPU: the tiled kernels the CUDA workers run for it
 (workers/backends/cuda/kernels/prefill_attend.py) against the shared kernel they ran before (cuBLAS
 products with a softmax between them, workers/kernels/fused.py), on one layer of SmolLM2-1.7B's
-shape (32 heads of 64, one KV head each, a float16 cache) for a new prompt of T tokens under the
-causal mask.
+shape (32 heads of 64, one KV head each, a float16 cache of 4,096 positions) for one prefill
+step: a chunk of 128 tokens (models/llama.py PREFILL_CHUNK) ending at position 128 (a new
+prompt), 1,024 or 4,096 (a long prompt's later chunks, over the cache before them), causal.
 
     python bench/attention.py [--quick] [--json PATH]
 
 Each kernel's time is a CUDA-event mean over many calls on the same operands. The shared kernel
 finds the used positions on the host once a run (a wait for the device, the first layer's); here
 it is given them, so its figure is its device work alone, its best case. The tiled kernels skip
-the closed tiles (the causal half) and make no score matrix: the table prints the scratch the
-shared kernel wants for the scores (two float32 heads x T x T buffers). Their results are held to
-each other within float32 rounding (the sums run in other orders). Without a CUDA GPU it says so
-and measures nothing.
+the closed tiles (the causal corner, the unused cache) and make no score matrix: the table prints
+the scratch the shared kernel wants for the scores (two float32 heads x tokens x used positions
+buffers). Their results are held to each other within float32 rounding (the sums run in other
+orders). Without a CUDA GPU it says so and measures nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.report import cli, table  # noqa: E402
 
 HEADS, DIM = 32, 64  # SmolLM2-1.7B: 32 query heads, 32 KV heads, head dim 64
-PROMPTS = (128, 512, 2048)
+CHUNK, CTX = 128, 4096  # a prefill step's tokens, the cache's positions
+ENDS = (128, 1024, 4096)  # where the step's chunk ends: a new prompt's, a long prompt's later ones
 
 
 def measure(args) -> dict:
@@ -44,27 +46,31 @@ def measure(args) -> dict:
     kernels = device.compile_all(cupy)
     calls = 5 if args.quick else 20
     rng = np.random.default_rng(0)
-    return {"rows": [_one_prompt(cupy, kernels, tokens, calls, rng) for tokens in PROMPTS[: 2 if args.quick else None]]}
+    return {"rows": [_one_chunk(cupy, kernels, end, calls, rng) for end in ENDS[: 2 if args.quick else None]]}
 
 
-def _one_prompt(cupy, kernels: dict, tokens: int, calls: int, rng) -> dict:
-    """Both kernels on one layer's new prompt of `tokens` tokens: their times and agreement."""
+def _one_chunk(cupy, kernels: dict, end: int, calls: int, rng) -> dict:
+    """Both kernels on one layer's chunk of CHUNK tokens ending at position `end`: their times
+    and agreement."""
     from workers.backends.cuda.kernels import prefill_attend
     from workers.kernels.fused import FUSED_KERNELS, KV_BUCKET, used_positions
 
     scale = 1 / np.sqrt(DIM)
+    tokens = min(CHUNK, end)
     q = cupy.asarray(rng.standard_normal((1, HEADS, 1, tokens, DIM)).astype(np.float32))
-    keys = cupy.asarray(rng.standard_normal((1, HEADS, tokens, DIM)).astype(np.float16))
-    values = cupy.asarray(rng.standard_normal((1, HEADS, tokens, DIM)).astype(np.float16))
-    causal = np.triu(np.full((tokens, tokens), -np.inf, np.float32), 1)
-    mask = cupy.asarray(causal.reshape(1, 1, 1, tokens, tokens))
+    keys = cupy.asarray(rng.standard_normal((1, HEADS, CTX, DIM)).astype(np.float16))
+    values = cupy.asarray(rng.standard_normal((1, HEADS, CTX, DIM)).astype(np.float16))
+    opened = np.arange(CTX)[None, :] <= np.arange(end - tokens, end)[:, None]  # causal: token t at end - tokens + t
+    mask = cupy.asarray(np.where(opened, 0, -np.inf).astype(np.float32).reshape(1, 1, 1, tokens, CTX))
     ours_out = cupy.full(q.shape, np.nan, cupy.float32)
     shared_out = cupy.full(q.shape, np.nan, cupy.float32)
     k_view = keys[:, :, None].swapaxes(-1, -2)  # as the decoder multiplies by the keys
     operands = (q, k_view, mask, values[:, :, None])
-    memo = {("used positions", id(mask), KV_BUCKET): (used_positions(cupy, mask, KV_BUCKET), mask)}
+    used = used_positions(cupy, mask, KV_BUCKET)
+    memo = {("used positions", id(mask), KV_BUCKET): (used, mask)}
     params = {"scale": scale, "bucket": KV_BUCKET}
-    row = {"tokens": tokens, "heads": HEADS, "dim": DIM, "scores_scratch_bytes": 2 * HEADS * tokens * tokens * 4}
+    row = {"tokens": tokens, "end": end, "heads": HEADS, "dim": DIM}
+    row["scores_scratch_bytes"] = 2 * HEADS * tokens * used * 4
     ours = (cupy, kernels, q, keys, values, mask, 0, scale, ours_out)
     row["ours_us"] = _timed(cupy, calls, prefill_attend.launch, *ours)
     row["shared_us"] = _timed(cupy, calls, FUSED_KERNELS["attention"], cupy, operands, params, shared_out, memo=memo)
@@ -93,10 +99,12 @@ def show(results: dict) -> None:
     if "skipped" in results:
         print(f"skipped: {results['skipped']}")
         return
-    cols = ["prompt tokens", "ours us", "shared us", "ours vs shared", "scores' scratch MiB", "max |diff|", "agree"]
+    cols = ["tokens", "ending at", "ours us", "shared us", "ours vs shared", "scores' scratch MiB", "max |diff|"]
+    cols.append("agree")
     rows = [
         [
             r["tokens"],
+            r["end"],
             r["ours_us"],
             r["shared_us"],
             f"{r['speedup']:.2f}x",
@@ -106,7 +114,8 @@ def show(results: dict) -> None:
         ]
         for r in results["rows"]
     ]
-    print(table(f"a prompt's attention, one layer: {HEADS} heads of {DIM}, float16 cache, causal", cols, rows))
+    title = f"a prefill step's attention, one layer: {HEADS} heads of {DIM}, a float16 cache of {CTX}, causal"
+    print(table(title, cols, rows))
 
 
 if __name__ == "__main__":

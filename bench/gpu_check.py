@@ -31,8 +31,8 @@ default there; the sweep also through shared memory):
 8. the decode products' kernel alone (bench/qgemv.py): its thread block in several shapes on the
    1.7B shape's Q4_1 products, each one's GB/s against the bandwidth bound;
 9. a prompt's attention alone (bench/attention.py): the tiled kernels of our own against the
-   shared kernel (cuBLAS products and a softmax) on one layer of the 1.7B shape, 128 to 2,048
-   tokens, their results held to each other.
+   shared kernel (cuBLAS products and a softmax) on one layer of the 1.7B shape, a 128-token
+   prefill step ending at 128 to 4,096 positions, their results held to each other.
 Prints one table and writes one JSON (`--json`). Without a CUDA GPU it says so in one line and
 exits 1; a failed check exits 2. `--only` runs the steps named (STEPS: a device session of 15
 minutes reruns what failed, not the whole check).
@@ -405,7 +405,8 @@ def _attention(quick: bool, record) -> None:
     try:
         found = attention.measure(SimpleNamespace(quick=quick))["rows"]
         said = ", ".join(
-            f"{r['tokens']} tokens {r['ours_us']:.0f} vs {r['shared_us']:.0f} us ({r['speedup']:.2f}x)" for r in found
+            f"{r['tokens']} tokens to {r['end']} {r['ours_us']:.0f} vs {r['shared_us']:.0f} us ({r['speedup']:.2f}x)"
+            for r in found
         )
         record(name, all(r["agree"] for r in found), said, time.perf_counter() - start, rows=found)
     except Exception as exc:  # noqa: BLE001 - reported in the table

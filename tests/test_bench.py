@@ -214,26 +214,29 @@ def test_the_gpu_check_runs_only_the_steps_named(monkeypatch):
 
 def test_the_attention_bench_times_both_kernels_and_holds_them_to_each_other(monkeypatch, capsys):
     """bench/attention.py on the CuPy stand-in (the tiled kernels' twins, the shared kernel's
-    NumPy products) at small prompts: a row a prompt with both times, the scores' scratch, and
+    NumPy products) at small chunks: a row a chunk with both times, the scores' scratch, and
     the results agreeing; a row whose results differ says NO. Then gpu_check's step reports it."""
     from bench import attention, gpu_check
     from tests.cupy_standin import install
 
     install(monkeypatch)
     monkeypatch.setattr(gpu_check, "gpus", lambda: 1)
-    monkeypatch.setattr(attention, "PROMPTS", (20, 40, 60))
+    monkeypatch.setattr(attention, "CHUNK", 20)
+    monkeypatch.setattr(attention, "CTX", 96)
+    monkeypatch.setattr(attention, "ENDS", (12, 70, 96))
     found = attention.measure(type("Args", (), {"quick": True})())
     rows = found["rows"]
-    assert [r["tokens"] for r in rows] == [20, 40] and all(r["agree"] for r in rows), rows
+    assert [(r["tokens"], r["end"]) for r in rows] == [(12, 12), (20, 70)] and all(r["agree"] for r in rows), rows
     assert all(r["ours_us"] > 0 and r["shared_us"] > 0 for r in rows)
-    assert rows[1]["scores_scratch_bytes"] == 2 * 32 * 40 * 40 * 4 and rows[1]["max_abs_diff"] < 1e-4
+    # the shared kernel's scores over the used positions, a bucket's multiple (KV_BUCKET 32): 96
+    assert rows[1]["scores_scratch_bytes"] == 2 * 32 * 20 * 96 * 4 and rows[1]["max_abs_diff"] < 1e-4
     attention.show(found)
     assert "ours vs shared" in capsys.readouterr().out
     rows[0]["agree"] = False
     monkeypatch.setattr(attention, "measure", lambda args: {"rows": rows})
     result = gpu_check.run(True, only=frozenset({"attention"}))
     (check,) = result["checks"]
-    assert not check["ok"] and check["detail"].startswith("20 tokens ")
+    assert not check["ok"] and check["detail"].startswith("12 tokens to 12 ")
 
 
 @pytest.mark.parametrize("script", ["qgemv.py", "attention.py"])

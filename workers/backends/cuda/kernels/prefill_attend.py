@@ -2,8 +2,9 @@
 tiled as flash attention, reading the open positions from the mask on the device. So a prefill
 step's attention is captured in its device graph like the rest of the step, its causal half of
 the cache is never read, and no score matrix is made: the shared kernel (cuBLAS products and a
-softmax in between) wants two (heads x tokens x used positions) float32 buffers of scratch, 1 GiB
-for 32 heads at 2,048 tokens, where these want a byte for each tile pair.
+softmax in between) wants two (heads x tokens x used positions) float32 buffers of scratch (for a
+prefill step's 128 tokens of 32 heads, 64 MiB at 2,048 positions, 1 GiB at 32,768), where these
+want a byte for each tile pair.
 
 Two kernels:
 - `attend_open_tiles`: a byte for each (mask row, tile of TOKENS query tokens, tile of KEYS cache
