@@ -709,13 +709,13 @@ def test_the_top_k_cuda_c_run_on_the_host_picks_the_best_k(host_top_k, monkeypat
         np.testing.assert_array_equal(merged[r], best_k_oracle(pairs[r, :, 0], pairs[r, :, 1], k, k))
 
 
-def captured_attention(monkeypatch, module, op, q, keys, values, mask, changed):
+def captured_attention(monkeypatch, module, op, q, keys, values, mask, changed=None):
     """The CUDA backend's `op` on the stand-in (the kernels' twins) over q, keys and values and
     the mask (for attention the decoder's views: the keys transposed, as the decoder multiplies by
     them; for gqa_attention the op's layout, heads mapped by GQA_MAP), scale 0.25: a step's first
     run (eager), its capture, then `changed(q, mask) -> (q, mask)` set on the device and the
-    graph replayed. Returns (the first run's result, the replay's, the calls of `module`'s
-    launcher for the op)."""
+    graph replayed (`changed` None: no capture). Returns (the first run's result, the replay's,
+    the calls of `module`'s launcher for the op)."""
     cp = install(monkeypatch)
     from workers.backends import cuda
 
@@ -737,6 +737,8 @@ def captured_attention(monkeypatch, module, op, q, keys, values, mask, changed):
     out = cp.empty(q.shape, cp.float32)
     cuda.KERNELS[op](cp, operands, params, out)  # a step's first run: eager
     first = backend.to_host(out).copy()
+    if changed is None:
+        return first, None, launched
     backend.begin_capture()
     cuda.KERNELS[op](cp, operands, params, out)
     graph = backend.end_capture()

@@ -201,20 +201,46 @@ def test_a_captured_prompt_attention_reads_the_open_positions_on_the_device_at_e
     np.testing.assert_allclose(replayed, oracle(*changed(q, mask)), rtol=1e-5, atol=2e-6)
 
 
-def test_the_cuda_attention_takes_every_number_of_query_tokens_in_the_graph():
-    """A decode step's rows and a prompt's are both kernels of our own (not eager); a head dim
-    past MAX_DIM is the shared kernel's, eager. A prompt's attention wants none of the score
-    matrices' scratch the fused pattern plans; a decode step's partials keep it."""
+def test_the_cuda_attention_takes_a_decode_step_and_a_prompt_over_a_short_cache_in_the_graph():
+    """A decode step's rows are kernels of our own (not eager) whatever its cache; a prompt's are
+    where the cache is at most MAX_POSITIONS long (the fused step's params say how long), else
+    the shared kernel's (eager), as is a head dim past MAX_DIM. The gqa_attention op's step does
+    not say: its prompts run eagerly. A prompt's tiles want none of the score matrices' scratch
+    the fused pattern plans; a decode step's partials and the shared kernel keep it."""
     from workers.backends import cuda
 
-    step = lambda shape: type("Step", (), {"shape": shape})  # noqa: E731
-    for tokens in (1, attend.MAX_TOKENS, attend.MAX_TOKENS + 1, 512):
-        assert not cuda.attention.eager(step((1, 3, 2, tokens, 64)))
+    def step(shape, positions=None):
+        params = {} if positions is None else {"positions": positions}
+        return type("Step", (), {"shape": shape, "params": params})
+
+    short, long = prefill_attend.MAX_POSITIONS, prefill_attend.MAX_POSITIONS + 1
+    for tokens in (1, attend.MAX_TOKENS):
+        assert not cuda.attention.eager(step((1, 3, 2, tokens, 64), long))
         assert not cuda.gqa_attention.eager(step((1, tokens, 5, 64)))
-    assert cuda.attention.eager(step((1, 3, 2, 20, attend.MAX_DIM + 1)))
-    assert cuda.gqa_attention.eager(step((1, 20, 5, attend.MAX_DIM + 1)))
-    assert cuda.attention.scratch_for(step((1, 3, 2, 1, 64)), (1000,)) == (1000,)
-    assert cuda.attention.scratch_for(step((1, 3, 2, 20, 64)), (1000,)) is None
+    for tokens in (attend.MAX_TOKENS + 1, 128):
+        assert not cuda.attention.eager(step((1, 3, 2, tokens, 64), short))
+        assert cuda.attention.eager(step((1, 3, 2, tokens, 64), long))
+        assert cuda.attention.eager(step((1, 3, 2, tokens, 64)))
+        assert cuda.gqa_attention.eager(step((1, tokens, 5, 64)))
+    assert cuda.attention.eager(step((1, 3, 2, 1, attend.MAX_DIM + 1), 40))
+    assert cuda.attention.scratch_for(step((1, 3, 2, 1, 64), long), (1000,)) == (1000,)
+    assert cuda.attention.scratch_for(step((1, 3, 2, 20, 64), short), (1000,)) is None
+    assert cuda.attention.scratch_for(step((1, 3, 2, 20, 64), long), (1000,)) == (1000,)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value")  # the shared softmax of token 3's closed row: -inf - -inf
+@pytest.mark.parametrize("op", ["attention", "gqa_attention"])
+def test_a_prompt_over_a_longer_cache_takes_the_shared_kernel(monkeypatch, op):
+    """Past MAX_POSITIONS cache positions the backend hands a prompt's attention to the shared
+    kernel (cuBLAS's products and a softmax): no tile is launched, and the result is softmax
+    attention's from its definition all the same."""
+    monkeypatch.setattr(prefill_attend, "MAX_POSITIONS", 64)
+    q, keys, values, mask = prompt_case(np.float32) if op == "attention" else mapped_case(np.float32)
+    keys[np.isinf(keys)], values[np.isnan(values)] = 0, 0  # the shared kernel reads the used rows' bucket
+    oracle = decoder_oracle if op == "attention" else mapped_oracle
+    first, _, launched = captured_attention(monkeypatch, prefill_attend, op, q, keys, values, mask)
+    assert launched == []
+    np.testing.assert_allclose(first, oracle(q, keys, values, mask, 0.25), rtol=1e-5, atol=2e-6)
 
 
 @pytest.mark.gpu

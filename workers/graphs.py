@@ -5,8 +5,8 @@ A program splits into pieces: a collective, a step whose result is a fresh array
 result the run hands out, or what a collective sends; with an engine whose collectives a graph
 can hold, NCCL's, only the former and collectives whose result is handed out), a kernel marked
 `eager` (the shared attention over the used cache: how much it reads follows the
-mask; the CUDA backend's reads the mask on the device and is eager only for a head dim its own
-kernels do not hold),
+mask; the CUDA backend's reads the mask on the device and is eager only where the shared kernel
+takes a step: a prompt over a long cache, a head dim its own kernels do not hold),
 an op the backend never captures (`backend.uncaptured`: CuPy's cuBLAS products where the CUDA
 backend has no cuBLAS handle of its own) and a kernel that reads device data on the host (found
 when its capture fails) run eagerly; every run of other kernels between them is a segment. A
@@ -89,7 +89,7 @@ def piecewise(
 
 def runs_eagerly(kernel, step) -> bool:
     """A kernel's `eager`: True, or a predicate over the step (a kernel eager for some shapes
-    only: the CUDA backend's attention takes its own kernels' head dims in a graph, not others)."""
+    only: the CUDA backend's attention takes the steps of its own kernels in a graph, not others)."""
     eager = getattr(kernel, "eager", False)
     return bool(eager(step)) if callable(eager) else bool(eager)
 

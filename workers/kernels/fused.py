@@ -150,7 +150,8 @@ def _match_attention(view: ProgramView, i: int) -> Fusion | None:
         return None
     q, k = view.steps[qk].inputs
     mask, v = view.steps[soft].inputs[1], pv.inputs[1]
-    params = {"scale": view.steps[soft].params["scale"], "bucket": KV_BUCKET}
+    # positions: the cache positions the step reads (a backend may pick its kernel by them)
+    params = {"scale": view.steps[soft].params["scale"], "bucket": KV_BUCKET, "positions": view.steps[qk].shape[-1]}
     # scratch: the scores twice over, key-major and query-major, and room for the query rows
     # (the output's size; see attention_with)
     scores = prod(view.steps[qk].shape)

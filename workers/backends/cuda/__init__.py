@@ -232,13 +232,14 @@ def attention(xp, inputs, params, out=None, scratch=None, memo=None):
     """Attention by kernels of our own reading the open positions from the mask on the device, so
     every run of a step computes the same way eagerly and in a device graph: a decode step's few
     query tokens by flash-decoding's two passes (workers/backends/cuda/kernels/attend.py), a
-    prompt's by tiles of queries (workers/backends/cuda/kernels/prefill_attend.py). Other
-    operands (another layout, a head dim past MAX_DIM): the shared kernel, which finds the used
-    length on the host and so runs outside the graphs."""
+    prompt's over at most prefill_attend.MAX_POSITIONS cache positions by tiles of queries
+    (workers/backends/cuda/kernels/prefill_attend.py). Other operands (a longer cache, another
+    layout, a head dim past MAX_DIM): the shared kernel, which finds the used length on the host
+    and so runs outside the graphs."""
     q, k, mask, v = inputs
     kernels = _own_kernels(xp, q)
     found = attend.operands(q, k, mask, v, out) if kernels is not None and out is not None else None
-    if found is None:
+    if found is None or not _ours(out.shape[-2], v.shape[-2]):
         return fused.FUSED_KERNELS["attention"](xp, inputs, params, out, scratch=scratch, memo=memo)
     keys, values, mask_batch = found
     if attend.runs_here(tuple(out.shape)):
@@ -248,11 +249,27 @@ def attention(xp, inputs, params, out=None, scratch=None, memo=None):
     return out
 
 
+def _ours(tokens: int, positions: int | None) -> bool:
+    """Whether a step of `tokens` query tokens a row over `positions` cache positions (None: not
+    known) is our kernels': a decode step's always; a prompt's where the cache is short enough
+    that the tiles surely beat cuBLAS (a prompt's own keys, a short context). Past that the tiles
+    walk every position a block, where cuBLAS's products are many times the arithmetic rate;
+    where they break even is for a GPU to measure (bench/attention.py)."""
+    return tokens <= attend.MAX_TOKENS or (positions is not None and positions <= prefill_attend.MAX_POSITIONS)
+
+
+def _fused_attention_is_ours(step) -> bool:
+    """_ours for a fused attention step: its params name the cache positions it reads."""
+    return attend.decoder_rows(tuple(step.shape)) and _ours(step.shape[-2], step.params.get("positions"))
+
+
 attention.memo = True  # for the shared kernel it falls back to
-attention.eager = lambda step: not attend.decoder_rows(tuple(step.shape))  # ours: in the graph
-# a decode step's partials go in the fused pattern's scratch; a prompt's tiles want none of the
-# score matrices it plans for (workers/program.py asks)
-attention.scratch_for = lambda step, planned: planned if attend.runs_here(tuple(step.shape)) else None
+attention.eager = lambda step: not _fused_attention_is_ours(step)  # ours: in the graph
+# our prompt tiles want none of the score matrices the fused pattern plans for (workers/program.py
+# asks); a decode step's partials and the shared kernel use them
+attention.scratch_for = lambda step, planned: (
+    None if _fused_attention_is_ours(step) and not attend.runs_here(tuple(step.shape)) else planned
+)
 
 
 # (id(array module), device index, head map) -> the map as an int32 device array: made at a
@@ -262,12 +279,13 @@ _KV_MAPS: dict[tuple, Any] = {}
 
 def gqa_attention(xp, inputs, params, out=None, memo=None):
     """The gqa_attention op (a split sharing a KV head between devices) by the mapped kernels of
-    our own, a decode step's and a prompt's, in the device graph like the attention's; other
-    operands: the shared kernel, run by runs of heads between graphs."""
+    our own: a decode step's in the device graph like the attention's; a prompt's over a short
+    cache (_ours) eagerly, between graphs, since a step does not say how long its cache is.
+    Other operands: the shared kernel, run by runs of heads between graphs."""
     q, keys, values, mask = inputs
     kernels = _own_kernels(xp, q)
     mask_batch = attend.map_operands(q, keys, values, mask, out) if kernels is not None and out is not None else None
-    if mask_batch is None:
+    if mask_batch is None or not _ours(out.shape[1], keys.shape[2]):
         return fused.OP_KERNELS["gqa_attention"](xp, inputs, params, out, memo=memo)
     heads = tuple(params["kv_of_head"])
     key = (id(xp), q.device.id, heads)
@@ -282,7 +300,7 @@ def gqa_attention(xp, inputs, params, out=None, memo=None):
 
 
 gqa_attention.memo = True  # for the shared kernel it falls back to
-gqa_attention.eager = lambda step: not attend.mapped_rows(tuple(step.shape))
+gqa_attention.eager = lambda step: not attend.maps_here(tuple(step.shape))  # a decode step's: in the graph
 
 
 def top_k_candidates(xp, inputs, params, out=None):

@@ -43,6 +43,11 @@ TOKENS = 16  # query tokens a thread block holds
 KEYS = 16  # cache positions a tile
 THREADS = 128  # threads a block
 ACC = TOKENS * MAX_DIM // THREADS  # accumulated outputs a thread keeps in registers
+# the most cache positions a step may have for the CUDA backend to run these kernels (a prompt's
+# own keys, a short context): a block walks every used position of its head, and past some
+# length cuBLAS's products with a softmax between them win; 512 until a GPU measures where
+# (bench/attention.py)
+MAX_POSITIONS = 512
 
 _MAP = r"""
 extern "C" __global__ void attend_open_tiles(const float* __restrict__ mask, u8* __restrict__ open, int tokens,
