@@ -66,19 +66,9 @@ def run_generation(
     count = len(done)
     if tokens.shape[0] < count or positions.shape[0] < count:
         raise ProtocolError(f"generate: {count} sequences, but the fed tokens hold {tokens.shape[0]}")
-    comm, rank = executor.comm, server.rank
+    rank = server.rank
     peers = [d for d in range(server.world_size) if d != rank]
-    # rank 0: the peers' stop words it stores into (None: it sends messages); a peer: its own,
-    # cleared before the first step. Where every step exchanges data with rank 0 (a decoder's
-    # all-reduces), rank 0 has stored a run's word before the peer reads it, so a word left by an
-    # earlier MetaDevice (whose run ids also began at 1) is never read; the clear keeps it so for
-    # a step without an exchange. It cannot erase this generation's first store: rank 0 makes it
-    # after the second step, which it finishes only with the peer's data, sent after the clear.
-    words = {d: comm.stop_word(d) for d in peers} if rank == 0 else {}
-    own_word = comm.own_stop_word() if rank else None
-    if own_word is not None:
-        own_word[0] = 0
-    use_word = False  # a peer: whether rank 0 said it stores into own_word after the first step
+    stops = _StopFlags(executor.comm, rank, peers, executor.collective_timeout)
     timings = {"program_s": 0.0, "comm_s": 0.0, "wait_s": 0.0}
     steps = 0
     cancel = False
@@ -153,26 +143,9 @@ def run_generation(
                 if cancel and not peers:  # nobody to tell: stop now
                     report.send()
                     break
-                # the word for the step after this one, under its run id (the inbox keeps the next
-                # run's messages): a peer reads it after that step, by when it has long arrived, so
-                # no rank waits on it
-                sent = False
-                for d in peers:
-                    word = words[d]
-                    if step and word is not None:
-                        word[0] = 2 * (run + 1) + cancel
-                    else:  # the first step's word also says whether words follow
-                        comm.send(d, run + 1, STOP_TAG, np.array([cancel, word is not None], np.int8))
-                        sent = True
-                if sent:
-                    comm.flush(run, Deadline(executor.collective_timeout))
+                stops.tell(step, run, cancel)
             else:
-                if step == 1 or (step and not use_word):  # rank 0's word after the step before
-                    cancel, said = _stop_flag(comm, run, executor.collective_timeout)
-                    if step == 1:
-                        use_word = said and own_word is not None
-                elif step:
-                    cancel = _read_word(own_word, run, executor.collective_timeout, rank)
+                cancel = stops.heard(step, run)
                 if finished or cancel:
                     break
             if sampler is None:
@@ -274,32 +247,79 @@ def attached_board(path, count: int) -> TokenBoard | None:
     return board
 
 
-def _stop_flag(comm, run: int, timeout: float) -> tuple[bool, bool]:
-    """Rank 0's message after the step before `run`: (cancel, whether words follow)."""
-    flag = np.zeros(2, np.int8)
+class _StopFlags:
+    """Rank 0's decision to stop early, told to its peers a step late (the module docstring): a
+    one-byte message after the first step, which also says whether rank 0 can store into the
+    peer's stop word; then a store of 2 * run + cancel into that word after each step, or
+    another message where it cannot."""
 
-    def sink(at: int, fragment) -> None:
-        flag[at : at + len(fragment)] = fragment
+    def __init__(self, comm, rank: int, peers: list[int], timeout: float):
+        self.comm, self.rank, self.peers, self.timeout = comm, rank, peers, timeout
+        # rank 0: the peers' stop words it stores into (None: it sends messages); a peer: its
+        # own, cleared before the first step. Where every step exchanges data with rank 0 (a
+        # decoder's all-reduces), rank 0 has stored a run's word before the peer reads it, so a
+        # word left by an earlier MetaDevice (whose run ids also began at 1) is never read; the
+        # clear keeps it so for a step without an exchange. It cannot erase this generation's
+        # first store: rank 0 makes it after the second step, which it finishes only with the
+        # peer's data, sent after the clear.
+        self.words = {d: comm.stop_word(d) for d in peers} if rank == 0 else {}
+        self.own_word = comm.own_stop_word() if rank else None
+        if self.own_word is not None:
+            self.own_word[0] = 0
+        self.use_word = False  # a peer: whether rank 0 said it stores into own_word after the first step
 
-    comm.receive(0, run, STOP_TAG, Deadline(timeout), (2,), np.dtype(np.int8), sink)
-    return bool(flag[0]), bool(flag[1])
+    def tell(self, step: int, run: int, cancel: bool) -> None:
+        """Rank 0, after `step` (run id `run`): the word for the step after it, under that step's
+        run id (the inbox keeps the next run's messages). A peer reads it after that step, by
+        when it has long arrived, so no rank waits on it."""
+        sent = False
+        for d in self.peers:
+            word = self.words[d]
+            if step and word is not None:
+                word[0] = 2 * (run + 1) + cancel
+            else:  # the first step's word also says whether words follow
+                self.comm.send(d, run + 1, STOP_TAG, np.array([cancel, word is not None], np.int8))
+                sent = True
+        if sent:
+            self.comm.flush(run, Deadline(self.timeout))
 
+    def heard(self, step: int, run: int) -> bool:
+        """A peer, after `step` (run id `run`): whether rank 0 decided to stop after the step
+        before (nothing is told before the first step's end)."""
+        if step == 1 or (step and not self.use_word):
+            cancel, said = self._message(run)
+            if step == 1:
+                self.use_word = said and self.own_word is not None
+            return cancel
+        return self._word(run) if step else False
 
-def _read_word(word, run: int, timeout: float, rank: int) -> bool:
-    """Whether rank 0 stored a cancel for `run` into this peer's stop word; it waits until rank
-    0 has stored for `run` (at once, in practice: rank 0 stored it before the step just run,
-    whose all-reduces needed its data). A later run's word means rank 0 went on: no cancel."""
-    deadline = None
-    reads = 0
-    while True:
-        value = word[0]
-        if value >> 1 >= run:
-            return value >> 1 == run and bool(value & 1)
-        reads += 1
-        if reads > WORD_SPIN:
-            deadline = deadline or Deadline(timeout)
-            if deadline.expired():
-                raise WorkerLost(
-                    f"worker {rank}: no stop word from worker 0 for run {run} within {timeout:.1f} s", rank=0
-                )
-            time.sleep(50e-6)
+    def _message(self, run: int) -> tuple[bool, bool]:
+        """Rank 0's message after the step before `run`: (cancel, whether words follow)."""
+        flag = np.zeros(2, np.int8)
+
+        def sink(at: int, fragment) -> None:
+            flag[at : at + len(fragment)] = fragment
+
+        self.comm.receive(0, run, STOP_TAG, Deadline(self.timeout), (2,), np.dtype(np.int8), sink)
+        return bool(flag[0]), bool(flag[1])
+
+    def _word(self, run: int) -> bool:
+        """Whether rank 0 stored a cancel for `run` into this peer's stop word; it waits until
+        rank 0 has stored for `run` (at once, in practice: rank 0 stored it before the step just
+        run, whose all-reduces needed its data). A later run's word means rank 0 went on: no
+        cancel."""
+        deadline = None
+        reads = 0
+        while True:
+            value = self.own_word[0]
+            if value >> 1 >= run:
+                return value >> 1 == run and bool(value & 1)
+            reads += 1
+            if reads > WORD_SPIN:
+                deadline = deadline or Deadline(self.timeout)
+                if deadline.expired():
+                    raise WorkerLost(
+                        f"worker {self.rank}: no stop word from worker 0 for run {run} within {self.timeout:.1f} s",
+                        rank=0,
+                    )
+                time.sleep(50e-6)
