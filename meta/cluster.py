@@ -45,6 +45,8 @@ from transport.sockets import (
 from transport.stop_signal import StopSignal
 
 POLL_MS = 100
+# how long a send that finds a worker's connection closed waits for its process to be seen exited
+UNREACHABLE_SETTLE_S = 1.0
 BIND_MODES = ("auto", "off")
 
 
@@ -496,7 +498,7 @@ class ProcessCluster:
         self._request += 1
         rid = self._request
         for rank, message in messages.items():
-            send(self.control, message, rid, route=self.routes[rank])
+            self._send_to(rank, message, rid)
 
         def receive(wait_s: float) -> tuple[int, p.Message] | None:
             if not self.control.poll(int(wait_s * 1000)):
@@ -518,12 +520,26 @@ class ProcessCluster:
 
         def cancel(ranks) -> None:
             for rank in ranks:
-                send(self.control, p.Cancel(), rid, route=self.routes[rank])
+                self._send_to(rank, p.Cancel(), rid)
 
         seconds = self.config.call_timeout if timeout is None else timeout
         return gather_replies(
             messages, seconds, receive, cancel, on_message, watch, POLL_MS / 1000, self._check_processes
         )
+
+    def _send_to(self, rank: int, message: p.Message, rid: int) -> None:
+        """Send one worker its message. A worker that dies between the check of the processes
+        and the send has its connection closed, and ZeroMQ drops its route at once ("Host
+        unreachable"): that is a lost worker, named as such (with its exit code where it is
+        ours and has exited by now), not a transport error."""
+        try:
+            send(self.control, message, rid, route=self.routes[rank])
+        except TransportError as exc:
+            end = time.monotonic() + UNREACHABLE_SETTLE_S
+            while time.monotonic() < end:  # the process whose connection closed is exiting
+                self._check_processes()  # raises WorkerLost, naming its exit code, once it has
+                time.sleep(0.01)
+            self._lose(rank, f"worker {rank} (pid {self.pids.get(rank)}) unreachable: {exc}")
 
     # -- stop -----------------------------------------------------------------------------------
 

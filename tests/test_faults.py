@@ -33,6 +33,41 @@ def test_worker_killed_during_a_collective_raises_worker_lost_naming_it(fresh_cl
     assert time.monotonic() - start < 5.0
 
 
+def test_a_worker_that_dies_between_the_check_and_the_send_is_worker_lost(fresh_cluster, monkeypatch):
+    """The coordinator checks its workers' processes before it sends a call; one that dies
+    between the check and the send has had its route dropped by ZeroMQ ("Host unreachable"), as
+    a busy coordinator found in CI: that is the lost worker named, with its exit code, not a
+    TransportError. The race made certain here: the check before the send sees nothing."""
+    cluster = fresh_cluster(2, liveness=30.0)
+    dev = MetaDevice(cluster)
+    x = dev.tensor(np.ones((4, 4), np.float32), PARTIAL)
+    victim = cluster.processes[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _routable(cluster, 1) and time.monotonic() < deadline:  # ZeroMQ drops the route
+        time.sleep(0.02)
+    real = cluster._check_processes
+    checks = []
+    monkeypatch.setattr(cluster, "_check_processes", lambda: real() if checks.append(1) or len(checks) > 1 else None)
+    with pytest.raises(WorkerLost, match=r"worker 1 \(pid \d+\) exited with code -9") as info:
+        x.redistribute(MIRRORED).numpy()
+    assert info.value.rank == 1
+
+
+def _routable(cluster, rank: int) -> bool:
+    """Whether the coordinator's control socket still routes to `rank` (a heartbeat-free probe:
+    a Cancel, which a worker outside a call ignores)."""
+    from split_state.errors import TransportError
+    from transport import protocol as p
+    from transport.sockets import send
+
+    try:
+        send(cluster.control, p.Cancel(), 0, route=cluster.routes[rank])
+        return True
+    except TransportError:
+        return False
+
+
 @pytest.mark.parametrize("data_plane", ["shm", "tcp"])
 def test_worker_killed_mid_run_then_a_new_cluster_works(fresh_cluster, data_plane):
     cluster = fresh_cluster(3, liveness=3.0, data_plane=data_plane)
