@@ -736,6 +736,7 @@ def captured_attention(monkeypatch, module, op, q, keys, values, mask, changed=N
         params = {"scale": 0.25, "kv_of_head": list(GQA_MAP)}
     out = cp.empty(q.shape, cp.float32)
     cuda.KERNELS[op](cp, operands, params, out)  # a step's first run: eager
+    backend.synchronize()  # a twin that failed says so (the stand-in's failures are per stream)
     first = backend.to_host(out).copy()
     if changed is None:
         return first, None, launched

@@ -261,3 +261,16 @@ def test_on_a_gpu_the_prompt_attention_equals_softmax_attention(cache):
     operands = [cupy.asarray(a) for a in (q, keys, values, mask)]
     prefill_attend.launch_mapped(cupy, kernels, *operands, _mask_batch(mask, 21, 75), kv_of, 0.2, out)
     np.testing.assert_allclose(cupy.asnumpy(out), mapped_oracle(q, keys, values, mask, 0.2), rtol=1e-5, atol=2e-6)
+
+
+def test_a_prompt_over_an_empty_cache_gives_nan_as_a_softmax_over_nothing(monkeypatch, host_prefill):
+    """No cache positions at all (no tile to walk, the map empty): every row sees nothing, so
+    NaN, as the softmax of no entries is; nothing fails on the way, in the twins (on the
+    stand-in) or in the CUDA C run on the host."""
+    q, keys, values, mask = prompt_case(np.float32, ctx=3)
+    keys, values, mask = keys[:, :, :0], values[:, :, :0], np.ascontiguousarray(mask[..., :0])
+    first, _, launched = captured_attention(monkeypatch, prefill_attend, "attention", q, keys, values, mask)
+    assert launched == [1] and first.shape == q.shape and np.isnan(first).all()
+    out = np.full(q.shape, -7.0, np.float32)
+    prefill_attend.launch(np, host_prefill, q, keys, values, mask, _mask_batch(mask, 21, 0), 0.25, out)
+    assert np.isnan(out).all()

@@ -251,10 +251,11 @@ def attention(xp, inputs, params, out=None, scratch=None, memo=None):
 
 def _ours(tokens: int, positions: int | None) -> bool:
     """Whether a step of `tokens` query tokens a row over `positions` cache positions (None: not
-    known) is our kernels': a decode step's always; a prompt's where the cache is short enough
-    that the tiles surely beat cuBLAS (a prompt's own keys, a short context). Past that the tiles
-    walk every position a block, where cuBLAS's products are many times the arithmetic rate;
-    where they break even is for a GPU to measure (bench/attention.py)."""
+    known) is our kernels': a decode step's always; a prompt's where the cache is short (a
+    prompt's own keys, a short context), where by count the tiles should beat cuBLAS + softmax's
+    launches and passes. Past that the tiles walk every position a block at a fraction of the
+    rate cuBLAS's products reach; where they break even is for a GPU to measure
+    (bench/attention.py)."""
     return tokens <= attend.MAX_TOKENS or (positions is not None and positions <= prefill_attend.MAX_POSITIONS)
 
 

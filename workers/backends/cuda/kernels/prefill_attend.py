@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.backends.cuda.kernels.attend import MAX_DIM, MAX_TOKENS, each_layout_and_cache
+from workers.backends.cuda.kernels.attend import MAX_DIM, each_layout_and_cache
 from workers.backends.cuda.kernels.device import DeviceKernel
 
 TOKENS = 16  # query tokens a thread block holds
@@ -198,6 +198,8 @@ def _map_twin(mask, open_, tokens, ctx, mask_batch, token_tiles, key_tiles):
     tokens, ctx, mask_batch, token_tiles, key_tiles = (
         int(a) for a in (tokens, ctx, mask_batch, token_tiles, key_tiles)
     )
+    if not key_tiles:  # an empty cache: nothing to mark (the launcher's buffer holds a byte)
+        return
     units = open_.size // key_tiles
     for unit in range(units):
         base = (unit // token_tiles) * mask_batch
@@ -225,6 +227,9 @@ def _twin(cache_dtype, locate):
         units = q.size // (tokens * dim)
         at, b, bh = locate(units, tokens, *layout)
         b = b if mask_batch else np.zeros_like(b)
+        if not ctx:  # no tile to walk: every row 0 / 0, as the kernel's
+            out.reshape(-1, dim)[at] = np.nan
+            return
         queries = q.reshape(-1, dim)[at]  # (units, tokens, dim)
         keys = k.view(cache_dtype).reshape(-1, ctx, dim)
         values = v.view(cache_dtype).reshape(-1, ctx, dim)
@@ -284,12 +289,6 @@ DEVICE_KERNELS = (
     DeviceKernel("prefill_map_f32", SOURCE, _twin(np.float32, _mapped), (5,)),
     DeviceKernel("prefill_map_f16", SOURCE, _twin(np.float16, _mapped), (5,)),
 )
-
-
-def runs_here(tokens: int, dim: int) -> bool:
-    """Whether these kernels take a prompt's attention of `tokens` query tokens a row and head
-    dim `dim` (fewer tokens: a decode step, attend.py's kernels)."""
-    return tokens > MAX_TOKENS and 0 < dim <= MAX_DIM
 
 
 def launch(xp, kernels: dict, q, keys, values, mask, mask_batch: int, scale: float, out) -> None:
