@@ -226,3 +226,16 @@ def no_orphaned_workers():
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
     assert not orphans, f"worker processes outlived their coordinator: {orphans}"
+
+
+@pytest.fixture(autouse=True)
+def fresh_cuda_context():
+    """The CuPy stand-in's context starts anew after each test, as a new process's would: a test
+    whose kernel failed (CUDA's errors are sticky: tests/cupy_standin/runtime.py's Context) must
+    not fail the tests after it in the same process."""
+    import sys
+
+    yield
+    runtime = sys.modules.get("tests.cupy_standin.runtime")
+    if runtime is not None:
+        runtime.CONTEXT.reset()

@@ -99,6 +99,28 @@ def test_a_failed_kernel_surfaces_at_the_next_synchronize_and_the_stream_stays_f
             y.get()
 
 
+def test_a_failed_kernel_fails_every_stream_after_it_as_cudas_sticky_errors_do():
+    """A read-back on a copy stream, ordered after a kernel that failed on the compute stream,
+    raises: it does not return whatever the result's buffer held (fresh memory's NaN, or an
+    earlier step's result, which a test could take for a pass)."""
+    compute, copies = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with compute:
+        out = cp.zeros((4,), cp.float32)
+        compute.issue(lambda: 1 / 0, writes=[out._a], what="a faulty kernel")
+    copies.wait_event(compute.record())
+    host = rt.PINNED_POOL.empty((4,), np.float32)
+    out.get(out=host, stream=copies, blocking=False)
+    with pytest.raises(rt.CUDARuntimeError, match="a kernel on stream .* failed: ZeroDivisionError"):
+        copies.synchronize()
+    fresh = cp.cuda.Stream(non_blocking=True)  # a stream made after it too: the context is gone
+    with fresh, pytest.raises(rt.CUDARuntimeError, match="ZeroDivisionError"):
+        cp.ones(2).get()
+    event = cp.cuda.Event()
+    event.record(fresh)
+    with pytest.raises(rt.CUDARuntimeError, match="ZeroDivisionError"):
+        event.synchronize()
+
+
 def test_a_captured_graph_runs_nothing_until_launched_and_replays_on_its_memory():
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:

@@ -121,6 +121,37 @@ class Detector:
 
 
 DETECTOR = Detector()
+
+
+class Context:
+    """The process's CUDA context: a kernel that fails (a twin that raises: CUDA's illegal address
+    or launch failure) poisons it, as CUDA's sticky errors do. From then on no stream runs work
+    and every synchronize, on any stream or event, raises; so a read-back on a copy stream after
+    a failed kernel on the compute stream fails too, where a per-stream failure would have
+    returned whatever the buffer held. A process (here: a test, by `reset`) starts anew."""
+
+    def __init__(self) -> None:
+        self.failure: BaseException | None = None
+        self.where = ""
+
+    def failed(self, exc: BaseException, where: str) -> None:
+        with _lock:
+            if self.failure is None:  # the first error is the one CUDA reports
+                self.failure, self.where = exc, where
+
+    def raise_failure(self) -> None:
+        failure = self.failure
+        if failure is not None:
+            raise CUDARuntimeError(
+                "cudaErrorLaunchFailure", f"a kernel on {self.where} failed: {failure!r}"
+            ) from failure
+
+    def reset(self) -> None:
+        """A fresh context, as a new process has (tests/conftest.py, after each test)."""
+        self.failure, self.where = None, ""
+
+
+CONTEXT = Context()
 _lock = threading.RLock()  # issuing is atomic across the host threads of one process
 
 
@@ -163,8 +194,7 @@ class Event:
             raise CUDARuntimeError("cudaErrorLaunchTimeout", "event never completed")
         with _lock:
             DETECTOR.host_waited(self.clock)
-        if self.stream is not None:
-            self.stream._raise_failure()
+        CONTEXT.raise_failure()
 
 
 @dataclass
@@ -209,7 +239,6 @@ class Stream:
         self.ptr = 0 if null else self.id
         self.non_blocking = non_blocking
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._failure: BaseException | None = None
         self._capture: list[_Captured] | None = None
         self._capture_broken = ""
         self._previous: list[Stream] = []
@@ -229,13 +258,13 @@ class Stream:
                 time.sleep(random.uniform(0, self._delay))
             if work.late:
                 time.sleep(self._ipc_delay)
-            if self._failure is not None and not isinstance(work.run, _Marker):
+            if CONTEXT.failure is not None and not isinstance(work.run, _Marker):
                 self._completed += 1
-                continue  # a failed stream runs nothing more, as a sticky CUDA error
+                continue  # after a failed kernel no stream runs anything more, as a sticky CUDA error
             try:
                 work.run()
             except BaseException as exc:  # noqa: BLE001 - kept, raised at the next synchronize
-                self._failure = exc
+                CONTEXT.failed(exc, self.name)
             finally:
                 self._completed += 1
 
@@ -307,11 +336,7 @@ class Stream:
         return self._completed == self._issued
 
     def _raise_failure(self) -> None:
-        if self._failure is not None:
-            failure = self._failure
-            raise CUDARuntimeError(
-                "cudaErrorLaunchFailure", f"a kernel on {self.name} failed: {failure!r}"
-            ) from failure
+        CONTEXT.raise_failure()
 
     # -- current stream ------------------------------------------------------------------------------
 
