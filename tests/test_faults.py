@@ -54,6 +54,31 @@ def test_a_worker_that_dies_between_the_check_and_the_send_is_worker_lost(fresh_
     assert info.value.rank == 1
 
 
+def test_a_worker_that_stops_reading_its_control_socket_is_lost_not_half_sent(fresh_cluster):
+    """A worker alive but not reading (stopped here; wedged in a native call in life) fills its
+    control pipe: the coordinator's send to it times out. The call cannot go on half-sent (the
+    other worker's reply would never be matched), so that worker is lost, named unreachable, and
+    the cluster closes without leaving it behind."""
+    cluster = fresh_cluster(2, liveness=60.0)
+    dev = MetaDevice(cluster)
+    x = dev.tensor(np.ones((4, 4), np.float32), PARTIAL)
+    cluster.control.sndtimeo = 200  # the 10 s a send waits for room, shortened for the test
+    os.kill(cluster.processes[1].pid, signal.SIGSTOP)
+    filled = False
+    for _ in range(200_000):  # ZeroMQ's high-water mark, then the kernel's buffers
+        if not _routable(cluster, 1):
+            filled = True
+            break
+    assert filled, "the stopped worker's control pipe never filled"
+    start = time.monotonic()
+    with pytest.raises(WorkerLost, match=r"worker 1 \(pid \d+\) unreachable: send timed out") as info:
+        x.redistribute(MIRRORED).numpy()
+    assert info.value.rank == 1 and cluster.lost is not None
+    assert time.monotonic() - start < 5.0
+    with pytest.raises(WorkerLost, match="cluster unusable"):
+        x.redistribute(MIRRORED).numpy()
+
+
 def _routable(cluster, rank: int) -> bool:
     """Whether the coordinator's control socket still routes to `rank` (a heartbeat-free probe:
     a Cancel, which a worker outside a call ignores)."""
