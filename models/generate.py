@@ -102,6 +102,7 @@ class LLM:
         self._steps = DecodeSteps(self.net)  # each lane's decode step, by its candidates' pool
         self.last_logits: np.ndarray | None = None  # (prompts, vocab) of the last prefill
         self._cached: list[int] = []  # the tokens batch row 0's caches hold at positions 0..
+        self._written = 0  # one past the last position any step wrote in row 0's caches
 
     def warm_up(self, sampling: Sampling = GREEDY) -> int:
         """Load, without running, the steps generating under `sampling` will run: the prefill
@@ -162,11 +163,17 @@ class LLM:
         start = 0
         if reuse_prefix and len(out) == 1:  # never the whole prompt: its last token's logits are needed
             start = min(common_prefix(self._cached, out[0].prompt_tokens), lengths[0] - 1)
+            if not self.net.reusable(start, self._written):  # a windowed layer's ring was written over
+                start = 0
         rng = np.random.default_rng(sampling.seed)
         rule, window = sampling.rule, sampling.penalized
         recent = [collections.deque(g.prompt_tokens[-window:] if window else (), maxlen=window) for g in out]
         clock = time.perf_counter()
+        # until this call ends, what it does not write: a call that fails (Ctrl-C in a stream
+        # callback) leaves the positions from `start` on written by a prompt never recorded
+        self._cached, self._written = self._cached[:start], self.ctx
         picks = self._prefill([g.prompt_tokens[start:] for g in out], sampling.pool, keep_logits, start)
+        written = self.net.prefill_reach([n - start for n in lengths], start)
         tokens = [choose(v, i, rule, rng, recent[b]) for b, (v, i) in enumerate(picks)]
         prefill_s = time.perf_counter() - clock
         positions = np.array(lengths)
@@ -202,10 +209,13 @@ class LLM:
             positions, left = positions + 1, left - 1
             finished = record(tokens)
         if not finished and left > 0:
-            self._drive(tokens, positions, left, sampling, rng, done, stop, recent, record, lanes)
+            ran = self._drive(tokens, positions, left, sampling, rng, done, stop, recent, record, lanes)
+            positions = positions + ran
         decode_s = time.perf_counter() - clock
-        # what row 0's caches hold now: its prompt, and every token fed back (all but the last)
+        # what row 0's caches hold now: its prompt, and every token fed back (all but the last);
+        # the steps past its end (the workers stop after the step under way) wrote further
         self._cached = out[0].prompt_tokens + out[0].tokens[:-1]
+        self._written = max(written, int(positions[0]))
         for g in out:
             g.text = self.tokenizer.decode(g.tokens, skip_special=not special, continuation=True)
             cut = stop_string_at(g.text, stop_strings)
@@ -213,11 +223,12 @@ class LLM:
             g.prefill_s, g.decode_s, g.sampling = prefill_s, decode_s, sampling
         return out
 
-    def _drive(self, tokens, positions, steps: int, sampling: Sampling, rng, done, stop, recent, record, lanes) -> None:
+    def _drive(self, tokens, positions, steps: int, sampling: Sampling, rng, done, stop, recent, record, lanes) -> int:
         """The rest of the decode loop on the workers: they choose each token themselves (with
         this generator's state) and report it; an exception in `record` (Ctrl-C in a stream
         callback) cancels them after the step under way and is raised here once they stopped.
-        With several lanes, each lane's step over its rows (a pipelined generation)."""
+        With several lanes, each lane's step over its rows (a pipelined generation). Returns
+        the steps the workers ran (each wrote the caches one position further)."""
         raised: list[BaseException] = []
 
         def on_tokens(step: int, chosen: list[int]) -> bool:
@@ -235,9 +246,10 @@ class LLM:
             tuple(tuple(r) for r in recent),
         )
         calls = self._steps_of(tokens, positions, sampling.pool, lanes)
-        self.dev.generate(*calls[0], steps, settings, on_tokens, lanes=calls[1:])
+        info = self.dev.generate(*calls[0], steps, settings, on_tokens, lanes=calls[1:])
         if raised:
             raise raised[0]
+        return int(info["steps"])
 
     def _captured(self, lanes: list[range], pool: int) -> bool:
         return all(self._steps.get(rows, len(lanes), pool) is not None for rows in self._stepped(lanes))

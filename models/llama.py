@@ -864,6 +864,26 @@ class TensorParallelLlama:
         # residual between layers is freed after the layer that reads it
         return self.dev.chain(calls, read=range(3 if logits else 2), keep=False, new_data=starts)[-1]
 
+    def prefill_reach(self, lengths: Sequence[int], start: int) -> int:
+        """One past the last position `prefill` of prompts of these lengths from `start` writes
+        in the caches: its chunks, the last one padded (padded_length)."""
+        ahead = max(0, min(lengths) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+        return start + ahead + padded_length(max(lengths) - ahead, self.ctx - start - ahead)
+
+    def reusable(self, start: int, written: int) -> bool:
+        """Whether a row whose caches were written up to position `written` (exclusive; padding
+        and steps past a sequence's end included) may take new tokens from `start` on, keeping
+        the positions before it, as a conversation's next turn does. Caches holding the context:
+        always (a query sees positions up to its own, and a step writes its positions before it
+        reads them). A windowed layer's ring holds each slot's latest position, and its mask
+        takes a slot to hold the latest position up to the step's last (_ring_mask): positions
+        the old sequence wrote past `start` are taken for older ones, and the ones a new token
+        sees may have been written over. So the old sequence may have gone at most ring - window
+        + 1 positions past `start`, or not have wrapped at all."""
+        if self.ring is None:
+            return True
+        return written <= self.ring or written - start <= self.ring - self.cfg.window + 1
+
     def prefills_in_lanes(self, prompts: Sequence[Sequence[int]], start: int) -> bool:
         """Whether prefill_in_lanes takes these prompts: new ones (from position 0, each within a
         chunk), several, where the layers are on groups."""

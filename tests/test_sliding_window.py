@@ -150,3 +150,84 @@ def test_a_long_prompts_chunks_fill_the_rings_as_the_reference(mixed_weights, n,
         dev.close()
     whole = ReferenceDecoder(MIXED, mixed_weights, ctx).forward(CHUNKED_TOKENS[None], np.arange(80)[None])[0]
     np.testing.assert_allclose(np.array(rows), whole[73:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_conversation_reuses_a_rings_cache_only_where_it_was_not_written_over(tmp_path, monkeypatch, n):
+    """LLM.chat's reuse of the caches (generate's reuse_prefix) on a Gemma 3 file whose windowed
+    layers keep rings (window 4; chunks made 16 tokens, so rings of 20). A next turn that goes on
+    from the cached one prefills only its new tokens; a prompt that leaves the cached sequence
+    early (an edited or regenerated turn: the old one went 40 positions past where they part,
+    writing over ring slots the new tokens see) is prefilled whole. Each prefill's logits are a
+    fresh model's for the whole prompt, which attends to none of the old sequence."""
+    import models.llama as llama
+    from models import synthetic
+    from models.generate import LLM
+    from models.gguf_model import GGUFModel
+
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 16)
+    shape = synthetic.Shape(layers=2, hidden=128, ffn=256, heads=4, kv_heads=2, context=128)
+    recipe = synthetic.Recipe(
+        shape, weights="f32", embedding="f32", seed=3, architecture="gemma3", window=4, window_pattern=2
+    )
+    vocabulary = synthetic.default_vocabulary() or synthetic.BYTES
+    model = GGUFModel(synthetic.write(tmp_path / "m.gguf", recipe, vocabulary).path)
+    words = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
+    first, going_on = f"{words} {words}", f"{words} {words} and then some more"
+    parting = "one two three apples and pears"
+    dev = MetaDevice(SimulatedCluster(n))
+    try:
+        llm = LLM(dev, model, ctx=128, weights="f32", activations="f32")
+        assert [k.shape[2] for k in llm.net.k] == [20, 128]  # the windowed layer's ring, the global layer's
+        prefilled, prefill = [], llm._prefill
+        llm._prefill = lambda prompts, *rest: prefilled.append(len(prompts[0])) or prefill(prompts, *rest)
+        got = []
+        for prompt in (first, going_on, parting):
+            cached = list(llm._cached)
+            g = llm.generate([prompt], 4, reuse_prefix=True, keep_logits=True, stop_at_eos=False)[0]
+            fresh = LLM(dev, model, ctx=128, weights="f32", activations="f32")
+            expected = fresh.generate([prompt], 4, keep_logits=True, stop_at_eos=False)[0]
+            got.append((cached, g.prompt_tokens, llm.last_logits, fresh.last_logits, g.tokens, expected.tokens))
+    finally:
+        dev.close()
+    common = [next(i for i, (a, b) in enumerate(zip([*c, -1], whole)) if a != b) for c, whole, *_ in got]
+    lengths = [len(whole) for _, whole, *_ in got]
+    assert common[1] >= lengths[0] and common[2] < 8 and len(got[1][0]) - common[2] >= 30
+    assert prefilled == [lengths[0], lengths[1] - common[1], lengths[2]]  # going on: the new tokens alone
+    for _, _, logits, oracle, tokens, expected_tokens in got:
+        np.testing.assert_allclose(logits, oracle, atol=1e-4, rtol=0)
+        assert tokens == expected_tokens
+
+
+def test_reusable_says_exactly_where_a_ring_still_holds_what_a_new_sequence_sees(mixed_weights, monkeypatch):
+    """An old sequence of L tokens in the caches (rings of 4 + 16 = 20), a new one sharing its
+    first `common` tokens and going on from there: `reusable(common, L)` is true exactly where the
+    new tokens' logits are the NumPy reference's over the new sequence alone: a ring that never
+    wrapped (L <= 20), or one the old sequence took at most 20 - 4 + 1 = 17 positions past
+    where they part."""
+    import models.llama as llama
+
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 16)
+    ctx, rng = 64, np.random.default_rng(9)
+    reference = ReferenceDecoder(MIXED, mixed_weights, ctx)
+    seen = {}
+    for common, length in [(2, 20), (2, 21), (4, 22), (24, 40), (24, 41), (24, 42), (30, 47), (30, 48)]:
+        old = rng.integers(0, MIXED.vocab, length)
+        new = np.concatenate([old[:common], rng.integers(0, MIXED.vocab, 6)])
+        dev = MetaDevice(SimulatedCluster(1))
+        try:
+            net = TensorParallelLlama(dev, MIXED, mixed_weights.__getitem__, ctx)
+            for start in range(0, length, 16):
+                stop = min(length, start + 16)
+                step = net.step(old[None, start:stop], np.arange(start, stop)[None])
+                dev.run(step, *net.caches())
+            step = net.step(new[None, common:], np.arange(common, len(new))[None])
+            dev.run(step, *net.caches())
+            said = net.reusable(common, length)
+            rows = step.numpy()[0]
+        finally:
+            dev.close()
+        whole = reference.forward(new[None], np.arange(len(new))[None])[0]
+        seen[(common, length)] = (said, bool(np.abs(rows - whole[common:]).max() < 1e-4))
+    assert all(said == exact for said, exact in seen.values()), seen
+    assert [said for said, _ in seen.values()] == [True, False, False, True, True, False, True, False]

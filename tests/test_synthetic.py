@@ -463,3 +463,32 @@ def test_a_matrix_drawn_alone_is_a_synthetic_files_matrix(kind):
     values = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[kind.upper()]).reshape(rows, cols)
     assert np.isfinite(values).all()
     assert 0.5 < float(values.std()) * np.sqrt(cols) < 2.0
+
+
+def test_a_generation_that_fails_midway_leaves_no_stale_prefix_to_reuse(tmp_path):
+    """A call interrupted in its stream callback (Ctrl-C in a chat loop) has written its prompt
+    into row 0's caches from where it parted from the cached turn: the next turn, which goes on
+    from the turn before, must not take those positions for the cached turn's. Its tokens and
+    logits are a fresh model's."""
+    from models.generate import LLM
+
+    shape = synthetic.Shape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=2000)
+    model = GGUFModel(synthetic.write(tmp_path / "m.gguf", synthetic.Recipe(shape), synthetic.BYTES).path)
+    first, then = "the tea is hot and the cup is blue", "the tea is hot and the cup is blue, so drink it"
+
+    def interrupt(row: int, token: int) -> None:
+        raise KeyboardInterrupt
+
+    dev = MetaDevice(SimulatedCluster(2))
+    try:
+        llm = LLM(dev, model, ctx=64, weights="f32")
+        llm.generate([first], 4, reuse_prefix=True, stop_at_eos=False)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["the tea is cold"], 4, reuse_prefix=True, on_token=interrupt, stop_at_eos=False)
+        got = llm.generate([then], 6, reuse_prefix=True, keep_logits=True, stop_at_eos=False)[0].tokens
+        fresh = LLM(dev, model, ctx=64, weights="f32")
+        expected = fresh.generate([then], 6, keep_logits=True, stop_at_eos=False)[0].tokens
+    finally:
+        dev.close()
+    np.testing.assert_allclose(llm.last_logits, fresh.last_logits, atol=1e-4, rtol=0)
+    assert got == expected
