@@ -3,7 +3,7 @@ to first token, beside the prefill time of `launch.py generate` (LLM.generate) f
 on as many workers, in the same run.
 
     python bench/serve.py [--quick] [--json results/serve.json] [--workers 2] [--clients 1 4 8] [--soak 120]
-                          [--join 2000] [--queued 56] [--split layer]
+                          [--join 2000] [--queued 56] [--turns 8] [--split layer]
 
 Every client streams a greedy completion of a short prompt for a fixed number of tokens
 (ignore_eos, as llama-server's benchmarks do). The server runs with as many slots as the most
@@ -15,7 +15,11 @@ longest gap between two tokens while it goes in (its prefill goes in chunks betw
 steps: models/batching.py), beside their median gap between deliveries before it (the server
 writes a stream's tokens a few at a time). `--queued N`: then as many streams as slots run while
 N more requests arrive and wait for a slot; the running streams' longest gap between two tokens
-over the next 3 s, beside their median gap between deliveries before. Last, one stream's decode
+over the next 3 s, beside their median gap between deliveries before. `--turns N`: then a chat of
+N turns (each the conversation so far, the answer to the last turn and a new question), each
+turn's time to first token with prompt caching (its slot's caches hold the conversation up to
+the last answer: models/batching.py `_place`) and right after it the same messages with
+`cache_prompt: false` (every token prefilled), and the tokens it found cached. Last, one stream's decode
 rate (200 tokens, its first token's wait left out) beside `launch.py generate`'s on as many
 workers of their own, in alternating rounds. `--split layer`: the server split by layers, and a
 second one beside it with `--no-pipeline` (every stream in one step at a time, not in lanes
@@ -93,6 +97,80 @@ def complete(url: str, prompt: str, tokens: int, stream: bool) -> str:
             if line.startswith("data: ") and line != "data: [DONE]":
                 pieces.append(json.loads(line[6:])["choices"][0]["text"])
     return "".join(pieces)
+
+
+# a system prompt of ~200 tokens, as chat front-ends send with every turn (what is kept comes in
+# whole chunks of 128 tokens: models/llama.py kept_prefix)
+SYSTEM = (
+    "You are a storyteller for a small coastal town's evening radio hour. Your listeners are of "
+    "every age, so keep the stories gentle, vivid and easy to follow when heard aloud, without "
+    "lists or headings. Each answer is a few sentences that carry the story forward from what "
+    "was said before, keeping the names, places and details already given, and ending where a "
+    "listener would want to hear more. Prefer the sea, the weather, the harbour and the people "
+    "who work there; avoid anything frightening for a child, anything cruel, and anything that "
+    "needs a picture to be understood. If a question asks about something the story has not "
+    "told yet, invent it in keeping with the rest. Speak plainly, in the past tense, and never "
+    "mention that you are a program or that this is a broadcast."
+)
+QUESTIONS = [
+    "Tell me a short story about a lighthouse keeper.",
+    "What did the keeper find in the bottle?",
+    "Who had written the message, and why?",
+    "How did the keeper answer it?",
+    "What happened when the storm came?",
+    "Describe the lighthouse at dawn after the storm.",
+    "What did the keeper learn from all of it?",
+    "Give the story a title and a last line.",
+]
+
+
+def conversation(url: str, turns: int, tokens: int = 32) -> dict:
+    """A greedy chat of `turns` turns: each turn streamed with prompt caching, then the same
+    messages with cache_prompt false; each one's time to its first text, its prompt's tokens and
+    those found cached (usage.prompt_tokens_details)."""
+    import httpx
+
+    messages = [{"role": "system", "content": SYSTEM}]
+    rows = []
+    with httpx.Client(timeout=300) as session:
+        for turn in range(turns):
+            messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
+            seen = {}
+            for cache in (True, False):  # cached first: the slot then holds the conversation so far
+                body = {
+                    "messages": messages,
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "cache_prompt": cache,
+                }
+                start, first, text, usage = time.perf_counter(), None, [], {}
+                with session.stream("POST", url + "/v1/chat/completions", json=body) as reply:
+                    reply.raise_for_status()
+                    for line in reply.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        piece = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+                        if piece and first is None:
+                            first = time.perf_counter() - start
+                        text.append(piece or "")
+                        usage = chunk.get("usage") or usage
+                seen[cache] = (first, "".join(text), usage)
+            (ttft, answer, usage), (whole_ttft, whole_answer, _) = seen[True], seen[False]
+            rows.append(
+                {
+                    "turn": turn + 1,
+                    "prompt_tokens": usage["prompt_tokens"],
+                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                    "ttft_cached_s": ttft,
+                    "ttft_whole_s": whole_ttft,
+                    "same_answer": answer == whole_answer,
+                }
+            )
+            messages.append({"role": "assistant", "content": answer})
+    return {"turns": turns, "tokens": tokens, "rows": rows}
 
 
 def soak(url: str, seconds: float, clients: int, tokens: int = 16) -> dict:
@@ -357,6 +435,7 @@ def run(
     join: int = 0,
     queued: int = 0,
     split: str = "row",
+    turns: int = 0,
 ) -> dict:
     import httpx
 
@@ -384,6 +463,7 @@ def run(
         soaked = soak(url, soak_seconds, max(clients)) if soak_seconds > 0 else None
         joined = join_stall(url, join) if join else None
         waited = queue_stall(url, queued, slots) if queued else None
+        chatted = conversation(url, turns) if turns else None
         against = stream_against_generate(url, workers, tokens=48 if quick else 200, split=split)
         metrics = httpx.get(url + "/metrics", timeout=10).text
         inside = [line for line in metrics.splitlines() if 'first_token_seconds{quantile="0.5"}' in line]
@@ -402,6 +482,7 @@ def run(
         "soak": soaked,
         "join": joined,
         "queue": waited,
+        "conversation": chatted,
         "one_stream": against,
     }
 
@@ -442,6 +523,27 @@ def show(results: dict) -> None:
         title = f"{waited['queued']} requests queued behind {waited['streams']} running streams (every slot busy)"
         cols = {"max_gap_s": f"longest gap between a stream's tokens over {waited['seconds']:.0f} s"}
         _one_row(title, waited, cols | {"median_gap_before_s": "median delivery gap before s"})
+    chatted = results.get("conversation")
+    if chatted:
+        print(
+            table(
+                f"a chat of {chatted['turns']} turns ({chatted['tokens']} greedy tokens an answer): each turn's "
+                "time to first token with prompt caching, then the same messages with cache_prompt false",
+                ["turn", "prompt tokens", "cached", "TTFT cached ms", "TTFT whole ms", "whole / cached", "same text"],
+                [
+                    [
+                        r["turn"],
+                        r["prompt_tokens"],
+                        r["cached_tokens"],
+                        r["ttft_cached_s"] * 1e3,
+                        r["ttft_whole_s"] * 1e3,
+                        r["ttft_whole_s"] / r["ttft_cached_s"],
+                        "yes" if r["same_answer"] else "NO",
+                    ]
+                    for r in chatted["rows"]
+                ],
+            )
+        )
     if soaked:
         title = f"soak: {soaked['clients']} clients, {soaked['seconds']:.0f} s, answers against their prompt's alone"
         _one_row(title, soaked, {"requests": "requests", "lost": "lost", "wrong_text": "wrong text"})
@@ -492,7 +594,7 @@ def show(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     def measure(args):
-        return run(args.quick, args.workers, args.clients, args.soak, args.join, args.queued, args.split)
+        return run(args.quick, args.workers, args.clients, args.soak, args.join, args.queued, args.split, args.turns)
 
     def options(ap) -> None:
         ap.add_argument("--workers", type=int, default=2)
@@ -502,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         ap.add_argument("--join", type=int, default=0, help="then a prompt of this many tokens joins 4 streams")
         ap.add_argument("--queued", type=int, default=0, help="then this many requests queue behind full slots")
+        ap.add_argument("--turns", type=int, default=0, help="then a chat of this many turns, cached and not")
         ap.add_argument(
             "--split",
             choices=("row", "layer"),

@@ -6,7 +6,8 @@ llama-server run them).
     for event in ticket.stream(): ...        # Token(...), then one Finished(...)
 
 The caches hold `slots` sequences (batch rows). One thread owns the device: between two decode
-steps it admits queued jobs into the lowest free slots and prefills one chunk of PREFILL_CHUNK
+steps it admits queued jobs into the lowest free slots (or one whose caches hold a chunk more of
+the prompt's beginning: `_place`) and prefills one chunk of PREFILL_CHUNK
 prompt tokens (128) of the job admitted first whose prompt is not all in yet, into its own row
 (`prefill(..., start, slot=...)`, the other rows untouched; chunks padded to a few lengths, each
 a captured step serving every slot, the slot fed to it), with it the new prompts of the slots
@@ -19,10 +20,21 @@ the running streams up for one chunk at a time, not for its whole prefill, and a
 stay a chunk's size. One request alone costs a one-row step, not a step of every slot. A slot
 whose job finished, was cancelled or whose client left is free for the next job at once. Rows
 without a decoding job decode a dummy token where the next prompt (or chunk) placed there
-overwrites it: at position 0 of a free row, at the next chunk's first position of a row still
-prefilling. A
+overwrites it: past what a free row's caches hold, at the next chunk's first position of a row
+still prefilling. A
 row's tokens do not depend on the other rows: a greedy job gives the same tokens alone and in a
 full batch.
+
+Prompt caching (llama-server's cache_prompt, vLLM's prefix caching): a free row's caches keep
+the prompt of the job that ran there, and a job whose prompt begins with it goes on from there
+in whole chunks (net.kept_prefix): the rest goes in by the very chunks a whole prefill of it
+takes, so its logits are the whole prefill's bit for bit, and a long conversation's next turn
+costs at most a chunk more than its new tokens. Not the tokens fed back: a decode step's
+attention sums in another order than a prefill's, and with 8-bit activations a prompt going on
+from decoded positions moved logits by up to 0.2 (a greedy token changed in one of six turns);
+nor a partial chunk (a step's attention path follows its length: from the cached prompt's end,
+a 1-token rest moved them by 1e-5). A windowed layer's ring caches keep only what
+net.reusable allows.
 
 Between changes of the batch the workers drive the decode (`_drive`: MetaDevice.generate, as
 LLM.generate's loop): they run the step, choose every running job's token with its own rule,
@@ -60,7 +72,7 @@ from models.decode_steps import DecodeSteps
 from models.errors import ModelError
 from models.gguf_model import GGUFModel
 from models.llama import PREFILL_CHUNK, padded_length
-from models.loading import AUTO_CACHE, place_model
+from models.loading import AUTO_CACHE, common_prefix, place_model
 from models.requests import POOL, Sampling, Stopping, candidates, log_normalizer
 from split_state.errors import ConsistencyError, MetaError, RemoteError, TransportError, WorkerLost
 from split_state.sampling import Rule, choose, generator_state, mass_normalizer, restore_generator, scored
@@ -95,6 +107,9 @@ class Job:
     stop_at_eos: bool = True
     # None: no log-probabilities; else each token's, with this many of the likeliest alternatives'
     top_logprobs: int | None = None
+    # whether its prompt may go on from what a free slot's caches hold (llama-server's
+    # cache_prompt; the same bits either way, only the time differs)
+    cache_prompt: bool = True
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,7 @@ class Ticket:
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.first_token_s: float | None = None
+        self.cached_tokens = 0  # of its prompt, found in its slot's caches and not prefilled again
         self.woken_at = -math.inf  # time.monotonic() of the last wake-up call
         self._wake: Callable[[], None] | None = None
 
@@ -186,7 +202,8 @@ class Counters:
 
     requests: int = 0
     finished: dict[str, int] = field(default_factory=lambda: collections.Counter())
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prefilled
+    cached_prompt_tokens: int = 0  # found in a slot's caches (prompt caching), not prefilled
     generated_tokens: int = 0
     first_token_seconds: list[float] = field(default_factory=list)  # the last 1000
     decode_steps: int = 0
@@ -232,6 +249,11 @@ class ContinuousBatcher:
         self.tokenizer = model.tokenizer
         self.stop_ids = frozenset(model.end_of_generation)
         self.slots: list[_Slot | None] = [None] * slots
+        # the prompt a free row's caches hold (positions 0, 1, ...), kept for the next prompt that
+        # begins with it (a conversation's next turn: _place); and one past the last position any
+        # step wrote in each row (net.reusable)
+        self.held: list[list[int]] = [[] for _ in range(slots)]
+        self.reach = [0] * slots
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.counters = Counters()
         self.lost: str = ""  # why the cluster can no longer serve, once it cannot
@@ -251,9 +273,11 @@ class ContinuousBatcher:
 
     def warm_up(self) -> int:
         """Load, without running, the steps requests run: the slots' prefill step of every
-        padded prompt length up to a chunk (the slot is fed: one step serves them all), and the
-        decode steps of 1, 2, 4, ... rows (of POOL candidates, and of one for greedy batches), so
-        the first requests plan nothing (as vLLM captures its batch sizes at start). Before
+        padded prompt length up to a chunk, from position 0 and from further on (a later chunk,
+        the rest of a prompt a slot's caches hold part of; the slot is fed: one step serves
+        them all), and the decode steps of 1, 2, 4, ... rows (of POOL candidates, and of one
+        for greedy batches), so the first requests plan nothing (as vLLM captures its batch
+        sizes at start). Before
         start(): the batcher's thread owns the device after it. Returns how many steps were
         loaded."""
         if self._thread.is_alive():
@@ -345,23 +369,55 @@ class ContinuousBatcher:
             self.slots = [None] * len(self.slots)
 
     def _admit(self) -> None:
-        """Queued jobs into the free slots; their prompts go in by chunks (_prefill_chunk)."""
-        for index, slot in enumerate(self.slots):
-            if slot is not None:
-                continue
+        """Queued jobs into the free slots (_place); their prompts go in by chunks (_prefill_chunk)."""
+        while None in self.slots:
             with self._wake:
                 ticket = self.waiting.popleft() if self.waiting else None
             if ticket is None:
                 return
             if ticket.cancelled.is_set():
-                self._finish(index, ticket, "cancelled")
+                self._finish(self.slots.index(None), ticket, "cancelled")
                 continue
             job = ticket.job
+            index, start = self._place(job)
             self._admitted += 1
             rng = np.random.default_rng(job.sampling.seed)
             ends = self.stop_ids if job.stop_at_eos else frozenset()
             stopping = Stopping(ends, tuple(job.stop_strings), job.max_tokens)
-            self.slots[index] = _Slot(ticket, rng, 0, list(job.prompt), self._admitted, stopping)
+            self.slots[index] = _Slot(ticket, rng, start, list(job.prompt[start:]), self._admitted, stopping)
+            self.held[index] = []  # the slot's job says what the row holds while it runs
+            ticket.cached_tokens = start
+            self.counters.cached_prompt_tokens += start
+
+    def _place(self, job: Job) -> tuple[int, int]:
+        """The free slot a job goes into and the position its prompt goes in from: the one
+        whose caches hold the most of its prompt (as llama-server picks the slot of the longest
+        common prefix), the lowest of those where none holds more. What is kept comes in whole
+        chunks (_reusable), so a higher slot is taken for at least a chunk more: a decode step
+        runs the rows up to the highest decoding slot (_rows), and a stream in a high slot costs
+        its every step more rows, where a chunk of prompt costs one prefill step."""
+        free = [i for i, slot in enumerate(self.slots) if slot is None]
+        reused = {i: self._reusable(i, job) for i in free}
+        index = max(free, key=lambda i: (reused[i], -i))
+        return index, reused[index]
+
+    def _reusable(self, index: int, job: Job) -> int:
+        """How many of the job's first prompt tokens free row `index`'s caches hold and may be
+        kept (net.kept_prefix: whole chunks, so its logits are a whole prefill's bit for bit);
+        none where the job asks for a prefill of its whole prompt (cache_prompt false)."""
+        if not job.cache_prompt:
+            return 0
+        common = common_prefix(self.held[index], job.prompt)
+        return self.net.kept_prefix(common, len(job.prompt), self.reach[index])
+
+    def _idle_at(self, index: int, steps: int) -> int:
+        """Where free row `index`'s dummy tokens go in the next `steps` decode steps: past what
+        its caches hold, so a next prompt may still go on from it (within the context: what
+        they write over is no longer held)."""
+        at = min(len(self.held[index]), self.ctx - steps)
+        del self.held[index][at:]
+        self.reach[index] = max(self.reach[index], at + steps)
+        return at
 
     def _prefill_chunk(self) -> None:
         """One chunk of the prompt admitted first among those not all in, with the new prompts
@@ -393,6 +449,9 @@ class ContinuousBatcher:
         # POOL candidates whatever the job's sampling, cut to its pool when chosen (as a decode
         # step's are): one prefill step per length (and slots) serves every slot and request
         lanes = self.pipelined and not logits and self.net.prefills_in_lanes(chunks, slot.position)
+        reach = self.net.prefill_reach([len(chunk) for chunk in chunks], slot.position)  # padding included
+        for i in group:
+            self.reach[i] = max(self.reach[i], reach)
         try:
             if lanes:  # several new prompts on layer groups: in lanes, as they decode
                 values, indices = self.net.prefill_in_lanes(chunks, POOL, first_row=group[0], slots=True)
@@ -464,6 +523,9 @@ class ContinuousBatcher:
             if slot is not None:
                 tokens[index, 0] = slot.tokens[-1] if self._decoding(slot) else 0
                 positions[index, 0] = slot.position
+                self.reach[index] = max(self.reach[index], slot.position + 1)
+            else:
+                positions[index, 0] = self._idle_at(index, 1)
         # a step with a job asking for log-probabilities also sums each row's distribution
         mass = any(self._decoding(s) and s.ticket.job.top_logprobs is not None for s in self.slots[:rows])
         pool = self._pool(rows, mass)
@@ -508,19 +570,23 @@ class ContinuousBatcher:
         if None in steps_of_lanes:
             return False
         running = {i: self.slots[i] for i in decoding}
-        tokens, positions = np.zeros((rows, 1), np.int32), np.zeros((rows, 1), np.int32)
-        own = [_DUMMY_ROW] * rows  # a free row decodes a dummy token (the module docstring says where)
-        recent: list[tuple[int, ...]] = [()] * rows
-        for index, slot in running.items():
-            tokens[index, 0], positions[index, 0] = slot.tokens[-1], slot.position
-            s = slot.ticket.job.sampling
-            own[index] = OwnChoice(s.rule, tuple(generator_state(slot.rng)), s.pool)
-            recent[index] = self._recent(slot)
         # as many steps as the longest job wants, and the context of every row can take
         steps = min(
             min(self.ctx - s.position for s in running.values()),
             max(s.stopping.max_tokens - len(s.tokens) for s in running.values()),
         )
+        tokens, positions = np.zeros((rows, 1), np.int32), np.zeros((rows, 1), np.int32)
+        own = [_DUMMY_ROW] * rows  # a free row decodes a dummy token (the module docstring says where)
+        recent: list[tuple[int, ...]] = [()] * rows
+        for index in range(rows):
+            if index not in running:
+                positions[index, 0] = self._idle_at(index, steps)
+        for index, slot in running.items():
+            tokens[index, 0], positions[index, 0] = slot.tokens[-1], slot.position
+            self.reach[index] = max(self.reach[index], slot.position + steps)  # its row goes on past its end
+            s = slot.ticket.job.sampling
+            own[index] = OwnChoice(s.rule, tuple(generator_state(slot.rng)), s.pool)
+            recent[index] = self._recent(slot)
         ends = all(s.ticket.job.stop_at_eos for s in running.values())
         settings = GenerateSettings(
             Rule(),
@@ -665,6 +731,9 @@ class ContinuousBatcher:
         return self.tokenizer.decode(slot.tokens, continuation=True)  # a generation's: its first space kept
 
     def _finish(self, index: int, ticket: Ticket, reason: str, error: str = "") -> None:
+        slot = self.slots[index]
+        if slot is not None:  # the prompt its row's caches hold, as far as it went in (module docstring)
+            self.held[index] = list(slot.ticket.job.prompt[: slot.position])
         self.slots[index] = None
         self.counters.finished[reason] += 1
         self._put(ticket, Finished(reason, error))

@@ -125,9 +125,11 @@ class LLM:
 
     def chat(self, messages: Sequence[Mapping[str, str]], max_new_tokens: int = 256, **options) -> Generation:
         """The next assistant turn of a conversation, `[{"role": "user", "content": ...}, ...]`,
-        in the file's chat template. Batch row 0's caches keep the conversation: when the next
-        call's conversation begins with the same tokens, only what is new is prefilled (as
-        llama.cpp's interactive mode does). Options: those of `generate`."""
+        in the file's chat template. Batch row 0's caches keep the conversation's prompt: when
+        the next call's conversation begins with the same tokens, only the rest (the last answer
+        and what is new, from the last whole chunk of PREFILL_CHUNK tokens it holds) is
+        prefilled, its logits the whole prompt's prefill's bit for bit. Options: those of
+        `generate`."""
         return self.generate([messages], max_new_tokens, chat=True, reuse_prefix=True, **options)[0]
 
     def generate(
@@ -161,10 +163,8 @@ class LLM:
         lengths = [len(g.prompt_tokens) for g in out]
         check_lengths(lengths, max_new_tokens, self.ctx, self.model.context_length)
         start = 0
-        if reuse_prefix and len(out) == 1:  # never the whole prompt: its last token's logits are needed
-            start = min(common_prefix(self._cached, out[0].prompt_tokens), lengths[0] - 1)
-            if not self.net.reusable(start, self._written):  # a windowed layer's ring was written over
-                start = 0
+        if reuse_prefix and len(out) == 1:  # whole chunks of what row 0 holds (kept_prefix)
+            start = self.net.kept_prefix(common_prefix(self._cached, out[0].prompt_tokens), lengths[0], self._written)
         rng = np.random.default_rng(sampling.seed)
         rule, window = sampling.rule, sampling.penalized
         recent = [collections.deque(g.prompt_tokens[-window:] if window else (), maxlen=window) for g in out]
@@ -212,9 +212,12 @@ class LLM:
             ran = self._drive(tokens, positions, left, sampling, rng, done, stop, recent, record, lanes)
             positions = positions + ran
         decode_s = time.perf_counter() - clock
-        # what row 0's caches hold now: its prompt, and every token fed back (all but the last);
-        # the steps past its end (the workers stop after the step under way) wrote further
-        self._cached = out[0].prompt_tokens + out[0].tokens[:-1]
+        # what a next call may keep of row 0's caches (net.kept_prefix): a lone prompt, which went
+        # in by a whole prefill's chunks (several go by the shortest's). Not the tokens fed back:
+        # a decode step's attention sums in another order than a prefill row's (with 8-bit
+        # activations a prompt going on from them moved logits by up to 0.2). The steps past the
+        # end (the workers stop after the step under way) wrote further (`_written`)
+        self._cached = list(out[0].prompt_tokens) if len(out) == 1 else []
         self._written = max(written, int(positions[0]))
         for g in out:
             g.text = self.tokenizer.decode(g.tokens, skip_special=not special, continuation=True)

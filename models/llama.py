@@ -870,6 +870,18 @@ class TensorParallelLlama:
         ahead = max(0, min(lengths) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
         return start + ahead + padded_length(max(lengths) - ahead, self.ctx - start - ahead)
 
+    def kept_prefix(self, common: int, length: int, written: int) -> int:
+        """How much of a row's cached prompt a new prompt of `length` tokens whose first
+        `common` tokens it holds may keep: whole chunks of PREFILL_CHUNK, so the rest goes in
+        the very chunks a whole prefill of it takes (the same steps on the same data, so the
+        same bits: a step's rows do not depend on the other rows, but a row's arithmetic on the
+        step's length, its attention's path above all); never its last token (whose logits
+        choose the next); none where a windowed layer's ring was written over (reusable). The
+        cached prompt must have gone in by the same chunks: from position 0, or from a kept
+        prefix's end."""
+        start = min(common, length - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+        return start if start > 0 and self.reusable(start, written) else 0
+
     def reusable(self, start: int, written: int) -> bool:
         """Whether a row whose caches were written up to position `written` (exclusive; padding
         and steps past a sequence's end included) may take new tokens from `start` on, keeping
@@ -1047,22 +1059,25 @@ class TensorParallelLlama:
 
     def warm_up(self, pool: int, lengths: Sequence[int] | None = None, slots: bool = False) -> int:
         """Plan, compile and load the prefill steps of prompts of `lengths` tokens (by default
-        every padded length up to a chunk: any prompt's steps) from position 0, for `pool`
-        candidates (with `slots`: the steps of a new sequence's prompt in a batch row fed to
-        them, as a server admits one into any slot), without running them, as llama.cpp's
+        every padded length up to a chunk: any prompt's steps), for `pool` candidates (with
+        `slots`: the steps of a prompt in a batch row fed to them, as a server admits one into
+        any slot, from position 0 and from further on), without running them, as llama.cpp's
         warm-up run does at load: the first prompt then runs as fast as a later one. Returns
         how many prefill lengths were loaded."""
         lengths = range(1, PREFILL_CHUNK + 1) if lengths is None else lengths
         padded = sorted({padded_length(n, self.ctx) for n in lengths if 0 < n <= self.ctx})
+        # a slot's prompt from position 0 (its first chunk), and from further on (a later chunk,
+        # or the rest of a prompt whose beginning the slot's caches hold: prompt caching)
+        kinds = (True, False) if slots else (False,)
+        kept = padded[-(PREFILL_STEPS // len(kinds)) :]
+        keys = [(t, pool, False, int(slots), fresh, None) for t in kept for fresh in kinds]
         loaded = 0
-        for t in reversed(padded[-PREFILL_STEPS:]):  # the longest first: it sizes the arena the others bind to
-            key = (t, pool, False, int(slots), slots, None)  # a slot's prompt from position 0: its first chunk
+        for key in reversed(keys):  # the longest first: it sizes the arena the others bind to
             if key in self._prefills:
                 continue
             self._keep_prefill(key, self._prefill_chain(*key))
             loaded += 1
-        for t in padded[-PREFILL_STEPS:]:  # the longest (a long prompt's chunks) the last to go
-            key = (t, pool, False, int(slots), slots, None)
+        for key in keys:  # the longest (a long prompt's chunks) the last to go
             if key in self._prefills:
                 self._prefills[key] = self._prefills.pop(key)
         return loaded

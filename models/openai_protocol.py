@@ -26,7 +26,7 @@ MOST_TOP_LOGPROBS = {True: 20, False: 5}  # OpenAI's limits: chat's top_logprobs
 PREPARING_THREADS = 2
 EVENT_POLL_SECONDS = 0.25  # how often a waiting request looks whether its client left
 # the fields of OpenAI's chat/completions and completions requests this server honours (llama-server's
-# and vLLM's top_k, min_p, repetition_penalty and ignore_eos besides); `user` goes into the
+# and vLLM's top_k, min_p, repetition_penalty, ignore_eos and cache_prompt besides); `user` goes into the
 # access log, `parallel_tool_calls` has no tools to run in parallel; `n` only as 1 (job_from)
 HONOURED = (
     "model",
@@ -260,8 +260,19 @@ def job_from(body: dict, prompt_ids: list[int], default_seed: int, room: int, ch
     ignore_eos = body.get("ignore_eos", False)  # llama-server's extension: go on past end-of-generation
     if not isinstance(ignore_eos, bool):
         raise RequestError(400, "'ignore_eos' must be true or false", param="ignore_eos")
+    cache_prompt = body.get("cache_prompt", True)  # llama-server's extension: reuse a slot's cached prefix
+    if not isinstance(cache_prompt, bool):
+        raise RequestError(400, "'cache_prompt' must be true or false", param="cache_prompt")
     if body.get("parallel_tool_calls") not in (None, True, False):
         raise RequestError(400, "'parallel_tool_calls' must be true or false", param="parallel_tool_calls")
     if not isinstance(body.get("user", ""), str):
         raise RequestError(400, "'user' must be a string", param="user")
-    return Job(tuple(prompt_ids), max_tokens, sampling, stop_strings(body), not ignore_eos, top_logprobs(body, chat))
+    return Job(
+        tuple(prompt_ids),
+        max_tokens,
+        sampling,
+        stop_strings(body),
+        not ignore_eos,
+        top_logprobs(body, chat),
+        cache_prompt,
+    )

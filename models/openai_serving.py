@@ -138,7 +138,7 @@ class CompletionServing:
         usage_chunk = usage_chunk_asked(body, streamed)
         request.state.user = body.get("user") or ""
         ticket = self._submit(job)
-        reply = _Reply(self, request, job, len(prompt_ids), chat, streamed)
+        reply = _Reply(self, request, ticket, len(prompt_ids), chat, streamed)
         if not streamed:
             return await self._whole(reply, ticket, request)
         return StreamingResponse(self._stream(reply, ticket, request, usage_chunk), media_type="text/event-stream")
@@ -262,20 +262,26 @@ class _Reply:
     """One request's answer as it is made: its text so far, the tokens whose log-probabilities
     are not yet sent, and OpenAI's envelope and choice objects."""
 
-    def __init__(self, serving: CompletionServing, request, job, prompt_tokens: int, chat: bool, streamed: bool):
-        self.serving, self.request, self.job = serving, request, job
+    def __init__(self, serving: CompletionServing, request, ticket, prompt_tokens: int, chat: bool, streamed: bool):
+        self.serving, self.request, self.ticket, self.job = serving, request, ticket, ticket.job
         self.prompt_tokens, self.chat = prompt_tokens, chat
         self.kind = ("chat.completion.chunk" if streamed else "chat.completion") if chat else "text_completion"
         self.rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
-        self.text = TextStream(serving.tokenizer, False, job.stop_strings)
+        self.text = TextStream(serving.tokenizer, False, self.job.stop_strings)
         self.scored: list = []  # Token events whose log-probabilities are not yet sent
         self.sent_chars = 0  # characters of completion text sent so far (completions' text_offset)
 
     def usage(self) -> dict:
         n, prompt = len(self.text.tokens), self.prompt_tokens
         self.request.state.tokens = (prompt, n)  # for the access log
-        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": n,
+            "total_tokens": prompt + n,
+            # of the prompt's tokens, those its slot's caches held (OpenAI's prompt caching field)
+            "prompt_tokens_details": {"cached_tokens": self.ticket.cached_tokens},
+        }
 
     def choice(self, piece: str, finish: str | None, whole: bool) -> dict:
         logprobs = None
@@ -307,6 +313,7 @@ def metrics_text(batcher) -> str:
     plain = [  # (name, type, help, value)
         ("requests_total", "counter", "Requests submitted.", c.requests),
         ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", c.prompt_tokens),
+        ("cached_prompt_tokens_total", "counter", "Prompt tokens found in a slot's caches.", c.cached_prompt_tokens),
         ("prefill_steps_total", "counter", "Prefill steps run (one can take several prompts).", c.prefill_steps),
         ("generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens),
         ("active_slots", "gauge", "Slots decoding a request.", batcher.active()),

@@ -555,12 +555,15 @@ def test_warmed_up_steps_run_nothing_until_called_then_plan_nothing_and_equal_th
     for b in range(2):
         np.testing.assert_array_equal(indices[b, 0], best(refs[b].forward(tokens[b : b + 1], at[b : b + 1])[0, -1]))
     assert len(dev.plans) == plans
-    assert net.warm_up(pool=4, lengths=[5], slots=True) == 1  # a server's slots: one step, the row fed
+    # a server's slots: the row fed, a prompt from position 0 and one going on from further on
+    assert net.warm_up(pool=4, lengths=[5], slots=True) == 2
     plans = len(dev.plans)
     refs[1] = ReferenceDecoder(GQA_CFG, weights, ctx)
-    prompt = list(rng.integers(0, 72, 5))
+    prompt, rest = list(rng.integers(0, 72, 5)), list(rng.integers(0, 72, 3))
     indices = net.prefill([prompt], 0, pool=4, slot=1)[1].numpy()
     np.testing.assert_array_equal(indices[0, 0], best(refs[1].forward(np.array([prompt]), np.arange(5)[None])[0, -1]))
+    indices = net.prefill([rest], 5, pool=4, slot=1)[1].numpy()  # the rest of a prompt the row holds 5 of
+    np.testing.assert_array_equal(indices[0, 0], best(refs[1].forward(np.array([rest]), np.arange(5, 8)[None])[0, -1]))
     assert len(dev.plans) == plans
 
 

@@ -337,10 +337,11 @@ def test_a_warmed_up_model_plans_nothing_for_its_first_prompt_and_gives_the_refe
 
 def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_reference_tokens(model, reference_run):
     """ContinuousBatcher.warm_up loads the slots' prefill steps (a 64-position context: 8, 16,
-    ..., 64 tokens) and the decode steps of 1, 2 and 3 rows (3 slots), each of POOL candidates
-    and of one (a batch of greedy jobs); a lone greedy request after
-    it plans nothing and gets the NumPy reference's tokens, a sampled one (another pool)
-    replays the same prefill step, and three requests at once (slots 0, 1 and 2: the slot is
+    ..., 64 tokens, from position 0 and from further on) and the decode steps of 1, 2 and 3 rows
+    (3 slots), each of POOL candidates and of one (a batch of greedy jobs); a lone greedy
+    request after it plans nothing and gets the NumPy reference's tokens, a sampled one (another
+    pool, the same prompt: its last token prefilled again over its cached beginning) plans
+    nothing either, and three requests at once (slots 0, 1 and 2: the slot is
     fed to the same steps) each get the reference's tokens, planning at most one prefill step
     of several slots' prompts (those the loop found waiting together: timing decides)."""
     from models.batching import ContinuousBatcher, Finished, Job, Token
@@ -349,7 +350,7 @@ def test_a_warmed_up_batcher_plans_nothing_for_a_lone_request_and_gives_the_refe
     dev = MetaDevice(SimulatedCluster(2))
     try:
         batcher = ContinuousBatcher(dev, model, slots=3, ctx=CTX, weights="f32")
-        assert batcher.warm_up() == 8 + 2 * 3
+        assert batcher.warm_up() == 2 * 8 + 2 * 3
         plans = len(dev.plans)
         batcher.start()
         try:
@@ -409,11 +410,15 @@ def test_a_repeat_penalty_gives_the_tokens_of_the_reference_with_the_penalty_by_
     assert got.tokens == expected
 
 
-def test_a_conversation_goes_on_from_its_cached_turns_and_equals_a_fresh_run(model):
-    """The chat API takes messages; a second turn prefills only what follows the cached first
-    turn, and gives the tokens a fresh model gives for the whole conversation."""
+def test_a_conversation_goes_on_from_its_cached_turns_and_equals_a_fresh_run(model, monkeypatch):
+    """The chat API takes messages; a second turn (chunks of 16 here) keeps the whole chunks of
+    the first turn's prompt and prefills the rest (the rest of that prompt, its answer, what is
+    new) by the chunks a whole prefill takes: the logits a fresh model gives for the whole
+    conversation, bit for bit, and so its tokens."""
+    import models.llama as llama
     from models.generate import LLM
 
+    monkeypatch.setattr(llama, "PREFILL_CHUNK", 16)
     dev = MetaDevice(SimulatedCluster(2))
     try:
         llm = LLM(dev, model, ctx=160, activations="f32")  # the exact products' answers
@@ -433,11 +438,11 @@ def test_a_conversation_goes_on_from_its_cached_turns_and_equals_a_fresh_run(mod
         fresh = again.chat(conversation, 24, system="Answer in one sentence.", keep_logits=True)
     finally:
         dev.close()
-    reused = next(i for i, (a, b) in enumerate(zip([*cached, -1], whole)) if a != b)
-    assert reused > len(first.prompt_tokens)  # the first turn's prompt and answer are cached ...
-    assert prefilled == [len(whole) - reused]  # ... and not prefilled again
+    kept = len(first.prompt_tokens) // 16 * 16
+    assert cached == first.prompt_tokens and whole[: len(cached)] == cached and kept > 0  # the first prompt ...
+    assert prefilled == [len(whole) - kept]  # ... but its last partial chunk is not prefilled again
     assert second.prompt_tokens == whole and second.tokens == fresh.tokens
-    np.testing.assert_allclose(llm.last_logits, again.last_logits, atol=1e-3, rtol=0)
+    np.testing.assert_array_equal(llm.last_logits, again.last_logits)
     assert "Rome" in second.text
 
 

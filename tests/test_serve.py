@@ -174,6 +174,8 @@ def test_log_probabilities_are_the_models_and_the_top_ones_its_likeliest_tokens(
         assert e.bytes == list(e.token.encode()) and e.logprob <= 0
         assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
         assert e.top_logprobs[0].logprob == e.logprob >= e.top_logprobs[1].logprob
+    # the same prompt again: its slot's caches hold it, and its last token prefilled over them
+    # gives the whole prefill's bits (8-bit activations: models/batching.py, prompt caching)
     chunks = client.chat.completions.create(
         model="", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2, stream=True
     )
@@ -357,6 +359,23 @@ def _metric(url: str, name: str) -> float:
     return float(next(line.split()[1] for line in lines if line.startswith(name + " ")))
 
 
+def test_usage_says_what_the_prompt_found_cached_and_cache_prompt_is_taken(server, client, model):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: none here, where a prompt going on from
+    the last one finds no whole chunk of 128 tokens of it in a context of 96 (the reuse itself:
+    tests/test_prompt_cache.py); llama-server's cache_prompt false is taken, and both get the
+    reference's tokens for the whole prompt."""
+    ids = model.tokenizer.encode(PROMPTS[1])
+    client.completions.create(model="", prompt=ids, max_tokens=4, temperature=0)
+    turn = [*ids, *_reference_tokens(model, ids, 4), *model.tokenizer.encode(" and then")]
+    expected = model.tokenizer.decode(_reference_tokens(model, turn, 5))
+    cached = client.completions.create(model="", prompt=turn, max_tokens=5, temperature=0)
+    whole = client.completions.create(
+        model="", prompt=turn, max_tokens=5, temperature=0, extra_body={"cache_prompt": False}
+    )
+    assert cached.usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert cached.choices[0].text == whole.choices[0].text == expected
+
+
 def test_a_request_alone_decodes_its_row_only(server, client):
     """One request costs steps of one row, not of every slot (SLOTS rows)."""
     url = server[1]
@@ -427,6 +446,7 @@ def test_a_sampled_request_is_reproducible_by_its_seed(server, client):
         ({}, {"prompt": "x", "max_tokens": 0}, 400, "invalid_request_error", "'max_tokens' must lie in"),
         ({}, {"prompt": "x", "stop": [""]}, 400, "invalid_request_error", "'stop' must be a non-empty string"),
         ({}, {"prompt": "x", "ignore_eos": "yes"}, 400, "invalid_request_error", "'ignore_eos' must be true or false"),
+        ({}, {"prompt": "x", "cache_prompt": 1}, 400, "invalid_request_error", "'cache_prompt' must be true or false"),
         ({}, {"prompt": [504, -1]}, 400, "invalid_request_error", "token id -1 is not in the vocabulary"),
         ({}, {"prompt": [49152]}, 400, "invalid_request_error", "token id 49152 is not in the vocabulary"),
         ({}, {"prompt": [2**31]}, 400, "invalid_request_error", "token id 2147483648"),

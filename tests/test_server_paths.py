@@ -29,8 +29,9 @@ class ScriptedTicket:
     """A ticket whose events are `script`'s items in turn; None is a wait with nothing (the full
     timeout), as the batcher's ticket gives while no token comes."""
 
-    def __init__(self, script):
+    def __init__(self, script, job):
         self.script, self.cancelled = list(script), False
+        self.job, self.cached_tokens = job, 0
 
     def next(self, timeout: float):
         return self.script.pop(0) if self.script else None
@@ -53,7 +54,7 @@ class StandInBatcher:
         return 0
 
     def submit(self, job):
-        self.tickets.append(ScriptedTicket(self.script))
+        self.tickets.append(ScriptedTicket(self.script, job))
         return self.tickets[-1]
 
 
